@@ -1,0 +1,49 @@
+"""Layer configuration (a frozen dataclass: identical on every rank by construction)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+
+def check_num_tiles(num_tiles, name: str = "num_tiles") -> Union[int, str]:
+    """``num_tiles`` must be a positive int or "auto"."""
+    if num_tiles == "auto" or (isinstance(num_tiles, int) and not isinstance(num_tiles, bool)
+                               and num_tiles >= 1):
+        return num_tiles
+    raise ValueError(f"{name}={num_tiles!r}; must be a positive int or \"auto\"")
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How a layer tiles and plans.
+
+    ``num_tiles``: a positive int (fixed K) or ``"auto"``. Until the planner lands, ``"auto"``
+    uses the rule in :func:`overlap_layers.layers.tiling.interim_num_tiles`.
+    ``memory_budget`` (bytes, or a fraction in (0, 1] of free device memory), ``margin``,
+    ``transport``, ``measure``, ``verify_first_calls`` and ``cache_dir`` steer the planner.
+    """
+
+    num_tiles: Union[int, str] = "auto"
+    memory_budget: Optional[Union[int, float]] = None
+    margin: float = 0.03
+    transport: str = "auto"
+    measure: bool = True
+    verify_first_calls: bool = True
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_num_tiles(self.num_tiles, "OverlapConfig.num_tiles")
+        mb = self.memory_budget
+        if mb is not None:
+            if isinstance(mb, bool) or not isinstance(mb, (int, float)):
+                raise ValueError(f"memory_budget={mb!r}; must be None, bytes (int > 0) or a fraction in (0, 1]")
+            if isinstance(mb, float) and not (0.0 < mb <= 1.0):
+                raise ValueError(f"memory_budget={mb!r}; a float means a fraction and must be in (0, 1]")
+            if isinstance(mb, int) and mb <= 0:
+                raise ValueError(f"memory_budget={mb!r}; bytes must be > 0")
+        if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not (0 <= self.margin < 1):
+            raise ValueError(f"margin={self.margin!r}; must be a number in [0, 1)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}; valid: {TRANSPORTS}")

@@ -1,0 +1,462 @@
+"""Tensor-parallel MLP with the batch tiled so communication hides under the GEMMs.
+
+Reference (what :class:`OverlapMLP` must equal, up to rounding), with dense weights
+``w_in [I, H]``, ``w_out [H, F]`` and the full token matrix ``x [N, H]``::
+
+    y = act(x @ w_in.T + b_in) @ w_out.T + b_out
+
+``act`` is ``silu(gate) * up`` for swiglu (``w_in`` = all gate rows, then all up rows), or
+exact gelu / relu. Under tensor parallelism rank r holds rows ``r*F/ws ..`` of gate and up and the
+matching columns of ``w_out``; with sequence parallelism it holds tokens ``r*N/ws ..``.
+
+Legend: T local tokens (batch*seq_local), t a tile's local tokens, M = ws*t gathered rows of a
+tile (SP) or t (no SP), H hidden, I local fc1 width (2*F/ws swiglu, else F/ws), F local ffn width.
+
+``_TiledMLP`` (forward / dgrad / wgrad, per rank, per tile):
+
+=============  =========================================  ==============================
+step           sequence parallel                          no sequence parallel
+=============  =========================================  ==============================
+forward        xg_MH = AG(x_tH); pre_MI = xg @ w_in.T;    pre = x_tH @ w_in.T; ...;
+               y_tH = RS(act(pre) @ w_out.T)              y_tH = AR(act(pre) @ w_out.T)
+dgrad          dyg_MH = AG(dy_tH); dpre = act'(dyg@w_out) dpre = act'(dy_tH @ w_out)
+               dx_tH = RS(dpre @ w_in)                    dx_tH = AR(dpre @ w_in)
+wgrad          dw_out += dyg.T @ act(pre);                same with dy_tH, x_tH
+               dw_in += dpre.T @ xg (xg saved or re-gathered)
+=============  =========================================  ==============================
+
+In backward the gather of dy (and the re-gather of x) hides under the previous tile's dgrad, and
+the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import OverlapConfig, check_num_tiles
+from ..runtime import StreamPool, agree, execute, first_disagreement, resolve_group
+from ..schedule import TileProgram, comm, compute, round_robin, wait
+from .tiling import effective_num_tiles, interim_num_tiles, tile_bounds
+
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+# Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
+_INPUT_ERRORS = {
+    1: "input must be 3-D [batch, seq, hidden]",
+    2: "input hidden dim must equal hidden_size",
+    3: "input dtype must equal the weights' dtype outside autocast",
+    4: "input must be on the weights' device",
+}
+
+
+def _act(kind: str, pre_MI: torch.Tensor) -> torch.Tensor:
+    if kind == "swiglu":
+        gate, up = pre_MI.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if kind == "gelu":
+        return F.gelu(pre_MI)
+    return F.relu(pre_MI)
+
+
+def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(pre) given d(loss)/d(act(pre))."""
+    if kind == "swiglu":
+        gate, up = pre_MI.chunk(2, dim=-1)
+        d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
+        d_up = dh_MF * F.silu(gate)
+        return torch.cat([d_gate, d_up], dim=-1)
+    if kind == "gelu":
+        return torch.ops.aten.gelu_backward(dh_MF, pre_MI)
+    return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
+
+
+@dataclass(frozen=True)
+class MLPPlan:
+    """What one call of the layer runs: tiles, buckets per collective, backward strategy."""
+
+    num_tiles: int
+    buckets_fwd: tuple = ()
+    buckets_bwd: tuple = ()
+    regather: bool = False  # backward re-gathers x instead of saving the gathered input
+    num_streams: int = 2
+
+
+@dataclass
+class _Call:
+    """Everything one call needs besides tensors (passed through the autograd Function)."""
+
+    group: object
+    activation: str
+    sequence_parallel: bool
+    plan: MLPPlan
+    save: bool
+    streams: Optional[list]
+    launch_log: Optional[list]
+
+
+def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
+    keep_xg = c.save and c.sequence_parallel and not c.plan.regather
+
+    xin = "xg" if c.sequence_parallel else "x"
+
+    def fc1(env):
+        x = env[xin] if keep_xg else env.pop(xin)
+        env["pre"] = F.linear(x, w_in, b_in)
+
+    def act(env):
+        env["h"] = _act(c.activation, env["pre"] if c.save else env.pop("pre"))
+
+    if c.sequence_parallel:
+        def fc2(env):
+            env["yp"] = torch.mm(env.pop("h"), w_out.t())
+
+        ops = (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"),
+               compute("fc1", fc1), compute("act", act), compute("fc2", fc2),
+               comm("rs", "reduce_scatter", src="yp", out="y_out"), wait("rs", dst="y"))
+    else:
+        def fc2(env):
+            torch.mm(env.pop("h"), w_out.t(), out=env["y_out"])
+
+        ops = (compute("fc1", fc1), compute("act", act), compute("fc2", fc2),
+               comm("ar", "all_reduce", src="y_out"), wait("ar", dst="y"))
+    return TileProgram("mlp", ops)
+
+
+def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> TileProgram:
+    sp, regather = c.sequence_parallel, c.sequence_parallel and c.plan.regather
+    xin = "xg" if sp else "x"
+
+    def accumulate(key: str, fn_out, fn_add):
+        if key in grads["started"]:
+            fn_add(grads[key])
+        else:
+            fn_out(grads[key])
+            grads["started"].add(key)
+
+    def dgrad2(env):
+        dy = env["dyg"] if sp else env["dy"]
+        env["h"] = _act(c.activation, env["pre"])
+        env["dh"] = torch.mm(dy, w_out)
+
+    def act_bwd(env):
+        env["dpre"] = _act_backward(c.activation, env.pop("pre"), env.pop("dh"))
+
+    def dgrad1(env):
+        if sp:
+            env["dxg"] = torch.mm(env["dpre"], w_in)
+        else:
+            torch.mm(env["dpre"], w_in, out=env["dx_out"])
+
+    def wgrad2(env):
+        dy, h = env.pop("dyg" if sp else "dy"), env.pop("h")
+        accumulate("w_out", lambda g: torch.mm(dy.t(), h, out=g), lambda g: g.addmm_(dy.t(), h))
+
+    def wgrad1(env):
+        dpre, x = env.pop("dpre"), env.pop(xin)
+        accumulate("w_in", lambda g: torch.mm(dpre.t(), x, out=g), lambda g: g.addmm_(dpre.t(), x))
+        if has_b_in:
+            accumulate("b_in", lambda g: torch.sum(dpre, 0, out=g), lambda g: g.add_(dpre.sum(0)))
+
+    head = []
+    if sp:
+        head = [comm("ag_dy", "all_gather", src="dy")]
+        if regather:
+            head.append(comm("ag_x", "all_gather", src="x"))
+        head.append(wait("ag_dy", dst="dyg"))
+        red = (comm("rs_dx", "reduce_scatter", src="dxg", out="dx_out"), )
+        tail_wait = wait("rs_dx", dst="dx")
+    else:
+        red = (comm("ar_dx", "all_reduce", src="dx_out"), )
+        tail_wait = wait("ar_dx", dst="dx")
+    ops = (*head, compute("dgrad2", dgrad2), compute("act_bwd", act_bwd), compute("dgrad1", dgrad1),
+           *red, compute("wgrad2", wgrad2, chain="w_out"),
+           *((wait("ag_x", dst="xg"),) if regather else ()),
+           compute("wgrad1", wgrad1, chain="w_in"), tail_wait)
+    return TileProgram("mlp_bwd", ops)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """Tiled, overlapped TP MLP without ``b_out`` (added outside, see OverlapMLP.forward)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
+        T, H = x_TH.shape
+        bounds = tile_bounds(T, call.plan.num_tiles)
+        out_TH = x_TH.new_empty((T, H))
+        envs = [{"x": x_TH[a:b], "y_out": out_TH[a:b]} for a, b in bounds]
+        program = _forward_program(call, w_in, b_in, w_out)
+        sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
+        execute(sched, envs, call.group, streams=call.streams, label="mlp", trace=call.launch_log)
+        if call.save:
+            pres = [e["pre"] for e in envs]
+            xgs = [e["xg"] for e in envs] if (call.sequence_parallel and not call.plan.regather) else []
+            ctx.save_for_backward(x_TH, w_in, w_out, *pres, *xgs)
+            ctx.call, ctx.has_b_in, ctx.n = call, b_in is not None, len(bounds)
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        c: _Call = ctx.call
+        x_TH, w_in, w_out, *rest = ctx.saved_tensors
+        n = ctx.n
+        pres, xgs = rest[:n], rest[n:]
+        dy_TH = dy_TH.contiguous()
+        T, H = x_TH.shape
+        bounds = tile_bounds(T, n)
+        dx_TH = x_TH.new_empty((T, H))
+        grads = {"started": set(), "w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
+                 "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
+        envs = []
+        for i, (a, b) in enumerate(bounds):
+            env = {"dy": dy_TH[a:b], "pre": pres[i], "dx_out": dx_TH[a:b]}
+            if c.sequence_parallel and not c.plan.regather:
+                env["xg"] = xgs[i]
+            else:
+                env["x"] = x_TH[a:b]
+            envs.append(env)
+        del pres, xgs, rest
+        program = _backward_program(c, w_in, w_out, grads, ctx.has_b_in)
+        sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
+        execute(sched, envs, c.group, streams=c.streams, label="mlp_bwd", trace=c.launch_log)
+        return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
+
+
+class OverlapMLP(nn.Module):
+    """Drop-in tensor-parallel MLP (Megatron column-parallel fc1, row-parallel fc2).
+
+    Equals the dense MLP in this module's docstring. Input ``[batch, seq_local, hidden]`` with
+    ``sequence_parallel`` (rank r holds positions ``r*seq_local ..``), else the replicated
+    ``[batch, seq, hidden]``; the output has the input's layout.
+
+    Parameters (``group=``): ``w_in [I, H]`` (swiglu: this rank's gate rows, then its up rows),
+    ``w_out [H, F/ws]``, ``b_in [I]``, ``b_out [H]`` replicated and added once after the reduction.
+    Under sequence parallelism ``b_out.grad`` holds *this rank's partial* (only its own rows
+    contribute), like Megatron's sequence-parallel parameters: call
+    :func:`overlap_layers.reduce_replicated_grads` before the optimizer step. Without sequence
+    parallelism every rank sees every token and ``b_out.grad`` is already complete.
+
+    ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto". Set ``launch_log`` to a list
+    to record the order in which ops were launched (a debugging aid).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group=None, mesh=None, axis=None,
+                 sequence_parallel: bool = True, activation: str = "swiglu", bias: bool = False,
+                 num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None, device=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}; must be a positive int")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+        if config is None:
+            config = OverlapConfig()
+        elif not isinstance(config, OverlapConfig):
+            raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
+        self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
+        self.config = config
+        self.group = resolve_group(group, mesh, axis)
+        ws = dist.get_world_size(self.group)
+        if ffn_hidden_size % ws:
+            raise ValueError(f"ffn_hidden_size={ffn_hidden_size} must be divisible by the group size {ws}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.sequence_parallel, self.activation, self.bias = bool(sequence_parallel), activation, bool(bias)
+        self.world_size, self.rank = ws, dist.get_rank(self.group)
+        f_local = ffn_hidden_size // ws
+        n_in = 2 * f_local if activation == "swiglu" else f_local
+        kw = {"dtype": dtype, "device": device}
+        self.w_in = nn.Parameter(torch.empty(n_in, hidden_size, **kw))
+        self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
+        self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
+        self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
+        self.plan: Optional[MLPPlan] = None
+        self.launch_log: Optional[list] = None
+        self._streams = StreamPool()
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------- weights
+    def _dense_in_rows(self) -> int:
+        return (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
+
+    def _shard_in(self, dense: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a dense fc1 weight/bias (gate rows then up rows for swiglu)."""
+        f, fl, r = self.ffn_hidden_size, self.ffn_hidden_size // self.world_size, self.rank
+        if self.activation == "swiglu":
+            return torch.cat([dense[r * fl:(r + 1) * fl], dense[f + r * fl:f + (r + 1) * fl]])
+        return dense[r * fl:(r + 1) * fl]
+
+    def _shard_out(self, dense_w_out: torch.Tensor) -> torch.Tensor:
+        fl, r = self.ffn_hidden_size // self.world_size, self.rank
+        return dense_w_out[:, r * fl:(r + 1) * fl]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as ``nn.Linear(H, I_dense)`` then ``nn.Linear(F, H)`` would under the same
+        seed (weight then bias each), and keep this rank's shard: the same on every rank."""
+        if self.w_in.device.type == "meta":
+            return
+        kw = {"dtype": self.w_in.dtype, "device": self.w_in.device}
+        fc1 = torch.empty(self._dense_in_rows(), self.hidden_size, **kw)
+        nn.init.kaiming_uniform_(fc1, a=math.sqrt(5))
+        self.w_in.copy_(self._shard_in(fc1))
+        if self.b_in is not None:
+            bound = 1 / math.sqrt(self.hidden_size)
+            self.b_in.copy_(self._shard_in(torch.empty(fc1.shape[0], **kw).uniform_(-bound, bound)))
+        fc2 = torch.empty(self.hidden_size, self.ffn_hidden_size, **kw)
+        nn.init.kaiming_uniform_(fc2, a=math.sqrt(5))
+        self.w_out.copy_(self._shard_out(fc2))
+        if self.b_out is not None:
+            bound = 1 / math.sqrt(self.ffn_hidden_size)
+            self.b_out.uniform_(-bound, bound)
+
+    @classmethod
+    def from_dense(cls, w_in: torch.Tensor, w_out: torch.Tensor, *, b_in=None, b_out=None,
+                   group=None, mesh=None, axis=None, sequence_parallel: bool = True,
+                   activation: str = "swiglu", bias: Optional[bool] = None, num_tiles=None,
+                   config: Optional[OverlapConfig] = None) -> "OverlapMLP":
+        """Shard dense ``nn.Linear``-layout weights: ``w_in [I_dense, H]``, ``w_out [H, F]``.
+
+        ``bias`` defaults to whether biases are given; both or neither of b_in/b_out."""
+        if not isinstance(w_in, torch.Tensor) or w_in.dim() != 2:
+            raise ValueError(f"w_in must be a 2-D tensor [ffn (x2 for swiglu), hidden]; got "
+                             f"{getattr(w_in, 'shape', w_in)!r}")
+        if not isinstance(w_out, torch.Tensor) or w_out.dim() != 2:
+            raise ValueError(f"w_out must be a 2-D tensor [hidden, ffn]; got {getattr(w_out, 'shape', w_out)!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+        hidden, ffn = w_out.shape
+        want_in = (2 * ffn if activation == "swiglu" else ffn, hidden)
+        if tuple(w_in.shape) != want_in:
+            raise ValueError(f"w_in has shape {tuple(w_in.shape)}; with w_out {tuple(w_out.shape)} and "
+                             f"activation={activation!r} it must be {want_in}")
+        if (b_in is None) != (b_out is None):
+            raise ValueError("pass both b_in and b_out, or neither")
+        has_bias = b_in is not None
+        if bias is not None and bool(bias) != has_bias:
+            raise ValueError(f"bias={bias} but biases were {'given' if has_bias else 'not given'}")
+        if has_bias:
+            if tuple(b_in.shape) != (want_in[0],):
+                raise ValueError(f"b_in has shape {tuple(b_in.shape)}; must be ({want_in[0]},)")
+            if tuple(b_out.shape) != (hidden,):
+                raise ValueError(f"b_out has shape {tuple(b_out.shape)}; must be ({hidden},)")
+        layer = cls(hidden, ffn, group=group, mesh=mesh, axis=axis, sequence_parallel=sequence_parallel,
+                    activation=activation, bias=has_bias, num_tiles=num_tiles, config=config,
+                    dtype=w_in.dtype, device="meta")
+        layer.to_empty(device=w_in.device)
+        with torch.no_grad():
+            layer.w_in.copy_(layer._shard_in(w_in))
+            layer.w_out.copy_(layer._shard_out(w_out))
+            if has_bias:
+                layer.b_in.copy_(layer._shard_in(b_in))
+                layer.b_out.copy_(b_out)
+        return layer
+
+    @torch.no_grad()
+    def to_dense(self) -> dict:
+        """The dense ``w_in``, ``w_out``, ``b_in``, ``b_out`` (None without bias); a collective:
+        every rank of the group must call it."""
+        ws, fl = self.world_size, self.ffn_hidden_size // self.world_size
+
+        def gather(t):
+            out = t.new_empty((ws, *t.shape))
+            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+            return out
+
+        def unshard_in(t):
+            g = gather(t)
+            if self.activation == "swiglu":
+                return torch.cat([g[:, :fl].reshape(-1, *t.shape[1:]), g[:, fl:].reshape(-1, *t.shape[1:])])
+            return g.reshape(-1, *t.shape[1:])
+
+        w_out = gather(self.w_out.t()).reshape(-1, self.hidden_size).t().contiguous()
+        return {"w_in": unshard_in(self.w_in), "w_out": w_out,
+                "b_in": unshard_in(self.b_in) if self.b_in is not None else None,
+                "b_out": self.b_out.detach().clone() if self.b_out is not None else None}
+
+    # ----------------------------------------------------------------- forward
+    def _input_error(self, x) -> int:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return 1
+        if x.shape[-1] != self.hidden_size:
+            return 2
+        if x.device != self.w_in.device:
+            return 4
+        if x.dtype != self.w_in.dtype and not torch.is_autocast_enabled(x.device.type):
+            return 3
+        return 0
+
+    def _plan_for(self, rows: int) -> MLPPlan:
+        gathered = rows * (self.world_size if self.sequence_parallel else 1)
+        k = interim_num_tiles(gathered) if self.num_tiles == "auto" else self.num_tiles
+        return MLPPlan(num_tiles=effective_num_tiles(rows, k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        err = self._input_error(x)
+        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
+        rows = shape[0] * shape[1]
+        plan = self._plan_for(rows) if err == 0 else MLPPlan(num_tiles=1)
+        save = torch.is_grad_enabled() and (
+            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
+        dtype_code = _DTYPES.index(x.dtype) if err == 0 and x.dtype in _DTYPES else -1
+        names = ("input error", "batch", "seq", "hidden", "dtype", "num_tiles", "grad mode")
+        table = agree(self.group, (err, *shape, dtype_code, plan.num_tiles, int(save)), self.w_in.device)
+        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
+        if errs:
+            mine = f"; this rank: {_INPUT_ERRORS[err]} (got {tuple(getattr(x, 'shape', ()))}, " \
+                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)}; hidden_size={self.hidden_size}, " \
+                   f"weights {self.w_in.dtype} on {self.w_in.device})" if err else ""
+            raise ValueError("x: bad input on rank(s) " + ", ".join(
+                f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
+        bad = first_disagreement(table, names)
+        if bad:
+            raise ValueError(f"x: every rank of the group must call the layer alike; {bad}")
+        self.plan = plan
+        return self._run(x, plan, save)
+
+    def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool) -> torch.Tensor:
+        dev = x.device.type
+        w_in, b_in, w_out, b_out = self.w_in, self.b_in, self.w_out, self.b_out
+        if torch.is_autocast_enabled(dev):
+            cdt = torch.get_autocast_dtype(dev)
+            x, w_in, w_out = x.to(cdt), w_in.to(cdt), w_out.to(cdt)
+            b_in = b_in.to(cdt) if b_in is not None else None
+            b_out = b_out.to(cdt) if b_out is not None else None
+        B, S, H = x.shape
+        call = _Call(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
+                     plan=plan, save=save,
+                     streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
+                     launch_log=self.launch_log)
+        with torch.autocast(dev, enabled=False):
+            x_TH = x.reshape(B * S, H).contiguous()
+            if save:
+                y_TH = _TiledMLP.apply(x_TH, w_in, b_in, w_out, call)
+            else:
+                with torch.no_grad():
+                    y_TH = _TiledMLP.apply(x_TH, w_in, b_in, w_out, call)
+            if b_out is not None:
+                y_TH = y_TH + b_out
+        return y_TH.view(B, S, H)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"activation={self.activation}, sequence_parallel={self.sequence_parallel}, "
+                f"bias={self.bias}, world_size={self.world_size}, num_tiles={self.num_tiles!r}")
+
+
+def reduce_replicated_grads(module: nn.Module) -> None:
+    """Sum, over each layer's group, the gradients that hold rank partials.
+
+    For every :class:`OverlapMLP` inside ``module`` with sequence parallelism, ``b_out.grad``
+    is all-reduced (summed) over the layer's group; afterwards every rank holds the full
+    gradient. A collective: call it on every rank, after backward, before the optimizer step.
+    """
+    for m in module.modules():
+        if isinstance(m, OverlapMLP) and m.sequence_parallel and m.b_out is not None \
+                and m.b_out.grad is not None:
+            dist.all_reduce(m.b_out.grad, group=m.group)

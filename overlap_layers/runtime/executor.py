@@ -1,0 +1,94 @@
+"""Run a :class:`~overlap_layers.schedule.Schedule` on real tensors.
+
+One code path for CUDA and CPU (DESIGN.md 4):
+
+* compute of tile t runs on compute stream ``t mod S`` (CUDA) or on the calling thread (CPU);
+* collectives are started from the tile's stream (c10d then orders them after that stream's
+  work) and return a :class:`~overlap_layers.runtime.collectives.Handle`;
+* a wait makes the tile's stream wait for the collective (CUDA) or blocks the host (gloo);
+* a bucket is issued from its last member's stream, after an event recorded on each other
+  member's stream at the point where that member reached its comm op;
+* ops sharing a ``chain`` (accumulators) are ordered across streams with events;
+* the streams start after, and the caller's stream continues after, all tile work (fork/join),
+  so tensors owned by the caller's stream are safe to free once the call returns.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..schedule import Schedule
+from . import collectives
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def execute(schedule: Schedule, envs: Sequence[dict], group, *,
+            streams: Optional[List["torch.cuda.Stream"]] = None, label: Optional[str] = None,
+            trace: Optional[list] = None) -> None:
+    """Launch every op of ``schedule`` over the per-tile environments ``envs``.
+
+    ``trace``, when given, receives ``(tile, op_name, kind)`` in launch order (deferred bucket
+    members excluded) so tests can check the order the runtime really used.
+    """
+    program = schedule.program
+    label = label or program.name
+    assert len(envs) == schedule.num_tiles
+    main = torch.cuda.current_stream() if streams else None
+    if streams:
+        for s in streams:
+            s.wait_stream(main)
+    handles: Dict[tuple, tuple] = {}
+    ready_events: Dict[tuple, object] = {}
+    chain_last: Dict[str, tuple] = {}
+
+    def stream_of(t: int):
+        return streams[t % len(streams)] if streams else None
+
+    for ln in schedule.launches:
+        op, t = program.ops[ln.op], ln.tile
+        stream = stream_of(t)
+        if op.kind == "comm" and ln.bucket == ():
+            if stream is not None:  # this member's input is ready here
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                ready_events[(op.handle, t)] = (stream, ev)
+            continue
+        members = ln.bucket if op.kind == "comm" else (t,)
+        tag = ",".join(map(str, members))
+        with _on(stream), torch.profiler.record_function(f"overlap::{label}::{op.name}[{tag}]"):
+            if op.kind == "compute":
+                if stream is not None and op.chain in chain_last:
+                    prev_stream, ev = chain_last[op.chain]
+                    if prev_stream is not stream:
+                        stream.wait_event(ev)
+                op.fn(envs[t])
+                if stream is not None and op.chain is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    chain_last[op.chain] = (stream, ev)
+            elif op.kind == "comm":
+                for m in members:
+                    if m != t and (op.handle, m) in ready_events:
+                        other, ev = ready_events.pop((op.handle, m))
+                        if other is not stream:
+                            stream.wait_event(ev)
+                srcs = [envs[m].pop(op.src) for m in members]
+                outs = [envs[m].get(op.out) if op.out else None for m in members]
+                h = collectives.issue(op.collective, srcs, outs, group)
+                del srcs
+                for j, m in enumerate(members):
+                    handles[(op.handle, m)] = (h, j)
+            else:
+                h, j = handles.pop((op.handle, t))
+                envs[t][op.dst] = h.result(j)
+        if trace is not None:
+            trace.append((tag if op.kind == "comm" else t, op.name, op.kind))
+    assert not handles, f"handles never waited: {sorted(handles)}"
+    if streams:
+        for s in streams:
+            main.wait_stream(s)

@@ -1,0 +1,107 @@
+"""Tile programs: what one tile of a layer does, as a short list of ops.
+
+A layer describes the forward (or backward) of *one* tile as a :class:`TileProgram` of three
+kinds of op (see ../shared/DESIGN.md, "The mechanism" 1-2):
+
+* ``compute``: a callable on the tile's environment (a dict of tensors), with an optional cost
+  key (e.g. a GEMM shape) for the simulator and an optional ``chain``: ops of the same chain
+  run in launch order across tiles even when the tiles sit on different streams (gradient
+  accumulators are the use).
+* ``comm``: start a collective on ``env[src]`` (result lands in ``env[out]`` when given);
+  returns a handle named ``handle``.
+* ``wait``: the handle's result is needed from here on; it is stored as ``env[dst]``.
+
+This module is pure Python: no torch.distributed, no streams. The K tiles run the same program
+on their slice of the batch; :mod:`overlap_layers.schedule.roundrobin` orders them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Tuple
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a tile program. Build with :func:`compute`, :func:`comm` or :func:`wait`."""
+
+    kind: str
+    name: str
+    fn: Optional[Callable[[dict], Any]] = field(default=None, compare=False, repr=False)
+    collective: Optional[str] = None
+    handle: Optional[str] = None
+    src: Optional[str] = None
+    dst: Optional[str] = None
+    out: Optional[str] = None
+    cost_key: Optional[Tuple] = None
+    chain: Optional[str] = None
+
+
+def compute(name: str, fn: Callable[[dict], Any], *, cost_key: Optional[Tuple] = None,
+            chain: Optional[str] = None) -> Op:
+    """A compute op: ``fn(env)`` reads and writes the tile's environment."""
+    return Op("compute", name, fn=fn, cost_key=cost_key, chain=chain)
+
+
+def comm(name: str, collective: str, *, src: str, out: Optional[str] = None,
+         cost_key: Optional[Tuple] = None) -> Op:
+    """Start ``collective`` on ``env[src]``; the handle is named after the op."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective={collective!r}; valid: {COLLECTIVES}")
+    return Op("comm", name, collective=collective, handle=name, src=src, out=out,
+              cost_key=cost_key)
+
+
+def wait(handle: str, *, dst: str) -> Op:
+    """Block the tile until ``handle`` completes; its result becomes ``env[dst]``."""
+    return Op("wait", f"wait_{handle}", handle=handle, dst=dst)
+
+
+@dataclass(frozen=True)
+class TileProgram:
+    """The ops of one tile, in order; ``name`` prefixes profiler ranges (``overlap::<name>::``)."""
+
+    name: str
+    ops: Tuple[Op, ...]
+
+    def __post_init__(self) -> None:
+        started, waited = {}, set()
+        for i, op in enumerate(self.ops):
+            if op.kind == "comm":
+                assert op.handle not in started, f"handle {op.handle} started twice"
+                started[op.handle] = i
+            elif op.kind == "wait":
+                assert op.handle in started, f"wait on {op.handle} before its comm"
+                assert op.handle not in waited, f"handle {op.handle} waited twice"
+                waited.add(op.handle)
+            else:
+                assert op.kind == "compute", op.kind
+        missing = set(started) - waited
+        assert not missing, f"handles never waited: {sorted(missing)}"
+
+    def comm_ops(self) -> Tuple[Op, ...]:
+        return tuple(op for op in self.ops if op.kind == "comm")
+
+    def index_of_comm(self, handle: str) -> int:
+        for i, op in enumerate(self.ops):
+            if op.kind == "comm" and op.handle == handle:
+                return i
+        raise KeyError(handle)
+
+
+def segments(program: TileProgram) -> Tuple[Tuple[int, ...], ...]:
+    """Cut the program into segments: a new segment starts at every ``wait``.
+
+    Waits are the only places a tile can stall, so a segment is a run of ops that can be
+    launched without blocking, preceded by the wait that made it ready. Returns op indices.
+    """
+    segs, cur = [], []
+    for i, op in enumerate(program.ops):
+        if op.kind == "wait" and cur:
+            segs.append(tuple(cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        segs.append(tuple(cur))
+    return tuple(segs)
