@@ -31,6 +31,7 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OverlapConfig, check_num_tiles
+from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import StreamPool, agree, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .tiling import effective_num_tiles, interim_num_tiles, tile_bounds
@@ -86,6 +88,10 @@ class MLPPlan:
     buckets_bwd: tuple = ()
     regather: bool = False  # backward re-gathers x instead of saving the gathered input
     num_streams: int = 2
+
+    def digest(self) -> int:
+        """A hash that is equal on every rank for equal plans (``hash()`` of str is salted)."""
+        return zlib.crc32(repr(self).encode())
 
 
 @dataclass
@@ -276,6 +282,7 @@ class OverlapMLP(nn.Module):
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         self.plan: Optional[MLPPlan] = None
+        self._pinned: Optional[MLPPlan] = None
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self.reset_parameters()
@@ -364,9 +371,9 @@ class OverlapMLP(nn.Module):
         ws, fl = self.world_size, self.ffn_hidden_size // self.world_size
 
         def gather(t):
-            out = t.new_empty((ws, *t.shape))
-            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-            return out
+            out = t.new_empty((ws * t.shape[0], *t.shape[1:]))
+            all_gather_rows(out, t.contiguous(), group=self.group)
+            return out.view(ws, *t.shape)
 
         def unshard_in(t):
             g = gather(t)
@@ -391,7 +398,23 @@ class OverlapMLP(nn.Module):
             return 3
         return 0
 
+    def pin_plan(self, plan: Optional[MLPPlan]) -> None:
+        """Use ``plan`` for every call (its tile count is capped by the rows); None unpins.
+        Pin the same plan on every rank: the plan's tile count is checked across ranks."""
+        if plan is not None:
+            if not isinstance(plan, MLPPlan):
+                raise ValueError(f"plan={plan!r}; must be an MLPPlan or None")
+            check_num_tiles(plan.num_tiles, "plan.num_tiles")
+            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
+                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
+        self._pinned = plan
+
     def _plan_for(self, rows: int) -> MLPPlan:
+        if self._pinned is not None:
+            k = effective_num_tiles(rows, self._pinned.num_tiles)
+            if k == self._pinned.num_tiles:
+                return self._pinned
+            return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
         gathered = rows * (self.world_size if self.sequence_parallel else 1)
         k = interim_num_tiles(gathered) if self.num_tiles == "auto" else self.num_tiles
         return MLPPlan(num_tiles=effective_num_tiles(rows, k))
@@ -404,8 +427,9 @@ class OverlapMLP(nn.Module):
         save = torch.is_grad_enabled() and (
             (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
         dtype_code = _DTYPES.index(x.dtype) if err == 0 and x.dtype in _DTYPES else -1
-        names = ("input error", "batch", "seq", "hidden", "dtype", "num_tiles", "grad mode")
-        table = agree(self.group, (err, *shape, dtype_code, plan.num_tiles, int(save)), self.w_in.device)
+        names = ("input error", "batch", "seq", "hidden", "dtype", "num_tiles", "grad mode", "plan")
+        table = agree(self.group, (err, *shape, dtype_code, plan.num_tiles, int(save), plan.digest()),
+                      self.w_in.device)
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got {tuple(getattr(x, 'shape', ()))}, " \

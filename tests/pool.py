@@ -1,0 +1,123 @@
+"""A pool of gloo ranks started once per world size and reused by every test (DESIGN.md tier 2).
+
+``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank at once and returns
+the per-rank results, or raises :class:`RankFailure` carrying every rank's outcome. Workers are
+forked before the parent creates any process group and use one thread. After a failure the pool
+checks that the group still works (a barrier under a short timeout) and is rebuilt if not, so one
+broken test cannot hang the ones after it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+GROUP_TIMEOUT_S = 20
+RESULT_TIMEOUT_S = 90
+
+
+class RankFailure(Exception):
+    def __init__(self, outcomes):
+        self.outcomes = outcomes  # per rank: ("ok", value) | ("err", exc_type_name, message, tb) | ("timeout",)
+        lines = []
+        for r, o in enumerate(outcomes):
+            lines.append(f"rank {r}: {o[0]}" + (f" {o[1]}: {o[2]}\n{o[3]}" if o[0] == "err" else ""))
+        super().__init__("\n".join(lines))
+
+    def errors(self):
+        """Per rank, (exception type name, message), or None for a rank that did not raise."""
+        return [(o[1], o[2]) if o[0] == "err" else None for o in self.outcomes]
+
+
+def _worker(rank, world_size, store_path, conn):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(rank, world_size, *args)))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            conn.send(("err", type(e).__name__, str(e), traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _barrier(rank, world_size):
+    import torch.distributed as dist
+
+    dist.barrier()
+    return True
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs, self._conns = [], []
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("fork")
+        fd, path = tempfile.mkstemp(prefix="overlap_store_")
+        os.close(fd)
+        os.unlink(path)
+        self._store_path = path
+        for r in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, self.world_size, path, child), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def close(self):
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns = [], []
+        if os.path.exists(self._store_path):
+            os.unlink(self._store_path)
+
+    def _restart(self):
+        for p in self._procs:
+            p.kill()
+            p.join()
+        self._procs, self._conns = [], []
+        self._start()
+
+    def _call(self, fn, args, timeout):
+        for c in self._conns:
+            c.send((fn, args))
+        outcomes = []
+        for c in self._conns:
+            outcomes.append(c.recv() if c.poll(timeout) else ("timeout",))
+        return outcomes
+
+    def run(self, fn, *args, timeout: float = RESULT_TIMEOUT_S):
+        outcomes = self._call(fn, args, timeout)
+        if all(o[0] == "ok" for o in outcomes):
+            return [o[1] for o in outcomes]
+        if any(o[0] == "timeout" for o in outcomes):
+            self._restart()
+        else:
+            try:
+                healthy = all(o[0] == "ok" for o in self._call(_barrier, (), GROUP_TIMEOUT_S + 5))
+            except (EOFError, BrokenPipeError, OSError):
+                healthy = False
+            if not healthy:
+                self._restart()
+        raise RankFailure(outcomes)

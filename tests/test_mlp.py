@@ -1,0 +1,388 @@
+"""Tier 2: OverlapMLP on 2 and 4 gloo ranks against an independent dense float64 reference.
+
+The reference lives here (plain formulas, one process, float64, torch autograd); the workers run
+the layer on their shard and return local outputs and gradients, which are compared with the
+reference's matching slices (slicing written out here, not taken from the layer).
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
+from overlap_layers.layers.mlp import MLPPlan
+from pool import RankFailure
+
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+# ------------------------------------------------------------------ reference
+def dense_mlp(x, w_in, w_out, b_in, b_out, activation):
+    pre = x @ w_in.T + (b_in if b_in is not None else 0)
+    if activation == "swiglu":
+        f = w_out.shape[1]
+        g, u = pre[..., :f], pre[..., f:]
+        h = g * torch.sigmoid(g) * u
+    elif activation == "gelu":
+        h = 0.5 * pre * (1 + torch.erf(pre / math.sqrt(2)))
+    else:
+        h = pre.clamp(min=0)
+    return h @ w_out.T + (b_out if b_out is not None else 0)
+
+
+def make_case(seed, B, S, H, F, activation, bias):
+    g = torch.Generator().manual_seed(seed)
+    n_in = 2 * F if activation == "swiglu" else F
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return dict(x=r(B, S, H), dy=r(B, S, H), w_in=r(n_in, H) / math.sqrt(H), w_out=r(H, F) / math.sqrt(F),
+                b_in=r(n_in) if bias else None, b_out=r(H) if bias else None)
+
+
+def reference(case, activation):
+    leaves = {k: (v.clone().requires_grad_() if v is not None else None) for k, v in case.items() if k != "dy"}
+    y = dense_mlp(leaves["x"], leaves["w_in"], leaves["w_out"], leaves["b_in"], leaves["b_out"], activation)
+    y.backward(case["dy"])
+    return y.detach(), {k: (v.grad if v is not None else None) for k, v in leaves.items()}
+
+
+def shard_in(t, rank, ws, F, activation):
+    """Rank's rows of a dense fc1 weight/bias: its gate rows then its up rows for swiglu."""
+    fl = F // ws
+    if activation == "swiglu":
+        return torch.cat([t[rank * fl:(rank + 1) * fl], t[F + rank * fl:F + (rank + 1) * fl]])
+    return t[rank * fl:(rank + 1) * fl]
+
+
+def local_rows(t, rank, ws, sp):
+    return t.chunk(ws, dim=1)[rank] if sp else t
+
+
+# ------------------------------------------------------------------ worker side
+def run_layer(rank, ws, case, opts, dtype, plan=None, reduce_bias=False):
+    sp = opts.get("sequence_parallel", True)
+    cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
+    layer = OverlapMLP.from_dense(cast(case["w_in"]), cast(case["w_out"]), b_in=cast(case["b_in"]),
+                                  b_out=cast(case["b_out"]), group=dist.group.WORLD, **opts)
+    if plan is not None:
+        layer.pin_plan(plan)
+    x = local_rows(case["x"], rank, ws, sp).to(dtype).requires_grad_()
+    y = layer(x)
+    y.backward(local_rows(case["dy"], rank, ws, sp).to(dtype))
+    if reduce_bias:
+        reduce_replicated_grads(layer)
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return dict(y=y.detach(), dx=x.grad, grads=grads, k=layer.plan.num_tiles, dtype=y.dtype)
+
+
+def check(results, case, opts, dtype, reduce_bias=False):
+    activation = opts.get("activation", "swiglu")
+    sp = opts.get("sequence_parallel", True)
+    ws = len(results)
+    F = case["w_out"].shape[1]
+    y_ref, g_ref = reference(case, activation)
+    tol = TOL[dtype]
+
+    def close(name, got, want):
+        got = got.double()
+        err = (got - want).norm() / max(want.norm().item(), 1e-30)
+        assert err < tol, f"{name}: relative error {err:.3g} > {tol} ({opts}, {dtype})"
+
+    for rank, res in enumerate(results):
+        assert res["dtype"] == dtype
+        close("y", res["y"], local_rows(y_ref, rank, ws, sp))
+        close("dx", res["dx"], local_rows(g_ref["x"], rank, ws, sp))
+        close("w_in.grad", res["grads"]["w_in"], shard_in(g_ref["w_in"], rank, ws, F, activation))
+        fl = F // ws
+        close("w_out.grad", res["grads"]["w_out"], g_ref["w_out"][:, rank * fl:(rank + 1) * fl])
+        if case["b_in"] is not None:
+            close("b_in.grad", res["grads"]["b_in"], shard_in(g_ref["b_in"], rank, ws, F, activation))
+            if sp and not reduce_bias:  # this rank's partial: only its own rows
+                want = local_rows(case["dy"], rank, ws, sp).sum(dim=(0, 1))
+            else:
+                want = g_ref["b_out"]
+            close("b_out.grad", res["grads"]["b_out"], want)
+
+
+# ------------------------------------------------------------------ numerics
+GRID = [
+    # (ws, sp, activation, bias, K, dtype, B, S)
+    (2, True, "swiglu", False, 1, torch.float64, 2, 8),
+    (2, True, "swiglu", True, 2, torch.float64, 2, 8),
+    (2, True, "gelu", True, 3, torch.float64, 1, 10),
+    (2, True, "relu", False, 4, torch.float32, 3, 6),
+    (2, False, "swiglu", True, 2, torch.float64, 2, 5),
+    (2, False, "gelu", False, 3, torch.float32, 1, 7),
+    (2, False, "relu", True, 4, torch.float64, 2, 4),
+    (2, True, "swiglu", False, 4, torch.float32, 1, 6),  # 6 local rows, K=4: tiles 2,2,1,1
+    (4, True, "swiglu", True, 3, torch.float64, 1, 8),
+    (4, True, "gelu", False, 2, torch.float32, 2, 4),
+    (4, False, "swiglu", False, 4, torch.float64, 1, 5),
+    (4, False, "relu", True, 1, torch.float32, 2, 3),
+]
+
+
+@pytest.mark.parametrize("ws,sp,activation,bias,k,dtype,B,S", GRID)
+def test_matches_dense_reference(pools, ws, sp, activation, bias, k, dtype, B, S):
+    case = make_case(k * 7 + ws, B, S * (ws if sp else 1), 12, 8 * ws, activation, bias)
+    opts = dict(sequence_parallel=sp, activation=activation, num_tiles=k)
+    results = pools(ws).run(run_layer, case, opts, dtype)
+    assert all(r["k"] == min(k, B * S) for r in results)
+    check(results, case, opts, dtype)
+
+
+@pytest.mark.parametrize("plan", [MLPPlan(3, regather=True),
+                                  MLPPlan(4, buckets_fwd=(("ag", ((0, 1), (2, 3))), ("rs", ((0,), (1, 2, 3)))),
+                                          buckets_bwd=(("ag_dy", ((0, 1, 2), (3,))), ("rs_dx", ((0, 1), (2, 3))))),
+                                  MLPPlan(3, regather=True, num_streams=1,
+                                          buckets_bwd=(("ag_x", ((0, 1), (2,))),))])
+def test_plans_regather_and_buckets(pool2, plan):
+    case = make_case(3, 2, 12, 12, 16, "swiglu", True)
+    opts = dict(activation="swiglu")
+    check(pool2.run(run_layer, case, opts, torch.float64, plan), case, opts, torch.float64)
+
+
+def test_no_sp_buckets(pool2):
+    plan = MLPPlan(3, buckets_fwd=(("ar", ((0, 1, 2),)),), buckets_bwd=(("ar_dx", ((0,), (1, 2))),))
+    case = make_case(4, 1, 9, 12, 16, "gelu", True)
+    opts = dict(activation="gelu", sequence_parallel=False)
+    check(pool2.run(run_layer, case, opts, torch.float64, plan), case, opts, torch.float64)
+
+
+def test_reduce_replicated_grads_completes_b_out(pool2):
+    case = make_case(5, 2, 8, 12, 16, "swiglu", True)
+    opts = dict(num_tiles=2)
+    check(pool2.run(run_layer, case, opts, torch.float64, None, True), case, opts, torch.float64,
+          reduce_bias=True)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(B=st.integers(1, 3), S=st.integers(1, 5), H=st.integers(1, 9), f_mult=st.integers(1, 3),
+       k=st.integers(1, 5), act=st.sampled_from(["swiglu", "gelu", "relu"]), sp=st.booleans(),
+       bias=st.booleans())
+def test_property_shapes(pool2, B, S, H, f_mult, k, act, sp, bias):
+    case = make_case(B * 100 + S, B, S * (2 if sp else 1), H, 2 * f_mult, act, bias)
+    opts = dict(sequence_parallel=sp, activation=act, num_tiles=k)
+    check(pool2.run(run_layer, case, opts, torch.float64), case, opts, torch.float64)
+
+
+def autocast_run(rank, ws, case):
+    layer = OverlapMLP.from_dense(case["w_in"].float(), case["w_out"].float(), group=dist.group.WORLD,
+                                  num_tiles=2)
+    x = case["x"].chunk(ws, 1)[rank].float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().backward(case["dy"].chunk(ws, 1)[rank].float())
+    return dict(y=y.detach(), dx=x.grad, g=layer.w_in.grad, dtype=y.dtype, gdtype=layer.w_in.grad.dtype)
+
+
+def test_autocast_bf16_compute_fp32_weights(pool2):
+    case = make_case(11, 2, 8, 16, 16, "swiglu", False)
+    y_ref, g_ref = reference(case, "swiglu")
+    for rank, r in enumerate(pool2.run(autocast_run, case)):
+        assert r["dtype"] == torch.bfloat16 and r["gdtype"] == torch.float32
+        for got, want in ((r["y"], y_ref.chunk(2, 1)[rank]), (r["dx"], g_ref["x"].chunk(2, 1)[rank]),
+                          (r["g"], shard_in(g_ref["w_in"], rank, 2, 16, "swiglu"))):
+            err = (got.double() - want).norm() / want.norm()
+            assert err < 3e-2, err
+
+
+# ------------------------------------------------------------------ init, round trip, saving
+def init_run(rank, ws, seed, bias, on_meta):
+    torch.manual_seed(seed)
+    if on_meta:
+        layer = OverlapMLP(12, 16, group=dist.group.WORLD, bias=bias, activation="swiglu", device="meta")
+        layer.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        layer.reset_parameters()
+    else:
+        layer = OverlapMLP(12, 16, group=dist.group.WORLD, bias=bias, activation="swiglu")
+    dense = layer.to_dense()
+    again = OverlapMLP.from_dense(**dense, group=dist.group.WORLD)
+    same = all(torch.equal(a, b) for a, b in zip(layer.parameters(), again.parameters()))
+    return dense, same
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_init_matches_nn_linear_and_round_trips(pool2, bias, on_meta):
+    torch.manual_seed(123)
+    fc1, fc2 = torch.nn.Linear(12, 32, bias=bias), torch.nn.Linear(16, 12, bias=bias)
+    for dense, same in pool2.run(init_run, 123, bias, on_meta):
+        assert same
+        assert torch.equal(dense["w_in"], fc1.weight.detach()) and torch.equal(dense["w_out"], fc2.weight.detach())
+        if bias:
+            assert torch.equal(dense["b_in"], fc1.bias.detach()) and torch.equal(dense["b_out"], fc2.bias.detach())
+
+
+def saved_count(rank, ws, grad):
+    layer = OverlapMLP(8, 8, group=dist.group.WORLD, num_tiles=2)
+    x = torch.randn(2, 4, 8)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        if grad:
+            y = layer(x)
+        else:
+            with torch.no_grad():
+                y = layer(x)
+    return len(packed), y.grad_fn is None
+
+
+def test_no_grad_saves_nothing(pool2):
+    assert all(r == (0, True) for r in pool2.run(saved_count, False))
+    assert all(r[0] > 0 and not r[1] for r in pool2.run(saved_count, True))
+
+
+# ------------------------------------------------------------------ launch order
+def launch_order(rank, ws, k, sp):
+    layer = OverlapMLP(8, 8, group=dist.group.WORLD, num_tiles=k, sequence_parallel=sp)
+    layer.launch_log = []
+    y = layer(torch.randn(1, 6, 8, requires_grad=True))
+    n_fwd = len(layer.launch_log)
+    y.sum().backward()
+    return [f"{name}[{t}]" for t, name, _ in layer.launch_log[:n_fwd]], \
+        [f"{name}[{t}]" for t, name, _ in layer.launch_log[n_fwd:]]
+
+
+def _rr(k, segs):
+    """Segmented round-robin written out: every tile's segment 0, then every tile's segment 1..."""
+    return [f"{op}[{t}]" for seg in segs for t in range(k) for op in seg]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_launch_order_is_segmented_round_robin(pool2, k):
+    fwd, bwd = pool2.run(launch_order, k, True)[0]
+    assert fwd == _rr(k, [["ag"], ["wait_ag", "fc1", "act", "fc2", "rs"], ["wait_rs"]])
+    assert bwd == _rr(k, [["ag_dy"], ["wait_ag_dy", "dgrad2", "act_bwd", "dgrad1", "rs_dx", "wgrad2", "wgrad1"],
+                          ["wait_rs_dx"]])
+    fwd, bwd = pool2.run(launch_order, k, False)[0]
+    assert fwd == _rr(k, [["fc1", "act", "fc2", "ar"], ["wait_ar"]])
+    assert bwd == _rr(k, [["dgrad2", "act_bwd", "dgrad1", "ar_dx", "wgrad2", "wgrad1"], ["wait_ar_dx"]])
+
+
+# ------------------------------------------------------------------ bad input
+def build(rank, ws, **kw):
+    args = dict(hidden_size=8, ffn_hidden_size=8, group=dist.group.WORLD)
+    args.update(kw)
+    OverlapMLP(**args)
+
+
+def call_with(rank, ws, make_x, **kw):
+    layer = OverlapMLP(8, 8, group=dist.group.WORLD, **kw)
+    layer(make_x(rank))
+
+
+def _x_mismatched_seq(rank):
+    return torch.randn(2, 4 + rank, 8)
+
+
+def _x_2d_on_rank0(rank):
+    return torch.randn(8, 8) if rank == 0 else torch.randn(2, 4, 8)
+
+
+def _x_wrong_hidden(rank):
+    return torch.randn(2, 4, 6)
+
+
+def _x_wrong_dtype(rank):
+    return torch.randn(2, 4, 8, dtype=torch.float64)
+
+
+def _x_wrong_dtype_rank1(rank):
+    return torch.randn(2, 4, 8, dtype=torch.float64 if rank == 1 else torch.float32)
+
+
+def _x_meta(rank):
+    return torch.randn(2, 4, 8, device="meta")
+
+
+def _x_batch_mismatch(rank):
+    return torch.randn(1 + rank, 4, 8)
+
+
+def _x_ok(rank):
+    return torch.randn(2, 4, 8)
+
+
+def expect_value_error_on_every_rank(pool, fn, *args, match):
+    with pytest.raises(RankFailure) as info:
+        pool.run(fn, *args, timeout=60)
+    errs = info.value.errors()
+    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
+    assert all(match in e[1] for e in errs), [e[1] for e in errs]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ffn_hidden_size=7), "ffn_hidden_size"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(activation="tanh"), "activation"),
+    (dict(num_tiles=0), "num_tiles"),
+    (dict(num_tiles=2.5), "num_tiles"),
+    (dict(num_tiles="many"), "num_tiles"),
+    (dict(group=None), "exactly one of group"),
+    (dict(config="fast"), "config"),
+])
+def test_bad_constructor_arguments(pool2, kw, match):
+    expect_value_error_on_every_rank(pool2, _build_kw, kw, match=match)
+
+
+def _build_kw(rank, ws, kw):
+    build(rank, ws, **kw)
+
+
+def _both_group_and_mesh(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (ws,))
+    OverlapMLP(8, 8, group=dist.group.WORLD, mesh=mesh)
+
+
+def test_both_group_and_mesh(pool2):
+    expect_value_error_on_every_rank(pool2, _both_group_and_mesh, match="exactly one")
+
+
+def _from_dense_bad(rank, ws, which):
+    w_in, w_out = torch.randn(16, 8), torch.randn(8, 8)
+    if which == "w_in":
+        w_in = torch.randn(15, 8)
+    elif which == "w_out":
+        w_out = torch.randn(8)
+    elif which == "b_in":
+        return OverlapMLP.from_dense(w_in, w_out, b_in=torch.randn(3), b_out=torch.randn(8), group=dist.group.WORLD)
+    OverlapMLP.from_dense(w_in, w_out, group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize("which", ["w_in", "w_out", "b_in"])
+def test_from_dense_bad_shapes(pool2, which):
+    expect_value_error_on_every_rank(pool2, _from_dense_bad, which, match=which)
+
+
+@pytest.mark.parametrize("make_x,match", [
+    (_x_mismatched_seq, "seq differs"),
+    (_x_batch_mismatch, "batch differs"),
+    (_x_2d_on_rank0, "3-D"),
+    (_x_wrong_hidden, "hidden"),
+    (_x_wrong_dtype, "dtype"),
+    (_x_wrong_dtype_rank1, "dtype"),
+    (_x_meta, "device"),
+])
+def test_bad_input_raises_on_every_rank(pool2, make_x, match):
+    expect_value_error_on_every_rank(pool2, call_with, make_x, match=match)
+
+
+def _different_num_tiles(rank, ws):
+    call_with(rank, ws, _x_ok, num_tiles=1 + rank)
+
+
+def test_different_num_tiles_per_rank_raises(pool2):
+    expect_value_error_on_every_rank(pool2, _different_num_tiles, match="num_tiles differs")
+
+
+def test_pool_survives_errors(pool2):
+    assert pool2.run(all_reduce_ranks) == [3, 3]
+
+
+def all_reduce_ranks(rank, ws):
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)

@@ -1,0 +1,94 @@
+"""Tier 1: tile programs, segments, round-robin order and bucketing (no process group)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from overlap_layers import OverlapConfig
+from overlap_layers.layers.tiling import effective_num_tiles, tile_bounds
+from overlap_layers.schedule import TileProgram, comm, compute, round_robin, segments, wait
+
+
+def _noop(env):
+    pass
+
+
+def mlp_like():
+    """ag -> wait -> fc1 -> fc2 -> rs -> wait, the sequence-parallel MLP's shape."""
+    return TileProgram("t", (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"),
+                             compute("fc1", _noop), compute("fc2", _noop),
+                             comm("rs", "reduce_scatter", src="y"), wait("rs", dst="out")))
+
+
+def test_segments_cut_at_waits():
+    assert segments(mlp_like()) == ((0,), (1, 2, 3, 4), (5,))
+    only_compute = TileProgram("c", (compute("a", _noop), compute("b", _noop)))
+    assert segments(only_compute) == ((0, 1),)
+
+
+def test_round_robin_k2_by_hand():
+    order = round_robin(mlp_like(), 2).describe()
+    assert order == ("ag[0]", "ag[1]",
+                     "wait_ag[0]", "fc1[0]", "fc2[0]", "rs[0]",
+                     "wait_ag[1]", "fc1[1]", "fc2[1]", "rs[1]",
+                     "wait_rs[0]", "wait_rs[1]")
+
+
+def test_round_robin_k3_custom_order():
+    order = round_robin(mlp_like(), 3, order=[2, 0, 1]).describe()
+    assert order[:3] == ("ag[2]", "ag[0]", "ag[1]")
+    assert order[3:7] == ("wait_ag[2]", "fc1[2]", "fc2[2]", "rs[2]")
+    assert order[-3:] == ("wait_rs[2]", "wait_rs[0]", "wait_rs[1]")
+
+
+def test_bucket_is_issued_at_last_member():
+    sched = round_robin(mlp_like(), 3, buckets={"rs": ((0, 1), (2,)), "ag": ((0, 1, 2),)})
+    order = sched.describe()
+    assert order[:3] == ("-ag[0]", "-ag[1]", "ag[0,1,2]")
+    assert order.index("-rs[0]") < order.index("rs[0,1]") < order.index("rs[2]")
+    # Every wait still comes after its bucket.
+    assert order.index("rs[0,1]") < order.index("wait_rs[0]")
+    assert sched.bucket_of("rs", 1) == (0, 1)
+
+
+@pytest.mark.parametrize("bad", [((0, 2), (1,)), ((0,),), ((1, 0), (2,)), ((0, 1), (1, 2))])
+def test_invalid_buckets_raise(bad):
+    with pytest.raises(ValueError, match="buckets"):
+        round_robin(mlp_like(), 3, buckets={"rs": bad})
+
+
+def test_unknown_bucket_handle_and_bad_k_raise():
+    with pytest.raises(ValueError, match="handle"):
+        round_robin(mlp_like(), 2, buckets={"nope": ((0, 1),)})
+    with pytest.raises(ValueError, match="num_tiles"):
+        round_robin(mlp_like(), 0)
+    with pytest.raises(ValueError, match="order"):
+        round_robin(mlp_like(), 2, order=[0, 0])
+
+
+def test_program_checks_handles():
+    with pytest.raises(AssertionError):
+        TileProgram("bad", (wait("x", dst="y"),))
+    with pytest.raises(AssertionError):
+        TileProgram("bad", (comm("x", "all_reduce", src="a"),))
+    with pytest.raises(ValueError, match="collective"):
+        comm("x", "broadcast", src="a")
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 9))
+def test_tile_bounds_match_tensor_split(n, k):
+    rows = torch.arange(n)
+    want = [p for p in torch.tensor_split(rows, k) if p.numel()]
+    got = [rows[a:b] for a, b in tile_bounds(n, k)]
+    assert len(got) == effective_num_tiles(n, k) == min(n, k)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+def test_config_validation():
+    assert OverlapConfig().num_tiles == "auto"
+    for bad in (dict(num_tiles=0), dict(num_tiles="two"), dict(num_tiles=True), dict(memory_budget=1.5),
+                dict(memory_budget=-3), dict(margin=-0.1), dict(transport="mpi")):
+        with pytest.raises(ValueError):
+            OverlapConfig(**bad)
+    with pytest.raises(Exception):
+        OverlapConfig().num_tiles = 2  # frozen
