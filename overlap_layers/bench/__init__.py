@@ -1,0 +1,1 @@
+"""The per-layer benchmark (``python -m overlap_layers.bench``)."""

@@ -1,0 +1,266 @@
+"""Per-layer benchmark of OverlapMLP: every mode of one shape, on every rank of one group.
+
+Modes (DESIGN.md, Benchmarks):
+
+* ``serial``  - OverlapMLP with K=1 (the plain TP layer);
+* ``naive``   - a fixed K (``--naive-k``), no planner;
+* ``auto``    - ``num_tiles="auto"``;
+* ``asynctp`` - CUDA only: forward with ``torch.ops.symm_mem.fused_all_gather_matmul`` +
+  ``fused_matmul_reduce_scatter``; forward+backward as torchtitan enables it
+  (``torch.compile`` of the serial functional layer with ``_micro_pipeline_tp``);
+* ``compute`` - plain PyTorch dense math on the pre-gathered input (a fixed reference);
+* ``comm``    - the layer's collectives alone.
+
+limit = max(compute, comm); each time is the median over repeats of the max over ranks.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..layers.mlp import OverlapMLP
+from ..runtime.collectives import _all_gather, _reduce_scatter
+
+PRESETS = {
+    "tiny": dict(hidden=64, ffn=256, batch=2, seq=64),
+    "llama3-8b": dict(hidden=4096, ffn=14336, batch=4, seq=4096),
+    "llama3-70b": dict(hidden=8192, ffn=28672, batch=4, seq=4096),
+}
+MODES = ("serial", "naive", "auto", "asynctp", "compute", "comm")
+
+
+@dataclass
+class Shape:
+    preset: str
+    hidden: int
+    ffn: int
+    batch: int
+    seq: int  # global sequence (split over ranks with sequence parallelism)
+    sequence_parallel: bool = True
+    activation: str = "swiglu"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of (max over ranks of the mean time of ``iters`` calls), in ms."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / iters
+        t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        samples.append(float(t))
+    return statistics.median(samples)
+
+
+def _act(kind, pre):
+    if kind == "swiglu":
+        g, u = pre.chunk(2, dim=-1)
+        return F.silu(g) * u
+    return F.gelu(pre) if kind == "gelu" else F.relu(pre)
+
+
+class MLPBench:
+    """Builds the inputs for one shape and hands out a callable per (mode, pass)."""
+
+    def __init__(self, shape: Shape, group, device, dtype, naive_k: int):
+        self.s, self.group, self.device, self.dtype, self.naive_k = shape, group, device, dtype, naive_k
+        ws = dist.get_world_size(group)
+        self.ws = ws
+        if shape.seq % ws or shape.ffn % ws:
+            raise ValueError(f"seq={shape.seq} and ffn={shape.ffn} must divide by the group size {ws}")
+        torch.manual_seed(0)
+        self.layer = OverlapMLP(shape.hidden, shape.ffn, group=group, sequence_parallel=shape.sequence_parallel,
+                                activation=shape.activation, num_tiles=1, dtype=dtype, device=device)
+        seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
+        self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
+        self.dy = torch.randn_like(self.x)
+        self.tokens_local = shape.batch * seq_local
+
+    # ------------------------------------------------------------ our layer
+    def layer_fn(self, k, backward: bool):
+        layer = self.layer
+        layer.num_tiles = k
+        layer.plan = None
+        layer.pin_plan(None)
+        x = self.x.detach().requires_grad_(backward)
+
+        def run():
+            if backward:
+                layer(x).backward(self.dy)
+                x.grad = None
+                for p in layer.parameters():
+                    p.grad = None
+            else:
+                with torch.no_grad():
+                    layer(x)
+        return run
+
+    # ------------------------------------------------------------ references
+    def _gathered(self):
+        x2 = self.x.reshape(-1, self.s.hidden)
+        if not self.s.sequence_parallel:
+            return x2
+        xg = x2.new_empty((self.ws * x2.shape[0], x2.shape[1]))
+        _all_gather(xg, x2, group=self.group)
+        return xg
+
+    def compute_fn(self, backward: bool):
+        xg = self._gathered().detach().requires_grad_(backward)
+        w_in = self.layer.w_in.detach().requires_grad_(backward)
+        w_out = self.layer.w_out.detach().requires_grad_(backward)
+        dyg = torch.randn(xg.shape, device=self.device, dtype=self.dtype)
+
+        def run():
+            if backward:
+                y = _act(self.s.activation, xg @ w_in.t()) @ w_out.t()
+                y.backward(dyg)
+                xg.grad = w_in.grad = w_out.grad = None
+            else:
+                with torch.no_grad():
+                    _act(self.s.activation, xg @ w_in.t()) @ w_out.t()
+        return run
+
+    def comm_fn(self, backward: bool):
+        x2 = self.x.reshape(-1, self.s.hidden)
+        g = self.group
+        if self.s.sequence_parallel:
+            xg = x2.new_empty((self.ws * x2.shape[0], x2.shape[1]))
+            out = torch.empty_like(x2)
+
+            def once():
+                _all_gather(xg, x2, group=g)
+                _reduce_scatter(out, xg, group=g)
+        else:
+            buf = x2.clone()
+
+            def once():
+                dist.all_reduce(buf, group=g)
+
+        def run():
+            once()
+            if backward:
+                once()
+        return run
+
+    # ------------------------------------------------------------ AsyncTP
+    def asynctp_fn(self, backward: bool):
+        if self.device.type != "cuda" or not self.s.sequence_parallel:
+            return None
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        name = self.group.group_name
+        enable_symm_mem_for_group(name)
+        w_in, w_out = self.layer.w_in, self.layer.w_out
+        x2 = self.x.reshape(-1, self.s.hidden)
+        act = self.s.activation
+        if not backward:
+            def run():
+                with torch.no_grad():
+                    _, (pre,) = torch.ops.symm_mem.fused_all_gather_matmul(x2, [w_in.t()], gather_dim=0,
+                                                                             group_name=name)
+                    torch.ops.symm_mem.fused_matmul_reduce_scatter(_act(act, pre), w_out.t(), "sum",
+                                                                   scatter_dim=0, group_name=name)
+            return run
+        import torch._inductor.config as inductor_config
+        import torch.distributed._functional_collectives as funcol
+        inductor_config._micro_pipeline_tp = True
+        group = self.group
+
+        def serial(x, wi, wo):
+            xg = funcol.all_gather_tensor(x, gather_dim=0, group=group)
+            y = _act(act, xg @ wi.t()) @ wo.t()
+            return funcol.reduce_scatter_tensor(y, "sum", scatter_dim=0, group=group)
+
+        compiled = torch.compile(serial, fullgraph=True)
+        xr = x2.detach().requires_grad_()
+        dy2 = self.dy.reshape(-1, self.s.hidden)
+
+        def run():
+            compiled(xr, w_in, w_out).backward(dy2)
+            xr.grad = None
+            w_in.grad = w_out.grad = None
+        return run
+
+
+def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
+                log: Callable[[str], None]) -> List[dict]:
+    b = MLPBench(shape, group, device, dtype, naive_k)
+    records = []
+    for pass_ in passes:
+        backward = pass_ == "fwdbwd"
+        times: Dict[str, Optional[float]] = {}
+        extra: Dict[str, dict] = {}
+        for mode in modes:
+            if mode in ("serial", "naive", "auto"):
+                k = {"serial": 1, "naive": naive_k, "auto": "auto"}[mode]
+                fn = b.layer_fn(k, backward)
+            elif mode == "compute":
+                fn = b.compute_fn(backward)
+            elif mode == "comm":
+                fn = b.comm_fn(backward)
+            else:
+                try:
+                    fn = b.asynctp_fn(backward)
+                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    fn = None
+            if fn is None:
+                times[mode] = None
+                continue
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            try:
+                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
+            except Exception as e:  # noqa: BLE001
+                if mode != "asynctp":
+                    raise
+                times[mode] = None
+                extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            info = extra.setdefault(mode, {})
+            if device.type == "cuda":
+                info["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            if mode in ("serial", "naive", "auto"):
+                info["k"] = b.layer.plan.num_tiles
+            log(f"  {shape.preset} ws={b.ws} tokens={shape.batch * shape.seq} {pass_:6s} {mode:8s} "
+                f"{times[mode]:.3f} ms")
+        limit = max(t for t in (times.get("compute"), times.get("comm")) if t is not None) \
+            if times.get("compute") is not None and times.get("comm") is not None else None
+        for mode, ms in times.items():
+            rec = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
+                       seq=shape.seq, tokens=shape.batch * shape.seq, world_size=b.ws,
+                       sequence_parallel=shape.sequence_parallel, activation=shape.activation,
+                       dtype=str(dtype).replace("torch.", ""), pass_=pass_, mode=mode, ms=ms,
+                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
+                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
+                       predicted_ms=None)
+            rec.update(extra.get(mode, {}))
+            records.append(rec)
+    return records

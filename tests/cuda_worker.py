@@ -1,0 +1,138 @@
+"""CUDA checks, one process per GPU under torchrun (run by test_cuda.py; tier 3).
+
+Numerics of OverlapMLP on NCCL with real streams against a float64 dense reference computed on
+each rank, autocast bf16, no_grad, and peak memory: the tiled layer must stay within the serial
+layer's peak plus one tile of intermediates. Exits non-zero on the first failure.
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from overlap_layers import OverlapMLP  # noqa: E402
+from overlap_layers.layers.mlp import MLPPlan  # noqa: E402
+
+
+def dense(x, w_in, w_out, b_in, b_out, act):
+    pre = x @ w_in.T + (0 if b_in is None else b_in)
+    if act == "swiglu":
+        g, u = pre.chunk(2, -1)
+        h = g * torch.sigmoid(g) * u
+    else:
+        h = 0.5 * pre * (1 + torch.erf(pre / math.sqrt(2))) if act == "gelu" else pre.clamp(min=0)
+    return h @ w_out.T + (0 if b_out is None else b_out)
+
+
+def check_numerics(rank, ws, dev):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails = 0
+    for sp in (True, False):
+        for act, bias in (("swiglu", False), ("gelu", True), ("relu", True)):
+            for plan in (MLPPlan(1), MLPPlan(2), MLPPlan(3), MLPPlan(4), MLPPlan(3, regather=True),
+                         MLPPlan(4, buckets_fwd=(("ag" if sp else "ar", ((0, 1), (2, 3))),),
+                                 buckets_bwd=(("ag_dy" if sp else "ar_dx", ((0,), (1, 2, 3))),))):
+                g = torch.Generator(device="cpu").manual_seed(7)
+                H, Fd, B, S = 64, 32 * ws, 2, 12 * ws
+                n_in = 2 * Fd if act == "swiglu" else Fd
+                r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dev)  # noqa: E731
+                x, dy = r(B, S, H), r(B, S, H)
+                w_in, w_out = r(n_in, H) / 8, r(H, Fd) / math.sqrt(Fd)
+                b_in, b_out = (r(n_in), r(H)) if bias else (None, None)
+                leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w_in, w_out, b_in, b_out)]
+                y_ref = dense(*leaves, act)
+                y_ref.backward(dy)
+                f32 = lambda t: t.float() if t is not None else None  # noqa: E731
+                layer = OverlapMLP.from_dense(f32(w_in), f32(w_out), b_in=f32(b_in), b_out=f32(b_out),
+                                              group=dist.group.WORLD, sequence_parallel=sp, activation=act)
+                layer.pin_plan(plan)
+                loc = (lambda t: t.chunk(ws, 1)[rank]) if sp else (lambda t: t)
+                xl = loc(x).float().requires_grad_()
+                y = layer(xl)
+                y.backward(loc(dy).float())
+                dense_w = layer.to_dense()
+                fl = Fd // ws
+                want_w_in = leaves[1].grad
+                if act == "swiglu":
+                    want_w_in = torch.cat([want_w_in[rank * fl:(rank + 1) * fl], want_w_in[Fd + rank * fl:Fd + (rank + 1) * fl]])
+                else:
+                    want_w_in = want_w_in[rank * fl:(rank + 1) * fl]
+                pairs = [("y", y, loc(y_ref)), ("dx", xl.grad, loc(leaves[0].grad)),
+                         ("w_in.grad", layer.w_in.grad, want_w_in),
+                         ("w_out.grad", layer.w_out.grad, leaves[2].grad[:, rank * fl:(rank + 1) * fl]),
+                         ("to_dense", dense_w["w_in"], w_in)]
+                for name, got, want in pairs:
+                    err = ((got.double() - want).norm() / want.norm()).item()
+                    if not err < 1e-5:
+                        fails += 1
+                        print(f"rank {rank} FAIL sp={sp} {act} {plan} {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
+def check_autocast_and_no_grad(rank, ws, dev):
+    layer = OverlapMLP(256, 512, group=dist.group.WORLD, num_tiles=2, device=dev)
+    x = torch.randn(2, 64, 256, device=dev, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    ok = y.dtype == torch.bfloat16 and layer.w_in.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+    with torch.no_grad():
+        y2 = layer(x)
+    ok = ok and y2.grad_fn is None
+    if not ok:
+        print(f"rank {rank} FAIL autocast/no_grad", flush=True)
+    return 0 if ok else 1
+
+
+def check_peak_memory(rank, ws, dev):
+    H, Fd, tokens = 2048, 8192, 8192
+    dtype = torch.bfloat16
+    layer = OverlapMLP(H, Fd, group=dist.group.WORLD, device=dev, dtype=dtype)
+    x = torch.randn(1, tokens // ws, H, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    peaks = {}
+    for k in (1, 2, 4):
+        layer.pin_plan(MLPPlan(k))
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            layer(x).backward(dy)
+            torch.cuda.synchronize()
+            peaks[k] = torch.cuda.max_memory_allocated() - base
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+    fails = 0
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for k in (2, 4):
+        m = tokens // k  # gathered rows of one tile
+        tile = m * (2 * Fd // ws + Fd // ws + H) * elt  # pre + h + partial output
+        if rank == 0:
+            print(f"peak fwd+bwd: K=1 {peaks[1] / 2**20:.1f} MiB, K={k} {peaks[k] / 2**20:.1f} MiB, "
+                  f"one tile {tile / 2**20:.1f} MiB", flush=True)
+        if peaks[k] > peaks[1] + tile:
+            fails += 1
+            print(f"rank {rank} FAIL peak K={k}: {peaks[k]} > {peaks[1]} + {tile}", flush=True)
+    return fails
+
+
+def main():
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_peak_memory(rank, ws, dev)
+    t = torch.tensor([fails], device=dev)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"cuda checks: {int(t)} failures", flush=True)
+    sys.exit(1 if int(t) else 0)
+
+
+if __name__ == "__main__":
+    main()
