@@ -79,6 +79,8 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
             print(msg, flush=True)
 
     records = []
+    out = args.out or os.path.join("bench", "results", f"mlp_{'cuda' if cuda else 'cpu'}_"
+                                   f"{datetime.datetime.now():%Y%m%d_%H%M%S}.json")
     for tp in args.tp or [world]:
         if world % tp:
             raise SystemExit(f"--tp {tp} does not divide the world size {world}")
@@ -95,24 +97,27 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
                                    repeats, log)
                 if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                     records.extend(recs)
-                torch.cuda.empty_cache() if cuda else None
+                    _write(args, cuda, world, records, out)
+                if cuda:
+                    torch.cuda.empty_cache()
     if rank == 0:
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-                    world_size=world, backend="nccl" if cuda else "gloo", command=" ".join(sys.argv),
-                    nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"),
-                    nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None)
-        for r in records:
-            r["pass"] = r.pop("pass_")
-        out = args.out or os.path.join("bench", "results", f"mlp_{'cuda' if cuda else 'cpu'}_"
-                                       f"{datetime.datetime.now():%Y%m%d_%H%M%S}.json")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
         print(format_table(records))
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _write(args, cuda, world, records, out) -> None:
+    """(Re)write the JSON after every shape, so a run cut short keeps what it measured."""
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__,
+                device=torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+                world_size=world, backend="nccl" if cuda else "gloo", command=" ".join(sys.argv),
+                nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"),
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
 
 
 def format_table(records) -> str:

@@ -257,10 +257,11 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
             rec = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                        seq=shape.seq, tokens=shape.batch * shape.seq, world_size=b.ws,
                        sequence_parallel=shape.sequence_parallel, activation=shape.activation,
-                       dtype=str(dtype).replace("torch.", ""), pass_=pass_, mode=mode, ms=ms,
+                       dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
                        limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
                        ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
                        predicted_ms=None)
+            rec["pass"] = pass_
             rec.update(extra.get(mode, {}))
             records.append(rec)
     return records
