@@ -20,7 +20,7 @@ class OverlapConfig:
     """How a layer tiles and plans.
 
     ``num_tiles``: a positive int (fixed K) or ``"auto"``. Until the planner lands, ``"auto"``
-    uses the rule in :func:`overlap_layers.layers.tiling.interim_num_tiles`.
+    uses :func:`overlap_layers.layers.tiling.interim_num_tiles` (the serial layer).
     ``memory_budget`` (bytes, or a fraction in (0, 1] of free device memory), ``margin``,
     ``transport``, ``measure``, ``verify_first_calls`` and ``cache_dir`` steer the planner.
     """

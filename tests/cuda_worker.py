@@ -87,6 +87,19 @@ def check_autocast_and_no_grad(rank, ws, dev):
     return 0 if ok else 1
 
 
+def check_mismatch_raises(rank, ws, dev):
+    """Ranks passing different shapes all get the same ValueError (the host-side agreement)."""
+    layer = OverlapMLP(64, 64 * ws, group=dist.group.WORLD, device=dev, num_tiles=2)
+    try:
+        layer(torch.randn(1, 8 + rank, 64, device=dev))
+    except ValueError as e:
+        if "seq differs" in str(e):
+            layer(torch.randn(1, 8, 64, device=dev))  # the group still works afterwards
+            return 0
+    print(f"rank {rank} FAIL: mismatched shapes did not raise", flush=True)
+    return 1
+
+
 def check_peak_memory(rank, ws, dev):
     H, Fd, tokens = 2048, 8192, 8192
     dtype = torch.bfloat16
@@ -125,7 +138,7 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_peak_memory(rank, ws, dev)
+    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -2,7 +2,8 @@
 
 ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank at once and returns
 the per-rank results, or raises :class:`RankFailure` carrying every rank's outcome. Workers are
-forked before the parent creates any process group and use one thread. After a failure the pool
+started with the ``spawn`` method (forking a parent that has started threads, e.g. CUDA's on the
+GPU machine, deadlocked a worker there) and use one thread. After a failure the pool
 checks that the group still works (a barrier under a short timeout) and is rebuilt if not, so one
 broken test cannot hang the ones after it.
 """
@@ -65,7 +66,7 @@ class WorkerPool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("spawn")
         fd, path = tempfile.mkstemp(prefix="overlap_store_")
         os.close(fd)
         os.unlink(path)
@@ -101,10 +102,16 @@ class WorkerPool:
 
     def _call(self, fn, args, timeout):
         for c in self._conns:
-            c.send((fn, args))
+            try:
+                c.send((fn, args))
+            except (BrokenPipeError, OSError):
+                pass
         outcomes = []
         for c in self._conns:
-            outcomes.append(c.recv() if c.poll(timeout) else ("timeout",))
+            try:
+                outcomes.append(c.recv() if c.poll(timeout) else ("timeout",))
+            except (EOFError, OSError):  # the worker died
+                outcomes.append(("timeout",))
         return outcomes
 
     def run(self, fn, *args, timeout: float = RESULT_TIMEOUT_S):

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..config import OverlapConfig, check_num_tiles
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime import StreamPool, agree, execute, first_disagreement, resolve_group
+from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .tiling import effective_num_tiles, interim_num_tiles, tile_bounds
 
@@ -285,6 +285,7 @@ class OverlapMLP(nn.Module):
         self._pinned: Optional[MLPPlan] = None
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
+        self._agreement = Agreement(self.group)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -428,8 +429,7 @@ class OverlapMLP(nn.Module):
             (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
         dtype_code = _DTYPES.index(x.dtype) if err == 0 and x.dtype in _DTYPES else -1
         names = ("input error", "batch", "seq", "hidden", "dtype", "num_tiles", "grad mode", "plan")
-        table = agree(self.group, (err, *shape, dtype_code, plan.num_tiles, int(save), plan.digest()),
-                      self.w_in.device)
+        table = self._agreement.gather((err, *shape, dtype_code, plan.num_tiles, int(save), plan.digest()))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got {tuple(getattr(x, 'shape', ()))}, " \

@@ -8,11 +8,6 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-# Interim rule for num_tiles="auto" until the planner lands: a tile must carry at least this
-# many gathered rows (tokens of the whole group) for its GEMMs to stay efficient.
-AUTO_MIN_ROWS_PER_TILE = 4096
-
-
 def tile_bounds(n: int, k: int) -> List[Tuple[int, int]]:
     """``[start, stop)`` row ranges of ``min(k, n)`` tiles, ``torch.tensor_split`` style."""
     k = max(1, min(k, n))
@@ -30,6 +25,10 @@ def effective_num_tiles(n: int, k: int) -> int:
 
 
 def interim_num_tiles(gathered_rows: int) -> int:
-    """K for ``num_tiles="auto"`` before the planner: 2 when both tiles keep at least
-    :data:`AUTO_MIN_ROWS_PER_TILE` gathered rows, else 1 (the serial layer)."""
-    return 2 if gathered_rows >= 2 * AUTO_MIN_ROWS_PER_TILE else 1
+    """K for ``num_tiles="auto"`` until the planner lands: 1, the serial layer.
+
+    Measured on 4xH200 with NVLink (bench/results/mlp_nvlink_h200.md), a fixed K=2 split with
+    NCCL was 0.99-1.08x the serial layer's time on the llama3 MLP shapes, never a clear win, so
+    without a cost model the safe choice is not to tile.
+    """
+    return 1

@@ -3,16 +3,18 @@
 [Note: agreement]
 Every decision that changes which collectives a layer issues must be identical on every rank
 by construction (DESIGN.md, conventions). A layer therefore starts *every* call with
-:func:`agree`: one tiny all-gather of the numbers its plan depends on (input shape, dtype,
-tile count, grad mode, plan hash). Every rank issues it unconditionally, so it cannot hang, and
-every rank sees the same gathered table, so either every rank proceeds or every rank raises the
-same ValueError. A per-rank "new shape" branch that issued its own collective could hang.
-On CUDA the gather runs on a side stream that does not wait for the caller's pending kernels, so
-the host waits only for the tiny collective itself, not for the GPU queue to drain.
+:meth:`Agreement.gather`: one tiny all-gather of the numbers its plan depends on (input shape,
+dtype, tile count, grad mode, plan hash, a local input-error code). Every rank issues it
+unconditionally, so it cannot hang, and every rank sees the same gathered table, so either every
+rank proceeds or every rank raises the same ValueError. A per-rank "new shape" branch that
+issued its own collective could hang.
+The gather runs on the host: on the group itself when it has a gloo backend, otherwise on a gloo
+twin of the group (same ranks) created at the first call by the group's members alone. Doing it
+over NCCL would need a host sync on a device result every call, which drains the GPU queue and
+exposes all host launch overhead (measured on 4xH200: ~0.3 ms per MLP call).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -42,16 +44,30 @@ def resolve_group(group=None, mesh=None, axis=None):
     return mesh.get_group(axis)
 
 
-def agree(group, values: Sequence[int], device: torch.device) -> List[Tuple[int, ...]]:
-    """All-gather ``values`` (ints) from every rank; see [Note: agreement]."""
-    ws = dist.get_world_size(group)
-    side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+class Agreement:
+    """Gathers small integer tuples from every rank of ``group`` on the host; see
+    [Note: agreement]."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._host_group = None
+
+    def _host(self):
+        if self._host_group is None:
+            if "gloo" in str(dist.get_backend(self.group)):
+                self._host_group = self.group
+            else:
+                self._host_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
+                                                  use_local_synchronization=True)
+        return self._host_group
+
+    def gather(self, values: Sequence[int]) -> List[Tuple[int, ...]]:
+        group = self._host()
+        ws = dist.get_world_size(group)
+        mine = torch.tensor(list(values), dtype=torch.int64)
         out = mine.new_empty(ws * len(values))
         _all_gather(out, mine, group=group)
-        table = out.view(ws, len(values)).tolist()
-    return [tuple(r) for r in table]
+        return [tuple(r) for r in out.view(ws, len(values)).tolist()]
 
 
 def first_disagreement(table: Sequence[Tuple[int, ...]], names: Sequence[str]) -> Optional[str]:
