@@ -170,7 +170,8 @@ def _build_tasks(schedule: Schedule, costs: Costs) -> List[_Task]:
             continue
         host_ms = (len(tasks) + 1) * costs.launch_ms
         if op.kind == "comm":
-            deps = [tail.get(stream)] + [member_ready.pop((op.handle, m)) for m in ln.bucket if m != t]
+            deps = [tail.get(stream)]
+            deps += [member_ready.pop((op.handle, m)) for m in ln.bucket if m != t]
             alpha = costs.comm_alpha_ms
             work = alpha + sum(_lookup(costs.comm_ms, m, op, "comm_ms") - alpha for m in ln.bucket)
             tag = ln.bucket if len(ln.bucket) > 1 else t

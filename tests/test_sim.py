@@ -1,0 +1,220 @@
+"""Tier 1: the discrete-event simulator on synthetic programs, answers worked out by hand."""
+import ast
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import overlap_layers.sim.simulator as simulator_module
+from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wait
+from overlap_layers.sim import Costs, simulate
+
+
+def _noop(env):
+    pass
+
+
+def mlp_like():
+    """ag -> wait -> fc1 -> fc2 -> rs -> wait, the sequence-parallel MLP's shape."""
+    return TileProgram("mlp", (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"),
+                               compute("fc1", _noop), compute("fc2", _noop),
+                               comm("rs", "reduce_scatter", src="y"), wait("rs", dst="out")))
+
+
+def mlp_costs(k, comm_ms=None, **kw):
+    """Per-tile costs of a layer with 2 ms per GEMM and 1 ms per collective, cut into k tiles."""
+    c = 1.0 / k if comm_ms is None else comm_ms
+    return Costs(compute_ms={"fc1": 2.0 / k, "fc2": 2.0 / k}, comm_ms={"ag": c, "rs": c}, **kw)
+
+
+def spans(tl, tile=None):
+    """{"name[tile]": (start, end)} for the events of ``tl``."""
+    return {f"{e.name}[{e.tile}]": (e.start_ms, e.end_ms) for e in tl.events
+            if tile is None or e.tile == tile}
+
+
+def test_serial_k1():
+    # ag 0-1 | fc1 1-3 | fc2 3-5 | rs 5-6: nothing overlaps, both collectives are exposed.
+    tl = simulate(round_robin(mlp_like(), 1), mlp_costs(1))
+    assert tl.makespan_ms == pytest.approx(6.0)
+    assert tl.exposed_comm_ms == pytest.approx(2.0)
+    assert tl.stream_busy_ms == pytest.approx({"compute0": 4.0, "comm": 2.0})
+    assert spans(tl)["wait_ag[0]"] == (1.0, 1.0)
+
+
+def test_k2_one_stream_by_hand():
+    # Launches: ag0 ag1 | wait_ag0 fc1_0 fc2_0 rs0 | wait_ag1 fc1_1 fc2_1 rs1 | wait_rs0 wait_rs1
+    # (one compute stream, alpha 0, no interference).
+    # comm:     ag0 0-.5, ag1 .5-1, rs0 2.5-3 (after fc2_0), rs1 4.5-5 (after fc2_1)
+    # compute0: fc1_0 .5-1.5, fc2_0 1.5-2.5, fc1_1 2.5-3.5, fc2_1 3.5-4.5, wait_rs1 ends at 5.
+    # Exposed: ag0 (0-.5) and rs1 (4.5-5) = 1 ms, half of K=1's 2 ms.
+    tl = simulate(round_robin(mlp_like(), 2), mlp_costs(2))
+    assert tl.makespan_ms == pytest.approx(5.0)
+    assert tl.exposed_comm_ms == pytest.approx(1.0)
+    s = spans(tl)
+    assert s["rs[0]"] == pytest.approx((2.5, 3.0)) and s["fc1[1]"] == pytest.approx((2.5, 3.5))
+    assert s["wait_rs[0]"] == pytest.approx((4.5, 4.5))  # stream busy with tile 1 until 4.5
+    assert tl.exposed_comm_ms < simulate(round_robin(mlp_like(), 1), mlp_costs(1)).exposed_comm_ms
+
+
+def test_k2_two_streams_by_hand():
+    # compute0: fc1_0 .5-1.5, fc2_0 1.5-2.5; compute1: fc1_1 1-2, fc2_1 2-3 (after ag1 .5-1).
+    # comm: ag0 0-.5, ag1 .5-1, rs0 2.5-3, rs1 3-3.5. Exposed: 0-.5 and 3-3.5.
+    tl = simulate(round_robin(mlp_like(), 2), mlp_costs(2, num_streams=2))
+    assert tl.makespan_ms == pytest.approx(3.5)
+    assert tl.exposed_comm_ms == pytest.approx(1.0)
+    assert tl.stream_busy_ms == pytest.approx({"compute0": 2.0, "compute1": 2.0, "comm": 2.0})
+
+
+def test_interference_slows_overlapped_compute():
+    # interference 2: fc1_0 starts at .5 under ag1 (until 1): .25 ms of work done, .75 left -> 1.75.
+    # fc2_0 1.75-2.75, rs0 2.75-3.25; fc1_1 starts 2.75 under rs0: .25 done by 3.25 -> ends 4;
+    # fc2_1 4-5, rs1 5-5.5.
+    tl = simulate(round_robin(mlp_like(), 2), mlp_costs(2, interference=2.0))
+    assert spans(tl)["fc1[0]"] == pytest.approx((0.5, 1.75))
+    assert tl.makespan_ms == pytest.approx(5.5)
+    # K=1 has no overlap, so interference does not touch it.
+    assert simulate(round_robin(mlp_like(), 1), mlp_costs(1, interference=2.0)).makespan_ms == 6.0
+
+
+def test_interference_and_alpha_make_k2_lose():
+    # alpha .5: a collective of 1 ms is .5 latency + .5 bandwidth, so a half tile costs .75 ms.
+    # interference 4: ag0 0-.75, ag1 .75-1.5; fc1_0 from .75 does .75/4 = .1875 under ag1, the
+    # remaining .8125 ends at 2.3125; fc2_0 -3.3125; rs0 -4.0625; fc1_1 from 3.3125 does .1875
+    # under rs0 and ends at 4.875; fc2_1 -5.875; rs1 -6.625 > 6 ms of K=1.
+    kw = dict(comm_alpha_ms=0.5, interference=4.0)
+    k1 = simulate(round_robin(mlp_like(), 1), mlp_costs(1, **kw)).makespan_ms
+    k2 = simulate(round_robin(mlp_like(), 2), mlp_costs(2, comm_ms=0.75, **kw)).makespan_ms
+    assert k1 == pytest.approx(6.0)
+    assert k2 == pytest.approx(6.625)
+    # Without interference the same K=2 wins: 5.5 ms.
+    no_slow = mlp_costs(2, comm_ms=0.75, comm_alpha_ms=0.5)
+    assert simulate(round_robin(mlp_like(), 2), no_slow).makespan_ms == pytest.approx(5.5)
+
+
+def test_bucketing_saves_one_alpha():
+    # Bucket ag of tiles 0 and 1: .5 + 2 * (.75 - .5) = 1 ms instead of 2 * .75 = 1.5 ms.
+    # ag[0,1] 0-1; fc1_0 1-2, fc2_0 2-3, rs0 3-3.75; fc1_1 3-4, fc2_1 4-5, rs1 5-5.75.
+    costs = mlp_costs(2, comm_ms=0.75, comm_alpha_ms=0.5)
+    plain = simulate(round_robin(mlp_like(), 2), costs)
+    bucketed = simulate(round_robin(mlp_like(), 2, buckets={"ag": ((0, 1),)}), costs)
+    assert plain.stream_busy_ms["comm"] - bucketed.stream_busy_ms["comm"] == pytest.approx(0.5)
+    assert spans(bucketed)["ag[(0, 1)]"] == pytest.approx((0.0, 1.0))
+    assert bucketed.makespan_ms == pytest.approx(5.75)
+    assert plain.makespan_ms == pytest.approx(5.5)  # the lost overlap costs more than alpha here
+
+
+def test_bucket_waits_for_every_members_compute():
+    # p -> c -> wait: tile 0's p is 1 ms, tile 1's 3 ms on its own stream; the bucket of c
+    # is issued from tile 1 but must also wait for tile 0's p: it runs 3-5 (2 * 1 ms, alpha 0).
+    prog = TileProgram("pc", (compute("p", _noop), comm("c", "all_reduce", src="x"),
+                              wait("c", dst="y")))
+    costs = Costs(compute_ms=lambda t, op: 1.0 + 2.0 * t, comm_ms={"c": 1.0}, num_streams=2)
+    tl = simulate(round_robin(prog, 2, buckets={"c": ((0, 1),)}, order=[1, 0]), costs)
+    assert spans(tl)["c[(0, 1)]"] == pytest.approx((3.0, 5.0))
+    tl = simulate(round_robin(prog, 2, buckets={"c": ((0, 1),)}, order=[0, 1]), costs)
+    assert spans(tl)["c[(0, 1)]"] == pytest.approx((3.0, 5.0))
+
+
+def test_peak_memory_by_hand():
+    # Per tile (K=2; K=1 has twice the bytes): ag's gathered input 50, freed after fc1; fc1's
+    # activation 20, saved for backward; fc2's output 15, freed after wait_rs; rs's 5, freed at
+    # its own end. Timeline as in test_k2_one_stream_by_hand:
+    #   0: +50 (ag0) = 50;  .5: +50 (ag1) +20 (fc1_0) = 120;  1.5: -50 (ag0) +15 (fc2_0) = 85;
+    #   2.5: +5 (rs0) +20 (fc1_1) = 110;  3: -5 = 105;  3.5: -50 (ag1) +15 (fc2_1) = 70;
+    #   4.5: -15 (fc2_0 at wait_rs0) +5 (rs1) = 60;  5: -15 -5 = 40 (the saved activations).
+    # K=1: 100 + 40 during fc1 (1-3) = 140.
+    frees = {"ag": "fc1", "fc1": None, "fc2": "wait_rs"}
+    b2 = {"ag": 50, "fc1": 20, "fc2": 15, "rs": 5}
+    k2 = simulate(round_robin(mlp_like(), 2), mlp_costs(2, bytes=b2, frees=frees, base_bytes=7))
+    assert k2.peak_bytes == 120 + 7
+    k1 = simulate(round_robin(mlp_like(), 1),
+                  mlp_costs(1, bytes={n: 2 * b for n, b in b2.items()}, frees=frees))
+    assert k1.peak_bytes == 140
+    # Saved-for-backward buffers stay to the end: with only fc1 counted, the peak is both tiles'.
+    saved = simulate(round_robin(mlp_like(), 2), mlp_costs(2, bytes={"fc1": 20}, frees=frees))
+    assert saved.peak_bytes == 40
+
+
+def test_frees_must_name_later_ops():
+    with pytest.raises(ValueError, match="frees"):
+        simulate(round_robin(mlp_like(), 1), mlp_costs(1, bytes={"fc2": 1}, frees={"fc2": "ag"}))
+    with pytest.raises(ValueError, match="frees"):
+        simulate(round_robin(mlp_like(), 1), mlp_costs(1, frees={"fc2": "nope"}))
+
+
+def test_launch_cost_delays_ops():
+    # launch_ms .5: the k-th launch is ready at .5k; the host runs ahead of the streams, so only
+    # the first op is late: ag .5-1.5, fc1 1.5-3.5, fc2 3.5-5.5, rs 5.5-6.5.
+    tl = simulate(round_robin(mlp_like(), 1), mlp_costs(1, launch_ms=0.5))
+    assert tl.makespan_ms == pytest.approx(6.5)
+    # launch_ms 3: launches at 3, 6, 9, 12, 15, 18; ag 3-4, fc1 9-11, fc2 12-14, rs 15-16, and the
+    # last wait is launched at 18. Deferred bucket members are free: K=2 with one ag bucket has
+    # 11 launches, the last at 33.
+    tl = simulate(round_robin(mlp_like(), 1), mlp_costs(1, launch_ms=3.0))
+    assert spans(tl) == {"ag[0]": (3, 4), "wait_ag[0]": (6, 6), "fc1[0]": (9, 11),
+                         "fc2[0]": (12, 14), "rs[0]": (15, 16), "wait_rs[0]": (18, 18)}
+    sched = round_robin(mlp_like(), 2, buckets={"ag": ((0, 1),)})
+    assert simulate(sched, mlp_costs(2, launch_ms=3.0)).makespan_ms == pytest.approx(33.0)
+
+
+def test_chain_orders_across_streams():
+    prog = TileProgram("acc", (compute("acc", _noop, chain="grad"),))
+    free = TileProgram("acc", (compute("acc", _noop),))
+    costs = Costs(compute_ms={"acc": 1.0}, comm_ms={}, num_streams=2)
+    assert simulate(round_robin(free, 2), costs).makespan_ms == pytest.approx(1.0)
+    assert simulate(round_robin(prog, 2), costs).makespan_ms == pytest.approx(2.0)
+
+
+def test_chrome_trace_one_x_event_per_launched_op():
+    sched = round_robin(mlp_like(), 2, buckets={"ag": ((0, 1),)})
+    trace = simulate(sched, mlp_costs(2)).to_chrome_trace()
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == sum(1 for ln in sched.launches if ln.bucket != ()) == 11
+    ag = next(e for e in xs if e["name"] == "ag[0,1]")
+    assert (ag["ts"], ag["dur"]) == (0.0, pytest.approx(1000.0))  # microseconds
+    json.dumps(trace)
+
+
+def test_missing_cost_and_bad_arguments_raise():
+    with pytest.raises(ValueError, match="compute_ms"):
+        simulate(round_robin(mlp_like(), 1),
+                 Costs(compute_ms={"fc1": 1}, comm_ms={"ag": 1, "rs": 1}))
+    for bad in (dict(num_streams=0), dict(interference=0.5), dict(launch_ms=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            mlp_costs(1, **bad)
+
+
+def test_simulator_is_pure_python():
+    tree = ast.parse(open(simulator_module.__file__).read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m.split(".")[0] == "torch" for m in imported), imported
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 4), s=st.integers(1, 3), slow=st.sampled_from([1.0, 1.5, 3.0]),
+       alpha=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 10_000),
+       bucket=st.booleans())
+def test_timeline_invariants(k, s, slow, alpha, seed, bucket):
+    def cost(t, op):  # deterministic, varied per tile and op
+        return 0.2 + ((seed * 31 + t * 7 + len(op.name) * 3) % 10) / 10
+
+    buckets = {"rs": ((tuple(range(k))),)} if bucket else None
+    sched = round_robin(mlp_like(), k, buckets=buckets)
+    tl = simulate(sched, Costs(compute_ms=cost, comm_ms=cost, comm_alpha_ms=alpha,
+                               interference=slow, num_streams=s))
+    assert all(b <= tl.makespan_ms + 1e-9 for b in tl.stream_busy_ms.values())
+    assert -1e-9 <= tl.exposed_comm_ms <= tl.stream_busy_ms["comm"] + 1e-9
+    comm_events = sorted((e for e in tl.events if e.stream == "comm"), key=lambda e: e.start_ms)
+    assert all(a.end_ms <= b.start_ms + 1e-9 for a, b in zip(comm_events, comm_events[1:]))
+    for e in tl.events:
+        if e.stream != "comm" and not e.name.startswith("wait"):
+            d = cost(e.tile, next(op for op in mlp_like().ops if op.name == e.name))
+            assert d - 1e-9 <= e.end_ms - e.start_ms <= d * slow + 1e-9
+    for t in range(k):  # each tile's ops run in program order
+        s_t = {e.name: e for e in tl.events
+               if e.tile == t or (isinstance(e.tile, tuple) and t in e.tile)}
+        order = ["ag", "wait_ag", "fc1", "fc2", "rs", "wait_rs"]
+        assert all(s_t[a].end_ms <= s_t[b].end_ms + 1e-9 for a, b in zip(order, order[1:]))
+        assert s_t["fc2"].end_ms <= s_t["rs"].start_ms + 1e-9
