@@ -1,0 +1,121 @@
+"""Tier 2: the collectives behind the handle type, bucket packing, profiler ranges and mesh=."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_layers import OverlapMLP
+from overlap_layers.runtime import all_gather, all_reduce, all_to_all, reduce_scatter
+
+
+def rank_rows(rank, n, width=3, salt=0):
+    return torch.arange(n * width, dtype=torch.float64).view(n, width) + 1000 * rank + 100 * salt
+
+
+def collectives_case(rank, ws):
+    out = {}
+    # all_gather of a bucket of two non-adjacent members: each result is rank-major.
+    a, b = rank_rows(rank, 2, salt=1), rank_rows(rank, 3, salt=2)
+    h = all_gather([a, b], dist.group.WORLD)
+    out["ag"] = (h.result(0), h.result(1))
+    # reduce_scatter of two members into adjacent views of one output.
+    x1, x2 = rank_rows(rank, 2 * ws, salt=3), rank_rows(rank, ws, salt=4)
+    dst = torch.zeros(3, 3, dtype=torch.float64)
+    h = reduce_scatter([x1, x2], [dst[:2], dst[2:]], dist.group.WORLD)
+    out["rs"] = (h.result(0).clone(), h.result(1).clone(), dst.clone())
+    # all_reduce of members that are not back to back (packed path) is still in place.
+    p, q = rank_rows(rank, 2, salt=5), rank_rows(rank, 1, salt=6)
+    h = all_reduce([p, q], dist.group.WORLD)
+    h.result(0), h.result(1)
+    out["ar"] = (p, q)
+    # all_to_all with uneven splits, including zero rows to some ranks.
+    in_splits = [(rank + j) % 3 for j in range(ws)]
+    out_splits = [(j + rank) % 3 for j in range(ws)]
+    x = rank_rows(rank, sum(in_splits), salt=7)
+    out["a2a"] = all_to_all(x, in_splits, out_splits, dist.group.WORLD).result(0)
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_collectives_against_hand_reference(pools, ws):
+    results = pools(ws).run(collectives_case)
+    for rank, res in enumerate(results):
+        ag0, ag1 = res["ag"]
+        assert torch.equal(ag0, torch.cat([rank_rows(r, 2, salt=1) for r in range(ws)]))
+        assert torch.equal(ag1, torch.cat([rank_rows(r, 3, salt=2) for r in range(ws)]))
+        rs0, rs1, dst = res["rs"]
+        want0 = sum(rank_rows(r, 2 * ws, salt=3) for r in range(ws))[2 * rank:2 * rank + 2]
+        want1 = sum(rank_rows(r, ws, salt=4) for r in range(ws))[rank:rank + 1]
+        assert torch.equal(rs0, want0) and torch.equal(rs1, want1)
+        assert torch.equal(dst, torch.cat([want0, want1]))
+        p, q = res["ar"]
+        assert torch.equal(p, sum(rank_rows(r, 2, salt=5) for r in range(ws)))
+        assert torch.equal(q, sum(rank_rows(r, 1, salt=6) for r in range(ws)))
+        # Rank j sends rows [sum(in_splits_j[:rank]) ...] of its x to this rank.
+        pieces = []
+        for j in range(ws):
+            splits_j = [(j + d) % 3 for d in range(ws)]
+            start = sum(splits_j[:rank])
+            pieces.append(rank_rows(j, sum(splits_j), salt=7)[start:start + splits_j[rank]])
+        assert torch.equal(res["a2a"], torch.cat(pieces))
+
+
+def bad_a2a(rank, ws):
+    all_to_all(torch.zeros(3, 2), [1, 1], [3] * ws + [0], dist.group.WORLD)
+
+
+def test_all_to_all_bad_splits_raise(pool2):
+    from pool import RankFailure
+    with pytest.raises(RankFailure) as info:
+        pool2.run(bad_a2a)
+    assert all(e and e[0] == "ValueError" for e in info.value.errors())
+
+
+def profiled(rank, ws):
+    layer = OverlapMLP(8, 8, group=dist.group.WORLD, num_tiles=2)
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x).sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("overlap::")})
+
+
+def test_profiler_ranges_name_op_and_tile(pool2):
+    names = pool2.run(profiled)[0]
+    for want in ("overlap::mlp::ag[0]", "overlap::mlp::ag[1]", "overlap::mlp::fc1[1]", "overlap::mlp::rs[0]",
+                 "overlap::mlp_bwd::ag_dy[1]", "overlap::mlp_bwd::wgrad1[0]", "overlap::mlp_bwd::rs_dx[1]"):
+        assert want in names, names
+
+
+def mesh_vs_group(rank, ws, two_d):
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(0)
+    w_in, w_out, x = torch.randn(16, 8), torch.randn(8, 8), torch.randn(2, 4, 8)
+    if two_d:
+        mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
+        layer = OverlapMLP.from_dense(w_in, w_out, mesh=mesh, axis="tp", num_tiles=2)
+        tp = mesh.get_group("tp")
+    else:
+        mesh = init_device_mesh("cpu", (ws,))
+        layer = OverlapMLP.from_dense(w_in, w_out, mesh=mesh, num_tiles=2)
+        tp = dist.group.WORLD
+    ref = OverlapMLP.from_dense(w_in, w_out, group=tp, num_tiles=1)
+    tp_rank, tp_ws = dist.get_rank(tp), dist.get_world_size(tp)
+    xl = x.chunk(tp_ws, 1)[tp_rank]
+    return layer.world_size, torch.allclose(layer(xl), ref(xl), atol=1e-6)
+
+
+@pytest.mark.parametrize("ws,two_d", [(2, False), (4, True)])
+def test_mesh_matches_group(pools, ws, two_d):
+    for size, same in pools(ws).run(mesh_vs_group, two_d):
+        assert same and size == (2 if two_d else ws)
+
+
+def mesh_without_axis(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    OverlapMLP(8, 8, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+
+
+def test_2d_mesh_needs_axis(pool4):
+    from pool import RankFailure
+    with pytest.raises(RankFailure) as info:
+        pool4.run(mesh_without_axis)
+    assert all(e and e[0] == "ValueError" and "axis" in e[1] for e in info.value.errors())
