@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--passes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism (all-reduce MLP)")
     p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu", "relu"])
-    p.add_argument("--naive-k", type=int, default=2)
+    p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
@@ -122,15 +122,16 @@ def _write(args, cuda, world, records, out) -> None:
 
 def format_table(records) -> str:
     head = f"{'preset':11s} {'ws':>2s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} {'ms':>8s} " \
-           f"{'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s}"
+           f"{'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s}"
     lines = [head, "-" * len(head)]
     for r in records:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
         rl = "-" if r["ratio_limit"] is None else f"{r['ratio_limit']:.2f}"
         rs = "-" if r["ratio_serial"] is None else f"{r['ratio_serial']:.2f}"
+        pr = "-" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.3f}"
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         lines.append(f"{r['preset']:11s} {r['world_size']:>2d} {r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
-                     f"{str(r.get('k', '')):>4s} {ms:>8s} {rl:>7s} {rs:>7s} {pk:>9s}"
+                     f"{str(r.get('k', '')):>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
     return "\n".join(lines)
 

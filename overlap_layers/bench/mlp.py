@@ -88,7 +88,7 @@ def _act(kind, pre):
 class MLPBench:
     """Builds the inputs for one shape and hands out a callable per (mode, pass)."""
 
-    def __init__(self, shape: Shape, group, device, dtype, naive_k: int):
+    def __init__(self, shape: Shape, group, device, dtype, naive_k):
         self.s, self.group, self.device, self.dtype, self.naive_k = shape, group, device, dtype, naive_k
         ws = dist.get_world_size(group)
         self.ws = ws
@@ -211,13 +211,17 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                 log: Callable[[str], None]) -> List[dict]:
     b = MLPBench(shape, group, device, dtype, naive_k)
     records = []
+    # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
+    runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
+    runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
     for pass_ in passes:
         backward = pass_ == "fwdbwd"
         times: Dict[str, Optional[float]] = {}
         extra: Dict[str, dict] = {}
-        for mode in modes:
-            if mode in ("serial", "naive", "auto"):
-                k = {"serial": 1, "naive": naive_k, "auto": "auto"}[mode]
+        predicted: Dict[int, float] = {}
+        for mode in runs:
+            if mode in ("serial", "auto") or mode.startswith("naive"):
+                k = 1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:])
                 fn = b.layer_fn(k, backward)
             elif mode == "compute":
                 fn = b.compute_fn(backward)
@@ -247,8 +251,18 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
             info = extra.setdefault(mode, {})
             if device.type == "cuda":
                 info["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
-            if mode in ("serial", "naive", "auto"):
-                info["k"] = b.layer.plan.num_tiles
+            if mode in ("serial", "auto") or mode.startswith("naive"):
+                plan = b.layer.plan
+                info["k"] = plan.num_tiles
+                if mode == "auto":
+                    info["predicted_ms"] = plan.predicted_ms
+                    info["predicted_peak_bytes"] = plan.predicted_peak_bytes
+                    info["reason"] = plan.reason
+                    predicted.update({c.num_tiles: c.predicted_ms for c in plan.candidates if not c.regather})
+                    info["candidates"] = [dict(k=c.num_tiles, regather=c.regather, ms=c.predicted_ms,
+                                               peak=c.peak_bytes) for c in plan.candidates]
+                elif info["k"] in predicted:
+                    info["predicted_ms"] = predicted[info["k"]]
             log(f"  {shape.preset} ws={b.ws} tokens={shape.batch * shape.seq} {pass_:6s} {mode:8s} "
                 f"{times[mode]:.3f} ms")
         limit = max(t for t in (times.get("compute"), times.get("comm")) if t is not None) \
@@ -261,6 +275,8 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                        limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
                        ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
                        predicted_ms=None)
+            if mode.startswith("naive"):
+                rec["mode"] = "naive"
             rec["pass"] = pass_
             rec.update(extra.get(mode, {}))
             records.append(rec)

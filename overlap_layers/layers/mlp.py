@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 import torch
@@ -44,9 +45,14 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
-from .tiling import effective_num_tiles, interim_num_tiles, tile_bounds
+from ..runtime.calibrate import calibrate, measure_gemms
+from ..runtime.group import PlanMismatchError
+from ..sim import analytic_model, choose
+from .mlp_cost import MLPCostModel, mlp_candidates
+from .tiling import effective_num_tiles, tile_bounds
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
+_PLAN_CACHE_SIZE = 32
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
@@ -81,17 +87,30 @@ def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> torch
 
 @dataclass(frozen=True)
 class MLPPlan:
-    """What one call of the layer runs: tiles, buckets per collective, backward strategy."""
+    """What one call of the layer runs: tiles, buckets per collective, backward strategy.
+
+    ``predicted_ms`` / ``predicted_peak_bytes`` / ``reason`` / ``candidates`` explain a planner's
+    choice (None / empty for a fixed or pinned plan) and do not change what runs."""
 
     num_tiles: int
     buckets_fwd: tuple = ()
     buckets_bwd: tuple = ()
     regather: bool = False  # backward re-gathers x instead of saving the gathered input
     num_streams: int = 2
+    transport: str = "nccl"
+    predicted_ms: Optional[float] = field(default=None, compare=False)
+    predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
+    reason: str = field(default="", compare=False)
+    candidates: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def buckets(self) -> dict:
+        return {"fwd": dict(self.buckets_fwd), "bwd": dict(self.buckets_bwd)}
 
     def digest(self) -> int:
-        """A hash that is equal on every rank for equal plans (``hash()`` of str is salted)."""
-        return zlib.crc32(repr(self).encode())
+        """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
+        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport)
+        return zlib.crc32(repr(key).encode())
 
 
 @dataclass
@@ -283,6 +302,8 @@ class OverlapMLP(nn.Module):
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         self.plan: Optional[MLPPlan] = None
         self._pinned: Optional[MLPPlan] = None
+        self._plans: "OrderedDict[tuple, MLPPlan]" = OrderedDict()
+        self._hw: dict = {}
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
@@ -410,26 +431,31 @@ class OverlapMLP(nn.Module):
                 raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
         self._pinned = plan
 
-    def _plan_for(self, rows: int) -> MLPPlan:
+    def _fixed_plan(self, rows: int) -> Optional[MLPPlan]:
+        """The pinned plan or a fixed K (capped by the rows); None when the planner decides."""
         if self._pinned is not None:
             k = effective_num_tiles(rows, self._pinned.num_tiles)
             if k == self._pinned.num_tiles:
                 return self._pinned
             return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
-        gathered = rows * (self.world_size if self.sequence_parallel else 1)
-        k = interim_num_tiles(gathered) if self.num_tiles == "auto" else self.num_tiles
-        return MLPPlan(num_tiles=effective_num_tiles(rows, k))
+        if self.num_tiles != "auto":
+            return MLPPlan(num_tiles=effective_num_tiles(rows, self.num_tiles))
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         err = self._input_error(x)
         shape = tuple(x.shape) if err == 0 else (0, 0, 0)
         rows = shape[0] * shape[1]
-        plan = self._plan_for(rows) if err == 0 else MLPPlan(num_tiles=1)
+        fixed = self._fixed_plan(rows) if err == 0 else MLPPlan(num_tiles=1)
         save = torch.is_grad_enabled() and (
             (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
-        dtype_code = _DTYPES.index(x.dtype) if err == 0 and x.dtype in _DTYPES else -1
-        names = ("input error", "batch", "seq", "hidden", "dtype", "num_tiles", "grad mode", "plan")
-        table = self._agreement.gather((err, *shape, dtype_code, plan.num_tiles, int(save), plan.digest()))
+        dtype = x.dtype if err == 0 else None
+        if err == 0 and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
+        names = ("input error", "batch", "seq", "hidden", "dtype", "plan request (0 = auto)", "grad mode")
+        request = fixed.digest() if fixed is not None else 0
+        table = self._agreement.gather((err, *shape, dtype_code, request, int(save)))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got {tuple(getattr(x, 'shape', ()))}, " \
@@ -439,9 +465,83 @@ class OverlapMLP(nn.Module):
                 f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
         bad = first_disagreement(table, names)
         if bad:
-            raise ValueError(f"x: every rank of the group must call the layer alike; {bad}")
-        self.plan = plan
-        return self._run(x, plan, save)
+            raise ValueError(f"x: every rank of the group must call the layer alike (num_tiles, pinned "
+                             f"plan, shapes, dtype, grad mode); {bad}")
+        # Everything below depends only on agreed values and on the call history, which is the same
+        # on every rank: a plan-cache miss happens on every rank at once ([Note: agreement]).
+        self.plan = fixed if fixed is not None else self._auto_plan(rows, dtype, save)
+        return self._run(x, self.plan, save)
+
+    # ----------------------------------------------------------------- planning
+    def _auto_plan(self, rows: int, dtype: torch.dtype, save: bool) -> MLPPlan:
+        key = (1 << max(rows - 1, 0).bit_length(), dtype, save)  # rows bucketed to a power of two
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(key[0], dtype, save)
+            digests = {row[0] for row in self._agreement.gather((plan.digest(),))}
+            if len(digests) > 1:
+                raise PlanMismatchError(f"ranks of the group chose different plans for rows={key[0]}, "
+                                        f"{dtype}: digests {sorted(digests)}; this rank: {plan}")
+            self._plans[key] = plan
+            if len(self._plans) > _PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        k = effective_num_tiles(rows, plan.num_tiles)
+        return plan if k == plan.num_tiles else replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
+
+    def _programs(self, k: int, save: bool, regather: bool):
+        call = _Call(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,
+                     None, None)
+        return (_forward_program(call, None, None, None),
+                _backward_program(call, None, None, {}, self.b_in is not None))
+
+    def _hardware(self, dtype: torch.dtype):
+        dev = self.w_in.device
+        if dtype not in self._hw:
+            if dev.type == "cuda" and self.config.measure:
+                self._hw[dtype] = calibrate(self.group, dev, dtype, self._agreement)
+            else:
+                self._hw[dtype] = analytic_model(dev.type)
+        return self._hw[dtype]
+
+    def _budget(self) -> Optional[int]:
+        mb = self.config.memory_budget
+        if mb is None or isinstance(mb, int):
+            return mb
+        if self.w_in.device.type != "cuda":
+            return None  # a fraction of free memory has no meaning for host memory here
+        free = torch.cuda.mem_get_info(self.w_in.device)[0]
+        return int(self._agreement.min([float(free)])[0] * mb)
+
+    def _make_plan(self, rows: int, dtype: torch.dtype, save: bool) -> MLPPlan:
+        hw = self._hardware(dtype)
+        elt = torch.tensor([], dtype=dtype).element_size()
+        cm = MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
+                          f_local=self.w_out.shape[1], elt=elt, sequence_parallel=self.sequence_parallel, model=hw)
+        if self.w_in.device.type == "cuda" and self.config.measure:
+            missing = cm.gemm_shapes() - set(hw.gemm_measured)
+            hw = self._hw[dtype] = hw.with_gemms(measure_gemms(missing, dtype, self.w_in.device, self._agreement))
+            cm.model = hw
+        choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
+                        margin=self.config.margin)
+        c = choice.candidate
+        return MLPPlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
+                       predicted_peak_bytes=c.peak_bytes, reason=choice.reason, candidates=choice.candidates)
+
+    def explain(self) -> str:
+        """The last call's plan as a text table of the candidates the planner compared."""
+        p = self.plan
+        if p is None:
+            return "no plan yet: the layer plans at its first call"
+        lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport}",
+                 f"reason: {p.reason or 'fixed by num_tiles or pin_plan'}"]
+        if p.candidates:
+            lines.append(f"{'K':>3} {'regather':>8} {'pred ms':>9} {'exposed ms':>10} {'peak MiB':>9}  buckets")
+            for c in sorted(p.candidates, key=lambda c: (c.num_tiles, c.regather)):
+                lines.append(f"{c.num_tiles:>3} {str(c.regather):>8} {c.predicted_ms:>9.3f} {c.exposed_comm_ms:>10.3f} "
+                             f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
+        return "\n".join(lines)
 
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool) -> torch.Tensor:
         dev = x.device.type

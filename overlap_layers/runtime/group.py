@@ -44,6 +44,10 @@ def resolve_group(group=None, mesh=None, axis=None):
     return mesh.get_group(axis)
 
 
+class PlanMismatchError(RuntimeError):
+    """Ranks of one group chose different plans for the same call (raised on every rank)."""
+
+
 class Agreement:
     """Gathers small integer tuples from every rank of ``group`` on the host; see
     [Note: agreement]."""
@@ -61,13 +65,24 @@ class Agreement:
                                                   use_local_synchronization=True)
         return self._host_group
 
-    def gather(self, values: Sequence[int]) -> List[Tuple[int, ...]]:
+    def gather(self, values: Sequence, dtype=torch.int64) -> List[Tuple]:
         group = self._host()
         ws = dist.get_world_size(group)
-        mine = torch.tensor(list(values), dtype=torch.int64)
+        mine = torch.tensor(list(values), dtype=dtype)
         out = mine.new_empty(ws * len(values))
         _all_gather(out, mine, group=group)
         return [tuple(r) for r in out.view(ws, len(values)).tolist()]
+
+    def max(self, values: Sequence[float]) -> List[float]:
+        """Element-wise maximum over the ranks (float64), identical on every rank."""
+        if not values:
+            return []
+        return [max(col) for col in zip(*self.gather(values, dtype=torch.float64))]
+
+    def min(self, values: Sequence[float]) -> List[float]:
+        if not values:
+            return []
+        return [min(col) for col in zip(*self.gather(values, dtype=torch.float64))]
 
 
 def first_disagreement(table: Sequence[Tuple[int, ...]], names: Sequence[str]) -> Optional[str]:

@@ -1,4 +1,7 @@
-"""Discrete-event simulator of a schedule on the streams, with a cost model (pure Python)."""
+"""Cost model, discrete-event simulator and planner (pure Python, no torch.distributed)."""
+from .costmodel import COMM_KINDS, HardwareModel, analytic_model
+from .planner import Candidate, Choice, choose
 from .simulator import Costs, Event, Timeline, simulate
 
-__all__ = ["Costs", "Event", "Timeline", "simulate"]
+__all__ = ["COMM_KINDS", "HardwareModel", "analytic_model", "Candidate", "Choice", "choose",
+           "Costs", "Event", "Timeline", "simulate"]

@@ -1,0 +1,104 @@
+"""Measuring the cost model's numbers on the device (CUDA), identically on every rank.
+
+Reference: every number is a median of timed repeats (CUDA events, after warm-up) taken on
+each rank and then max-reduced over the group through the host-side agreement, so every rank
+plans from the same numbers ([Note: agreement]). On CPU nothing is measured: the analytic model
+is used.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import Dict, Iterable, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..sim import COMM_KINDS, HardwareModel, analytic_model
+from .collectives import _all_gather, _reduce_scatter
+from .group import Agreement
+
+
+def _time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    return statistics.median(samples)
+
+
+def measure_gemms(shapes: Iterable[Tuple[int, int, int]], dtype, device, agreement: Agreement
+                  ) -> Dict[Tuple[int, int, int], float]:
+    """ms of ``A[m,k] @ B[k,n]`` per shape, max over ranks. Shapes are sorted so every rank
+    reduces the same vector."""
+    shapes = sorted(set(shapes))
+    local = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        local.append(_time_ms(lambda: torch.mm(a, b)))
+        del a, b
+    return dict(zip(shapes, agreement.max(local)))
+
+
+def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
+    """Collective alpha/beta from two sizes per kind, and the GEMM slowdown beside an all-gather."""
+    base = analytic_model("cuda")
+    ws = dist.get_world_size(group)
+    elt = torch.tensor([], dtype=dtype).element_size()
+    small, large = 1 << 18, 1 << 24  # elements of the full (gathered) buffer
+    rows = []
+    for kind in COMM_KINDS:
+        times = []
+        for n in (small, large):
+            full = torch.randn((n // 64) // ws * ws, 64, dtype=dtype, device=device)
+            part = full[: full.shape[0] // ws].clone()
+            if kind == "all_gather":
+                fn = lambda full=full, part=part: _all_gather(full, part, group=group)  # noqa: E731
+            elif kind == "reduce_scatter":
+                fn = lambda full=full, part=part: _reduce_scatter(part, full, group=group)  # noqa: E731
+            elif kind == "all_reduce":
+                fn = lambda full=full: dist.all_reduce(full, group=group)  # noqa: E731
+            else:
+                fn = lambda full=full: dist.all_to_all_single(torch.empty_like(full), full, group=group)  # noqa: E731
+            times.append((full.numel() * elt, _time_ms(fn)))
+        (b0, t0), (b1, t1) = times
+        gbps = (b1 - b0) / max(t1 - t0, 1e-6) / 1e6
+        alpha = max(t0 - b0 / (gbps * 1e6), 0.001)
+        rows += [alpha, gbps]
+    # Interference: a GEMM timed alone, then while all-gathers run from a side stream.
+    a = torch.randn(8192, 4096, dtype=dtype, device=device)
+    b = torch.randn(4096, 4096, dtype=dtype, device=device)
+    full = torch.empty(ws * 4096, 4096, dtype=dtype, device=device)
+    part = full[:4096].clone()
+    alone = _time_ms(lambda: [torch.mm(a, b) for _ in range(8)])
+    side = torch.cuda.Stream(device=device)
+    samples = []
+    for _ in range(5):
+        start, gemms_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side.wait_stream(torch.cuda.current_stream())
+        start.record()
+        with torch.cuda.stream(side):
+            works = [_all_gather(full, part, group=group, async_op=True) for _ in range(4)]
+        for _ in range(8):
+            torch.mm(a, b)
+        gemms_done.record()  # the GEMMs' own time, not the collectives' tail
+        for w in works:
+            w.wait()
+        torch.cuda.synchronize(device)
+        samples.append(start.elapsed_time(gemms_done))
+    together = statistics.median(samples[1:])
+    flops = 2 * 8192 * 4096 * 4096 * 8
+    tflops = flops / (alone * 1e9)
+    nums = agreement.max([alone, together, -tflops] + rows)
+    alone, together, tflops = nums[0], nums[1], -nums[2]
+    comm = {kind: (nums[3 + 2 * i], nums[4 + 2 * i]) for i, kind in enumerate(COMM_KINDS)}
+    # Slowdown of compute while comm runs, bounded: the overlap measured is partial.
+    interference = min(max(together / alone, 1.0), 3.0)
+    return replace(base, gemm_tflops=tflops, interference=interference, comm=comm)
