@@ -13,4 +13,4 @@ torchrun --nproc-per-node 4 -m overlap_layers.bench --preset llama3-8b llama3-70
 NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 4 -m overlap_layers.bench --preset llama3-8b llama3-70b --tp 4 2 --naive-k 2 4 \
   --modes serial,naive,auto,compute,comm --out "$OUT/mlp_p2p_disabled.json" 2>&1 \
   | grep -v "^W1\|Warning\|warn" > "$OUT/bench_p2p_disabled.log"
-grep -A100 "^preset" "$OUT/bench_nvlink.log"; grep -A100 "^preset" "$OUT/bench_p2p_disabled.log"
+for f in bench_nvlink bench_p2p_disabled; do grep -A100 "^preset" "$OUT/$f.log" || tail -30 "$OUT/$f.log"; done
