@@ -19,10 +19,11 @@ def check_num_tiles(num_tiles, name: str = "num_tiles") -> Union[int, str]:
 class OverlapConfig:
     """How a layer tiles and plans.
 
-    ``num_tiles``: a positive int (fixed K) or ``"auto"``. Until the planner lands, ``"auto"``
-    uses :func:`overlap_layers.layers.tiling.interim_num_tiles` (the serial layer).
-    ``memory_budget`` (bytes, or a fraction in (0, 1] of free device memory), ``margin``,
-    ``transport``, ``measure``, ``verify_first_calls`` and ``cache_dir`` steer the planner.
+    ``num_tiles``: a positive int (fixed K) or ``"auto"`` (the planner simulates candidates at
+    the first call for each shape bucket and keeps K=1 unless a plan wins by more than ``margin``).
+    ``memory_budget``: bytes, or a fraction in (0, 1] of free device memory (min over the group).
+    ``measure``: calibrate on the device (CUDA) instead of nominal numbers. ``transport``,
+    ``verify_first_calls`` and ``cache_dir`` are validated but not used yet (see the planner issue).
     """
 
     num_tiles: Union[int, str] = "auto"

@@ -23,12 +23,3 @@ def tile_bounds(n: int, k: int) -> List[Tuple[int, int]]:
 def effective_num_tiles(n: int, k: int) -> int:
     return max(1, min(k, n))
 
-
-def interim_num_tiles(gathered_rows: int) -> int:
-    """K for ``num_tiles="auto"`` until the planner lands: 1, the serial layer.
-
-    Measured on 4xH200 with NVLink (bench/results/mlp_nvlink_h200.md), a fixed K=2 split with
-    NCCL was 0.99-1.08x the serial layer's time on the llama3 MLP shapes, never a clear win, so
-    without a cost model the safe choice is not to tile.
-    """
-    return 1
