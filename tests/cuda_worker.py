@@ -10,7 +10,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from overlap_layers import OverlapMLP  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
+from overlap_layers import OverlapMLP, reduce_replicated_grads
 from overlap_layers.layers.mlp import MLPPlan
 from pool import RankFailure
 

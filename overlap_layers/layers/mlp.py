@@ -34,7 +34,7 @@ import math
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
