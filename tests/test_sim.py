@@ -10,15 +10,7 @@ from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wai
 from overlap_layers.sim import Costs, simulate
 
 
-def _noop(env):
-    pass
-
-
-def mlp_like():
-    """ag -> wait -> fc1 -> fc2 -> rs -> wait, the sequence-parallel MLP's shape."""
-    return TileProgram("mlp", (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"),
-                               compute("fc1", _noop), compute("fc2", _noop),
-                               comm("rs", "reduce_scatter", src="y"), wait("rs", dst="out")))
+from programs import mlp_like, noop as _noop  # noqa: E402
 
 
 def mlp_costs(k, comm_ms=None, **kw):

@@ -22,9 +22,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..layers.mlp import OverlapMLP
+from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
 
 PRESETS = {
@@ -76,13 +75,6 @@ def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repe
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(t))
     return statistics.median(samples)
-
-
-def _act(kind, pre):
-    if kind == "swiglu":
-        g, u = pre.chunk(2, dim=-1)
-        return F.silu(g) * u
-    return F.gelu(pre) if kind == "gelu" else F.relu(pre)
 
 
 class MLPBench:

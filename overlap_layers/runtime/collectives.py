@@ -33,17 +33,22 @@ class Handle:
     """A started collective: ``work`` (a c10d Work, or None once complete) plus unpacking.
 
     ``finish(i)`` returns member ``i``'s output; it runs after the wait, on the waiting stream.
+    ``buffers`` are kept alive until the handle is dropped; for a bucket (several members, whose
+    waits may sit on other streams than the issuing one) they are also recorded on each waiting
+    stream, which a single member issued and waited on its own stream does not need.
     """
 
-    def __init__(self, work, finish: Callable[[int], torch.Tensor], buffers: Sequence[torch.Tensor] = ()):
+    def __init__(self, work, finish: Callable[[int], torch.Tensor], buffers: Sequence[torch.Tensor] = (),
+                 bucketed: bool = False):
         self._work = work
         self._finish = finish
-        self._buffers = list(buffers)  # kept alive until every member has been read
+        self._buffers = list(buffers)
+        self._cross_stream = bucketed
 
     def result(self, i: int = 0) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        if self._buffers and self._buffers[0].is_cuda:
+        if self._cross_stream and self._buffers and self._buffers[0].is_cuda:
             # The buffers were allocated on the issuing stream and are read on this one.
             cur = torch.cuda.current_stream(self._buffers[0].device)
             for b in self._buffers:
@@ -88,7 +93,7 @@ def all_gather(inputs: Sequence[torch.Tensor], group) -> Handle:
     def finish(i: int) -> torch.Tensor:
         return by_rank[:, offs[i]:offs[i] + rows[i]].reshape(ws * rows[i], *rest)
 
-    return Handle(work, finish, [out])
+    return Handle(work, finish, [out], bucketed=True)
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], outs: Sequence[Optional[torch.Tensor]], group) -> Handle:
@@ -114,14 +119,14 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outs: Sequence[Optional[torch
             return outs[i]
         return part
 
-    return Handle(work, finish, [src, dst] if given is None else [src])
+    return Handle(work, finish, [src, dst] if given is None else [src], bucketed=len(inputs) > 1)
 
 
 def all_reduce(inputs: Sequence[torch.Tensor], group) -> Handle:
     buf = merged_rows(inputs)
     packed = buf is None
     if packed:
-        buf = torch.cat([t.reshape(t.shape[0], -1) for t in inputs]) if inputs[0].dim() else torch.stack(inputs)
+        buf = torch.cat([t.reshape(t.shape[0], -1) for t in inputs])
     work = dist.all_reduce(buf, group=group, async_op=True)
     if not packed:
         return Handle(work, lambda i: inputs[i])
@@ -132,7 +137,7 @@ def all_reduce(inputs: Sequence[torch.Tensor], group) -> Handle:
         inputs[i].copy_(buf[offs[i]:offs[i] + rows[i]].view_as(inputs[i]))
         return inputs[i]
 
-    return Handle(work, finish, [buf])
+    return Handle(work, finish, [buf], bucketed=True)
 
 
 def all_to_all(x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], group) -> Handle:
