@@ -122,7 +122,7 @@ def _write(args, cuda, world, records, out) -> None:
 
 def format_table(records) -> str:
     head = f"{'preset':11s} {'ws':>2s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} {'ms':>8s} " \
-           f"{'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s}"
+           f"{'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
     lines = [head, "-" * len(head)]
     for r in records:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
@@ -130,8 +130,9 @@ def format_table(records) -> str:
         rs = "-" if r["ratio_serial"] is None else f"{r['ratio_serial']:.2f}"
         pr = "-" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.3f}"
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
         lines.append(f"{r['preset']:11s} {r['world_size']:>2d} {r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
-                     f"{str(r.get('k', '')):>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s}"
+                     f"{str(r.get('k', '')):>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
     return "\n".join(lines)
 

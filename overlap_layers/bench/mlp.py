@@ -111,7 +111,29 @@ class MLPBench:
             else:
                 with torch.no_grad():
                     layer(x)
+        if k == "auto":  # the first calls time the plan against K=1; measure the settled layer
+            run()
+            for _ in range(16):
+                if not layer.verifying:
+                    break
+                run()
         return run
+
+    def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
+        """Host time of a cached auto call's bookkeeping: the plan-cache lookup, and the
+        per-call agreement gather ([Note: agreement]); microseconds, mean of ``n``, max over ranks."""
+        layer, rows = self.layer, self.tokens_local
+        key = (0, *self.x.shape, 0, 0, int(backward))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            layer._auto_plan(rows, self.dtype, backward)
+        lookup = (time.perf_counter() - t0) / n * 1e6
+        t0 = time.perf_counter()
+        for _ in range(n):
+            layer._agreement.gather(key)
+        gather = (time.perf_counter() - t0) / n * 1e6
+        worst = layer._agreement.max([lookup, gather])
+        return {"host_plan_lookup_us": worst[0], "host_agreement_us": worst[1]}
 
     # ------------------------------------------------------------ references
     def _gathered(self):
@@ -210,7 +232,7 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
         backward = pass_ == "fwdbwd"
         times: Dict[str, Optional[float]] = {}
         extra: Dict[str, dict] = {}
-        predicted: Dict[int, float] = {}
+        predicted: Dict[int, tuple] = {}  # K -> (ms, peak bytes), unbucketed, saved x
         for mode in runs:
             if mode in ("serial", "auto") or mode.startswith("naive"):
                 k = 1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:])
@@ -250,11 +272,13 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                     info["predicted_ms"] = plan.predicted_ms
                     info["predicted_peak_bytes"] = plan.predicted_peak_bytes
                     info["reason"] = plan.reason
-                    predicted.update({c.num_tiles: c.predicted_ms for c in plan.candidates if not c.regather})
+                    predicted.update({c.num_tiles: (c.predicted_ms, c.peak_bytes) for c in plan.candidates
+                                      if not c.regather and not c.buckets_fwd and not c.buckets_bwd})
                     info["candidates"] = [dict(k=c.num_tiles, regather=c.regather, ms=c.predicted_ms,
                                                peak=c.peak_bytes) for c in plan.candidates]
+                    info.update(b.host_overhead_us(backward))
                 elif info["k"] in predicted:
-                    info["predicted_ms"] = predicted[info["k"]]
+                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
             log(f"  {shape.preset} ws={b.ws} tokens={shape.batch * shape.seq} {pass_:6s} {mode:8s} "
                 f"{times[mode]:.3f} ms")
         limit = max(t for t in (times.get("compute"), times.get("comm")) if t is not None) \

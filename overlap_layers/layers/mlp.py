@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -46,9 +45,10 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from ..runtime.calibrate import calibrate, measure_gemms
-from ..runtime.group import PlanMismatchError
+from ..runtime.timing import Stopwatch
 from ..sim import analytic_model, choose
 from .mlp_cost import MLPCostModel, mlp_candidates
+from .planning import PlanCache, Trial
 from .tiling import effective_num_tiles, tile_bounds
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -124,6 +124,7 @@ class _Call:
     save: bool
     streams: Optional[list]
     launch_log: Optional[list]
+    trial: Optional[Trial] = None  # times the backward during first-call verification
 
 
 def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
@@ -249,7 +250,12 @@ class _TiledMLP(torch.autograd.Function):
         del pres, xgs, rest
         program = _backward_program(c, w_in, w_out, grads, ctx.has_b_in)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
+        if c.trial is not None:
+            c.trial.bwd = Stopwatch(dy_TH.device)
+            c.trial.bwd.start()
         execute(sched, envs, c.group, streams=c.streams, label="mlp_bwd", trace=c.launch_log)
+        if c.trial is not None:
+            c.trial.bwd.stop()
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
@@ -302,11 +308,11 @@ class OverlapMLP(nn.Module):
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         self.plan: Optional[MLPPlan] = None
         self._pinned: Optional[MLPPlan] = None
-        self._plans: "OrderedDict[tuple, MLPPlan]" = OrderedDict()
         self._hw: dict = {}
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
+        self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -469,26 +475,60 @@ class OverlapMLP(nn.Module):
                              f"plan, shapes, dtype, grad mode); {bad}")
         # Everything below depends only on agreed values and on the call history, which is the same
         # on every rank: a plan-cache miss happens on every rank at once ([Note: agreement]).
-        self.plan = fixed if fixed is not None else self._auto_plan(rows, dtype, save)
-        return self._run(x, self.plan, save)
+        trial = None
+        if fixed is not None:
+            self.plan = fixed
+        else:
+            self.plan, trial = self._auto_plan(rows, dtype, save)
+        if trial is None:
+            return self._run(x, self.plan, save)
+        trial.fwd.start()
+        y = self._run(x, self.plan, save, trial)
+        trial.fwd.stop()
+        return y
 
     # ----------------------------------------------------------------- planning
-    def _auto_plan(self, rows: int, dtype: torch.dtype, save: bool) -> MLPPlan:
+    def _auto_plan(self, rows: int, dtype: torch.dtype, save: bool, call: bool = True):
+        """The planned plan for ``rows`` (capped to them) and the trial this call must time, if any."""
         key = (1 << max(rows - 1, 0).bit_length(), dtype, save)  # rows bucketed to a power of two
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._make_plan(key[0], dtype, save)
-            digests = {row[0] for row in self._agreement.gather((plan.digest(),))}
-            if len(digests) > 1:
-                raise PlanMismatchError(f"ranks of the group chose different plans for rows={key[0]}, "
-                                        f"{dtype}: digests {sorted(digests)}; this rank: {plan}")
-            self._plans[key] = plan
-            if len(self._plans) > _PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
+        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), _serial_of, self.w_in.device,
+                                      call=call)
         k = effective_num_tiles(rows, plan.num_tiles)
-        return plan if k == plan.num_tiles else replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
+        if k != plan.num_tiles:
+            plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
+            if trial is not None:
+                trial.plan = plan
+        return plan, trial
+
+    @property
+    def verifying(self) -> bool:
+        """True while the first calls of the last shape bucket still time the planned plan
+        against K=1 ([Note: first-call verification])."""
+        return self._plans.verifying()
+
+    def warmup(self, shapes, dtype: Optional[torch.dtype] = None, training: bool = True) -> list:
+        """Plan ahead for each ``(batch, seq_local)`` in ``shapes`` (and calibrate, on CUDA), as the
+        first call for each would; returns the plans. A collective: call it on every rank with the
+        same arguments (checked; a mismatch raises ValueError on every rank). No-op (returns [])
+        unless ``num_tiles="auto"`` and no plan is pinned. First-call verification still happens
+        on the first real calls."""
+        try:
+            rows = [int(b) * int(s) for b, s, *_ in shapes]
+        except (TypeError, ValueError):
+            raise ValueError(f"shapes={shapes!r}; must be a list of (batch, seq_local) pairs") from None
+        if any(r < 1 for r in rows):
+            raise ValueError(f"shapes={shapes!r}; batch and seq must be positive")
+        dtype = self.w_in.dtype if dtype is None else dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}; valid: {_DTYPES}")
+        request = zlib.crc32(repr((rows, str(dtype), bool(training))).encode())
+        table = self._agreement.gather((request,))
+        if len(set(table)) > 1:
+            raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
+                             f"this rank: shapes={shapes}, dtype={dtype}, training={training}")
+        if self._pinned is not None or self.num_tiles != "auto":
+            return []
+        return [self._auto_plan(r, dtype, bool(training), call=False)[0] for r in rows]
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,
@@ -543,7 +583,7 @@ class OverlapMLP(nn.Module):
                              f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
         return "\n".join(lines)
 
-    def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None) -> torch.Tensor:
         dev = x.device.type
         w_in, b_in, w_out, b_out = self.w_in, self.b_in, self.w_out, self.b_out
         if torch.is_autocast_enabled(dev):
@@ -555,7 +595,7 @@ class OverlapMLP(nn.Module):
         call = _Call(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
                      streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
-                     launch_log=self.launch_log)
+                     launch_log=self.launch_log, trial=trial)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
             if save:
@@ -571,6 +611,14 @@ class OverlapMLP(nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"activation={self.activation}, sequence_parallel={self.sequence_parallel}, "
                 f"bias={self.bias}, world_size={self.world_size}, num_tiles={self.num_tiles!r}")
+
+
+def _serial_of(plan: MLPPlan) -> MLPPlan:
+    """The plain layer (K=1), carrying ``plan``'s explanation and its serial candidate's numbers."""
+    serial = next((c for c in plan.candidates if c.is_serial), None)
+    return MLPPlan(1, reason=plan.reason, candidates=plan.candidates,
+                   predicted_ms=serial.predicted_ms if serial else None,
+                   predicted_peak_bytes=serial.peak_bytes if serial else None)
 
 
 def reduce_replicated_grads(module: nn.Module) -> None:

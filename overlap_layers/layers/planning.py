@@ -1,0 +1,113 @@
+"""Per-layer plan cache with first-call verification (shared by every layer).
+
+Reference: :meth:`PlanCache.get` returns, for a key (shape bucket, dtype, grad mode), the plan
+``make(key)`` built at the first call for that key, kept in an LRU of ``size`` entries, except
+while the key's first calls are verified (below), when it alternates between the planned plan
+and ``serial_of(plan)``; afterwards it returns the faster of the two, as measured.
+
+[Note: first-call verification]
+The planner's model can be wrong (on 4xH200 one shape was predicted 10% faster tiled and measured
+10% slower). With ``verify=True``, a key whose plan P is not serial runs its next ``2 * trials``
+calls alternately as P and as the serial plan S, each timed by a :class:`Stopwatch` (forward,
+and backward when it runs before the decision). At the call after that every rank contributes
+its per-plan minimum over its trials (forward+backward if every rank timed a backward for every
+trial, else forward only), the numbers are max-reduced over the group in one host gather, and
+the faster plan replaces P on every rank alike. The gather happens at the same call on every rank
+because the cache is a function of the call history, which every rank shares (each call already
+agreed on its key, [Note: agreement]); the decision uses only the reduced numbers.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, List, Optional, Tuple
+
+import torch
+
+from ..runtime.group import Agreement, PlanMismatchError
+from ..runtime.timing import Stopwatch, total_ms
+
+
+@dataclass
+class Trial:
+    """One timed call during verification; the layer stops ``fwd`` and fills ``bwd``."""
+
+    plan: object
+    tiled: bool  # the planned plan (True) or the serial one
+    fwd: Stopwatch
+    bwd: Optional[Stopwatch] = None
+
+
+@dataclass
+class _Entry:
+    plan: object
+    trials: Optional[List[Trial]]  # None once settled
+
+
+class PlanCache:
+    """The plans of one layer, per key; see the module docstring and [Note: first-call verification]."""
+
+    def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3) -> None:
+        self._agreement = agreement
+        self._size, self._verify, self._trials = size, verify, trials
+        self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
+        self.last_key: Optional[Hashable] = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def verifying(self, key: Optional[Hashable] = None) -> bool:
+        """Whether the calls for ``key`` (default: the last key used) are still being verified."""
+        entry = self._entries.get(self.last_key if key is None else key)
+        return entry is not None and entry.trials is not None
+
+    def get(self, key: Hashable, make: Callable[[Hashable], object], serial_of: Callable[[object], object],
+            device: torch.device, *, call: bool = True) -> Tuple[object, Optional[Trial]]:
+        """The plan for ``key`` and, during verification, the :class:`Trial` this call must time.
+
+        ``call=False`` plans without running (warm-up): no trial is handed out."""
+        entry = self._entries.get(key)
+        if entry is None:
+            plan = make(key)
+            digests = {row[0] for row in self._agreement.gather((plan.digest(),))}
+            if len(digests) > 1:
+                raise PlanMismatchError(f"ranks of the group chose different plans for {key}: digests "
+                                        f"{sorted(digests)}; this rank: {plan}")
+            verify = self._verify and serial_of(plan) != plan
+            entry = self._entries[key] = _Entry(plan, [] if verify else None)
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        self.last_key = key
+        if not call or entry.trials is None:
+            return entry.plan, None
+        if len(entry.trials) < 2 * self._trials:
+            tiled = len(entry.trials) % 2 == 0
+            trial = Trial(entry.plan if tiled else serial_of(entry.plan), tiled, Stopwatch(device))
+            entry.trials.append(trial)
+            return trial.plan, trial
+        entry.plan = self._decide(entry.plan, entry.trials, serial_of(entry.plan))
+        entry.trials = None
+        return entry.plan, None
+
+    def _decide(self, planned, trials: List[Trial], serial):
+        def best(tiled: bool, with_bwd: bool) -> float:
+            return min((total_ms(t.fwd, t.bwd) if with_bwd else total_ms(t.fwd))
+                       for t in trials if t.tiled == tiled)
+
+        has_bwd = all(t.bwd is not None and t.bwd.done for t in trials)
+        row = (float(has_bwd), best(True, False), best(False, False),
+               best(True, True) if has_bwd else math.inf, best(False, True) if has_bwd else math.inf)
+        table = self._agreement.gather(row, dtype=torch.float64)
+        with_bwd = min(r[0] for r in table) == 1.0
+        col = (3, 4) if with_bwd else (1, 2)
+        tiled, plain = (max(r[c] for r in table) for c in col)
+        what = "forward+backward" if with_bwd else "forward"
+        k = getattr(planned, "num_tiles", "?")
+        verdict = (f"verified on the first calls ({what}, min of {self._trials} calls, max over ranks): "
+                   f"K={k} {tiled:.3f} ms vs K=1 {plain:.3f} ms")
+        if tiled < plain:
+            return replace(planned, reason=f"{planned.reason}; {verdict}: kept K={k}")
+        return replace(serial, reason=f"{planned.reason}; {verdict}: switched to K=1")

@@ -1,0 +1,55 @@
+"""Timing one region of device work without stalling the host.
+
+Reference: :meth:`Stopwatch.elapsed_ms` equals the time between :meth:`start` and :meth:`stop`
+as the device sees it: on CUDA two timing events recorded on the current stream (so the region
+is what the stream ran, not what the host launched), on CPU the host clock (the CPU path's
+collectives block the host, so host time is device time). Reading the result synchronises only
+with the stop event, and only when it is read.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+
+
+class Stopwatch:
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._start = self._stop = None
+
+    def start(self) -> None:
+        self._start = self._mark()
+
+    def stop(self) -> None:
+        if self._start is not None:
+            self._stop = self._mark()
+
+    def _mark(self):
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self._stop is not None
+
+    def elapsed_ms(self) -> float:
+        """The region's time, or ``inf`` if it never stopped (the region raised)."""
+        if self._stop is None:
+            return math.inf
+        if self._cuda:
+            self._stop.synchronize()
+            return float(self._start.elapsed_time(self._stop))
+        return (self._stop - self._start) * 1e3
+
+
+def total_ms(*watches: Optional[Stopwatch]) -> float:
+    """Sum of the stopwatches' times (``inf`` if any is missing or unfinished)."""
+    if any(w is None for w in watches):
+        return math.inf
+    return sum(w.elapsed_ms() for w in watches)

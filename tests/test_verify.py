@@ -1,0 +1,144 @@
+"""First-call verification ([Note: first-call verification]) and warm-up planning."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_layers import OverlapConfig, OverlapMLP
+from overlap_layers.layers.mlp import MLPPlan
+from overlap_layers.layers.planning import PlanCache
+from test_mlp import expect_value_error_on_every_rank
+
+
+class _OneRank:
+    """An Agreement of a group of one (the gather returns this rank's row)."""
+
+    def gather(self, values, dtype=torch.int64):
+        return [tuple(values)]
+
+
+class _Fixed:
+    """A finished stopwatch reading a given time."""
+
+    def __init__(self, ms):
+        self.ms, self.done = ms, True
+
+    def elapsed_ms(self):
+        return self.ms
+
+
+def _serial(plan):
+    return MLPPlan(1, reason=plan.reason)
+
+
+@pytest.mark.parametrize("tiled_ms,serial_ms,bwd,want_k", [
+    (1.0, 2.0, None, 2), (2.0, 1.0, None, 1),
+    # the backward decides when every trial timed one: forward says tiled, forward+backward says serial
+    (1.0, 2.0, (5.0, 1.0), 1), (2.0, 1.0, (0.5, 5.0), 2)])
+def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k):
+    cache = PlanCache(_OneRank(), trials=2)
+    made = []
+    make = lambda key: made.append(key) or MLPPlan(2, reason="planned")  # noqa: E731
+    ks = []
+    for _ in range(4):
+        plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
+        ks.append(plan.num_tiles)
+        assert trial is not None and trial.plan is plan and cache.verifying()
+        trial.fwd = _Fixed(tiled_ms if trial.tiled else serial_ms)
+        if bwd is not None:
+            trial.bwd = _Fixed(bwd[0] if trial.tiled else bwd[1])
+    assert ks == [2, 1, 2, 1] and len(made) == 1
+    plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
+    assert trial is None and not cache.verifying() and plan.num_tiles == want_k
+    assert ("kept K=2" if want_k == 2 else "switched to K=1") in plan.reason
+    assert ("forward+backward" if bwd else "(forward,") in plan.reason
+    again, trial = cache.get("k", make, _serial, torch.device("cpu"))
+    assert again is plan and trial is None and len(made) == 1
+
+
+def test_cache_does_not_verify_serial_or_when_off():
+    cache = PlanCache(_OneRank())
+    plan, trial = cache.get("a", lambda key: MLPPlan(1), _serial, torch.device("cpu"))
+    assert trial is None and not cache.verifying()
+    cache = PlanCache(_OneRank(), verify=False)
+    plan, trial = cache.get("a", lambda key: MLPPlan(4), _serial, torch.device("cpu"))
+    assert trial is None and plan.num_tiles == 4
+
+
+def test_cache_is_lru_bounded():
+    cache = PlanCache(_OneRank(), size=2, verify=False)
+    made = []
+    for key in ["a", "b", "a", "c", "a", "b"]:
+        cache.get(key, lambda k: made.append(k) or MLPPlan(1), _serial, torch.device("cpu"))
+    assert made == ["a", "b", "c", "b"] and len(cache) == 2
+
+
+def slowed_layer(rank, ws, slow, training):
+    """The planner is forced to K=2; each rank sleeps ``slow[rank][k]`` ms inside every K=k call,
+    so local timings disagree across ranks."""
+    layer = OverlapMLP(16, 32, group=dist.group.WORLD)
+    layer._make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
+    run = layer._run
+
+    def slowed(x, plan, save, trial=None):
+        time.sleep(slow[rank].get(plan.num_tiles, 0) / 1e3)
+        return run(x, plan, save, trial)
+    layer._run = slowed
+    ks = []
+    for _ in range(8):
+        x = torch.randn(2, 8, 16, requires_grad=training)
+        y = layer(x)
+        if training:
+            y.sum().backward()
+        ks.append(layer.plan.num_tiles)
+    return ks, layer.plan.digest(), layer.plan.reason, layer.verifying
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_verification_agrees_across_ranks_with_different_timings(pool2, training):
+    # Rank 0 alone would keep K=2 (its K=1 calls are slow); rank 1's K=2 calls are slower still,
+    # and the layer is as slow as its slowest rank: both ranks must switch to K=1.
+    res = pool2.run(slowed_layer, {0: {1: 30}, 1: {2: 90}}, training)
+    for ks, _, reason, verifying in res:
+        assert ks == [2, 1, 2, 1, 2, 1, 1, 1] and not verifying
+        assert "switched to K=1" in reason and ("forward+backward" if training else "(forward,") in reason
+    assert res[0][1] == res[1][1]
+    res = pool2.run(slowed_layer, {0: {1: 60}, 1: {1: 40}}, training)
+    assert [r[0] for r in res] == [[2, 1, 2, 1, 2, 1, 2, 2]] * 2
+    assert all("kept K=2" in r[2] for r in res)
+
+
+def warmed(rank, ws, shapes):
+    layer = OverlapMLP(16, 32, group=dist.group.WORLD, config=OverlapConfig(verify_first_calls=False))
+    made = []
+    orig = layer._make_plan
+    layer._make_plan = lambda *a: made.append(a[0]) or orig(*a)
+    plans = layer.warmup(shapes)
+    planned = list(made)
+    for b, s in shapes:
+        layer(torch.randn(b, s, 16, requires_grad=True)).sum().backward()
+    return planned, made, [p.digest() for p in plans]
+
+
+def test_warmup_plans_ahead_once_per_bucket(pool2):
+    res = pool2.run(warmed, [(2, 8), (1, 16), (3, 8)])  # rows 16, 16, 24 -> buckets 16 and 32
+    for planned, made, digests in res:
+        assert planned == [16, 32] and made == planned and len(digests) == 3
+    assert res[0][2] == res[1][2]
+
+
+def warm_mismatch(rank, ws):
+    OverlapMLP(16, 32, group=dist.group.WORLD).warmup([(2, 8 * (rank + 1))])
+
+
+def test_warmup_with_different_shapes_raises_on_every_rank(pool2):
+    expect_value_error_on_every_rank(pool2, warm_mismatch, match="same shapes")
+
+
+def warm_bad(rank, ws):
+    OverlapMLP(16, 32, group=dist.group.WORLD).warmup([(2,)])
+
+
+def test_warmup_rejects_bad_shapes(pool2):
+    expect_value_error_on_every_rank(pool2, warm_bad, match="shapes=")
