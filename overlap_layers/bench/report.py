@@ -1,0 +1,104 @@
+"""Planner fidelity report from benchmark JSON: ``python -m overlap_layers.bench.report FILE...``.
+
+For every (preset, TP, pass) row of a run with modes serial, naive (K=2, 4) and auto it prints,
+as markdown: measured / predicted time per fixed K, the K auto settled on and its time, the
+measured-best K, auto / best and auto / serial, and measured / predicted peak memory per K; then
+the summary the planner issue asks for: median |pred - meas| / meas of time and of peak memory
+over the fixed-K cells, and the share of rows where auto is within 3% of the best measured K.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from typing import Dict, List
+
+
+def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
+    rows: Dict[tuple, Dict[object, dict]] = defaultdict(dict)
+    for r in records:
+        if r.get("layer", "mlp") != "mlp" or r.get("ms") is None:
+            continue
+        key = (r["preset"], r["world_size"], r["tokens"], r["pass"])
+        if r["mode"] in ("serial", "naive"):
+            rows[key][r["k"]] = r
+        elif r["mode"] == "auto":
+            rows[key]["auto"] = r
+    return rows
+
+
+def _err(pred, meas):
+    return abs(pred - meas) / meas if pred is not None and meas else None
+
+
+def report(records: List[dict], title: str = "") -> str:
+    rows = _rows(records)
+    ks = sorted({k for row in rows.values() for k in row if k != "auto"})
+    head = ["preset", "TP", "pass"] + [f"K={k} meas / pred ms" for k in ks] + \
+        ["auto K (ms)", "best K", "auto / best", "auto / serial"] + [f"K={k} peak meas / pred MiB" for k in ks]
+    out = [f"### {title}" if title else "", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    t_err, m_err, near, n_auto, hosts = [], [], 0, 0, []
+    for (preset, ws, _, pass_), row in rows.items():
+        cells = [preset, str(ws), pass_]
+        for k in ks:
+            r = row.get(k)
+            if r is None:
+                cells.append("-")
+                continue
+            cells.append(f"{r['ms']:.2f} / {r['predicted_ms']:.2f}" if r.get("predicted_ms") else f"{r['ms']:.2f} / -")
+            if _err(r.get("predicted_ms"), r["ms"]) is not None:
+                t_err.append(_err(r["predicted_ms"], r["ms"]))
+        fixed = {k: row[k]["ms"] for k in ks if k in row}
+        best = min(fixed, key=fixed.get) if fixed else None
+        auto = row.get("auto")
+        if auto and best is not None:
+            n_auto += 1
+            near += auto["ms"] <= 1.03 * fixed[best]
+            cells += [f"{auto['k']} ({auto['ms']:.2f})", str(best), f"{auto['ms'] / fixed[best]:.2f}",
+                      f"{auto['ms'] / fixed[1]:.2f}" if 1 in fixed else "-"]
+            if auto.get("host_plan_lookup_us") is not None:
+                hosts.append((auto["host_plan_lookup_us"], auto["host_agreement_us"]))
+        else:
+            cells += ["-"] * 4
+        for k in ks:
+            r = row.get(k)
+            if r is None or r.get("peak_bytes") is None:
+                cells.append("-")
+                continue
+            pp = r.get("predicted_peak_bytes")
+            cells.append(f"{r['peak_bytes'] / 2**20:.0f} / {pp / 2**20:.0f}" if pp else f"{r['peak_bytes'] / 2**20:.0f} / -")
+            if _err(pp, r["peak_bytes"]) is not None:
+                m_err.append(_err(pp, r["peak_bytes"]))
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    if t_err:
+        out.append(f"Time: median |pred - meas| / meas {statistics.median(t_err):.1%} (max {max(t_err):.1%}) "
+                   f"over {len(t_err)} fixed-K cells.")
+    if m_err:
+        out.append(f"Peak memory: median |pred - meas| / meas {statistics.median(m_err):.1%} "
+                   f"(max {max(m_err):.1%}) over {len(m_err)} cells.")
+    if n_auto:
+        out.append(f"Auto within 3% of the best measured K on {near} of {n_auto} rows.")
+    if hosts:
+        out.append(f"Cached call host time: plan lookup median {statistics.median(h[0] for h in hosts):.1f} us, "
+                   f"agreement gather median {statistics.median(h[1] for h in hosts):.1f} us.")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths:
+        raise SystemExit("usage: python -m overlap_layers.bench.report RESULT.json [...]")
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = data.get("meta", {})
+        title = f"{path}: {meta.get('device', '?')} x{meta.get('world_size', '?')}, torch {meta.get('torch', '?')}, " \
+                f"NCCL_P2P_DISABLE={meta.get('nccl_p2p_disable')}"
+        print(report(data["records"], title))
+        print()
+
+
+if __name__ == "__main__":
+    main()
