@@ -22,8 +22,12 @@ class OverlapConfig:
     ``num_tiles``: a positive int (fixed K) or ``"auto"`` (the planner simulates candidates at
     the first call for each shape bucket and keeps K=1 unless a plan wins by more than ``margin``).
     ``memory_budget``: bytes, or a fraction in (0, 1] of free device memory (min over the group).
-    ``measure``: calibrate on the device (CUDA) instead of nominal numbers. ``transport``,
-    ``verify_first_calls`` and ``cache_dir`` are validated but not used yet (see the planner issue).
+    ``measure``: calibrate on the device (CUDA: collectives, GEMMs and memory-bound ops, the
+    GEMM slowdown beside NCCL) instead of nominal numbers. ``verify_first_calls``: the first calls
+    for a new shape bucket time the planned plan against K=1 and keep the faster
+    ([Note: first-call verification] in ``layers/planning.py``). ``cache_dir``: where calibrations
+    persist as JSON (None: ``$XDG_CACHE_HOME/overlap_layers`` or ``~/.cache/overlap_layers``).
+    ``transport``: "auto" and "nccl" run NCCL; layers refuse "copy_engine" until it is built.
     """
 
     num_tiles: Union[int, str] = "auto"

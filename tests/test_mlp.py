@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from overlap_layers import OverlapMLP, reduce_replicated_grads
+from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
 from overlap_layers.layers.mlp import MLPPlan
 from pool import RankFailure
 
@@ -322,6 +322,7 @@ def expect_value_error_on_every_rank(pool, fn, *args, match):
     (dict(num_tiles="many"), "num_tiles"),
     (dict(group=None), "exactly one of group"),
     (dict(config="fast"), "config"),
+    (dict(config=OverlapConfig(transport="copy_engine")), "copy_engine"),
 ])
 def test_bad_constructor_arguments(pool2, kw, match):
     expect_value_error_on_every_rank(pool2, _build_kw, kw, match=match)

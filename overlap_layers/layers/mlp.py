@@ -45,6 +45,7 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from ..runtime.calibrate import calibrate, measure_gemms
+from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
 from ..runtime.timing import Stopwatch
 from ..sim import analytic_model, choose
 from .mlp_cost import MLPCostModel, mlp_candidates
@@ -290,6 +291,8 @@ class OverlapMLP(nn.Module):
             config = OverlapConfig()
         elif not isinstance(config, OverlapConfig):
             raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
+        if config.transport == "copy_engine":
+            raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
         self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
         self.config = config
         self.group = resolve_group(group, mesh, axis)
@@ -536,13 +539,26 @@ class OverlapMLP(nn.Module):
         return (_forward_program(call, None, None, None),
                 _backward_program(call, None, None, {}, self.b_in is not None))
 
+    def _measuring(self) -> bool:
+        return self.w_in.device.type == "cuda" and self.config.measure
+
+    def _cache_file(self, dtype: torch.dtype):
+        key = cache_key(device=self.w_in.device, world_size=self.world_size, transport="nccl", dtype=dtype)
+        return cache_path(self.config.cache_dir or default_cache_dir(), key), key
+
     def _hardware(self, dtype: torch.dtype):
-        dev = self.w_in.device
+        """The cost model's numbers for ``dtype``: on CUDA with ``measure``, from the calibration
+        cache file if every rank's copy is usable and identical, else calibrated (and stored)."""
         if dtype not in self._hw:
-            if dev.type == "cuda" and self.config.measure:
-                self._hw[dtype] = calibrate(self.group, dev, dtype, self._agreement)
+            if self._measuring():
+                path, key = self._cache_file(dtype)
+                hw = load_agreed(path, key, self._agreement)
+                if hw is None:
+                    hw = calibrate(self.group, self.w_in.device, dtype, self._agreement)
+                    store(path, key, hw)
+                self._hw[dtype] = hw
             else:
-                self._hw[dtype] = analytic_model(dev.type)
+                self._hw[dtype] = analytic_model(self.w_in.device.type)
         return self._hw[dtype]
 
     def _budget(self) -> Optional[int]:
@@ -559,9 +575,12 @@ class OverlapMLP(nn.Module):
         elt = torch.tensor([], dtype=dtype).element_size()
         cm = MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
                           f_local=self.w_out.shape[1], elt=elt, sequence_parallel=self.sequence_parallel, model=hw)
-        if self.w_in.device.type == "cuda" and self.config.measure:
+        if self._measuring():
             missing = cm.gemm_shapes() - set(hw.gemm_measured)
-            hw = self._hw[dtype] = hw.with_gemms(measure_gemms(missing, dtype, self.w_in.device, self._agreement))
+            if missing:
+                hw = self._hw[dtype] = hw.with_measured(
+                    gemms=measure_gemms(missing, dtype, self.w_in.device, self._agreement))
+                store(*self._cache_file(dtype), hw)
             cm.model = hw
         choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
                         margin=self.config.margin)

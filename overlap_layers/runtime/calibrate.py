@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from typing import Dict, Iterable, Tuple
+from typing import Callable, Dict, Hashable, Iterable, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,23 @@ def _time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
+def measure_ops(setups: Mapping[Hashable, Callable[[], Callable[[], object]]], agreement: Agreement
+                ) -> Dict[Hashable, float]:
+    """ms of each op, max over ranks. ``setups[key]()`` allocates the op's inputs and returns the
+    callable to time (inputs are freed before the next key). Keys are sorted by their repr so
+    every rank reduces the same vector; every rank must pass the same keys."""
+    keys = sorted(setups, key=repr)
+    return dict(zip(keys, agreement.max([_time_ms(setups[k]()) for k in keys])))
+
+
 def measure_gemms(shapes: Iterable[Tuple[int, int, int]], dtype, device, agreement: Agreement
                   ) -> Dict[Tuple[int, int, int], float]:
-    """ms of ``A[m,k] @ B[k,n]`` per shape, max over ranks. Shapes are sorted so every rank
-    reduces the same vector."""
-    shapes = sorted(set(shapes))
-    local = []
-    for m, n, k in shapes:
+    """ms of ``A[m,k] @ B[k,n]`` per shape, max over ranks."""
+    def setup(m, n, k):
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        local.append(_time_ms(lambda a=a, b=b: torch.mm(a, b)))
-    return dict(zip(shapes, agreement.max(local)))
+        return lambda: torch.mm(a, b)
+    return measure_ops({s: (lambda s=s: setup(*s)) for s in set(shapes)}, agreement)
 
 
 def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
