@@ -10,7 +10,10 @@ One code path for CUDA and CPU (DESIGN.md 4):
   member's stream at the point where that member reached its comm op;
 * ops sharing a ``chain`` (accumulators) are ordered across streams with events;
 * the streams start after, and the caller's stream continues after, all tile work (fork/join),
-  so tensors owned by the caller's stream are safe to free once the call returns.
+  so tensors owned by the caller's stream are safe to free once the call returns;
+* with a :class:`~overlap_layers.runtime.trace.OpRecorder`, every launch is also timed on the
+  simulator's rows: compute ops and waits on ``compute{t mod S}``, each collective (or bucket)
+  on ``comm`` from its issue to its first wait.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from ..schedule import Schedule
 from . import collectives
+from .trace import OpRecorder
 
 
 def _on(stream):
@@ -29,11 +33,13 @@ def _on(stream):
 
 def execute(schedule: Schedule, envs: Sequence[dict], group, *,
             streams: Optional[List["torch.cuda.Stream"]] = None, label: Optional[str] = None,
-            trace: Optional[list] = None) -> None:
+            trace: Optional[list] = None, recorder: Optional[OpRecorder] = None) -> None:
     """Launch every op of ``schedule`` over the per-tile environments ``envs``.
 
     ``trace``, when given, receives ``(tile, op_name, kind)`` in launch order (deferred bucket
-    members excluded) so tests can check the order the runtime really used.
+    members excluded) so tests can check the order the runtime really used. ``recorder``, when
+    given, records when each op ran; ``recorder.timeline()`` then has the events that
+    ``simulate(schedule, ...)`` predicts, measured (see :class:`OpRecorder` for what they mean).
     """
     program = schedule.program
     label = label or program.name
@@ -45,9 +51,13 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
     handles: Dict[tuple, tuple] = {}
     ready_events: Dict[tuple, object] = {}
     chain_last: Dict[str, tuple] = {}
+    comm_open: Dict[tuple, tuple] = {}  # (handle, member) -> (recorder token, members) until waited
 
     def stream_of(t: int):
         return streams[t % len(streams)] if streams else None
+
+    def row_of(t: int) -> str:  # the simulator's name of tile t's stream
+        return f"compute{t % len(streams)}" if streams else "compute0"
 
     for ln in schedule.launches:
         op, t = program.ops[ln.op], ln.tile
@@ -66,7 +76,10 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
                     prev_stream, ev = chain_last[op.chain]
                     if prev_stream is not stream:
                         stream.wait_event(ev)
+                tok = recorder.begin(op.name, t, row_of(t), stream) if recorder is not None else None
                 op.fn(envs[t])
+                if tok is not None:
+                    recorder.end(tok, stream)
                 if stream is not None and op.chain is not None:
                     ev = torch.cuda.Event()
                     ev.record(stream)
@@ -77,6 +90,9 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
                         other, ev = ready_events.pop((op.handle, m))
                         if other is not stream:
                             stream.wait_event(ev)
+                if recorder is not None:
+                    tok = recorder.begin(op.name, members if len(members) > 1 else t, "comm", stream)
+                    comm_open.update(((op.handle, m), (tok, members)) for m in members)
                 srcs = [envs[m].pop(op.src) for m in members]
                 outs = [envs[m].get(op.out) if op.out else None for m in members]
                 h = collectives.issue(op.collective, srcs, outs, group)
@@ -86,6 +102,13 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
             else:
                 h, j = handles.pop((op.handle, t))
                 envs[t][op.dst] = h.result(j)
+                if recorder is not None:
+                    tok, members = comm_open.pop((op.handle, t), (None, ()))
+                    if tok is not None:  # the first wait on a collective ends it
+                        recorder.end(tok, stream)
+                        for m in members:
+                            comm_open.pop((op.handle, m), None)
+                    recorder.mark(op.name, t, row_of(t), stream)
         if trace is not None:
             trace.append((tag if op.kind == "comm" else t, op.name, op.kind))
     assert not handles, f"handles never waited: {sorted(handles)}"

@@ -87,10 +87,11 @@ class Event(NamedTuple):
 
 @dataclass(frozen=True)
 class Timeline:
-    """The result of :func:`simulate`.
+    """The result of :func:`simulate`, or of a measured run (``runtime.trace.OpRecorder``).
 
     ``exposed_comm_ms`` is the time the comm stream is busy while no compute stream is;
-    ``stream_busy_ms`` the time each stream spends running ops (waiting is not busy).
+    ``stream_busy_ms`` the time each stream spends running ops (waiting is not busy); see
+    :func:`timeline_from_events`.
     """
 
     makespan_ms: float
@@ -134,15 +135,38 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     tasks = _build_tasks(schedule, costs)
     _run(tasks, costs.interference)
     streams = [f"compute{s}" for s in range(min(costs.num_streams, schedule.num_tiles))] + ["comm"]
-    busy = {s: sum(t.end_ms - t.start_ms for t in tasks if t.stream == s) for s in streams}
-    compute = [(t.start_ms, t.end_ms) for t in tasks if t.stream != "comm"]
-    comm = [(t.start_ms, t.end_ms) for t in tasks if t.stream == "comm"]
-    return Timeline(
-        makespan_ms=max((t.end_ms for t in tasks), default=0.0),
-        exposed_comm_ms=_uncovered(comm, compute),
-        peak_bytes=costs.base_bytes + _peak_bytes(schedule, costs, tasks),
-        stream_busy_ms=busy,
-        events=[Event(t.name, t.tile, t.stream, t.start_ms, t.end_ms) for t in tasks])
+    return timeline_from_events(
+        [Event(t.name, t.tile, t.stream, t.start_ms, t.end_ms) for t in tasks], streams,
+        peak_bytes=costs.base_bytes + _peak_bytes(schedule, costs, tasks))
+
+
+def timeline_from_events(events: Sequence[Event], streams: Optional[Sequence[str]] = None, *,
+                         peak_bytes: int = 0) -> Timeline:
+    """A :class:`Timeline` of ``events`` (times in ms, the first starting at or after 0).
+
+    ``makespan_ms`` is the last end; ``stream_busy_ms[s]`` the length of the union of stream
+    ``s``'s events (their sum when they do not overlap, as in :func:`simulate`); ``exposed_comm_ms``
+    the length of the union of the ``"comm"`` events outside the union of every other stream's
+    events. ``streams`` orders the rows (default: ``compute0, compute1, ...`` by number, other
+    streams by name, ``comm`` last; ``comm`` is always present).
+    """
+    if streams is None:
+        streams = sorted({e.stream for e in events} - {"comm"}, key=_stream_order) + ["comm"]
+    unknown = {e.stream for e in events} - set(streams)
+    assert not unknown, f"events on streams {sorted(unknown)} not in {list(streams)}"
+    busy = {s: _length(_union([(e.start_ms, e.end_ms) for e in events if e.stream == s]))
+            for s in streams}
+    compute = [(e.start_ms, e.end_ms) for e in events if e.stream != "comm"]
+    comm = _union([(e.start_ms, e.end_ms) for e in events if e.stream == "comm"])
+    return Timeline(makespan_ms=max((e.end_ms for e in events), default=0.0),
+                    exposed_comm_ms=_uncovered(comm, compute), peak_bytes=peak_bytes,
+                    stream_busy_ms=busy, events=list(events))
+
+
+def _stream_order(name: str):
+    """``compute2`` before ``compute10``; names that are not ``compute<n>`` after, by name."""
+    num = name[len("compute"):]
+    return (0, int(num), "") if name.startswith("compute") and num.isdigit() else (1, 0, name)
 
 
 def _lookup(table, tile: int, op: Op, what: str, default=None):
@@ -242,15 +266,25 @@ def _run(tasks: List[_Task], interference: float) -> None:
         now = step_to
 
 
-def _uncovered(intervals: Sequence[Tuple[float, float]],
-               cover: Sequence[Tuple[float, float]]) -> float:
-    """Total length of ``intervals`` (disjoint) outside the union of ``cover``."""
+def _union(intervals: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The union of ``intervals`` as sorted disjoint intervals (empty ones dropped)."""
     merged: List[List[float]] = []
-    for a, b in sorted(c for c in cover if c[1] > c[0]):
+    for a, b in sorted(c for c in intervals if c[1] > c[0]):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(disjoint: Sequence[Tuple[float, float]]) -> float:
+    return sum(b - a for a, b in disjoint)
+
+
+def _uncovered(intervals: Sequence[Tuple[float, float]],
+               cover: Sequence[Tuple[float, float]]) -> float:
+    """Total length of ``intervals`` (disjoint) outside the union of ``cover``."""
+    merged = _union(cover)
     total = 0.0
     for a, b in intervals:
         total += (b - a) - sum(max(0.0, min(b, d) - max(a, c)) for c, d in merged)
