@@ -27,7 +27,8 @@ def plot_timeline(trace_path: PathLike, png_path: PathLike) -> None:
     colour (others grey), the event's name written on its bar where it fits, the x axis in ms.
     Events that overlap on one row (collectives in flight together in a measured run) are
     stacked in lanes inside the row; zero-length events (waits) are not drawn. With more than
-    one pid, row names are prefixed with the pid. Other phases (``B``/``E``, ``i``, counters)
+    one pid, row names are prefixed with the process name (``process_name`` metadata) or the pid.
+    Other phases (``B``/``E``, ``i``, counters)
     are ignored.
 
     Raises ``ValueError`` when the file is not such a trace, and ``ImportError`` without
@@ -89,6 +90,7 @@ def _read_trace(path: PathLike) -> Tuple[List[Tuple[tuple, str]], List[tuple]]:
     if not isinstance(events, list):
         raise ValueError(f"{os.fspath(path)} has no \"traceEvents\" list; expected {_EXPECTED}")
     names: Dict[tuple, str] = {}
+    processes: Dict[object, str] = {}
     bars: List[tuple] = []
     for i, ev in enumerate(events):
         if not isinstance(ev, dict):
@@ -101,6 +103,10 @@ def _read_trace(path: PathLike) -> Tuple[List[Tuple[tuple, str]], List[tuple]]:
                 raise ValueError(f"{os.fspath(path)}: traceEvents[{i}] is a thread_name event "
                                  f"without args.name; expected {_EXPECTED}")
             names[key] = name
+        elif ev.get("ph") == "M" and ev.get("name") == "process_name":
+            name = (ev.get("args") or {}).get("name") if isinstance(ev.get("args"), dict) else None
+            if isinstance(name, str):
+                processes[key[0]] = name
         elif ev.get("ph") == "X":
             ts, dur = ev.get("ts"), ev.get("dur")
             if not _number(ts) or not _number(dur) or dur < 0:
@@ -116,7 +122,7 @@ def _read_trace(path: PathLike) -> Tuple[List[Tuple[tuple, str]], List[tuple]]:
     rows = []
     for k in keys:
         label = names.get(k, f"tid {k[1]}")
-        rows.append((k, f"{k[0]}: {label}" if several else label))
+        rows.append((k, f"{processes.get(k[0], k[0])}: {label}" if several else label))
     if bars:  # times from the first event, as the simulator's timelines start at 0
         t0 = min(b[1] for b in bars)
         bars = [(k, s - t0, d, n, c) for k, s, d, n, c in bars]

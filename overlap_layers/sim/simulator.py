@@ -18,8 +18,10 @@ The model (DESIGN.md, "The mechanism" 4-6), in the terms of the CUDA executor:
   run FIFO in launch order), its host launch has happened and every op launched before it on the
   issuing tile's stream has ended. A bucket is issued at its non-deferred launch, and also waits
   for every op launched on each member's stream before that member's deferred launch. Its
-  duration is ``comm_alpha_ms + sum over members of (comm_ms(member) - comm_alpha_ms)``: merging
-  saves one latency per extra member. Communication is never slowed by compute.
+  duration is ``alpha + sum over members of (comm_ms(member) - alpha + bucket_copy_ms(member))``
+  with ``alpha`` the collective kind's latency (``comm_alpha_ms``) and the copy term only for a
+  bucket of two or more (packing members into one buffer and out of it): merging saves one
+  latency per extra member and pays the copies. Communication is never slowed by compute.
 * **Wait.** A zero-length op on the tile's stream that ends when its collective has ended; it
   blocks its stream until then (like ``stream.wait_event``).
 * **Memory.** An op allocates ``Costs.bytes`` (per tile; a collective allocates each member's
@@ -50,29 +52,38 @@ class Costs:
     """The cost model. A table is a mapping from op name or a callable ``(tile, op) -> value``.
 
     ``compute_ms``/``comm_ms``: duration of one tile's op (for a collective: one member alone,
-    including its latency ``comm_alpha_ms``). ``bytes``: memory an op allocates (default 0);
+    including its latency ``comm_alpha_ms``, a float or a mapping from ``op.collective`` to
+    float); ``bucket_copy_ms``: packing cost of one member of a bucket of two or more (default 0).
+    ``bytes``: memory an op allocates (default 0);
     ``frees``: op name -> name of the op after whose end the buffer is freed, or ``None`` to keep
     it to the end. The module docstring gives the full model.
     """
 
     compute_ms: CostTable
     comm_ms: CostTable
-    comm_alpha_ms: float = 0.0
+    comm_alpha_ms: Union[float, Mapping[str, float]] = 0.0
     interference: float = 1.0
     num_streams: int = 1
     launch_ms: float = 0.0
     bytes: ByteTable = field(default_factory=dict)
     frees: Mapping[str, Optional[str]] = field(default_factory=dict)
     base_bytes: int = 0
+    bucket_copy_ms: CostTable = field(default_factory=dict)
+
+    def alpha_ms(self, collective: str) -> float:
+        a = self.comm_alpha_ms
+        return a.get(collective, 0.0) if isinstance(a, Mapping) else a
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_streams, int) or self.num_streams < 1:
             raise ValueError(f"num_streams={self.num_streams!r}; must be a positive int")
         if not self.interference >= 1.0:
             raise ValueError(f"interference={self.interference!r}; must be >= 1 (1 = no slowdown)")
-        for name in ("comm_alpha_ms", "launch_ms"):
-            if not getattr(self, name) >= 0.0:
-                raise ValueError(f"{name}={getattr(self, name)!r}; must be >= 0")
+        alphas = self.comm_alpha_ms.values() if isinstance(self.comm_alpha_ms, Mapping) else [self.comm_alpha_ms]
+        if not all(a >= 0.0 for a in alphas):
+            raise ValueError(f"comm_alpha_ms={self.comm_alpha_ms!r}; must be >= 0")
+        if not self.launch_ms >= 0.0:
+            raise ValueError(f"launch_ms={self.launch_ms!r}; must be >= 0")
 
 
 class Event(NamedTuple):
@@ -111,6 +122,17 @@ class Timeline:
                           "ts": e.start_ms * 1e3, "dur": (e.end_ms - e.start_ms) * 1e3,
                           "cat": "comm" if e.stream == "comm" else "compute"})
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def chrome_trace(timelines: Mapping[str, Timeline]) -> dict:
+    """Several timelines (e.g. ``{"forward": ..., "backward": ...}``) as one Chrome/Perfetto trace:
+    timeline i is process i, named by its key, with the threads of :meth:`Timeline.to_chrome_trace`."""
+    events = []
+    for pid, (name, tl) in enumerate(timelines.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+        for e in tl.to_chrome_trace()["traceEvents"]:
+            events.append({**e, "pid": pid})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 @dataclass
@@ -196,8 +218,10 @@ def _build_tasks(schedule: Schedule, costs: Costs) -> List[_Task]:
         if op.kind == "comm":
             deps = [tail.get(stream)]
             deps += [member_ready.pop((op.handle, m)) for m in ln.bucket if m != t]
-            alpha = costs.comm_alpha_ms
+            alpha = costs.alpha_ms(op.collective)
             work = alpha + sum(_lookup(costs.comm_ms, m, op, "comm_ms") - alpha for m in ln.bucket)
+            if len(ln.bucket) > 1:
+                work += sum(_lookup(costs.bucket_copy_ms, m, op, "bucket_copy_ms", 0.0) for m in ln.bucket)
             tag = ln.bucket if len(ln.bucket) > 1 else t
             comm_task.update(((op.handle, m), len(tasks)) for m in ln.bucket)
             task = _Task(op.name, tag, "comm", work, host_ms, _known(deps), False,
