@@ -131,13 +131,57 @@ def check_peak_memory(rank, ws, dev):
     return fails
 
 
+def check_auto_plan_cache_and_trace(rank, ws, dev):
+    """Auto planning on CUDA: calibration stored to the cache dir and reused by a second layer
+    (no recalibration), first-call verification settles with CUDA events, measured trace."""
+    import json
+    import tempfile
+    import overlap_layers.layers.mlp as mlp_module
+    from overlap_layers import OverlapConfig
+    fails = 0
+    name = [tempfile.mkdtemp(prefix="ol_cache_") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    cfg = OverlapConfig(cache_dir=name[0])
+    layer = OverlapMLP(1024, 1024 * ws, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16, config=cfg)
+    x = torch.randn(2, 512, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(8):
+        layer(x).sum().backward()
+    digests = [None] * ws
+    dist.all_gather_object(digests, (layer.plan.digest(), layer.verifying, layer.plan.reason))
+    if len({d[0] for d in digests}) != 1 or any(d[1] for d in digests):
+        fails += 1
+        print(f"rank {rank} FAIL auto plan: {digests}", flush=True)
+    if rank == 0:
+        print(f"auto plan on CUDA: K={layer.plan.num_tiles}; {layer.plan.reason}", flush=True)
+    calibrate = mlp_module.calibrate
+    mlp_module.calibrate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("recalibrated"))
+    try:
+        again = OverlapMLP(1024, 1024 * ws, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16, config=cfg)
+        again(x).sum().backward()
+    except RuntimeError as e:
+        fails += 1
+        print(f"rank {rank} FAIL cache not reused: {e}", flush=True)
+    finally:
+        mlp_module.calibrate = calibrate
+    layer.pin_plan(MLPPlan(2))
+    path = os.path.join(name[0], f"trace{rank}.json")
+    layer.export_trace(path, measured=True)
+    layer(x).sum().backward()
+    rows = {e["args"]["name"] for e in json.load(open(path))["traceEvents"] if e.get("name") == "thread_name"}
+    if rows != {"compute0", "compute1", "comm"}:
+        fails += 1
+        print(f"rank {rank} FAIL measured trace rows {rows}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev)
+    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
+        + check_auto_plan_cache_and_trace(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

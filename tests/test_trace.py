@@ -241,3 +241,47 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="pip install matplotlib") as info:
         plot_timeline(trace, tmp_path / "pred.png")
     assert isinstance(info.value.__cause__, ImportError)
+
+
+# ------------------------------------------------------------ the layer's export_trace
+def layer_traces(rank, ws, tmp, plan_k, training):
+    from overlap_layers import OverlapMLP
+    from overlap_layers.layers.mlp import MLPPlan
+    layer = OverlapMLP(16, 32, group=dist.group.WORLD)
+    layer.pin_plan(MLPPlan(plan_k, buckets_fwd=(("rs", ((0, 1), (2,))),) if plan_k == 3 else ()))
+    x = torch.randn(2, 6, 16, requires_grad=training)
+    try:
+        layer.export_trace(f"{tmp}/none{rank}.json")
+        raised = False
+    except ValueError:
+        raised = True
+    with torch.set_grad_enabled(training):
+        layer(x).sum().backward() if training else layer(x)
+        layer.export_trace(f"{tmp}/pred{rank}.json")
+        layer.export_trace(f"{tmp}/meas{rank}.json", measured=True)
+        y = layer(x)
+        if training:
+            y.sum().backward()
+    return raised
+
+
+def _events(path):
+    data = json.load(open(path))
+    procs = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "process_name"}
+    return Counter((procs[e["pid"]], e["name"]) for e in data["traceEvents"] if e["ph"] == "X")
+
+
+@pytest.mark.parametrize("plan_k,training", [(3, True), (2, False)])
+def test_layer_export_trace_predicted_and_measured_match(pool2, tmp_path, plan_k, training):
+    assert pool2.run(layer_traces, str(tmp_path), plan_k, training) == [True, True]
+    for rank in (0, 1):
+        pred, meas = _events(tmp_path / f"pred{rank}.json"), _events(tmp_path / f"meas{rank}.json")
+        assert pred == meas  # the same ops, one for one, in the same processes
+        procs = {p for p, _ in pred}
+        assert procs == ({"forward", "backward"} if training else {"forward"})
+        assert pred[("forward", "fc1[0]")] == 1 and pred[("forward", f"fc2[{plan_k - 1}]")] == 1
+        if plan_k == 3:
+            assert pred[("forward", "rs[0,1]")] == 1 and pred[("backward", "ag_dy[2]")] == 1
+    pytest.importorskip("matplotlib")
+    plot_timeline(tmp_path / "meas0.json", tmp_path / "meas0.png")
+    assert (tmp_path / "meas0.png").stat().st_size > 1000

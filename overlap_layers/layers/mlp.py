@@ -44,9 +44,10 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
-from ..runtime.calibrate import calibrate, measure_gemms
+from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
 from ..runtime.timing import Stopwatch
+from ..runtime.trace import TraceJob, write_chrome_trace
 from ..sim import analytic_model, choose
 from .mlp_cost import MLPCostModel, mlp_candidates
 from .planning import PlanCache, Trial
@@ -126,6 +127,7 @@ class _Call:
     streams: Optional[list]
     launch_log: Optional[list]
     trial: Optional[Trial] = None  # times the backward during first-call verification
+    trace: Optional[TraceJob] = None  # records every op for export_trace(measured=True)
 
 
 def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
@@ -220,7 +222,8 @@ class _TiledMLP(torch.autograd.Function):
         envs = [{"x": x_TH[a:b], "y_out": out_TH[a:b]} for a, b in bounds]
         program = _forward_program(call, w_in, b_in, w_out)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
-        execute(sched, envs, call.group, streams=call.streams, label="mlp", trace=call.launch_log)
+        execute(sched, envs, call.group, streams=call.streams, label="mlp", trace=call.launch_log,
+                recorder=call.trace.fwd if call.trace is not None else None)
         if call.save:
             pres = [e["pre"] for e in envs]
             xgs = [e["xg"] for e in envs] if (call.sequence_parallel and not call.plan.regather) else []
@@ -254,9 +257,12 @@ class _TiledMLP(torch.autograd.Function):
         if c.trial is not None:
             c.trial.bwd = Stopwatch(dy_TH.device)
             c.trial.bwd.start()
-        execute(sched, envs, c.group, streams=c.streams, label="mlp_bwd", trace=c.launch_log)
+        execute(sched, envs, c.group, streams=c.streams, label="mlp_bwd", trace=c.launch_log,
+                recorder=c.trace.start_backward() if c.trace is not None else None)
         if c.trial is not None:
             c.trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
@@ -313,6 +319,8 @@ class OverlapMLP(nn.Module):
         self._pinned: Optional[MLPPlan] = None
         self._hw: dict = {}
         self.launch_log: Optional[list] = None
+        self._last_call: Optional[tuple] = None  # (rows, dtype, save) of the last call
+        self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls)
@@ -483,11 +491,15 @@ class OverlapMLP(nn.Module):
             self.plan = fixed
         else:
             self.plan, trial = self._auto_plan(rows, dtype, save)
-        if trial is None:
-            return self._run(x, self.plan, save)
-        trial.fwd.start()
-        y = self._run(x, self.plan, save, trial)
-        trial.fwd.stop()
+        self._last_call = (rows, dtype, save)
+        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
+        if trial is not None:
+            trial.fwd.start()
+        y = self._run(x, self.plan, save, trial, trace)
+        if trial is not None:
+            trial.fwd.stop()
+        if trace is not None:
+            trace.write()
         return y
 
     # ----------------------------------------------------------------- planning
@@ -570,23 +582,63 @@ class OverlapMLP(nn.Module):
         free = torch.cuda.mem_get_info(self.w_in.device)[0]
         return int(self._agreement.min([float(free)])[0] * mb)
 
+    def _cost_model(self, rows: int, dtype: torch.dtype, hw) -> MLPCostModel:
+        return MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
+                            f_local=self.w_out.shape[1], elt=torch.tensor([], dtype=dtype).element_size(),
+                            sequence_parallel=self.sequence_parallel, model=hw, activation=self.activation)
+
+    def _measure_missing(self, cm: MLPCostModel, dtype: torch.dtype):
+        """Time the GEMMs and activation ops the candidates need that the model lacks (max over
+        ranks), add them to the model and the cache file."""
+        hw, dev = cm.model, self.w_in.device
+        gemms = cm.gemm_shapes() - set(hw.gemm_measured)
+        acts = {key: spec for key, spec in cm.act_ops().items() if key not in hw.op_measured}
+
+        def setup(name, m):
+            pre = torch.randn(m, cm.I, dtype=dtype, device=dev)
+            if name == "act":
+                return lambda: _act(self.activation, pre)
+            dh = torch.randn(m, cm.F, dtype=dtype, device=dev)
+            return lambda: _act_backward(self.activation, pre, dh)
+
+        if gemms or acts:
+            hw = self._hw[dtype] = hw.with_measured(
+                gemms=measure_gemms(gemms, dtype, dev, self._agreement),
+                ops=measure_ops({key: (lambda spec=spec: setup(*spec)) for key, spec in acts.items()},
+                                self._agreement))
+            store(*self._cache_file(dtype), hw)
+        return hw
+
     def _make_plan(self, rows: int, dtype: torch.dtype, save: bool) -> MLPPlan:
-        hw = self._hardware(dtype)
-        elt = torch.tensor([], dtype=dtype).element_size()
-        cm = MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
-                          f_local=self.w_out.shape[1], elt=elt, sequence_parallel=self.sequence_parallel, model=hw)
+        cm = self._cost_model(rows, dtype, self._hardware(dtype))
         if self._measuring():
-            missing = cm.gemm_shapes() - set(hw.gemm_measured)
-            if missing:
-                hw = self._hw[dtype] = hw.with_measured(
-                    gemms=measure_gemms(missing, dtype, self.w_in.device, self._agreement))
-                store(*self._cache_file(dtype), hw)
-            cm.model = hw
+            cm.model = self._measure_missing(cm, dtype)
         choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
                         margin=self.config.margin)
         c = choice.candidate
         return MLPPlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
                        predicted_peak_bytes=c.peak_bytes, reason=choice.reason, candidates=choice.candidates)
+
+    def export_trace(self, path, measured: bool = False) -> None:
+        """Write a Chrome/Perfetto trace JSON of this layer's plan to ``path``.
+
+        ``measured=False``: the timeline the planner predicts for the last call's plan and shape
+        (forward, plus backward when that call saved for it), from the numbers the layer planned
+        with (calibrated on CUDA, else nominal), on one compute stream as the planner scores it;
+        rank-local, no collectives. ``measured=True``: the next call records every op (CUDA
+        events, or the host clock on CPU) and writes the measured timeline in the same format after
+        its forward, and again after its backward; open both side by side, or draw either with
+        :func:`overlap_layers.plot_timeline`."""
+        if measured:
+            self._trace_to = path
+            return
+        if self._last_call is None:
+            raise ValueError("export_trace(measured=False) needs a plan: call the layer once first")
+        rows, dtype, save = self._last_call
+        hw = self._hw.get(dtype) or analytic_model(self.w_in.device.type)
+        p = self.plan
+        write_chrome_trace(path, self._cost_model(rows, dtype, hw).timelines(
+            self._programs, p.num_tiles, p.regather, p.buckets_fwd, p.buckets_bwd, save))
 
     def explain(self) -> str:
         """The last call's plan as a text table of the candidates the planner compared."""
@@ -602,7 +654,8 @@ class OverlapMLP(nn.Module):
                              f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
         return "\n".join(lines)
 
-    def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
+             trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
         w_in, b_in, w_out, b_out = self.w_in, self.b_in, self.w_out, self.b_out
         if torch.is_autocast_enabled(dev):
@@ -614,7 +667,7 @@ class OverlapMLP(nn.Module):
         call = _Call(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
                      streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
-                     launch_log=self.launch_log, trial=trial)
+                     launch_log=self.launch_log, trial=trial, trace=trace)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
             if save:

@@ -8,12 +8,13 @@ the same ``(name, tile, stream)``, so ``to_chrome_trace()`` and
 """
 from __future__ import annotations
 
+import json
 import time
-from typing import List, Union
+from typing import List, Mapping, Optional, Union
 
 import torch
 
-from ..sim.simulator import Event, Timeline, TileTag, timeline_from_events
+from ..sim.simulator import Event, Timeline, TileTag, chrome_trace, timeline_from_events
 
 
 class OpRecorder:
@@ -104,3 +105,29 @@ class OpRecorder:
 
     def __len__(self) -> int:
         return len(self._ops)
+
+
+def write_chrome_trace(path, timelines: Mapping[str, Timeline]) -> None:
+    """Write ``timelines`` (e.g. forward and backward) as one Chrome/Perfetto trace JSON file."""
+    with open(path, "w") as f:
+        json.dump(chrome_trace(timelines), f)
+
+
+class TraceJob:
+    """One layer call recorded for ``layer.export_trace(path, measured=True)``: the forward's ops in
+    ``fwd``, the backward's in ``bwd`` once it runs; :meth:`write` (re)writes ``path``."""
+
+    def __init__(self, path, device) -> None:
+        self.path, self.device = path, device
+        self.fwd = OpRecorder(device)
+        self.bwd: Optional[OpRecorder] = None
+
+    def start_backward(self) -> OpRecorder:
+        self.bwd = OpRecorder(self.device)
+        return self.bwd
+
+    def write(self) -> None:
+        timelines = {"forward": self.fwd.timeline()}
+        if self.bwd is not None:
+            timelines["backward"] = self.bwd.timeline()
+        write_chrome_trace(self.path, timelines)
