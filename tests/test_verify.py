@@ -81,9 +81,9 @@ def slowed_layer(rank, ws, slow, training):
     layer._make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
     run = layer._run
 
-    def slowed(x, plan, save, trial=None):
+    def slowed(x, plan, *rest):
         time.sleep(slow[rank].get(plan.num_tiles, 0) / 1e3)
-        return run(x, plan, save, trial)
+        return run(x, plan, *rest)
     layer._run = slowed
     ks = []
     for _ in range(8):
