@@ -77,6 +77,18 @@ def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repe
     return statistics.median(samples)
 
 
+def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
+    """Peak CUDA memory allocated by one call of ``fn`` (after warm-up), above what was allocated
+    before it: one call, so blocks of the previous iteration still held for other streams do not
+    count."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
 class MLPBench:
     """Builds the inputs for one shape and hands out a callable per (mode, pass)."""
 
@@ -250,10 +262,6 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
             if fn is None:
                 times[mode] = None
                 continue
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
             try:
                 times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
             except Exception as e:  # noqa: BLE001
@@ -264,7 +272,7 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                 continue
             info = extra.setdefault(mode, {})
             if device.type == "cuda":
-                info["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
             if mode in ("serial", "auto") or mode.startswith("naive"):
                 plan = b.layer.plan
                 info["k"] = plan.num_tiles

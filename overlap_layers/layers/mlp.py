@@ -67,21 +67,28 @@ _INPUT_ERRORS = {
 
 
 def _act(kind: str, pre_MI: torch.Tensor) -> torch.Tensor:
+    """act(pre); swiglu multiplies in place (no temporary) unless autograd records it."""
     if kind == "swiglu":
         gate, up = pre_MI.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if torch.is_grad_enabled() and pre_MI.requires_grad:
+            return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
     if kind == "gelu":
         return F.gelu(pre_MI)
     return F.relu(pre_MI)
 
 
 def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(pre) given d(loss)/d(act(pre))."""
+    """d(loss)/d(pre) given d(loss)/d(act(pre)). For swiglu the two halves are written into one
+    ``[M, I]`` buffer, with one ``[M, F]`` temporary alive at a time."""
     if kind == "swiglu":
         gate, up = pre_MI.chunk(2, dim=-1)
-        d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
-        d_up = dh_MF * F.silu(gate)
-        return torch.cat([d_gate, d_up], dim=-1)
+        dpre = torch.empty_like(pre_MI)
+        d_gate, d_up = dpre.chunk(2, dim=-1)
+        torch.mul(dh_MF, F.silu(gate), out=d_up)
+        torch.mul(dh_MF, up, out=d_gate)
+        d_gate.copy_(torch.ops.aten.silu_backward(d_gate, gate))
+        return dpre
     if kind == "gelu":
         return torch.ops.aten.gelu_backward(dh_MF, pre_MI)
     return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
