@@ -119,3 +119,29 @@ def test_2d_mesh_needs_axis(pool4):
     with pytest.raises(RankFailure) as info:
         pool4.run(mesh_without_axis)
     assert all(e and e[0] == "ValueError" and "axis" in e[1] for e in info.value.errors())
+
+
+def gathered_lifetime(rank, ws):
+    """The gathered input dies when the tile's program drops it, not when the executor moves on."""
+    import weakref
+    from overlap_layers.runtime import execute
+    from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wait
+    alive = []
+
+    def use(env):
+        xg = env.pop("xg")
+        env["ref"] = weakref.ref(xg)
+        env["y"] = xg.sum(0, keepdim=True).repeat(ws, 1)
+
+    def check(env):
+        alive.append(env.pop("ref")() is not None)
+
+    prog = TileProgram("t", (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"), compute("use", use),
+                             compute("check", check), comm("rs", "reduce_scatter", src="y"), wait("rs", dst="out")))
+    envs = [{"x": torch.randn(2, 3)} for _ in range(2)]
+    execute(round_robin(prog, 2), envs, dist.group.WORLD)
+    return alive
+
+
+def test_executor_keeps_no_collective_buffer_alive(pool2):
+    assert pool2.run(gathered_lifetime) == [[False, False]] * 2

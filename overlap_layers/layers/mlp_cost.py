@@ -244,7 +244,7 @@ class MLPCostModel:
         local = self.rows * H * e
         if backward:  # saved activations, dx and the weight-gradient accumulators
             saved = sum(m * I * e + (m * H * e if keep_xg else 0) for m in ms)
-            base = saved + local + (2 * I * H + F * H) * e
+            base = saved + local + (I * H + F * H) * e
         else:
             base = local
         def pack(tile, op):  # a bucket member copied into (or out of) the bucket's buffer

@@ -95,13 +95,17 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
                     comm_open.update(((op.handle, m), (tok, members)) for m in members)
                 srcs = [envs[m].pop(op.src) for m in members]
                 outs = [envs[m].get(op.out) if op.out else None for m in members]
-                h = collectives.issue(op.collective, srcs, outs, group)
+                issued = collectives.issue(op.collective, srcs, outs, group)
                 del srcs
                 for j, m in enumerate(members):
-                    handles[(op.handle, m)] = (h, j)
+                    handles[(op.handle, m)] = (issued, j)
+                del issued
             else:
-                h, j = handles.pop((op.handle, t))
-                envs[t][op.dst] = h.result(j)
+                # No local reference to the handle may outlive this op: it holds the collective's
+                # buffers, which must die when the tile's program drops the result.
+                waited, j = handles.pop((op.handle, t))
+                envs[t][op.dst] = waited.result(j)
+                del waited
                 if recorder is not None:
                     tok, members = comm_open.pop((op.handle, t), (None, ()))
                     if tok is not None:  # the first wait on a collective ends it
