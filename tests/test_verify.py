@@ -29,7 +29,8 @@ class _Fixed:
 
 
 def _serial(plan):
-    return MLPPlan(1, reason=plan.reason)
+    """Contenders: the plan and K=1 (just the plan when it is serial)."""
+    return [plan] if plan.num_tiles == 1 else [plan, MLPPlan(1, reason=plan.reason)]
 
 
 @pytest.mark.parametrize("tiled_ms,serial_ms,bwd,want_k", [
@@ -45,9 +46,9 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
         plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
         ks.append(plan.num_tiles)
         assert trial is not None and trial.plan is plan and cache.verifying()
-        trial.fwd = _Fixed(tiled_ms if trial.tiled else serial_ms)
+        trial.fwd = _Fixed(tiled_ms if trial.index == 0 else serial_ms)
         if bwd is not None:
-            trial.bwd = _Fixed(bwd[0] if trial.tiled else bwd[1])
+            trial.bwd = _Fixed(bwd[0] if trial.index == 0 else bwd[1])
     assert ks == [2, 1, 2, 1] and len(made) == 1
     plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
     assert trial is None and not cache.verifying() and plan.num_tiles == want_k
@@ -55,6 +56,33 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
     assert ("forward+backward" if bwd else "(forward,") in plan.reason
     again, trial = cache.get("k", make, _serial, torch.device("cpu"))
     assert again is plan and trial is None and len(made) == 1
+
+
+def test_cache_times_every_contender_and_keeps_the_fastest():
+    cache = PlanCache(_OneRank(), trials=2)
+    three = lambda plan: [plan, MLPPlan(4, reason=plan.reason), MLPPlan(1, reason=plan.reason)]  # noqa: E731
+    ms = {2: [2.0, 2.5], 4: [9.0, 1.5], 1: [3.0, 3.0]}
+    ks = []
+    for _ in range(6):
+        plan, trial = cache.get("k", lambda key: MLPPlan(2, reason="planned"), three, torch.device("cpu"))
+        ks.append(plan.num_tiles)
+        trial.fwd = _Fixed(ms[plan.num_tiles].pop(0))
+    assert ks == [2, 4, 1, 2, 4, 1]
+    plan, _ = cache.get("k", None, three, torch.device("cpu"))
+    assert plan.num_tiles == 4 and "switched to K=4" in plan.reason and "K=4 1.500 ms" in plan.reason
+
+
+def test_contenders_add_a_runner_up_within_memory():
+    from overlap_layers.layers.mlp import _contenders
+    from overlap_layers.sim import Candidate
+    cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
+             Candidate(4, False, (), (), 8.5, 0.4, 300), Candidate(8, False, (), (), 8.2, 0.3, 900))
+    plan = MLPPlan(2, predicted_ms=8.0, predicted_peak_bytes=400, reason="r", candidates=cands)
+    got = _contenders(plan)
+    # K=8 is predicted faster than K=4 but needs more memory than K=2 or K=1: K=4 is the runner-up.
+    assert [p.num_tiles for p in got] == [2, 4, 1] and got[1].predicted_ms == 8.5
+    assert all(p.reason == "r" for p in got)
+    assert _contenders(MLPPlan(1)) == [MLPPlan(1)]
 
 
 def test_cache_does_not_verify_serial_or_when_off():

@@ -513,7 +513,7 @@ class OverlapMLP(nn.Module):
     def _auto_plan(self, rows: int, dtype: torch.dtype, save: bool, call: bool = True):
         """The planned plan for ``rows`` (capped to them) and the trial this call must time, if any."""
         key = (1 << max(rows - 1, 0).bit_length(), dtype, save)  # rows bucketed to a power of two
-        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), _serial_of, self.w_in.device,
+        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), _contenders, self.w_in.device,
                                       call=call)
         k = effective_num_tiles(rows, plan.num_tiles)
         if k != plan.num_tiles:
@@ -692,12 +692,23 @@ class OverlapMLP(nn.Module):
                 f"bias={self.bias}, world_size={self.world_size}, num_tiles={self.num_tiles!r}")
 
 
-def _serial_of(plan: MLPPlan) -> MLPPlan:
-    """The plain layer (K=1), carrying ``plan``'s explanation and its serial candidate's numbers."""
+def _contenders(plan: MLPPlan) -> list:
+    """What first-call verification times: ``plan``, the best-predicted candidate with another
+    K > 1 that needs no more memory than ``plan`` or K=1 (if any), and the plain layer (K=1);
+    each carries ``plan``'s explanation and its own prediction."""
+    if plan.num_tiles == 1 and not plan.buckets_fwd and not plan.buckets_bwd and not plan.regather:
+        return [plan]
+
+    def as_plan(c):
+        return MLPPlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
+                       predicted_peak_bytes=c.peak_bytes, reason=plan.reason, candidates=plan.candidates)
+
     serial = next((c for c in plan.candidates if c.is_serial), None)
-    return MLPPlan(1, reason=plan.reason, candidates=plan.candidates,
-                   predicted_ms=serial.predicted_ms if serial else None,
-                   predicted_peak_bytes=serial.peak_bytes if serial else None)
+    # The runner-up needs no more memory than a plan that runs anyway (the planned or the serial one).
+    cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
+    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap]
+    runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
+    return [plan, *runner_up, as_plan(serial) if serial else MLPPlan(1, reason=plan.reason)]
 
 
 def reduce_replicated_grads(module: nn.Module) -> None:

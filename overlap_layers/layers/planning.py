@@ -2,26 +2,28 @@
 
 Reference: :meth:`PlanCache.get` returns, for a key (shape bucket, dtype, grad mode), the plan
 ``make(key)`` built at the first call for that key, kept in an LRU of ``size`` entries, except
-while the key's first calls are verified (below), when it alternates between the planned plan
-and ``serial_of(plan)``; afterwards it returns the faster of the two, as measured.
+while the key's first calls are verified (below), when it cycles through the contenders
+``contenders_of(plan)``; afterwards it returns the one measured fastest.
 
 [Note: first-call verification]
 The planner's model can be wrong (on 4xH200 one shape was predicted 10% faster tiled and measured
-10% slower). With ``verify=True``, a key whose plan P is not serial runs its next ``2 * trials``
-calls alternately as P and as the serial plan S, each timed by a :class:`Stopwatch` (forward,
-and backward when it runs before the decision). At the call after that every rank contributes
-its per-plan minimum over its trials (forward+backward if every rank timed a backward for every
+10% slower). With ``verify=True``, a key whose plan P is not serial runs its next
+``trials * n`` calls cycling through n contenders (P, the layer's runner-up with another K if it
+has one, and the serial plan S), each call timed by a :class:`Stopwatch` (forward, and backward
+when it runs before the decision). At the call after that every rank contributes its
+per-contender minimum over its trials (forward+backward if every rank timed a backward for every
 trial, else forward only), the numbers are max-reduced over the group in one host gather, and
-the faster plan replaces P on every rank alike. The gather happens at the same call on every rank
-because the cache is a function of the call history, which every rank shares (each call already
-agreed on its key, [Note: agreement]); the decision uses only the reduced numbers.
+the fastest contender replaces P on every rank alike (ties to the earlier one). The gather happens
+at the same call on every rank because the cache is a function of the call history, which every
+rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
+the reduced numbers.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, List, Optional, Tuple
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,7 +36,7 @@ class Trial:
     """One timed call during verification; the layer stops ``fwd`` and fills ``bwd``."""
 
     plan: object
-    tiled: bool  # the planned plan (True) or the serial one
+    index: int  # which contender (0: the planned plan)
     fwd: Stopwatch
     bwd: Optional[Stopwatch] = None
 
@@ -42,6 +44,7 @@ class Trial:
 @dataclass
 class _Entry:
     plan: object
+    contenders: Optional[List[object]]  # None once settled
     trials: Optional[List[Trial]]  # None once settled
 
 
@@ -62,11 +65,14 @@ class PlanCache:
         entry = self._entries.get(self.last_key if key is None else key)
         return entry is not None and entry.trials is not None
 
-    def get(self, key: Hashable, make: Callable[[Hashable], object], serial_of: Callable[[object], object],
-            device: torch.device, *, call: bool = True) -> Tuple[object, Optional[Trial]]:
+    def get(self, key: Hashable, make: Callable[[Hashable], object],
+            contenders_of: Callable[[object], Sequence[object]], device: torch.device, *,
+            call: bool = True) -> Tuple[object, Optional[Trial]]:
         """The plan for ``key`` and, during verification, the :class:`Trial` this call must time.
 
-        ``call=False`` plans without running (warm-up): no trial is handed out."""
+        ``contenders_of(plan)`` lists the plans to time: ``plan`` first, the serial plan last
+        (just ``[plan]`` when ``plan`` is serial: nothing to verify). ``call=False`` plans
+        without running (warm-up): no trial is handed out."""
         entry = self._entries.get(key)
         if entry is None:
             plan = make(key)
@@ -74,8 +80,8 @@ class PlanCache:
             if len(digests) > 1:
                 raise PlanMismatchError(f"ranks of the group chose different plans for {key}: digests "
                                         f"{sorted(digests)}; this rank: {plan}")
-            verify = self._verify and serial_of(plan) != plan
-            entry = self._entries[key] = _Entry(plan, [] if verify else None)
+            contenders = list(contenders_of(plan)) if self._verify else [plan]
+            entry = self._entries[key] = _Entry(plan, contenders, [] if len(contenders) > 1 else None)
             if len(self._entries) > self._size:
                 self._entries.popitem(last=False)
         else:
@@ -83,31 +89,33 @@ class PlanCache:
         self.last_key = key
         if not call or entry.trials is None:
             return entry.plan, None
-        if len(entry.trials) < 2 * self._trials:
-            tiled = len(entry.trials) % 2 == 0
-            trial = Trial(entry.plan if tiled else serial_of(entry.plan), tiled, Stopwatch(device))
+        n = len(entry.contenders)
+        if len(entry.trials) < n * self._trials:
+            i = len(entry.trials) % n
+            trial = Trial(entry.contenders[i], i, Stopwatch(device))
             entry.trials.append(trial)
             return trial.plan, trial
-        entry.plan = self._decide(entry.plan, entry.trials, serial_of(entry.plan))
-        entry.trials = None
+        entry.plan = self._decide(entry)
+        entry.trials = entry.contenders = None
         return entry.plan, None
 
-    def _decide(self, planned, trials: List[Trial], serial):
-        def best(tiled: bool, with_bwd: bool) -> float:
-            return min((total_ms(t.fwd, t.bwd) if with_bwd else total_ms(t.fwd))
-                       for t in trials if t.tiled == tiled)
+    def _decide(self, entry: _Entry):
+        trials, contenders = entry.trials, entry.contenders
 
+        def best(i: int, with_bwd: bool) -> float:
+            return min((total_ms(t.fwd, t.bwd) if with_bwd else total_ms(t.fwd)) for t in trials if t.index == i)
+
+        n = len(contenders)
         has_bwd = all(t.bwd is not None and t.bwd.done for t in trials)
-        row = (float(has_bwd), best(True, False), best(False, False),
-               best(True, True) if has_bwd else math.inf, best(False, True) if has_bwd else math.inf)
+        row = [float(has_bwd)] + [best(i, False) for i in range(n)] + \
+              [best(i, True) if has_bwd else math.inf for i in range(n)]
         table = self._agreement.gather(row, dtype=torch.float64)
         with_bwd = min(r[0] for r in table) == 1.0
-        col = (3, 4) if with_bwd else (1, 2)
-        tiled, plain = (max(r[c] for r in table) for c in col)
+        off = 1 + n if with_bwd else 1
+        measured = [max(r[off + i] for r in table) for i in range(n)]
+        win = min(range(n), key=lambda i: (measured[i], i))
         what = "forward+backward" if with_bwd else "forward"
-        k = getattr(planned, "num_tiles", "?")
-        verdict = (f"verified on the first calls ({what}, min of {self._trials} calls, max over ranks): "
-                   f"K={k} {tiled:.3f} ms vs K=1 {plain:.3f} ms")
-        if tiled < plain:
-            return replace(planned, reason=f"{planned.reason}; {verdict}: kept K={k}")
-        return replace(serial, reason=f"{planned.reason}; {verdict}: switched to K=1")
+        times = ", ".join(f"K={getattr(p, 'num_tiles', '?')} {ms:.3f} ms" for p, ms in zip(contenders, measured))
+        verdict = (f"verified on the first calls ({what}, min of {self._trials} calls each, max over ranks): "
+                   f"{times}: {'kept' if win == 0 else 'switched to'} K={getattr(contenders[win], 'num_tiles', '?')}")
+        return replace(contenders[win], reason=f"{entry.plan.reason}; {verdict}")
