@@ -144,7 +144,7 @@ def check_auto_plan_cache_and_trace(rank, ws, dev):
     cfg = OverlapConfig(cache_dir=name[0])
     layer = OverlapMLP(1024, 1024 * ws, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16, config=cfg)
     x = torch.randn(2, 512, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(8):
+    for _ in range(20):  # past first-call verification (2 calls x 3 rounds x up to 3 contenders)
         layer(x).sum().backward()
     digests = [None] * ws
     dist.all_gather_object(digests, (layer.plan.digest(), layer.verifying, layer.plan.reason))

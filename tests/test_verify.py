@@ -41,15 +41,19 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
     cache = PlanCache(_OneRank(), trials=2)
     made = []
     make = lambda key: made.append(key) or MLPPlan(2, reason="planned")  # noqa: E731
-    ks = []
-    for _ in range(4):
+    ks, timed = [], []
+    for _ in range(8):
         plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
         ks.append(plan.num_tiles)
-        assert trial is not None and trial.plan is plan and cache.verifying()
+        assert cache.verifying()
+        timed.append(trial is not None)
+        if trial is None:  # the first of two calls in a row warms the plan up
+            continue
+        assert trial.plan is plan
         trial.fwd = _Fixed(tiled_ms if trial.index == 0 else serial_ms)
         if bwd is not None:
             trial.bwd = _Fixed(bwd[0] if trial.index == 0 else bwd[1])
-    assert ks == [2, 1, 2, 1] and len(made) == 1
+    assert ks == [2, 2, 1, 1, 2, 2, 1, 1] and timed == [False, True] * 4 and len(made) == 1
     plan, trial = cache.get("k", make, _serial, torch.device("cpu"))
     assert trial is None and not cache.verifying() and plan.num_tiles == want_k
     assert ("kept K=2" if want_k == 2 else "switched to K=1") in plan.reason
@@ -63,11 +67,12 @@ def test_cache_times_every_contender_and_keeps_the_fastest():
     three = lambda plan: [plan, MLPPlan(4, reason=plan.reason), MLPPlan(1, reason=plan.reason)]  # noqa: E731
     ms = {2: [2.0, 2.5], 4: [9.0, 1.5], 1: [3.0, 3.0]}
     ks = []
-    for _ in range(6):
+    for _ in range(12):
         plan, trial = cache.get("k", lambda key: MLPPlan(2, reason="planned"), three, torch.device("cpu"))
         ks.append(plan.num_tiles)
-        trial.fwd = _Fixed(ms[plan.num_tiles].pop(0))
-    assert ks == [2, 4, 1, 2, 4, 1]
+        if trial is not None:
+            trial.fwd = _Fixed(ms[plan.num_tiles].pop(0))
+    assert ks == [2, 2, 4, 4, 1, 1] * 2
     plan, _ = cache.get("k", None, three, torch.device("cpu"))
     assert plan.num_tiles == 4 and "switched to K=4" in plan.reason and "K=4 1.500 ms" in plan.reason
 
@@ -114,7 +119,7 @@ def slowed_layer(rank, ws, slow, training):
         return run(x, plan, *rest)
     layer._run = slowed
     ks = []
-    for _ in range(8):
+    for _ in range(14):
         x = torch.randn(2, 8, 16, requires_grad=training)
         y = layer(x)
         if training:
@@ -129,11 +134,11 @@ def test_verification_agrees_across_ranks_with_different_timings(pool2, training
     # and the layer is as slow as its slowest rank: both ranks must switch to K=1.
     res = pool2.run(slowed_layer, {0: {1: 30}, 1: {2: 90}}, training)
     for ks, _, reason, verifying in res:
-        assert ks == [2, 1, 2, 1, 2, 1, 1, 1] and not verifying
+        assert ks == [2, 2, 1, 1] * 3 + [1, 1] and not verifying
         assert "switched to K=1" in reason and ("forward+backward" if training else "(forward,") in reason
     assert res[0][1] == res[1][1]
     res = pool2.run(slowed_layer, {0: {1: 60}, 1: {1: 40}}, training)
-    assert [r[0] for r in res] == [[2, 1, 2, 1, 2, 1, 2, 2]] * 2
+    assert [r[0] for r in res] == [[2, 2, 1, 1] * 3 + [2, 2]] * 2
     assert all("kept K=2" in r[2] for r in res)
 
 

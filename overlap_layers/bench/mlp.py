@@ -125,7 +125,7 @@ class MLPBench:
                     layer(x)
         if k == "auto":  # the first calls time the plan against K=1; measure the settled layer
             run()
-            for _ in range(16):
+            for _ in range(64):
                 if not layer.verifying:
                     break
                 run()

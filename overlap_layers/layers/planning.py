@@ -8,9 +8,11 @@ while the key's first calls are verified (below), when it cycles through the con
 [Note: first-call verification]
 The planner's model can be wrong (on 4xH200 one shape was predicted 10% faster tiled and measured
 10% slower). With ``verify=True``, a key whose plan P is not serial runs its next
-``trials * n`` calls cycling through n contenders (P, the layer's runner-up with another K if it
-has one, and the serial plan S), each call timed by a :class:`Stopwatch` (forward, and backward
-when it runs before the decision). At the call after that every rank contributes its
+``2 * trials * n`` calls cycling through n contenders (P, the layer's runner-up with another K if
+it has one, and the serial plan S), each twice in a row with the second call timed by a
+:class:`Stopwatch` (forward, and backward when it runs before the decision), so the time is
+that of a plan that also ran the call before, as in steady state (switching plans costs
+allocator and stream warm-up that a settled layer does not pay). At the call after that every rank contributes its
 per-contender minimum over its trials (forward+backward if every rank timed a backward for every
 trial, else forward only), the numbers are max-reduced over the group in one host gather, and
 the fastest contender replaces P on every rank alike (ties to the earlier one). The gather happens
@@ -46,6 +48,7 @@ class _Entry:
     plan: object
     contenders: Optional[List[object]]  # None once settled
     trials: Optional[List[Trial]]  # None once settled
+    step: int = 0  # verification calls so far
 
 
 class PlanCache:
@@ -90,8 +93,11 @@ class PlanCache:
         if not call or entry.trials is None:
             return entry.plan, None
         n = len(entry.contenders)
-        if len(entry.trials) < n * self._trials:
-            i = len(entry.trials) % n
+        if entry.step < 2 * n * self._trials:  # each contender runs twice in a row; the second call is timed
+            i, timed = (entry.step // 2) % n, entry.step % 2 == 1
+            entry.step += 1
+            if not timed:
+                return entry.contenders[i], None
             trial = Trial(entry.contenders[i], i, Stopwatch(device))
             entry.trials.append(trial)
             return trial.plan, trial
