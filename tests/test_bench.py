@@ -25,7 +25,7 @@ def test_bench_cpu_default(tmp_path):
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]
-    assert all(r["host_plan_lookup_us"] > 0 and r["host_agreement_us"] > 0 for r in auto)
+    assert all(r["host_plan_lookup_us"] > 0 and r["host_agreement_us"] > 0 and r["planning_ms"] > 0 for r in auto)
     # The report reads the run back (fixed K=1 and K=2 rows and auto for both passes).
     from overlap_layers.bench.report import report
     text = report(recs)

@@ -105,6 +105,7 @@ class MLPBench:
         self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
         self.dy = torch.randn_like(self.x)
         self.tokens_local = shape.batch * seq_local
+        self.planning_ms: Optional[float] = None  # the last auto layer_fn's warmup (planning) time
 
     # ------------------------------------------------------------ our layer
     def layer_fn(self, k, backward: bool):
@@ -123,8 +124,12 @@ class MLPBench:
             else:
                 with torch.no_grad():
                     layer(x)
-        if k == "auto":  # the first calls time the plan against K=1; measure the settled layer
-            run()
+        if k == "auto":
+            # Planning (calibration when the cache has none, measuring ops, simulating), timed alone.
+            t0 = time.perf_counter()
+            layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
+            self.planning_ms = (time.perf_counter() - t0) * 1e3
+            run()  # the first calls time the plan against K=1: measure the settled layer
             for _ in range(64):
                 if not layer.verifying:
                     break
@@ -285,6 +290,7 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                     info["candidates"] = [dict(k=c.num_tiles, regather=c.regather, ms=c.predicted_ms,
                                                peak=c.peak_bytes) for c in plan.candidates]
                     info.update(b.host_overhead_us(backward))
+                    info["planning_ms"] = b.planning_ms
                 elif info["k"] in predicted:
                     info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
             log(f"  {shape.preset} ws={b.ws} tokens={shape.batch * shape.seq} {pass_:6s} {mode:8s} "

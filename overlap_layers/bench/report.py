@@ -38,7 +38,7 @@ def report(records: List[dict], title: str = "") -> str:
     head = ["preset", "TP", "pass"] + [f"K={k} meas / pred ms" for k in ks] + \
         ["auto K (ms)", "best K", "auto / best", "auto / serial"] + [f"K={k} peak meas / pred MiB" for k in ks]
     out = [f"### {title}" if title else "", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    t_err, m_err, near, n_auto, hosts = [], [], 0, 0, []
+    t_err, m_err, near, n_auto, hosts, planning = [], [], 0, 0, [], []
     for (preset, ws, _, pass_), row in rows.items():
         cells = [preset, str(ws), pass_]
         for k in ks:
@@ -57,6 +57,8 @@ def report(records: List[dict], title: str = "") -> str:
             near += auto["ms"] <= 1.03 * fixed[best]
             cells += [f"{auto['k']} ({auto['ms']:.2f})", str(best), f"{auto['ms'] / fixed[best]:.2f}",
                       f"{auto['ms'] / fixed[1]:.2f}" if 1 in fixed else "-"]
+            if auto.get("planning_ms") is not None:
+                planning.append(auto["planning_ms"])
             if auto.get("host_plan_lookup_us") is not None:
                 hosts.append((auto["host_plan_lookup_us"], auto["host_agreement_us"]))
         else:
@@ -83,6 +85,9 @@ def report(records: List[dict], title: str = "") -> str:
     if hosts:
         out.append(f"Cached call host time: plan lookup median {statistics.median(h[0] for h in hosts):.1f} us, "
                    f"agreement gather median {statistics.median(h[1] for h in hosts):.1f} us.")
+    if planning:
+        out.append(f"Planning a new shape bucket (layer.warmup): median {statistics.median(planning):.0f} ms, "
+                   f"max {max(planning):.0f} ms (the first bucket of a run includes calibration).")
     return "\n".join(out)
 
 
