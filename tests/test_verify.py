@@ -90,6 +90,17 @@ def test_contenders_add_a_runner_up_within_memory():
     assert _contenders(MLPPlan(1)) == [MLPPlan(1)]
 
 
+@pytest.mark.parametrize("tiled_ms,want_k", [(0.98, 1), (0.96, 2)])
+def test_verification_keeps_serial_unless_clearly_faster(tiled_ms, want_k):
+    cache = PlanCache(_OneRank(), trials=1, margin=0.03)
+    for _ in range(4):
+        plan, trial = cache.get("k", lambda key: MLPPlan(2), _serial, torch.device("cpu"))
+        if trial is not None:
+            trial.fwd = _Fixed(tiled_ms if trial.index == 0 else 1.0)
+    plan, _ = cache.get("k", None, _serial, torch.device("cpu"))
+    assert plan.num_tiles == want_k
+
+
 def test_cache_does_not_verify_serial_or_when_off():
     cache = PlanCache(_OneRank())
     plan, trial = cache.get("a", lambda key: MLPPlan(1), _serial, torch.device("cpu"))

@@ -330,7 +330,8 @@ class OverlapMLP(nn.Module):
         self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
-        self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls)
+        self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
+                                margin=config.margin)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights

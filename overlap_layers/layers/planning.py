@@ -15,7 +15,8 @@ that of a plan that also ran the call before, as in steady state (switching plan
 allocator and stream warm-up that a settled layer does not pay). At the call after that every rank contributes its
 per-contender minimum over its trials (forward+backward if every rank timed a backward for every
 trial, else forward only), the numbers are max-reduced over the group in one host gather, and
-the fastest contender replaces P on every rank alike (ties to the earlier one). The gather happens
+the fastest contender replaces P on every rank alike (ties to the earlier one), except that the
+serial plan is kept unless the fastest beats it by more than ``margin``, as in planning. The gather happens
 at the same call on every rank because the cache is a function of the call history, which every
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
 the reduced numbers.
@@ -54,9 +55,10 @@ class _Entry:
 class PlanCache:
     """The plans of one layer, per key; see the module docstring and [Note: first-call verification]."""
 
-    def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3) -> None:
+    def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3,
+                 margin: float = 0.0) -> None:
         self._agreement = agreement
-        self._size, self._verify, self._trials = size, verify, trials
+        self._size, self._verify, self._trials, self._margin = size, verify, trials, margin
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self.last_key: Optional[Hashable] = None
 
@@ -120,6 +122,8 @@ class PlanCache:
         off = 1 + n if with_bwd else 1
         measured = [max(r[off + i] for r in table) for i in range(n)]
         win = min(range(n), key=lambda i: (measured[i], i))
+        if win != n - 1 and measured[win] > measured[-1] * (1.0 - self._margin):
+            win = n - 1  # as in planning: a tiled plan must win by more than the margin
         what = "forward+backward" if with_bwd else "forward"
         times = ", ".join(f"K={getattr(p, 'num_tiles', '?')} {ms:.3f} ms" for p, ms in zip(contenders, measured))
         verdict = (f"verified on the first calls ({what}, min of {self._trials} calls each, max over ranks): "
