@@ -1,0 +1,57 @@
+"""Independent dense attention for the attention layers' tests (one process, plain formulas).
+
+Written from the Hugging Face Llama / Qwen3 definitions, not from the library: explicit softmax
+(no SDPA), KV heads expanded by index, RoPE by the rotate-half formula, RMSNorm in the input dtype.
+Dense nn.Linear layouts: wq [nq*d, H], wk/wv [nkv*d, H], wo [H, nq*d].
+"""
+import math
+
+import torch
+
+
+def rope_tables(position_ids, head_dim, theta):
+    """cos, sin [b, S, d] for integer positions [b, S] (float64)."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv = 1.0 / (theta ** (2 * i / head_dim))
+    ang = position_ids.to(torch.float64)[..., None] * inv
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def _rot(x):
+    d = x.shape[-1] // 2
+    return torch.cat([-x[..., d:], x[..., :d]], -1)
+
+
+def dense_attention(x, wq, wk, wv, wo, *, num_heads, num_kv_heads, bq=None, bk=None, bv=None, bo=None,
+                    q_norm=None, k_norm=None, rope_theta=10000.0, position_ids=None, position_embeddings=None,
+                    causal=True, softmax_scale=None, eps=1e-6):
+    """y [b, S, H] for the full sequence x [b, S, H] (any float dtype; computes in x's dtype)."""
+    b, S, H = x.shape
+    d = wq.shape[0] // num_heads
+    lin = lambda t, w, bias: t @ w.T + (0 if bias is None else bias)  # noqa: E731
+    q = lin(x, wq, bq).view(b, S, num_heads, d)
+    k = lin(x, wk, bk).view(b, S, num_kv_heads, d)
+    v = lin(x, wv, bv).view(b, S, num_kv_heads, d)
+    if q_norm is not None:
+        rms = lambda t: t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
+        q, k = rms(q) * q_norm, rms(k) * k_norm
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+    elif rope_theta is not None:
+        pos = position_ids if position_ids is not None else torch.arange(S)[None].expand(b, S)
+        cos, sin = rope_tables(pos, d, rope_theta)
+    else:
+        cos = sin = None
+    if cos is not None:
+        cos, sin = cos.to(x.dtype)[:, :, None], sin.to(x.dtype)[:, :, None]
+        q, k = q * cos + _rot(q) * sin, k * cos + _rot(k) * sin
+    group = num_heads // num_kv_heads
+    kv_of = torch.arange(num_heads) // group
+    k, v = k[:, :, kv_of], v[:, :, kv_of]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, S, num_heads * d)
+    return lin(o, wo, bo)
