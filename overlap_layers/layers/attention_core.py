@@ -22,10 +22,13 @@ import torch.nn.functional as F
 QK_NORM_EPS = 1e-6
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[b, S, head_dim]`` (float32) for integer ``position_ids [b, S]``."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
-    freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[b, S, head_dim]`` for integer ``position_ids [b, S]``, computed in float32
+    (as Hugging Face does) or in float64 for float64 activations."""
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=ct, device=position_ids.device) / head_dim)
+    freqs = position_ids.to(ct)[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
