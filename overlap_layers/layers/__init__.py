@@ -1,4 +1,6 @@
 """The layers: they describe tile programs and never schedule."""
-from .mlp import OverlapMLP, reduce_replicated_grads
+from .attention import OverlapAttention
+from .grads import reduce_replicated_grads
+from .mlp import OverlapMLP
 
-__all__ = ["OverlapMLP", "reduce_replicated_grads"]
+__all__ = ["OverlapAttention", "OverlapMLP", "reduce_replicated_grads"]

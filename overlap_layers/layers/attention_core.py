@@ -10,7 +10,8 @@ Reference (what :func:`attention` must equal), for one batch of whole sequences,
 ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])`` and ``cos, sin [b or 1, S, d]`` as Hugging
 Face Llama builds them: ``inv_freq = theta ** -(arange(0, d, 2) / d)``, ``emb = cat(pos * inv_freq,
 pos * inv_freq)``, computed in float32 and cast to the activations' dtype. RMSNorm computes in
-float32 with ``eps = 1e-6`` (Qwen3's default) and casts back.
+float32 for half types (in the input dtype otherwise) with ``eps = 1e-6`` (Qwen3's default) and
+casts back.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tenso
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+    xf = x.float() if x.element_size() < 4 else x  # half types in float32, as Hugging Face does
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
     return weight * xf.to(x.dtype)
 

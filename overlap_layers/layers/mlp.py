@@ -710,16 +710,3 @@ def _contenders(plan: MLPPlan) -> list:
     others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap]
     runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
     return [plan, *runner_up, as_plan(serial) if serial else MLPPlan(1, reason=plan.reason)]
-
-
-def reduce_replicated_grads(module: nn.Module) -> None:
-    """Sum, over each layer's group, the gradients that hold rank partials.
-
-    For every :class:`OverlapMLP` inside ``module`` with sequence parallelism, ``b_out.grad``
-    is all-reduced (summed) over the layer's group; afterwards every rank holds the full
-    gradient. A collective: call it on every rank, after backward, before the optimizer step.
-    """
-    for m in module.modules():
-        if isinstance(m, OverlapMLP) and m.sequence_parallel and m.b_out is not None \
-                and m.b_out.grad is not None:
-            dist.all_reduce(m.b_out.grad, group=m.group)

@@ -1,0 +1,553 @@
+"""Tensor-parallel attention (heads split over the group, optional sequence parallelism), with the
+batch tiled so the all-gather / reduce-scatter (or all-reduce) hides under the projections and
+the attention core.
+
+Reference (what :class:`OverlapAttention` must equal, up to rounding), with dense weights and the
+full sequence ``x [b, S, H]``::
+
+    q, k, v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv      # heads of d = head_dim
+    o = attention_core.attention(q, k, v, ...)                 # qk-norm, RoPE, SDPA with GQA
+    y = o @ wo.T + bo
+
+Rank r holds query heads ``r*nq/ws ..`` (rows of wq, columns of wo) and the KV heads they read
+(rows of wk, wv: ``r*nkv/ws ..``, or the single head its query heads share when nkv < ws).
+With sequence parallelism rank r holds positions ``r*s .. (r+1)*s - 1`` (``s = S/ws``).
+
+Legend: B batch, s local sequence (S/ws with SP, else S), b a tile's batch, g = ws (SP) or 1,
+M = g*b*s gathered rows of a tile, stored rank-major ``[g, b, s]``; C = (nq_l + 2*nkv_l) * d the
+local qkv width, A = nq_l * d the local attention width.
+
+``_TiledAttention`` (per rank, per tile):
+
+==========  ==============================================  ===========================
+step        sequence parallel                               no sequence parallel
+==========  ==============================================  ===========================
+forward     xg_MH = AG(x); qkv_MC = xg @ wqkv.T + bqkv;      same without AG, and
+            o_MA = core(qkv) (sequences put in order by the   y = AR(o @ wo.T)
+            core's permute); y = RS(o @ wo.T)
+dgrad       dyg_MH = AG(dy); do = dyg @ wo;                  same with dy, AR
+            dqkv = core'(do) (autograd of the saved core);
+            dx = RS(dqkv @ wqkv)
+wgrad       dwo += dyg.T @ o; dwqkv += dqkv.T @ xg (saved or  same with x
+            re-gathered); dbqkv += sum(dqkv); dq_norm, dk_norm
+==========  ==============================================  ===========================
+
+The core's backward is ``torch.autograd.grad`` of a graph recorded per tile in the forward (SDPA's
+own saved tensors), so it costs what autograd would and is never recomputed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OverlapConfig, check_num_tiles
+from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
+from ..runtime.collectives import _all_gather as all_gather_rows
+from ..schedule import TileProgram, comm, compute, round_robin, wait
+from .attention_core import attention, rope_cos_sin
+from .mlp import _DTYPES, MLPPlan
+from .tiling import effective_num_tiles, tile_bounds
+
+_INPUT_ERRORS = {
+    1: "input must be 3-D [batch, seq, hidden]",
+    2: "input hidden dim must equal hidden_size",
+    3: "input dtype must equal the weights' dtype outside autocast",
+    4: "input must be on the weights' device",
+    5: "position_ids must be an integer tensor [batch, global seq]",
+    6: "position_embeddings must be (cos, sin), each [batch, global seq, head_dim]",
+}
+
+
+def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
+    """The head-count rules of the tensor-parallel attention layers (ValueError otherwise)."""
+    if num_heads % world_size:
+        raise ValueError(f"num_heads={num_heads} must be divisible by the group size {world_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads}: must be divisible by the group size {world_size}, "
+                         f"or divide it (then KV heads are replicated)")
+
+
+class _Call:
+    """Everything one call needs besides tensors (passed through the autograd Function)."""
+
+    def __init__(self, layer: "OverlapAttention", plan: MLPPlan, save: bool, streams, cos_sin, batch: int,
+                 seq_local: int):
+        self.group, self.sp, self.plan, self.save, self.streams = layer.group, layer.sequence_parallel, plan, save, streams
+        self.g = layer.world_size if layer.sequence_parallel else 1
+        self.nq, self.nkv, self.d = layer.num_heads_local, layer.num_kv_heads_local, layer.head_dim
+        self.causal, self.scale = layer.causal, layer.softmax_scale
+        self.dropout_p = layer.dropout_p if layer.training else 0.0
+        self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
+        self.cos_sin, self.batch, self.s = cos_sin, batch, seq_local
+        self.launch_log = layer.launch_log
+
+    def core(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+        """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1."""
+        g, b, s, d = self.g, b1 - b0, self.s, self.d
+        qkv = qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
+        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
+        cs = None
+        if self.cos_sin is not None:
+            cos, sin = self.cos_sin
+            cs = (cos, sin) if cos.shape[0] == 1 else (cos[b0:b1], sin[b0:b1])
+        o = attention(q.reshape(b, g * s, self.nq, d), k.reshape(b, g * s, self.nkv, d),
+                      v.reshape(b, g * s, self.nkv, d), cos_sin=cs, q_norm=self.q_norm, k_norm=self.k_norm,
+                      causal=self.causal, scale=self.scale, dropout_p=self.dropout_p)
+        return o.reshape(b, g, s, self.nq * d).transpose(0, 1).reshape(g * b * s, self.nq * d)
+
+
+def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
+    keep_xg = c.save and c.sp and not c.plan.regather
+    xin = "xg" if c.sp else "x"
+
+    def qkv(env):
+        x = env[xin] if keep_xg else env.pop(xin)
+        env["qkv"] = torch.nn.functional.linear(x, w_qkv, b_qkv)
+
+    def core(env):
+        b0, b1 = bounds[env["tile"]]
+        if c.save:  # record the core's graph for the backward (SDPA's own saved tensors)
+            leaf = env.pop("qkv").detach().requires_grad_()
+            with torch.enable_grad():
+                o = c.core(leaf, b0, b1)
+            env["leaf"], env["o"] = leaf, o
+            env["o_in"] = o.detach()
+        else:
+            env["o_in"] = c.core(env.pop("qkv"), b0, b1)
+
+    if c.sp:
+        def proj(env):
+            env["yp"] = torch.mm(env.pop("o_in") if not c.save else env["o_in"], w_o.t())
+
+        ops = (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"), compute("qkv", qkv), compute("core", core),
+               compute("proj", proj), comm("rs", "reduce_scatter", src="yp", out="y_out"), wait("rs", dst="y"))
+    else:
+        def proj(env):
+            torch.mm(env.pop("o_in") if not c.save else env["o_in"], w_o.t(), out=env["y_out"])
+
+        ops = (compute("qkv", qkv), compute("core", core), compute("proj", proj),
+               comm("ar", "all_reduce", src="y_out"), wait("ar", dst="y"))
+    return TileProgram("attn", ops)
+
+
+def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TileProgram:
+    sp, regather = c.sp, c.sp and c.plan.regather
+    xin = "xg" if sp else "x"
+
+    def accumulate(key, value_fn, add_fn):
+        if key in grads["started"]:
+            add_fn(grads[key])
+        else:
+            value_fn(grads[key])
+            grads["started"].add(key)
+
+    def dgrad_o(env):
+        env["do"] = torch.mm(env["dyg"] if sp else env["dy"], w_o)
+
+    def core_bwd(env):
+        got = torch.autograd.grad(env.pop("o"), [env.pop("leaf"), *norms], env.pop("do"))
+        env["dqkv"] = got[0]
+        for i, gn in enumerate(got[1:]):
+            accumulate(f"norm{i}", lambda g, gn=gn: g.copy_(gn), lambda g, gn=gn: g.add_(gn))
+
+    def dgrad_qkv(env):
+        if sp:
+            env["dxg"] = torch.mm(env["dqkv"], w_qkv)
+        else:
+            torch.mm(env["dqkv"], w_qkv, out=env["dx_out"])
+
+    def wgrad_o(env):
+        dy, o = env.pop("dyg" if sp else "dy"), env.pop("o_in")
+        accumulate("w_o", lambda g: torch.mm(dy.t(), o, out=g), lambda g: g.addmm_(dy.t(), o))
+
+    def wgrad_qkv(env):
+        dqkv, x = env.pop("dqkv"), env.pop(xin)
+        accumulate("w_qkv", lambda g: torch.mm(dqkv.t(), x, out=g), lambda g: g.addmm_(dqkv.t(), x))
+        if grads.get("b_qkv") is not None:
+            accumulate("b_qkv", lambda g: torch.sum(dqkv, 0, out=g), lambda g: g.add_(dqkv.sum(0)))
+
+    head = []
+    if sp:
+        head = [comm("ag_dy", "all_gather", src="dy")]
+        if regather:
+            head.append(comm("ag_x", "all_gather", src="x"))
+        head.append(wait("ag_dy", dst="dyg"))
+        red, tail = comm("rs_dx", "reduce_scatter", src="dxg", out="dx_out"), wait("rs_dx", dst="dx")
+    else:
+        red, tail = comm("ar_dx", "all_reduce", src="dx_out"), wait("ar_dx", dst="dx")
+    ops = (*head, compute("dgrad_o", dgrad_o), compute("core_bwd", core_bwd), compute("dgrad_qkv", dgrad_qkv),
+           red, compute("wgrad_o", wgrad_o, chain="w_o"), *((wait("ag_x", dst="xg"),) if regather else ()),
+           compute("wgrad_qkv", wgrad_qkv, chain="w_qkv"), tail)
+    return TileProgram("attn_bwd", ops)
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Tiled, overlapped TP attention without ``bo`` (added outside). Inputs: rows of x in
+    batch-major order ``[B*s, H]``, the fused qkv weight/bias and wo, and the qk-norm weights (so
+    autograd routes their gradients here)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
+        T, H = x_TH.shape
+        s = call.s
+        bounds = tile_bounds(call.batch, call.plan.num_tiles)
+        out_TH = x_TH.new_empty((T, H))
+        envs = [{"tile": i, "x": x_TH[b0 * s:b1 * s], "y_out": out_TH[b0 * s:b1 * s]}
+                for i, (b0, b1) in enumerate(bounds)]
+        program = _forward_program(call, w_qkv, b_qkv, w_o, bounds)
+        sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
+        execute(sched, envs, call.group, streams=call.streams, label="attn", trace=call.launch_log)
+        if call.save:
+            ctx.graphs = [(e["leaf"], e["o"]) for e in envs]
+            keep_xg = call.sp and not call.plan.regather
+            ctx.save_for_backward(x_TH, w_qkv, w_o, *[e["o_in"] for e in envs],
+                                  *([e["xg"] for e in envs] if keep_xg else []))
+            ctx.call, ctx.has_b, ctx.n, ctx.bounds = call, b_qkv is not None, len(bounds), bounds
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        c: _Call = ctx.call
+        x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
+        n, s, bounds = ctx.n, c.s, ctx.bounds
+        o_ins, xgs = rest[:n], rest[n:]
+        graphs, ctx.graphs = ctx.graphs, None
+        dy_TH = dy_TH.contiguous()
+        T, H = x_TH.shape
+        dx_TH = x_TH.new_empty((T, H))
+        norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
+        grads = {"started": set(), "w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
+                 "b_qkv": w_qkv.new_empty(w_qkv.shape[0]) if ctx.has_b else None}
+        for i, p in enumerate(norms):
+            grads[f"norm{i}"] = torch.empty_like(p)
+        envs = []
+        for i, (b0, b1) in enumerate(bounds):
+            env = {"dy": dy_TH[b0 * s:b1 * s], "dx_out": dx_TH[b0 * s:b1 * s], "o_in": o_ins[i],
+                   "leaf": graphs[i][0], "o": graphs[i][1]}
+            if c.sp and not c.plan.regather:
+                env["xg"] = xgs[i]
+            else:
+                env["x"] = x_TH[b0 * s:b1 * s]
+            envs.append(env)
+        del graphs, o_ins, xgs, rest
+        program = _backward_program(c, w_qkv, w_o, grads, norms)
+        sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
+        execute(sched, envs, c.group, streams=c.streams, label="attn_bwd", trace=c.launch_log)
+        d_norms = [grads.get("norm0"), grads.get("norm1")] if norms else [None, None]
+        return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
+
+
+class OverlapAttention(nn.Module):
+    """Drop-in tensor-parallel (and sequence-parallel) attention; equals the module docstring's
+    reference.
+
+    Parameters (``group=``): ``wq [nq/ws*d, H]`` (this rank's query heads), ``wk``, ``wv``
+    ``[max(nkv/ws, 1)*d, H]`` (the KV heads they read), ``wo [H, nq/ws*d]``, biases ``bq``,
+    ``bk``, ``bv``, ``bo``, and ``q_norm``, ``k_norm`` ``[d]``. Replicated parameters keep *this
+    rank's partial* gradient in ``.grad``: ``bo`` under sequence parallelism (only the rank's own
+    rows contribute), ``q_norm`` / ``k_norm`` (only its heads), and the KV heads when
+    ``num_kv_heads < ws`` (only its query heads read them); sum them over the ranks that share
+    them (:func:`overlap_layers.reduce_replicated_grads` does, for every layer in a module).
+
+    Input ``[batch, seq_local, hidden]`` with ``sequence_parallel`` (rank r holds positions
+    ``r*seq_local ..``), else the replicated ``[batch, seq, hidden]``; the output has the input's
+    layout. ``position_ids [batch, seq]`` and ``position_embeddings = (cos, sin)`` describe the
+    *global* sequence and must be the same on every rank. ``num_tiles`` tiles the batch.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None, *, group=None,
+                 mesh=None, axis=None, head_dim: Optional[int] = None, sequence_parallel: bool = True,
+                 rope_theta: Optional[float] = 10000.0, causal: bool = True, bias: bool = False,
+                 qk_norm: bool = False, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
+                 num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None, device=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}; must be a positive int")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
+                                 f"pass head_dim explicitly")
+            head_dim = hidden_size // num_heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim={head_dim!r}; must be a positive even int (RoPE rotates halves)")
+        if rope_theta is not None and not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
+            raise ValueError(f"rope_theta={rope_theta!r}; must be a positive number or None (no RoPE)")
+        if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+            raise ValueError(f"dropout_p={dropout_p!r}; must be in [0, 1)")
+        if config is None:
+            config = OverlapConfig()
+        elif not isinstance(config, OverlapConfig):
+            raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
+        if config.transport == "copy_engine":
+            raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
+        self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
+        self.config = config
+        self.group = resolve_group(group, mesh, axis)
+        ws = dist.get_world_size(self.group)
+        check_heads(num_heads, num_kv_heads, ws)
+        self.world_size, self.rank = ws, dist.get_rank(self.group)
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.sequence_parallel, self.rope_theta, self.causal = bool(sequence_parallel), rope_theta, bool(causal)
+        self.bias, self.qk_norm, self.softmax_scale, self.dropout_p = bool(bias), bool(qk_norm), softmax_scale, dropout_p
+        self.num_heads_local = num_heads // ws
+        self.num_kv_heads_local = max(num_kv_heads // ws, 1)
+        kw = {"dtype": dtype, "device": device}
+        d, nq, nkv = head_dim, self.num_heads_local, self.num_kv_heads_local
+        self.wq = nn.Parameter(torch.empty(nq * d, hidden_size, **kw))
+        self.wk = nn.Parameter(torch.empty(nkv * d, hidden_size, **kw))
+        self.wv = nn.Parameter(torch.empty(nkv * d, hidden_size, **kw))
+        self.wo = nn.Parameter(torch.empty(hidden_size, nq * d, **kw))
+        for name, n in (("bq", nq * d), ("bk", nkv * d), ("bv", nkv * d), ("bo", hidden_size)):
+            setattr(self, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
+        self.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+        self.plan: Optional[MLPPlan] = None
+        self._pinned: Optional[MLPPlan] = None
+        self.launch_log: Optional[list] = None
+        self._streams = StreamPool()
+        self._agreement = Agreement(self.group)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------- weights
+    def _kv_heads(self) -> range:
+        """The dense KV heads this rank holds."""
+        if self.num_kv_heads >= self.world_size:
+            n = self.num_kv_heads // self.world_size
+            return range(self.rank * n, (self.rank + 1) * n)
+        group = self.num_heads // self.num_kv_heads
+        return range(self.rank * self.num_heads_local // group, self.rank * self.num_heads_local // group + 1)
+
+    def _rows(self, dense: torch.Tensor, heads: range) -> torch.Tensor:
+        d = self.head_dim
+        return dense[heads.start * d:heads.stop * d]
+
+    def _q_heads(self) -> range:
+        return range(self.rank * self.num_heads_local, (self.rank + 1) * self.num_heads_local)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as ``nn.Linear`` layers q, k, v, o (weight then bias each) would under the same
+        seed, keeping this rank's shard (the same on every rank); norms to ones."""
+        if self.wq.device.type == "meta":
+            return
+        kw = {"dtype": self.wq.dtype, "device": self.wq.device}
+        H, d = self.hidden_size, self.head_dim
+
+        def linear(out_f, in_f):
+            w = torch.empty(out_f, in_f, **kw)
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            bound = 1 / math.sqrt(in_f)
+            b = torch.empty(out_f, **kw).uniform_(-bound, bound) if self.bias else None
+            return w, b
+
+        dense = {"q": linear(self.num_heads * d, H), "k": linear(self.num_kv_heads * d, H),
+                 "v": linear(self.num_kv_heads * d, H), "o": linear(H, self.num_heads * d)}
+        self._load(dense["q"][0], dense["k"][0], dense["v"][0], dense["o"][0], dense["q"][1], dense["k"][1],
+                   dense["v"][1], dense["o"][1], None, None)
+        if self.q_norm is not None:
+            self.q_norm.fill_(1.0)
+            self.k_norm.fill_(1.0)
+
+    @torch.no_grad()
+    def _load(self, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) -> None:
+        qh, kvh, d = self._q_heads(), self._kv_heads(), self.head_dim
+        self.wq.copy_(self._rows(wq, qh))
+        self.wk.copy_(self._rows(wk, kvh))
+        self.wv.copy_(self._rows(wv, kvh))
+        self.wo.copy_(wo[:, qh.start * d:qh.stop * d])
+        if self.bias:
+            self.bq.copy_(self._rows(bq, qh))
+            self.bk.copy_(self._rows(bk, kvh))
+            self.bv.copy_(self._rows(bv, kvh))
+            self.bo.copy_(bo)
+        if q_norm is not None:
+            self.q_norm.copy_(q_norm)
+            self.k_norm.copy_(k_norm)
+
+    @classmethod
+    def from_dense(cls, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor, *, num_heads: int,
+                   num_kv_heads: Optional[int] = None, bq=None, bk=None, bv=None, bo=None, q_norm=None, k_norm=None,
+                   group=None, mesh=None, axis=None, sequence_parallel: bool = True,
+                   rope_theta: Optional[float] = 10000.0, causal: bool = True, softmax_scale: Optional[float] = None,
+                   dropout_p: float = 0.0, num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapAttention":
+        """Shard dense ``nn.Linear``-layout weights: ``wq [nq*d, H]``, ``wk``/``wv [nkv*d, H]``,
+        ``wo [H, nq*d]``; biases all or none; ``q_norm``/``k_norm [d]`` both or neither."""
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must be a 2-D tensor (nn.Linear layout); got {getattr(t, 'shape', t)!r}")
+        if not isinstance(num_heads, int) or num_heads < 1 or wq.shape[0] % num_heads:
+            raise ValueError(f"num_heads={num_heads!r} must be a positive int dividing wq's rows {wq.shape[0]}")
+        H, d = wq.shape[1], wq.shape[0] // num_heads
+        want = {"wk": (num_kv_heads * d, H), "wv": (num_kv_heads * d, H), "wo": (H, num_heads * d)}
+        for name, t in (("wk", wk), ("wv", wv), ("wo", wo)):
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; with wq {tuple(wq.shape)}, num_heads={num_heads} "
+                                 f"and num_kv_heads={num_kv_heads} it must be {want[name]}")
+        biases = (bq, bk, bv, bo)
+        if any(b is None for b in biases) != all(b is None for b in biases):
+            raise ValueError("pass all of bq, bk, bv, bo, or none")
+        has_bias = bq is not None
+        if has_bias:
+            for name, b, n in (("bq", bq, num_heads * d), ("bk", bk, num_kv_heads * d), ("bv", bv, num_kv_heads * d),
+                               ("bo", bo, H)):
+                if tuple(b.shape) != (n,):
+                    raise ValueError(f"{name} has shape {tuple(b.shape)}; must be ({n},)")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("pass both q_norm and k_norm, or neither")
+        if q_norm is not None and (tuple(q_norm.shape) != (d,) or tuple(k_norm.shape) != (d,)):
+            raise ValueError(f"q_norm and k_norm must have shape ({d},) (head_dim); got {tuple(q_norm.shape)}, "
+                             f"{tuple(k_norm.shape)}")
+        layer = cls(H, num_heads, num_kv_heads, group=group, mesh=mesh, axis=axis, head_dim=d,
+                    sequence_parallel=sequence_parallel, rope_theta=rope_theta, causal=causal, bias=has_bias,
+                    qk_norm=q_norm is not None, softmax_scale=softmax_scale, dropout_p=dropout_p, num_tiles=num_tiles,
+                    config=config, dtype=wq.dtype, device="meta")
+        layer.to_empty(device=wq.device)
+        layer._load(wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm)
+        return layer
+
+    @torch.no_grad()
+    def to_dense(self) -> dict:
+        """The dense weights (keys of :meth:`from_dense`; None where absent). A collective: every
+        rank of the group must call it."""
+        ws, d = self.world_size, self.head_dim
+
+        def gather(t):
+            out = t.new_empty((ws * t.shape[0], *t.shape[1:]))
+            all_gather_rows(out, t.contiguous(), group=self.group)
+            return out
+
+        def kv(t):
+            g = gather(t)
+            if self.num_kv_heads >= ws:
+                return g
+            per = ws // self.num_kv_heads  # ranks sharing one KV head hold copies: keep the first
+            return g.view(ws, *t.shape)[::per].reshape(-1, *t.shape[1:])
+
+        out = {"wq": gather(self.wq), "wk": kv(self.wk), "wv": kv(self.wv),
+               "wo": gather(self.wo.t()).t().contiguous(),
+               "bq": gather(self.bq) if self.bias else None, "bk": kv(self.bk) if self.bias else None,
+               "bv": kv(self.bv) if self.bias else None, "bo": self.bo.detach().clone() if self.bias else None,
+               "q_norm": self.q_norm.detach().clone() if self.qk_norm else None,
+               "k_norm": self.k_norm.detach().clone() if self.qk_norm else None}
+        assert out["wq"].shape[0] == self.num_heads * d
+        return out
+
+    # ----------------------------------------------------------------- forward
+    def _input_error(self, x, position_ids, position_embeddings) -> int:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return 1
+        if x.shape[-1] != self.hidden_size:
+            return 2
+        if x.device != self.wq.device:
+            return 4
+        if x.dtype != self.wq.dtype and not torch.is_autocast_enabled(x.device.type):
+            return 3
+        S = x.shape[1] * (self.world_size if self.sequence_parallel else 1)
+        if position_ids is not None and not (
+                isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()
+                and tuple(position_ids.shape) == (x.shape[0], S)):
+            return 5
+        if position_embeddings is not None:
+            ok = isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2 and all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1:] == (S, self.head_dim)
+                and t.shape[0] in (1, x.shape[0]) for t in position_embeddings)
+            if not ok:
+                return 6
+        return 0
+
+    def pin_plan(self, plan: Optional[MLPPlan]) -> None:
+        """Use ``plan`` for every call (its tile count is capped by the batch); None unpins."""
+        if plan is not None and not isinstance(plan, MLPPlan):
+            raise ValueError(f"plan={plan!r}; must be an MLPPlan (the tile plan type) or None")
+        self._pinned = plan
+
+    def _plan_for(self, batch: int) -> MLPPlan:
+        if self._pinned is not None:
+            k = effective_num_tiles(batch, self._pinned.num_tiles)
+            if k == self._pinned.num_tiles:
+                return self._pinned
+            return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
+        if self.num_tiles == "auto":
+            return MLPPlan(1, reason="auto: the attention planner is not built yet; K=1 (the serial layer)")
+        return MLPPlan(effective_num_tiles(batch, self.num_tiles))
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                position_embeddings=None, attention_mask=None) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("attention_mask: only None is supported (the mask is causal=True or full attention "
+                             "with causal=False); padding and packed-sequence masks are not supported yet")
+        err = self._input_error(x, position_ids, position_embeddings)
+        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
+        plan = self._plan_for(shape[0]) if err == 0 else MLPPlan(1)
+        save = torch.is_grad_enabled() and (
+            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
+        dtype = x.dtype if err == 0 else None
+        if err == 0 and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
+        pos_code = 0 if position_ids is None else 1 if err == 0 else 0
+        pos_code += 0 if position_embeddings is None else 2
+        names = ("input error", "batch", "seq", "hidden", "dtype", "plan", "grad mode", "positions")
+        table = self._agreement.gather((err, *shape, dtype_code, plan.digest(), int(save), pos_code))
+        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
+        if errs:
+            mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
+                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)})" if err else ""
+            raise ValueError("x / position_ids / position_embeddings: bad input on rank(s) " + ", ".join(
+                f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
+        bad = first_disagreement(table, names)
+        if bad:
+            raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles, "
+                             f"grad mode, positions); {bad}")
+        self.plan = plan
+        return self._run(x, plan, save, position_ids, position_embeddings)
+
+    def _cos_sin(self, batch: int, S: int, device, dtype, position_ids, position_embeddings):
+        if position_embeddings is not None:
+            return tuple(t.to(device) for t in position_embeddings)
+        if self.rope_theta is None:
+            return None
+        pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
+        return rope_cos_sin(pos.to(device), self.head_dim, self.rope_theta, dtype)
+
+    def _run(self, x, plan: MLPPlan, save: bool, position_ids, position_embeddings) -> torch.Tensor:
+        dev = x.device.type
+        params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
+        if torch.is_autocast_enabled(dev):
+            cdt = torch.get_autocast_dtype(dev)
+            x = x.to(cdt)
+            params = [p.to(cdt) if p is not None and p.is_floating_point() else p for p in params]
+        wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
+        B, s, H = x.shape
+        S = s * (self.world_size if self.sequence_parallel else 1)
+        with torch.autocast(dev, enabled=False):
+            w_qkv = torch.cat([wq, wk, wv])
+            b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
+            cos_sin = self._cos_sin(B, S, x.device, x.dtype, position_ids, position_embeddings)
+            call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
+                         cos_sin, B, s)
+            call.q_norm, call.k_norm = q_norm, k_norm
+            x_TH = x.reshape(B * s, H).contiguous()
+            if save:
+                y_TH = _TiledAttention.apply(x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
+            else:
+                with torch.no_grad():
+                    y_TH = _TiledAttention.apply(x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
+            if bo is not None:
+                y_TH = y_TH + bo
+        return y_TH.view(B, s, H)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, sequence_parallel={self.sequence_parallel}, causal={self.causal}, "
+                f"rope_theta={self.rope_theta}, qk_norm={self.qk_norm}, world_size={self.world_size}, "
+                f"num_tiles={self.num_tiles!r}")
