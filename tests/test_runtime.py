@@ -123,6 +123,7 @@ def test_2d_mesh_needs_axis(pool4):
 
 def gathered_lifetime(rank, ws):
     """The gathered input dies when the tile's program drops it, not when the executor moves on."""
+    import time
     import weakref
     from overlap_layers.runtime import execute
     from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wait
@@ -134,7 +135,14 @@ def gathered_lifetime(rank, ws):
         env["y"] = xg.sum(0, keepdim=True).repeat(ws, 1)
 
     def check(env):
-        alive.append(env.pop("ref")() is not None)
+        # gloo's worker thread may drop its own reference to a finished work a moment later;
+        # the executor's reference (the bug this guards) would last until the next collective.
+        ref = env.pop("ref")
+        for _ in range(200):
+            if ref() is None:
+                break
+            time.sleep(0.005)
+        alive.append(ref() is not None)
 
     prog = TileProgram("t", (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"), compute("use", use),
                              compute("check", check), comm("rs", "reduce_scatter", src="y"), wait("rs", dst="out")))

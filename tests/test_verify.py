@@ -78,7 +78,7 @@ def test_cache_times_every_contender_and_keeps_the_fastest():
 
 
 def test_contenders_add_a_runner_up_within_memory():
-    from overlap_layers.layers.mlp import _contenders
+    from overlap_layers.layers.planned import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
              Candidate(4, False, (), (), 8.5, 0.4, 300), Candidate(8, False, (), (), 8.2, 0.3, 900))

@@ -48,8 +48,13 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..schedule import TileProgram, comm, compute, round_robin, wait
+from ..runtime.timing import Stopwatch
+from ..runtime.trace import TraceJob
 from .attention_core import attention, rope_cos_sin
-from .mlp import _DTYPES, MLPPlan
+from .attention_cost import AttentionCostModel
+from .planned import DTYPES as _DTYPES
+from .planned import PlannedLayer
+from .planned import TilePlan as MLPPlan
 from .tiling import effective_num_tiles, tile_bounds
 
 _INPUT_ERRORS = {
@@ -86,6 +91,7 @@ class _Call:
         self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
         self.cos_sin, self.batch, self.s = cos_sin, batch, seq_local
         self.launch_log = layer.launch_log
+        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
     def core(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1."""
@@ -202,7 +208,8 @@ class _TiledAttention(torch.autograd.Function):
                 for i, (b0, b1) in enumerate(bounds)]
         program = _forward_program(call, w_qkv, b_qkv, w_o, bounds)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
-        execute(sched, envs, call.group, streams=call.streams, label="attn", trace=call.launch_log)
+        execute(sched, envs, call.group, streams=call.streams, label="attn", trace=call.launch_log,
+                recorder=call.trace.fwd if call.trace is not None else None)
         if call.save:
             ctx.graphs = [(e["leaf"], e["o"]) for e in envs]
             keep_xg = call.sp and not call.plan.regather
@@ -238,12 +245,20 @@ class _TiledAttention(torch.autograd.Function):
         del graphs, o_ins, xgs, rest
         program = _backward_program(c, w_qkv, w_o, grads, norms)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
-        execute(sched, envs, c.group, streams=c.streams, label="attn_bwd", trace=c.launch_log)
+        if c.trial is not None:
+            c.trial.bwd = Stopwatch(dy_TH.device)
+            c.trial.bwd.start()
+        execute(sched, envs, c.group, streams=c.streams, label="attn_bwd", trace=c.launch_log,
+                recorder=c.trace.start_backward() if c.trace is not None else None)
+        if c.trial is not None:
+            c.trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
         d_norms = [grads.get("norm0"), grads.get("norm1")] if norms else [None, None]
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 
 
-class OverlapAttention(nn.Module):
+class OverlapAttention(PlannedLayer, nn.Module):
     """Drop-in tensor-parallel (and sequence-parallel) attention; equals the module docstring's
     reference.
 
@@ -309,11 +324,10 @@ class OverlapAttention(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
         self.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
-        self.plan: Optional[MLPPlan] = None
-        self._pinned: Optional[MLPPlan] = None
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
+        self._init_planning(config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -470,15 +484,58 @@ class OverlapAttention(nn.Module):
             raise ValueError(f"plan={plan!r}; must be an MLPPlan (the tile plan type) or None")
         self._pinned = plan
 
-    def _plan_for(self, batch: int) -> MLPPlan:
+    def _fixed_plan(self, batch: int) -> Optional[MLPPlan]:
+        """The pinned plan or a fixed K (capped by the batch); None when the planner decides."""
         if self._pinned is not None:
             k = effective_num_tiles(batch, self._pinned.num_tiles)
             if k == self._pinned.num_tiles:
                 return self._pinned
             return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
         if self.num_tiles == "auto":
-            return MLPPlan(1, reason="auto: the attention planner is not built yet; K=1 (the serial layer)")
+            return None
         return MLPPlan(effective_num_tiles(batch, self.num_tiles))
+
+    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
+    @property
+    def _weight(self) -> torch.Tensor:
+        return self.wq
+
+    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
+        return (shape[0], shape[1], dtype, save)  # exact batch and local sequence
+
+    def _tile_units(self, shape: tuple) -> int:
+        return shape[0]
+
+    def _cost_model(self, key: tuple, hw) -> AttentionCostModel:
+        batch, s, dtype = key[0], key[1], key[2]
+        return AttentionCostModel(batch=batch, seq_local=s, world_size=self.world_size, hidden=self.hidden_size,
+                                  heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
+                                  head_dim=self.head_dim, elt=torch.tensor([], dtype=dtype).element_size(),
+                                  sequence_parallel=self.sequence_parallel, causal=self.causal, model=hw)
+
+    def _programs(self, k: int, save: bool, regather: bool):
+        call = _Call(self, MLPPlan(k, regather=regather), save, None, None, 1, 1)
+        return _forward_program(call, None, None, None, []), _backward_program(call, None, None, {}, [])
+
+    def _op_setups(self, cm: AttentionCostModel, dtype: torch.dtype) -> dict:
+        """The attention core (forward, and backward of a recorded graph) per tile batch size."""
+        dev, S, C = self.wq.device, cm.g * cm.s, cm.C
+
+        def setup(name, b):
+            cos_sin = self._cos_sin(b, S, dev, dtype, None, None)
+            call = _Call(self, MLPPlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
+            if call.q_norm is not None:
+                call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
+            qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
+            if name == "core":
+                return lambda: call.core(qkv, 0, b)
+            leaf = qkv.requires_grad_()
+            with torch.enable_grad():
+                o = call.core(leaf, 0, b)
+            do = torch.randn_like(o)
+            return lambda: torch.autograd.grad(o, leaf, do, retain_graph=True)
+
+        return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
@@ -487,7 +544,7 @@ class OverlapAttention(nn.Module):
                              "with causal=False); padding and packed-sequence masks are not supported yet")
         err = self._input_error(x, position_ids, position_embeddings)
         shape = tuple(x.shape) if err == 0 else (0, 0, 0)
-        plan = self._plan_for(shape[0]) if err == 0 else MLPPlan(1)
+        fixed = self._fixed_plan(shape[0]) if err == 0 else MLPPlan(1)
         save = torch.is_grad_enabled() and (
             (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
         dtype = x.dtype if err == 0 else None
@@ -496,8 +553,10 @@ class OverlapAttention(nn.Module):
         dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
         pos_code = 0 if position_ids is None else 1 if err == 0 else 0
         pos_code += 0 if position_embeddings is None else 2
-        names = ("input error", "batch", "seq", "hidden", "dtype", "plan", "grad mode", "positions")
-        table = self._agreement.gather((err, *shape, dtype_code, plan.digest(), int(save), pos_code))
+        names = ("input error", "batch", "seq", "hidden", "dtype", "plan request (0 = auto)", "grad mode",
+                 "positions")
+        request = fixed.digest() if fixed is not None else 0
+        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), pos_code))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
@@ -508,8 +567,22 @@ class OverlapAttention(nn.Module):
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles, "
                              f"grad mode, positions); {bad}")
-        self.plan = plan
-        return self._run(x, plan, save, position_ids, position_embeddings)
+        # Everything below depends only on agreed values and the call history ([Note: agreement]).
+        trial = None
+        if fixed is not None:
+            self.plan = fixed
+        else:
+            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
+        self._last_call = (self._plan_key(shape[:2], dtype, save), shape[0])
+        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
+        if trial is not None:
+            trial.fwd.start()
+        y = self._run(x, self.plan, save, position_ids, position_embeddings, trial, trace)
+        if trial is not None:
+            trial.fwd.stop()
+        if trace is not None:
+            trace.write()
+        return y
 
     def _cos_sin(self, batch: int, S: int, device, dtype, position_ids, position_embeddings):
         if position_embeddings is not None:
@@ -519,7 +592,8 @@ class OverlapAttention(nn.Module):
         pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
         return rope_cos_sin(pos.to(device), self.head_dim, self.rope_theta, dtype)
 
-    def _run(self, x, plan: MLPPlan, save: bool, position_ids, position_embeddings) -> torch.Tensor:
+    def _run(self, x, plan: MLPPlan, save: bool, position_ids, position_embeddings, trial=None,
+             trace=None) -> torch.Tensor:
         dev = x.device.type
         params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
         if torch.is_autocast_enabled(dev):
@@ -535,7 +609,7 @@ class OverlapAttention(nn.Module):
             cos_sin = self._cos_sin(B, S, x.device, x.dtype, position_ids, position_embeddings)
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
-            call.q_norm, call.k_norm = q_norm, k_norm
+            call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
             x_TH = x.reshape(B * s, H).contiguous()
             if save:
                 y_TH = _TiledAttention.apply(x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)

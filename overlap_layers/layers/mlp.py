@@ -31,8 +31,7 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -41,21 +40,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OverlapConfig, check_num_tiles
-from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
-from ..schedule import TileProgram, comm, compute, round_robin, wait
-from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
-from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
+from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.timing import Stopwatch
-from ..runtime.trace import TraceJob, write_chrome_trace
-from ..sim import analytic_model, choose
-from .mlp_cost import MLPCostModel, mlp_candidates
-from .planning import PlanCache, Trial
+from ..runtime.trace import TraceJob
+from ..schedule import TileProgram, comm, compute, round_robin, wait
+from .mlp_cost import MLPCostModel
+from .planned import DTYPES as _DTYPES
+from .planned import PlannedLayer, TilePlan
+from .planning import Trial
 from .tiling import effective_num_tiles, tile_bounds
 
+MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
 ACTIVATIONS = ("swiglu", "gelu", "relu")
-_PLAN_CACHE_SIZE = 32
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
 _INPUT_ERRORS = {
@@ -92,34 +89,6 @@ def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> torch
     if kind == "gelu":
         return torch.ops.aten.gelu_backward(dh_MF, pre_MI)
     return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
-
-
-@dataclass(frozen=True)
-class MLPPlan:
-    """What one call of the layer runs: tiles, buckets per collective, backward strategy.
-
-    ``predicted_ms`` / ``predicted_peak_bytes`` / ``reason`` / ``candidates`` explain a planner's
-    choice (None / empty for a fixed or pinned plan) and do not change what runs."""
-
-    num_tiles: int
-    buckets_fwd: tuple = ()
-    buckets_bwd: tuple = ()
-    regather: bool = False  # backward re-gathers x instead of saving the gathered input
-    num_streams: int = 2
-    transport: str = "nccl"
-    predicted_ms: Optional[float] = field(default=None, compare=False)
-    predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
-    reason: str = field(default="", compare=False)
-    candidates: tuple = field(default=(), compare=False, repr=False)
-
-    @property
-    def buckets(self) -> dict:
-        return {"fwd": dict(self.buckets_fwd), "bwd": dict(self.buckets_bwd)}
-
-    def digest(self) -> int:
-        """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
-        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport)
-        return zlib.crc32(repr(key).encode())
 
 
 @dataclass
@@ -273,7 +242,7 @@ class _TiledMLP(torch.autograd.Function):
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
-class OverlapMLP(nn.Module):
+class OverlapMLP(PlannedLayer, nn.Module):
     """Drop-in tensor-parallel MLP (Megatron column-parallel fc1, row-parallel fc2).
 
     Equals the dense MLP in this module's docstring. Input ``[batch, seq_local, hidden]`` with
@@ -322,16 +291,10 @@ class OverlapMLP(nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self.plan: Optional[MLPPlan] = None
-        self._pinned: Optional[MLPPlan] = None
-        self._hw: dict = {}
         self.launch_log: Optional[list] = None
-        self._last_call: Optional[tuple] = None  # (rows, dtype, save) of the last call
-        self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
-        self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
-                                margin=config.margin)
+        self._init_planning(config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -498,8 +461,8 @@ class OverlapMLP(nn.Module):
         if fixed is not None:
             self.plan = fixed
         else:
-            self.plan, trial = self._auto_plan(rows, dtype, save)
-        self._last_call = (rows, dtype, save)
+            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
+        self._last_call = (self._plan_key(shape[:2], dtype, save), rows)
         trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
         if trial is not None:
             trial.fwd.start()
@@ -510,48 +473,17 @@ class OverlapMLP(nn.Module):
             trace.write()
         return y
 
-    # ----------------------------------------------------------------- planning
-    def _auto_plan(self, rows: int, dtype: torch.dtype, save: bool, call: bool = True):
-        """The planned plan for ``rows`` (capped to them) and the trial this call must time, if any."""
-        key = (1 << max(rows - 1, 0).bit_length(), dtype, save)  # rows bucketed to a power of two
-        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), _contenders, self.w_in.device,
-                                      call=call)
-        k = effective_num_tiles(rows, plan.num_tiles)
-        if k != plan.num_tiles:
-            plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
-            if trial is not None:
-                trial.plan = plan
-        return plan, trial
-
+    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property
-    def verifying(self) -> bool:
-        """True while the first calls of the last shape bucket still time the planned plan
-        against K=1 ([Note: first-call verification])."""
-        return self._plans.verifying()
+    def _weight(self) -> torch.Tensor:
+        return self.w_in
 
-    def warmup(self, shapes, dtype: Optional[torch.dtype] = None, training: bool = True) -> list:
-        """Plan ahead for each ``(batch, seq_local)`` in ``shapes`` (and calibrate, on CUDA), as the
-        first call for each would; returns the plans. A collective: call it on every rank with the
-        same arguments (checked; a mismatch raises ValueError on every rank). No-op (returns [])
-        unless ``num_tiles="auto"`` and no plan is pinned. First-call verification still happens
-        on the first real calls."""
-        try:
-            rows = [int(b) * int(s) for b, s, *_ in shapes]
-        except (TypeError, ValueError):
-            raise ValueError(f"shapes={shapes!r}; must be a list of (batch, seq_local) pairs") from None
-        if any(r < 1 for r in rows):
-            raise ValueError(f"shapes={shapes!r}; batch and seq must be positive")
-        dtype = self.w_in.dtype if dtype is None else dtype
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r}; valid: {_DTYPES}")
-        request = zlib.crc32(repr((rows, str(dtype), bool(training))).encode())
-        table = self._agreement.gather((request,))
-        if len(set(table)) > 1:
-            raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
-                             f"this rank: shapes={shapes}, dtype={dtype}, training={training}")
-        if self._pinned is not None or self.num_tiles != "auto":
-            return []
-        return [self._auto_plan(r, dtype, bool(training), call=False)[0] for r in rows]
+    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
+        rows = shape[0] * shape[1]
+        return (1 << max(rows - 1, 0).bit_length(), dtype, save)  # rows bucketed to a power of two
+
+    def _tile_units(self, shape: tuple) -> int:
+        return shape[0] * shape[1]
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,
@@ -559,48 +491,15 @@ class OverlapMLP(nn.Module):
         return (_forward_program(call, None, None, None),
                 _backward_program(call, None, None, {}, self.b_in is not None))
 
-    def _measuring(self) -> bool:
-        return self.w_in.device.type == "cuda" and self.config.measure
-
-    def _cache_file(self, dtype: torch.dtype):
-        key = cache_key(device=self.w_in.device, world_size=self.world_size, transport="nccl", dtype=dtype)
-        return cache_path(self.config.cache_dir or default_cache_dir(), key), key
-
-    def _hardware(self, dtype: torch.dtype):
-        """The cost model's numbers for ``dtype``: on CUDA with ``measure``, from the calibration
-        cache file if every rank's copy is usable and identical, else calibrated (and stored)."""
-        if dtype not in self._hw:
-            if self._measuring():
-                path, key = self._cache_file(dtype)
-                hw = load_agreed(path, key, self._agreement)
-                if hw is None:
-                    hw = calibrate(self.group, self.w_in.device, dtype, self._agreement)
-                    store(path, key, hw)
-                self._hw[dtype] = hw
-            else:
-                self._hw[dtype] = analytic_model(self.w_in.device.type)
-        return self._hw[dtype]
-
-    def _budget(self) -> Optional[int]:
-        mb = self.config.memory_budget
-        if mb is None or isinstance(mb, int):
-            return mb
-        if self.w_in.device.type != "cuda":
-            return None  # a fraction of free memory has no meaning for host memory here
-        free = torch.cuda.mem_get_info(self.w_in.device)[0]
-        return int(self._agreement.min([float(free)])[0] * mb)
-
-    def _cost_model(self, rows: int, dtype: torch.dtype, hw) -> MLPCostModel:
+    def _cost_model(self, key: tuple, hw) -> MLPCostModel:
+        rows, dtype = key[0], key[1]
         return MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
                             f_local=self.w_out.shape[1], elt=torch.tensor([], dtype=dtype).element_size(),
                             sequence_parallel=self.sequence_parallel, model=hw, activation=self.activation)
 
-    def _measure_missing(self, cm: MLPCostModel, dtype: torch.dtype):
-        """Time the GEMMs and activation ops the candidates need that the model lacks (max over
-        ranks), add them to the model and the cache file."""
-        hw, dev = cm.model, self.w_in.device
-        gemms = cm.gemm_shapes() - set(hw.gemm_measured)
-        acts = {key: spec for key, spec in cm.act_ops().items() if key not in hw.op_measured}
+    def _op_setups(self, cm: MLPCostModel, dtype: torch.dtype) -> dict:
+        """The activation ops to measure: key -> setup returning the callable to time."""
+        dev = self.w_in.device
 
         def setup(name, m):
             pre = torch.randn(m, cm.I, dtype=dtype, device=dev)
@@ -609,58 +508,7 @@ class OverlapMLP(nn.Module):
             dh = torch.randn(m, cm.F, dtype=dtype, device=dev)
             return lambda: _act_backward(self.activation, pre, dh)
 
-        if gemms or acts:
-            hw = self._hw[dtype] = hw.with_measured(
-                gemms=measure_gemms(gemms, dtype, dev, self._agreement),
-                ops=measure_ops({key: (lambda spec=spec: setup(*spec)) for key, spec in acts.items()},
-                                self._agreement))
-            store(*self._cache_file(dtype), hw)
-        return hw
-
-    def _make_plan(self, rows: int, dtype: torch.dtype, save: bool) -> MLPPlan:
-        cm = self._cost_model(rows, dtype, self._hardware(dtype))
-        if self._measuring():
-            cm.model = self._measure_missing(cm, dtype)
-        choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
-                        margin=self.config.margin)
-        c = choice.candidate
-        return MLPPlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
-                       predicted_peak_bytes=c.peak_bytes, reason=choice.reason, candidates=choice.candidates)
-
-    def export_trace(self, path, measured: bool = False) -> None:
-        """Write a Chrome/Perfetto trace JSON of this layer's plan to ``path``.
-
-        ``measured=False``: the timeline the planner predicts for the last call's plan and shape
-        (forward, plus backward when that call saved for it), from the numbers the layer planned
-        with (calibrated on CUDA, else nominal), on one compute stream as the planner scores it;
-        rank-local, no collectives. ``measured=True``: the next call records every op (CUDA
-        events, or the host clock on CPU) and writes the measured timeline in the same format after
-        its forward, and again after its backward; open both side by side, or draw either with
-        :func:`overlap_layers.plot_timeline`."""
-        if measured:
-            self._trace_to = path
-            return
-        if self._last_call is None:
-            raise ValueError("export_trace(measured=False) needs a plan: call the layer once first")
-        rows, dtype, save = self._last_call
-        hw = self._hw.get(dtype) or analytic_model(self.w_in.device.type)
-        p = self.plan
-        write_chrome_trace(path, self._cost_model(rows, dtype, hw).timelines(
-            self._programs, p.num_tiles, p.regather, p.buckets_fwd, p.buckets_bwd, save))
-
-    def explain(self) -> str:
-        """The last call's plan as a text table of the candidates the planner compared."""
-        p = self.plan
-        if p is None:
-            return "no plan yet: the layer plans at its first call"
-        lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport}",
-                 f"reason: {p.reason or 'fixed by num_tiles or pin_plan'}"]
-        if p.candidates:
-            lines.append(f"{'K':>3} {'regather':>8} {'pred ms':>9} {'exposed ms':>10} {'peak MiB':>9}  buckets")
-            for c in sorted(p.candidates, key=lambda c: (c.num_tiles, c.regather)):
-                lines.append(f"{c.num_tiles:>3} {str(c.regather):>8} {c.predicted_ms:>9.3f} {c.exposed_comm_ms:>10.3f} "
-                             f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
-        return "\n".join(lines)
+        return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()}
 
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
@@ -691,22 +539,3 @@ class OverlapMLP(nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"activation={self.activation}, sequence_parallel={self.sequence_parallel}, "
                 f"bias={self.bias}, world_size={self.world_size}, num_tiles={self.num_tiles!r}")
-
-
-def _contenders(plan: MLPPlan) -> list:
-    """What first-call verification times: ``plan``, the best-predicted candidate with another
-    K > 1 that needs no more memory than ``plan`` or K=1 (if any), and the plain layer (K=1);
-    each carries ``plan``'s explanation and its own prediction."""
-    if plan.num_tiles == 1 and not plan.buckets_fwd and not plan.buckets_bwd and not plan.regather:
-        return [plan]
-
-    def as_plan(c):
-        return MLPPlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
-                       predicted_peak_bytes=c.peak_bytes, reason=plan.reason, candidates=plan.candidates)
-
-    serial = next((c for c in plan.candidates if c.is_serial), None)
-    # The runner-up needs no more memory than a plan that runs anyway (the planned or the serial one).
-    cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
-    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap]
-    runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
-    return [plan, *runner_up, as_plan(serial) if serial else MLPPlan(1, reason=plan.reason)]

@@ -219,10 +219,30 @@ class MLPCostModel:
         }
         return table[name]()
 
+    def sizes(self) -> Dict[str, int]:
+        """Op name -> elements per gathered row of the buffer it allocates (module table)."""
+        H, I, F = self.H, self.I, self.F
+        return {"ag": H, "ag_x": H, "fc1": I, "act": F, "fc2": H if self.sp else 0, "ag_dy": H,
+                "dgrad2": 2 * F, "act_bwd": I, "dgrad1": H if self.sp else 0}
+
+    def frees(self, *, save: bool, keep_xg: bool, backward: bool) -> Dict[str, Optional[str]]:
+        """Op name -> the op after which its buffer dies (None: kept for backward)."""
+        return {"ag": None if keep_xg else "fc1", "fc1": None if save and not backward else "act",
+                "act": "fc2", "fc2": "wait_rs", "ag_dy": "wgrad2", "ag_x": "wgrad1", "dgrad2": "wgrad2",
+                "act_bwd": "wgrad1", "dgrad1": "wait_rs_dx"}
+
+    def saved_bytes(self, m: int, keep_xg: bool) -> int:
+        """Bytes one tile of ``m`` gathered rows keeps for backward."""
+        return (m * self.I + (m * self.H if keep_xg else 0)) * self.e
+
+    def grad_bytes(self) -> int:
+        return (self.I * self.H + self.F * self.H) * self.e
+
     def costs(self, program: TileProgram, bounds, *, num_streams: int, save: bool, keep_xg: bool,
               backward: bool) -> Costs:
+        """The simulator's costs for ``program`` over tiles ``bounds`` (in tile units)."""
         ms = [self.gathered(b - a) for a, b in bounds]
-        H, I, F, e = self.H, self.I, self.F, self.e
+        H, e = self.H, self.e
 
         def compute(tile, op):
             return self.op_ms(ms[tile], op.name)
@@ -230,23 +250,20 @@ class MLPCostModel:
         def comm(tile, op):
             return self.model.comm_ms(op.collective, ms[tile] * H * e)
 
-        sizes = {"ag": H, "ag_x": H, "fc1": I, "act": F, "fc2": H if self.sp else 0, "ag_dy": H,
-                 "dgrad2": 2 * F, "act_bwd": I, "dgrad1": H if self.sp else 0}
+        sizes = self.sizes()
 
         def nbytes(tile, op):
             return ms[tile] * sizes.get(op.name, 0) * e
 
-        frees = {"ag": None if keep_xg else "fc1", "fc1": None if save and not backward else "act",
-                 "act": "fc2", "fc2": "wait_rs", "ag_dy": "wgrad2", "ag_x": "wgrad1", "dgrad2": "wgrad2",
-                 "act_bwd": "wgrad1", "dgrad1": "wait_rs_dx"}
         names = {op.name for op in program.ops}
-        frees = {p: c for p, c in frees.items() if p in names and (c is None or c in names)}
-        local = self.rows * H * e
+        frees = {p: c for p, c in self.frees(save=save, keep_xg=keep_xg, backward=backward).items()
+                 if p in names and (c is None or c in names)}
+        local = self.gathered(self.rows) // (self.ws if self.sp else 1) * H * e
         if backward:  # saved activations, dx and the weight-gradient accumulators
-            saved = sum(m * I * e + (m * H * e if keep_xg else 0) for m in ms)
-            base = saved + local + (I * H + F * H) * e
+            base = sum(self.saved_bytes(m, keep_xg) for m in ms) + local + self.grad_bytes()
         else:
             base = local
+
         def pack(tile, op):  # a bucket member copied into (or out of) the bucket's buffer
             return self.model.mem_ms(2 * ms[tile] * H * e)
 

@@ -1,0 +1,94 @@
+"""Costs of the attention layer's tile programs (the MLP's cost model with attention's ops).
+
+Per tile of b sequences: M = g*b*s gathered rows (g = ws with sequence parallelism, else 1;
+s the local sequence), S = g*s, H hidden, C = (nq + 2*nkv)*d the local qkv width, A = nq*d the
+local attention width, e bytes per element:
+
+==========  ========================================  ====================================
+op          time                                      memory allocated (freed after)
+==========  ========================================  ====================================
+ag / ag_x   collective over M*H*e                     xg, M*H*e (qkv / wgrad_qkv; kept if saved)
+qkv         GEMM (M, C, H)                            qkv, M*C*e (core; kept as the graph's leaf)
+core        measured ("core:bxS"), else SDPA FLOPs    o and the roped q, k: M*(A+C)*e (proj;
+            4*b*nq*S^2*d (halved if causal) + memory  kept for backward when saving)
+proj        GEMM (M, H, A)                            partial out, M*H*e (wait_rs)
+rs / ar     collective over M*H*e
+ag_dy       collective over M*H*e                     dy gathered, M*H*e (wgrad_o)
+dgrad_o     GEMM (M, A, H)                            do, M*A*e (core_bwd)
+core_bwd    measured ("core_bwd:bxS"), else 2.5x core dqkv, M*C*e (wgrad_qkv)
+dgrad_qkv   GEMM (M, H, C)                            dx gathered, M*H*e (wait_rs_dx)
+wgrad_o     GEMM (H, A, M); wgrad_qkv GEMM (C, H, M)
+==========  ========================================  ====================================
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from ..sim import HardwareModel
+from .mlp_cost import TILE_CHOICES, MLPCostModel
+from .tiling import tile_bounds
+
+
+class AttentionCostModel(MLPCostModel):
+    """Tiles are batch rows (``rows`` = batch); see the module table."""
+
+    def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel):
+        d = head_dim
+        super().__init__(rows=batch, world_size=world_size, hidden=hidden, n_in=(heads + 2 * kv_heads) * d,
+                         f_local=heads * d, elt=elt, sequence_parallel=sequence_parallel, model=model)
+        self.s, self.nq, self.d, self.causal = seq_local, heads, d, causal
+        self.g = world_size if sequence_parallel else 1
+
+    @property
+    def C(self) -> int:
+        return self.I
+
+    @property
+    def A(self) -> int:
+        return self.F
+
+    def gathered(self, batch_rows: int) -> int:
+        return batch_rows * self.s * self.g
+
+    def core_key(self, name: str, b: int) -> str:
+        return f"{name}:{b}x{self.g * self.s}"
+
+    def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:
+        """Key -> (name, batch rows) of every core op the candidates run (for measuring)."""
+        sizes = {b - a for k in tile_choices for a, b in tile_bounds(self.rows, k)}
+        return {self.core_key(name, b): (name, b) for b in sizes for name in ("core", "core_bwd")}
+
+    def gemms(self, m: int) -> List[Tuple[int, int, int]]:
+        H, C, A = self.H, self.C, self.A
+        return [(m, C, H), (m, H, A), (m, A, H), (m, H, C), (H, A, m), (C, H, m)]
+
+    def _core_ms(self, b: int) -> float:
+        md, S = self.model, self.g * self.s
+        flops = 4.0 * b * self.nq * S * S * self.d * (0.5 if self.causal else 1.0)
+        return md.gemm_fixed_ms + flops / (md.gemm_tflops * 1e9) + md.mem_ms(3 * b * S * self.C * self.e)
+
+    def op_ms(self, m: int, name: str) -> float:
+        md, H, C, A = self.model, self.H, self.C, self.A
+        b = m // (self.g * self.s)
+        if name == "core":
+            return md.op_measured.get(self.core_key("core", b), self._core_ms(b))
+        if name == "core_bwd":
+            return md.op_measured.get(self.core_key("core_bwd", b), 2.5 * self._core_ms(b))
+        shapes = {"qkv": (m, C, H), "proj": (m, H, A), "dgrad_o": (m, A, H), "dgrad_qkv": (m, H, C),
+                  "wgrad_o": (H, A, m), "wgrad_qkv": (C, H, m)}
+        return md.gemm_ms(*shapes[name])
+
+    def sizes(self) -> Dict[str, int]:
+        H, C, A = self.H, self.C, self.A
+        return {"ag": H, "ag_x": H, "qkv": C, "core": A + C, "proj": H if self.sp else 0, "ag_dy": H,
+                "dgrad_o": A, "core_bwd": C, "dgrad_qkv": H if self.sp else 0}
+
+    def frees(self, *, save: bool, keep_xg: bool, backward: bool) -> Dict[str, Optional[str]]:
+        keep = save and not backward
+        return {"ag": None if keep_xg else "qkv", "qkv": None if keep else "core", "core": None if keep else "proj",
+                "proj": "wait_rs", "ag_dy": "wgrad_o", "ag_x": "wgrad_qkv", "dgrad_o": "core_bwd",
+                "core_bwd": "wgrad_qkv", "dgrad_qkv": "wait_rs_dx"}
+
+    def saved_bytes(self, m: int, keep_xg: bool) -> int:
+        return (m * (2 * self.C + self.A) + (m * self.H if keep_xg else 0)) * self.e

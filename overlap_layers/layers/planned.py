@@ -1,0 +1,235 @@
+"""What every planned layer shares: the tile plan type and the planning methods (a mixin).
+
+Reference: a :class:`PlannedLayer` with ``num_tiles="auto"`` runs, for each call, the plan its
+:class:`~overlap_layers.layers.planning.PlanCache` holds for the call's key (the layer's shape
+bucket, dtype and grad mode): made at the first call for the key by calibrating (CUDA, once per
+dtype, or loaded from the calibration cache file), measuring the ops the candidates need,
+simulating every candidate (:func:`~overlap_layers.layers.mlp_cost.mlp_candidates`) and choosing
+under the memory budget (:func:`~overlap_layers.sim.choose`); then verified on the first calls
+([Note: first-call verification]).
+
+A layer provides ``_plan_key(shape, dtype, save)`` (a tuple ending in dtype, save),
+``_tile_units(shape)`` (what K is capped by), ``_cost_model(key, hw)``, ``_programs(k, save,
+regather)``, ``_op_setups(cm, dtype)`` (the non-GEMM ops to measure) and ``_weight`` (a parameter
+giving the device), and sets the attributes of :meth:`_init_planning`.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from ..config import OverlapConfig
+from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
+from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
+from ..runtime.trace import write_chrome_trace
+from ..sim import analytic_model, choose
+from .mlp_cost import mlp_candidates
+from .planning import PlanCache
+from .tiling import effective_num_tiles
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_PLAN_CACHE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """What one call of a layer runs: tiles, buckets per collective, backward strategy.
+
+    ``predicted_ms`` / ``predicted_peak_bytes`` / ``reason`` / ``candidates`` explain a planner's
+    choice (None / empty for a fixed or pinned plan) and do not change what runs."""
+
+    num_tiles: int
+    buckets_fwd: tuple = ()
+    buckets_bwd: tuple = ()
+    regather: bool = False  # backward re-gathers x instead of saving the gathered input
+    num_streams: int = 2
+    transport: str = "nccl"
+    predicted_ms: Optional[float] = field(default=None, compare=False)
+    predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
+    reason: str = field(default="", compare=False)
+    candidates: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def buckets(self) -> dict:
+        return {"fwd": dict(self.buckets_fwd), "bwd": dict(self.buckets_bwd)}
+
+    @property
+    def is_serial(self) -> bool:
+        return self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
+
+    def digest(self) -> int:
+        """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
+        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport)
+        return zlib.crc32(repr(key).encode())
+
+
+def contenders(plan: TilePlan) -> list:
+    """What first-call verification times: ``plan``, the best-predicted candidate with another
+    K > 1 that needs no more memory than ``plan`` or K=1 (if any), and the plain layer (K=1);
+    each carries ``plan``'s explanation and its own prediction."""
+    if plan.is_serial:
+        return [plan]
+
+    def as_plan(c):
+        return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
+                        predicted_peak_bytes=c.peak_bytes, reason=plan.reason, candidates=plan.candidates)
+
+    serial = next((c for c in plan.candidates if c.is_serial), None)
+    # The runner-up needs no more memory than a plan that runs anyway (the planned or the serial one).
+    cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
+    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap]
+    runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
+    return [plan, *runner_up, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
+
+
+class PlannedLayer:
+    """Mixin for ``nn.Module`` layers planned per shape bucket (see the module docstring)."""
+
+    def _init_planning(self, config: OverlapConfig) -> None:
+        self.plan: Optional[TilePlan] = None
+        self._pinned: Optional[TilePlan] = None
+        self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
+                                margin=config.margin)
+        self._hw: dict = {}
+        self._last_call: Optional[tuple] = None  # (key, units) of the last call
+        self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
+
+    def _auto_plan(self, shape: tuple, dtype: torch.dtype, save: bool, call: bool = True):
+        """The planned plan for ``shape`` (K capped to its tile units) and the trial this call
+        must time, if any."""
+        key, units = self._plan_key(shape, dtype, save), self._tile_units(shape)
+        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), contenders, self._weight.device,
+                                      call=call)
+        self._last_call = (key, units)
+        k = effective_num_tiles(units, plan.num_tiles)
+        if k != plan.num_tiles:
+            plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
+            if trial is not None:
+                trial.plan = plan
+        return plan, trial
+
+    @property
+    def verifying(self) -> bool:
+        """True while the first calls of the last shape bucket still time the planned plan
+        against K=1 ([Note: first-call verification])."""
+        return self._plans.verifying()
+
+    def warmup(self, shapes, dtype: Optional[torch.dtype] = None, training: bool = True) -> list:
+        """Plan ahead for each ``(batch, seq_local)`` in ``shapes`` (and calibrate, on CUDA), as the
+        first call for each would; returns the plans. A collective: call it on every rank with the
+        same arguments (checked; a mismatch raises ValueError on every rank). No-op (returns [])
+        unless ``num_tiles="auto"`` and no plan is pinned. First-call verification still happens
+        on the first real calls."""
+        try:
+            pairs = [(int(b), int(s)) for b, s, *_ in shapes]
+        except (TypeError, ValueError):
+            raise ValueError(f"shapes={shapes!r}; must be a list of (batch, seq_local) pairs") from None
+        if any(b < 1 or s < 1 for b, s in pairs):
+            raise ValueError(f"shapes={shapes!r}; batch and seq must be positive")
+        dtype = self._weight.dtype if dtype is None else dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; valid: {DTYPES}")
+        request = zlib.crc32(repr((pairs, str(dtype), bool(training))).encode())
+        table = self._agreement.gather((request,))
+        if len(set(table)) > 1:
+            raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
+                             f"this rank: shapes={shapes}, dtype={dtype}, training={training}")
+        if self._pinned is not None or self.num_tiles != "auto":
+            return []
+        return [self._auto_plan(p, dtype, bool(training), call=False)[0] for p in pairs]
+
+    # ----------------------------------------------------------------- numbers
+    def _measuring(self) -> bool:
+        return self._weight.device.type == "cuda" and self.config.measure
+
+    def _cache_file(self, dtype: torch.dtype):
+        key = cache_key(device=self._weight.device, world_size=self.world_size, transport="nccl", dtype=dtype)
+        return cache_path(self.config.cache_dir or default_cache_dir(), key), key
+
+    def _hardware(self, dtype: torch.dtype):
+        """The cost model's numbers for ``dtype``: on CUDA with ``measure``, from the calibration
+        cache file if every rank's copy is usable and identical, else calibrated (and stored)."""
+        if dtype not in self._hw:
+            if self._measuring():
+                path, key = self._cache_file(dtype)
+                hw = load_agreed(path, key, self._agreement)
+                if hw is None:
+                    hw = calibrate(self.group, self._weight.device, dtype, self._agreement)
+                    store(path, key, hw)
+                self._hw[dtype] = hw
+            else:
+                self._hw[dtype] = analytic_model(self._weight.device.type)
+        return self._hw[dtype]
+
+    def _budget(self) -> Optional[int]:
+        mb = self.config.memory_budget
+        if mb is None or isinstance(mb, int):
+            return mb
+        if self._weight.device.type != "cuda":
+            return None  # a fraction of free memory has no meaning for host memory here
+        free = torch.cuda.mem_get_info(self._weight.device)[0]
+        return int(self._agreement.min([float(free)])[0] * mb)
+
+    def _measure_missing(self, cm, dtype: torch.dtype):
+        """Time the GEMMs and other ops the candidates need that the model lacks (max over
+        ranks), add them to the model and the cache file."""
+        hw = cm.model
+        gemms = cm.gemm_shapes() - set(hw.gemm_measured)
+        setups = {key: fn for key, fn in self._op_setups(cm, dtype).items() if key not in hw.op_measured}
+        if gemms or setups:
+            hw = self._hw[dtype] = hw.with_measured(
+                gemms=measure_gemms(gemms, dtype, self._weight.device, self._agreement),
+                ops=measure_ops(setups, self._agreement))
+            store(*self._cache_file(dtype), hw)
+        return hw
+
+    def _make_plan(self, *key) -> TilePlan:
+        dtype, save = key[-2], key[-1]
+        cm = self._cost_model(key, self._hardware(dtype))
+        if self._measuring():
+            cm.model = self._measure_missing(cm, dtype)
+        choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
+                        margin=self.config.margin)
+        c = choice.candidate
+        return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
+                        predicted_peak_bytes=c.peak_bytes, reason=choice.reason, candidates=choice.candidates)
+
+    # ----------------------------------------------------------------- explaining
+    def export_trace(self, path, measured: bool = False) -> None:
+        """Write a Chrome/Perfetto trace JSON of this layer's plan to ``path``.
+
+        ``measured=False``: the timeline the planner predicts for the last call's plan and shape
+        (forward, plus backward when that call saved for it), from the numbers the layer planned
+        with (calibrated on CUDA, else nominal), on one compute stream as the planner scores it;
+        rank-local, no collectives. ``measured=True``: the next call records every op (CUDA
+        events, or the host clock on CPU) and writes the measured timeline in the same format after
+        its forward, and again after its backward; open both side by side, or draw either with
+        :func:`overlap_layers.plot_timeline`."""
+        if measured:
+            self._trace_to = path
+            return
+        if self._last_call is None:
+            raise ValueError("export_trace(measured=False) needs a plan: call the layer once first")
+        key, _ = self._last_call
+        dtype, save = key[-2], key[-1]
+        hw = self._hw.get(dtype) or analytic_model(self._weight.device.type)
+        p = self.plan
+        write_chrome_trace(path, self._cost_model(key, hw).timelines(
+            self._programs, p.num_tiles, p.regather, p.buckets_fwd, p.buckets_bwd, save))
+
+    def explain(self) -> str:
+        """The last call's plan as a text table of the candidates the planner compared."""
+        p = self.plan
+        if p is None:
+            return "no plan yet: the layer plans at its first call"
+        lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport}",
+                 f"reason: {p.reason or 'fixed by num_tiles or pin_plan'}"]
+        if p.candidates:
+            lines.append(f"{'K':>3} {'regather':>8} {'pred ms':>9} {'exposed ms':>10} {'peak MiB':>9}  buckets")
+            for c in sorted(p.candidates, key=lambda c: (c.num_tiles, c.regather)):
+                lines.append(f"{c.num_tiles:>3} {str(c.regather):>8} {c.predicted_ms:>9.3f} {c.exposed_comm_ms:>10.3f} "
+                             f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
+        return "\n".join(lines)
