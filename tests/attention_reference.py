@@ -11,7 +11,7 @@ import torch
 
 def rope_tables(position_ids, head_dim, theta):
     """cos, sin [b, S, d] for integer positions [b, S] (float64)."""
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
     inv = 1.0 / (theta ** (2 * i / head_dim))
     ang = position_ids.to(torch.float64)[..., None] * inv
     ang = torch.cat([ang, ang], -1)
@@ -39,7 +39,7 @@ def dense_attention(x, wq, wk, wv, wo, *, num_heads, num_kv_heads, bq=None, bk=N
     if position_embeddings is not None:
         cos, sin = position_embeddings
     elif rope_theta is not None:
-        pos = position_ids if position_ids is not None else torch.arange(S)[None].expand(b, S)
+        pos = position_ids if position_ids is not None else torch.arange(S, device=x.device)[None].expand(b, S)
         cos, sin = rope_tables(pos, d, rope_theta)
     else:
         cos = sin = None
@@ -47,11 +47,11 @@ def dense_attention(x, wq, wk, wv, wo, *, num_heads, num_kv_heads, bq=None, bk=N
         cos, sin = cos.to(x.dtype)[:, :, None], sin.to(x.dtype)[:, :, None]
         q, k = q * cos + _rot(q) * sin, k * cos + _rot(k) * sin
     group = num_heads // num_kv_heads
-    kv_of = torch.arange(num_heads) // group
+    kv_of = torch.arange(num_heads, device=x.device) // group
     k, v = k[:, :, kv_of], v[:, :, kv_of]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
     o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, S, num_heads * d)
     return lin(o, wo, bo)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap_layers import OverlapMLP  # noqa: E402
 from overlap_layers.layers.mlp import MLPPlan  # noqa: E402
 
@@ -174,6 +175,54 @@ def check_auto_plan_cache_and_trace(rank, ws, dev):
     return fails
 
 
+def check_attention(rank, ws, dev):
+    """OverlapAttention on NCCL with streams: float32 vs a float64 dense reference (GQA, qk-norm,
+    SP, K=2 with a bucket) for output and gradients; then auto planning settles in bf16."""
+    from attention_reference import dense_attention
+    from overlap_layers import OverlapAttention, reduce_replicated_grads
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cpu").manual_seed(3)
+    B, S, H, nq, nkv, d = 2, 16 * ws, 64, 2 * ws, max(ws // 2, 1), 16
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    x, dy = r(B, S, H), r(B, S, H)
+    ws_ = [r(nq * d, H), r(nkv * d, H), r(nkv * d, H), r(H, nq * d)]
+    qn, kn = r(d) + 1, r(d) + 1
+    leaves = [t.clone().requires_grad_() for t in [x, *ws_, qn, kn]]
+    y_ref = dense_attention(leaves[0], *leaves[1:5], num_heads=nq, num_kv_heads=nkv, q_norm=leaves[5],
+                            k_norm=leaves[6])
+    y_ref.backward(dy)
+    layer = OverlapAttention.from_dense(*[t.float() for t in ws_], num_heads=nq, num_kv_heads=nkv, q_norm=qn.float(),
+                                        k_norm=kn.float(), group=dist.group.WORLD)
+    layer.pin_plan(MLPPlan(2, buckets_bwd=(("ag_dy", ((0, 1),)),)))
+    xl = x.chunk(ws, 1)[rank].float().requires_grad_()
+    y = layer(xl)
+    y.backward(dy.chunk(ws, 1)[rank].float())
+    reduce_replicated_grads(layer)
+    qh = range(rank * (nq // ws), (rank + 1) * (nq // ws))
+    pairs = [("y", y, y_ref.chunk(ws, 1)[rank]), ("dx", xl.grad, leaves[0].grad.chunk(ws, 1)[rank]),
+             ("wq", layer.wq.grad, leaves[1].grad[qh.start * d:qh.stop * d]),
+             ("wo", layer.wo.grad, leaves[4].grad[:, qh.start * d:qh.stop * d]), ("q_norm", layer.q_norm.grad,
+                                                                                  leaves[5].grad)]
+    fails = 0
+    for name, got, want in pairs:
+        err = ((got.double() - want).norm() / want.norm()).item()
+        if not err < 1e-4:
+            fails += 1
+            print(f"rank {rank} FAIL attention {name}: rel err {err:.3g}", flush=True)
+    auto = OverlapAttention(512, 8, 4, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16)
+    xa = torch.randn(4, 256, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(20):
+        auto(xa).sum().backward()
+    digests = [None] * ws
+    dist.all_gather_object(digests, (auto.plan.digest(), auto.verifying))
+    if len({dg[0] for dg in digests}) != 1 or any(dg[1] for dg in digests):
+        fails += 1
+        print(f"rank {rank} FAIL attention auto plan: {digests}", flush=True)
+    if rank == 0:
+        print(f"attention auto plan on CUDA: K={auto.plan.num_tiles}; {auto.plan.reason}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -181,7 +230,7 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
     fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
-        + check_auto_plan_cache_and_trace(rank, ws, dev)
+        + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()
