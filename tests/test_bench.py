@@ -52,3 +52,80 @@ def test_report_summary_numbers():
     assert "Peak memory: median |pred - meas| / meas 10.0% (max 10.0%) over 2 cells" in text
     assert "Auto within 3% of the best measured K on 1 of 2 rows" in text
     assert "| 2 (8.10) | 2 | 1.01 | 0.81 |" in text
+
+
+def _run_bench(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "overlap_layers.bench", "--out", str(out), "--iters", "1",
+                           "--repeats", "1", "--warmup", "1", *args], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())["records"]
+
+
+def test_bench_cpu_attention(tmp_path):
+    # OverlapAttention, and UlyssesAttention in the same run (one spawn: the tests stay fast)
+    proc, recs = _run_bench(tmp_path, "--layer", "attention,ulysses")
+    assert {r["layer"] for r in recs} == {"attention", "ulysses"}
+    for layer in ("attention", "ulysses"):
+        mine = [r for r in recs if r["layer"] == layer]
+        modes = {(r["pass"], r["mode"]) for r in mine}
+        for p in ("fwd", "fwdbwd"):
+            for m in ("serial", "naive", "auto", "compute", "comm", "asynctp"):
+                assert (p, m) in modes, (layer, p, m)
+        for r in mine:
+            assert (r["preset"], r["hidden"], r["heads"], r["kv_heads"], r["batch"], r["seq"], r["world_size"]) == \
+                ("tiny", 64, 4, 2, 2, 64, 2)
+            if r["mode"] == "asynctp":
+                assert r["ms"] is None
+                continue
+            lim = max(x["ms"] for x in mine if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
+            assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
+        assert [r["k"] for r in mine if r["mode"] == "naive"] == [2, 2]
+        assert all(r["k"] == 1 for r in mine if r["mode"] == "serial")
+        assert all(r["host_agreement_us"] > 0 for r in mine if r["mode"] == "auto")
+    assert "attention" in proc.stdout and "ulysses" in proc.stdout and "/limit" in proc.stdout
+    from overlap_layers.bench.report import report
+    text = report(recs)
+    for layer in ("attention", "ulysses"):
+        assert text.count(f"| {layer} | tiny | 2 | 2 | 128 |") == 2
+        assert f"{layer}: Auto within 3% of the best measured K on" in text
+
+
+def test_bench_layer_list_and_args():
+    from overlap_layers.bench.cli import _shapes, parse_args
+    args = parse_args(["--layer", "mlp,attention", "--preset", "llama3-8b", "llama3-70b"])
+    shapes = [(layer, p, s.batch, s.seq) for layer, p, s in _shapes(args, args.preset)]
+    assert shapes == [("mlp", "llama3-8b", 4, 4096), ("mlp", "llama3-70b", 4, 4096),
+                      ("attention", "llama3-8b", 2, 8192), ("attention", "llama3-8b", 4, 8192),
+                      ("attention", "llama3-70b", 2, 8192), ("attention", "llama3-70b", 4, 8192)]
+    a = [s for layer, _, s in _shapes(args, args.preset) if layer == "attention"]
+    assert [(s.hidden, s.heads, s.kv_heads, s.head_dim) for s in a[::2]] == [(4096, 32, 8, 128), (8192, 64, 8, 128)]
+    args = parse_args(["--layer", "attention", "--batch", "1", "--seq", "128", "--no-sp"])
+    ((_, _, s),) = _shapes(args, ["tiny"])
+    assert (s.batch, s.seq, s.sequence_parallel) == (1, 128, False)
+    assert parse_args([]).layers == ["mlp"]
+    import pytest
+    for bad in (["--layer", "mlp,nope"], ["--layer", "ulysses", "--no-sp"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_report_groups_layers():
+    from overlap_layers.bench.report import report
+    attn = [dict(_rec("fwd", mode, k, ms, None), layer="attention", batch=2)
+            for mode, k, ms in (("serial", 1, 5.0), ("naive", 2, 4.0), ("auto", 1, 5.0))]
+    mlp = [dict(_rec("fwd", "serial", 1, 10.0, 10.0), batch=2), dict(_rec("fwd", "naive", 2, 8.0, 8.0), batch=2),
+           dict(_rec("fwd", "auto", 2, 8.0, 8.0), batch=2)]
+    attn4 = [dict(r, batch=4, tokens=16) for r in attn]
+    text = report(attn[:1] + mlp + attn[1:] + attn4)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    # grouped by layer in order of first appearance; one row per (layer, batch, tokens)
+    assert [ln.split(" | ")[0:4] for ln in lines] == [["| attention", "p", "4", "2"], ["| attention", "p", "4", "4"],
+                                                      ["| mlp", "p", "4", "2"]]
+    assert "| 1 (5.00) | 2 | 1.25 | 1.00 |" in text  # attention: auto stayed serial, K=2 measured faster
+    assert "mlp: Time: median |pred - meas| / meas 0.0% (max 0.0%) over 2 fixed-K cells." in text
+    assert "attention: Auto within 3% of the best measured K on 0 of 2 rows." in text
+    assert "mlp: Auto within 3% of the best measured K on 1 of 1 rows." in text
+    assert "attention: Time" not in text  # no predictions for attention yet

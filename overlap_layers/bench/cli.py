@@ -5,6 +5,12 @@ Without torchrun it spawns ``--nprocs`` (default 2) gloo ranks on the CPU and ru
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     torchrun --nproc-per-node 4 -m overlap_layers.bench --preset llama3-8b --tp 2 4
+    ... -m overlap_layers.bench --layer mlp,attention --preset llama3-8b llama3-70b
+
+``--layer`` takes a comma list (mlp, attention, ulysses). Preset names are shared; each layer
+takes its shapes from its own table (``bench.mlp.PRESETS``: tokens = batch*seq per TP group;
+``bench.attention.PRESETS`` for attention and ulysses: heads, KV heads, global seq 8192 and
+batches 2 and 4 for llama3-*).
 
 Prints a table (ms, ratio to limit, ratio to serial, peak memory) on rank 0 and writes JSON.
 """
@@ -21,31 +27,51 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from . import attention as attn_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
+
+LAYERS = ("mlp", "attention", "ulysses")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m overlap_layers.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layer", default="mlp", choices=["mlp"])
-    p.add_argument("--preset", nargs="+", default=None, choices=sorted(PRESETS),
+    p.add_argument("--layer", default="mlp", help=f"comma list of {LAYERS} (default mlp)")
+    p.add_argument("--preset", nargs="+", default=None, choices=sorted(set(PRESETS) | set(attn_bench.PRESETS)),
                    help="shape presets (default: tiny on CPU, llama3-8b on GPU)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
-                   help="tokens per TP group (batch*seq); default: the preset's")
+                   help="mlp: tokens per TP group (batch*seq); default: the preset's")
+    p.add_argument("--batch", nargs="+", type=int, default=None,
+                   help="attention, ulysses: batch sizes, each run (default: the preset's, 2 4 for llama3-*)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="attention, ulysses: global sequence length (default: the preset's)")
     p.add_argument("--tp", nargs="+", type=int, default=None,
                    help="tensor-parallel sizes to run (sub-groups of the world); default: the world size")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     p.add_argument("--passes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
-    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism (all-reduce MLP)")
-    p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu", "relu"])
+    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism (all-reduce layers)")
+    p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu", "relu"], help="mlp activation")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--nprocs", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/mlp_<device>_<time>.json)")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/results/<layers>_<device>_<time>.json, e.g. mlp_cpu_...)")
+    args = p.parse_args(argv)
+    args.layers = list(dict.fromkeys(x for x in args.layer.split(",") if x))
+    bad = [x for x in args.layers if x not in LAYERS]
+    if bad or not args.layers:
+        p.error(f"--layer {args.layer!r}: valid layers are {', '.join(LAYERS)} (comma list)")
+    for layer in args.layers:
+        if layer == "ulysses" and args.no_sp:
+            p.error("--no-sp: ulysses is always sequence parallel")
+        table = PRESETS if layer == "mlp" else attn_bench.PRESETS
+        missing = [x for x in args.preset or [] if x not in table]
+        if missing:
+            p.error(f"--preset {' '.join(missing)}: no {layer} shapes (its presets: {', '.join(sorted(table))})")
+    return args
 
 
 def _main(rank: int, world: int, args, store_path=None) -> None:
@@ -79,7 +105,7 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
             print(msg, flush=True)
 
     records = []
-    out = args.out or os.path.join("bench", "results", f"mlp_{'cuda' if cuda else 'cpu'}_"
+    out = args.out or os.path.join("bench", "results", f"{'-'.join(args.layers)}_{'cuda' if cuda else 'cpu'}_"
                                    f"{datetime.datetime.now():%Y%m%d_%H%M%S}.json")
     for tp in args.tp or [world]:
         if world % tp:
@@ -87,24 +113,37 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
         # Every rank creates every sub-group (new_group is collective over the world).
         groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
         group = groups[rank // tp]
-        for preset in presets:
-            base = PRESETS[preset]
-            for tokens in args.tokens or [base["batch"] * base["seq"]]:
-                batch = base["batch"] if tokens % base["batch"] == 0 else 1
-                shape = Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
-                              sequence_parallel=not args.no_sp, activation=args.activation)
-                recs = bench_shape(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters,
-                                   repeats, log)
-                if rank == 0:  # group 0 speaks for the run; every group ran the same grid
-                    records.extend(recs)
-                    _write(args, cuda, world, records, out)
-                if cuda:
-                    torch.cuda.empty_cache()
+        for layer, preset, shape in _shapes(args, presets):
+            run = bench_shape if layer == "mlp" else attn_bench.bench_shape
+            recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log)
+            if rank == 0:  # group 0 speaks for the run; every group ran the same grid
+                records.extend(recs)
+                _write(args, cuda, world, records, out)
+            if cuda:
+                torch.cuda.empty_cache()
     if rank == 0:
         print(format_table(records))
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _shapes(args, presets):
+    """(layer, preset, shape) of every shape to run, layer by layer."""
+    for layer in args.layers:
+        for preset in presets:
+            if layer == "mlp":
+                base = PRESETS[preset]
+                for tokens in args.tokens or [base["batch"] * base["seq"]]:
+                    batch = base["batch"] if tokens % base["batch"] == 0 else 1
+                    yield layer, preset, Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
+                                               sequence_parallel=not args.no_sp, activation=args.activation)
+            else:
+                base = attn_bench.PRESETS[preset]
+                for batch in args.batch or base["batch"]:
+                    yield layer, preset, attn_bench.AttentionShape(
+                        preset, base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], batch,
+                        args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer)
 
 
 def _write(args, cuda, world, records, out) -> None:
@@ -121,8 +160,8 @@ def _write(args, cuda, world, records, out) -> None:
 
 
 def format_table(records) -> str:
-    head = f"{'preset':11s} {'ws':>2s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} {'ms':>8s} " \
-           f"{'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
+    head = f"{'layer':9s} {'preset':11s} {'ws':>2s} {'B':>3s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} " \
+           f"{'ms':>8s} {'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
     lines = [head, "-" * len(head)]
     for r in records:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
@@ -131,7 +170,8 @@ def format_table(records) -> str:
         pr = "-" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.3f}"
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
-        lines.append(f"{r['preset']:11s} {r['world_size']:>2d} {r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
+        lines.append(f"{r.get('layer', 'mlp'):9s} {r['preset']:11s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
+                     f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
                      f"{str(r.get('k', '')):>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """Planner fidelity report from benchmark JSON: ``python -m overlap_layers.bench.report FILE...``.
 
-For every (preset, TP, pass) row of a run with modes serial, naive (K=2, 4) and auto it prints,
+For every (layer, preset, TP, batch, tokens, pass) row of a run with modes serial, naive (K=2, 4)
+and auto (mlp and attention records alike; rows grouped by layer) it prints,
 as markdown: measured / predicted time per fixed K, the K auto settled on and its time, the
 measured-best K, auto / best and auto / serial, and measured / predicted peak memory per K; then
 the summary the planner issue asks for: median |pred - meas| / meas of time and of peak memory
-over the fixed-K cells, and the share of rows where auto is within 3% of the best measured K.
+over the fixed-K cells, and the share of rows where auto is within 3% of the best measured K
+(per layer when a run holds several).
 """
 from __future__ import annotations
 
@@ -16,16 +18,48 @@ from typing import Dict, List
 
 
 def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
+    """(layer, preset, TP, batch, tokens, pass) -> {K: fixed-K record, "auto": auto record}, grouped by
+    layer (in order of first appearance)."""
     rows: Dict[tuple, Dict[object, dict]] = defaultdict(dict)
     for r in records:
-        if r.get("layer", "mlp") != "mlp" or r.get("ms") is None:
+        if r.get("ms") is None:
             continue
-        key = (r["preset"], r["world_size"], r["tokens"], r["pass"])
+        key = (r.get("layer", "mlp"), r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"])
         if r["mode"] in ("serial", "naive"):
             rows[key][r["k"]] = r
         elif r["mode"] == "auto":
             rows[key]["auto"] = r
-    return rows
+    order = list(dict.fromkeys(key[0] for key in rows))
+    return dict(sorted(rows.items(), key=lambda kv: order.index(kv[0][0])))  # stable: runs' order within a layer
+
+
+class _Stats:
+    """One layer's fidelity summary."""
+
+    def __init__(self):
+        self.t_err, self.m_err, self.hosts, self.planning = [], [], [], []
+        self.near = self.n_auto = 0
+
+    def summary(self, prefix: str) -> List[str]:
+        t_err, m_err, hosts, planning = self.t_err, self.m_err, self.hosts, self.planning
+        out = []
+        if t_err:
+            out.append(f"{prefix}Time: median |pred - meas| / meas {statistics.median(t_err):.1%} "
+                       f"(max {max(t_err):.1%}) over {len(t_err)} fixed-K cells.")
+        if m_err:
+            out.append(f"{prefix}Peak memory: median |pred - meas| / meas {statistics.median(m_err):.1%} "
+                       f"(max {max(m_err):.1%}) over {len(m_err)} cells.")
+        if self.n_auto:
+            out.append(f"{prefix}Auto within 3% of the best measured K on {self.near} of {self.n_auto} rows.")
+        if hosts:
+            out.append(f"{prefix}Cached call host time: plan lookup median "
+                       f"{statistics.median(h[0] for h in hosts):.1f} us, agreement gather median "
+                       f"{statistics.median(h[1] for h in hosts):.1f} us.")
+        if planning:
+            out.append(f"{prefix}Planning a new shape bucket (layer.warmup): median "
+                       f"{statistics.median(planning):.0f} ms, max {max(planning):.0f} ms (the first bucket of a "
+                       f"run includes calibration).")
+        return out
 
 
 def _err(pred, meas):
@@ -35,12 +69,14 @@ def _err(pred, meas):
 def report(records: List[dict], title: str = "") -> str:
     rows = _rows(records)
     ks = sorted({k for row in rows.values() for k in row if k != "auto"})
-    head = ["preset", "TP", "pass"] + [f"K={k} meas / pred ms" for k in ks] + \
+    head = ["layer", "preset", "TP", "batch", "tokens", "pass"] + [f"K={k} meas / pred ms" for k in ks] + \
         ["auto K (ms)", "best K", "auto / best", "auto / serial"] + [f"K={k} peak meas / pred MiB" for k in ks]
     out = [f"### {title}" if title else "", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    t_err, m_err, near, n_auto, hosts, planning = [], [], 0, 0, [], []
-    for (preset, ws, _, pass_), row in rows.items():
-        cells = [preset, str(ws), pass_]
+    stats: Dict[str, _Stats] = {}
+    for (layer, preset, ws, batch, tokens, pass_), row in rows.items():
+        st = stats.setdefault(layer, _Stats())
+        t_err, m_err, hosts, planning = st.t_err, st.m_err, st.hosts, st.planning
+        cells = [layer, preset, str(ws), "-" if batch is None else str(batch), str(tokens), pass_]
         for k in ks:
             r = row.get(k)
             if r is None:
@@ -53,8 +89,8 @@ def report(records: List[dict], title: str = "") -> str:
         best = min(fixed, key=fixed.get) if fixed else None
         auto = row.get("auto")
         if auto and best is not None:
-            n_auto += 1
-            near += auto["ms"] <= 1.03 * fixed[best]
+            st.n_auto += 1
+            st.near += auto["ms"] <= 1.03 * fixed[best]
             cells += [f"{auto['k']} ({auto['ms']:.2f})", str(best), f"{auto['ms'] / fixed[best]:.2f}",
                       f"{auto['ms'] / fixed[1]:.2f}" if 1 in fixed else "-"]
             if auto.get("planning_ms") is not None:
@@ -74,20 +110,8 @@ def report(records: List[dict], title: str = "") -> str:
                 m_err.append(_err(pp, r["peak_bytes"]))
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    if t_err:
-        out.append(f"Time: median |pred - meas| / meas {statistics.median(t_err):.1%} (max {max(t_err):.1%}) "
-                   f"over {len(t_err)} fixed-K cells.")
-    if m_err:
-        out.append(f"Peak memory: median |pred - meas| / meas {statistics.median(m_err):.1%} "
-                   f"(max {max(m_err):.1%}) over {len(m_err)} cells.")
-    if n_auto:
-        out.append(f"Auto within 3% of the best measured K on {near} of {n_auto} rows.")
-    if hosts:
-        out.append(f"Cached call host time: plan lookup median {statistics.median(h[0] for h in hosts):.1f} us, "
-                   f"agreement gather median {statistics.median(h[1] for h in hosts):.1f} us.")
-    if planning:
-        out.append(f"Planning a new shape bucket (layer.warmup): median {statistics.median(planning):.0f} ms, "
-                   f"max {max(planning):.0f} ms (the first bucket of a run includes calibration).")
+    for layer, st in stats.items():
+        out += st.summary(f"{layer}: " if len(stats) > 1 else "")
     return "\n".join(out)
 
 

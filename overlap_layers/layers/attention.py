@@ -64,6 +64,8 @@ _INPUT_ERRORS = {
     4: "input must be on the weights' device",
     5: "position_ids must be an integer tensor [batch, global seq]",
     6: "position_embeddings must be (cos, sin), each [batch, global seq, head_dim]",
+    7: "attention_mask: only None is supported (the mask is causal=True, or full attention with "
+       "causal=False); padding and packed-sequence masks are not supported yet",
 }
 
 
@@ -480,8 +482,12 @@ class OverlapAttention(PlannedLayer, nn.Module):
 
     def pin_plan(self, plan: Optional[MLPPlan]) -> None:
         """Use ``plan`` for every call (its tile count is capped by the batch); None unpins."""
-        if plan is not None and not isinstance(plan, MLPPlan):
-            raise ValueError(f"plan={plan!r}; must be an MLPPlan (the tile plan type) or None")
+        if plan is not None:
+            if not isinstance(plan, MLPPlan):
+                raise ValueError(f"plan={plan!r}; must be an MLPPlan (the tile plan type) or None")
+            check_num_tiles(plan.num_tiles, "plan.num_tiles")
+            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
+                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
         self._pinned = plan
 
     def _fixed_plan(self, batch: int) -> Optional[MLPPlan]:
@@ -539,10 +545,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
-        if attention_mask is not None:
-            raise ValueError("attention_mask: only None is supported (the mask is causal=True or full attention "
-                             "with causal=False); padding and packed-sequence masks are not supported yet")
-        err = self._input_error(x, position_ids, position_embeddings)
+        err = 7 if attention_mask is not None else self._input_error(x, position_ids, position_embeddings)
         shape = tuple(x.shape) if err == 0 else (0, 0, 0)
         fixed = self._fixed_plan(shape[0]) if err == 0 else MLPPlan(1)
         save = torch.is_grad_enabled() and (
@@ -561,7 +564,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
                    f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)})" if err else ""
-            raise ValueError("x / position_ids / position_embeddings: bad input on rank(s) " + ", ".join(
+            raise ValueError("x / position_ids / position_embeddings / attention_mask: bad input on rank(s) " + ", ".join(
                 f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
         bad = first_disagreement(table, names)
         if bad:

@@ -1,0 +1,344 @@
+"""Per-layer benchmark of the attention layers (OverlapAttention, ``--layer attention``; and
+UlyssesAttention, ``--layer ulysses``): every mode of one shape, on every rank of one group.
+
+Modes as for the MLP (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
+
+* ``serial``  - OverlapAttention with K=1 (the plain TP layer);
+* ``naive``   - a fixed K (``--naive-k``, capped by the batch: the layer tiles the batch), no planner;
+* ``auto``    - ``num_tiles="auto"`` (planned and verified first where the layer can, as for the MLP);
+* ``asynctp`` - not available for attention (recorded with ms None);
+* ``compute`` - plain PyTorch on the pre-gathered input: fused qkv projection,
+  :func:`~overlap_layers.layers.attention_core.attention` (SDPA), output projection;
+* ``comm``    - the layer's collectives alone: all-gather of x and reduce-scatter of the output
+  with sequence parallelism, an all-reduce of the output without (twice for forward+backward).
+
+Ulysses (always sequence parallel, every weight whole on every rank): ``naive`` K is capped by the
+batch (by the local heads for batch 1); ``compute`` is the qkv projection of the local tokens
+(every head), the core over the whole sequence for this rank's heads, and the output projection
+of the local tokens, each on inputs of its own (no all-to-all between them); ``comm`` the layer's
+two all-to-alls at K=1 (qkv, output; twice for forward+backward).
+
+Every call passes ``position_embeddings`` (cos, sin of the global sequence, built once, as a
+model shares them across layers). limit = max(compute, comm); each time is the median over
+repeats of the max over ranks (:func:`~overlap_layers.bench.mlp.time_fn`).
+
+:func:`run_modes` is the mode loop itself, for any bench object with the :class:`MLPBench`
+interface (``layer_fn``, ``compute_fn``, ``comm_fn``, ``asynctp_fn``, ``host_overhead_us``,
+``layer``, ``ws``, ``planning_ms``) and a dict of the shape's record fields.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layers.attention import OverlapAttention
+from ..layers.attention_core import attention, rope_cos_sin
+from .mlp import MLPBench, peak_bytes_of_one_call, time_fn
+
+# Batches: every one runs (``--batch`` overrides); seq is the global sequence.
+PRESETS = {
+    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, seq=64, batch=(2,)),
+    "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, seq=8192, batch=(2, 4)),
+    "llama3-70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128, seq=8192, batch=(2, 4)),
+}
+ROPE_THETA = 500000.0  # Llama 3
+
+
+@dataclass
+class AttentionShape:
+    preset: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    seq: int  # global sequence (split over ranks with sequence parallelism)
+    sequence_parallel: bool = True
+    layer: str = "attention"  # or "ulysses"
+
+    def record_fields(self) -> dict:
+        """The shape's fields of every record (the MLP's fields, plus heads, kv_heads, head_dim)."""
+        return dict(layer=self.layer, preset=self.preset, hidden=self.hidden, ffn=None, heads=self.heads,
+                    kv_heads=self.kv_heads, head_dim=self.head_dim, batch=self.batch, seq=self.seq,
+                    tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None)
+
+
+class AttentionBench(MLPBench):
+    """Inputs of one attention shape and a callable per (mode, pass). ``comm_fn`` (and the
+    all-gather of x for ``compute``) are the MLP bench's: the two layers run the same collectives
+    on the same ``[batch, seq_local, hidden]`` activations."""
+
+    def __init__(self, shape: AttentionShape, group, device, dtype, naive_k):
+        self.s, self.group, self.device, self.dtype, self.naive_k = shape, group, device, dtype, naive_k
+        ws = self.ws = dist.get_world_size(group)
+        if shape.sequence_parallel and shape.seq % ws:
+            raise ValueError(f"seq={shape.seq} must divide by the group size {ws} (sequence parallelism)")
+        torch.manual_seed(0)
+        self.layer = self._make_layer(shape, group, dtype, device)
+        seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
+        self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
+        self.dy = torch.randn_like(self.x)
+        self.tokens_local = shape.batch * seq_local
+        pos = torch.arange(shape.seq, device=device)[None]
+        self.cos_sin = tuple(t.to(dtype) for t in rope_cos_sin(pos, shape.head_dim, ROPE_THETA, dtype))
+        self.planning_ms: Optional[float] = None
+
+    def _make_layer(self, shape: AttentionShape, group, dtype, device):
+        return OverlapAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
+                                sequence_parallel=shape.sequence_parallel, rope_theta=ROPE_THETA, num_tiles=1,
+                                dtype=dtype, device=device)
+
+    def cap_k(self, k: int) -> int:
+        """The K the layer runs for a fixed ``k`` (it tiles the batch)."""
+        return max(1, min(k, self.s.batch))
+
+    # ------------------------------------------------------------ our layer
+    def layer_fn(self, k, backward: bool):
+        layer, pe = self.layer, self.cos_sin
+        layer.num_tiles = k
+        layer.plan = None
+        if hasattr(layer, "pin_plan"):
+            layer.pin_plan(None)
+        x = self.x.detach().requires_grad_(backward)
+
+        def run():
+            if backward:
+                layer(x, position_embeddings=pe).backward(self.dy)
+                x.grad = None
+                for p in layer.parameters():
+                    p.grad = None
+            else:
+                with torch.no_grad():
+                    layer(x, position_embeddings=pe)
+        self.planning_ms = None
+        if k == "auto":
+            if hasattr(layer, "warmup"):  # planning (and calibration without a cache), timed alone
+                t0 = time.perf_counter()
+                layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
+                self.planning_ms = (time.perf_counter() - t0) * 1e3
+            run()  # the first calls time the plan against K=1: measure the settled layer
+            for _ in range(64):
+                if not getattr(layer, "verifying", False):
+                    break
+                run()
+        return run
+
+    def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
+        """Host time of a cached auto call's bookkeeping (plan lookup, agreement gather), us,
+        mean of ``n``, max over ranks."""
+        layer = self.layer
+        B, s, H = self.x.shape
+        if hasattr(layer, "_auto_plan") and hasattr(layer, "_plans"):  # a PlannedLayer
+
+            def lookup():
+                layer._auto_plan((B, s), self.dtype, backward, call=False)
+        else:
+
+            def lookup():
+                layer._plan_for(B)
+        key = (0, B, s, H, 0, 0, int(backward), 2)  # the forward's agreement row
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lookup()
+        t_lookup = (time.perf_counter() - t0) / n * 1e6
+        t0 = time.perf_counter()
+        for _ in range(n):
+            layer._agreement.gather(key)
+        t_gather = (time.perf_counter() - t0) / n * 1e6
+        worst = layer._agreement.max([t_lookup, t_gather])
+        return {"host_plan_lookup_us": worst[0], "host_agreement_us": worst[1]}
+
+    # ------------------------------------------------------------ references
+    def compute_fn(self, backward: bool):
+        """Dense math of this rank's heads on the gathered sequence: qkv = x @ wqkv.T, SDPA
+        (GQA, causal, RoPE), y = o @ wo.T; weights concatenated once, outside the timing."""
+        sh, ws, L = self.s, self.ws, self.layer
+        B, s, H = self.x.shape
+        g = ws if sh.sequence_parallel else 1
+        # rank-major gathered rows [g, B, s, H] -> whole sequences [B, g*s, H]
+        xg = self._gathered().view(g, B, s, H).transpose(0, 1).reshape(B, g * s, H)
+        xg = xg.detach().requires_grad_(backward)
+        w_qkv = torch.cat([L.wq, L.wk, L.wv]).detach().requires_grad_(backward)
+        w_o = L.wo.detach().requires_grad_(backward)
+        nq, nkv, d = L.num_heads_local, L.num_kv_heads_local, L.head_dim
+        dyg = torch.randn(B, g * s, H, device=self.device, dtype=self.dtype)
+        cs = self.cos_sin
+
+        def forward():
+            q, k, v = torch.nn.functional.linear(xg, w_qkv).split([nq * d, nkv * d, nkv * d], dim=-1)
+            o = attention(q.reshape(B, g * s, nq, d), k.reshape(B, g * s, nkv, d), v.reshape(B, g * s, nkv, d),
+                          cos_sin=cs, q_norm=None, k_norm=None, causal=True, scale=None)
+            return o.reshape(B, g * s, nq * d) @ w_o.t()
+
+        def run():
+            if backward:
+                forward().backward(dyg)
+                xg.grad = w_qkv.grad = w_o.grad = None
+            else:
+                with torch.no_grad():
+                    forward()
+        return run
+
+    def asynctp_fn(self, backward: bool):
+        return None  # no fused symmetric-memory attention op to compare with
+
+
+class UlyssesBench(AttentionBench):
+    """Inputs of one shape for UlyssesAttention; the reference modes follow its all-to-all layout."""
+
+    def _make_layer(self, shape: AttentionShape, group, dtype, device):
+        from ..layers.ulysses import UlyssesAttention  # imported on use: the attention bench needs none of it
+        if not shape.sequence_parallel:
+            raise ValueError("ulysses is always sequence parallel (no --no-sp)")
+        return UlyssesAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
+                                rope_theta=ROPE_THETA, num_tiles=1, dtype=dtype, device=device)
+
+    def cap_k(self, k: int) -> int:
+        """Batch tiles for batch > 1, head groups (of the local query heads) for batch 1."""
+        units = self.s.batch if self.s.batch > 1 else self.s.heads // self.ws
+        return max(1, min(k, units))
+
+    def _route(self):
+        L = self.layer
+        return L._route_of(0, L.num_heads // L.world_size)  # the K=1 route: every local head
+
+    def compute_fn(self, backward: bool):
+        L, r = self.layer, self._route()
+        B, s, H = self.x.shape
+        S, d, dev, dt = s * self.ws, L.head_dim, self.device, self.dtype
+        x = self.x.detach().requires_grad_(backward)
+        w_send = torch.cat([L.wq, L.wk, L.wv]).index_select(
+            0, torch.tensor(r.send_rows, device=dev)).detach().requires_grad_(backward)
+        w_o = L.wo.detach().requires_grad_(backward)
+        hk = r.hk if r.kv_index is None else r.nh  # KV heads as the core sees them (expanded if not plain GQA)
+        q = torch.randn(B, S, r.nh, d, device=dev, dtype=dt, requires_grad=backward)
+        k, v = (torch.randn(B, S, hk, d, device=dev, dtype=dt, requires_grad=backward) for _ in range(2))
+        o_loc = torch.randn(B, s, L.num_heads * d, device=dev, dtype=dt, requires_grad=backward)
+        cs = self.cos_sin
+        grads = [torch.randn(B, s, w_send.shape[0], device=dev, dtype=dt), torch.randn_like(q), self.dy]
+
+        def forward():
+            return (torch.nn.functional.linear(x, w_send),
+                    attention(q, k, v, cos_sin=cs, q_norm=None, k_norm=None, causal=True, scale=None),
+                    o_loc @ w_o.t())
+
+        def run():
+            if backward:
+                torch.autograd.backward(list(forward()), grads)
+                for t in (x, w_send, w_o, q, k, v, o_loc):
+                    t.grad = None
+            else:
+                with torch.no_grad():
+                    forward()
+        return run
+
+    def comm_fn(self, backward: bool):
+        r, g, ws = self._route(), self.group, self.ws
+        t = self.tokens_local
+        send = self.x.new_empty((sum(r.in_splits), t))
+        recv = self.x.new_empty((ws * r.recv_rows, t))
+        o = self.x.new_empty((ws * r.nh * self.layer.head_dim, t))
+        o_out = torch.empty_like(o)
+
+        def run():
+            for _ in range(2 if backward else 1):
+                dist.all_to_all_single(recv, send, output_split_sizes=[r.recv_rows] * ws,
+                                       input_split_sizes=list(r.in_splits), group=g)
+                dist.all_to_all_single(o_out, o, group=g)
+        return run
+
+
+def _candidate_predictions(plan) -> Dict[int, tuple]:
+    """K -> (predicted ms, predicted peak bytes) of the plain candidates (no regather, no
+    buckets) of a planner's plan; empty when the plan has no candidates."""
+    out = {}
+    for c in getattr(plan, "candidates", ()) or ():
+        if not getattr(c, "regather", False) and not getattr(c, "buckets_fwd", ()) \
+                and not getattr(c, "buckets_bwd", ()):
+            out[c.num_tiles] = (c.predicted_ms, getattr(c, "peak_bytes", None))
+    return out
+
+
+def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
+              log: Callable[[str], None]) -> List[dict]:
+    """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
+    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`)."""
+    device, group, dtype = b.device, b.group, b.dtype
+    records = []
+    # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
+    runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
+    runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
+    label = f"{fields['layer']} {fields['preset']} ws={b.ws} B={fields['batch']} tokens={fields['tokens']}"
+    for pass_ in passes:
+        backward = pass_ == "fwdbwd"
+        times: Dict[str, Optional[float]] = {}
+        extra: Dict[str, dict] = {}
+        predicted: Dict[int, tuple] = {}
+        for mode in runs:
+            layer_mode = mode in ("serial", "auto") or mode.startswith("naive")
+            if layer_mode:
+                fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
+            elif mode == "compute":
+                fn = b.compute_fn(backward)
+            elif mode == "comm":
+                fn = b.comm_fn(backward)
+            else:
+                try:
+                    fn = b.asynctp_fn(backward)
+                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    fn = None
+            if fn is None:
+                times[mode] = None
+                continue
+            try:
+                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
+            except Exception as e:  # noqa: BLE001
+                if mode != "asynctp":
+                    raise
+                times[mode] = None
+                extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            info = extra.setdefault(mode, {})
+            if device.type == "cuda":
+                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
+            if layer_mode:
+                plan = b.layer.plan
+                info["k"] = plan.num_tiles
+                if mode == "auto":
+                    info["predicted_ms"] = getattr(plan, "predicted_ms", None)
+                    info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
+                    info["reason"] = getattr(plan, "reason", "")
+                    predicted.update(_candidate_predictions(plan))
+                    info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
+                                               ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
+                                          for c in getattr(plan, "candidates", ()) or ()]
+                    info.update(b.host_overhead_us(backward))
+                    info["planning_ms"] = b.planning_ms
+                elif info["k"] in predicted:
+                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
+            log(f"  {label} {pass_:6s} {mode:8s} {times[mode]:.3f} ms")
+        limit = max(times["compute"], times["comm"]) \
+            if times.get("compute") is not None and times.get("comm") is not None else None
+        for mode, ms in times.items():
+            rec = dict(fields, world_size=b.ws, dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
+                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
+                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
+                       predicted_ms=None)
+            if mode.startswith("naive"):
+                rec["mode"] = "naive"
+            rec["pass"] = pass_
+            rec.update(extra.get(mode, {}))
+            records.append(rec)
+    return records
+
+
+def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
+                log: Callable[[str], None]) -> List[dict]:
+    b = (UlyssesBench if shape.layer == "ulysses" else AttentionBench)(shape, group, device, dtype, naive_k)
+    ks = list(dict.fromkeys(b.cap_k(k) for k in naive_k))
+    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, log)

@@ -1,0 +1,495 @@
+"""Tier 2: OverlapAttention on 2 and 4 gloo ranks against the independent dense float64 reference.
+
+The reference is ``tests/attention_reference.py`` (one process, explicit softmax, float64, torch
+autograd) on the full sequence; the workers run the layer on their shard and return local outputs,
+parameters and gradients. The slicing of the dense tensors to a rank's shard is written out here
+from the spec (query heads ``r*nq/ws ..``, query head h reads KV head ``h // (nq/nkv)``, KV heads
+replicated when nkv < ws), not taken from the layer. Gradients of parameters replicated across
+ranks (``bo``, ``q_norm``, ``k_norm``, replicated KV heads) hold each rank's partial: they are
+summed here, in the test process, over the ranks that share them.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlap_layers
+from attention_reference import dense_attention
+from overlap_layers import OverlapConfig, reduce_replicated_grads
+from overlap_layers.layers.attention import OverlapAttention
+from overlap_layers.layers.mlp import MLPPlan
+from pool import RankFailure
+
+TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
+
+
+# ------------------------------------------------------------------ cases and the reference
+def make_case(seed, *, B, S, H, nq, nkv, d, bias=False, qk_norm=False, pos="default"):
+    """Dense weights in nn.Linear layouts, x / dy over the full sequence, optional positions."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    case = dict(nq=nq, nkv=nkv, d=d, x=r(B, S, H), dy=r(B, S, H),
+                wq=r(nq * d, H) / math.sqrt(H), wk=r(nkv * d, H) / math.sqrt(H),
+                wv=r(nkv * d, H) / math.sqrt(H), wo=r(H, nq * d) / math.sqrt(nq * d),
+                bq=None, bk=None, bv=None, bo=None, q_norm=None, k_norm=None,
+                position_ids=None, position_embeddings=None)
+    if bias:
+        case.update(bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H))
+    if qk_norm:
+        case.update(q_norm=1 + 0.3 * r(d), k_norm=1 + 0.3 * r(d))
+    if pos == "ids":  # a random permutation of the global positions per batch row
+        case["position_ids"] = torch.stack([torch.randperm(S, generator=g) for _ in range(B)])
+    elif pos == "emb":  # arbitrary tables: the formula is linear in cos and sin
+        case["position_embeddings"] = (r(B, S, d), r(B, S, d))
+    return case
+
+
+PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
+
+
+def reference(case, opts):
+    leaves = {k: (case[k].clone().requires_grad_() if case[k] is not None else None) for k in ("x",) + PARAMS}
+    y = dense_attention(leaves["x"], *(leaves[k] for k in ("wq", "wk", "wv", "wo")),
+                        num_heads=case["nq"], num_kv_heads=case["nkv"],
+                        **{k: leaves[k] for k in PARAMS[4:]},
+                        rope_theta=opts.get("rope_theta", 10000.0), position_ids=case["position_ids"],
+                        position_embeddings=case["position_embeddings"], causal=opts.get("causal", True),
+                        softmax_scale=opts.get("softmax_scale"))
+    y.backward(case["dy"])
+    return y.detach(), {k: (v.grad if v is not None else None) for k, v in leaves.items()}
+
+
+def local_seq(t, rank, ws, sp):
+    return t.chunk(ws, dim=1)[rank] if sp else t
+
+
+def q_heads(rank, ws, nq):
+    nl = nq // ws
+    return range(rank * nl, (rank + 1) * nl)
+
+
+def kv_heads(rank, ws, nkv):
+    """The KV heads rank holds: its share when nkv >= ws, else the one head its query heads read."""
+    if nkv >= ws:
+        nl = nkv // ws
+        return range(rank * nl, (rank + 1) * nl)
+    return range(rank * nkv // ws, rank * nkv // ws + 1)
+
+
+def rows_of(t, heads, d):
+    return t[heads.start * d:heads.stop * d]
+
+
+# ------------------------------------------------------------------ worker side
+def build_from_dense(case, dtype, opts):
+    cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
+    return OverlapAttention.from_dense(*(cast(case[k]) for k in ("wq", "wk", "wv", "wo")),
+                                       num_heads=case["nq"], num_kv_heads=case["nkv"],
+                                       **{k: cast(case[k]) for k in PARAMS[4:]},
+                                       group=dist.group.WORLD, **opts)
+
+
+def forward_kwargs(case, dtype):
+    kw = {}
+    if case["position_ids"] is not None:
+        kw["position_ids"] = case["position_ids"]
+    if case["position_embeddings"] is not None:
+        kw["position_embeddings"] = tuple(t.to(dtype) for t in case["position_embeddings"])
+    return kw
+
+
+def run_layer(rank, ws, case, opts, dtype, calls=1, plan=None, reduce=False):
+    sp = opts.get("sequence_parallel", True)
+    layer = build_from_dense(case, dtype, opts)
+    if plan is not None:
+        layer.pin_plan(plan)
+    params = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    out = []
+    for _ in range(calls):  # several calls: "auto" cycles through contenders while verifying
+        layer.zero_grad(set_to_none=True)
+        x = local_seq(case["x"], rank, ws, sp).to(dtype).requires_grad_()
+        y = layer(x, **forward_kwargs(case, dtype))
+        y.backward(local_seq(case["dy"], rank, ws, sp).to(dtype))
+        if reduce:
+            reduce_replicated_grads(layer)
+        out.append(dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()},
+                        k=layer.plan.num_tiles, dtype=y.dtype))
+    return dict(params=params, calls=out)
+
+
+# ------------------------------------------------------------------ checks in the test process
+def check(results, case, opts, dtype, call=0, reduced=False):
+    """``reduced``: reduce_replicated_grads ran, so every rank must hold complete gradients."""
+    sp = opts.get("sequence_parallel", True)
+    ws, nq, nkv, d = len(results), case["nq"], case["nkv"], case["d"]
+    y_ref, g_ref = reference(case, opts)
+    tol = TOL[dtype]
+    H = case["x"].shape[-1]
+
+    def close(name, got, want):
+        assert got is not None, f"{name} is None ({opts})"
+        assert tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        got = got.double()
+        err = (got - want).norm() / max(want.norm().item(), 1e-30)
+        assert err < tol, f"{name}: relative error {err:.3g} > {tol} ({opts}, {dtype})"
+
+    calls = [res["calls"][call] for res in results]
+    # Parameters: shapes and values of this rank's shard.
+    for rank, res in enumerate(results):
+        p, qh, kh = res["params"], q_heads(rank, ws, nq), kv_heads(rank, ws, nkv)
+        assert set(p) == {k for k in PARAMS if case[k] is not None}, sorted(p)
+        assert tuple(p["wq"].shape) == (nq // ws * d, H)
+        assert tuple(p["wk"].shape) == tuple(p["wv"].shape) == (max(nkv // ws, 1) * d, H)
+        assert tuple(p["wo"].shape) == (H, nq // ws * d)
+        want = dict(wq=rows_of(case["wq"], qh, d), wk=rows_of(case["wk"], kh, d), wv=rows_of(case["wv"], kh, d),
+                    wo=rows_of(case["wo"].t(), qh, d).t(), bo=case["bo"], q_norm=case["q_norm"],
+                    k_norm=case["k_norm"])
+        if case["bq"] is not None:
+            want.update(bq=rows_of(case["bq"], qh, d), bk=rows_of(case["bk"], kh, d), bv=rows_of(case["bv"], kh, d))
+        for n, w in want.items():
+            if w is not None:
+                assert torch.equal(p[n].double(), w.to(p[n].dtype).double()), f"param {n} on rank {rank}"
+
+    # Output, dx, and the sharded weight gradients.
+    for rank, c in enumerate(calls):
+        assert c["dtype"] == dtype
+        assert c["k"] == min(opts["num_tiles"], case["x"].shape[0]) if isinstance(opts.get("num_tiles"), int) \
+            else 1 <= c["k"] <= case["x"].shape[0], c["k"]
+        qh, kh = q_heads(rank, ws, nq), kv_heads(rank, ws, nkv)
+        close(f"y[{rank}]", c["y"], local_seq(y_ref, rank, ws, sp))
+        close(f"dx[{rank}]", c["dx"], local_seq(g_ref["x"], rank, ws, sp))
+        close(f"wq.grad[{rank}]", c["grads"]["wq"], rows_of(g_ref["wq"], qh, d))
+        close(f"wo.grad[{rank}]", c["grads"]["wo"], rows_of(g_ref["wo"].t(), qh, d).t())
+        if case["bq"] is not None:
+            close(f"bq.grad[{rank}]", c["grads"]["bq"], rows_of(g_ref["bq"], qh, d))
+
+    # KV heads: sum the partials of the ranks that hold the same head(s).
+    for name in ("wk", "wv", "bk", "bv"):
+        if case[name] is None:
+            continue
+        owners = {}
+        for rank in range(ws):
+            owners.setdefault(kv_heads(rank, ws, nkv), []).append(rank)
+        for kh, ranks in owners.items():
+            if reduced:
+                for r in ranks:
+                    close(f"{name}.grad[{r}] (reduced)", calls[r]["grads"][name], rows_of(g_ref[name], kh, d))
+                continue
+            total = sum(calls[r]["grads"][name].double() for r in ranks)
+            close(f"{name}.grad (heads {list(kh)}, ranks {ranks})", total, rows_of(g_ref[name], kh, d))
+
+    # Replicated over the whole group: q_norm and k_norm always partial (each rank has its heads);
+    # bo partial under sequence parallelism (only its own rows), complete on every rank without.
+    for name in ("q_norm", "k_norm", "bo"):
+        if case[name] is None:
+            continue
+        if reduced or (name == "bo" and not sp):
+            for rank, c in enumerate(calls):
+                close(f"{name}.grad[{rank}] (complete)", c["grads"][name], g_ref[name])
+            continue
+        close(f"{name}.grad (sum over ranks)", sum(c["grads"][name].double() for c in calls), g_ref[name])
+
+
+# ------------------------------------------------------------------ numerics
+GRID = [
+    # ws, sp, K, B, S(global), H, nq, nkv, d, rope, causal, bias, qk_norm, pos, dtype
+    (2, True, 1, 2, 8, 16, 4, 4, 4, True, True, False, False, "default", torch.float64),   # MHA
+    (2, True, 2, 3, 8, 16, 4, 2, 4, True, True, True, False, "ids", torch.float64),        # uneven 2+1
+    (2, False, 3, 3, 6, 12, 2, 1, 6, True, False, False, True, "default", torch.float64),  # nkv=1 < ws
+    (2, True, 4, 4, 4, 16, 4, 4, 4, False, True, True, True, "default", torch.float32),
+    (2, False, 2, 2, 5, 8, 2, 2, 4, True, True, False, False, "emb", torch.float64),
+    (2, True, 2, 2, 6, 12, 4, 1, 4, True, True, True, True, "ids", torch.float64),      # d != H/nq
+    (4, True, 1, 1, 8, 16, 4, 1, 4, True, True, False, False, "default", torch.float64),   # 1 KV head, ws=4
+    (4, True, 2, 3, 8, 16, 4, 2, 4, True, False, True, True, "ids", torch.float64),     # 2 KV heads, ws=4
+    (4, False, 3, 3, 5, 16, 8, 8, 2, False, True, False, False, "default", torch.float64),
+    (4, True, 4, 2, 8, 16, 8, 4, 4, True, True, True, False, "emb", torch.float32),
+    (4, False, 2, 2, 4, 16, 4, 2, 4, True, True, True, True, "emb", torch.float64),
+    (4, True, 3, 4, 4, 8, 4, 4, 2, True, True, False, True, "default", torch.float64),     # tiles 2,1,1
+]
+
+
+@pytest.mark.parametrize("ws,sp,k,B,S,H,nq,nkv,d,rope,causal,bias,qk_norm,pos,dtype", GRID)
+def test_matches_dense_reference(pools, ws, sp, k, B, S, H, nq, nkv, d, rope, causal, bias, qk_norm, pos,
+                                 dtype):
+    case = make_case(ws * 100 + k * 10 + B, B=B, S=S, H=H, nq=nq, nkv=nkv, d=d, bias=bias, qk_norm=qk_norm,
+                     pos=pos)
+    opts = dict(sequence_parallel=sp, num_tiles=k, causal=causal, rope_theta=10000.0 if rope else None)
+    check(pools(ws).run(run_layer, case, opts, dtype), case, opts, dtype)
+
+
+def test_softmax_scale_and_rope_theta(pool2):
+    case = make_case(7, B=2, S=8, H=16, nq=4, nkv=2, d=4, pos="ids")
+    opts = dict(num_tiles=2, softmax_scale=0.3, rope_theta=100.0)
+    check(pool2.run(run_layer, case, opts, torch.float64), case, opts, torch.float64)
+
+
+def test_position_embeddings_override_rope_theta(pool2):
+    """With position_embeddings given, rope_theta (and position_ids) play no part."""
+    case = make_case(8, B=2, S=6, H=8, nq=2, nkv=2, d=4, pos="emb")
+    opts = dict(num_tiles=2, rope_theta=500.0)
+    res = pool2.run(run_layer, case, opts, torch.float64)
+    check(res, case, opts, torch.float64)
+
+
+def test_auto_num_tiles(pool2):
+    """num_tiles="auto": every call (verification cycles plans) matches, and plan.num_tiles is a K."""
+    case = make_case(9, B=4, S=8, H=16, nq=4, nkv=2, d=4, bias=True)
+    opts = dict(num_tiles="auto")
+    res = pool2.run(run_layer, case, opts, torch.float64, 3)
+    for call in range(3):
+        check(res, case, opts, torch.float64, call)
+
+
+@pytest.mark.parametrize("ws,sp,nkv", [(2, True, 1), (4, True, 2), (4, False, 1), (2, True, 2)])
+def test_reduce_replicated_grads_completes_partials(pools, ws, sp, nkv):
+    """The class docstring: reduce_replicated_grads sums bo (SP), q_norm, k_norm, replicated KV heads."""
+    case = make_case(21 + ws + nkv, B=2, S=8, H=16, nq=4, nkv=nkv, d=4, bias=True, qk_norm=True, pos="ids")
+    opts = dict(num_tiles=2, sequence_parallel=sp)
+    res = pools(ws).run(run_layer, case, opts, torch.float64, 1, None, True)
+    check(res, case, opts, torch.float64, reduced=True)
+
+
+@pytest.mark.parametrize("plan", [MLPPlan(3, regather=True),
+                                  MLPPlan(4, buckets_fwd=(("ag", ((0, 1), (2, 3))), ("rs", ((0,), (1, 2, 3)))),
+                                          buckets_bwd=(("ag_dy", ((0, 1, 2), (3,))), ("rs_dx", ((0, 1), (2, 3))))),
+                                  MLPPlan(3, regather=True, num_streams=1, buckets_bwd=(("ag_x", ((0, 1), (2,))),)),
+                                  MLPPlan(8)])  # capped to the batch: K=4
+def test_pinned_plans(pool2, plan):
+    case = make_case(31, B=4, S=6, H=16, nq=4, nkv=2, d=4, bias=True, qk_norm=True, pos="ids")
+    opts = dict()
+    res = pool2.run(run_layer, case, opts, torch.float64, 1, plan)
+    assert all(r["calls"][0]["k"] == min(plan.num_tiles, 4) for r in res)
+    check(res, case, dict(opts, num_tiles=plan.num_tiles), torch.float64)
+
+
+def _no_grad_run(rank, ws, case, sp):
+    layer = build_from_dense(case, torch.float64, dict(num_tiles=2, sequence_parallel=sp))
+    x = local_seq(case["x"], rank, ws, sp)
+    with torch.no_grad():
+        y = layer(x, **forward_kwargs(case, torch.float64))
+    return y, y.grad_fn is None
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_no_grad_forward(pool2, sp):
+    case = make_case(41, B=3, S=8, H=16, nq=4, nkv=2, d=4, bias=True, qk_norm=True)
+    y_ref, _ = reference(case, {})
+    for rank, (y, no_graph) in enumerate(pool2.run(_no_grad_run, case, sp)):
+        assert no_graph
+        err = (y - local_seq(y_ref, rank, 2, sp)).norm() / y_ref.norm()
+        assert err < TOL[torch.float64], err
+
+
+def test_exported_from_package():
+    assert overlap_layers.OverlapAttention is OverlapAttention
+    assert "OverlapAttention" in overlap_layers.__all__
+
+
+# ------------------------------------------------------------------ round trip and init
+def round_trip(rank, ws, case):
+    layer = build_from_dense(case, torch.float64, {})
+    dense = layer.to_dense()
+    again = OverlapAttention.from_dense(**dense, num_heads=case["nq"], num_kv_heads=case["nkv"],
+                                        group=dist.group.WORLD)
+    same = {n: torch.equal(p, q) for (n, p), (_, q) in zip(layer.named_parameters(), again.named_parameters())}
+    return dense, same
+
+
+@pytest.mark.parametrize("ws,nq,nkv,bias,qk_norm", [(2, 4, 2, True, True), (2, 2, 1, False, False),
+                                                      (4, 4, 1, True, False), (4, 8, 8, False, True)])
+def test_from_dense_to_dense_round_trip(pools, ws, nq, nkv, bias, qk_norm):
+    case = make_case(11 + nq, B=1, S=4, H=12, nq=nq, nkv=nkv, d=4, bias=bias, qk_norm=qk_norm)
+    for dense, same in pools(ws).run(round_trip, case):
+        assert set(dense) == set(PARAMS), sorted(dense)
+        for n in PARAMS:
+            if case[n] is None:
+                assert dense[n] is None, n
+            else:
+                assert torch.equal(dense[n], case[n]), n
+        assert all(same.values()), same
+
+
+def _init_run(rank, ws, seed, kw):
+    return _init_run2(rank, ws, seed, 2, kw, False)
+
+
+@pytest.mark.parametrize("ws,nkv", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("on_meta", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_init_matches_nn_linear(pools, ws, nkv, bias, on_meta):
+    """reset_parameters documents: as nn.Linear q, k, v, o (weight then bias each) under the same
+    seed, norms to ones."""
+    H, nq, d = 16, 4, 4
+    torch.manual_seed(123)
+    lin = [torch.nn.Linear(H, nq * d, bias=bias), torch.nn.Linear(H, nkv * d, bias=bias),
+           torch.nn.Linear(H, nkv * d, bias=bias), torch.nn.Linear(nq * d, H, bias=bias)]
+    for dense in pools(ws).run(_init_run2, 123, nkv, dict(bias=bias, qk_norm=True), on_meta):
+        for name, l in zip("qkvo", lin):
+            assert torch.equal(dense["w" + name], l.weight.detach()), "w" + name
+            if bias:
+                assert torch.equal(dense["b" + name], l.bias.detach()), "b" + name
+            else:
+                assert dense["b" + name] is None
+        assert torch.equal(dense["q_norm"], torch.ones(d)) and torch.equal(dense["k_norm"], torch.ones(d))
+
+
+def _init_run2(rank, ws, seed, nkv, kw, on_meta):
+    torch.manual_seed(seed)
+    if on_meta:
+        layer = OverlapAttention(16, 4, nkv, group=dist.group.WORLD, device="meta", **kw)
+        layer.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        layer.reset_parameters()
+    else:
+        layer = OverlapAttention(16, 4, nkv, group=dist.group.WORLD, **kw)
+    return layer.to_dense()
+
+
+def test_constructor_shapes_and_round_trip(pool2):
+    for dense in pool2.run(_init_run, 5, dict(bias=True, qk_norm=True)):
+        assert tuple(dense["wq"].shape) == (16, 16) and tuple(dense["wk"].shape) == (8, 16)
+        assert tuple(dense["wv"].shape) == (8, 16) and tuple(dense["wo"].shape) == (16, 16)
+        assert tuple(dense["bq"].shape) == (16,) and tuple(dense["bo"].shape) == (16,)
+        assert tuple(dense["q_norm"].shape) == (4,) and tuple(dense["k_norm"].shape) == (4,)
+    a, b = pool2.run(_init_run, 5, {})
+    assert all(torch.equal(a[n], b[n]) for n in ("wq", "wk", "wv", "wo")), "ranks disagree on the dense weights"
+    assert a["bq"] is None and a["q_norm"] is None
+
+
+# ------------------------------------------------------------------ bad input
+def expect_value_error_on_every_rank(pool, fn, *args, match):
+    """``match``: a string, or a tuple of acceptable strings (any one of them in the message)."""
+    with pytest.raises(RankFailure) as info:
+        pool.run(fn, *args, timeout=60)
+    errs = info.value.errors()
+    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
+    alts = match if isinstance(match, tuple) else (match,)
+    assert all(any(m in e[1] for m in alts) for e in errs), [e[1] for e in errs]
+
+
+def _build_kw(rank, ws, kw):
+    args = dict(hidden_size=16, num_heads=4, group=dist.group.WORLD)
+    args.update(kw)
+    OverlapAttention(**args)
+
+
+@pytest.mark.parametrize("ws,kw,match", [
+    (2, dict(num_heads=3, hidden_size=12), "num_heads"),                      # nq % ws
+    (2, dict(num_heads=6, num_kv_heads=3, hidden_size=12), "num_kv_heads"),   # neither nkv % ws nor ws % nkv
+    (2, dict(num_heads=6, num_kv_heads=4, hidden_size=12), "num_kv_heads"),   # nq % nkv
+    (4, dict(num_heads=12, num_kv_heads=6, hidden_size=24), "num_kv_heads"),
+    (4, dict(num_heads=2, hidden_size=16), "num_heads"),
+    (2, dict(num_tiles=0), "num_tiles"),
+    (2, dict(num_tiles="many"), "num_tiles"),
+    (2, dict(group=None), "exactly one of group"),
+    (2, dict(config="fast"), "config"),
+    (2, dict(config=OverlapConfig(transport="copy_engine")), "copy_engine"),
+    (2, dict(head_dim=3), "head_dim"),                                        # RoPE needs an even head_dim
+])
+def test_bad_constructor_arguments(pools, ws, kw, match):
+    expect_value_error_on_every_rank(pools(ws), _build_kw, kw, match=match)
+
+
+def _from_dense_bad(rank, ws, which):
+    H, nq, nkv, d = 16, 4, 2, 4
+    t = dict(wq=torch.randn(nq * d, H), wk=torch.randn(nkv * d, H), wv=torch.randn(nkv * d, H),
+             wo=torch.randn(H, nq * d))
+    kw = {}
+    if which == "wq":
+        t["wq"] = torch.randn(nq * d + 1, H)
+    elif which == "wk":
+        t["wk"] = torch.randn(nkv * d + d, H)
+    elif which == "wv":
+        t["wv"] = torch.randn(nkv * d, H + 1)
+    elif which == "wo":
+        t["wo"] = torch.randn(H, nq * d - 1)
+    elif which == "q_norm":
+        kw = dict(q_norm=torch.ones(d + 1), k_norm=torch.ones(d))
+    elif which == "bq":
+        kw = dict(bq=torch.randn(3), bk=torch.randn(nkv * d), bv=torch.randn(nkv * d), bo=torch.randn(H))
+    OverlapAttention.from_dense(t["wq"], t["wk"], t["wv"], t["wo"], num_heads=nq, num_kv_heads=nkv,
+                                group=dist.group.WORLD, **kw)
+
+
+@pytest.mark.parametrize("which", ["wq", "wk", "wv", "wo", "q_norm", "bq"])
+def test_from_dense_bad_shapes(pool2, which):
+    expect_value_error_on_every_rank(pool2, _from_dense_bad, which, match=which)
+
+
+def _call_with(rank, ws, name, sp=True):
+    layer = OverlapAttention(8, 2, group=dist.group.WORLD, num_tiles=2, sequence_parallel=sp)
+    x, kw = torch.randn(2, 4, 8), {}
+    if name == "seq":
+        x = torch.randn(2, 4 + rank, 8)
+    elif name == "batch":
+        x = torch.randn(1 + rank, 4, 8)
+    elif name == "rank0_2d":
+        x = torch.randn(8, 8) if rank == 0 else x
+    elif name == "hidden":
+        x = torch.randn(2, 4, 6)
+    elif name == "dtype":
+        x = x.double()
+    elif name == "dtype_rank1":
+        x = x.double() if rank == 1 else x
+    elif name == "device":
+        x = torch.randn(2, 4, 8, device="meta")
+    elif name == "attention_mask":
+        kw["attention_mask"] = torch.ones(2, 1, 4 * ws, 4 * ws, dtype=torch.bool)
+    elif name == "attention_mask_rank1":
+        kw["attention_mask"] = torch.ones(2, 4 * ws) if rank == 1 else None
+    elif name == "position_ids":
+        kw["position_ids"] = torch.arange(4)[None].expand(2, 4)  # local length, not the global sequence
+    elif name == "position_embeddings":
+        kw["position_embeddings"] = (torch.randn(2, 4 * ws, 3), torch.randn(2, 4 * ws, 3))  # head_dim is 4
+    layer(x, **kw)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("seq", "seq"),
+    ("batch", "batch"),
+    ("rank0_2d", "3-D"),
+    ("hidden", "hidden"),
+    ("dtype", "dtype"),
+    ("dtype_rank1", "dtype"),
+    ("device", "device"),
+    ("attention_mask", "attention_mask"),
+    ("attention_mask_rank1", "attention_mask"),
+    ("position_ids", "position_ids must"),
+    ("position_embeddings", "position_embeddings must"),
+])
+def test_bad_input_raises_on_every_rank(pool2, name, match):
+    expect_value_error_on_every_rank(pool2, _call_with, name, match=match)
+
+
+def test_bad_input_without_sp_raises_on_every_rank(pool2):
+    expect_value_error_on_every_rank(pool2, _call_with, "seq", False, match="seq")
+
+
+def _different_num_tiles(rank, ws):
+    layer = OverlapAttention(8, 2, group=dist.group.WORLD, num_tiles=1 + rank)
+    layer(torch.randn(2, 4, 8))
+
+
+def test_different_num_tiles_per_rank_raises(pool2):
+    expect_value_error_on_every_rank(pool2, _different_num_tiles, match="plan")
+
+
+def _bad_pin(rank, ws, plan):
+    OverlapAttention(8, 2, group=dist.group.WORLD).pin_plan(plan)
+
+
+@pytest.mark.parametrize("plan,match", [(MLPPlan(0), "num_tiles"), (MLPPlan(2, num_streams=0), "num_streams"),
+                                        ("K=2", "plan")])
+def test_pin_plan_rejects_bad_plans(pool2, plan, match):
+    expect_value_error_on_every_rank(pool2, _bad_pin, plan, match=match)
+
+
+def test_pool_survives_errors(pool2):
+    assert pool2.run(all_reduce_ranks) == [3, 3]
+
+
+def all_reduce_ranks(rank, ws):
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
