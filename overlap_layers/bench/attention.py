@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..layers.attention import OverlapAttention
 from ..layers.attention_core import attention, rope_cos_sin
-from .mlp import MLPBench, peak_bytes_of_one_call, time_fn
+from .mlp import MLPBench
+from .runner import run_modes
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
 PRESETS = {
@@ -250,91 +251,6 @@ class UlyssesBench(AttentionBench):
                                        input_split_sizes=list(r.in_splits), group=g)
                 dist.all_to_all_single(o_out, o, group=g)
         return run
-
-
-def _candidate_predictions(plan) -> Dict[int, tuple]:
-    """K -> (predicted ms, predicted peak bytes) of the plain candidates (no regather, no
-    buckets) of a planner's plan; empty when the plan has no candidates."""
-    out = {}
-    for c in getattr(plan, "candidates", ()) or ():
-        if not getattr(c, "regather", False) and not getattr(c, "buckets_fwd", ()) \
-                and not getattr(c, "buckets_bwd", ()):
-            out[c.num_tiles] = (c.predicted_ms, getattr(c, "peak_bytes", None))
-    return out
-
-
-def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
-              log: Callable[[str], None]) -> List[dict]:
-    """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
-    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`)."""
-    device, group, dtype = b.device, b.group, b.dtype
-    records = []
-    # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
-    runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
-    runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
-    label = f"{fields['layer']} {fields['preset']} ws={b.ws} B={fields['batch']} tokens={fields['tokens']}"
-    for pass_ in passes:
-        backward = pass_ == "fwdbwd"
-        times: Dict[str, Optional[float]] = {}
-        extra: Dict[str, dict] = {}
-        predicted: Dict[int, tuple] = {}
-        for mode in runs:
-            layer_mode = mode in ("serial", "auto") or mode.startswith("naive")
-            if layer_mode:
-                fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
-            elif mode == "compute":
-                fn = b.compute_fn(backward)
-            elif mode == "comm":
-                fn = b.comm_fn(backward)
-            else:
-                try:
-                    fn = b.asynctp_fn(backward)
-                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
-                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    fn = None
-            if fn is None:
-                times[mode] = None
-                continue
-            try:
-                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
-            except Exception as e:  # noqa: BLE001
-                if mode != "asynctp":
-                    raise
-                times[mode] = None
-                extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                continue
-            info = extra.setdefault(mode, {})
-            if device.type == "cuda":
-                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
-            if layer_mode:
-                plan = b.layer.plan
-                info["k"] = plan.num_tiles
-                if mode == "auto":
-                    info["predicted_ms"] = getattr(plan, "predicted_ms", None)
-                    info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
-                    info["reason"] = getattr(plan, "reason", "")
-                    predicted.update(_candidate_predictions(plan))
-                    info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
-                                               ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
-                                          for c in getattr(plan, "candidates", ()) or ()]
-                    info.update(b.host_overhead_us(backward))
-                    info["planning_ms"] = b.planning_ms
-                elif info["k"] in predicted:
-                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
-            log(f"  {label} {pass_:6s} {mode:8s} {times[mode]:.3f} ms")
-        limit = max(times["compute"], times["comm"]) \
-            if times.get("compute") is not None and times.get("comm") is not None else None
-        for mode, ms in times.items():
-            rec = dict(fields, world_size=b.ws, dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
-                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
-                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
-                       predicted_ms=None)
-            if mode.startswith("naive"):
-                rec["mode"] = "naive"
-            rec["pass"] = pass_
-            rec.update(extra.get(mode, {}))
-            records.append(rec)
-    return records
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,

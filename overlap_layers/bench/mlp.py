@@ -15,16 +15,16 @@ limit = max(compute, comm); each time is the median over repeats of the max over
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
+from .runner import run_modes
 
 PRESETS = {
     "tiny": dict(hidden=64, ffn=256, batch=2, seq=64),
@@ -43,50 +43,6 @@ class Shape:
     seq: int  # global sequence (split over ranks with sequence parallelism)
     sequence_parallel: bool = True
     activation: str = "swiglu"
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of (max over ranks of the mean time of ``iters`` calls), in ms."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / iters
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            ms = (time.perf_counter() - t0) * 1e3 / iters
-        t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        samples.append(float(t))
-    return statistics.median(samples)
-
-
-def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
-    """Peak CUDA memory allocated by one call of ``fn`` (after warm-up), above what was allocated
-    before it: one call, so blocks of the previous iteration still held for other streams do not
-    count."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
 
 
 class MLPBench:
@@ -240,74 +196,8 @@ class MLPBench:
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
                 log: Callable[[str], None]) -> List[dict]:
-    b = MLPBench(shape, group, device, dtype, naive_k)
-    records = []
-    # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
-    runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
-    runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
-    for pass_ in passes:
-        backward = pass_ == "fwdbwd"
-        times: Dict[str, Optional[float]] = {}
-        extra: Dict[str, dict] = {}
-        predicted: Dict[int, tuple] = {}  # K -> (ms, peak bytes), unbucketed, saved x
-        for mode in runs:
-            if mode in ("serial", "auto") or mode.startswith("naive"):
-                k = 1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:])
-                fn = b.layer_fn(k, backward)
-            elif mode == "compute":
-                fn = b.compute_fn(backward)
-            elif mode == "comm":
-                fn = b.comm_fn(backward)
-            else:
-                try:
-                    fn = b.asynctp_fn(backward)
-                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
-                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    fn = None
-            if fn is None:
-                times[mode] = None
-                continue
-            try:
-                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
-            except Exception as e:  # noqa: BLE001
-                if mode != "asynctp":
-                    raise
-                times[mode] = None
-                extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                continue
-            info = extra.setdefault(mode, {})
-            if device.type == "cuda":
-                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
-            if mode in ("serial", "auto") or mode.startswith("naive"):
-                plan = b.layer.plan
-                info["k"] = plan.num_tiles
-                if mode == "auto":
-                    info["predicted_ms"] = plan.predicted_ms
-                    info["predicted_peak_bytes"] = plan.predicted_peak_bytes
-                    info["reason"] = plan.reason
-                    predicted.update({c.num_tiles: (c.predicted_ms, c.peak_bytes) for c in plan.candidates
-                                      if not c.regather and not c.buckets_fwd and not c.buckets_bwd})
-                    info["candidates"] = [dict(k=c.num_tiles, regather=c.regather, ms=c.predicted_ms,
-                                               peak=c.peak_bytes) for c in plan.candidates]
-                    info.update(b.host_overhead_us(backward))
-                    info["planning_ms"] = b.planning_ms
-                elif info["k"] in predicted:
-                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
-            log(f"  {shape.preset} ws={b.ws} tokens={shape.batch * shape.seq} {pass_:6s} {mode:8s} "
-                f"{times[mode]:.3f} ms")
-        limit = max(t for t in (times.get("compute"), times.get("comm")) if t is not None) \
-            if times.get("compute") is not None and times.get("comm") is not None else None
-        for mode, ms in times.items():
-            rec = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
-                       seq=shape.seq, tokens=shape.batch * shape.seq, world_size=b.ws,
-                       sequence_parallel=shape.sequence_parallel, activation=shape.activation,
-                       dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
-                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
-                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
-                       predicted_ms=None)
-            if mode.startswith("naive"):
-                rec["mode"] = "naive"
-            rec["pass"] = pass_
-            rec.update(extra.get(mode, {}))
-            records.append(rec)
-    return records
+    fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
+                  seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
+                  activation=shape.activation)
+    return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
+                     repeats, log)

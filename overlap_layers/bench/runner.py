@@ -1,0 +1,145 @@
+"""The benchmark's shared machinery: timing across ranks, peak memory of one call, and the loop
+over modes that turns one layer's bench object into records (DESIGN.md, Benchmarks).
+
+Each time is the median over repeats of the max over ranks of the mean of ``iters`` calls;
+limit = max(compute, comm).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of (max over ranks of the mean time of ``iters`` calls), in ms."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / iters
+        t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        samples.append(float(t))
+    return statistics.median(samples)
+
+
+def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
+    """Peak CUDA memory allocated by one call of ``fn`` (after warm-up), above what was allocated
+    before it: one call, so blocks of the previous iteration still held for other streams do not
+    count."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _candidate_predictions(plan) -> Dict[int, tuple]:
+    """K -> (predicted ms, predicted peak bytes) of the plain candidates (no regather, no
+    buckets) of a planner's plan; empty when the plan has no candidates."""
+    out = {}
+    for c in getattr(plan, "candidates", ()) or ():
+        if not getattr(c, "regather", False) and not getattr(c, "buckets_fwd", ()) \
+                and not getattr(c, "buckets_bwd", ()):
+            out[c.num_tiles] = (c.predicted_ms, getattr(c, "peak_bytes", None))
+    return out
+
+
+def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
+              log: Callable[[str], None]) -> List[dict]:
+    """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
+    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`)."""
+    device, group, dtype = b.device, b.group, b.dtype
+    records = []
+    # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
+    runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
+    runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
+    label = f"{fields['layer']} {fields['preset']} ws={b.ws} B={fields['batch']} tokens={fields['tokens']}"
+    for pass_ in passes:
+        backward = pass_ == "fwdbwd"
+        times: Dict[str, Optional[float]] = {}
+        extra: Dict[str, dict] = {}
+        predicted: Dict[int, tuple] = {}
+        for mode in runs:
+            layer_mode = mode in ("serial", "auto") or mode.startswith("naive")
+            if layer_mode:
+                fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
+            elif mode == "compute":
+                fn = b.compute_fn(backward)
+            elif mode == "comm":
+                fn = b.comm_fn(backward)
+            else:
+                try:
+                    fn = b.asynctp_fn(backward)
+                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    fn = None
+            if fn is None:
+                times[mode] = None
+                continue
+            try:
+                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
+            except Exception as e:  # noqa: BLE001
+                if mode != "asynctp":
+                    raise
+                times[mode] = None
+                extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            info = extra.setdefault(mode, {})
+            if device.type == "cuda":
+                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
+            if layer_mode:
+                plan = b.layer.plan
+                info["k"] = plan.num_tiles
+                if mode == "auto":
+                    info["predicted_ms"] = getattr(plan, "predicted_ms", None)
+                    info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
+                    info["reason"] = getattr(plan, "reason", "")
+                    predicted.update(_candidate_predictions(plan))
+                    info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
+                                               ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
+                                          for c in getattr(plan, "candidates", ()) or ()]
+                    info.update(b.host_overhead_us(backward))
+                    info["planning_ms"] = b.planning_ms
+                elif info["k"] in predicted:
+                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
+            log(f"  {label} {pass_:6s} {mode:8s} {times[mode]:.3f} ms")
+        limit = max(times["compute"], times["comm"]) \
+            if times.get("compute") is not None and times.get("comm") is not None else None
+        for mode, ms in times.items():
+            rec = dict(fields, world_size=b.ws, dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
+                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
+                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
+                       predicted_ms=None)
+            if mode.startswith("naive"):
+                rec["mode"] = "naive"
+            rec["pass"] = pass_
+            rec.update(extra.get(mode, {}))
+            records.append(rec)
+    return records
+
+
