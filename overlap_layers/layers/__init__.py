@@ -2,5 +2,6 @@
 from .attention import OverlapAttention
 from .grads import reduce_replicated_grads
 from .mlp import OverlapMLP
+from .ulysses import UlyssesAttention
 
-__all__ = ["OverlapAttention", "OverlapMLP", "reduce_replicated_grads"]
+__all__ = ["OverlapAttention", "OverlapMLP", "reduce_replicated_grads", "UlyssesAttention"]
