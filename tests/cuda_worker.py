@@ -137,7 +137,7 @@ def check_auto_plan_cache_and_trace(rank, ws, dev):
     (no recalibration), first-call verification settles with CUDA events, measured trace."""
     import json
     import tempfile
-    import overlap_layers.layers.mlp as mlp_module
+    import overlap_layers.layers.planned as mlp_module
     from overlap_layers import OverlapConfig
     fails = 0
     name = [tempfile.mkdtemp(prefix="ol_cache_") if rank == 0 else None]
