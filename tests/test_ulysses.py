@@ -86,7 +86,7 @@ def run_layer(rank, ws, case, opts, dtype):
     y.backward(local_seq(case["dy"], rank, ws).to(dtype))
     return dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()},
                 names=sorted(n for n, _ in layer.named_parameters()), k=layer.plan.num_tiles,
-                tile_by=layer.plan.tile_by, reason=layer.plan.reason, dtype=y.dtype)
+                tile_by=layer.tile_by, reason=layer.plan.reason, dtype=y.dtype)
 
 
 # ------------------------------------------------------------------ checks in the test process
@@ -155,12 +155,37 @@ def test_position_embeddings_override_rope_theta(pool2):
     check(pool2.run(run_layer, case, opts, torch.float64), case, opts, torch.float64)
 
 
-def test_auto_is_k1_until_the_planner_exists(pool2):
+def test_auto_plans_and_matches_the_reference(pool2):
     case = make_case(9, B=4, S=8, H=16, nq=4, nkv=2, d=4, bias="all")
     opts = dict(num_tiles="auto")
     results = pool2.run(run_layer, case, opts, torch.float64)
-    assert all(r["k"] == 1 and "planner" in r["reason"] for r in results)
+    assert all(1 <= r["k"] <= 4 and "K=" in r["reason"] for r in results)
+    assert len({r["k"] for r in results}) == 1
     check(results, case, opts, torch.float64)
+
+
+def planned_ulysses(rank, ws, B, training):
+    layer = UlyssesAttention(16, 4, 2, group=dist.group.WORLD)
+    x = torch.randn(B, 8, 16, requires_grad=training)
+    ks = []
+    for _ in range(20):
+        y = layer(x)
+        if training:
+            y.sum().backward()
+        ks.append(layer.plan.num_tiles)
+    cands = sorted({c.num_tiles for c in layer.plan.candidates})
+    return ks, layer.plan.digest(), cands, layer.tile_by, layer.verifying, layer.explain()
+
+
+@pytest.mark.parametrize("B,training", [(4, True), (1, False)])
+def test_planner_candidates_cover_batch_or_head_tiles(pool2, B, training):
+    res = pool2.run(planned_ulysses, B, training)
+    (ks, digest, cands, tile_by, verifying, text), other = res[0], res[1]
+    assert other[1] == digest and not verifying and "pred ms" in text
+    units = B if B > 1 else 2  # 4 heads over 2 ranks: head groups of a rank's 2 heads
+    assert cands == list(range(1, units + 1))
+    assert all(1 <= k <= units for k in ks)
+    assert tile_by == ("heads" if B == 1 and ks[-1] > 1 else "batch")
 
 
 def test_exported_from_package():
@@ -233,7 +258,7 @@ def _launch_order(rank, ws, B, k):
     n_fwd = len(layer.launch_log)
     y.sum().backward()
     fmt = lambda log: [f"{name}[{t}]" for t, name, _ in log]  # noqa: E731
-    return fmt(layer.launch_log[:n_fwd]), fmt(layer.launch_log[n_fwd:]), layer.plan.tile_by
+    return fmt(layer.launch_log[:n_fwd]), fmt(layer.launch_log[n_fwd:]), layer.tile_by
 
 
 def _rr(k, segs):
@@ -399,7 +424,7 @@ def _call_with(rank, ws, name):
     ("position_ids", "position_ids must"),
     ("position_ids_float", "position_ids must"),
     ("position_embeddings", "position_embeddings must"),
-    ("num_tiles", "plan differs"),
+    ("num_tiles", "plan request (0 = auto) differs"),
     ("layer_config", "layer config differs"),
 ])
 def test_bad_input_raises_on_every_rank(pool2, name, match):

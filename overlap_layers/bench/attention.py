@@ -128,31 +128,6 @@ class AttentionBench(MLPBench):
                 run()
         return run
 
-    def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
-        """Host time of a cached auto call's bookkeeping (plan lookup, agreement gather), us,
-        mean of ``n``, max over ranks."""
-        layer = self.layer
-        B, s, H = self.x.shape
-        if hasattr(layer, "_auto_plan") and hasattr(layer, "_plans"):  # a PlannedLayer
-
-            def lookup():
-                layer._auto_plan((B, s), self.dtype, backward, call=False)
-        else:
-
-            def lookup():
-                layer._plan_for(B)
-        key = (0, B, s, H, 0, 0, int(backward), 2)  # the forward's agreement row
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lookup()
-        t_lookup = (time.perf_counter() - t0) / n * 1e6
-        t0 = time.perf_counter()
-        for _ in range(n):
-            layer._agreement.gather(key)
-        t_gather = (time.perf_counter() - t0) / n * 1e6
-        worst = layer._agreement.max([t_lookup, t_gather])
-        return {"host_plan_lookup_us": worst[0], "host_agreement_us": worst[1]}
-
     # ------------------------------------------------------------ references
     def compute_fn(self, backward: bool):
         """Dense math of this rank's heads on the gathered sequence: qkv = x @ wqkv.T, SDPA

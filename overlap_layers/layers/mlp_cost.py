@@ -238,34 +238,43 @@ class MLPCostModel:
     def grad_bytes(self) -> int:
         return (self.I * self.H + self.F * self.H) * self.e
 
+    def op_bytes(self, m: int, name: str) -> int:
+        """Bytes the op ``name`` allocates for a tile of ``m`` gathered rows."""
+        return m * self.sizes().get(name, 0) * self.e
+
+    def comm_bytes(self, m: int, name: str) -> int:
+        """Bytes a collective of a tile of ``m`` gathered rows moves (its gathered size)."""
+        return m * self.H * self.e
+
+    def local_bytes(self) -> int:
+        """The layer's local input (alive through the call)."""
+        return self.gathered(self.rows) // (self.ws if self.sp else 1) * self.H * self.e
+
     def costs(self, program: TileProgram, bounds, *, num_streams: int, save: bool, keep_xg: bool,
               backward: bool) -> Costs:
         """The simulator's costs for ``program`` over tiles ``bounds`` (in tile units)."""
         ms = [self.gathered(b - a) for a, b in bounds]
-        H, e = self.H, self.e
 
         def compute(tile, op):
             return self.op_ms(ms[tile], op.name)
 
         def comm(tile, op):
-            return self.model.comm_ms(op.collective, ms[tile] * H * e)
-
-        sizes = self.sizes()
+            return self.model.comm_ms(op.collective, self.comm_bytes(ms[tile], op.name))
 
         def nbytes(tile, op):
-            return ms[tile] * sizes.get(op.name, 0) * e
+            return self.op_bytes(ms[tile], op.name)
 
         names = {op.name for op in program.ops}
         frees = {p: c for p, c in self.frees(save=save, keep_xg=keep_xg, backward=backward).items()
                  if p in names and (c is None or c in names)}
-        local = self.gathered(self.rows) // (self.ws if self.sp else 1) * H * e
+        local = self.local_bytes()
         if backward:  # saved activations, dx and the weight-gradient accumulators
             base = sum(self.saved_bytes(m, keep_xg) for m in ms) + local + self.grad_bytes()
         else:
             base = local
 
         def pack(tile, op):  # a bucket member copied into (or out of) the bucket's buffer
-            return self.model.mem_ms(2 * ms[tile] * H * e)
+            return self.model.mem_ms(2 * self.comm_bytes(ms[tile], op.name))
 
         return Costs(compute_ms=compute, comm_ms=comm,
                      comm_alpha_ms={kind: alpha for kind, (alpha, _) in self.model.comm.items()},

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -57,9 +57,13 @@ from torch import nn
 from ..config import OverlapConfig, check_num_tiles
 from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
+from ..runtime.timing import Stopwatch
+from ..runtime.trace import TraceJob
 from .attention_core import attention, rope_cos_sin
-from .mlp import _DTYPES
+from .planned import DTYPES as _DTYPES
+from .planned import PlannedLayer, TilePlan
 from .tiling import effective_num_tiles, tile_bounds
+from .ulysses_cost import UlyssesCostModel
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
 _INPUT_ERRORS = {
@@ -89,21 +93,6 @@ _INPUT_ERRORS = {
 # groups (K <= hq): tile i computes local query heads ``tile_bounds(hq, K)[i]`` on every rank, with
 # the KV heads those read (a KV head shared by two groups travels with both), and y is the sum
 # over the tiles of their heads' ``o_h @ wo_h.T``. Both cases run the same program.
-
-
-@dataclass(frozen=True)
-class UlyssesPlan:
-    """What one call runs: ``num_tiles`` tiles over ``tile_by`` ("batch" or "heads", see
-    [Note: tiles]). ``reason`` says why (it does not change what runs)."""
-
-    num_tiles: int
-    tile_by: str = "batch"
-    num_streams: int = 2
-    reason: str = field(default="", compare=False)
-
-    def digest(self) -> int:
-        """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
-        return zlib.crc32(repr((self.num_tiles, self.tile_by, self.num_streams)).encode())
 
 
 @dataclass(frozen=True)
@@ -151,7 +140,7 @@ def _route(nq: int, nkv: int, d: int, ws: int, rank: int, h0: int, h1: int) -> _
 class _Call:
     """Everything one call needs besides the differentiable tensors (passed through the Function)."""
 
-    def __init__(self, layer: "UlyssesAttention", plan: UlyssesPlan, save: bool, streams, cos_sin,
+    def __init__(self, layer: "UlyssesAttention", plan: TilePlan, save: bool, streams, cos_sin,
                  tiles: List[Tuple[int, int, int]], routes: List[_Route], device):
         self.group, self.ws, self.d = layer.group, layer.world_size, layer.head_dim
         self.causal, self.scale = layer.causal, layer.softmax_scale
@@ -159,7 +148,8 @@ class _Call:
         self.plan, self.save, self.streams, self.cos_sin = plan, save, streams, cos_sin
         self.tiles, self.routes = tiles, routes  # tiles: (b0, b1, route index)
         self.kv_index = [layer._index(r, "kv_index", device) for r in routes]
-        self.by_heads = plan.tile_by == "heads"
+        self.by_heads = len(routes) > 1  # head-group tiles: one route per tile
+        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
         self.launch_log = layer.launch_log
         self.s = 0
         self.norms: list = []  # q_norm, k_norm as the core uses them (detached leaves when saving)
@@ -291,7 +281,7 @@ class _UlyssesTiles(torch.autograd.Function):
                 for i, (b0, b1, _) in enumerate(call.tiles)]
         program = _forward_program(call, w_send, b_send, w_o)
         execute(round_robin(program, len(envs)), envs, call.group, streams=call.streams, label="ulysses",
-                trace=call.launch_log)
+                trace=call.launch_log, recorder=call.trace.fwd if call.trace is not None else None)
         if call.save:
             ctx.graphs = [e["graph"] for e in envs]
             ctx.save_for_backward(x_TH, *w_send, *w_o, *[e["oT"] for e in envs])
@@ -314,14 +304,21 @@ class _UlyssesTiles(torch.autograd.Function):
                  "oT": oTs[i], "graph": graphs[i]} for i, (b0, b1, _) in enumerate(c.tiles)]
         del graphs, oTs, rest
         program = _backward_program(c, w_send, w_o, grads)
+        if c.trial is not None:
+            c.trial.bwd = Stopwatch(dy_TH.device)
+            c.trial.bwd.start()
         execute(round_robin(program, len(envs)), envs, c.group, streams=c.streams, label="ulysses_bwd",
-                trace=c.launch_log)
+                trace=c.launch_log, recorder=c.trace.start_backward() if c.trace is not None else None)
+        if c.trial is not None:
+            c.trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
         d_norms = [sum(g[i] for g in grads["norms"]) for i in range(len(c.norms))] or [None, None]
         per_route = [g for i in range(n_r) for g in (grads["w"][i], grads["b"][i], grads["wo"][i])]
         return (dx_TH, d_norms[0], d_norms[1], None, *per_route)
 
 
-class UlyssesAttention(nn.Module):
+class UlyssesAttention(PlannedLayer, nn.Module):
     """Drop-in attention with Ulysses sequence parallelism; equals the module docstring's reference.
 
     Input and output ``[batch, seq_local, hidden]``: rank r holds positions ``r*seq_local ..``;
@@ -342,9 +339,10 @@ class UlyssesAttention(nn.Module):
     wrapper over the group (DDP / FSDP across the ranks that share the sequence) does that
     reduction; note DDP averages, which is the gradient of the mean of per-rank mean losses.
 
-    ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto" (for now K=1: the Ulysses planner
-    is not built yet). Batch tiles for batch > 1, head groups for batch 1 ([Note: tiles]);
-    ``layer.plan`` tells the last call's K. Set ``launch_log`` to a list to record the launch order.
+    ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto" (planned per (batch, seq_local)
+    like the other layers, then verified on the first calls). Batch tiles for batch > 1, head groups
+    for batch 1 ([Note: tiles]); ``layer.plan`` tells the last call's K and ``layer.tile_by``
+    ("batch" or "heads") what it tiled. Set ``launch_log`` to a list to record the launch order.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None, *, group=None,
@@ -403,12 +401,13 @@ class UlyssesAttention(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
         self.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
-        self.plan: Optional[UlyssesPlan] = None
         self.launch_log: Optional[list] = None
+        self.tile_by = "batch"  # what the last call tiled
         self._routes: dict = {}  # (h0, h1) -> _Route; rank-dependent, but never decides a collective
         self._indices: dict = {}  # (heads, field, device) -> index tensor, so a call copies no index to the device
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
+        self._init_planning(config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -506,15 +505,76 @@ class UlyssesAttention(nn.Module):
                 return 6
         return 0
 
-    def _plan_for(self, batch: int) -> UlyssesPlan:
-        """The fixed K (capped: batch tiles by the batch, head tiles by the local heads), or K=1 for
-        "auto" until the Ulysses planner exists."""
+    def _units(self, batch: int) -> int:
+        """What K is capped by: the batch, or the local query heads for batch 1 ([Note: tiles])."""
+        return batch if batch > 1 else self.num_heads // self.world_size
+
+    def _fixed_plan(self, batch: int) -> Optional[TilePlan]:
+        """The pinned plan or a fixed K (capped by the tile units); None when the planner decides."""
+        if self._pinned is not None:
+            k = effective_num_tiles(self._units(batch), self._pinned.num_tiles)
+            return self._pinned if k == self._pinned.num_tiles else TilePlan(k, num_streams=self._pinned.num_streams)
         if self.num_tiles == "auto":
-            return UlyssesPlan(1, reason="auto: the Ulysses planner is not built yet; K=1 (the serial layer)")
-        if batch > 1:
-            return UlyssesPlan(effective_num_tiles(batch, self.num_tiles), "batch")
-        k = effective_num_tiles(self.num_heads // self.world_size, self.num_tiles)
-        return UlyssesPlan(k, "heads" if k > 1 else "batch")
+            return None
+        return TilePlan(effective_num_tiles(self._units(batch), self.num_tiles))
+
+    def pin_plan(self, plan: Optional[TilePlan]) -> None:
+        """Use ``plan`` (its tile count, capped by the tile units) for every call; None unpins."""
+        if plan is not None:
+            if not isinstance(plan, TilePlan):
+                raise ValueError(f"plan={plan!r}; must be a TilePlan or None")
+            check_num_tiles(plan.num_tiles, "plan.num_tiles")
+            if plan.regather or plan.buckets_fwd or plan.buckets_bwd:
+                raise ValueError(f"plan={plan!r}: Ulysses has no re-gather and its all-to-alls are not bucketed")
+            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
+                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
+        self._pinned = plan
+
+    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
+    @property
+    def _weight(self) -> torch.Tensor:
+        return self.wq
+
+    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
+        return (shape[0], shape[1], dtype, save)
+
+    def _tile_units(self, shape: tuple) -> int:
+        return self._units(shape[0])
+
+    def _cost_model(self, key: tuple, hw) -> UlyssesCostModel:
+        batch, s, dtype = key[0], key[1], key[2]
+        return UlyssesCostModel(batch=batch, seq_local=s, world_size=self.world_size, hidden=self.hidden_size,
+                                heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                elt=torch.tensor([], dtype=dtype).element_size(), causal=self.causal, model=hw)
+
+    def _programs(self, k: int, save: bool, regather: bool):
+        call = _Call(self, TilePlan(k), save, None, None, [], [], self.wq.device)
+        return _forward_program(call, None, None, None), _backward_program(call, None, None, {})
+
+    def _op_setups(self, cm: UlyssesCostModel, dtype: torch.dtype) -> dict:
+        """The attention core (forward, and backward of a recorded graph) per tile shape."""
+        dev, S, d = self.wq.device, cm.ws * cm.s, self.head_dim
+        norms = (self.q_norm.detach().to(dtype), self.k_norm.detach().to(dtype)) if self.qk_norm else (None, None)
+
+        def setup(name, b, nh):
+            hk = cm._hk(nh)
+            q = torch.randn(b, S, nh, d, dtype=dtype, device=dev)
+            k, v = (torch.randn(b, S, hk, d, dtype=dtype, device=dev) for _ in range(2))
+            cs = self._cos_sin(S, dev, dtype, None, None)
+
+            def core():
+                return attention(q, k, v, cos_sin=cs, q_norm=norms[0], k_norm=norms[1], causal=self.causal,
+                                 scale=self.softmax_scale)
+            if name == "core":
+                return core
+            for t in (q, k, v):
+                t.requires_grad_()
+            with torch.enable_grad():
+                o = core()
+            do = torch.randn_like(o)
+            return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+        return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
 
     def _config_digest(self) -> int:
         """What every rank's layer must agree on for the all-to-alls to match."""
@@ -526,15 +586,17 @@ class UlyssesAttention(nn.Module):
                 attention_mask=None) -> torch.Tensor:
         err = self._input_error(x, position_ids, position_embeddings, attention_mask)
         shape = tuple(x.shape) if err == 0 else (0, 0, 0)
-        plan = self._plan_for(shape[0]) if err == 0 else UlyssesPlan(1)
+        fixed = self._fixed_plan(shape[0]) if err == 0 else TilePlan(1)
         save = torch.is_grad_enabled() and (
             (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
         dtype = x.dtype if err == 0 else None
         if err == 0 and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
         dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-        names = ("input error", "batch", "seq_local", "hidden", "dtype", "plan", "grad mode", "layer config")
-        table = self._agreement.gather((err, *shape, dtype_code, plan.digest(), int(save), self._config_digest()))
+        names = ("input error", "batch", "seq_local", "hidden", "dtype", "plan request (0 = auto)", "grad mode",
+                 "layer config")
+        request = fixed.digest() if fixed is not None else 0
+        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), self._config_digest()))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
@@ -546,8 +608,22 @@ class UlyssesAttention(nn.Module):
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (same seq_local, batch, dtype, "
                              f"num_tiles, grad mode and layer configuration); {bad}")
-        self.plan = plan
-        return self._run(x, plan, save, position_ids, position_embeddings)
+        # Everything below depends only on agreed values and the call history ([Note: agreement]).
+        trial = None
+        if fixed is not None:
+            self.plan = fixed
+        else:
+            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
+        self._last_call = (self._plan_key(shape[:2], dtype, save), self._units(shape[0]))
+        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
+        if trial is not None:
+            trial.fwd.start()
+        y = self._run(x, self.plan, save, position_ids, position_embeddings, trial, trace)
+        if trial is not None:
+            trial.fwd.stop()
+        if trace is not None:
+            trace.write()
+        return y
 
     def _route_of(self, h0: int, h1: int) -> _Route:
         if (h0, h1) not in self._routes:
@@ -563,10 +639,10 @@ class UlyssesAttention(nn.Module):
             self._indices[key] = torch.tensor(idx, device=device) if idx is not None else None
         return self._indices[key]
 
-    def _tiles(self, batch: int, plan: UlyssesPlan):
+    def _tiles(self, batch: int, plan: TilePlan):
         """(tiles as (b0, b1, route index), routes); see [Note: tiles]."""
         hq = self.num_heads // self.world_size
-        if plan.tile_by == "heads":
+        if batch == 1 and plan.num_tiles > 1:
             bounds = tile_bounds(hq, plan.num_tiles)
             return [(0, batch, i) for i in range(len(bounds))], [self._route_of(a, b) for a, b in bounds]
         return [(b0, b1, 0) for b0, b1 in tile_bounds(batch, plan.num_tiles)], [self._route_of(0, hq)]
@@ -579,7 +655,8 @@ class UlyssesAttention(nn.Module):
         pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
         return rope_cos_sin(pos.to(device), self.head_dim, self.rope_theta, dtype)
 
-    def _run(self, x, plan: UlyssesPlan, save: bool, position_ids, position_embeddings) -> torch.Tensor:
+    def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
+             trace=None) -> torch.Tensor:
         dev = x.device.type
         params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
         if torch.is_autocast_enabled(dev):
@@ -589,6 +666,7 @@ class UlyssesAttention(nn.Module):
         wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
         B, s, H = x.shape
         tiles, routes = self._tiles(B, plan)
+        self.tile_by = "heads" if len(routes) > 1 else "batch"
         with torch.autocast(dev, enabled=False), torch.set_grad_enabled(save):
             w_qkv = torch.cat([wq, wk, wv])
             b_qkv = torch.cat([bq, bk, bv]) if bq is not None else None
@@ -600,7 +678,7 @@ class UlyssesAttention(nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          self._cos_sin(s * self.world_size, x.device, x.dtype, position_ids, position_embeddings),
                          tiles, routes, x.device)
-            call.s = s
+            call.s, call.trial, call.trace = s, trial, trace
             y_TH = _UlyssesTiles.apply(x.reshape(B * s, H).contiguous(), q_norm, k_norm, call, *weights)
             if bo is not None:
                 y_TH = y_TH + bo
