@@ -37,36 +37,23 @@ own saved tensors), so it costs what autograd would and is never recomputed.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OverlapConfig, check_num_tiles
-from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
+from ..config import OverlapConfig
+from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..schedule import TileProgram, comm, compute, round_robin, wait
 from ..runtime.timing import Stopwatch
-from ..runtime.trace import TraceJob
-from .attention_core import attention, rope_cos_sin
+from ..schedule import TileProgram, comm, compute, round_robin, wait
+from .attention_common import INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error
+from .attention_common import cos_sin as cos_sin_of
+from .attention_core import attention
 from .attention_cost import AttentionCostModel
-from .planned import DTYPES as _DTYPES
-from .planned import PlannedLayer
-from .planned import TilePlan as MLPPlan
-from .tiling import effective_num_tiles, tile_bounds
-
-_INPUT_ERRORS = {
-    1: "input must be 3-D [batch, seq, hidden]",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
-    5: "position_ids must be an integer tensor [batch, global seq]",
-    6: "position_embeddings must be (cos, sin), each [batch, global seq, head_dim]",
-    7: "attention_mask: only None is supported (the mask is causal=True, or full attention with "
-       "causal=False); padding and packed-sequence masks are not supported yet",
-}
+from .planned import PlannedLayer, TilePlan, resolve_config
+from .tiling import tile_bounds
 
 
 def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
@@ -83,7 +70,7 @@ def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
 class _Call:
     """Everything one call needs besides tensors (passed through the autograd Function)."""
 
-    def __init__(self, layer: "OverlapAttention", plan: MLPPlan, save: bool, streams, cos_sin, batch: int,
+    def __init__(self, layer: "OverlapAttention", plan: TilePlan, save: bool, streams, cos_sin, batch: int,
                  seq_local: int):
         self.group, self.sp, self.plan, self.save, self.streams = layer.group, layer.sequence_parallel, plan, save, streams
         self.g = layer.world_size if layer.sequence_parallel else 1
@@ -284,29 +271,9 @@ class OverlapAttention(PlannedLayer, nn.Module):
                  qk_norm: bool = False, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
                  num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}; must be a positive int")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
-                                 f"pass head_dim explicitly")
-            head_dim = hidden_size // num_heads
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-            raise ValueError(f"head_dim={head_dim!r}; must be a positive even int (RoPE rotates halves)")
-        if rope_theta is not None and not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
-            raise ValueError(f"rope_theta={rope_theta!r}; must be a positive number or None (no RoPE)")
-        if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-            raise ValueError(f"dropout_p={dropout_p!r}; must be in [0, 1)")
-        if config is None:
-            config = OverlapConfig()
-        elif not isinstance(config, OverlapConfig):
-            raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
-        if config.transport == "copy_engine":
-            raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
-        self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
-        self.config = config
+        num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
+                                            softmax_scale, dropout_p)
+        self.config, self.num_tiles = resolve_config(config, num_tiles)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         check_heads(num_heads, num_kv_heads, ws)
@@ -329,7 +296,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
-        self._init_planning(config)
+        self._init_planning(self.config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -358,10 +325,8 @@ class OverlapAttention(PlannedLayer, nn.Module):
         H, d = self.hidden_size, self.head_dim
 
         def linear(out_f, in_f):
-            w = torch.empty(out_f, in_f, **kw)
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            bound = 1 / math.sqrt(in_f)
-            b = torch.empty(out_f, **kw).uniform_(-bound, bound) if self.bias else None
+            w, b = torch.empty(out_f, in_f, **kw), torch.empty(out_f, **kw) if self.bias else None
+            init_linear_(w, b)
             return w, b
 
         dense = {"q": linear(self.num_heads * d, H), "k": linear(self.num_kv_heads * d, H),
@@ -395,33 +360,12 @@ class OverlapAttention(PlannedLayer, nn.Module):
                    rope_theta: Optional[float] = 10000.0, causal: bool = True, softmax_scale: Optional[float] = None,
                    dropout_p: float = 0.0, num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapAttention":
         """Shard dense ``nn.Linear``-layout weights: ``wq [nq*d, H]``, ``wk``/``wv [nkv*d, H]``,
-        ``wo [H, nq*d]``; biases all or none; ``q_norm``/``k_norm [d]`` both or neither."""
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                raise ValueError(f"{name} must be a 2-D tensor (nn.Linear layout); got {getattr(t, 'shape', t)!r}")
-        if not isinstance(num_heads, int) or num_heads < 1 or wq.shape[0] % num_heads:
-            raise ValueError(f"num_heads={num_heads!r} must be a positive int dividing wq's rows {wq.shape[0]}")
-        H, d = wq.shape[1], wq.shape[0] // num_heads
-        want = {"wk": (num_kv_heads * d, H), "wv": (num_kv_heads * d, H), "wo": (H, num_heads * d)}
-        for name, t in (("wk", wk), ("wv", wv), ("wo", wo)):
-            if tuple(t.shape) != want[name]:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; with wq {tuple(wq.shape)}, num_heads={num_heads} "
-                                 f"and num_kv_heads={num_kv_heads} it must be {want[name]}")
-        biases = (bq, bk, bv, bo)
-        if any(b is None for b in biases) != all(b is None for b in biases):
+        ``wo [H, nq*d]``; biases all four or none; ``q_norm``/``k_norm [d]`` both or neither."""
+        H, d, num_kv_heads = check_dense(wq, wk, wv, wo, num_heads=num_heads, num_kv_heads=num_kv_heads, bq=bq,
+                                         bk=bk, bv=bv, bo=bo, q_norm=q_norm, k_norm=k_norm)
+        if (bq is None) != (bo is None):
             raise ValueError("pass all of bq, bk, bv, bo, or none")
         has_bias = bq is not None
-        if has_bias:
-            for name, b, n in (("bq", bq, num_heads * d), ("bk", bk, num_kv_heads * d), ("bv", bv, num_kv_heads * d),
-                               ("bo", bo, H)):
-                if tuple(b.shape) != (n,):
-                    raise ValueError(f"{name} has shape {tuple(b.shape)}; must be ({n},)")
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("pass both q_norm and k_norm, or neither")
-        if q_norm is not None and (tuple(q_norm.shape) != (d,) or tuple(k_norm.shape) != (d,)):
-            raise ValueError(f"q_norm and k_norm must have shape ({d},) (head_dim); got {tuple(q_norm.shape)}, "
-                             f"{tuple(k_norm.shape)}")
         layer = cls(H, num_heads, num_kv_heads, group=group, mesh=mesh, axis=axis, head_dim=d,
                     sequence_parallel=sequence_parallel, rope_theta=rope_theta, causal=causal, bias=has_bias,
                     qk_norm=q_norm is not None, softmax_scale=softmax_scale, dropout_p=dropout_p, num_tiles=num_tiles,
@@ -458,49 +402,6 @@ class OverlapAttention(PlannedLayer, nn.Module):
         return out
 
     # ----------------------------------------------------------------- forward
-    def _input_error(self, x, position_ids, position_embeddings) -> int:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return 1
-        if x.shape[-1] != self.hidden_size:
-            return 2
-        if x.device != self.wq.device:
-            return 4
-        if x.dtype != self.wq.dtype and not torch.is_autocast_enabled(x.device.type):
-            return 3
-        S = x.shape[1] * (self.world_size if self.sequence_parallel else 1)
-        if position_ids is not None and not (
-                isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()
-                and tuple(position_ids.shape) == (x.shape[0], S)):
-            return 5
-        if position_embeddings is not None:
-            ok = isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2 and all(
-                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1:] == (S, self.head_dim)
-                and t.shape[0] in (1, x.shape[0]) for t in position_embeddings)
-            if not ok:
-                return 6
-        return 0
-
-    def pin_plan(self, plan: Optional[MLPPlan]) -> None:
-        """Use ``plan`` for every call (its tile count is capped by the batch); None unpins."""
-        if plan is not None:
-            if not isinstance(plan, MLPPlan):
-                raise ValueError(f"plan={plan!r}; must be an MLPPlan (the tile plan type) or None")
-            check_num_tiles(plan.num_tiles, "plan.num_tiles")
-            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
-                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
-        self._pinned = plan
-
-    def _fixed_plan(self, batch: int) -> Optional[MLPPlan]:
-        """The pinned plan or a fixed K (capped by the batch); None when the planner decides."""
-        if self._pinned is not None:
-            k = effective_num_tiles(batch, self._pinned.num_tiles)
-            if k == self._pinned.num_tiles:
-                return self._pinned
-            return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
-        if self.num_tiles == "auto":
-            return None
-        return MLPPlan(effective_num_tiles(batch, self.num_tiles))
-
     # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property
     def _weight(self) -> torch.Tensor:
@@ -520,7 +421,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
                                   sequence_parallel=self.sequence_parallel, causal=self.causal, model=hw)
 
     def _programs(self, k: int, save: bool, regather: bool):
-        call = _Call(self, MLPPlan(k, regather=regather), save, None, None, 1, 1)
+        call = _Call(self, TilePlan(k, regather=regather), save, None, None, 1, 1)
         return _forward_program(call, None, None, None, []), _backward_program(call, None, None, {}, [])
 
     def _op_setups(self, cm: AttentionCostModel, dtype: torch.dtype) -> dict:
@@ -528,8 +429,8 @@ class OverlapAttention(PlannedLayer, nn.Module):
         dev, S, C = self.wq.device, cm.g * cm.s, cm.C
 
         def setup(name, b):
-            cos_sin = self._cos_sin(b, S, dev, dtype, None, None)
-            call = _Call(self, MLPPlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
+            cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, dev, dtype, None, None)
+            call = _Call(self, TilePlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
             if call.q_norm is not None:
                 call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
             qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
@@ -545,57 +446,17 @@ class OverlapAttention(PlannedLayer, nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
-        err = 7 if attention_mask is not None else self._input_error(x, position_ids, position_embeddings)
-        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
-        fixed = self._fixed_plan(shape[0]) if err == 0 else MLPPlan(1)
-        save = torch.is_grad_enabled() and (
-            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
-        dtype = x.dtype if err == 0 else None
-        if err == 0 and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-        pos_code = 0 if position_ids is None else 1 if err == 0 else 0
-        pos_code += 0 if position_embeddings is None else 2
-        names = ("input error", "batch", "seq", "hidden", "dtype", "plan request (0 = auto)", "grad mode",
-                 "positions")
-        request = fixed.digest() if fixed is not None else 0
-        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), pos_code))
-        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
-        if errs:
-            mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
-                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)})" if err else ""
-            raise ValueError("x / position_ids / position_embeddings / attention_mask: bad input on rank(s) " + ", ".join(
-                f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
-        bad = first_disagreement(table, names)
-        if bad:
-            raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles, "
-                             f"grad mode, positions); {bad}")
-        # Everything below depends only on agreed values and the call history ([Note: agreement]).
-        trial = None
-        if fixed is not None:
-            self.plan = fixed
-        else:
-            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
-        self._last_call = (self._plan_key(shape[:2], dtype, save), shape[0])
-        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
-        if trial is not None:
-            trial.fwd.start()
-        y = self._run(x, self.plan, save, position_ids, position_embeddings, trial, trace)
-        if trial is not None:
-            trial.fwd.stop()
-        if trace is not None:
-            trace.write()
-        return y
+        err = input_error(x, hidden_size=self.hidden_size, weight=self.wq,
+                          seq_factor=self.world_size if self.sequence_parallel else 1, head_dim=self.head_dim,
+                          position_ids=position_ids, position_embeddings=position_embeddings,
+                          attention_mask=attention_mask)
+        positions = (position_ids is not None) + 2 * (position_embeddings is not None)
+        shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,),
+                                                extra_names=("positions",))
+        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
+            x, plan, save, position_ids, position_embeddings, trial, trace))
 
-    def _cos_sin(self, batch: int, S: int, device, dtype, position_ids, position_embeddings):
-        if position_embeddings is not None:
-            return tuple(t.to(device) for t in position_embeddings)
-        if self.rope_theta is None:
-            return None
-        pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
-        return rope_cos_sin(pos.to(device), self.head_dim, self.rope_theta, dtype)
-
-    def _run(self, x, plan: MLPPlan, save: bool, position_ids, position_embeddings, trial=None,
+    def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
         params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
@@ -609,7 +470,8 @@ class OverlapAttention(PlannedLayer, nn.Module):
         with torch.autocast(dev, enabled=False):
             w_qkv = torch.cat([wq, wk, wv])
             b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
-            cos_sin = self._cos_sin(B, S, x.device, x.dtype, position_ids, position_embeddings)
+            cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids,
+                                 position_embeddings)
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace

@@ -39,17 +39,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import OverlapConfig, check_num_tiles
-from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
+from ..config import OverlapConfig
+from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .mlp_cost import MLPCostModel
-from .planned import DTYPES as _DTYPES
-from .planned import PlannedLayer, TilePlan
+from .planned import PlannedLayer, TilePlan, resolve_config
 from .planning import Trial
-from .tiling import effective_num_tiles, tile_bounds
+from .tiling import tile_bounds
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -269,14 +268,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 raise ValueError(f"{name}={v!r}; must be a positive int")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
-        if config is None:
-            config = OverlapConfig()
-        elif not isinstance(config, OverlapConfig):
-            raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
-        if config.transport == "copy_engine":
-            raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
-        self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
-        self.config = config
+        self.config, self.num_tiles = resolve_config(config, num_tiles)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         if ffn_hidden_size % ws:
@@ -294,7 +286,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
-        self._init_planning(config)
+        self._init_planning(self.config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -408,70 +400,10 @@ class OverlapMLP(PlannedLayer, nn.Module):
             return 3
         return 0
 
-    def pin_plan(self, plan: Optional[MLPPlan]) -> None:
-        """Use ``plan`` for every call (its tile count is capped by the rows); None unpins.
-        Pin the same plan on every rank: the plan's tile count is checked across ranks."""
-        if plan is not None:
-            if not isinstance(plan, MLPPlan):
-                raise ValueError(f"plan={plan!r}; must be an MLPPlan or None")
-            check_num_tiles(plan.num_tiles, "plan.num_tiles")
-            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
-                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
-        self._pinned = plan
-
-    def _fixed_plan(self, rows: int) -> Optional[MLPPlan]:
-        """The pinned plan or a fixed K (capped by the rows); None when the planner decides."""
-        if self._pinned is not None:
-            k = effective_num_tiles(rows, self._pinned.num_tiles)
-            if k == self._pinned.num_tiles:
-                return self._pinned
-            return MLPPlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
-        if self.num_tiles != "auto":
-            return MLPPlan(num_tiles=effective_num_tiles(rows, self.num_tiles))
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        err = self._input_error(x)
-        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
-        rows = shape[0] * shape[1]
-        fixed = self._fixed_plan(rows) if err == 0 else MLPPlan(num_tiles=1)
-        save = torch.is_grad_enabled() and (
-            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
-        dtype = x.dtype if err == 0 else None
-        if err == 0 and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-        names = ("input error", "batch", "seq", "hidden", "dtype", "plan request (0 = auto)", "grad mode")
-        request = fixed.digest() if fixed is not None else 0
-        table = self._agreement.gather((err, *shape, dtype_code, request, int(save)))
-        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
-        if errs:
-            mine = f"; this rank: {_INPUT_ERRORS[err]} (got {tuple(getattr(x, 'shape', ()))}, " \
-                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)}; hidden_size={self.hidden_size}, " \
-                   f"weights {self.w_in.dtype} on {self.w_in.device})" if err else ""
-            raise ValueError("x: bad input on rank(s) " + ", ".join(
-                f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
-        bad = first_disagreement(table, names)
-        if bad:
-            raise ValueError(f"x: every rank of the group must call the layer alike (num_tiles, pinned "
-                             f"plan, shapes, dtype, grad mode); {bad}")
-        # Everything below depends only on agreed values and on the call history, which is the same
-        # on every rank: a plan-cache miss happens on every rank at once ([Note: agreement]).
-        trial = None
-        if fixed is not None:
-            self.plan = fixed
-        else:
-            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
-        self._last_call = (self._plan_key(shape[:2], dtype, save), rows)
-        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
-        if trial is not None:
-            trial.fwd.start()
-        y = self._run(x, self.plan, save, trial, trace)
-        if trial is not None:
-            trial.fwd.stop()
-        if trace is not None:
-            trace.write()
-        return y
+        shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x")
+        return self._planned_call(x, shape, dtype, save, fixed,
+                                  lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
 
     # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..config import OverlapConfig
+from ..config import OverlapConfig, check_num_tiles
+from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
-from ..runtime.trace import write_chrome_trace
+from ..runtime.trace import TraceJob, write_chrome_trace
 from ..sim import analytic_model, choose
 from .mlp_cost import mlp_candidates
 from .planning import PlanCache
@@ -85,6 +86,18 @@ def contenders(plan: TilePlan) -> list:
     return [plan, *runner_up, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
 
 
+def resolve_config(config: Optional[OverlapConfig], num_tiles):
+    """``(config, K or "auto")`` from a layer's ``config=`` and ``num_tiles=`` arguments (an explicit
+    ``num_tiles`` overrides ``config.num_tiles``); ValueError on anything else."""
+    if config is None:
+        config = OverlapConfig()
+    elif not isinstance(config, OverlapConfig):
+        raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
+    if config.transport == "copy_engine":
+        raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
+    return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
+
+
 class PlannedLayer:
     """Mixin for ``nn.Module`` layers planned per shape bucket (see the module docstring)."""
 
@@ -97,13 +110,94 @@ class PlannedLayer:
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
         self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
 
+    # ----------------------------------------------------------------- one call
+    def pin_plan(self, plan: Optional[TilePlan]) -> None:
+        """Use ``plan`` for every call (its tile count is capped by the layer's tile units); None
+        unpins. Pin the same plan on every rank: it is checked across ranks at each call."""
+        if plan is not None:
+            if not isinstance(plan, TilePlan):
+                raise ValueError(f"plan={plan!r}; must be a TilePlan (overlap_layers.layers.TilePlan) or None")
+            check_num_tiles(plan.num_tiles, "plan.num_tiles")
+            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
+                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
+            self._check_pin(plan)
+        self._pinned = plan
+
+    def _check_pin(self, plan: TilePlan) -> None:
+        """Layer-specific limits of a pinned plan (ValueError); none by default."""
+
+    def _fixed_plan(self, shape: tuple) -> Optional[TilePlan]:
+        """The pinned plan or a fixed K (capped by the tile units); None when the planner decides."""
+        units = self._tile_units(shape)
+        if self._pinned is not None:
+            k = effective_num_tiles(units, self._pinned.num_tiles)
+            if k == self._pinned.num_tiles:
+                return self._pinned
+            return TilePlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
+        if self.num_tiles == "auto":
+            return None
+        return TilePlan(effective_num_tiles(units, self.num_tiles))
+
+    def _agree(self, x, err: int, errors: Mapping[int, str], what: str, *, extra: Sequence[int] = (),
+               extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden")):
+        """The call's agreement ([Note: agreement]): one host gather of (input error ``err``, shape,
+        dtype, plan request, grad mode, ``extra``) from every rank; raises the same ValueError on
+        every rank if any rank's input is bad (``errors[code]`` says why, ``what`` names the
+        arguments) or if the ranks disagree. Returns ``(shape, dtype, save, fixed plan or None)``."""
+        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
+        fixed = self._fixed_plan(shape) if err == 0 else TilePlan(1)
+        save = torch.is_grad_enabled() and (
+            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
+        dtype = x.dtype if err == 0 else None
+        if err == 0 and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype_code = DTYPES.index(dtype) if dtype in DTYPES else -1
+        request = fixed.digest() if fixed is not None else 0
+        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra))
+        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
+        if errs:
+            w = self._weight
+            mine = f"; this rank: {errors[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
+                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)}; hidden_size={self.hidden_size}, " \
+                   f"weights {w.dtype} on {w.device})" if err else ""
+            raise ValueError(f"{what}: bad input on rank(s) " + ", ".join(
+                f"{r} ({errors[e]})" for r, e in errs.items()) + mine)
+        names = ("input error", *shape_names, "dtype", "plan request (0 = auto)", "grad mode", *extra_names)
+        bad = first_disagreement(table, names)
+        if bad:
+            raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
+                             f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}); {bad}")
+        return shape, dtype, save, fixed
+
+    def _planned_call(self, x, shape: tuple, dtype: torch.dtype, save: bool, fixed: Optional[TilePlan],
+                      run: Callable):
+        """Pick the call's plan (fixed, or the planner's and its verification trial), set
+        ``self.plan``, and return ``run(plan, trial, trace)`` timed for verification and recorded
+        for ``export_trace(measured=True)`` when asked. Depends only on agreed values and the call
+        history, so every rank takes the same branch."""
+        trial = None
+        if fixed is not None:
+            self.plan = fixed
+        else:
+            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
+        self._last_call = (self._plan_key(shape[:2], dtype, save), self._tile_units(shape))
+        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
+        if trial is not None:
+            trial.fwd.start()
+        y = run(self.plan, trial, trace)
+        if trial is not None:
+            trial.fwd.stop()
+        if trace is not None:
+            trace.write()
+        return y
+
+    # ----------------------------------------------------------------- planning
     def _auto_plan(self, shape: tuple, dtype: torch.dtype, save: bool, call: bool = True):
         """The planned plan for ``shape`` (K capped to its tile units) and the trial this call
         must time, if any."""
         key, units = self._plan_key(shape, dtype, save), self._tile_units(shape)
         plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), contenders, self._weight.device,
                                       call=call)
-        self._last_call = (key, units)
         k = effective_num_tiles(units, plan.num_tiles)
         if k != plan.num_tiles:
             plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())

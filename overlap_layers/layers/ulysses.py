@@ -45,7 +45,6 @@ qkv-gradient A2A under the next tile's core backward and the projections' dgrad 
 """
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -54,29 +53,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OverlapConfig, check_num_tiles
-from ..runtime import Agreement, StreamPool, execute, first_disagreement, resolve_group
+from ..config import OverlapConfig
+from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from ..runtime.timing import Stopwatch
-from ..runtime.trace import TraceJob
-from .attention_core import attention, rope_cos_sin
-from .planned import DTYPES as _DTYPES
-from .planned import PlannedLayer, TilePlan
-from .tiling import effective_num_tiles, tile_bounds
+from .attention_common import INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error
+from .attention_common import cos_sin as cos_sin_of
+from .attention_core import attention
+from .planned import PlannedLayer, TilePlan, resolve_config
+from .tiling import tile_bounds
 from .ulysses_cost import UlyssesCostModel
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
-_INPUT_ERRORS = {
-    1: "input must be 3-D [batch, seq_local, hidden]",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
-    5: "position_ids must be an integer tensor [batch or 1, global seq = seq_local * world_size]",
-    6: "position_embeddings must be (cos, sin), each [batch or 1, global seq, head_dim] with an even head_dim",
-    7: "attention_mask must be None: the mask is causal (causal=True) or full (causal=False); "
-       "padding and packed-sequence masks are not supported yet",
-}
-
 # [Note: send layout]
 # all_to_all splits dim 0 by destination, so the qkv projection is computed transposed,
 # ``send_Ct = w_send @ x.T``, with ``w_send`` the rows of ``[wq; wk; wv]`` ordered by destination
@@ -351,35 +339,9 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                  softmax_scale: Optional[float] = None, dropout_p: float = 0.0, num_tiles=None,
                  config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}; must be a positive int")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
-                                 f"pass head_dim explicitly")
-            head_dim = hidden_size // num_heads
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"head_dim={head_dim!r}; must be a positive int")
-        if rope_theta is not None:
-            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
-                raise ValueError(f"rope_theta={rope_theta!r}; must be a positive number or None (no RoPE)")
-            if head_dim % 2:
-                raise ValueError(f"head_dim={head_dim} must be even with RoPE (it rotates halves); "
-                                 f"pass rope_theta=None for no RoPE")
-        if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-            raise ValueError(f"softmax_scale={softmax_scale!r}; must be a positive number or None (1/sqrt(head_dim))")
-        if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-            raise ValueError(f"dropout_p={dropout_p!r}; must be in [0, 1)")
-        if config is None:
-            config = OverlapConfig()
-        elif not isinstance(config, OverlapConfig):
-            raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
-        if config.transport == "copy_engine":
-            raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
-        self.num_tiles = check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
-        self.config = config
+        num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
+                                            softmax_scale, dropout_p)
+        self.config, self.num_tiles = resolve_config(config, num_tiles)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         if num_heads % ws:
@@ -407,7 +369,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         self._indices: dict = {}  # (heads, field, device) -> index tensor, so a call copies no index to the device
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
-        self._init_planning(config)
+        self._init_planning(self.config)
         self.reset_parameters()
 
     # ----------------------------------------------------------------- weights
@@ -418,10 +380,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         if self.wq.device.type == "meta":
             return
         for w, b in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv), (self.wo, self.bo)):
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            if b is not None:
-                bound = 1 / math.sqrt(w.shape[1])
-                b.uniform_(-bound, bound)
+            init_linear_(w, b)
         if self.q_norm is not None:
             self.q_norm.fill_(1.0)
             self.k_norm.fill_(1.0)
@@ -435,31 +394,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         """From dense ``nn.Linear``-layout weights (copied whole): ``wq [nq*d, H]``,
         ``wk``/``wv [nkv*d, H]``, ``wo [H, nq*d]``; ``bq``, ``bk``, ``bv`` all or none, ``bo``
         independently (Qwen2 has qkv biases only); ``q_norm``/``k_norm [d]`` both or neither."""
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                raise ValueError(f"{name} must be a 2-D tensor (nn.Linear layout); got {getattr(t, 'shape', t)!r}")
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or wq.shape[0] % num_heads:
-            raise ValueError(f"num_heads={num_heads!r} must be a positive int dividing wq's rows {wq.shape[0]}")
-        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-            raise ValueError(f"num_kv_heads={num_kv_heads!r}; must be a positive int")
-        H, d = wq.shape[1], wq.shape[0] // num_heads
-        want = {"wk": (num_kv_heads * d, H), "wv": (num_kv_heads * d, H), "wo": (H, num_heads * d)}
-        for name, t in (("wk", wk), ("wv", wv), ("wo", wo)):
-            if tuple(t.shape) != want[name]:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; with wq {tuple(wq.shape)}, num_heads={num_heads} "
-                                 f"and num_kv_heads={num_kv_heads} it must be {want[name]}")
-        if len({b is None for b in (bq, bk, bv)}) > 1:
-            raise ValueError("pass all of bq, bk, bv, or none")
-        for name, b, n in (("bq", bq, num_heads * d), ("bk", bk, num_kv_heads * d), ("bv", bv, num_kv_heads * d),
-                           ("bo", bo, H)):
-            if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
-                raise ValueError(f"{name} has shape {tuple(getattr(b, 'shape', ()))}; must be ({n},)")
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("pass both q_norm and k_norm, or neither")
-        if q_norm is not None and (tuple(q_norm.shape) != (d,) or tuple(k_norm.shape) != (d,)):
-            raise ValueError(f"q_norm and k_norm must have shape ({d},) (head_dim); got {tuple(q_norm.shape)}, "
-                             f"{tuple(k_norm.shape)}")
+        H, d, num_kv_heads = check_dense(wq, wk, wv, wo, num_heads=num_heads, num_kv_heads=num_kv_heads, bq=bq,
+                                         bk=bk, bv=bv, bo=bo, q_norm=q_norm, k_norm=k_norm)
         layer = cls(H, num_heads, num_kv_heads, group=group, mesh=mesh, axis=axis, head_dim=d, rope_theta=rope_theta,
                     causal=causal, bias=bq is not None, qk_norm=q_norm is not None, softmax_scale=softmax_scale,
                     dropout_p=dropout_p, num_tiles=num_tiles, config=config, dtype=wq.dtype, device="meta")
@@ -480,55 +416,13 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         return {n: (getattr(self, n).detach().clone() if getattr(self, n) is not None else None) for n in names}
 
     # ----------------------------------------------------------------- forward
-    def _input_error(self, x, position_ids, position_embeddings, attention_mask) -> int:
-        if attention_mask is not None:
-            return 7
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return 1
-        if x.shape[-1] != self.hidden_size:
-            return 2
-        if x.device != self.wq.device:
-            return 4
-        if x.dtype != self.wq.dtype and not torch.is_autocast_enabled(x.device.type):
-            return 3
-        S = x.shape[1] * self.world_size
-        if position_ids is not None and not (
-                isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()
-                and not position_ids.is_complex() and position_ids.dim() == 2
-                and position_ids.shape[0] in (1, x.shape[0]) and position_ids.shape[1] == S):
-            return 5
-        if position_embeddings is not None:
-            ok = isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2 and all(
-                isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) == (S, self.head_dim)
-                and t.shape[0] in (1, x.shape[0]) for t in position_embeddings) and self.head_dim % 2 == 0
-            if not ok:
-                return 6
-        return 0
-
     def _units(self, batch: int) -> int:
         """What K is capped by: the batch, or the local query heads for batch 1 ([Note: tiles])."""
         return batch if batch > 1 else self.num_heads // self.world_size
 
-    def _fixed_plan(self, batch: int) -> Optional[TilePlan]:
-        """The pinned plan or a fixed K (capped by the tile units); None when the planner decides."""
-        if self._pinned is not None:
-            k = effective_num_tiles(self._units(batch), self._pinned.num_tiles)
-            return self._pinned if k == self._pinned.num_tiles else TilePlan(k, num_streams=self._pinned.num_streams)
-        if self.num_tiles == "auto":
-            return None
-        return TilePlan(effective_num_tiles(self._units(batch), self.num_tiles))
-
-    def pin_plan(self, plan: Optional[TilePlan]) -> None:
-        """Use ``plan`` (its tile count, capped by the tile units) for every call; None unpins."""
-        if plan is not None:
-            if not isinstance(plan, TilePlan):
-                raise ValueError(f"plan={plan!r}; must be a TilePlan or None")
-            check_num_tiles(plan.num_tiles, "plan.num_tiles")
-            if plan.regather or plan.buckets_fwd or plan.buckets_bwd:
-                raise ValueError(f"plan={plan!r}: Ulysses has no re-gather and its all-to-alls are not bucketed")
-            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
-                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
-        self._pinned = plan
+    def _check_pin(self, plan: TilePlan) -> None:
+        if plan.regather or plan.buckets_fwd or plan.buckets_bwd:
+            raise ValueError(f"plan={plan!r}: Ulysses has no re-gather and its all-to-alls are not bucketed")
 
     # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property
@@ -560,7 +454,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
             hk = cm._hk(nh)
             q = torch.randn(b, S, nh, d, dtype=dtype, device=dev)
             k, v = (torch.randn(b, S, hk, d, dtype=dtype, device=dev) for _ in range(2))
-            cs = self._cos_sin(S, dev, dtype, None, None)
+            cs = cos_sin_of(self.rope_theta, d, S, dev, dtype, None, None)
 
             def core():
                 return attention(q, k, v, cos_sin=cs, q_norm=norms[0], k_norm=norms[1], causal=self.causal,
@@ -584,46 +478,14 @@ class UlyssesAttention(PlannedLayer, nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
-        err = self._input_error(x, position_ids, position_embeddings, attention_mask)
-        shape = tuple(x.shape) if err == 0 else (0, 0, 0)
-        fixed = self._fixed_plan(shape[0]) if err == 0 else TilePlan(1)
-        save = torch.is_grad_enabled() and (
-            (err == 0 and x.requires_grad) or any(p.requires_grad for p in self.parameters()))
-        dtype = x.dtype if err == 0 else None
-        if err == 0 and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-        names = ("input error", "batch", "seq_local", "hidden", "dtype", "plan request (0 = auto)", "grad mode",
-                 "layer config")
-        request = fixed.digest() if fixed is not None else 0
-        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), self._config_digest()))
-        errs = {r: row[0] for r, row in enumerate(table) if row[0]}
-        if errs:
-            mine = f"; this rank: {_INPUT_ERRORS[err]} (got x {tuple(getattr(x, 'shape', ()))}, " \
-                   f"{getattr(x, 'dtype', None)}, {getattr(x, 'device', None)}; hidden_size={self.hidden_size}, " \
-                   f"weights {self.wq.dtype} on {self.wq.device})" if err else ""
-            raise ValueError("x / position_ids / position_embeddings / attention_mask: bad input on rank(s) "
-                             + ", ".join(f"{r} ({_INPUT_ERRORS[e]})" for r, e in errs.items()) + mine)
-        bad = first_disagreement(table, names)
-        if bad:
-            raise ValueError(f"x: every rank of the group must call the layer alike (same seq_local, batch, dtype, "
-                             f"num_tiles, grad mode and layer configuration); {bad}")
-        # Everything below depends only on agreed values and the call history ([Note: agreement]).
-        trial = None
-        if fixed is not None:
-            self.plan = fixed
-        else:
-            self.plan, trial = self._auto_plan(shape[:2], dtype, save)
-        self._last_call = (self._plan_key(shape[:2], dtype, save), self._units(shape[0]))
-        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
-        if trial is not None:
-            trial.fwd.start()
-        y = self._run(x, self.plan, save, position_ids, position_embeddings, trial, trace)
-        if trial is not None:
-            trial.fwd.stop()
-        if trace is not None:
-            trace.write()
-        return y
+        err = input_error(x, hidden_size=self.hidden_size, weight=self.wq, seq_factor=self.world_size,
+                          head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
+                          attention_mask=attention_mask)
+        shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
+                                                extra_names=("layer config",),
+                                                shape_names=("batch", "seq_local", "hidden"))
+        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
+            x, plan, save, position_ids, position_embeddings, trial, trace))
 
     def _route_of(self, h0: int, h1: int) -> _Route:
         if (h0, h1) not in self._routes:
@@ -647,14 +509,6 @@ class UlyssesAttention(PlannedLayer, nn.Module):
             return [(0, batch, i) for i in range(len(bounds))], [self._route_of(a, b) for a, b in bounds]
         return [(b0, b1, 0) for b0, b1 in tile_bounds(batch, plan.num_tiles)], [self._route_of(0, hq)]
 
-    def _cos_sin(self, S: int, device, dtype, position_ids, position_embeddings):
-        if position_embeddings is not None:
-            return tuple(t.to(device) for t in position_embeddings)
-        if self.rope_theta is None:
-            return None
-        pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
-        return rope_cos_sin(pos.to(device), self.head_dim, self.rope_theta, dtype)
-
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
@@ -676,7 +530,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                 weights += [w_qkv.index_select(0, rows), b_qkv.index_select(0, rows) if b_qkv is not None else None,
                             wo if r.o_cols is None else wo.index_select(1, self._index(r, "o_cols", x.device))]
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
-                         self._cos_sin(s * self.world_size, x.device, x.dtype, position_ids, position_embeddings),
+                         cos_sin_of(self.rope_theta, self.head_dim, s * self.world_size, x.device, x.dtype, position_ids,
+                                    position_embeddings),
                          tiles, routes, x.device)
             call.s, call.trial, call.trace = s, trial, trace
             y_TH = _UlyssesTiles.apply(x.reshape(B * s, H).contiguous(), q_norm, k_norm, call, *weights)

@@ -1,0 +1,138 @@
+"""What the two attention layers share besides the core: argument checks, dense weight checks,
+initialisation, per-call input checks and the RoPE tables of a call.
+
+Reference: every check raises ``ValueError`` naming the argument and what is valid; the init
+equals ``nn.Linear(in, out)`` (weight then bias) under the same seed; :func:`cos_sin` equals the
+Hugging Face Llama tables for the global positions (or the given ``position_embeddings``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from .attention_core import rope_cos_sin
+
+INPUT_ERRORS = {
+    1: "input must be 3-D [batch, seq, hidden]",
+    2: "input hidden dim must equal hidden_size",
+    3: "input dtype must equal the weights' dtype outside autocast",
+    4: "input must be on the weights' device",
+    5: "position_ids must be an integer tensor [batch or 1, global seq]",
+    6: "position_embeddings must be (cos, sin), each [batch or 1, global seq, head_dim] with an even head_dim",
+    7: "attention_mask must be None: the mask is causal (causal=True) or full (causal=False); "
+       "padding and packed-sequence masks are not supported yet",
+}
+WHAT = "x / position_ids / position_embeddings / attention_mask"
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r}; must be a positive int")
+
+
+def check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta, softmax_scale,
+               dropout_p) -> Tuple[int, int]:
+    """The constructor arguments both layers share; returns ``(num_kv_heads, head_dim)`` with
+    their defaults filled in (num_heads; hidden_size // num_heads)."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        _positive_int(name, v)
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
+                             f"pass head_dim explicitly")
+        head_dim = hidden_size // num_heads
+    _positive_int("head_dim", head_dim)
+    if rope_theta is not None:
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
+            raise ValueError(f"rope_theta={rope_theta!r}; must be a positive number or None (no RoPE)")
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even with RoPE (it rotates halves); "
+                             f"pass rope_theta=None for no RoPE")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r}; must be a positive number or None (1/sqrt(head_dim))")
+    if isinstance(dropout_p, bool) or not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p={dropout_p!r}; must be in [0, 1)")
+    return num_kv_heads, head_dim
+
+
+def check_dense(wq, wk, wv, wo, *, num_heads, num_kv_heads, bq, bk, bv, bo, q_norm, k_norm) -> Tuple[int, int, int]:
+    """Dense ``nn.Linear``-layout weights of ``from_dense``: ``wq [nq*d, H]``, ``wk``/``wv
+    [nkv*d, H]``, ``wo [H, nq*d]``; bq/bk/bv all or none (bo checked for shape only);
+    q_norm/k_norm ``[d]`` both or neither. Returns ``(H, d, num_kv_heads)``."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor (nn.Linear layout); got {getattr(t, 'shape', t)!r}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or wq.shape[0] % num_heads:
+        raise ValueError(f"num_heads={num_heads!r} must be a positive int dividing wq's rows {wq.shape[0]}")
+    _positive_int("num_kv_heads", num_kv_heads)
+    H, d = wq.shape[1], wq.shape[0] // num_heads
+    want = {"wk": (num_kv_heads * d, H), "wv": (num_kv_heads * d, H), "wo": (H, num_heads * d)}
+    for name, t in (("wk", wk), ("wv", wv), ("wo", wo)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; with wq {tuple(wq.shape)}, num_heads={num_heads} "
+                             f"and num_kv_heads={num_kv_heads} it must be {want[name]}")
+    if len({b is None for b in (bq, bk, bv)}) > 1:
+        raise ValueError("pass all of bq, bk, bv, or none")
+    for name, b, n in (("bq", bq, num_heads * d), ("bk", bk, num_kv_heads * d), ("bv", bv, num_kv_heads * d),
+                       ("bo", bo, H)):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
+            raise ValueError(f"{name} has shape {tuple(getattr(b, 'shape', ()))}; must be ({n},)")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("pass both q_norm and k_norm, or neither")
+    if q_norm is not None and (tuple(q_norm.shape) != (d,) or tuple(k_norm.shape) != (d,)):
+        raise ValueError(f"q_norm and k_norm must have shape ({d},) (head_dim); got {tuple(q_norm.shape)}, "
+                         f"{tuple(k_norm.shape)}")
+    return H, d, num_kv_heads
+
+
+@torch.no_grad()
+def init_linear_(w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
+    """In place, as ``nn.Linear(w.shape[1], w.shape[0])`` initialises its weight then bias."""
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    if b is not None:
+        bound = 1 / math.sqrt(w.shape[1])
+        b.uniform_(-bound, bound)
+
+
+def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, head_dim: int, position_ids,
+                position_embeddings, attention_mask) -> int:
+    """This rank's input-error code (0 if fine; keys of :data:`INPUT_ERRORS`). The global sequence
+    is ``x.shape[1] * seq_factor``."""
+    if attention_mask is not None:
+        return 7
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return 1
+    if x.shape[-1] != hidden_size:
+        return 2
+    if x.device != weight.device:
+        return 4
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return 3
+    S = x.shape[1] * seq_factor
+    if position_ids is not None and not (
+            isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()
+            and not position_ids.is_complex() and position_ids.dim() == 2
+            and position_ids.shape[0] in (1, x.shape[0]) and position_ids.shape[1] == S):
+        return 5
+    if position_embeddings is not None:
+        ok = isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2 and all(
+            isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) == (S, head_dim)
+            and t.shape[0] in (1, x.shape[0]) for t in position_embeddings) and head_dim % 2 == 0
+        if not ok:
+            return 6
+    return 0
+
+
+def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, position_embeddings):
+    """The call's RoPE tables ``(cos, sin)`` ``[batch or 1, S, head_dim]``, or None without RoPE."""
+    if position_embeddings is not None:
+        return tuple(t.to(device) for t in position_embeddings)
+    if rope_theta is None:
+        return None
+    pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
+    return rope_cos_sin(pos.to(device), head_dim, rope_theta, dtype)
