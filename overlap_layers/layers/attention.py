@@ -47,13 +47,15 @@ from ..config import OverlapConfig
 from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.timing import Stopwatch
-from ..schedule import TileProgram, comm, compute, round_robin, wait
+from ..schedule import TileProgram, round_robin
 from .attention_common import INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, resolve_config
 from .tiling import tile_bounds
+from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
+                         weight_grad)
 
 
 def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
@@ -99,11 +101,6 @@ class _Call:
 
 def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
     keep_xg = c.save and c.sp and not c.plan.regather
-    xin = "xg" if c.sp else "x"
-
-    def qkv(env):
-        x = env[xin] if keep_xg else env.pop(xin)
-        env["qkv"] = torch.nn.functional.linear(x, w_qkv, b_qkv)
 
     def core(env):
         b0, b1 = bounds[env["tile"]]
@@ -116,31 +113,14 @@ def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
         else:
             env["o_in"] = c.core(env.pop("qkv"), b0, b1)
 
-    if c.sp:
-        def proj(env):
-            env["yp"] = torch.mm(env.pop("o_in") if not c.save else env["o_in"], w_o.t())
-
-        ops = (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"), compute("qkv", qkv), compute("core", core),
-               compute("proj", proj), comm("rs", "reduce_scatter", src="yp", out="y_out"), wait("rs", dst="y"))
-    else:
-        def proj(env):
-            torch.mm(env.pop("o_in") if not c.save else env["o_in"], w_o.t(), out=env["y_out"])
-
-        ops = (compute("qkv", qkv), compute("core", core), compute("proj", proj),
-               comm("ar", "all_reduce", src="y_out"), wait("ar", dst="y"))
-    return TileProgram("attn", ops)
+    return forward_program("attn", c.sp, ("qkv", column_forward(c.sp, keep_xg, w_qkv, b_qkv, "qkv")),
+                           ("core", core), ("proj", row_forward(c.sp, "o_in", w_o, c.save)))
 
 
 def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TileProgram:
     sp, regather = c.sp, c.sp and c.plan.regather
     xin = "xg" if sp else "x"
-
-    def accumulate(key, value_fn, add_fn):
-        if key in grads["started"]:
-            add_fn(grads[key])
-        else:
-            value_fn(grads[key])
-            grads["started"].add(key)
+    accumulate = Accumulator(grads)
 
     def dgrad_o(env):
         env["do"] = torch.mm(env["dyg"] if sp else env["dy"], w_o)
@@ -151,35 +131,11 @@ def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TilePro
         for i, gn in enumerate(got[1:]):
             accumulate(f"norm{i}", lambda g, gn=gn: g.copy_(gn), lambda g, gn=gn: g.add_(gn))
 
-    def dgrad_qkv(env):
-        if sp:
-            env["dxg"] = torch.mm(env["dqkv"], w_qkv)
-        else:
-            torch.mm(env["dqkv"], w_qkv, out=env["dx_out"])
-
-    def wgrad_o(env):
-        dy, o = env.pop("dyg" if sp else "dy"), env.pop("o_in")
-        accumulate("w_o", lambda g: torch.mm(dy.t(), o, out=g), lambda g: g.addmm_(dy.t(), o))
-
-    def wgrad_qkv(env):
-        dqkv, x = env.pop("dqkv"), env.pop(xin)
-        accumulate("w_qkv", lambda g: torch.mm(dqkv.t(), x, out=g), lambda g: g.addmm_(dqkv.t(), x))
-        if grads.get("b_qkv") is not None:
-            accumulate("b_qkv", lambda g: torch.sum(dqkv, 0, out=g), lambda g: g.add_(dqkv.sum(0)))
-
-    head = []
-    if sp:
-        head = [comm("ag_dy", "all_gather", src="dy")]
-        if regather:
-            head.append(comm("ag_x", "all_gather", src="x"))
-        head.append(wait("ag_dy", dst="dyg"))
-        red, tail = comm("rs_dx", "reduce_scatter", src="dxg", out="dx_out"), wait("rs_dx", dst="dx")
-    else:
-        red, tail = comm("ar_dx", "all_reduce", src="dx_out"), wait("ar_dx", dst="dx")
-    ops = (*head, compute("dgrad_o", dgrad_o), compute("core_bwd", core_bwd), compute("dgrad_qkv", dgrad_qkv),
-           red, compute("wgrad_o", wgrad_o, chain="w_o"), *((wait("ag_x", dst="xg"),) if regather else ()),
-           compute("wgrad_qkv", wgrad_qkv, chain="w_qkv"), tail)
-    return TileProgram("attn_bwd", ops)
+    return backward_program("attn_bwd", sp, regather, ("dgrad_o", dgrad_o), ("core_bwd", core_bwd),
+                            ("dgrad_qkv", column_dgrad(sp, "dqkv", w_qkv)),
+                            ("wgrad_o", weight_grad(accumulate, "w_o", "dyg" if sp else "dy", "o_in"), "w_o"),
+                            ("wgrad_qkv", weight_grad(accumulate, "w_qkv", "dqkv", xin,
+                                                      "b_qkv" if grads.get("b_qkv") is not None else None), "w_qkv"))
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -218,7 +174,7 @@ class _TiledAttention(torch.autograd.Function):
         T, H = x_TH.shape
         dx_TH = x_TH.new_empty((T, H))
         norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
-        grads = {"started": set(), "w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
+        grads = {"w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
                  "b_qkv": w_qkv.new_empty(w_qkv.shape[0]) if ctx.has_b else None}
         for i, p in enumerate(norms):
             grads[f"norm{i}"] = torch.empty_like(p)

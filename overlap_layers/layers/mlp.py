@@ -44,11 +44,13 @@ from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
-from ..schedule import TileProgram, comm, compute, round_robin, wait
+from ..schedule import TileProgram, round_robin
 from .mlp_cost import MLPCostModel
 from .planned import PlannedLayer, TilePlan, resolve_config
 from .planning import Trial
 from .tiling import tile_bounds
+from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
+                         weight_grad)
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -108,41 +110,18 @@ class _Call:
 def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
     keep_xg = c.save and c.sequence_parallel and not c.plan.regather
 
-    xin = "xg" if c.sequence_parallel else "x"
-
-    def fc1(env):
-        x = env[xin] if keep_xg else env.pop(xin)
-        env["pre"] = F.linear(x, w_in, b_in)
-
     def act(env):
         env["h"] = _act(c.activation, env["pre"] if c.save else env.pop("pre"))
 
-    if c.sequence_parallel:
-        def fc2(env):
-            env["yp"] = torch.mm(env.pop("h"), w_out.t())
-
-        ops = (comm("ag", "all_gather", src="x"), wait("ag", dst="xg"),
-               compute("fc1", fc1), compute("act", act), compute("fc2", fc2),
-               comm("rs", "reduce_scatter", src="yp", out="y_out"), wait("rs", dst="y"))
-    else:
-        def fc2(env):
-            torch.mm(env.pop("h"), w_out.t(), out=env["y_out"])
-
-        ops = (compute("fc1", fc1), compute("act", act), compute("fc2", fc2),
-               comm("ar", "all_reduce", src="y_out"), wait("ar", dst="y"))
-    return TileProgram("mlp", ops)
+    return forward_program("mlp", c.sequence_parallel,
+                           ("fc1", column_forward(c.sequence_parallel, keep_xg, w_in, b_in, "pre")), ("act", act),
+                           ("fc2", row_forward(c.sequence_parallel, "h", w_out)))
 
 
 def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> TileProgram:
     sp, regather = c.sequence_parallel, c.sequence_parallel and c.plan.regather
     xin = "xg" if sp else "x"
-
-    def accumulate(key: str, fn_out, fn_add):
-        if key in grads["started"]:
-            fn_add(grads[key])
-        else:
-            fn_out(grads[key])
-            grads["started"].add(key)
+    accumulate = Accumulator(grads)
 
     def dgrad2(env):
         dy = env["dyg"] if sp else env["dy"]
@@ -152,38 +131,11 @@ def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> Til
     def act_bwd(env):
         env["dpre"] = _act_backward(c.activation, env.pop("pre"), env.pop("dh"))
 
-    def dgrad1(env):
-        if sp:
-            env["dxg"] = torch.mm(env["dpre"], w_in)
-        else:
-            torch.mm(env["dpre"], w_in, out=env["dx_out"])
-
-    def wgrad2(env):
-        dy, h = env.pop("dyg" if sp else "dy"), env.pop("h")
-        accumulate("w_out", lambda g: torch.mm(dy.t(), h, out=g), lambda g: g.addmm_(dy.t(), h))
-
-    def wgrad1(env):
-        dpre, x = env.pop("dpre"), env.pop(xin)
-        accumulate("w_in", lambda g: torch.mm(dpre.t(), x, out=g), lambda g: g.addmm_(dpre.t(), x))
-        if has_b_in:
-            accumulate("b_in", lambda g: torch.sum(dpre, 0, out=g), lambda g: g.add_(dpre.sum(0)))
-
-    head = []
-    if sp:
-        head = [comm("ag_dy", "all_gather", src="dy")]
-        if regather:
-            head.append(comm("ag_x", "all_gather", src="x"))
-        head.append(wait("ag_dy", dst="dyg"))
-        red = (comm("rs_dx", "reduce_scatter", src="dxg", out="dx_out"), )
-        tail_wait = wait("rs_dx", dst="dx")
-    else:
-        red = (comm("ar_dx", "all_reduce", src="dx_out"), )
-        tail_wait = wait("ar_dx", dst="dx")
-    ops = (*head, compute("dgrad2", dgrad2), compute("act_bwd", act_bwd), compute("dgrad1", dgrad1),
-           *red, compute("wgrad2", wgrad2, chain="w_out"),
-           *((wait("ag_x", dst="xg"),) if regather else ()),
-           compute("wgrad1", wgrad1, chain="w_in"), tail_wait)
-    return TileProgram("mlp_bwd", ops)
+    return backward_program("mlp_bwd", sp, regather, ("dgrad2", dgrad2), ("act_bwd", act_bwd),
+                            ("dgrad1", column_dgrad(sp, "dpre", w_in)),
+                            ("wgrad2", weight_grad(accumulate, "w_out", "dyg" if sp else "dy", "h"), "w_out"),
+                            ("wgrad1", weight_grad(accumulate, "w_in", "dpre", xin, "b_in" if has_b_in else None),
+                             "w_in"))
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -216,7 +168,7 @@ class _TiledMLP(torch.autograd.Function):
         T, H = x_TH.shape
         bounds = tile_bounds(T, n)
         dx_TH = x_TH.new_empty((T, H))
-        grads = {"started": set(), "w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
+        grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
                  "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
         envs = []
         for i, (a, b) in enumerate(bounds):
