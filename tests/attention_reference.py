@@ -1,4 +1,5 @@
-"""Independent dense attention for the attention layers' tests (one process, plain formulas).
+"""Independent dense attention for the attention layers' tests (one process, plain formulas), and
+the bad inputs both layers must refuse.
 
 Written from the Hugging Face Llama / Qwen3 definitions, not from the library: explicit softmax
 (no SDPA), KV heads expanded by index, RoPE by the rotate-half formula, RMSNorm in the input dtype.
@@ -55,3 +56,34 @@ def dense_attention(x, wq, wk, wv, wo, *, num_heads, num_kv_heads, bq=None, bk=N
         s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
     o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, S, num_heads * d)
     return lin(o, wo, bo)
+
+
+def bad_call_input(rank, ws, name):
+    """``(x, kwargs)`` for a call of an attention layer built with hidden 8, 2 heads (head_dim 4)
+    whose input is wrong in the way ``name`` says, on one or every rank (local seq 4)."""
+    x, kw = torch.randn(2, 4, 8), {}
+    if name == "seq":
+        x = torch.randn(2, 4 + rank, 8)
+    elif name == "batch":
+        x = torch.randn(1 + rank, 4, 8)
+    elif name == "rank0_2d":
+        x = torch.randn(8, 8) if rank == 0 else x
+    elif name == "hidden":
+        x = torch.randn(2, 4, 6)
+    elif name == "dtype":
+        x = x.double()
+    elif name == "dtype_rank1":
+        x = x.double() if rank == 1 else x
+    elif name == "device":
+        x = torch.randn(2, 4, 8, device="meta")
+    elif name == "attention_mask":
+        kw["attention_mask"] = torch.ones(2, 1, 4 * ws, 4 * ws, dtype=torch.bool)
+    elif name == "attention_mask_rank1":
+        kw["attention_mask"] = torch.ones(2, 4 * ws) if rank == 1 else None
+    elif name == "position_ids":
+        kw["position_ids"] = torch.arange(4)[None].expand(2, 4)  # local length, not the global sequence
+    elif name == "position_ids_float":
+        kw["position_ids"] = torch.arange(4.0 * ws)[None]
+    elif name == "position_embeddings":
+        kw["position_embeddings"] = (torch.randn(2, 4 * ws, 3), torch.randn(2, 4 * ws, 3))  # head_dim is 4
+    return x, kw

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import overlap_layers
-from attention_reference import dense_attention
+from attention_reference import bad_call_input, dense_attention
 from overlap_layers import OverlapConfig, UlyssesAttention
 from pool import RankFailure
 
@@ -379,32 +379,8 @@ def test_from_dense_bad_shapes(pool2, which, match):
 
 def _call_with(rank, ws, name):
     layer = UlyssesAttention(8, 2, group=dist.group.WORLD, num_tiles=2)
-    x, kw = torch.randn(2, 4, 8), {}
-    if name == "seq":
-        x = torch.randn(2, 4 + rank, 8)
-    elif name == "batch":
-        x = torch.randn(1 + rank, 4, 8)
-    elif name == "rank0_2d":
-        x = torch.randn(8, 8) if rank == 0 else x
-    elif name == "hidden":
-        x = torch.randn(2, 4, 6)
-    elif name == "dtype":
-        x = x.double()
-    elif name == "dtype_rank1":
-        x = x.double() if rank == 1 else x
-    elif name == "device":
-        x = torch.randn(2, 4, 8, device="meta")
-    elif name == "attention_mask":
-        kw["attention_mask"] = torch.ones(2, 1, 4 * ws, 4 * ws, dtype=torch.bool)
-    elif name == "attention_mask_rank1":
-        kw["attention_mask"] = torch.ones(2, 4 * ws) if rank == 1 else None
-    elif name == "position_ids":
-        kw["position_ids"] = torch.arange(4)[None].expand(2, 4)  # local length, not the global sequence
-    elif name == "position_ids_float":
-        kw["position_ids"] = torch.arange(4.0 * ws)[None]
-    elif name == "position_embeddings":
-        kw["position_embeddings"] = (torch.randn(2, 4 * ws, 3), torch.randn(2, 4 * ws, 3))  # head_dim is 4
-    elif name == "num_tiles":
+    x, kw = bad_call_input(rank, ws, name)
+    if name == "num_tiles":
         layer = UlyssesAttention(8, 2, group=dist.group.WORLD, num_tiles=1 + rank)
     elif name == "layer_config":
         layer = UlyssesAttention(8, 2, group=dist.group.WORLD, num_tiles=2, causal=rank == 0)

@@ -48,7 +48,8 @@ from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.timing import Stopwatch
 from ..schedule import TileProgram, round_robin
-from .attention_common import INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error
+from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error,
+                               register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
@@ -239,16 +240,8 @@ class OverlapAttention(PlannedLayer, nn.Module):
         self.bias, self.qk_norm, self.softmax_scale, self.dropout_p = bool(bias), bool(qk_norm), softmax_scale, dropout_p
         self.num_heads_local = num_heads // ws
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
-        kw = {"dtype": dtype, "device": device}
-        d, nq, nkv = head_dim, self.num_heads_local, self.num_kv_heads_local
-        self.wq = nn.Parameter(torch.empty(nq * d, hidden_size, **kw))
-        self.wk = nn.Parameter(torch.empty(nkv * d, hidden_size, **kw))
-        self.wv = nn.Parameter(torch.empty(nkv * d, hidden_size, **kw))
-        self.wo = nn.Parameter(torch.empty(hidden_size, nq * d, **kw))
-        for name, n in (("bq", nq * d), ("bk", nkv * d), ("bv", nkv * d), ("bo", hidden_size)):
-            setattr(self, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
-        self.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+        register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
+                        head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)

@@ -90,6 +90,22 @@ def check_dense(wq, wk, wv, wo, *, num_heads, num_kv_heads, bq, bk, bv, bo, q_no
     return H, d, num_kv_heads
 
 
+def register_params(module: nn.Module, *, hidden: int, q_heads: int, kv_heads: int, head_dim: int, bias: bool,
+                    qk_norm: bool, dtype=None, device=None) -> None:
+    """Create (uninitialised) ``wq [q_heads*d, H]``, ``wk``/``wv [kv_heads*d, H]``,
+    ``wo [H, q_heads*d]``, biases ``bq``, ``bk``, ``bv``, ``bo`` (or None) and ``q_norm``,
+    ``k_norm [d]`` (or None) on ``module``."""
+    kw, d = {"dtype": dtype, "device": device}, head_dim
+    module.wq = nn.Parameter(torch.empty(q_heads * d, hidden, **kw))
+    module.wk = nn.Parameter(torch.empty(kv_heads * d, hidden, **kw))
+    module.wv = nn.Parameter(torch.empty(kv_heads * d, hidden, **kw))
+    module.wo = nn.Parameter(torch.empty(hidden, q_heads * d, **kw))
+    for name, n in (("bq", q_heads * d), ("bk", kv_heads * d), ("bv", kv_heads * d), ("bo", hidden)):
+        setattr(module, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
+    module.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+    module.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+
+
 @torch.no_grad()
 def init_linear_(w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
     """In place, as ``nn.Linear(w.shape[1], w.shape[0])`` initialises its weight then bias."""

@@ -57,7 +57,8 @@ from ..config import OverlapConfig
 from ..runtime import Agreement, StreamPool, execute, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from ..runtime.timing import Stopwatch
-from .attention_common import INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error
+from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error,
+                               register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .planned import PlannedLayer, TilePlan, resolve_config
@@ -353,16 +354,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
         self.rope_theta, self.causal, self.bias, self.qk_norm = rope_theta, bool(causal), bool(bias), bool(qk_norm)
         self.softmax_scale, self.dropout_p = softmax_scale, dropout_p
-        kw = {"dtype": dtype, "device": device}
-        d, H = head_dim, hidden_size
-        self.wq = nn.Parameter(torch.empty(num_heads * d, H, **kw))
-        self.wk = nn.Parameter(torch.empty(num_kv_heads * d, H, **kw))
-        self.wv = nn.Parameter(torch.empty(num_kv_heads * d, H, **kw))
-        self.wo = nn.Parameter(torch.empty(H, num_heads * d, **kw))
-        for name, n in (("bq", num_heads * d), ("bk", num_kv_heads * d), ("bv", num_kv_heads * d), ("bo", H)):
-            setattr(self, name, nn.Parameter(torch.empty(n, **kw)) if bias else None)
-        self.q_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
+        register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
+                        bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.launch_log: Optional[list] = None
         self.tile_by = "batch"  # what the last call tiled
         self._routes: dict = {}  # (h0, h1) -> _Route; rank-dependent, but never decides a collective
