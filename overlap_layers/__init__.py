@@ -1,9 +1,9 @@
 """overlap_layers: drop-in parallel transformer layers that hide communication under compute."""
 from .config import OverlapConfig
-from .layers import OverlapAttention, OverlapMLP, reduce_replicated_grads
-from .layers import UlyssesAttention
+from .layers import OverlapAttention, OverlapMLP, OverlapMoE, UlyssesAttention, reduce_replicated_grads
 from .plot import plot_timeline
 from .runtime.group import PlanMismatchError
 
-__all__ = ["OverlapAttention", "OverlapConfig", "OverlapMLP", "PlanMismatchError", "plot_timeline", "reduce_replicated_grads", "UlyssesAttention"]
+__all__ = ["OverlapAttention", "OverlapConfig", "OverlapMLP", "OverlapMoE", "PlanMismatchError", "UlyssesAttention",
+           "plot_timeline", "reduce_replicated_grads"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 from .attention import OverlapAttention
 from .grads import reduce_replicated_grads
 from .mlp import OverlapMLP
+from .moe import OverlapMoE
 from .ulysses import UlyssesAttention
 
-__all__ = ["OverlapAttention", "OverlapMLP", "reduce_replicated_grads", "UlyssesAttention"]
+__all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "reduce_replicated_grads", "UlyssesAttention"]

@@ -86,8 +86,11 @@ class Agreement:
 
 
 def first_disagreement(table: Sequence[Tuple[int, ...]], names: Sequence[str]) -> Optional[str]:
-    """A readable description of the first field that differs across ranks, or None."""
+    """A readable description of the first field that differs across ranks, or None. Fields
+    named None may differ (e.g. token counts of an expert-parallel layer)."""
     for j, name in enumerate(names):
+        if name is None:
+            continue
         col = [row[j] for row in table]
         if len(set(col)) > 1:
             return f"{name} differs across ranks: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(col))

@@ -1,0 +1,455 @@
+"""Expert-parallel mixture of experts: route on the local tokens, dispatch by all-to-all, run the
+local experts, combine by all-to-all; the tokens are cut into K tiles so one tile's exchanges
+hide under another tile's experts, in forward and backward.
+
+Reference (what :class:`OverlapMoE` must equal, up to rounding), per rank on its own tokens
+``x [T, H]``, with all E experts' dense weights::
+
+    p = softmax(x @ router_weight.T)               # in float32, or the input dtype if wider
+    (w, e) = top-k of p per token                  # ties to the lower expert index
+    w = w / sum(w)                                 # if normalize_topk
+    drop assignments over capacity                 # capacity_factor c: per expert, at most
+                                                   # ceil(c*T*k/E), by decreasing p, then token
+    y = sum over kept (t, e, w) of w * expert_e(x_t) + shared_expert(x)
+    expert_e(x) = act(x @ w_in[e].T) @ w_out[e].T   # act: swiglu (gate rows, then up), gelu, relu
+    aux_loss = aux_loss_coef * E * sum_e f_e * P_e  # f_e = assignments to e / (T*k), P_e = mean p_e
+
+Rank r holds experts ``r*E/ws ..`` (``w_in``, ``w_out``); the router and the shared expert are
+replicated. Legend: T local tokens, N kept assignments, H hidden, E experts, El = E/ws local
+experts, K tiles (of the local tokens; every rank runs K tiles, some possibly empty).
+
+``_ExpertExchange`` (per rank, per tile; A2A = uneven all_to_all_single):
+
+=========  ==========================================================================
+forward    xr = A2A(x_perm tile rows) (rows grouped by source, then by local expert);
+           y_g = experts(regroup(xr)) (graph kept);  y_perm tile rows = A2A(ungroup(y_g))
+backward   dyr = A2A(dy_perm tile rows);  dx_g, dw_in, dw_out = experts'(regroup(dyr));
+           dx_perm tile rows = A2A(ungroup(dx_g))
+=========  ==========================================================================
+
+Routing, capacity, the permutation ``x_perm = x[t_perm]`` and the weighted combine
+``y = index_add(t_perm, w_perm * y_perm)`` stay outside, in plain autograd (so the router gets
+its gradient through the weights and the aux loss).
+
+[Note: MoE host syncs]
+An uneven all-to-all needs its split sizes on the host. All K tiles' send counts, per destination
+rank and local expert, are computed at once from the routing (one bincount) and exchanged in the
+call's second host gather, through the same host group as the agreement ([Note: agreement]):
+one device-to-host copy per call, before any tile is launched, so no tile's exchange waits on a
+sync and the backward reuses the same splits reversed (no sync at all). The counts also give the
+regrouping of received rows by local expert without another sync.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OverlapConfig
+from ..runtime import Agreement, StreamPool, execute, resolve_group
+from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime.timing import Stopwatch
+from ..schedule import TileProgram, comm, compute, round_robin, wait
+from .attention_common import init_linear_
+from .mlp import ACTIVATIONS, _act
+from .planned import PlannedLayer, TilePlan, resolve_config
+from .tiling import tile_bounds
+from .tp_program import Accumulator
+
+_INPUT_ERRORS = {
+    1: "input must be 3-D [batch, seq, hidden] (batch*seq may be 0 and may differ across ranks)",
+    2: "input hidden dim must equal hidden_size",
+    3: "input dtype must equal the weights' dtype outside autocast",
+    4: "input must be on the weights' device",
+}
+
+
+def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
+    """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k])``;
+    probs in float32 (or x's dtype if wider), ties to the lower expert index."""
+    rdt = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(x_TH.to(rdt) @ router_weight.to(rdt).t(), dim=-1)
+    order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    top_p = probs.gather(1, order)
+    weights = top_p / top_p.sum(-1, keepdim=True) if normalize else top_p
+    return probs, top_p, order, weights
+
+
+def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int):
+    """Mask over the flattened assignments (token-major): at most ``capacity`` per expert, by
+    decreasing ``priority``, ties to the lower token (earlier assignment)."""
+    n = experts.numel()
+    by_priority = torch.sort(-priority, stable=True).indices
+    order = by_priority[torch.sort(experts[by_priority], stable=True).indices]
+    e_sorted = experts[order]
+    counts = torch.bincount(e_sorted, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    keep_sorted = torch.arange(n, device=experts.device) - starts[e_sorted] < capacity
+    keep = torch.empty_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def regroup_index(counts_SE: torch.Tensor) -> torch.Tensor:
+    """Rows received grouped by source then local expert (``counts_SE`` rows of each) -> the
+    index that groups them by local expert then source."""
+    lengths = counts_SE.t().reshape(-1)
+    offsets = (torch.cumsum(counts_SE.reshape(-1), 0) - counts_SE.reshape(-1)).view_as(counts_SE).t().reshape(-1)
+    total = int(lengths.sum())
+    starts = torch.repeat_interleave(offsets - (torch.cumsum(lengths, 0) - lengths), lengths)
+    return starts + torch.arange(total, device=counts_SE.device)
+
+
+class _Call:
+    """Everything one call needs besides the differentiable tensors."""
+
+    def __init__(self, layer: "OverlapMoE", plan: TilePlan, save: bool, streams, send: List[List[int]],
+                 recv: List[List[int]], recv_counts: List[torch.Tensor]):
+        self.group, self.activation, self.plan, self.save, self.streams = \
+            layer.group, layer.activation, plan, save, streams
+        self.send, self.recv, self.recv_counts = send, recv, recv_counts  # per tile
+        self.launch_log = layer.launch_log
+        self.trial = None
+
+    def experts(self, x_g: torch.Tensor, sizes: List[int], w_in, w_out) -> torch.Tensor:
+        """Rows grouped by local expert (``sizes`` rows each) through their experts."""
+        outs = [_act(self.activation, rows @ w_in[e].t()) @ w_out[e].t()
+                for e, rows in enumerate(x_g.split(sizes)) if sizes[e]]
+        return torch.cat(outs) if outs else x_g.new_zeros((0, w_out.shape[1]))
+
+
+def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
+    def experts(env):
+        t = env["tile"]
+        idx = regroup_index(c.recv_counts[t])
+        sizes = c.recv_counts[t].sum(0).tolist()
+        x_g = env.pop("xr").index_select(0, idx)
+        if c.save:
+            leaf = x_g.detach().requires_grad_()
+            with torch.enable_grad():
+                y_g = c.experts(leaf, sizes, w_in, w_out)
+            env["graph"] = (leaf, y_g, idx, sizes)
+            y_g = y_g.detach()
+        else:
+            y_g = c.experts(x_g, sizes, w_in, w_out)
+        ys = torch.empty_like(y_g)
+        ys[idx] = y_g
+        env["ys"] = (ys, c.recv[t], c.send[t])
+
+    return TileProgram("moe", (comm("dispatch", "all_to_all", src="xs"), wait("dispatch", dst="xr"),
+                               compute("experts", experts), comm("combine", "all_to_all", src="ys"),
+                               wait("combine", dst="y")))
+
+
+def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TileProgram:
+    def experts_bwd(env):
+        t = env["tile"]
+        leaf, y_g, idx, sizes = env.pop("graph")
+        dy_g = env.pop("dyr").index_select(0, idx)
+        if y_g.requires_grad:
+            dx_g, dwi, dwo = torch.autograd.grad(y_g, (leaf, w_in, w_out), dy_g, allow_unused=True)
+        else:  # no rows reached this rank's experts in this tile
+            dx_g, dwi, dwo = torch.zeros_like(leaf), None, None
+        for key, g in (("w_in", dwi), ("w_out", dwo)):
+            if g is not None:
+                accumulate(key, lambda buf, g=g: buf.copy_(g), lambda buf, g=g: buf.add_(g))
+        dxs = torch.empty_like(dx_g)
+        dxs[idx] = dx_g
+        env["dxs"] = (dxs, c.recv[t], c.send[t])
+
+    return TileProgram("moe_bwd", (comm("dispatch_bwd", "all_to_all", src="dys"), wait("dispatch_bwd", dst="dyr"),
+                                   compute("experts_bwd", experts_bwd),
+                                   comm("combine_bwd", "all_to_all", src="dxs"), wait("combine_bwd", dst="dx")))
+
+
+class _ExpertExchange(torch.autograd.Function):
+    """``y_perm`` (expert outputs of the assignment rows ``x_perm``, same order) for the local
+    experts ``w_in``, ``w_out``; see the module table."""
+
+    @staticmethod
+    def forward(ctx, x_perm, w_in, w_out, call: _Call):
+        offsets = [0]
+        for s in call.send:
+            offsets.append(offsets[-1] + sum(s))
+        envs = [{"tile": t, "xs": (x_perm[offsets[t]:offsets[t + 1]], call.send[t], call.recv[t])}
+                for t in range(len(call.send))]
+        execute(round_robin(_forward_program(call, w_in, w_out), len(envs)), envs, call.group,
+                streams=call.streams, label="moe", trace=call.launch_log)
+        if call.save:
+            ctx.graphs = [e["graph"] for e in envs]
+            ctx.call, ctx.offsets = call, offsets
+            ctx.save_for_backward(w_in, w_out)
+        return torch.cat([e["y"] for e in envs]) if envs else x_perm.new_zeros((0, w_out.shape[1]))
+
+    @staticmethod
+    def backward(ctx, dy_perm):
+        c: _Call = ctx.call
+        w_in, w_out = ctx.saved_tensors
+        graphs, ctx.graphs, offs = ctx.graphs, None, ctx.offsets
+        dy_perm = dy_perm.contiguous()
+        grads = {"w_in": torch.zeros_like(w_in), "w_out": torch.zeros_like(w_out)}
+        envs = [{"tile": t, "graph": graphs[t], "dys": (dy_perm[offs[t]:offs[t + 1]], c.send[t], c.recv[t])}
+                for t in range(len(graphs))]
+        del graphs
+        if c.trial is not None:
+            c.trial.bwd = Stopwatch(dy_perm.device)
+            c.trial.bwd.start()
+        execute(round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, c.group,
+                streams=c.streams, label="moe_bwd", trace=c.launch_log)
+        if c.trial is not None:
+            c.trial.bwd.stop()
+        dx = torch.cat([e["dx"] for e in envs]) if envs else dy_perm.new_zeros(dy_perm.shape)
+        return dx, grads["w_in"], grads["w_out"], None
+
+
+class OverlapMoE(PlannedLayer, nn.Module):
+    """Drop-in expert-parallel MoE; equals the module docstring's reference on each rank's tokens.
+
+    Parameters (``group=`` the expert-parallel group): ``router_weight [E, H]`` (replicated),
+    ``w_in [E/ws, 2*ffn, H]`` (swiglu: gate rows then up rows; else ``[E/ws, ffn, H]``),
+    ``w_out [E/ws, H, ffn]`` for experts ``r*E/ws ..``, and the replicated shared expert
+    ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]``. ``router_weight.grad`` and
+    the shared expert's gradients hold *this rank's tokens'* contribution (the data-parallel
+    reduction over the group sums them); expert gradients hold every rank's tokens routed to them.
+
+    Input ``[batch, seq, hidden]``: this rank's own tokens (the count may differ across ranks and
+    may be 0); output the same shape. Capacity drops order by the router probability (before
+    renormalisation). ``layer.aux_loss`` is set by every call (0 unless ``aux_loss_coef > 0``).
+    ``num_tiles`` is K (tiles of the local tokens; every rank runs K); "auto" runs K=1 until the
+    MoE planner exists.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
+                 mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
+                 capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
+                 shared_expert_ffn: Optional[int] = None, num_tiles=None, config: Optional[OverlapConfig] = None,
+                 dtype=None, device=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}; must be a positive int")
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                                and not isinstance(capacity_factor, bool) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor={capacity_factor!r}; must be None (dropless) or a positive number")
+        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a number >= 0")
+        if shared_expert_ffn is not None and (isinstance(shared_expert_ffn, bool) or
+                                              not isinstance(shared_expert_ffn, int) or shared_expert_ffn < 1):
+            raise ValueError(f"shared_expert_ffn={shared_expert_ffn!r}; must be None or a positive int")
+        self.config, self.num_tiles = resolve_config(config, num_tiles)
+        self.group = resolve_group(group, mesh, axis)
+        ws = dist.get_world_size(self.group)
+        if num_experts % ws:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the group size {ws}")
+        self.world_size, self.rank = ws, dist.get_rank(self.group)
+        self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k = \
+            hidden_size, ffn_hidden_size, num_experts, top_k
+        self.activation, self.normalize_topk, self.capacity_factor = activation, bool(normalize_topk), capacity_factor
+        self.aux_loss_coef, self.shared_expert_ffn = float(aux_loss_coef), shared_expert_ffn
+        self.num_local_experts = num_experts // ws
+        kw = {"dtype": dtype, "device": device}
+        n_in = (2 if activation == "swiglu" else 1) * ffn_hidden_size
+        self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
+        self.w_in = nn.Parameter(torch.empty(self.num_local_experts, n_in, hidden_size, **kw))
+        self.w_out = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, ffn_hidden_size, **kw))
+        if shared_expert_ffn:
+            s_in = (2 if activation == "swiglu" else 1) * shared_expert_ffn
+            self.shared_w_in = nn.Parameter(torch.empty(s_in, hidden_size, **kw))
+            self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
+        else:
+            self.shared_w_in = self.shared_w_out = None
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.launch_log: Optional[list] = None
+        self._streams = StreamPool()
+        self._agreement = Agreement(self.group)
+        self._init_planning(self.config)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------- weights
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Router and experts as ``nn.Linear`` (no bias) would initialise them under the same seed,
+        in the order router, every expert's fc1 then fc2 (dense, then this rank's slice), shared
+        fc1, fc2: the same on every rank."""
+        if self.w_in.device.type == "meta":
+            return
+        init_linear_(self.router_weight, None)
+        kw = {"dtype": self.w_in.dtype, "device": self.w_in.device}
+        dense_in = torch.empty(self.num_experts, *self.w_in.shape[1:], **kw)
+        dense_out = torch.empty(self.num_experts, *self.w_out.shape[1:], **kw)
+        for e in range(self.num_experts):
+            init_linear_(dense_in[e], None)
+            init_linear_(dense_out[e], None)
+        mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+        self.w_in.copy_(dense_in[mine])
+        self.w_out.copy_(dense_out[mine])
+        if self.shared_w_in is not None:
+            init_linear_(self.shared_w_in, None)
+            init_linear_(self.shared_w_out, None)
+
+    @classmethod
+    def from_dense(cls, router_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *, top_k: int,
+                   shared_w_in=None, shared_w_out=None, group=None, mesh=None, axis=None, activation: str = "swiglu",
+                   normalize_topk: bool = True, capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
+                   num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapMoE":
+        """From dense weights: ``router_weight [E, H]``, ``w_in [E, 2*ffn, H]`` (swiglu; else
+        ``[E, ffn, H]``), ``w_out [E, H, ffn]``, shared ``shared_w_in [2*sffn, H]`` (swiglu),
+        ``shared_w_out [H, sffn]`` (both or neither)."""
+        for name, t, dim in (("router_weight", router_weight, 2), ("w_in", w_in, 3), ("w_out", w_out, 3)):
+            if not isinstance(t, torch.Tensor) or t.dim() != dim:
+                raise ValueError(f"{name} must be a {dim}-D tensor; got {getattr(t, 'shape', t)!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+        E, H = router_weight.shape
+        ffn = w_out.shape[2]
+        mult = 2 if activation == "swiglu" else 1
+        for name, t, want in (("w_in", w_in, (E, mult * ffn, H)), ("w_out", w_out, (E, H, ffn))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; with router_weight {tuple(router_weight.shape)} "
+                                 f"and activation={activation!r} it must be {want}")
+        if (shared_w_in is None) != (shared_w_out is None):
+            raise ValueError("pass both shared_w_in and shared_w_out, or neither")
+        sffn = None
+        if shared_w_in is not None:
+            sffn = shared_w_out.shape[-1] if shared_w_out.dim() == 2 else -1
+            if shared_w_out.dim() != 2 or tuple(shared_w_out.shape) != (H, sffn) or \
+                    shared_w_in.dim() != 2 or tuple(shared_w_in.shape) != (mult * sffn, H):
+                raise ValueError(f"shared_w_in {tuple(shared_w_in.shape)} / shared_w_out {tuple(shared_w_out.shape)}: "
+                                 f"must be [{mult}*shared_ffn, {H}] and [{H}, shared_ffn]")
+        layer = cls(H, ffn, E, top_k, group=group, mesh=mesh, axis=axis, activation=activation,
+                    normalize_topk=normalize_topk, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
+                    shared_expert_ffn=sffn, num_tiles=num_tiles, config=config, dtype=w_in.dtype, device="meta")
+        layer.to_empty(device=w_in.device)
+        with torch.no_grad():
+            mine = slice(layer.rank * layer.num_local_experts, (layer.rank + 1) * layer.num_local_experts)
+            layer.router_weight.copy_(router_weight)
+            layer.w_in.copy_(w_in[mine])
+            layer.w_out.copy_(w_out[mine])
+            if sffn:
+                layer.shared_w_in.copy_(shared_w_in)
+                layer.shared_w_out.copy_(shared_w_out)
+        return layer
+
+    @torch.no_grad()
+    def to_dense(self) -> dict:
+        """The dense weights (keys of :meth:`from_dense`; None where absent). A collective: every
+        rank of the group must call it."""
+        def gather(t):
+            out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
+            all_gather_rows(out, t.contiguous(), group=self.group)
+            return out
+        shared = self.shared_w_in is not None
+        return {"router_weight": self.router_weight.detach().clone(), "w_in": gather(self.w_in),
+                "w_out": gather(self.w_out), "shared_w_in": self.shared_w_in.detach().clone() if shared else None,
+                "shared_w_out": self.shared_w_out.detach().clone() if shared else None}
+
+    # ----------------------------------------------------------------- forward
+    @property
+    def _weight(self) -> torch.Tensor:
+        return self.w_in
+
+    def _tile_units(self, shape: tuple) -> int:
+        return 1 << 30  # K is never capped by a rank's own tokens: every rank must run the same K
+
+    def _fixed_plan(self, shape: tuple) -> Optional[TilePlan]:
+        if self.num_tiles == "auto" and self._pinned is None:
+            return TilePlan(1, reason="auto: the MoE planner is not built yet; K=1 (the serial layer)")
+        return super()._fixed_plan(shape)
+
+    def _input_error(self, x) -> int:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return 1
+        if x.shape[-1] != self.hidden_size:
+            return 2
+        if x.device != self.w_in.device:
+            return 4
+        if x.dtype != self.w_in.dtype and not torch.is_autocast_enabled(x.device.type):
+            return 3
+        return 0
+
+    def _config_digest(self) -> int:
+        key = (self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
+               self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
+        return zlib.crc32(repr(key).encode())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x",
+                                                extra=(self._config_digest(),), extra_names=("layer config",),
+                                                shape_names=(None, None, "hidden"))
+        return self._planned_call(x, shape, dtype, save, fixed,
+                                  lambda plan, trial, trace: self._run(x, plan, save, trial))
+
+    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
+        return (dtype, save)
+
+    def _route_and_count(self, x_TH, K: int):
+        """Routing on the whole local batch, capacity, the send order and per-tile counts."""
+        T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
+        probs, top_p, experts, weights = route(x_TH, self.router_weight, k, self.normalize_topk)
+        flat_e = experts.reshape(-1)
+        tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+        keep = torch.ones_like(flat_e, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            cap = math.ceil(self.capacity_factor * T * k / E)
+            keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
+        if self.aux_loss_coef > 0 and T > 0:
+            f = torch.bincount(flat_e, minlength=E).to(probs.dtype) / (T * k)
+            self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
+        else:
+            self.aux_loss = probs.new_zeros(())
+        tile_of = torch.zeros(T, dtype=torch.long, device=x_TH.device)
+        for t, (a, b) in enumerate(tile_bounds(T, K)):
+            tile_of[a:b] = t
+        kept = keep.nonzero().squeeze(1)
+        key = tile_of[tokens[kept]] * E + flat_e[kept]
+        order = kept[torch.sort(key, stable=True).indices]
+        counts = torch.bincount(tile_of[tokens[order]] * E + flat_e[order], minlength=K * E).view(K, ws, El)
+        return tokens[order], weights.reshape(-1)[order], counts
+
+    def _run(self, x, plan: TilePlan, save: bool, trial=None) -> torch.Tensor:
+        dev = x.device.type
+        B, S, H = x.shape
+        K, ws = plan.num_tiles, self.world_size
+        x_TH = x.reshape(B * S, H)
+        w_in, w_out = self.w_in, self.w_out
+        if torch.is_autocast_enabled(dev):
+            cdt = torch.get_autocast_dtype(dev)
+            x_TH, w_in, w_out = x_TH.to(cdt), w_in.to(cdt), w_out.to(cdt)
+        with torch.autocast(dev, enabled=False):
+            t_perm, w_perm, counts = self._route_and_count(x_TH, K)
+            # [Note: MoE host syncs]: every rank's counts, in one host gather.
+            table = self._agreement.gather(counts.reshape(-1).tolist())
+            all_counts = torch.tensor(table, dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
+            mine = all_counts[:, :, self.rank]  # [src, tile, El]
+            send = [all_counts[self.rank, t].sum(-1).tolist() for t in range(K)]
+            recv = [mine[:, t].sum(-1).tolist() for t in range(K)]
+            recv_counts = [mine[:, t].to(x.device) for t in range(K)]
+            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), send, recv,
+                         recv_counts)
+            call.trial = trial
+            x_perm = x_TH.index_select(0, t_perm)
+            if save:
+                y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
+            else:
+                with torch.no_grad():
+                    y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
+            y = torch.zeros_like(x_TH).index_add(0, t_perm, y_perm * w_perm.to(y_perm.dtype)[:, None])
+            if self.shared_w_in is not None:
+                sw_in, sw_out = self.shared_w_in.to(x_TH.dtype), self.shared_w_out.to(x_TH.dtype)
+                y = y + _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
+        return y.view(B, S, H)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation}, "
+                f"capacity_factor={self.capacity_factor}, shared_expert_ffn={self.shared_expert_ffn}, "
+                f"world_size={self.world_size}, num_tiles={self.num_tiles!r}")
