@@ -57,6 +57,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .planned import PlannedLayer, TilePlan, resolve_config
+from .moe_cost import MoECostModel
 from .tiling import tile_bounds
 from .tp_program import Accumulator
 
@@ -113,7 +114,7 @@ class _Call:
             layer.group, layer.activation, plan, save, streams
         self.send, self.recv, self.recv_counts = send, recv, recv_counts  # per tile
         self.launch_log = layer.launch_log
-        self.trial = None
+        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
     def experts(self, x_g: torch.Tensor, sizes: List[int], w_in, w_out) -> torch.Tensor:
         """Rows grouped by local expert (``sizes`` rows each) through their experts."""
@@ -178,7 +179,8 @@ class _ExpertExchange(torch.autograd.Function):
         envs = [{"tile": t, "xs": (x_perm[offsets[t]:offsets[t + 1]], call.send[t], call.recv[t])}
                 for t in range(len(call.send))]
         execute(round_robin(_forward_program(call, w_in, w_out), len(envs)), envs, call.group,
-                streams=call.streams, label="moe", trace=call.launch_log)
+                streams=call.streams, label="moe", trace=call.launch_log,
+                recorder=call.trace.fwd if call.trace is not None else None)
         if call.save:
             ctx.graphs = [e["graph"] for e in envs]
             ctx.call, ctx.offsets = call, offsets
@@ -199,9 +201,12 @@ class _ExpertExchange(torch.autograd.Function):
             c.trial.bwd = Stopwatch(dy_perm.device)
             c.trial.bwd.start()
         execute(round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, c.group,
-                streams=c.streams, label="moe_bwd", trace=c.launch_log)
+                streams=c.streams, label="moe_bwd", trace=c.launch_log,
+                recorder=c.trace.start_backward() if c.trace is not None else None)
         if c.trial is not None:
             c.trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
         dx = torch.cat([e["dx"] for e in envs]) if envs else dy_perm.new_zeros(dy_perm.shape)
         return dx, grads["w_in"], grads["w_out"], None
 
@@ -219,8 +224,9 @@ class OverlapMoE(PlannedLayer, nn.Module):
     Input ``[batch, seq, hidden]``: this rank's own tokens (the count may differ across ranks and
     may be 0); output the same shape. Capacity drops order by the router probability (before
     renormalisation). ``layer.aux_loss`` is set by every call (0 unless ``aux_loss_coef > 0``).
-    ``num_tiles`` is K (tiles of the local tokens; every rank runs K); "auto" runs K=1 until the
-    MoE planner exists.
+    ``num_tiles`` is K (tiles of the local tokens; every rank runs K, some tiles may be empty) or
+    "auto": planned from the group's largest token count (bucketed) assuming balanced routing,
+    then verified on the first calls.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
@@ -360,10 +366,26 @@ class OverlapMoE(PlannedLayer, nn.Module):
     def _tile_units(self, shape: tuple) -> int:
         return 1 << 30  # K is never capped by a rank's own tokens: every rank must run the same K
 
-    def _fixed_plan(self, shape: tuple) -> Optional[TilePlan]:
-        if self.num_tiles == "auto" and self._pinned is None:
-            return TilePlan(1, reason="auto: the MoE planner is not built yet; K=1 (the serial layer)")
-        return super()._fixed_plan(shape)
+    def _agreed_shape(self, shape: tuple, table) -> tuple:
+        """Plans come from the group's largest token count (every rank has the table)."""
+        return (1, max(row[1] * row[2] for row in table), self.hidden_size)
+
+    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
+        tokens = shape[0] * shape[1]
+        return (1 << max(tokens - 1, 0).bit_length(), dtype, save)  # bucketed to a power of two
+
+    def _cost_model(self, key: tuple, hw) -> MoECostModel:
+        return MoECostModel(tokens=key[0], world_size=self.world_size, hidden=self.hidden_size,
+                            n_in=self.w_in.shape[1], ffn=self.ffn_hidden_size, experts=self.num_experts,
+                            top_k=self.top_k, elt=torch.tensor([], dtype=key[1]).element_size(), model=hw,
+                            activation=self.activation)
+
+    def _programs(self, k: int, save: bool, regather: bool):
+        call = _Call(self, TilePlan(k), save, None, [], [], [])
+        return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
+
+    def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
+        return {}  # GEMMs are measured; the rest is costed by bandwidth
 
     def _input_error(self, x) -> int:
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -386,10 +408,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
                                                 shape_names=(None, None, "hidden"))
         return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace: self._run(x, plan, save, trial))
-
-    def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
-        return (dtype, save)
+                                  lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
 
     def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch, capacity, the send order and per-tile counts."""
@@ -415,7 +434,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         counts = torch.bincount(tile_of[tokens[order]] * E + flat_e[order], minlength=K * E).view(K, ws, El)
         return tokens[order], weights.reshape(-1)[order], counts
 
-    def _run(self, x, plan: TilePlan, save: bool, trial=None) -> torch.Tensor:
+    def _run(self, x, plan: TilePlan, save: bool, trial=None, trace=None) -> torch.Tensor:
         dev = x.device.type
         B, S, H = x.shape
         K, ws = plan.num_tiles, self.world_size
@@ -435,7 +454,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
             recv_counts = [mine[:, t].to(x.device) for t in range(K)]
             call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), send, recv,
                          recv_counts)
-            call.trial = trial
+            call.trial, call.trace = trial, trace
             x_perm = x_TH.index_select(0, t_perm)
             if save:
                 y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)

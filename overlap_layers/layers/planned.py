@@ -167,7 +167,12 @@ class PlannedLayer:
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
                              f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}); {bad}")
-        return shape, dtype, save, fixed
+        return self._agreed_shape(shape, table), dtype, save, fixed
+
+    def _agreed_shape(self, shape: tuple, table) -> tuple:
+        """The shape planning uses: this rank's (equal on every rank once agreed); a layer whose
+        ranks hold different token counts derives one from the gathered ``table`` instead."""
+        return shape
 
     def _planned_call(self, x, shape: tuple, dtype: torch.dtype, save: bool, fixed: Optional[TilePlan],
                       run: Callable):
