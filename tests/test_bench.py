@@ -129,3 +129,61 @@ def test_report_groups_layers():
     assert "attention: Auto within 3% of the best measured K on 0 of 2 rows." in text
     assert "mlp: Auto within 3% of the best measured K on 1 of 1 rows." in text
     assert "attention: Time" not in text  # no predictions for attention yet
+
+
+def _check_moe_run(recs, passes, skewed):
+    modes = {(r["pass"], r["mode"]) for r in recs}
+    for p in passes:
+        for m in ("serial", "naive", "auto", "compute", "comm", "asynctp"):
+            assert (p, m) in modes, (p, m)
+    for r in recs:
+        assert r["layer"] == "moe" and r["skewed"] is skewed
+        assert (r["preset"], r["experts"], r["top_k"], r["hidden"], r["ffn"], r["tokens"], r["world_size"]) == \
+            ("tiny", 4, 2, 64, 32, 128, 2)
+        if r["mode"] == "asynctp":
+            assert r["ms"] is None
+            continue
+        lim = max(x["ms"] for x in recs if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
+        assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
+    assert [r["k"] for r in recs if r["mode"] == "naive"] == [2] * len(passes)
+    assert all(r["k"] == 1 for r in recs if r["mode"] == "serial")
+    assert all(r["host_agreement_us"] > 0 and r["host_counts_gather_us"] > 0 for r in recs if r["mode"] == "auto")
+    assert all(r["expert_impl"] == "loop" for r in recs)  # CPU: one GEMM pair per expert
+
+
+def test_bench_cpu_moe(tmp_path):
+    proc, recs = _run_bench(tmp_path, "--layer", "moe")
+    _check_moe_run(recs, ("fwd", "fwdbwd"), skewed=False)
+    assert all(r["busiest_expert_share"] < 0.35 for r in recs)  # random routing: ~1/4 each
+    assert "moe" in proc.stdout and "/limit" in proc.stdout
+    from overlap_layers.bench.report import report
+    text = report(recs)
+    assert text.count("| moe | tiny | 2 | 1 | 128 |") == 2 and "Auto within 3% of the best measured K on" in text
+
+
+def test_bench_cpu_moe_skew(tmp_path):
+    proc, recs = _run_bench(tmp_path, "--layer", "moe", "--skew", "--passes", "fwdbwd")
+    _check_moe_run(recs, ("fwdbwd",), skewed=True)
+    # nearly every token picks expert 0 among its top 2: about half of all assignments
+    assert all(r["busiest_expert_share"] > 0.45 and r["recv_imbalance"] > 1.1 for r in recs)
+    assert "moe-skew" in proc.stdout
+    from overlap_layers.bench.report import report
+    text = report(recs + [dict(r, skewed=False) for r in recs])
+    assert text.count("| moe skewed | tiny | 2 | 1 | 128 | fwdbwd |") == 1
+    assert text.count("| moe | tiny | 2 | 1 | 128 | fwdbwd |") == 1  # skewed and balanced rows kept apart
+
+
+def test_bench_moe_args():
+    import pytest
+    from overlap_layers.bench.cli import _shapes, parse_args
+    args = parse_args(["--layer", "moe", "--preset", "mixtral-8x7b", "qwen3-30b-a3b"])
+    got = [(p, s.experts, s.top_k, s.hidden, s.ffn, s.batch, s.seq, s.skewed) for _, p, s in _shapes(args, args.preset)]
+    assert got == [("mixtral-8x7b", 8, 2, 4096, 14336, 1, 8192, False),
+                   ("qwen3-30b-a3b", 128, 8, 2048, 768, 1, 8192, False)]
+    args = parse_args(["--layer", "moe", "--tokens", "256", "512", "--skew"])
+    assert [(s.tokens, s.skewed) for _, _, s in _shapes(args, None)] == [(256, True), (512, True)]
+    assert [p for _, p, _ in _shapes(parse_args(["--layer", "mlp,moe"]), None, cuda=True)] == \
+        ["llama3-8b", "mixtral-8x7b"]
+    for bad in (["--layer", "moe", "--preset", "llama3-8b"], ["--layer", "mlp", "--preset", "mixtral-8x7b"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

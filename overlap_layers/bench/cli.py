@@ -7,10 +7,14 @@ Without torchrun it spawns ``--nprocs`` (default 2) gloo ranks on the CPU and ru
     torchrun --nproc-per-node 4 -m overlap_layers.bench --preset llama3-8b --tp 2 4
     ... -m overlap_layers.bench --layer mlp,attention --preset llama3-8b llama3-70b
 
-``--layer`` takes a comma list (mlp, attention, ulysses). Preset names are shared; each layer
+    ... -m overlap_layers.bench --layer moe --preset mixtral-8x7b qwen3-30b-a3b [--skew]
+
+``--layer`` takes a comma list (mlp, attention, ulysses, moe). Preset names are shared; each layer
 takes its shapes from its own table (``bench.mlp.PRESETS``: tokens = batch*seq per TP group;
 ``bench.attention.PRESETS`` for attention and ulysses: heads, KV heads, global seq 8192 and
-batches 2 and 4 for llama3-*).
+batches 2 and 4 for llama3-*; ``bench.moe.PRESETS`` for moe: experts, top-k, 8192 tokens per rank
+(batch 1), over an expert-parallel group of ``--tp`` ranks). ``--skew`` routes most tokens to one
+expert (moe).
 
 Prints a table (ms, ratio to limit, ratio to serial, peak memory) on rank 0 and writes JSON.
 """
@@ -28,19 +32,25 @@ import torch
 import torch.distributed as dist
 
 from . import attention as attn_bench
+from . import moe as moe_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
 
-LAYERS = ("mlp", "attention", "ulysses")
+LAYERS = ("mlp", "attention", "ulysses", "moe")
+
+
+def _presets(layer: str) -> dict:
+    """The shape table of ``layer``."""
+    return {"mlp": PRESETS, "moe": moe_bench.PRESETS}.get(layer, attn_bench.PRESETS)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m overlap_layers.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", default="mlp", help=f"comma list of {LAYERS} (default mlp)")
-    p.add_argument("--preset", nargs="+", default=None, choices=sorted(set(PRESETS) | set(attn_bench.PRESETS)),
-                   help="shape presets (default: tiny on CPU, llama3-8b on GPU)")
+    p.add_argument("--preset", nargs="+", default=None, choices=sorted(set().union(*map(_presets, LAYERS))),
+                   help="shape presets (default: tiny on CPU; llama3-8b on GPU, mixtral-8x7b for moe)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
-                   help="mlp: tokens per TP group (batch*seq); default: the preset's")
+                   help="mlp: tokens per TP group (batch*seq); moe: tokens per rank; default: the preset's")
     p.add_argument("--batch", nargs="+", type=int, default=None,
                    help="attention, ulysses: batch sizes, each run (default: the preset's, 2 4 for llama3-*)")
     p.add_argument("--seq", type=int, default=None,
@@ -49,8 +59,11 @@ def parse_args(argv=None):
                    help="tensor-parallel sizes to run (sub-groups of the world); default: the world size")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     p.add_argument("--passes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
-    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism (all-reduce layers)")
-    p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu", "relu"], help="mlp activation")
+    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism (all-reduce layers; not moe)")
+    p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu", "relu"],
+                   help="mlp and moe expert activation")
+    p.add_argument("--skew", action="store_true",
+                   help="moe: skewed routing (most tokens to expert 0) instead of balanced-ish random routing")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -67,7 +80,7 @@ def parse_args(argv=None):
     for layer in args.layers:
         if layer == "ulysses" and args.no_sp:
             p.error("--no-sp: ulysses is always sequence parallel")
-        table = PRESETS if layer == "mlp" else attn_bench.PRESETS
+        table = _presets(layer)
         missing = [x for x in args.preset or [] if x not in table]
         if missing:
             p.error(f"--preset {' '.join(missing)}: no {layer} shapes (its presets: {', '.join(sorted(table))})")
@@ -90,7 +103,6 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
             dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
-    presets = args.preset or (["llama3-8b"] if cuda else ["tiny"])
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     iters = args.iters if args.iters is not None else (10 if cuda else 3)
     repeats = args.repeats if args.repeats is not None else (5 if cuda else 3)
@@ -113,8 +125,8 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
         # Every rank creates every sub-group (new_group is collective over the world).
         groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
         group = groups[rank // tp]
-        for layer, preset, shape in _shapes(args, presets):
-            run = bench_shape if layer == "mlp" else attn_bench.bench_shape
+        for layer, preset, shape in _shapes(args, args.preset, cuda):
+            run = {"mlp": bench_shape, "moe": moe_bench.bench_shape}.get(layer, attn_bench.bench_shape)
             recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                 records.extend(recs)
@@ -128,11 +140,15 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
     dist.destroy_process_group()
 
 
-def _shapes(args, presets):
-    """(layer, preset, shape) of every shape to run, layer by layer."""
+def _shapes(args, presets, cuda: bool = False):
+    """(layer, preset, shape) of every shape to run, layer by layer; ``presets`` None: each
+    layer's default (tiny on CPU; llama3-8b, mixtral-8x7b for moe, on GPU)."""
     for layer in args.layers:
-        for preset in presets:
-            if layer == "mlp":
+        for preset in presets or ["tiny" if not cuda else "mixtral-8x7b" if layer == "moe" else "llama3-8b"]:
+            if layer == "moe":
+                yield from ((layer, preset, s) for s in moe_bench.shapes(preset, args.tokens, args.skew,
+                                                                          args.activation))
+            elif layer == "mlp":
                 base = PRESETS[preset]
                 for tokens in args.tokens or [base["batch"] * base["seq"]]:
                     batch = base["batch"] if tokens % base["batch"] == 0 else 1
@@ -160,7 +176,7 @@ def _write(args, cuda, world, records, out) -> None:
 
 
 def format_table(records) -> str:
-    head = f"{'layer':9s} {'preset':11s} {'ws':>2s} {'B':>3s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} " \
+    head = f"{'layer':9s} {'preset':13s} {'ws':>2s} {'B':>3s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} " \
            f"{'ms':>8s} {'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
     lines = [head, "-" * len(head)]
     for r in records:
@@ -170,7 +186,8 @@ def format_table(records) -> str:
         pr = "-" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.3f}"
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
-        lines.append(f"{r.get('layer', 'mlp'):9s} {r['preset']:11s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
+        layer = r.get("layer", "mlp") + ("-skew" if r.get("skewed") else "")
+        lines.append(f"{layer:9s} {r['preset']:13s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
                      f"{str(r.get('k', '')):>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))

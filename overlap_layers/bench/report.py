@@ -1,7 +1,8 @@
 """Planner fidelity report from benchmark JSON: ``python -m overlap_layers.bench.report FILE...``.
 
 For every (layer, preset, TP, batch, tokens, pass) row of a run with modes serial, naive (K=2, 4)
-and auto (mlp and attention records alike; rows grouped by layer) it prints,
+and auto (mlp, attention, ulysses and moe records alike; rows grouped by layer; MoE rows of a
+``--skew`` run are their own rows, layer shown as ``moe skewed``) it prints,
 as markdown: measured / predicted time per fixed K, the K auto settled on and its time, the
 measured-best K, auto / best and auto / serial, and measured / predicted peak memory per K; then
 the summary the planner issue asks for: median |pred - meas| / meas of time and of peak memory
@@ -18,13 +19,14 @@ from typing import Dict, List
 
 
 def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
-    """(layer, preset, TP, batch, tokens, pass) -> {K: fixed-K record, "auto": auto record}, grouped by
-    layer (in order of first appearance)."""
+    """(layer, preset, TP, batch, tokens, pass, skewed) -> {K: fixed-K record, "auto": auto record},
+    grouped by layer (in order of first appearance)."""
     rows: Dict[tuple, Dict[object, dict]] = defaultdict(dict)
     for r in records:
         if r.get("ms") is None:
             continue
-        key = (r.get("layer", "mlp"), r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"])
+        key = (r.get("layer", "mlp"), r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"],
+               bool(r.get("skewed")))
         if r["mode"] in ("serial", "naive"):
             rows[key][r["k"]] = r
         elif r["mode"] == "auto":
@@ -73,10 +75,10 @@ def report(records: List[dict], title: str = "") -> str:
         ["auto K (ms)", "best K", "auto / best", "auto / serial"] + [f"K={k} peak meas / pred MiB" for k in ks]
     out = [f"### {title}" if title else "", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     stats: Dict[str, _Stats] = {}
-    for (layer, preset, ws, batch, tokens, pass_), row in rows.items():
+    for (layer, preset, ws, batch, tokens, pass_, skewed), row in rows.items():
         st = stats.setdefault(layer, _Stats())
         t_err, m_err, hosts, planning = st.t_err, st.m_err, st.hosts, st.planning
-        cells = [layer, preset, str(ws), "-" if batch is None else str(batch), str(tokens), pass_]
+        cells = [layer + (" skewed" if skewed else ""), preset, str(ws), "-" if batch is None else str(batch), str(tokens), pass_]
         for k in ks:
             r = row.get(k)
             if r is None:
