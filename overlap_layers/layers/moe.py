@@ -423,8 +423,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
         if self.aux_loss_coef > 0 and T > 0:
             f = torch.bincount(flat_e, minlength=E).to(probs.dtype) / (T * k)
             self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
-        else:
-            self.aux_loss = probs.new_zeros(())
+        else:  # 0, still attached to the router so aux_loss.backward() works on any rank
+            self.aux_loss = probs.sum() * 0.0
         tile_of = torch.zeros(T, dtype=torch.long, device=x_TH.device)
         for t, (a, b) in enumerate(tile_bounds(T, K)):
             tile_of[a:b] = t
