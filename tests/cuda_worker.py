@@ -223,6 +223,56 @@ def check_attention(rank, ws, dev):
     return fails
 
 
+def check_moe_and_ulysses(rank, ws, dev):
+    """OverlapMoE (uneven tokens per rank, K=2) and UlyssesAttention (K=2) on NCCL streams,
+    float32 against float64 dense references; expert gradients summed over every rank's tokens."""
+    from attention_reference import dense_attention
+    from moe_reference import dense_moe
+    from overlap_layers import OverlapMoE, UlyssesAttention
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails = 0
+    g = torch.Generator(device="cpu").manual_seed(5)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    E, H, F = 2 * ws, 32, 16
+    rw, wi, wo = r(E, H), r(E, 2 * F, H), r(E, H, F)
+    xs = [r(1 + j, 8, H) for j in range(ws)]
+    leaves = [t.clone().requires_grad_() for t in (xs[rank], rw, wi, wo)]
+    y_ref, _ = dense_moe(*leaves, top_k=2)
+    dy = torch.ones_like(y_ref)
+    y_ref.backward(dy)
+    layer = OverlapMoE.from_dense(rw.float(), wi.float(), wo.float(), top_k=2, group=dist.group.WORLD, num_tiles=2)
+    x = xs[rank].float().requires_grad_()
+    y = layer(x)
+    y.backward(dy.float())
+    gi = leaves[2].grad.clone()
+    dist.all_reduce(gi)
+    El = E // ws
+    pairs = [("moe y", y, y_ref), ("moe dx", x.grad, leaves[0].grad), ("moe router", layer.router_weight.grad,
+                                                                     leaves[1].grad),
+             ("moe w_in", layer.w_in.grad, gi[rank * El:(rank + 1) * El])]
+    nq, nkv, d, S = 2 * ws, ws, 8, 8 * ws
+    xa, dya = r(2, S, 4 * d), r(2, S, 4 * d)
+    wts = [r(nq * d, 4 * d), r(nkv * d, 4 * d), r(nkv * d, 4 * d), r(4 * d, nq * d)]
+    la = [t.clone().requires_grad_() for t in [xa, *wts]]
+    ya_ref = dense_attention(la[0], *la[1:], num_heads=nq, num_kv_heads=nkv)
+    ya_ref.backward(dya)
+    ul = UlyssesAttention.from_dense(*[t.float() for t in wts], num_heads=nq, num_kv_heads=nkv,
+                                     group=dist.group.WORLD, num_tiles=2)
+    xl = xa.chunk(ws, 1)[rank].float().requires_grad_()
+    yl = ul(xl)
+    yl.backward(dya.chunk(ws, 1)[rank].float())
+    gq = ul.wq.grad.clone()
+    dist.all_reduce(gq)
+    pairs += [("ulysses y", yl, ya_ref.chunk(ws, 1)[rank]), ("ulysses dx", xl.grad, la[0].grad.chunk(ws, 1)[rank]),
+              ("ulysses wq", gq, la[1].grad)]
+    for name, got, want in pairs:
+        err = ((got.double() - want).norm() / want.norm().clamp_min(1e-12)).item()
+        if not err < 1e-4:
+            fails += 1
+            print(f"rank {rank} FAIL {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -230,7 +280,8 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
     fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
-        + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev)
+        + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
+        + check_moe_and_ulysses(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

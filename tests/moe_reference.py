@@ -59,7 +59,7 @@ def route(x_TH, router_weight, top_k, *, normalize_topk=True, capacity_factor=No
     experts = order[:, :top_k]
     topp = probs.gather(1, experts)
     weights = topp / topp.sum(-1, keepdim=True) if normalize_topk else topp
-    kept = torch.ones(T, top_k, dtype=torch.bool)
+    kept = torch.ones(T, top_k, dtype=torch.bool, device=probs.device)
     capacity = None
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * T * top_k / E)
@@ -79,7 +79,7 @@ def aux_loss(r, num_experts, top_k, coef):
     T = probs.shape[0]
     if T == 0:
         return probs.sum() * 0.0
-    counts = torch.zeros(num_experts, dtype=probs.dtype)
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
     for e in range(num_experts):
         counts[e] = float((experts == e).sum())
     f = counts / (T * top_k)
@@ -89,7 +89,7 @@ def aux_loss(r, num_experts, top_k, coef):
 
 def dense_moe(x, router_weight, w_in, w_out, *, top_k, activation="swiglu", normalize_topk=True,
               capacity_factor=None, shared_w_in=None, shared_w_out=None, aux_loss_coef=0.0,
-              capacity_key="weight"):
+              capacity_key="prob"):
     """(y [B, S, H], aux_loss scalar) for one rank's tokens x [B, S, H]; computes the experts in
     x's dtype and the router in float32 or x's dtype if wider."""
     B, S, H = x.shape
@@ -98,7 +98,7 @@ def dense_moe(x, router_weight, w_in, w_out, *, top_k, activation="swiglu", norm
     r = route(x_TH, router_weight, top_k, normalize_topk=normalize_topk, capacity_factor=capacity_factor,
               capacity_key=capacity_key)
     # gate [T, E]: the combine weight of expert e for token t, zero if not chosen or dropped.
-    gate = torch.zeros(B * S, E, dtype=r["weights"].dtype)
+    gate = torch.zeros(B * S, E, dtype=r["weights"].dtype, device=x.device)
     onehot = torch.nn.functional.one_hot(r["experts"], E).to(gate.dtype)  # [T, k, E]
     gate = gate + (onehot * (r["weights"] * r["kept"].to(gate.dtype))[..., None]).sum(1)
     gate = gate.to(x.dtype)
