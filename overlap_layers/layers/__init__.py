@@ -1,8 +1,9 @@
 """The layers: they describe tile programs and never schedule."""
 from .attention import OverlapAttention
-from .grads import reduce_replicated_grads
+from .grads import finalize_grads, reduce_replicated_grads
 from .mlp import OverlapMLP
 from .moe import OverlapMoE
 from .ulysses import UlyssesAttention
 
-__all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "reduce_replicated_grads", "UlyssesAttention"]
+__all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "finalize_grads", "reduce_replicated_grads",
+           "UlyssesAttention"]

@@ -55,8 +55,8 @@ from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, resolve_config
 from .tiling import tile_bounds
-from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
-                         weight_grad)
+from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
+                         recording_graph, row_forward, weight_grad)
 
 
 def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
@@ -107,7 +107,7 @@ def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
         b0, b1 = bounds[env["tile"]]
         if c.save:  # record the core's graph for the backward (SDPA's own saved tensors)
             leaf = env.pop("qkv").detach().requires_grad_()
-            with torch.enable_grad():
+            with recording_graph():  # [Note: per-tile graphs]
                 o = c.core(leaf, b0, b1)
             env["leaf"], env["o"] = leaf, o
             env["o_in"] = o.detach()

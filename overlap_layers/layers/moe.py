@@ -59,7 +59,7 @@ from .mlp import ACTIVATIONS, _act
 from .planned import PlannedLayer, TilePlan, resolve_config
 from .moe_cost import MoECostModel
 from .tiling import tile_bounds
-from .tp_program import Accumulator
+from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {
     1: "input must be 3-D [batch, seq, hidden] (batch*seq may be 0 and may differ across ranks)",
@@ -131,7 +131,7 @@ def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
         x_g = env.pop("xr").index_select(0, idx)
         if c.save:
             leaf = x_g.detach().requires_grad_()
-            with torch.enable_grad():
+            with recording_graph():  # [Note: per-tile graphs]
                 y_g = c.experts(leaf, sizes, w_in, w_out)
             env["graph"] = (leaf, y_g, idx, sizes)
             y_g = y_g.detach()

@@ -26,6 +26,7 @@ from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
 from ..runtime.trace import TraceJob, write_chrome_trace
+from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
 from .mlp_cost import mlp_candidates
 from .planning import PlanCache
@@ -98,8 +99,21 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward node now (e.g. a checkpoint's recomputation)."""
+    return torch._C._current_autograd_node() is not None
+
+
 class PlannedLayer:
-    """Mixin for ``nn.Module`` layers planned per shape bucket (see the module docstring)."""
+    """Mixin for ``nn.Module`` layers planned per shape bucket (see the module docstring).
+
+    [Note: recompute]
+    Under activation checkpointing the forward runs again inside the backward, and must run the
+    plan its original forward ran (the saved tensors must match). A forward inside a backward pass
+    therefore replays the plan recorded for its input tensor (the checkpoint passes the same
+    object), consuming no verification trial and not advancing the plan cache; every rank
+    recomputes in the same order, so the agreement gather still matches.
+    """
 
     def _init_planning(self, config: OverlapConfig) -> None:
         self.plan: Optional[TilePlan] = None
@@ -108,6 +122,7 @@ class PlannedLayer:
                                 margin=config.margin)
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
+        self._plan_of_input = WeakTensorKeyDictionary()  # input -> its auto plan ([Note: recompute])
         self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
 
     # ----------------------------------------------------------------- one call
@@ -181,10 +196,15 @@ class PlannedLayer:
         for ``export_trace(measured=True)`` when asked. Depends only on agreed values and the call
         history, so every rank takes the same branch."""
         trial = None
+        replay = self._plan_of_input.get(x) if _in_backward() and isinstance(x, torch.Tensor) else None
         if fixed is not None:
             self.plan = fixed
+        elif replay is not None:  # [Note: recompute]
+            self.plan = replay
         else:
             self.plan, trial = self._auto_plan(shape[:2], dtype, save)
+            if save:
+                self._plan_of_input[x] = self.plan
         self._last_call = (self._plan_key(shape[:2], dtype, save), self._tile_units(shape))
         trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
         if trial is not None:

@@ -15,6 +15,7 @@ environment keys of the collectives are fixed: ``x``/``xg``, ``yp``/``y_out``/``
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -113,3 +114,25 @@ def column_forward(sequence_parallel: bool, keep_input: bool, w, b, dst: str) ->
         x = env[src] if keep_input else env.pop(src)
         env[dst] = torch.nn.functional.linear(x, w, b)
     return column
+
+
+def _keep(t):
+    return t
+
+
+@contextlib.contextmanager
+def recording_graph():
+    """Record a tile's autograd graph inside a layer's forward, for its backward to differentiate
+    with ``torch.autograd.grad`` ([Note: per-tile graphs]).
+
+    [Note: per-tile graphs]
+    The attention core and the MoE experts keep, per tile, the graph autograd records in the
+    forward, and the backward differentiates it (``torch.autograd.grad``) instead of recomputing.
+    Under non-reentrant activation checkpointing around the layer, the saved tensors of those
+    graphs would be checkpoint's too, and each nested ``autograd.grad`` would recompute the whole
+    layer (K+1 recomputations, each issuing the layer's collectives again). Saving them as they
+    are (identity saved-tensor hooks) keeps one recomputation; the price is that checkpointing
+    does not free those graphs' tensors.
+    """
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        yield

@@ -63,6 +63,7 @@ from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .planned import PlannedLayer, TilePlan, resolve_config
 from .tiling import tile_bounds
+from .tp_program import recording_graph
 from .ulysses_cost import UlyssesCostModel
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
@@ -190,7 +191,7 @@ def _forward_program(c: _Call, w_send, b_send, w_o) -> TileProgram:
         recv = env.pop("recv")
         if c.save:  # record the core's graph for the backward (SDPA's own saved tensors)
             leaf = recv.requires_grad_()
-            with torch.enable_grad():
+            with recording_graph():  # [Note: per-tile graphs]
                 o = c.core(leaf, env["tile"])
             env["graph"] = (leaf, o)
             o = o.detach()

@@ -1,0 +1,324 @@
+"""Adapters that let the overlap layers sit inside a Hugging Face transformers (>= 5) model.
+
+Inside a swapped HF model the hidden states are *replicated* on every rank of the group
+(``[batch, seq, hidden]``, the same on every rank), as they are in the unswapped model. The
+adapters keep the HF modules' call signatures and return contracts:
+
+==========================  =====================================  ==========================================
+adapter                     HF call it serves                      what it runs
+==========================  =====================================  ==========================================
+:class:`OverlapMLP` itself  ``mlp(x) -> y``                        ``sequence_parallel=False``: full x in, all-
+                                                                   reduced y out (no adapter needed)
+:class:`HFAttention`        ``self_attn(hidden_states=,            ``OverlapAttention(sequence_parallel=False)``
+                            position_embeddings=(cos, sin),        on the full sequence with HF's (cos, sin);
+                            attention_mask=, cache=, **kw)         returns ``(y, None)``
+                            ``-> (y, attn_weights)``
+:class:`HFMoE`              ``mlp(x) -> y`` (router logits are     split tokens -> ``OverlapMoE`` on this
+                            recorded by HF's hooks on the router)  rank's 1/ws -> all-gather; router logits
+                                                                   of the full tokens when HF records them
+==========================  =====================================  ==========================================
+
+Autograd functions (per rank; T tokens of the replicated input, t_r = rank r's share, the first
+``T % ws`` ranks hold one more):
+
+=====================  ==================================  ==================================================
+function               forward                             backward
+=====================  ==================================  ==================================================
+``_SplitTokens``       x ``[T, H]`` -> own rows ``[t_r, H]``  all-gather the ranks' ``dx`` slices -> full
+                                                           ``dx [T, H]`` (the gradient of a replicated input
+                                                           is the full gradient on every rank)
+``_GatherTokens``      own rows ``[t_r, H]`` -> all-gather  ``dy [T, H]`` (full, identical on every rank)
+                       ``[T, H]``                          -> own rows ``dy[own]``
+``_SumGradOverGroup``  identity on a replicated parameter  all-reduce (sum) the parameter's gradient over
+                                                           the group: a replicated weight used on this
+                                                           rank's tokens only gets every rank's partial
+=====================  ==================================  ==================================================
+
+[Note: HF attention mask]
+OverlapAttention computes causal attention over whole sequences (SDPA ``is_causal``). HF builds
+one mask per forward and hands it to every attention module: ``None`` (SDPA without padding),
+a boolean ``[B, 1, S, S]`` mask (True = attend) or an additive float mask (0 / dtype min) for
+eager attention, a ``[B, S]`` padding mask for flash attention, or a flex ``BlockMask``. The
+adapter accepts ``None``, a 4-D mask that *equals* the standard causal mask (boolean, or additive
+with 0 where allowed and <= finfo.min/2 or -inf elsewhere) and a 2-D mask without padding; it
+rejects anything else (padding, packed sequences, sliding windows shorter than the sequence,
+a KV cache) with a ValueError / NotImplementedError on every rank (the rejection goes through the
+layer's agreement, so a rank that sees a different mask cannot hang the others). The verdict is
+cached per mask tensor, so the O(S^2) check runs once per forward, not once per layer.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers import OverlapAttention, OverlapMoE
+from ..runtime.collectives import _all_gather as all_gather_rows
+
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+# ---------------------------------------------------------------------------- token split / gather
+def token_bounds(n: int, ws: int, rank: int):
+    """``[start, stop)`` of rank's share of ``n`` replicated tokens (``tensor_split`` style: the
+    first ``n % ws`` ranks hold one more; a share may be empty)."""
+    base, extra = divmod(n, ws)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _gather_rows(x_tH: torch.Tensor, n: int, group) -> torch.Tensor:
+    """All ranks' shares (``token_bounds``) of ``n`` rows, in rank order: ``[n, H]``."""
+    ws = dist.get_world_size(group)
+    if ws == 1:
+        return x_tH.contiguous()
+    m = -(-n // ws)
+    pad = x_tH.new_zeros((m, *x_tH.shape[1:]))
+    pad[:x_tH.shape[0]] = x_tH
+    out = x_tH.new_empty((ws * m, *x_tH.shape[1:]))
+    all_gather_rows(out, pad, group=group)
+    parts = []
+    for r in range(ws):
+        a, b = token_bounds(n, ws, r)
+        parts.append(out[r * m:r * m + (b - a)])
+    return torch.cat(parts)
+
+
+class _SplitTokens(torch.autograd.Function):
+    """Forward: this rank's rows of the replicated ``x [T, H]``. Backward: all-gather of every
+    rank's ``dx`` rows (the full gradient, on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, group):
+        ctx.group, ctx.n = group, x_TH.shape[0]
+        a, b = token_bounds(x_TH.shape[0], dist.get_world_size(group), dist.get_rank(group))
+        return x_TH[a:b].clone()
+
+    @staticmethod
+    def backward(ctx, dx_tH):
+        return _gather_rows(dx_tH.contiguous(), ctx.n, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: all-gather every rank's rows into ``[T, H]``. Backward: this rank's rows of the
+    (replicated, full) ``dy``."""
+
+    @staticmethod
+    def forward(ctx, y_tH, group, n):
+        ctx.group, ctx.n = group, n
+        return _gather_rows(y_tH.contiguous(), n, group)
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        a, b = token_bounds(ctx.n, dist.get_world_size(ctx.group), dist.get_rank(ctx.group))
+        return dy_TH[a:b].contiguous(), None, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Forward: identity (a view of a replicated parameter). Backward: all-reduce (sum) of the
+    gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        if dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def split_tokens(x_TH: torch.Tensor, group) -> torch.Tensor:
+    """This rank's share of the replicated tokens ``x [T, H]``; see the module table."""
+    return _SplitTokens.apply(x_TH, group)
+
+
+def gather_tokens(y_tH: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every rank's share of ``n`` tokens, all-gathered to ``[n, H]``; see the module table."""
+    return _GatherTokens.apply(y_tH, group, n)
+
+
+def sum_grad_over_group(w: torch.Tensor, group) -> torch.Tensor:
+    """``w`` unchanged; its gradient is summed over ``group`` in backward."""
+    return _SumGradOverGroup.apply(w, group)
+
+
+# ---------------------------------------------------------------------------- mask check
+_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, its _version, verdict)
+
+
+def _causal_verdict(mask, q_len: int) -> bool:
+    """Whether ``mask`` (an HF attention mask, see [Note: HF attention mask]) is the standard
+    causal mask over ``q_len`` positions (or no mask at all)."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor):
+        return False  # e.g. a flex-attention BlockMask
+    if mask.dim() == 2:  # flash attention's [batch, seq] padding mask
+        return mask.shape[-1] == q_len and bool((mask != 0).all())
+    if mask.dim() != 4 or mask.shape[-1] != q_len or mask.shape[-2] != q_len:
+        return False
+    tril = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril_()
+    if mask.dtype == torch.bool:
+        return bool((mask == tril).all())
+    if not mask.is_floating_point():
+        return False
+    allowed = mask == 0
+    blocked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min / 2)
+    return bool((allowed == tril).all()) and bool((allowed | blocked).all())
+
+
+def is_causal_mask(mask, q_len: int) -> bool:
+    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF passes one mask object
+    to every layer of a forward)."""
+    global _mask_verdict
+    if not isinstance(mask, torch.Tensor):
+        return _causal_verdict(mask, q_len)
+    last = _mask_verdict
+    if last is not None and last[0]() is mask and last[1] == (mask._version, q_len):
+        return last[2]
+    verdict = _causal_verdict(mask, q_len)
+    _mask_verdict = (weakref.ref(mask), (mask._version, q_len), verdict)
+    return verdict
+
+
+# ---------------------------------------------------------------------------- attention
+class HFAttention(nn.Module):
+    """An HF attention module's stand-in: ``OverlapAttention(sequence_parallel=False)`` over the
+    group, with HF's call signature and return contract.
+
+    ``forward(hidden_states, position_embeddings=(cos, sin), attention_mask=None, cache=None,
+    **kwargs) -> (attn_output, None)``: ``hidden_states [batch, seq, hidden]`` replicated on every
+    rank; ``(cos, sin)`` ``[batch or 1, seq, head_dim]`` as HF's rotary embedding computed them (so
+    every RoPE variant HF implements, Llama 3 scaling included, is exact); the output is the full
+    ``[batch, seq, hidden]`` on every rank. Attention weights are never materialised (like HF's SDPA
+    path, which also returns None). ``position_ids`` and ``use_cache`` are accepted and ignored.
+    Rejected on every rank: a KV cache (``NotImplementedError``: no generation; ``swap`` sets
+    ``config.use_cache=False``), a mask that is not the causal one, packed sequences, a sequence
+    longer than the sliding window, missing ``position_embeddings`` (``ValueError``); see
+    [Note: HF attention mask].
+    """
+
+    def __init__(self, layer: OverlapAttention, *, layer_idx=None, sliding_window: Optional[int] = None,
+                 source: str = ""):
+        super().__init__()
+        self.layer = layer
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.head_dim = layer.head_dim
+        self.is_causal = True
+        self.source = source  # the HF class this replaced (for messages)
+
+    def _problem(self, x, position_embeddings, attention_mask, cache, kwargs) -> Optional[Exception]:
+        if cache is not None:
+            return NotImplementedError(
+                "a KV cache was passed (use_cache=True / generate()): the swapped attention keeps no KV cache. "
+                "Run the swapped model with use_cache=False (swap sets config.use_cache=False); generate with "
+                "the dense model")
+        packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
+        if packed:
+            return ValueError(f"packed sequences ({', '.join(packed)}) are not supported: OverlapAttention is causal "
+                              f"over whole sequences; pass unpacked, unpadded batches")
+        if position_embeddings is None:
+            return ValueError("position_embeddings=(cos, sin) is required (HF's decoder layers pass them); the "
+                              "swapped attention never computes its own RoPE tables")
+        S = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
+        if self.sliding_window is not None and S > self.sliding_window:
+            return ValueError(f"sequence length {S} exceeds the sliding window {self.sliding_window}: the swapped "
+                              f"attention is plain causal; use sequences of at most {self.sliding_window} tokens")
+        if not is_causal_mask(attention_mask, S):
+            return ValueError(
+                "attention_mask is not the standard causal mask (padding, packed sequences or a sliding window): "
+                "the swapped attention supports causal attention over whole sequences only. Pass batches without "
+                "padding (attention_mask=None or all ones)")
+        return None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, past_key_value=None, **kwargs):
+        cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
+        problem = self._problem(hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        if problem is None:
+            return self.layer(hidden_states, position_embeddings=position_embeddings), None
+        # Every rank must raise, not only this one: hand the layer a mask it rejects, so the
+        # rejection travels through its agreement ([Note: agreement]) to every rank.
+        try:
+            self.layer(hidden_states, position_embeddings=position_embeddings, attention_mask=True)
+        except ValueError as e:
+            raise type(problem)(f"{self.source or 'attention'} (swapped by overlap_layers.swap): {problem}") from e
+        raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+
+    def to_dense(self) -> dict:
+        """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
+        return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}"
+
+
+# ---------------------------------------------------------------------------- MoE
+def _router_logits_recorded() -> bool:
+    """Whether HF's output capture is recording router logits in this forward (transformers 5:
+    ``output_router_logits``; the recorder hooks the router modules)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get()
+    except Exception:  # noqa: BLE001 - internals moved: fall back to "a hook is installed"
+        return True
+    return bool(collected) and "router_logits" in collected
+
+
+class HFMoE(nn.Module):
+    """An HF sparse-MoE block's stand-in: ``OverlapMoE`` over the group (expert parallel), with
+    HF's call signature ``forward(hidden_states) -> hidden_states``.
+
+    The input ``[batch, seq, hidden]`` is replicated on every rank; each rank routes and sends
+    only its share of the tokens (:func:`token_bounds`) through ``OverlapMoE`` and the outputs are
+    all-gathered, so no token is computed twice and the output is the full tensor on every rank.
+    Gradients: the input's gradient is the full one on every rank; the router weight is used on
+    this rank's tokens only, so its gradient is summed over the group *inside backward*
+    (:func:`sum_grad_over_group`): after backward ``layer.router_weight.grad`` is complete, unlike
+    a bare :class:`OverlapMoE` (do not reduce it again). Expert gradients are complete by
+    construction (every rank's tokens reach the experts).
+
+    Router logits: ``gate`` is HF's own router module, its weight tied to
+    ``layer.router_weight``. When HF records router logits (``output_router_logits=True``, for its
+    load-balancing loss) the adapter calls ``gate`` on the full tokens, so HF's hooks record the
+    same ``[tokens, experts]`` logits as the dense model and the aux-loss gradient reaches the
+    router (already complete on every rank: computed from the replicated tokens).
+    """
+
+    def __init__(self, layer: OverlapMoE, gate: Optional[nn.Module] = None, *, source: str = ""):
+        super().__init__()
+        self.layer = layer
+        if gate is not None:
+            gate.weight = layer.router_weight  # tied: one parameter
+        self.gate = gate
+        self.source = source
+
+    @property
+    def group(self):
+        return self.layer.group
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        B, S, H = hidden_states.shape
+        x_TH = hidden_states.reshape(B * S, H)
+        if self.gate is not None and (self.gate._forward_hooks or self.gate._forward_pre_hooks) \
+                and _router_logits_recorded():
+            self.gate(x_TH)  # recorded by HF's hooks; the routing itself runs inside the layer
+        x_tH = split_tokens(x_TH, self.group)
+        router = sum_grad_over_group(self.layer.router_weight, self.group)
+        y_tH = torch.func.functional_call(self.layer, {"router_weight": router}, (x_tH.unsqueeze(0),), strict=False)
+        return gather_tokens(y_tH.squeeze(0), self.group, B * S).view(B, S, H)
+
+    def to_dense(self) -> dict:
+        """The dense weights (:meth:`OverlapMoE.to_dense`); a collective."""
+        return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}"

@@ -1,0 +1,401 @@
+"""Tier 2: ``overlap_layers.swap`` on tiny Hugging Face transformers models (random weights, built
+locally, nothing downloaded) over 2 gloo ranks, against the unswapped model.
+
+Each rank builds the same model (same seed), keeps a deep copy as the dense reference, swaps the
+original and runs both on the same batch. What each rank must hold, from the reference alone:
+  logits, loss                    the dense model's (float32 rounding)
+  every parameter's gradient      the dense model's, after reduce_replicated_grads(model): for the
+                                  untouched modules by name; for the swapped layers, their shard
+                                  gradients gathered like their weights (to_dense of the grads)
+                                  equal the dense module's gradients, laid out as from_dense takes
+                                  them (swiglu w_in = gate rows then up rows)
+  to_dense() of a swapped layer   the dense module's weights, exactly
+"""
+import copy
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 5e-5  # relative, float32
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+# ------------------------------------------------------------------ models
+def build(family, seed=0, **over):
+    """A tiny HF model of ``family`` with random weights, the same on every rank. Weights are
+    re-drawn at unit scale (HF's 0.02 init makes attention uniform and the MoE output tiny, which
+    would hide errors)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    common.update({k: over.pop(k) for k in list(over) if k in common})
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=64, **common, **over))
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                                 **common, **over))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+                                                   num_experts_per_tok=2, head_dim=16, **common, **over))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(intermediate_size=64, **common, **over))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=16, **common, **over))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5 * (2.0 if name.endswith("gate.weight") else 1.0))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.float()
+
+
+def batch(seed=1, B=2, S=8, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, S), generator=g)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def swap_logged(model, **kw):
+    """``swap`` with its log lines and warnings captured."""
+    from overlap_layers import swap
+    logger = logging.getLogger("overlap_layers.integrations.hf")
+    h, old = _Records(), logger.level
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            swap(model, **kw)
+    finally:
+        logger.removeHandler(h)
+        logger.setLevel(old)
+    return h.lines, [str(w.message) for w in ws if issubclass(w.category, UserWarning)]
+
+
+# ------------------------------------------------------------------ dense <-> swapped mapping
+def dense_view(dense_mod, kind):
+    """The dense module's tensors under from_dense's names, as functions of a getter (weight or grad)."""
+    if kind == "mlp":
+        def view(get):
+            b = dense_mod.gate_proj.bias is not None
+            return {"w_in": torch.cat([get(dense_mod.gate_proj.weight), get(dense_mod.up_proj.weight)]),
+                    "w_out": get(dense_mod.down_proj.weight),
+                    "b_in": torch.cat([get(dense_mod.gate_proj.bias), get(dense_mod.up_proj.bias)]) if b else None,
+                    "b_out": get(dense_mod.down_proj.bias) if b else None}
+    elif kind == "attention":
+        def view(get):
+            m = dense_mod
+            out = {"wq": get(m.q_proj.weight), "wk": get(m.k_proj.weight), "wv": get(m.v_proj.weight),
+                   "wo": get(m.o_proj.weight)}
+            for k, lin in (("bq", m.q_proj), ("bk", m.k_proj), ("bv", m.v_proj), ("bo", m.o_proj)):
+                out[k] = get(lin.bias) if lin.bias is not None else None
+            qn = getattr(m, "q_norm", None)
+            out["q_norm"] = get(qn.weight) if qn is not None else None
+            out["k_norm"] = get(m.k_norm.weight) if qn is not None else None
+            return out
+    else:
+        def view(get):
+            return {"router_weight": get(dense_mod.gate.weight), "w_in": get(dense_mod.experts.gate_up_proj),
+                    "w_out": get(dense_mod.experts.down_proj), "shared_w_in": None, "shared_w_out": None}
+    return view
+
+
+def grads_to_dense(layer):
+    """``to_dense()`` of the layer's gradients (a collective): weights swapped for grads, gathered,
+    restored."""
+    params = list(layer.parameters())
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+        out = layer.to_dense()
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return out
+
+
+def rel(got, want):
+    return ((got.double() - want.double()).norm() / max(want.double().norm().item(), 1e-30)).item()
+
+
+def swapped_pairs(model, dense):
+    """(name, swapped layer, kind, dense module) for every swapped layer."""
+    from overlap_layers import OverlapMLP
+    from overlap_layers.integrations import HFAttention, HFMoE
+    dense_mods = dict(dense.named_modules())
+    out = []
+    for name, m in model.named_modules():
+        kind = {OverlapMLP: "mlp", HFAttention: "attention", HFMoE: "moe"}.get(type(m))
+        if kind:
+            out.append((name, m, kind, dense_mods[name]))
+    return out
+
+
+# ------------------------------------------------------------------ worker: equality with the dense model
+def check_family(rank, ws, family, build_kw, swap_kw, attn_impl=None):
+    from overlap_layers import OverlapConfig, reduce_replicated_grads
+    model = build(family, **build_kw)
+    if attn_impl:
+        model.set_attn_implementation(attn_impl)
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, group=dist.group.WORLD, config=OverlapConfig(num_tiles=2), **swap_kw)
+    pairs = swapped_pairs(model, dense)
+    errs = {}
+    # to_dense round trip, before any step: exact
+    for name, layer, kind, dmod in pairs:
+        want = dense_view(dmod, kind)(lambda t: t.detach())
+        got = layer.to_dense()
+        for k, w in want.items():
+            assert (got[k] is None) == (w is None), (name, k)
+            if w is not None and not torch.equal(got[k], w):
+                errs[f"to_dense {name}.{k}"] = rel(got[k], w)
+    ids = batch()  # the same batch on every rank
+    out_d = dense(ids, labels=ids)
+    out_s = model(ids, labels=ids)
+    out_d.loss.backward()
+    out_s.loss.backward()
+    reduce_replicated_grads(model)
+    errs["logits"] = rel(out_s.logits.detach(), out_d.logits.detach())
+    errs["loss"] = abs(out_s.loss.item() - out_d.loss.item()) / abs(out_d.loss.item())
+    if getattr(out_d, "aux_loss", None) is not None:
+        errs["aux_loss"] = abs(out_s.aux_loss.item() - out_d.aux_loss.item()) / abs(out_d.aux_loss.item())
+    # every dense parameter's gradient is checked exactly once
+    checked = set()
+    for name, layer, kind, dmod in pairs:
+        want = dense_view(dmod, kind)(lambda t: t.grad)
+        got = grads_to_dense(layer)
+        for k, w in want.items():
+            if w is not None:
+                errs[f"grad {name}.{k}"] = rel(got[k], w)
+        checked.update(id(p) for p in dmod.parameters())
+    swapped_params = dict(model.named_parameters())
+    for pname, p in dense.named_parameters():
+        if id(p) in checked:
+            continue
+        errs[f"grad {pname}"] = rel(swapped_params[pname].grad, p.grad)
+        checked.add(id(p))
+    n_dense = len(list(dense.parameters()))
+    return dict(errs=errs, checked=len(checked), n_dense=n_dense, lines=lines, warned=warned,
+                loss=(out_d.loss.item(), out_s.loss.item()))
+
+
+CASES = {
+    # GQA (4 query heads, 2 KV heads: one each), Llama 3 rope scaling, SDPA (mask None)
+    "llama_gqa_llama3rope": ("llama", dict(rope_parameters=LLAMA3_ROPE), None),
+    # 1 KV head replicated over both ranks, biases everywhere, eager attention (float causal mask)
+    "llama_kv1_bias_eager": ("llama", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True), "eager"),
+    # MoE with HF's router logits recorded: the loss includes the load-balancing aux loss
+    "mixtral_aux": ("mixtral", dict(output_router_logits=True, router_aux_loss_coef=0.1), None),
+    # q_norm / k_norm, head_dim 16 != hidden/heads, norm_topk_prob False, layer 0 a dense MLP
+    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False), None),
+    # same structure as Llama / Qwen3-MoE's attention; Mistral's sliding window (16) >= the sequence
+    "mistral": ("mistral", dict(sliding_window=16), None),
+    "qwen3": ("qwen3", dict(), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_swapped_equals_dense(pool2, case):
+    family, build_kw, attn_impl = CASES[case]
+    results = pool2.run(check_family, family, build_kw, {}, attn_impl)
+    for rank, res in enumerate(results):
+        assert res["checked"] == res["n_dense"], f"rank {rank}: checked {res['checked']} of {res['n_dense']} params"
+        bad = {k: v for k, v in res["errs"].items() if v > TOL}
+        assert not bad, f"{case} rank {rank}: {bad}"
+        assert not res["warned"], res["warned"]
+    lines = results[0]["lines"]
+    want = {"llama": {"mlp": 2, "attention": 2, "moe": 0}, "mixtral": {"mlp": 0, "attention": 2, "moe": 2},
+            "qwen3_moe": {"mlp": 1, "attention": 2, "moe": 1}}.get(family, {"mlp": 2, "attention": 2, "moe": 0})
+    for kind, n in want.items():
+        assert any(f"swap: {kind}: replaced {n}" in ln and "left 0" in ln for ln in lines), (kind, lines)
+    assert any("use_cache=False" in ln for ln in lines)
+
+
+# ------------------------------------------------------------------ worker: plan, warnings, errors
+class CustomMLP(torch.nn.Module):
+    """An MLP of a class swap does not know (same structure as LlamaMLP)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def plans_and_errors(rank, ws):
+    from overlap_layers import OverlapMLP, swap
+    from overlap_layers.integrations import HFAttention
+    out = {}
+    g = dist.group.WORLD
+    # a plan with options; layer 0's MLP is of an unknown class: warned and left, layer 1's swapped
+    model = build("llama")
+    model.model.layers[0].mlp = CustomMLP(model.model.layers[0].mlp)
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, group=g, plan={"model.layers.*.mlp": {"kind": "mlp", "num_tiles": 3},
+                                                      "model.layers.1.self_attn": "attention",
+                                                      "model.layers.0.self_attn": None,
+                                                      "lm_head.nothing": "mlp"})
+    out["plan_types"] = [type(model.model.layers[i].mlp).__name__ for i in range(2)] + \
+                        [type(model.model.layers[i].self_attn).__name__ for i in range(2)]
+    out["plan_tiles"] = model.model.layers[1].mlp.num_tiles
+    out["plan_lines"], out["plan_warned"] = lines, warned
+    ids = batch()
+    out["plan_logits"] = rel(model(ids).logits.detach(), dense(ids).logits.detach())
+    # no plan: an unknown MLP-looking class warns
+    model = build("llama")
+    model.model.layers[1].mlp = CustomMLP(model.model.layers[1].mlp)
+    lines, warned = swap_logged(model, group=g)
+    out["auto_lines"], out["auto_warned"] = lines, warned
+    out["auto_types"] = [type(model.model.layers[i].mlp).__name__ for i in range(2)]
+    # a recognised module the group cannot split (3 heads over 2 ranks) is left, with a warning;
+    # the half-swapped model still equals the dense one
+    model = build("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, group=g)
+    out["heads3"] = ([type(model.model.layers[0].self_attn).__name__, type(model.model.layers[0].mlp).__name__],
+                     warned, lines, rel(model(ids).logits.detach(), dense(ids).logits.detach()))
+    # swapping again is a no-op
+    lines, warned = swap_logged(model, group=g)
+    out["again_lines"] = lines
+    # errors
+    errors = {}
+    for key, fn in {
+        "block": lambda: swap(build("llama"), group=g, block=True),
+        "kind_mismatch": lambda: swap(build("llama"), group=g, plan={"model.layers.*.self_attn": "mlp"}),
+        "bad_kind": lambda: swap(build("llama"), group=g, plan={"model.layers.*.mlp": "ffn"}),
+        "bad_option": lambda: swap(build("llama"), group=g, plan={"model.layers.*.mlp": {"kind": "mlp", "tiles": 2}}),
+        "no_group": lambda: swap(build("llama")),
+    }.items():
+        try:
+            fn()
+            errors[key] = None
+        except Exception as e:  # noqa: BLE001
+            errors[key] = (type(e).__name__, str(e))
+    out["errors"] = errors
+    # run-time rejections, on every rank (no hang): padding mask, KV cache
+    model = build("llama")
+    swap(model, group=g)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[0, :3] = 0
+    runtime = {}
+    for key, kw in {"padding": dict(attention_mask=am), "cache": dict(use_cache=True),
+                    "ones_mask": dict(attention_mask=torch.ones(2, 8, dtype=torch.long))}.items():
+        try:
+            model(ids, **kw)
+            runtime[key] = None
+        except Exception as e:  # noqa: BLE001
+            runtime[key] = (type(e).__name__, str(e))
+    out["runtime"] = runtime
+    out["attn_is_ours"] = isinstance(model.model.layers[0].self_attn, HFAttention)
+    out["mlp_is_ours"] = isinstance(model.model.layers[0].mlp, OverlapMLP)
+    return out
+
+
+def test_plan_warnings_and_errors(pool2):
+    for res in pool2.run(plans_and_errors):
+        assert res["plan_types"] == ["CustomMLP", "OverlapMLP", "LlamaAttention", "HFAttention"]
+        assert res["plan_tiles"] == 3
+        assert res["plan_logits"] < TOL
+        assert any("CustomMLP" in w and "not a recognised mlp class" in w for w in res["plan_warned"]), \
+            res["plan_warned"]
+        assert any("'lm_head.nothing' matched no module" in w for w in res["plan_warned"]), res["plan_warned"]
+        assert any("mlp: replaced 1" in ln and "left 1" in ln and "CustomMLP" in ln for ln in res["plan_lines"])
+        assert any("attention: replaced 1" in ln and "excluded by plan" in ln for ln in res["plan_lines"])
+        assert res["auto_types"] == ["OverlapMLP", "CustomMLP"]
+        assert any("CustomMLP looks like a mlp module" in w for w in res["auto_warned"]), res["auto_warned"]
+        assert any("already overlap layers" in ln for ln in res["again_lines"])
+        types, warned, lines, err = res["heads3"]
+        assert types == ["LlamaAttention", "OverlapMLP"] and err < TOL
+        assert any("LlamaAttention unswapped" in w and "num_heads=3" in w for w in warned), warned
+        assert any("attention: replaced 0, left 2" in ln for ln in lines), lines
+        e = res["errors"]
+        assert e["block"][0] == "NotImplementedError" and "OverlapTransformerBlock" in e["block"][1]
+        assert e["kind_mismatch"][0] == "ValueError" and "known attention module" in e["kind_mismatch"][1]
+        assert e["bad_kind"][0] == "ValueError" and "'ffn'" in e["bad_kind"][1]
+        assert e["bad_option"][0] == "ValueError" and "tiles" in e["bad_option"][1]
+        assert e["no_group"][0] == "ValueError" and "group=" in e["no_group"][1]
+        rt = res["runtime"]
+        assert rt["padding"][0] == "ValueError" and "causal" in rt["padding"][1]
+        assert rt["cache"][0] == "NotImplementedError" and "KV cache" in rt["cache"][1]
+        assert rt["ones_mask"] is None
+        assert res["attn_is_ours"] and res["mlp_is_ours"]
+
+
+# ------------------------------------------------------------------ MoE token split: uneven and tiny
+def moe_uneven(rank, ws):
+    """7 tokens over 2 ranks (4 + 3) and 1 token (rank 1 empty): outputs and input gradients."""
+    from overlap_layers import swap
+    out = {}
+    for B, S in ((1, 7), (1, 1)):
+        model = build("mixtral", num_hidden_layers=1)
+        dense = copy.deepcopy(model)
+        swap(model, group=dist.group.WORLD)
+        moe_s, moe_d = model.model.layers[0].mlp, dense.model.layers[0].mlp
+        seen = []
+        moe_s.layer.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
+        x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(3))
+        xs, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ys, yd = moe_s(xs), moe_d(xd)
+        dy = torch.randn_like(yd)
+        ys.backward(dy)
+        yd.backward(dy)
+        out[(B, S)] = dict(errs=(rel(ys.detach(), yd.detach()), rel(xs.grad, xd.grad),
+                                 rel(moe_s.layer.router_weight.grad, moe_d.gate.weight.grad)), seen=seen)
+    return out
+
+
+def test_moe_split_uneven(pool2):
+    """Each rank routes only its share of the tokens (7 = 4 + 3; 1 = 1 + 0), and the output, the
+    input gradient and the router gradient equal the dense block's."""
+    shares = {(1, 7): [4, 3], (1, 1): [1, 0]}
+    for rank, res in enumerate(pool2.run(moe_uneven)):
+        for shape, r in res.items():
+            assert max(r["errs"]) < TOL, (shape, r["errs"])
+            assert r["seen"] == [(1, shares[shape][rank], 32)], (rank, shape, r["seen"])
+
+
+# ------------------------------------------------------------------ the examples' CPU paths
+def test_examples_run():
+    """Both examples' CPU paths (each starts 2 gloo ranks itself), run together (their start-up is
+    mostly imports): they exit 0 and print one line per step and that the losses match."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    runs = {"train_tiny_llama.py": 3, "moe_example.py": 2}
+    procs = {script: subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", script), "--steps", str(n)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for script, n in runs.items()}
+    for script, p in procs.items():
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        assert p.returncode == 0, f"{script}:\n{out[-3000:]}{err[-3000:]}"
+        steps = [ln for ln in out.splitlines() if ln.lstrip().startswith("step")]
+        assert len(steps) == runs[script], out
+        assert "losses match" in out, out
