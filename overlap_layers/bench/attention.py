@@ -28,7 +28,6 @@ interface (``layer_fn``, ``compute_fn``, ``comm_fn``, ``asynctp_fn``, ``host_ove
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -98,35 +97,8 @@ class AttentionBench(MLPBench):
         return max(1, min(k, self.s.batch))
 
     # ------------------------------------------------------------ our layer
-    def layer_fn(self, k, backward: bool):
-        layer, pe = self.layer, self.cos_sin
-        layer.num_tiles = k
-        layer.plan = None
-        if hasattr(layer, "pin_plan"):
-            layer.pin_plan(None)
-        x = self.x.detach().requires_grad_(backward)
-
-        def run():
-            if backward:
-                layer(x, position_embeddings=pe).backward(self.dy)
-                x.grad = None
-                for p in layer.parameters():
-                    p.grad = None
-            else:
-                with torch.no_grad():
-                    layer(x, position_embeddings=pe)
-        self.planning_ms = None
-        if k == "auto":
-            if hasattr(layer, "warmup"):  # planning (and calibration without a cache), timed alone
-                t0 = time.perf_counter()
-                layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
-                self.planning_ms = (time.perf_counter() - t0) * 1e3
-            run()  # the first calls time the plan against K=1: measure the settled layer
-            for _ in range(64):
-                if not getattr(layer, "verifying", False):
-                    break
-                run()
-        return run
+    def call_layer(self, x):
+        return self.layer(x, position_embeddings=self.cos_sin)
 
     # ------------------------------------------------------------ references
     def compute_fn(self, backward: bool):

@@ -64,7 +64,13 @@ class MLPBench:
         self.planning_ms: Optional[float] = None  # the last auto layer_fn's warmup (planning) time
 
     # ------------------------------------------------------------ our layer
+    def call_layer(self, x):
+        """One call of the layer on ``x`` (layers with more inputs override this)."""
+        return self.layer(x)
+
     def layer_fn(self, k, backward: bool):
+        """A callable running the layer at K=``k`` (or "auto": planned first, timed alone as
+        ``planning_ms``, then run until first-call verification settles)."""
         layer = self.layer
         layer.num_tiles = k
         layer.plan = None
@@ -73,15 +79,15 @@ class MLPBench:
 
         def run():
             if backward:
-                layer(x).backward(self.dy)
+                self.call_layer(x).backward(self.dy)
                 x.grad = None
                 for p in layer.parameters():
                     p.grad = None
             else:
                 with torch.no_grad():
-                    layer(x)
+                    self.call_layer(x)
+        self.planning_ms = None
         if k == "auto":
-            # Planning (calibration when the cache has none, measuring ops, simulating), timed alone.
             t0 = time.perf_counter()
             layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
             self.planning_ms = (time.perf_counter() - t0) * 1e3

@@ -131,53 +131,10 @@ class MoEBench(MLPBench):
         return [self.ws * (n + (first + e < rem)) for e in range(L.num_local_experts)]
 
     # ------------------------------------------------------------ our layer
-    def _has_planner(self) -> bool:
-        """Whether ``num_tiles="auto"`` reaches a planner (the layer's fixed plan is then None)."""
-        return self.layer._fixed_plan(tuple(self.x.shape)) is None
-
-    def layer_fn(self, k, backward: bool):
-        layer = self.layer
-        layer.num_tiles = k
-        layer.plan = None
-        layer.pin_plan(None)
-        x = self.x.detach().requires_grad_(backward)
-
-        def run():
-            if backward:
-                layer(x).backward(self.dy)
-                x.grad = None
-                for p in layer.parameters():
-                    p.grad = None
-            else:
-                with torch.no_grad():
-                    layer(x)
-        self.planning_ms = None
-        if k == "auto":
-            if self._has_planner():  # planning (and calibration without a cache), timed alone
-                t0 = time.perf_counter()
-                layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
-                self.planning_ms = (time.perf_counter() - t0) * 1e3
-            run()  # the first calls time the plan against K=1: measure the settled layer
-            for _ in range(64):
-                if not getattr(layer, "verifying", False):
-                    break
-                run()
-        return run
-
     def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
-        """Host time of a cached auto call's bookkeeping (us, mean of ``n``, max over ranks): the
-        plan-cache lookup (None without a planner), the agreement gather, and the MoE's second
-        host gather, of the per-tile send counts ([Note: MoE host syncs]; K=1's length)."""
-        layer = self.layer
-        if self._has_planner():
-            out = super().host_overhead_us(backward, n)
-        else:
-            key = (0, *self.x.shape, 0, 0, int(backward), 0)  # an agreement row of the layer's length
-            t0 = time.perf_counter()
-            for _ in range(n):
-                layer._agreement.gather(key)
-            out = {"host_plan_lookup_us": None,
-                   "host_agreement_us": layer._agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]}
+        """The shared host times, plus the MoE's second host gather, of the per-tile send counts
+        ([Note: MoE host syncs]; K=1's length); us, mean of ``n``, max over ranks."""
+        layer, out = self.layer, super().host_overhead_us(backward, n)
         counts = [0] * self.s.experts
         t0 = time.perf_counter()
         for _ in range(n):
