@@ -68,24 +68,6 @@ def parse_args(argv=None):
     return args
 
 
-def _init(rank: int, world: int, store_path):
-    """The process group and device: NCCL on one GPU per rank under torchrun with CUDA, else gloo."""
-    cuda = torch.cuda.is_available() and store_path is None
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-        if store_path is not None:
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-        else:
-            dist.init_process_group("gloo")
-    return device, cuda
-
-
 def _build(kind: str, shape: dict, args, device, dtype):
     from overlap_layers import OverlapAttention, OverlapMLP
 
@@ -102,10 +84,10 @@ def _call(layer, x):
     y.float().square().mean().backward()
 
 
-def _main(rank: int, world: int, args, out_dir, store_path=None) -> None:
+def _main(device: torch.device, args, out_dir) -> None:
     from overlap_layers import plot_timeline
 
-    device, cuda = _init(rank, world, store_path)
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = {k: getattr(args, k) if getattr(args, k) is not None else (GPU_SHAPE if cuda else CPU_SHAPE)[k]
@@ -146,29 +128,15 @@ def _main(rank: int, world: int, args, out_dir, store_path=None) -> None:
     if rank == 0:
         print("wrote:\n" + "\n".join(f"  {p}" for p in written), flush=True)
         print(f"(other ranks' measured traces: {out_dir}/*_measured_rank*.json)" if world > 1 else "", flush=True)
-    dist.destroy_process_group()
-
-
-def _spawned(rank, world, args, out_dir, store_path):
-    _main(rank, world, args, out_dir, store_path)
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        _main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.out)
-        return
-    import torch.multiprocessing as mp
+    from overlap_layers.launch import run_ranks
 
-    out_dir = args.out or tempfile.mkdtemp(prefix="overlap_inspect_")
-    fd, store = tempfile.mkstemp(prefix="overlap_inspect_store_")
-    os.close(fd)
-    os.unlink(store)
-    try:
-        mp.spawn(_spawned, args=(args.nprocs, args, out_dir, store), nprocs=args.nprocs, join=True)
-    finally:
-        if os.path.exists(store):
-            os.unlink(store)
+    args = parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    out_dir = args.out or (None if under_torchrun else tempfile.mkdtemp(prefix="overlap_inspect_"))
+    run_ranks(_main, args, out_dir, nprocs=args.nprocs)
 
 
 if __name__ == "__main__":

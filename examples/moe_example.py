@@ -23,7 +23,6 @@ import copy
 import logging
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the repository's package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import overlap_layers
+from overlap_layers.launch import run_ranks  # noqa: E402
 
 VOCAB = 128
 
@@ -65,7 +65,8 @@ def build_model(name: str, seed: int, device):
     return model.to(device)
 
 
-def train(rank: int, world: int, args, device) -> None:
+def train(device: torch.device, args) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     model = build_model(args.model, args.seed, device)
     dense = copy.deepcopy(model)
@@ -103,51 +104,10 @@ def train(rank: int, world: int, args, device) -> None:
         print(f"losses match (max |diff| {worst:.2e} <= {args.tol})")
 
 
-def _spawned(rank: int, world: int, args, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        train(rank, world, args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", rank))
-            torch.cuda.set_device(local)
-            device = torch.device("cuda", local)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo")
-        try:
-            train(rank, world, args, device)
-        finally:
-            dist.destroy_process_group()
-        return
-    import torch.multiprocessing as mp
-
     import transformers  # noqa: F401 - fails early, with the package's name, if it is missing
-    # Fork on Linux (this parent has started no threads, no CUDA, no process group), so the ranks
-    # inherit the imports instead of repeating them; spawn elsewhere.
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    fd, store = tempfile.mkstemp(prefix="overlap_moe_example_")
-    os.close(fd)
-    os.unlink(store)
-    try:
-        mp.start_processes(_spawned, args=(args.nprocs, args, store), nprocs=args.nprocs, join=True,
-                           start_method=method)
-    except mp.ProcessRaisedException as e:
-        sys.exit(f"a rank failed:\n{e}")
-    except mp.ProcessExitedException as e:
-        sys.exit(f"a rank exited: {e}")
-    finally:
-        if os.path.exists(store):
-            os.unlink(store)
+    run_ranks(train, args, nprocs=args.nprocs)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
+from ..launch import run_ranks
 from . import attention as attn_bench
 from . import moe as moe_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
@@ -87,20 +87,8 @@ def parse_args(argv=None):
     return args
 
 
-def _main(rank: int, world: int, args, store_path=None) -> None:
-    cuda = torch.cuda.is_available() and store_path is None
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-        if store_path is not None:
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-        else:
-            dist.init_process_group("gloo")
+def _main(device: torch.device, args) -> None:
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
@@ -137,7 +125,6 @@ def _main(rank: int, world: int, args, store_path=None) -> None:
         print(format_table(records))
         print(f"wrote {out}")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _shapes(args, presets, cuda: bool = False):
@@ -194,17 +181,6 @@ def format_table(records) -> str:
     return "\n".join(lines)
 
 
-def _spawned(rank, world, args, store_path):
-    _main(rank, world, args, store_path)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
-    import torch.multiprocessing as mp
-    fd, store = tempfile.mkstemp(prefix="overlap_bench_")
-    os.close(fd)
-    os.unlink(store)
-    mp.spawn(_spawned, args=(args.nprocs, args, store), nprocs=args.nprocs, join=True)
+    run_ranks(_main, args, nprocs=args.nprocs)
