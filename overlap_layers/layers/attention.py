@@ -80,7 +80,7 @@ class _Call:
         self.nq, self.nkv, self.d = layer.num_heads_local, layer.num_kv_heads_local, layer.head_dim
         self.causal, self.scale = layer.causal, layer.softmax_scale
         self.dropout_p = layer.dropout_p if layer.training else 0.0
-        self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
+        self.q_norm, self.k_norm = layer._local("q_norm"), layer._local("k_norm")
         self.cos_sin, self.batch, self.s = cos_sin, batch, seq_local
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
@@ -215,6 +215,9 @@ class OverlapAttention(PlannedLayer, nn.Module):
     rows contribute), ``q_norm`` / ``k_norm`` (only its heads), and the KV heads when
     ``num_kv_heads < ws`` (only its query heads read them); sum them over the ranks that share
     them (:func:`overlap_layers.reduce_replicated_grads` does, for every layer in a module).
+    With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
+    the dense tensor (replicated KV heads: a Replicate of the dense ``wk``...); see
+    overlap_layers.integrations.dtensor.
 
     Input ``[batch, seq_local, hidden]`` with ``sequence_parallel`` (rank r holds positions
     ``r*seq_local ..``), else the replicated ``[batch, seq, hidden]``; the output has the input's
@@ -247,6 +250,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
         self._agreement = Agreement(self.group)
         self._init_planning(self.config)
         self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     # ----------------------------------------------------------------- weights
     def _kv_heads(self) -> range:
@@ -315,12 +319,13 @@ class OverlapAttention(PlannedLayer, nn.Module):
         if (bq is None) != (bo is None):
             raise ValueError("pass all of bq, bk, bv, bo, or none")
         has_bias = bq is not None
-        layer = cls(H, num_heads, num_kv_heads, group=group, mesh=mesh, axis=axis, head_dim=d,
+        layer = cls(H, num_heads, num_kv_heads, group=resolve_group(group, mesh, axis), head_dim=d,
                     sequence_parallel=sequence_parallel, rope_theta=rope_theta, causal=causal, bias=has_bias,
                     qk_norm=q_norm is not None, softmax_scale=softmax_scale, dropout_p=dropout_p, num_tiles=num_tiles,
                     config=config, dtype=wq.dtype, device="meta")
         layer.to_empty(device=wq.device)
         layer._load(wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm)
+        layer._as_dtensors(mesh, axis)
         return layer
 
     @torch.no_grad()
@@ -341,12 +346,13 @@ class OverlapAttention(PlannedLayer, nn.Module):
             per = ws // self.num_kv_heads  # ranks sharing one KV head hold copies: keep the first
             return g.view(ws, *t.shape)[::per].reshape(-1, *t.shape[1:])
 
-        out = {"wq": gather(self.wq), "wk": kv(self.wk), "wv": kv(self.wv),
-               "wo": gather(self.wo.t()).t().contiguous(),
-               "bq": gather(self.bq) if self.bias else None, "bk": kv(self.bk) if self.bias else None,
-               "bv": kv(self.bv) if self.bias else None, "bo": self.bo.detach().clone() if self.bias else None,
-               "q_norm": self.q_norm.detach().clone() if self.qk_norm else None,
-               "k_norm": self.k_norm.detach().clone() if self.qk_norm else None}
+        p = {n: self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")}
+        out = {"wq": gather(p["wq"]), "wk": kv(p["wk"]), "wv": kv(p["wv"]),
+               "wo": gather(p["wo"].t()).t().contiguous(),
+               "bq": gather(p["bq"]) if self.bias else None, "bk": kv(p["bk"]) if self.bias else None,
+               "bv": kv(p["bv"]) if self.bias else None, "bo": p["bo"].detach().clone() if self.bias else None,
+               "q_norm": p["q_norm"].detach().clone() if self.qk_norm else None,
+               "k_norm": p["k_norm"].detach().clone() if self.qk_norm else None}
         assert out["wq"].shape[0] == self.num_heads * d
         return out
 
@@ -408,7 +414,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
-        params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
+        params = [self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")]
         if torch.is_autocast_enabled(dev):
             cdt = torch.get_autocast_dtype(dev)
             x = x.to(cdt)

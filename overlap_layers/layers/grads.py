@@ -169,7 +169,10 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
         elif isinstance(m, OverlapAttention):
             _sum_over_group([m.q_norm, m.k_norm] + ([m.bo] if m.sequence_parallel else []), m.group)
             if m.num_kv_heads < m.world_size:
-                _sum_kv_copies(m)
+                if _is_dtensor(m.wk):  # the DTensor form holds every head on every rank, zero outside its own
+                    _sum_over_group([m.wk, m.wv, m.bk, m.bv], m.group)
+                else:
+                    _sum_kv_copies(m)
         elif isinstance(m, UlyssesAttention):
             if data_parallel:
                 _sum_over_group(list(m.parameters(recurse=False)), m.group)

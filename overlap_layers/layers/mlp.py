@@ -206,6 +206,8 @@ class OverlapMLP(PlannedLayer, nn.Module):
     contribute), like Megatron's sequence-parallel parameters: call
     :func:`overlap_layers.reduce_replicated_grads` before the optimizer step. Without sequence
     parallelism every rank sees every token and ``b_out.grad`` is already complete.
+    With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
+    the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.integrations.dtensor.
 
     ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto". Set ``launch_log`` to a list
     to record the order in which ops were launched (a debugging aid).
@@ -240,6 +242,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
         self._agreement = Agreement(self.group)
         self._init_planning(self.config)
         self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     # ----------------------------------------------------------------- weights
     def _dense_in_rows(self) -> int:
@@ -306,7 +309,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 raise ValueError(f"b_in has shape {tuple(b_in.shape)}; must be ({want_in[0]},)")
             if tuple(b_out.shape) != (hidden,):
                 raise ValueError(f"b_out has shape {tuple(b_out.shape)}; must be ({hidden},)")
-        layer = cls(hidden, ffn, group=group, mesh=mesh, axis=axis, sequence_parallel=sequence_parallel,
+        layer = cls(hidden, ffn, group=resolve_group(group, mesh, axis), sequence_parallel=sequence_parallel,
                     activation=activation, bias=has_bias, num_tiles=num_tiles, config=config,
                     dtype=w_in.dtype, device="meta")
         layer.to_empty(device=w_in.device)
@@ -316,6 +319,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
             if has_bias:
                 layer.b_in.copy_(layer._shard_in(b_in))
                 layer.b_out.copy_(b_out)
+        layer._as_dtensors(mesh, axis)
         return layer
 
     @torch.no_grad()
@@ -335,10 +339,11 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 return torch.cat([g[:, :fl].reshape(-1, *t.shape[1:]), g[:, fl:].reshape(-1, *t.shape[1:])])
             return g.reshape(-1, *t.shape[1:])
 
-        w_out = gather(self.w_out.t()).reshape(-1, self.hidden_size).t().contiguous()
-        return {"w_in": unshard_in(self.w_in), "w_out": w_out,
-                "b_in": unshard_in(self.b_in) if self.b_in is not None else None,
-                "b_out": self.b_out.detach().clone() if self.b_out is not None else None}
+        w_in, b_in, w_out, b_out = (self._local(n) for n in ("w_in", "b_in", "w_out", "b_out"))
+        w_out = gather(w_out.t()).reshape(-1, self.hidden_size).t().contiguous()
+        return {"w_in": unshard_in(w_in), "w_out": w_out,
+                "b_in": unshard_in(b_in) if b_in is not None else None,
+                "b_out": b_out.detach().clone() if b_out is not None else None}
 
     # ----------------------------------------------------------------- forward
     def _input_error(self, x) -> int:
@@ -377,8 +382,9 @@ class OverlapMLP(PlannedLayer, nn.Module):
 
     def _cost_model(self, key: tuple, hw) -> MLPCostModel:
         rows, dtype = key[0], key[1]
-        return MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=self.w_in.shape[0],
-                            f_local=self.w_out.shape[1], elt=torch.tensor([], dtype=dtype).element_size(),
+        n_in, f_local = self._local("w_in").shape[0], self._local("w_out").shape[1]
+        return MLPCostModel(rows=rows, world_size=self.world_size, hidden=self.hidden_size, n_in=n_in,
+                            f_local=f_local, elt=torch.tensor([], dtype=dtype).element_size(),
                             sequence_parallel=self.sequence_parallel, model=hw, activation=self.activation)
 
     def _op_setups(self, cm: MLPCostModel, dtype: torch.dtype) -> dict:
@@ -397,7 +403,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
-        w_in, b_in, w_out, b_out = self.w_in, self.b_in, self.w_out, self.b_out
+        w_in, b_in, w_out, b_out = (self._local(n) for n in ("w_in", "b_in", "w_out", "b_out"))
         if torch.is_autocast_enabled(dev):
             cdt = torch.get_autocast_dtype(dev)
             x, w_in, w_out = x.to(cdt), w_in.to(cdt), w_out.to(cdt)

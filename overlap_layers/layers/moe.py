@@ -220,6 +220,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
     ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]``. ``router_weight.grad`` and
     the shared expert's gradients hold *this rank's tokens'* contribution (the data-parallel
     reduction over the group sums them); expert gradients hold every rank's tokens routed to them.
+    With ``mesh=`` the same tensors are the local parts of DTensor parameters (experts Shard(0),
+    the rest Replicate); see overlap_layers.integrations.dtensor.
 
     Input ``[batch, seq, hidden]``: this rank's own tokens (the count may differ across ranks and
     may be 0); output the same shape. Capacity drops order by the router probability (before
@@ -279,6 +281,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         self._agreement = Agreement(self.group)
         self._init_planning(self.config)
         self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -331,7 +334,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                     shared_w_in.dim() != 2 or tuple(shared_w_in.shape) != (mult * sffn, H):
                 raise ValueError(f"shared_w_in {tuple(shared_w_in.shape)} / shared_w_out {tuple(shared_w_out.shape)}: "
                                  f"must be [{mult}*shared_ffn, {H}] and [{H}, shared_ffn]")
-        layer = cls(H, ffn, E, top_k, group=group, mesh=mesh, axis=axis, activation=activation,
+        layer = cls(H, ffn, E, top_k, group=resolve_group(group, mesh, axis), activation=activation,
                     normalize_topk=normalize_topk, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
                     shared_expert_ffn=sffn, num_tiles=num_tiles, config=config, dtype=w_in.dtype, device="meta")
         layer.to_empty(device=w_in.device)
@@ -343,6 +346,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
             if sffn:
                 layer.shared_w_in.copy_(shared_w_in)
                 layer.shared_w_out.copy_(shared_w_out)
+        layer._as_dtensors(mesh, axis)
         return layer
 
     @torch.no_grad()
@@ -354,9 +358,10 @@ class OverlapMoE(PlannedLayer, nn.Module):
             all_gather_rows(out, t.contiguous(), group=self.group)
             return out
         shared = self.shared_w_in is not None
-        return {"router_weight": self.router_weight.detach().clone(), "w_in": gather(self.w_in),
-                "w_out": gather(self.w_out), "shared_w_in": self.shared_w_in.detach().clone() if shared else None,
-                "shared_w_out": self.shared_w_out.detach().clone() if shared else None}
+        p = {n: self._local(n) for n in ("router_weight", "w_in", "w_out", "shared_w_in", "shared_w_out")}
+        return {"router_weight": p["router_weight"].detach().clone(), "w_in": gather(p["w_in"]),
+                "w_out": gather(p["w_out"]), "shared_w_in": p["shared_w_in"].detach().clone() if shared else None,
+                "shared_w_out": p["shared_w_out"].detach().clone() if shared else None}
 
     # ----------------------------------------------------------------- forward
     @property
@@ -413,7 +418,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
     def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch, capacity, the send order and per-tile counts."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
-        probs, top_p, experts, weights = route(x_TH, self.router_weight, k, self.normalize_topk)
+        probs, top_p, experts, weights = route(x_TH, self._local("router_weight"), k, self.normalize_topk)
         flat_e = experts.reshape(-1)
         tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
         keep = torch.ones_like(flat_e, dtype=torch.bool)
@@ -439,7 +444,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         B, S, H = x.shape
         K, ws = plan.num_tiles, self.world_size
         x_TH = x.reshape(B * S, H)
-        w_in, w_out = self.w_in, self.w_out
+        w_in, w_out = self._local("w_in"), self._local("w_out")
         if torch.is_autocast_enabled(dev):
             cdt = torch.get_autocast_dtype(dev)
             x_TH, w_in, w_out = x_TH.to(cdt), w_in.to(cdt), w_out.to(cdt)
@@ -463,7 +468,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                     y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
             y = torch.zeros_like(x_TH).index_add(0, t_perm, y_perm * w_perm.to(y_perm.dtype)[:, None])
             if self.shared_w_in is not None:
-                sw_in, sw_out = self.shared_w_in.to(x_TH.dtype), self.shared_w_out.to(x_TH.dtype)
+                sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
                 y = y + _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
         return y.view(B, S, H)
 

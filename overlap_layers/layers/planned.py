@@ -115,6 +115,23 @@ class PlannedLayer:
     recomputes in the same order, so the agreement gather still matches.
     """
 
+    # ----------------------------------------------------------------- DTensor parameters (mesh=)
+    _local_views: dict = {}  # name -> view of a DTensor parameter; empty (plain parameters) with group=
+
+    def _local(self, name: str):
+        """Parameter ``name`` (or None) as the ``group=`` layout's local tensor the compute uses: the
+        parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]
+        in overlap_layers.integrations.dtensor)."""
+        p = getattr(self, name)
+        view = self._local_views.get(name)
+        return p if view is None else view(p)
+
+    def _as_dtensors(self, mesh, axis) -> None:
+        """With ``mesh=``, hold the parameters as DTensors on the mesh axis (no-op for None)."""
+        if mesh is not None:
+            from ..integrations.dtensor import as_dtensor_params  # integrations import the layers
+            as_dtensor_params(self, mesh, axis)
+
     def _init_planning(self, config: OverlapConfig) -> None:
         self.plan: Optional[TilePlan] = None
         self._pinned: Optional[TilePlan] = None

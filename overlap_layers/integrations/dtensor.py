@@ -1,0 +1,160 @@
+"""DTensor parameters for the layers built with ``mesh=`` (and ``axis=``).
+
+Reference: a layer built with ``mesh=`` computes exactly what the same layer built with
+``group=`` (the mesh axis' process group) computes, and holds every parameter as a DTensor on the
+mesh axis whose global value is the dense tensor: ``p.full_tensor()`` equals ``to_dense()[name]``
+(viewed as ``p``'s global shape), so DCP checkpoints reshard to any world size and FSDP2
+``fully_shard`` over another mesh axis composes (2-D).
+
+[Note: DTensor parameters]
+The layers' compute is written for the ``group=`` layout: a flat local tensor per parameter
+(e.g. swiglu ``w_in [2*F/ws, H]``: this rank's gate rows, then its up rows). Where that flat
+local tensor is not the local shard of any placement of the dense tensor, the DTensor changes
+the *global form*, not the meaning:
+
+================  ===============================  ==========================================
+layer             parameter                        DTensor (global shape, placement on axis)
+================  ===============================  ==========================================
+OverlapMLP        ``w_in``, ``b_in`` (swiglu)      ``[2, F, H]`` / ``[2, F]`` (gate, up), Shard(1)
+                  ``w_in``, ``b_in`` (gelu, relu)  ``[F, H]`` / ``[F]``, Shard(0)
+                  ``w_out``                        ``[H, F]``, Shard(1)
+                  ``b_out``                        ``[H]``, Replicate
+OverlapAttention  ``wq``, ``bq``                   dense, Shard(0)
+                  ``wk``, ``wv``, ``bk``, ``bv``   dense, Shard(0) if ``num_kv_heads >= ws``;
+                                                   else Replicate of the dense tensor (every
+                                                   rank holds every KV head; it computes with
+                                                   the rows of its own head)
+                  ``wo``                           dense, Shard(1)
+                  ``bo``, ``q_norm``, ``k_norm``   Replicate
+OverlapMoE        ``w_in``, ``w_out``              ``[E, ...]``, Shard(0) over experts
+                  ``router_weight``, shared        Replicate
+================  ===============================  ==========================================
+
+The forward reads each parameter through ``layer._local(name)`` (:class:`PlannedLayer`), which
+for a DTensor is :func:`local`: ``p.to_local()`` (differentiable) viewed as the flat local
+tensor, or sliced to the rank's rows for a Replicate of a dense tensor; no copies. Autograd
+therefore puts the gradient on the DTensor parameter, as a DTensor with the parameter's
+placements. Replicate gradients hold what the ``group=`` layer's plain gradient holds: the rank's
+*partial* where the layer documents one (``b_out`` under sequence parallelism, ``q_norm`` /
+``k_norm``, ``bo``, the MoE router, replicated KV heads: zero outside the rank's own head), so
+they differ across ranks until :func:`overlap_layers.finalize_grads` sums them (it reduces the
+local tensor of a DTensor gradient in place). Known gap: for replicated KV heads with
+``num_kv_heads >= 2`` finalize_grads still sums per head (the ``group=`` layout), which leaves the
+other heads' rows of the dense DTensor gradient at zero; the DTensor form needs one all-reduce
+of ``wk``, ``wv``, ``bk``, ``bv`` over the whole group (a change to layers/grads.py, pending).
+
+With ``group=`` the parameters stay plain tensors. :class:`UlyssesAttention` is not converted
+(its parameters are whole on every rank; with ``mesh=`` they stay plain).
+
+Limits: ``reset_parameters()`` writes the ``group=`` layout and is run before the conversion;
+calling it again on a DTensor layer raises (build a new layer, or load a state dict).
+``torch.optim.AdamW`` (and other foreach / fused optimizers) fail on a parameter list mixing
+DTensors and plain tensors: pass ``foreach=False`` or keep the other parameters DTensors too
+(e.g. FSDP2 over the whole model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from ..layers.attention import OverlapAttention
+from ..layers.mlp import OverlapMLP
+from ..layers.moe import OverlapMoE
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one parameter's DTensor relates to the ``group=`` layer's flat local tensor.
+
+    ``placement`` on the layer's mesh axis; ``local_shape``: the DTensor's local shape where it
+    re-views the flat local tensor (swiglu ``(2, F/ws, H)``), None if the same; ``rows``: for a
+    Replicate of a dense tensor of which the rank computes with only these rows (replicated KV
+    heads), None otherwise."""
+
+    placement: Placement
+    local_shape: Optional[tuple] = None
+    rows: Optional[slice] = None
+
+
+def local(p: Optional[torch.Tensor], flat_shape: Optional[tuple] = None,
+          rows: Optional[slice] = None) -> Optional[torch.Tensor]:
+    """The flat local tensor the layers compute with ([Note: DTensor parameters]): ``p`` itself if
+    plain (or None); for a DTensor its differentiable ``to_local()``, sliced to ``rows`` or viewed
+    as ``flat_shape``. A view: no copy, and gradients flow back to ``p`` as DTensors."""
+    if p is None or not isinstance(p, DTensor):
+        return p
+    t = p.to_local()
+    if rows is not None:
+        return t[rows]
+    if flat_shape is not None and tuple(t.shape) != flat_shape:
+        return t.view(flat_shape)
+    return t
+
+
+def axis_mesh(mesh, axis):
+    """The 1-D mesh of the layer's axis: ``mesh`` itself if 1-D, else ``mesh[axis]`` (a name, or
+    an index of a mesh with named dims)."""
+    if mesh.ndim == 1:
+        return mesh
+    if isinstance(axis, int) and not isinstance(axis, bool):
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(f"axis={axis!r}: DTensor parameters need a mesh with named dims "
+                             f"(init_device_mesh(..., mesh_dim_names=...)); or pass axis by name")
+        axis = names[axis]
+    return mesh[axis]
+
+
+def _layouts(layer: nn.Module) -> Dict[str, Layout]:
+    """Every parameter's :class:`Layout` (the table of [Note: DTensor parameters])."""
+    ws = layer.world_size
+    if isinstance(layer, OverlapMLP):
+        fl, H = layer.ffn_hidden_size // ws, layer.hidden_size
+        swiglu = layer.activation == "swiglu"
+        return {"w_in": Layout(Shard(1), (2, fl, H)) if swiglu else Layout(Shard(0)),
+                "b_in": Layout(Shard(1), (2, fl)) if swiglu else Layout(Shard(0)),
+                "w_out": Layout(Shard(1)), "b_out": Layout(Replicate())}
+    if isinstance(layer, OverlapAttention):
+        d = layer.head_dim
+        heads = layer._kv_heads()
+        kv = Layout(Shard(0)) if layer.num_kv_heads >= ws else \
+            Layout(Replicate(), rows=slice(heads.start * d, heads.stop * d))
+        return {"wq": Layout(Shard(0)), "bq": Layout(Shard(0)), "wk": kv, "wv": kv, "bk": kv, "bv": kv,
+                "wo": Layout(Shard(1)), "bo": Layout(Replicate()), "q_norm": Layout(Replicate()),
+                "k_norm": Layout(Replicate())}
+    if isinstance(layer, OverlapMoE):
+        return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
+                "shared_w_in": Layout(Replicate()), "shared_w_out": Layout(Replicate())}
+    raise ValueError(f"{type(layer).__name__} has no DTensor form; build it with group= (a ProcessGroup)")
+
+
+@torch.no_grad()
+def as_dtensor_params(layer: nn.Module, mesh, axis=None) -> None:
+    """Replace ``layer``'s plain ``group=``-layout parameters by DTensors on ``mesh``'s ``axis``
+    ([Note: DTensor parameters]) and record how the forward views them. Called by the layers at
+    the end of ``__init__`` / ``from_dense`` when ``mesh=`` was given; a collective (every rank of
+    the group) when KV heads are replicated on a real device (their dense tensor is gathered)."""
+    layouts = _layouts(layer)
+    tp_mesh = axis_mesh(mesh, axis)
+    params = {n: getattr(layer, n) for n in layouts if getattr(layer, n, None) is not None}
+    if any(isinstance(p, DTensor) for p in params.values()):
+        raise ValueError(f"{type(layer).__name__}: parameters are DTensors already")
+    needs_dense = any(layouts[n].rows is not None for n in params)
+    dense = layer.to_dense() if needs_dense and next(iter(params.values())).device.type != "meta" else None
+    views = {}
+    for name, p in params.items():
+        lay = layouts[name]
+        if lay.rows is not None:  # a Replicate of the dense tensor; this rank computes with `rows`
+            n_dense = getattr(layer, "num_kv_heads") * layer.head_dim
+            local_t = dense[name] if dense is not None else p.new_empty((n_dense, *p.shape[1:]))
+        else:
+            local_t = p.data.view(lay.local_shape) if lay.local_shape is not None else p.data
+        dt = DTensor.from_local(local_t, tp_mesh, [lay.placement], run_check=False)
+        setattr(layer, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        views[name] = partial(local, flat_shape=tuple(p.shape), rows=lay.rows)
+    layer._local_views = views

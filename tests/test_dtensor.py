@@ -1,0 +1,329 @@
+"""Tier 2: layers built with ``mesh=`` hold DTensor parameters (overlap_layers.integrations.dtensor).
+
+For OverlapMLP (swiglu, gelu), OverlapAttention (sharded and replicated KV heads) and OverlapMoE on
+2 and 4 gloo ranks, each built from the same dense weights with ``mesh=`` and with ``group=``:
+
+* every parameter of the mesh layer is a DTensor whose ``full_tensor()`` is ``to_dense()`` (viewed
+  as the DTensor's global shape);
+* forward and backward equal the group layer's bit for bit (the compute is the same, on the
+  DTensors' local views);
+* gradients are DTensors with the parameters' placements, whose local views equal the group
+  layer's gradients, and after ``finalize_grads`` their ``full_tensor()`` is the dense gradient
+  (the group layer's finalized gradients, gathered by its ``to_dense``; the group path itself is
+  checked against independent dense references in test_mlp / test_attention / test_moe).
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, finalize_grads
+
+
+def _mesh(ws, two_d):
+    from torch.distributed.device_mesh import init_device_mesh
+    if two_d:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+        return mesh, "tp", mesh.get_group("tp")
+    return init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)), None, dist.group.WORLD
+
+
+def _dense_grads(layer):
+    """The dense gradients of a ``group=`` layer after finalize_grads: its gradients written into
+    its parameters, gathered by ``to_dense`` (destroys the layer's weights)."""
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(p.grad)
+    return layer.to_dense()
+
+
+def _check_pair(mesh_layer, group_layer, x, dy, call_kw=None, data_parallel=False):
+    """Every property of the module docstring, asserted on this rank."""
+    from torch.distributed.tensor import DTensor
+    call_kw = call_kw or {}
+    dense = group_layer.to_dense()
+    dense_m = mesh_layer.to_dense()
+    assert all(torch.equal(dense_m[n], dense[n]) for n in dense if dense[n] is not None), "to_dense differs"
+    for n, p in mesh_layer.named_parameters():
+        assert isinstance(p, DTensor), n
+        full = p.full_tensor()
+        assert full.numel() == dense[n].numel() and torch.equal(full.reshape(dense[n].shape), dense[n]), n
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ym, yg = mesh_layer(xs[0], **call_kw), group_layer(xs[1], **call_kw)
+    assert not isinstance(ym, DTensor)
+    assert torch.equal(ym, yg), "forward differs"
+    ym.backward(dy)
+    yg.backward(dy)
+    assert torch.equal(xs[0].grad, xs[1].grad), "dx differs"
+    group_params = dict(group_layer.named_parameters())
+    for n, p in mesh_layer.named_parameters():
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, (n, type(p.grad))
+        assert torch.equal(mesh_layer._local_views[n](p.grad), group_params[n].grad), n
+    finalize_grads(mesh_layer, data_parallel=data_parallel)
+    finalize_grads(group_layer, data_parallel=data_parallel)
+    dense_grads = _dense_grads(group_layer)
+    bad = []
+    for n, p in mesh_layer.named_parameters():
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+        full = p.grad.full_tensor()
+        if not torch.equal(full.reshape(dense_grads[n].shape), dense_grads[n]):
+            bad.append(n)
+    return bad
+
+
+# ------------------------------------------------------------------ MLP
+def _mlp_run(rank, ws, activation, bias, sp, two_d, build):
+    mesh, axis, tp = _mesh(ws, two_d)
+    tws, trank = dist.get_world_size(tp), dist.get_rank(tp)
+    g = torch.Generator().manual_seed(3)
+    H, F, B, S = 8, 4 * tws, 2, 4 * tws
+    n_in = 2 * F if activation == "swiglu" else F
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    w_in, w_out, b_in, b_out, x, dy = r(n_in, H), r(H, F), r(n_in), r(H), r(B, S, H), r(B, S, H)
+    opts = dict(activation=activation, sequence_parallel=sp, num_tiles=2)
+    if build == "init":
+        torch.manual_seed(7)
+        ml = OverlapMLP(H, F, mesh=mesh, axis=axis, bias=bias, dtype=torch.float64, **opts)
+        torch.manual_seed(7)
+        gl = OverlapMLP(H, F, group=tp, bias=bias, dtype=torch.float64, **opts)
+    else:
+        kw = dict(b_in=b_in, b_out=b_out) if bias else {}
+        ml = OverlapMLP.from_dense(w_in, w_out, mesh=mesh, axis=axis, **kw, **opts)
+        gl = OverlapMLP.from_dense(w_in, w_out, group=tp, **kw, **opts)
+    if activation == "swiglu":
+        assert tuple(ml.w_in.shape) == (2, F, H) and tuple(ml.w_in.to_local().shape) == (2, F // tws, H)
+    xl = x.chunk(tws, 1)[trank] if sp else x
+    dyl = dy.chunk(tws, 1)[trank] if sp else dy
+    return _check_pair(ml, gl, xl, dyl)
+
+
+@pytest.mark.parametrize("ws,activation,bias,sp,two_d,build", [
+    (2, "swiglu", True, True, False, "dense"),
+    (2, "gelu", True, False, False, "dense"),
+    (2, "swiglu", False, True, False, "init"),
+    (4, "swiglu", True, True, False, "dense"),
+    (4, "gelu", False, True, False, "init"),
+    (4, "swiglu", True, True, True, "dense"),  # 2-D (dp, tp) mesh, axis="tp"
+])
+def test_mlp_dtensor_params(pools, ws, activation, bias, sp, two_d, build):
+    for bad in pools(ws).run(_mlp_run, activation, bias, sp, two_d, build):
+        assert bad == [], f"full_tensor() of the finalized gradient differs from the dense one: {bad}"
+
+
+# ------------------------------------------------------------------ attention
+def _attn_run(rank, ws, nq, nkv, bias, qk_norm, sp, build):
+    mesh, axis, tp = _mesh(ws, False)
+    g = torch.Generator().manual_seed(5)
+    H, d, B, S = 16, 4, 2, 4 * ws
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) / math.sqrt(H)  # noqa: E731
+    dense = dict(wq=r(nq * d, H), wk=r(nkv * d, H), wv=r(nkv * d, H), wo=r(H, nq * d))
+    if bias:
+        dense.update(bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H))
+    if qk_norm:
+        dense.update(q_norm=1 + r(d), k_norm=1 + r(d))
+    x, dy = r(B, S, H), r(B, S, H)
+    opts = dict(sequence_parallel=sp, num_tiles=2)
+    if build == "init":
+        torch.manual_seed(9)
+        ml = OverlapAttention(H, nq, nkv, mesh=mesh, bias=bias, qk_norm=qk_norm, dtype=torch.float64, **opts)
+        torch.manual_seed(9)
+        gl = OverlapAttention(H, nq, nkv, group=tp, bias=bias, qk_norm=qk_norm, dtype=torch.float64, **opts)
+    else:
+        ml = OverlapAttention.from_dense(**dense, num_heads=nq, num_kv_heads=nkv, mesh=mesh, **opts)
+        gl = OverlapAttention.from_dense(**dense, num_heads=nq, num_kv_heads=nkv, group=tp, **opts)
+    if nkv < ws:
+        assert tuple(ml.wk.to_local().shape) == (nkv * ml.head_dim, H)  # every rank holds every KV head
+    xl = x.chunk(ws, 1)[rank] if sp else x
+    dyl = dy.chunk(ws, 1)[rank] if sp else dy
+    return _check_pair(ml, gl, xl, dyl)
+
+
+@pytest.mark.parametrize("ws,nq,nkv,bias,qk_norm,sp,build", [
+    (2, 4, 2, True, True, True, "dense"),
+    (2, 4, 1, True, False, True, "dense"),   # replicated KV heads
+    (2, 2, 1, False, True, False, "init"),   # replicated KV heads, no SP
+    (4, 4, 4, False, True, True, "init"),
+    (4, 8, 2, True, True, True, "dense"),   # replicated KV heads, 2 ranks per head, 2 heads
+])
+def test_attention_dtensor_params(pools, ws, nq, nkv, bias, qk_norm, sp, build):
+    for bad in pools(ws).run(_attn_run, nq, nkv, bias, qk_norm, sp, build):
+        assert bad == [], f"full_tensor() of the finalized gradient differs from the dense one: {bad}"
+
+
+# ------------------------------------------------------------------ MoE
+def _moe_run(rank, ws, activation, shared, build):
+    mesh, axis, tp = _mesh(ws, False)
+    g = torch.Generator().manual_seed(11)
+    H, F, E, k = 8, 6, 2 * ws, 2
+    n_in = 2 * F if activation == "swiglu" else F
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) / math.sqrt(H)  # noqa: E731
+    dense = dict(router_weight=r(E, H), w_in=r(E, n_in, H), w_out=r(E, H, F))
+    if shared:
+        dense.update(shared_w_in=r(n_in, H), shared_w_out=r(H, F))
+    xr = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 3 + rank, H, generator=xr, dtype=torch.float64)  # each rank's own tokens
+    dy = torch.randn(x.shape, generator=xr, dtype=torch.float64)
+    opts = dict(activation=activation, num_tiles=2)
+    if build == "init":
+        torch.manual_seed(13)
+        ml = OverlapMoE(H, F, E, k, mesh=mesh, shared_expert_ffn=F if shared else None, dtype=torch.float64, **opts)
+        torch.manual_seed(13)
+        gl = OverlapMoE(H, F, E, k, group=tp, shared_expert_ffn=F if shared else None, dtype=torch.float64, **opts)
+    else:
+        ml = OverlapMoE.from_dense(**dense, top_k=k, mesh=mesh, **opts)
+        gl = OverlapMoE.from_dense(**dense, top_k=k, group=tp, **opts)
+    return _check_pair(ml, gl, x, dy, data_parallel=True)
+
+
+@pytest.mark.parametrize("ws,activation,shared,build", [
+    (2, "swiglu", True, "dense"),
+    (2, "gelu", False, "init"),
+    (4, "swiglu", False, "dense"),
+])
+def test_moe_dtensor_params(pools, ws, activation, shared, build):
+    for bad in pools(ws).run(_moe_run, activation, shared, build):
+        assert bad == [], f"full_tensor() of the finalized gradient differs from the dense one: {bad}"
+
+
+# ------------------------------------------------------------------ group= stays plain
+def _group_plain(rank, ws):
+    layers = [OverlapMLP(8, 8, group=dist.group.WORLD), OverlapAttention(8, 2, 1, group=dist.group.WORLD),
+              OverlapMoE(8, 4, 2, 1, group=dist.group.WORLD)]
+    return [type(p).__name__ for layer in layers for p in layer.parameters()]
+
+
+def test_group_parameters_stay_plain(pool2):
+    for names in pool2.run(_group_plain):
+        assert set(names) == {"Parameter"}, names
+
+
+# ------------------------------------------------------------------ DCP: save at 2 ranks, load at 4
+def _gather_seq(y, group):
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
+def _dcp_layer(kind, ws, seed, nkv=None):
+    """A mesh= layer of ``kind`` on a 1-D mesh of every rank, initialised from ``seed``."""
+    mesh, _, _ = _mesh(ws, False)
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return OverlapMLP(8, 8, mesh=mesh, activation="swiglu", bias=True, num_tiles=2, dtype=torch.float64)
+    return OverlapAttention(16, 4, nkv, mesh=mesh, bias=True, qk_norm=True, num_tiles=2, dtype=torch.float64)
+
+
+def _dcp_save(rank, ws, kind, nkv, path):
+    import torch.distributed.checkpoint as dcp
+    layer = _dcp_layer(kind, ws, seed=1, nkv=nkv)
+    x = torch.randn(2, 8, layer.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y = _gather_seq(layer(x.chunk(ws, 1)[rank]), dist.group.WORLD)
+    dcp.save({"model": layer.state_dict()}, checkpoint_id=path)
+    return layer.to_dense(), y
+
+
+def _dcp_load(rank, ws, kind, nkv, path):
+    import torch.distributed.checkpoint as dcp
+    layer = _dcp_layer(kind, ws, seed=99, nkv=nkv)  # other weights, overwritten by the load
+    state = {"model": layer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    layer.load_state_dict(state["model"])
+    x = torch.randn(2, 8, layer.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y = _gather_seq(layer(x.chunk(ws, 1)[rank]), dist.group.WORLD)
+    placements = {n: str(p.placements) for n, p in layer.named_parameters()}
+    return layer.to_dense(), y, placements
+
+
+@pytest.mark.parametrize("kind,nkv", [("mlp", None), ("attention", 1), ("attention", 2)])
+def test_dcp_save_at_2_load_at_4(pools, tmp_path, kind, nkv):
+    """Saved by 2 ranks, loaded (resharded) by 4: the same dense weights and outputs. Attention with
+    nkv=2 goes from Shard(0) KV heads at 2 ranks to replicated KV heads at 4; nkv=1 is replicated
+    at both."""
+    path = str(tmp_path / "ckpt")
+    saved = pools(2).run(_dcp_save, kind, nkv, path)
+    loaded = pools(4).run(_dcp_load, kind, nkv, path)
+    dense, y = saved[0]
+    for dense4, y4, placements in loaded:
+        for n, t in dense.items():
+            assert (t is None and dense4[n] is None) or torch.equal(t, dense4[n]), n
+        assert torch.allclose(y4, y, rtol=1e-12, atol=1e-12), (y4 - y).abs().max()
+    if kind == "attention":
+        assert "Replicate" in loaded[0][2]["wk"]
+
+
+# ------------------------------------------------------------------ FSDP2 over dp of a 2-D (dp, tp) mesh
+def _fsdp_run(rank, ws, steps, bias):
+    """OverlapMLP on a (dp=2, tp=2) mesh, fully_shard over dp, AdamW(foreach=False), against the
+    same dense MLP in one process (every rank computes the reference itself)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    mesh, _, tp = _mesh(ws, True)
+    dp_i, tp_i = mesh.get_coordinate()
+    g = torch.Generator().manual_seed(21)
+    H, F, B, S = 8, 8, 4, 8
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    dense = dict(w_in=r(2 * F, H) / math.sqrt(H), w_out=r(H, F) / math.sqrt(F))
+    if bias:
+        dense.update(b_in=r(2 * F), b_out=r(H))
+    xs, ts = [r(B, S, H) for _ in range(steps)], [r(B, S, H) for _ in range(steps)]
+    layer = OverlapMLP.from_dense(**dense, mesh=mesh, axis="tp", activation="swiglu", num_tiles=2)
+    fully_shard(layer, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in dense.items()}
+    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, foreach=False)
+    dp = mesh["dp"].size()
+    for x, t in zip(xs, ts):
+        # rank (dp_i, tp_i): batch rows of dp_i, sequence positions of tp_i
+        xl = x.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        tl = t.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        loss = ((layer(xl) - tl) ** 2).sum() * (dp / B)  # FSDP averages over dp: mean over the batch
+        loss.backward()
+        finalize_grads(layer)  # b_out under sequence parallelism: the tp partials
+        opt.step()
+        opt.zero_grad()
+        pre = x @ ref["w_in"].T + (ref["b_in"] if bias else 0)
+        h = torch.nn.functional.silu(pre[..., :F]) * pre[..., F:]
+        y = h @ ref["w_out"].T + (ref["b_out"] if bias else 0)
+        (((y - t) ** 2).sum() / B).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    errs = {}
+    for n, p in layer.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.ndim == 2, (n, type(p))
+        full = p.full_tensor().reshape(ref[n].shape)
+        errs[n] = (full - ref[n].detach()).abs().max().item()
+    moved = max((ref[n].detach() - dense[n]).abs().max().item() for n in ref)
+    return errs, moved
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fsdp2_over_dp_with_tp_mlp_matches_dense(pool4, bias):
+    for errs, moved in pool4.run(_fsdp_run, 3, bias):
+        assert moved > 1e-3  # the optimizer did move the weights
+        assert max(errs.values()) < 1e-10, errs
+
+
+# ------------------------------------------------------------------ meta device (deferred init)
+def _meta_run(rank, ws):
+    mesh, _, _ = _mesh(ws, False)
+    layers = [OverlapMLP(8, 8, mesh=mesh, bias=True, device="meta"),
+              OverlapAttention(16, 4, 1, mesh=mesh, bias=True, device="meta"),
+              OverlapMoE(8, 4, 4, 2, mesh=mesh, shared_expert_ffn=4, device="meta")]
+    out = {}
+    for layer in layers:
+        layer.to_empty(device="cpu")
+        for n, p in layer.named_parameters():
+            out[f"{type(layer).__name__}.{n}"] = (tuple(p.shape), str(p.placements), p.device.type)
+    y = layers[0](torch.randn(1, 4, 8))  # runs (uninitialised weights) on the DTensors' local views
+    return out, tuple(y.shape)
+
+
+def test_meta_construction_has_global_shapes(pool2):
+    for out, yshape in pool2.run(_meta_run):
+        assert yshape == (1, 4, 8)
+        assert out["OverlapMLP.w_in"] == ((2, 8, 8), "(Shard(dim=1),)", "cpu")
+        assert out["OverlapMLP.b_out"] == ((8,), "(Replicate(),)", "cpu")
+        assert out["OverlapAttention.wk"] == ((4, 16), "(Replicate(),)", "cpu")  # 1 KV head, dense
+        assert out["OverlapAttention.wo"] == ((16, 16), "(Shard(dim=1),)", "cpu")
+        assert out["OverlapMoE.w_in"] == ((4, 8, 8), "(Shard(dim=0),)", "cpu")
