@@ -1,9 +1,32 @@
 """Integrations of the overlap layers into other model code (DESIGN.md: integrations -> layers).
 
-``swap`` replaces the MLP / attention / MoE modules of Hugging Face transformers (>= 5) models in
-place (:mod:`.hf`; transformers is imported only when ``swap`` runs).
+``swap`` replaces, in place, the MLP / attention / MoE modules of Hugging Face transformers
+(>= 5) models (:mod:`.hf`) and the MLP / self-attention modules of megatron-core GPT models
+(:mod:`.megatron`). It dispatches on the model: one containing a megatron-core module goes to
+:func:`.megatron.swap`, anything else to :func:`.hf.swap`. Neither transformers nor megatron is
+imported until ``swap`` needs it.
 """
-from .hf import swap
-from .hf_adapters import HFAttention, HFMoE
+import functools
 
-__all__ = ["swap", "HFAttention", "HFMoE"]
+from . import hf as _hf
+from .hf_adapters import HFAttention, HFMoE
+from .megatron import MegatronAttention, MegatronMLP, is_megatron_model
+
+
+@functools.wraps(_hf.swap)
+def swap(model, group=None, **kwargs):
+    if is_megatron_model(model):
+        from .megatron import swap as megatron_swap
+        return megatron_swap(model, group, **kwargs)
+    return _hf.swap(model, group, **kwargs)
+
+
+swap.__doc__ = (_hf.swap.__doc__ or "") + """
+    megatron-core models (any model containing a ``MegatronModule``) are swapped by
+    :func:`overlap_layers.integrations.megatron.swap` instead: same arguments, ``group`` being
+    Megatron's tensor-parallel group when its tensor parallelism is > 1; see that module for the
+    adapters' contract (``[seq, batch, hidden]`` in, ``(output, None)`` out, RoPE from
+    ``rotary_pos_emb``, sequence parallelism from Megatron's config).
+"""
+
+__all__ = ["swap", "HFAttention", "HFMoE", "MegatronAttention", "MegatronMLP"]

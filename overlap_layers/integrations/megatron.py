@@ -1,0 +1,655 @@
+"""Swap the overlap layers into megatron-core (0.16) GPT models, in place.
+
+Reference (what a swapped model must equal, up to rounding): the unswapped Megatron model on
+the same ranks and inputs -- its outputs, and every parameter's gradient after the sequence-
+parallel reduction Megatron does anyway (see [Note: Megatron gradients]); the swapped layers'
+shards equal the matching slices of the dense gradients (their ``to_dense``), and ``to_dense()``
+of a swapped layer equals :func:`megatron_dense` of the module it replaced.
+
+=====================================================  ==============================================
+megatron-core module (local spec)                      replaced by
+=====================================================  ==============================================
+``MLP`` (not an expert): ``linear_fc1``                :class:`MegatronMLP` around :class:`OverlapMLP`
+ColumnParallelLinear, ``linear_fc2`` RowParallelLinear  (swiglu = ``gated_linear_unit`` + silu; gelu
+                                                       / relu without gating; biases when
+                                                       ``add_bias_linear``)
+``SelfAttention``: ``linear_qkv`` ColumnParallelLinear  :class:`MegatronAttention` around
+(interleaved per query group), ``DotProductAttention``  :class:`OverlapAttention` (GQA, causal, RoPE
+core, ``linear_proj`` RowParallelLinear                from Megatron's ``rotary_pos_emb``; biases when
+                                                       ``add_bias_linear``)
+=====================================================  ==============================================
+
+Megatron's ``config.sequence_parallel`` (with a tensor-parallel size > 1) maps to
+``sequence_parallel=True``: the input ``[s/tp, b, h]`` is rank r's positions ``r*s/tp ..``, as
+our layers expect. Everything else (embeddings, norms, the output layer, the rotary module, MoE
+layers) stays as it is. Not swapped, left with a warning: Transformer Engine linears (which may
+fuse the layernorm), experts / MoE, q/k layernorm, interleaved or partial RoPE, sliding windows,
+non-vanilla softmax, an attention output gate, context parallelism, ``num_query_groups`` smaller
+than the group, GLU variants other than swiglu, clamped activations, Megatron's fused (tanh) gelu.
+
+[Note: Megatron weights]
+Megatron's TP weights are shards over *its* tensor-parallel group (``linear.tp_group``). ``swap``
+gathers them over that group into dense ``nn.Linear``-layout weights (:func:`megatron_dense`; a
+collective over Megatron's TP group, which every rank runs as it walks the same model) and builds
+our layers with ``from_dense`` over ``group``. Two set-ups are supported:
+
+* Megatron TP = tp > 1: ``group`` must hold exactly the ranks of Megatron's TP group, in the same
+  order (else ``ValueError``); each rank then holds the same rows as before (no weight moves
+  between ranks; the gather is only how ``from_dense`` is fed). Our parameters get Megatron's
+  tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``,
+  ``sequence_parallel``) copied from the parameters they replace, so Megatron's grad-norm clipping
+  and ``finalize_model_grads`` treat them like the originals.
+* Megatron TP = 1 (full weights on every rank) and ``group`` any group: the replicated weights are
+  sharded over ``group``; the ranks of ``group`` must be fed the same batch (the hidden states are
+  replicated over ``group``, as in the Hugging Face swap). Megatron knows nothing of ``group``:
+  its data-parallel wrapper must not average over ranks of ``group`` (they hold different
+  shards), and its grad-norm clipping sees only local shards. No Megatron attributes are set.
+
+Layouts: the gathered ``linear_fc1`` is ``[gate_0; up_0; gate_1; up_1; ..]`` (per Megatron rank,
+``stride=2``), de-interleaved into gate rows then up rows; the gathered ``linear_qkv`` is, per
+query group g, ``[q heads of g (np/ng of them); k_g; v_g]``, split into ``wq``, ``wk``, ``wv``.
+
+[Note: Megatron layout in the hot path]
+Megatron passes ``[seq, batch, hidden]`` and expects ``(output, bias)``. :class:`MegatronMLP` views
+the input as ``[1, seq*batch, hidden]`` (the MLP is row-wise and, under sequence parallelism, a
+rank's rows stay its own): no copy. :class:`MegatronAttention` hands ``x.transpose(0, 1)`` (a view)
+to :class:`OverlapAttention`, which makes its batch-major rows contiguous: one copy of the input
+when ``batch > 1`` (none when ``batch == 1``); the output is returned as a transposed view.
+Both return ``(output, None)``: the output bias is added inside (Megatron's bias-dropout-add
+accepts ``bias=None``).
+
+[Note: Megatron RoPE]
+Megatron hands every layer ``rotary_pos_emb`` = freqs ``[S, 1 or b, 1, rot_dim]`` (or a ``(q, k)``
+pair) for the global sequence and applies ``t*cos(freqs)*m + rotate_half(t)*sin(freqs)*m`` with
+``m`` the YaRN concentration factor (1 otherwise), after the q/k layernorm. Non-interleaved
+freqs are ``cat(f, f)`` -- exactly our rotate-half convention -- so the adapter passes
+``(cos(freqs)*m, sin(freqs)*m)`` as ``position_embeddings``. Refused: ``rotary_interleaved``
+(at swap time), a partial rotary dimension (``rot_dim < head_dim``) or different q/k freqs (at
+run time, on every rank). ``no_rope_freq`` layers get no RoPE, as in Megatron.
+
+[Note: Megatron gradients]
+The only swapped parameters whose gradient is a per-rank partial are the output biases under
+sequence parallelism (``b_out``, ``bo``: only the rank's own rows) -- exactly like Megatron's
+own row-parallel biases, whose ``sequence_parallel`` attribute they carry. (q/k norms and KV heads
+replicated over the group, the other partials of :class:`OverlapAttention`, are refused at swap.)
+Sum them with **exactly one** of: Megatron's ``finalize_model_grads`` (it sums parameters with
+``sequence_parallel=True`` over the TP group; what a Megatron training loop calls anyway, and the
+only one that sees gradients after Megatron's DDP moved them to ``main_grad``), or
+:func:`overlap_layers.finalize_grads` (for loops without Megatron's DDP). Both sum the same
+parameters; calling both double-counts them.
+
+Swap the bare model, before Megatron's ``DistributedDataParallel`` / ``Float16Module`` and the
+optimizer are built (they capture parameters). Megatron's distributed checkpointing does not know
+the swapped layers: save dense weights (``to_dense``) or the unswapped model. Activation
+recomputation re-runs the swapped layers' forward (collectives included) on every rank; untested.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import sys
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import OverlapConfig
+from ..layers import OverlapAttention, OverlapMLP
+from ..runtime import resolve_group
+from .hf import KINDS, _names, _parse_plan, _set_parent, _Unswappable
+
+logger = logging.getLogger(__name__)
+
+_TARGETS = {"mlp": "OverlapMLP", "attention": "OverlapAttention"}
+_LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
+                       "moe": ("MoELayer", "MoE", "Experts")}
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel")
+
+
+def is_megatron_model(model) -> bool:
+    """Whether ``model`` contains a megatron-core module (megatron is never imported here: a
+    Megatron model can only exist if it already was)."""
+    mod = sys.modules.get("megatron.core.transformer.module")
+    if mod is None or not isinstance(model, nn.Module):
+        return False
+    base = getattr(mod, "MegatronModule", None)
+    return base is not None and any(isinstance(m, base) for m in model.modules())
+
+
+def _megatron():
+    """The megatron-core classes swap recognises (imported on use)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    return dict(ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, MLP=MLP,
+                SelfAttention=SelfAttention, DotProductAttention=DotProductAttention, AttnMaskType=AttnMaskType,
+                IdentityOp=IdentityOp)
+
+
+# ---------------------------------------------------------------------------- dense weights
+def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` of ``group`` along ``dim`` (a collective when ws > 1)."""
+    t = t.detach()
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _opt(t, get):
+    """``get(t)`` detached, or None where ``t`` (a parameter) or ``get(t)`` (e.g. its grad) is None."""
+    v = get(t) if t is not None else None
+    return v.detach() if v is not None else None
+
+
+def _mlp_dense(module, get) -> dict:
+    fc1, fc2 = module.linear_fc1, module.linear_fc2
+    g, ws = fc1.tp_group, dist.get_world_size(fc1.tp_group)
+
+    def fc1_rows(t):
+        full = _gather(t, g, 0)
+        if not module.config.gated_linear_unit:
+            return full
+        per = full.view(ws, 2, -1, *full.shape[1:])  # [gate_r; up_r] per Megatron rank (stride 2)
+        return torch.cat([per[:, 0].reshape(-1, *full.shape[1:]), per[:, 1].reshape(-1, *full.shape[1:])])
+
+    b_in = _opt(fc1.bias, get)
+    return {"w_in": fc1_rows(get(fc1.weight)), "w_out": _gather(get(fc2.weight), fc2.tp_group, 1),
+            "b_in": fc1_rows(b_in) if b_in is not None else None,
+            "b_out": _opt(fc2.bias, get)}
+
+
+def _attention_dense(module, get) -> dict:
+    cfg, qkv, proj = module.config, module.linear_qkv, module.linear_proj
+    nq, ng, d = cfg.num_attention_heads, cfg.num_query_groups, module.hidden_size_per_attention_head
+    per = nq // ng
+
+    def split(t):  # per query group [q (per heads); k; v] -> wq, wk, wv
+        full = _gather(t, qkv.tp_group, 0)
+        v = full.view(ng, per + 2, d, *full.shape[1:])
+        rest = full.shape[1:]
+        return (v[:, :per].reshape(nq * d, *rest), v[:, per].reshape(ng * d, *rest),
+                v[:, per + 1].reshape(ng * d, *rest))
+
+    wq, wk, wv = split(get(qkv.weight))
+    bq = bk = bv = None
+    if qkv.bias is not None:
+        bq, bk, bv = split(get(qkv.bias))
+    return {"wq": wq, "wk": wk, "wv": wv, "wo": _gather(get(proj.weight), proj.tp_group, 1),
+            "bq": bq, "bk": bk, "bv": bv, "bo": _opt(proj.bias, get),
+            "q_norm": None, "k_norm": None}
+
+
+def megatron_dense(module, get=None) -> dict:
+    """The dense weights of a megatron-core ``MLP`` or ``SelfAttention`` under the names
+    :meth:`OverlapMLP.from_dense` / :meth:`OverlapAttention.from_dense` take (``w_in`` = gate rows
+    then up rows; ``wq``, ``wk``, ``wv`` de-interleaved; None where absent), gathered over
+    Megatron's tensor-parallel group: a collective, every rank of that group must call it.
+    ``get(param)`` picks the tensor of each parameter (default: the parameter; e.g.
+    ``lambda p: p.grad`` gives the dense gradients)."""
+    get = get or (lambda p: p)
+    M = _megatron()
+    if type(module) is M["MLP"]:
+        return _mlp_dense(module, get)
+    if type(module) is M["SelfAttention"]:
+        return _attention_dense(module, get)
+    raise ValueError(f"module={type(module).__name__}: must be a megatron-core MLP or SelfAttention")
+
+
+def _copy_tp_attrs(src: Optional[torch.Tensor], dst: Optional[torch.Tensor]) -> None:
+    if src is None or dst is None:
+        return
+    for a in _TP_ATTRS:
+        if hasattr(src, a):
+            setattr(dst, a, getattr(src, a))
+
+
+# ---------------------------------------------------------------------------- masks and RoPE
+_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, (version, S), verdict)
+
+
+def _is_causal_mask(mask, S: int) -> bool:
+    """Whether a Megatron attention mask (boolean, True = masked out) is the causal one over ``S``
+    positions (None is: the layer's mask type is causal). Cached for the last mask seen (Megatron
+    hands one mask object to every layer)."""
+    global _mask_verdict
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor):
+        return False
+    last = _mask_verdict
+    if last is not None and last[0]() is mask and last[1] == (mask._version, S):
+        return last[2]
+    ok = (mask.dtype == torch.bool and mask.dim() == 4 and tuple(mask.shape[-2:]) == (S, S) and bool(
+        (mask == torch.ones(S, S, dtype=torch.bool, device=mask.device).triu_(1)).all()))
+    _mask_verdict = (weakref.ref(mask), (mask._version, S), ok)
+    return ok
+
+
+class MegatronMLP(nn.Module):
+    """A megatron-core ``MLP``'s stand-in: :class:`OverlapMLP` over the group, with Megatron's call
+    signature ``forward(hidden_states [s, b, h], **kwargs) -> (output [s, b, h], None)``.
+
+    ``hidden_states`` is the replicated ``[s, b, h]``, or with sequence parallelism this rank's
+    ``[s/tp, b, h]`` (positions ``r*s/tp ..``); it is viewed as ``[1, s*b, h]`` (no copy, see
+    [Note: Megatron layout in the hot path]). ``b_out`` is added inside, so the bias returned is
+    None. ``padding_mask`` (MoE routing only) is accepted and ignored; ``per_token_scale`` (experts
+    only) raises ``ValueError``.
+    """
+
+    def __init__(self, layer: OverlapMLP, *, source: str = ""):
+        super().__init__()
+        self.layer = layer
+        self.source = source
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise ValueError(f"{self.source or 'MLP'} (swapped by overlap_layers.swap): per_token_scale is for MoE "
+                             f"experts; the swapped MLP is a dense one")
+        x = hidden_states
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            s, b, h = x.shape
+            return self.layer(x.reshape(1, s * b, h)).view(s, b, h), None
+        return self.layer(x), None  # the layer's agreement raises its input error on every rank
+
+    def to_dense(self) -> dict:
+        """The dense weights (:meth:`OverlapMLP.to_dense`); a collective."""
+        return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}"
+
+
+class MegatronAttention(nn.Module):
+    """A megatron-core ``SelfAttention``'s stand-in: :class:`OverlapAttention` over the group, with
+    Megatron's call signature ``forward(hidden_states [s, b, h], attention_mask=None, ...,
+    rotary_pos_emb=None, ...) -> (output [s, b, h], None)``.
+
+    ``hidden_states`` is replicated, or this rank's ``[s/tp, b, h]`` with sequence parallelism.
+    ``attention_mask``: None or Megatron's causal mask (boolean, True = masked out, ``[.., S, S]``).
+    ``rotary_pos_emb``: Megatron's freqs, mapped exactly to our RoPE ([Note: Megatron RoPE]).
+    Rejected on every rank: other masks (padding, EOD resets), ``packed_seq_params``,
+    ``attention_bias``, ``key_value_states`` (``ValueError``); an inference context or
+    ``rotary_pos_cos``/``sin`` (``NotImplementedError``: no KV cache). Output bias added inside.
+    """
+
+    def __init__(self, layer: OverlapAttention, *, layer_number: int = 1, no_rope: bool = False,
+                 mscale: float = 1.0, source: str = ""):
+        super().__init__()
+        self.layer = layer
+        self.layer_number, self.no_rope, self.mscale, self.source = layer_number, bool(no_rope), float(mscale), source
+        self._rope_cache: Optional[tuple] = None  # (weakref to freqs, version, (cos, sin))
+
+    def _cos_sin(self, freqs: torch.Tensor):
+        last = self._rope_cache
+        if last is not None and last[0]() is freqs and last[1] == freqs._version:
+            return last[2]
+        f = freqs[:, :, 0, :].transpose(0, 1)  # [S, b', 1, d] -> [b', S, d]
+        cs = (torch.cos(f) * self.mscale, torch.sin(f) * self.mscale)
+        self._rope_cache = (weakref.ref(freqs), freqs._version, cs)
+        return cs
+
+    def _problem(self, x, attention_mask, key_value_states, inference_context, rotary_pos_emb, rotary_pos_cos,
+                 rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params):
+        if inference_context is not None or any(t is not None for t in (rotary_pos_cos, rotary_pos_sin,
+                                                                        rotary_pos_cos_sin)):
+            return NotImplementedError("an inference context / precomputed rotary cos-sin was passed: the swapped "
+                                       "attention keeps no KV cache; run inference with the unswapped model")
+        if key_value_states is not None:
+            return ValueError("key_value_states was passed: the swapped attention is self-attention only")
+        if packed_seq_params is not None:
+            return ValueError("packed_seq_params (THD packed sequences) are not supported: the swapped attention is "
+                              "causal over whole sequences")
+        if attention_bias is not None:
+            return ValueError("attention_bias is not supported by the swapped attention")
+        S = x.shape[0] * (self.layer.world_size if self.layer.sequence_parallel else 1) \
+            if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
+        if not _is_causal_mask(attention_mask, S):
+            return ValueError("attention_mask is not Megatron's causal mask (padding, reset position ids / EOD "
+                              "masks): the swapped attention supports causal attention over whole sequences only")
+        if rotary_pos_emb is not None and S:  # (a malformed x: the layer's own check reports it)
+            q, k = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            if q is not k and not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                                   and q.shape == k.shape and torch.equal(q, k)):
+                return ValueError("rotary_pos_emb has different query and key freqs; the swapped attention applies "
+                                  "one RoPE to both")
+            if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == S and q.shape[2] == 1
+                    and q.shape[1] in (1, x.shape[1])):
+                return ValueError(f"rotary_pos_emb must be Megatron's freqs [seq {S}, 1 or batch, 1, dim]; got "
+                                  f"{tuple(getattr(q, 'shape', ()))}")
+            if q.shape[-1] != self.layer.head_dim:
+                return ValueError(f"partial rotary embedding (rotary dim {q.shape[-1]} < head dim "
+                                  f"{self.layer.head_dim}, rotary_percent < 1) cannot be mapped exactly to the "
+                                  f"swapped attention's RoPE")
+        return None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                inference_params=None):
+        inference_context = inference_context if inference_context is not None else inference_params
+        if self.no_rope:
+            rotary_pos_emb = None
+        problem = self._problem(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
+                                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params)
+        x = hidden_states.transpose(0, 1) if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 \
+            else hidden_states
+        if problem is None:
+            cs = None
+            if rotary_pos_emb is not None:
+                cs = self._cos_sin(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
+            return self.layer(x, position_embeddings=cs).transpose(0, 1), None
+        # Every rank must raise, not only this one: a mask the layer rejects carries the rejection
+        # through its agreement to every rank (as HFAttention does).
+        try:
+            self.layer(x, attention_mask=True)
+        except ValueError as e:
+            raise type(problem)(f"{self.source or 'SelfAttention'} (swapped by overlap_layers.swap): {problem}") from e
+        raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+
+    def to_dense(self) -> dict:
+        """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
+        return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
+
+
+# ---------------------------------------------------------------------------- builders
+def _linears(module, names, M):
+    out = []
+    for name, want in names:
+        lin = getattr(module, name, None)
+        if type(lin) is not M[want]:
+            raise _Unswappable(f"{name} is {type(lin).__name__}, not megatron-core's {want} (only the local spec's "
+                               f"linears are swapped; Transformer Engine linears, which may fuse the layernorm, "
+                               f"are not)")
+        if getattr(lin, "is_expert", False):
+            raise _Unswappable(f"{name} is an expert linear (MoE)")
+        if getattr(lin, "weight", None) is None:
+            raise _Unswappable(f"{name} has no weight of its own (skip_weight_param_allocation)")
+        out.append(lin)
+    return out
+
+
+def _check_plain(tensors) -> None:
+    for t in tensors:
+        if t is not None and type(t) not in (nn.Parameter, torch.Tensor):
+            raise _Unswappable(f"weights are {type(t).__name__}s; swap a model with plain tensors")
+
+
+def _activation(cfg) -> str:
+    f = cfg.activation_func
+    if getattr(cfg, "use_te_activation_func", False):
+        raise _Unswappable("use_te_activation_func=True (Transformer Engine activation)")
+    if getattr(cfg, "activation_func_clamp_value", None) is not None:
+        raise _Unswappable(f"activation_func_clamp_value={cfg.activation_func_clamp_value} (clamped GLU)")
+    if cfg.gated_linear_unit:
+        if getattr(cfg, "glu_linear_offset", 0.0):
+            raise _Unswappable(f"glu_linear_offset={cfg.glu_linear_offset}")
+        if f is F.silu:
+            return "swiglu"
+        raise _Unswappable(f"gated_linear_unit with activation {getattr(f, '__name__', f)!r} (only silu: swiglu)")
+    if f is F.gelu:
+        if cfg.bias_activation_fusion:
+            raise _Unswappable("bias_activation_fusion=True with gelu (Megatron's fused gelu is the tanh "
+                               "approximation; OverlapMLP's gelu is exact)")
+        return "gelu"
+    if f is F.relu:
+        return "relu"
+    raise _Unswappable(f"activation {getattr(f, '__name__', f)!r} (OverlapMLP has swiglu, gelu, relu)")
+
+
+def _tp_size(lin) -> int:
+    return dist.get_world_size(lin.tp_group)
+
+
+def _build_mlp(module, group, opts, M) -> nn.Module:
+    fc1, fc2 = _linears(module, (("linear_fc1", "ColumnParallelLinear"), ("linear_fc2", "RowParallelLinear")), M)
+    cfg = module.config
+    act = _activation(cfg)
+    if (fc1.bias is None) != (fc2.bias is None):
+        raise _Unswappable("only one of linear_fc1 / linear_fc2 has a bias")
+    _check_plain([fc1.weight, fc2.weight, fc1.bias, fc2.bias])
+    meg_tp = _tp_size(fc1)
+    w = megatron_dense(module)
+    sp = bool(cfg.sequence_parallel) and meg_tp > 1
+    layer = OverlapMLP.from_dense(w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"], group=group,
+                                  sequence_parallel=sp, activation=act, **opts)
+    if meg_tp > 1:  # [Note: Megatron weights]: the same shards as Megatron's, the same attributes
+        for src, dst in ((fc1.weight, layer.w_in), (fc1.bias, layer.b_in), (fc2.weight, layer.w_out),
+                         (fc2.bias, layer.b_out)):
+            _copy_tp_attrs(src, dst)
+    return MegatronMLP(layer, source=type(module).__name__)
+
+
+def _build_attention(module, group, opts, M) -> nn.Module:
+    qkv, proj = _linears(module, (("linear_qkv", "ColumnParallelLinear"), ("linear_proj", "RowParallelLinear")), M)
+    cfg = module.config
+    if type(getattr(module, "core_attention", None)) is not M["DotProductAttention"]:
+        raise _Unswappable(f"core_attention is {type(getattr(module, 'core_attention', None)).__name__}, not "
+                           f"megatron-core's DotProductAttention")
+    if module.attn_mask_type != M["AttnMaskType"].causal:
+        raise _Unswappable(f"attn_mask_type={module.attn_mask_type} (only causal)")
+    for flag, bad in (("attention_output_gate", True), ("rotary_interleaved", True), ("multi_latent_attention", True)):
+        if getattr(cfg, flag, False) == bad:
+            raise _Unswappable(f"{flag}={bad}" + (" (interleaved RoPE; OverlapAttention rotates halves)"
+                                                  if flag == "rotary_interleaved" else ""))
+    if getattr(cfg, "window_size", None) is not None:
+        raise _Unswappable(f"window_size={cfg.window_size} (sliding-window attention)")
+    if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
+        raise _Unswappable(f"softmax_type={cfg.softmax_type!r} (only 'vanilla')")
+    cp = getattr(getattr(module, "pg_collection", None), "cp", None)
+    if (cp is not None and dist.get_world_size(cp) > 1) or getattr(cfg, "context_parallel_size", 1) > 1:
+        raise _Unswappable("context parallelism (context_parallel_size > 1)")
+    for name in ("q_layernorm", "k_layernorm"):
+        norm = getattr(module, name, None)
+        if norm is not None and not isinstance(norm, M["IdentityOp"]):
+            raise _Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (its per-rank gradient "
+                               f"partials would need a reduction Megatron's finalize_model_grads does not do for the "
+                               f"swapped parameters)")
+    nq, ng = cfg.num_attention_heads, cfg.num_query_groups
+    ws = dist.get_world_size(group)
+    if ng < ws:
+        raise _Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
+                           f"gradient partials Megatron does not reduce)")
+    if (qkv.bias is None) != (proj.bias is None):
+        raise _Unswappable("only one of linear_qkv / linear_proj has a bias (add_qkv_bias without add_bias_linear); "
+                           "OverlapAttention takes all biases or none")
+    _check_plain([qkv.weight, proj.weight, qkv.bias, proj.bias])
+    meg_tp = _tp_size(qkv)
+    w = megatron_dense(module)
+    sp = bool(cfg.sequence_parallel) and meg_tp > 1
+    layer = OverlapAttention.from_dense(
+        w["wq"], w["wk"], w["wv"], w["wo"], num_heads=nq, num_kv_heads=ng, bq=w["bq"], bk=w["bk"], bv=w["bv"],
+        bo=w["bo"], group=group, sequence_parallel=sp, rope_theta=None, causal=True, softmax_scale=cfg.softmax_scale,
+        dropout_p=float(cfg.attention_dropout), **opts)
+    if meg_tp > 1:
+        for src, dst in ((qkv.weight, layer.wq), (qkv.weight, layer.wk), (qkv.weight, layer.wv),
+                         (qkv.bias, layer.bq), (qkv.bias, layer.bk), (qkv.bias, layer.bv),
+                         (proj.weight, layer.wo), (proj.bias, layer.bo)):
+            _copy_tp_attrs(src, dst)
+    layer_number = getattr(module, "layer_number", 1)
+    no_rope = bool(cfg.no_rope_freq[layer_number - 1]) if getattr(cfg, "no_rope_freq", None) else False
+    try:
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
+            _yarn_get_concentration_factor_from_config as yarn_m
+        mscale = float(yarn_m(cfg))
+    except ImportError:  # pragma: no cover - moved in another megatron-core version
+        mscale = 1.0
+    return MegatronAttention(layer, layer_number=layer_number, no_rope=no_rope, mscale=mscale,
+                             source=type(module).__name__)
+
+
+_BUILDERS = {"mlp": _build_mlp, "attention": _build_attention}
+_OURS = (OverlapMLP, OverlapAttention, MegatronMLP, MegatronAttention)
+
+
+def _check_group(module, kind, group) -> None:
+    """[Note: Megatron weights]: with Megatron TP > 1, ``group`` must be Megatron's TP group."""
+    lin = module.linear_fc1 if kind == "mlp" else module.linear_qkv
+    meg = getattr(lin, "tp_group", None)
+    if meg is None or dist.get_world_size(meg) == 1:
+        return
+    want, got = dist.get_process_group_ranks(meg), dist.get_process_group_ranks(group)
+    if list(want) != list(got):
+        raise ValueError(f"group= has global ranks {list(got)}, but Megatron's tensor-parallel group of "
+                         f"{type(module).__name__} has {list(want)}: with Megatron's tensor parallelism > 1, pass "
+                         f"its tensor-parallel group (megatron.core.parallel_state.get_tensor_model_parallel_group()),"
+                         f" or build the Megatron model with tensor_model_parallel_size=1")
+
+
+# ---------------------------------------------------------------------------- swap
+def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
+         config: Optional[OverlapConfig] = None, block: bool = False) -> nn.Module:
+    """Replace, in place, the ``MLP`` and ``SelfAttention`` modules of a megatron-core (0.16) GPT
+    model (local spec) with the overlap layers over ``group`` (or ``mesh`` + ``axis``), carrying
+    the weights; returns ``model``. See the module docstring for what is recognised, how the
+    weights are carried ([Note: Megatron weights]: ``group`` must be Megatron's TP group when its
+    TP > 1) and which gradients need the usual sequence-parallel reduction
+    ([Note: Megatron gradients]).
+
+    ``plan`` and ``config`` work as in the Hugging Face swap (patterns on qualified names such as
+    ``"decoder.layers.*.mlp"``; kinds ``"mlp"`` and ``"attention"``). Logging
+    (``logging.getLogger("overlap_layers.integrations.megatron")``, INFO): one line per kind.
+    Warnings (``UserWarning``) for recognised modules that cannot be replaced and for unknown
+    MLP / attention / MoE look-alikes (Megatron's MoELayer, MLA, Transformer Engine modules).
+    Every replacement is built before the first is put in, so an error leaves the model as it was.
+    A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
+    if block:
+        raise NotImplementedError("block=True: OverlapTransformerBlock (attention + MLP/MoE chained as one tiled "
+                                  "program) does not exist yet; use block=False")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__}: must be a torch.nn.Module (a megatron-core model)")
+    if config is not None and not isinstance(config, OverlapConfig):
+        raise ValueError(f"config={config!r}: must be an OverlapConfig or None")
+    group = resolve_group(group, mesh, axis)
+    rules = _parse_plan(plan)
+    M = _megatron()
+    known = {"mlp": (M["MLP"],), "attention": (M["SelfAttention"],), "moe": ()}
+
+    def kind_of(m):
+        return next((k for k, classes in known.items() if type(m) in classes), None)
+
+    def lookalike(m):
+        name = type(m).__name__
+        return next((k for k, suf in _LOOKALIKE_SUFFIXES.items() if name.endswith(suf)), None)
+
+    todo, left, warned, handled = [], defaultdict(list), defaultdict(list), set()
+    already, pattern_hits = 0, defaultdict(int)
+
+    def inside(name):
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in handled for i in range(1, len(parts)))
+
+    for name, module in model.named_modules():
+        if not name or inside(name):
+            continue
+        if isinstance(module, _OURS):
+            already += 1
+            handled.add(name)
+            continue
+        kind, cls = kind_of(module), type(module).__name__
+        if rules is not None:
+            rule = next((r for r in rules if fnmatch.fnmatchcase(name, r[0])), None)
+            if rule is None:
+                if kind is not None:
+                    left[kind].append((name, cls, "not in the plan"))
+                    handled.add(name)
+                continue
+            pattern, want, opts = rule
+            pattern_hits[pattern] += 1
+            if want is None:
+                if kind is not None:
+                    left[kind].append((name, cls, f"excluded by plan[{pattern!r}]"))
+                handled.add(name)
+                continue
+            if kind is None:
+                reason = f"plan[{pattern!r}] asks for {want!r} but {cls} is not a recognised {want} class"
+                left[want].append((name, cls, "unknown class"))
+                warned[(want, cls, reason)].append(name)
+                handled.add(name)
+                continue
+            if kind != want:
+                raise ValueError(f"plan[{pattern!r}] = {want!r} matches {name} ({cls}), which is a known {kind} "
+                                 f"module; map it to {kind!r}, or narrow the pattern")
+            opts = dict(opts)
+        else:
+            if kind is None:
+                look = lookalike(module)
+                if look is not None:
+                    reason = f"{cls} looks like a {look} module but is not a recognised class"
+                    left[look].append((name, cls, "unknown class"))
+                    warned[(look, cls, reason)].append(name)
+                    handled.add(name)
+                continue
+            opts = {}
+        if config is not None and "config" not in opts:
+            opts["config"] = config
+        todo.append((name, module, kind, opts))
+        handled.add(name)
+
+    for name, module, kind, opts in todo:  # a wrong group is the caller's error: raise before building
+        if all(hasattr(module, a) for a in (("linear_fc1",) if kind == "mlp" else ("linear_qkv",))):
+            _check_group(module, kind, group)
+
+    built = []
+    for name, module, kind, opts in todo:
+        cls = type(module).__name__
+        try:
+            new = _BUILDERS[kind](module, group, opts, M)
+        except (_Unswappable, ValueError) as e:  # ValueError: the layer's own checks
+            left[kind].append((name, cls, str(e)))
+            warned[(kind, cls, str(e))].append(name)
+            continue
+        new.train(module.training)
+        if not any(p.requires_grad for p in module.parameters()):
+            new.requires_grad_(False)
+        built.append((name, module, kind, new))
+    replaced = defaultdict(list)
+    for name, module, kind, new in built:
+        _set_parent(model, name, new)
+        replaced[kind].append((name, type(module).__name__))
+    del built, todo
+
+    if rules is not None:
+        for pattern, _, _ in rules:
+            if not pattern_hits[pattern]:
+                warnings.warn(f"overlap_layers.swap: plan pattern {pattern!r} matched no module", UserWarning,
+                              stacklevel=3)
+    for (kind, cls, reason), names in warned.items():
+        warnings.warn(f"overlap_layers.swap: left {len(names)} {kind} module(s) of class {cls} unswapped ({reason}): "
+                      f"{_names(names)}", UserWarning, stacklevel=3)
+    ws = dist.get_world_size(group)
+    for kind in KINDS:
+        rep, lft = replaced[kind], left[kind]
+        if kind == "moe" and not rep and not lft:
+            continue
+        by_cls: Dict[str, int] = defaultdict(int)
+        for _, c in rep:
+            by_cls[c] += 1
+        line = f"overlap_layers.swap: {kind}: replaced {len(rep)}"
+        if rep:
+            line += f" ({', '.join(f'{c} x{n}' for c, n in by_cls.items())} -> {_TARGETS[kind]} over {ws} ranks)"
+        line += f", left {len(lft)}"
+        if lft:
+            reasons = defaultdict(list)
+            for n, c, r in lft:
+                reasons[f"{c}: {r}"].append(n)
+            line += " (" + "; ".join(f"{r}: {_names(ns, 2)}" for r, ns in reasons.items()) + ")"
+        logger.info(line)
+    if already:
+        logger.info(f"overlap_layers.swap: {already} module(s) were already overlap layers (left as they are)")
+    if not any(replaced.values()) and not already:
+        warnings.warn("overlap_layers.swap: nothing was replaced (no recognised megatron-core MLP / SelfAttention"
+                      + (" matched the plan" if rules is not None else "") + ")", UserWarning, stacklevel=3)
+    return model
