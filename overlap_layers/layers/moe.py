@@ -105,6 +105,15 @@ def regroup_index(counts_SE: torch.Tensor) -> torch.Tensor:
     return starts + torch.arange(total, device=counts_SE.device)
 
 
+def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: it exists in this torch, the dtype is
+    a float type it supports, and every row stride is a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    e = x.element_size()
+    return all(d * e % 16 == 0 for d in (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2]))
+
+
 class _Call:
     """Everything one call needs besides the differentiable tensors."""
 
@@ -116,8 +125,14 @@ class _Call:
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
-    def experts(self, x_g: torch.Tensor, sizes: List[int], w_in, w_out) -> torch.Tensor:
-        """Rows grouped by local expert (``sizes`` rows each) through their experts."""
+    def experts(self, x_g: torch.Tensor, sizes: List[int], counts_SE: torch.Tensor, w_in, w_out) -> torch.Tensor:
+        """Rows grouped by local expert (``sizes`` rows each; ``counts_SE`` the same on the device,
+        per source) through their experts: one grouped GEMM per projection where
+        :func:`grouped_gemm_ok`, else a GEMM pair per expert."""
+        if grouped_gemm_ok(x_g, w_in, w_out):
+            offs = torch.cumsum(counts_SE.sum(0), 0).to(torch.int32)
+            h = torch._grouped_mm(x_g, w_in.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(_act(self.activation, h), w_out.transpose(-2, -1), offs=offs)
         outs = [_act(self.activation, rows @ w_in[e].t()) @ w_out[e].t()
                 for e, rows in enumerate(x_g.split(sizes)) if sizes[e]]
         return torch.cat(outs) if outs else x_g.new_zeros((0, w_out.shape[1]))
@@ -132,11 +147,11 @@ def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
         if c.save:
             leaf = x_g.detach().requires_grad_()
             with recording_graph():  # [Note: per-tile graphs]
-                y_g = c.experts(leaf, sizes, w_in, w_out)
+                y_g = c.experts(leaf, sizes, c.recv_counts[t], w_in, w_out)
             env["graph"] = (leaf, y_g, idx, sizes)
             y_g = y_g.detach()
         else:
-            y_g = c.experts(x_g, sizes, w_in, w_out)
+            y_g = c.experts(x_g, sizes, c.recv_counts[t], w_in, w_out)
         ys = torch.empty_like(y_g)
         ys[idx] = y_g
         env["ys"] = (ys, c.recv[t], c.send[t])
