@@ -14,7 +14,7 @@ from overlap_layers.sim import COMM_KINDS, HardwareModel, choose
 
 def programs(k, save, regather):
     layer = SimpleNamespace(group=None, activation="swiglu", launch_log=None)
-    call = _Call(layer, TilePlan(k), save, None, [], [], [])
+    call = _Call(layer, TilePlan(k), save, None, [])
     return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
 
@@ -51,18 +51,19 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop():
     import torch
     from overlap_layers.layers.moe import grouped_gemm_ok
     layer = SimpleNamespace(group=None, activation="swiglu", launch_log=None)
-    call = _Call(layer, TilePlan(1), True, None, [], [], [])
+    call = _Call(layer, TilePlan(1), True, None, [])
     torch.manual_seed(0)
     counts = torch.tensor([[2, 0, 3], [1, 0, 4]])  # [source, local expert]; expert 1 gets nothing
     sizes = counts.sum(0).tolist()
+    offs = torch.cumsum(counts.sum(0), 0).to(torch.int32)
     x = torch.randn(sum(sizes), 16)
     w_in, w_out = torch.randn(3, 16, 16) * 0.3, torch.randn(3, 16, 8) * 0.3
     dy = torch.randn(sum(sizes), 16)
     got_leaves = [t.clone().requires_grad_() for t in (x, w_in, w_out)]
     want_leaves = [t.double().requires_grad_() for t in (x, w_in, w_out)]
     assert grouped_gemm_ok(*got_leaves) and not grouped_gemm_ok(*want_leaves)
-    got = call.experts(got_leaves[0], sizes, counts, got_leaves[1], got_leaves[2])
-    want = call.experts(want_leaves[0], sizes, counts, want_leaves[1], want_leaves[2])
+    got = call.experts(got_leaves[0], sizes, offs, got_leaves[1], got_leaves[2])
+    want = call.experts(want_leaves[0], sizes, offs, want_leaves[1], want_leaves[2])
     got.backward(dy)
     want.backward(dy.double())
     for g, w in [(got, want)] + [(a.grad, b.grad) for a, b in zip(got_leaves, want_leaves)]:

@@ -38,10 +38,38 @@ placements. Replicate gradients hold what the ``group=`` layer's plain gradient 
 *partial* where the layer documents one (``b_out`` under sequence parallelism, ``q_norm`` /
 ``k_norm``, ``bo``, the MoE router, replicated KV heads: zero outside the rank's own head), so
 they differ across ranks until :func:`overlap_layers.finalize_grads` sums them (it reduces the
-local tensor of a DTensor gradient in place). Known gap: for replicated KV heads with
-``num_kv_heads >= 2`` finalize_grads still sums per head (the ``group=`` layout), which leaves the
-other heads' rows of the dense DTensor gradient at zero; the DTensor form needs one all-reduce
-of ``wk``, ``wv``, ``bk``, ``bv`` over the whole group (a change to layers/grads.py, pending).
+local tensor of a DTensor gradient in place; for replicated KV heads in the DTensor form, one
+all-reduce of ``wk``, ``wv``, ``bk``, ``bv`` over the whole group, since each rank's gradient is
+zero outside its own head's rows).
+
+[Note: DTensor inputs]
+A layer's ``x`` may also be a DTensor on the layer's mesh axis (the 1-D mesh ``axis_mesh(mesh,
+axis)``, as ``parallelize_module`` styles produce); the layer then runs on ``x.to_local()`` and
+returns ``DTensor.from_local(y, ...)`` with ``x``'s placements and global shape (both
+differentiable: ``x.grad`` is a DTensor with ``x``'s placements). A plain ``x`` gives a plain
+output, unchanged. The placement a layer takes is the one whose local tensor is its plain input:
+
+==================================  ==============================================================
+layer                               DTensor ``x`` (placement on the layer's mesh axis)
+==================================  ==============================================================
+OverlapMLP, OverlapAttention        ``Shard(1)`` with ``sequence_parallel=True`` (local:
+                                    ``[batch, seq/ws, hidden]``), else ``Replicate()``
+OverlapMoE                          ``Shard(0)`` or ``Shard(1)``: tokens split across the group
+                                    (batch or sequence); the local tensor is the rank's own tokens,
+                                    which is what the layer routes (uneven splits are fine). Not
+                                    ``Replicate()``: every rank would route the same tokens, and
+                                    the expert and router gradients would count them ws times
+                                    (take ``x.to_local()`` of a shard of the batch instead).
+==================================  ==============================================================
+
+Anything else (another placement, ``Partial``, a DTensor on another mesh or on a 2-D mesh, or any
+DTensor given to a layer built with ``group=``) raises ValueError naming ``x`` and the expected
+placement. Placements and meshes are global metadata, identical on every rank by DTensor's
+contract, so this rank-local check raises on every rank alike, before any collective: no hang.
+Whether ``x`` is a DTensor at all is rank-local, so it is one more column of the call's agreement
+gather (:meth:`PlannedLayer._agree`): a DTensor on some ranks and a plain tensor on others is a
+ValueError on every rank. Other arguments (attention's ``position_ids``, ``position_embeddings``)
+stay plain tensors.
 
 With ``group=`` the parameters stay plain tensors. :class:`UlyssesAttention` is not converted
 (its parameters are whole on every rank; with ``mesh=`` they stay plain).
@@ -158,3 +186,56 @@ def as_dtensor_params(layer: nn.Module, mesh, axis=None) -> None:
         setattr(layer, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         views[name] = partial(local, flat_shape=tuple(p.shape), rows=lay.rows)
     layer._local_views = views
+    layer._input_mesh = tp_mesh  # where a DTensor input must live ([Note: DTensor inputs])
+
+
+# ---------------------------------------------------------------------- DTensor inputs
+def _input_placements(layer: nn.Module) -> tuple:
+    """The placements (on the layer's mesh axis) a DTensor ``x`` may have ([Note: DTensor inputs])."""
+    if isinstance(layer, (OverlapMLP, OverlapAttention)):
+        return (Shard(1),) if layer.sequence_parallel else (Replicate(),)
+    if isinstance(layer, OverlapMoE):
+        return (Shard(0), Shard(1))
+    raise ValueError(f"x: {type(layer).__name__} takes no DTensor input; pass a plain tensor (x.to_local())")
+
+
+def _normalized(p: Placement, ndim: int) -> Placement:
+    if isinstance(p, Shard) and type(p) is Shard and p.dim < 0:
+        return Shard(p.dim + ndim)
+    return p
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def dtensor_forward(layer: nn.Module, forward, x: DTensor, *args, **kwargs) -> DTensor:
+    """``forward(x.to_local(), *args, **kwargs)`` as a DTensor with ``x``'s placements and global shape,
+    after checking ``x``'s mesh and placement ([Note: DTensor inputs]; ValueError on every rank
+    alike: the check reads global metadata only). Differentiable both ways."""
+    expected = _input_placements(layer)
+    want = " or ".join(repr(p) for p in expected)
+    mesh = layer._input_mesh
+    name = type(layer).__name__
+    if mesh is None:
+        raise ValueError(f"x: a DTensor, but this {name} was built with group= (no mesh); build it with "
+                         f"mesh= (x must be {want} on its mesh axis), or pass x.to_local()")
+    if x.device_mesh != mesh:
+        raise ValueError(f"x: a DTensor on {x.device_mesh}, not on this {name}'s mesh axis {mesh}; "
+                         f"x must be {want} on {mesh} (redistribute it, or pass the local tensor)")
+    placement = _normalized(x.placements[0], x.ndim)
+    if not any(type(placement) is type(e) and placement == e for e in expected):
+        sp = f" (sequence_parallel={layer.sequence_parallel})" if hasattr(layer, "sequence_parallel") else ""
+        raise ValueError(f"x: placement {tuple(x.placements)} on the mesh axis; this {name}{sp} takes {want} "
+                         f"(x.redistribute(x.device_mesh, [{expected[0]!r}]))")
+    layer._dtensor_input = True
+    try:
+        y = forward(x.to_local(), *args, **kwargs)
+    finally:
+        layer._dtensor_input = False
+    return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=_contiguous_stride(x.shape))

@@ -399,6 +399,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
 
         return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
 
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
         err = input_error(x, hidden_size=self.hidden_size, weight=self.wq,

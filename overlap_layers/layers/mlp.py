@@ -357,6 +357,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
             return 3
         return 0
 
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x")
         return self._planned_call(x, shape, dtype, save, fixed,

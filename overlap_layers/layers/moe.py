@@ -33,7 +33,7 @@ its gradient through the weights and the aux loss).
 
 [Note: MoE host syncs]
 An uneven all-to-all needs its split sizes on the host. All K tiles' send counts, per destination
-rank and local expert, are computed at once from the routing (one bincount) and exchanged in the
+rank and local expert, are computed at once from the routing (one count) and exchanged in the
 call's second host gather, through the same host group as the agreement ([Note: agreement]):
 one device-to-host copy per call, before any tile is launched, so no tile's exchange waits on a
 sync and the backward reuses the same splits reversed (no sync at all). The counts also give the
@@ -69,6 +69,12 @@ _INPUT_ERRORS = {
 }
 
 
+def count(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of ``0..n-1`` occurs in ``values`` (``bincount`` without its device sync: on
+    CUDA ``bincount`` reads the maximum on the host)."""
+    return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
     """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k])``;
     probs in float32 (or x's dtype if wider), ties to the lower expert index."""
@@ -87,7 +93,7 @@ def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_expe
     by_priority = torch.sort(-priority, stable=True).indices
     order = by_priority[torch.sort(experts[by_priority], stable=True).indices]
     e_sorted = experts[order]
-    counts = torch.bincount(e_sorted, minlength=num_experts)
+    counts = count(e_sorted, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     keep_sorted = torch.arange(n, device=experts.device) - starts[e_sorted] < capacity
     keep = torch.empty_like(keep_sorted)
@@ -114,23 +120,38 @@ def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) ->
     return all(d * e % 16 == 0 for d in (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2]))
 
 
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, so the copy does not wait."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+class _Tile:
+    """What one tile's exchange needs, all derived from the host-side counts ([Note: MoE host
+    syncs]): split sizes, rows per local expert, the regrouping index and grouped-GEMM offsets."""
+
+    def __init__(self, send: List[int], counts_SE: torch.Tensor, device: torch.device):
+        self.send, self.recv = send, counts_SE.sum(1).tolist()
+        self.sizes = counts_SE.sum(0).tolist()
+        self.index = _on_device(regroup_index(counts_SE), device)
+        self.offs = _on_device(torch.cumsum(counts_SE.sum(0), 0).to(torch.int32), device)
+
+
 class _Call:
     """Everything one call needs besides the differentiable tensors."""
 
-    def __init__(self, layer: "OverlapMoE", plan: TilePlan, save: bool, streams, send: List[List[int]],
-                 recv: List[List[int]], recv_counts: List[torch.Tensor]):
+    def __init__(self, layer: "OverlapMoE", plan: TilePlan, save: bool, streams, tiles: List[_Tile]):
         self.group, self.activation, self.plan, self.save, self.streams = \
             layer.group, layer.activation, plan, save, streams
-        self.send, self.recv, self.recv_counts = send, recv, recv_counts  # per tile
+        self.tiles = tiles
+        self.send, self.recv = [t.send for t in tiles], [t.recv for t in tiles]
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
-    def experts(self, x_g: torch.Tensor, sizes: List[int], counts_SE: torch.Tensor, w_in, w_out) -> torch.Tensor:
-        """Rows grouped by local expert (``sizes`` rows each; ``counts_SE`` the same on the device,
-        per source) through their experts: one grouped GEMM per projection where
+    def experts(self, x_g: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out) -> torch.Tensor:
+        """Rows grouped by local expert (``sizes`` rows each; ``offs`` their cumulative ends on the
+        device) through their experts: one grouped GEMM per projection where
         :func:`grouped_gemm_ok`, else a GEMM pair per expert."""
         if grouped_gemm_ok(x_g, w_in, w_out):
-            offs = torch.cumsum(counts_SE.sum(0), 0).to(torch.int32)
             h = torch._grouped_mm(x_g, w_in.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(_act(self.activation, h), w_out.transpose(-2, -1), offs=offs)
         outs = [_act(self.activation, rows @ w_in[e].t()) @ w_out[e].t()
@@ -141,17 +162,17 @@ class _Call:
 def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
     def experts(env):
         t = env["tile"]
-        idx = regroup_index(c.recv_counts[t])
-        sizes = c.recv_counts[t].sum(0).tolist()
+        tile = c.tiles[t]
+        idx, sizes = tile.index, tile.sizes
         x_g = env.pop("xr").index_select(0, idx)
         if c.save:
             leaf = x_g.detach().requires_grad_()
             with recording_graph():  # [Note: per-tile graphs]
-                y_g = c.experts(leaf, sizes, c.recv_counts[t], w_in, w_out)
+                y_g = c.experts(leaf, sizes, tile.offs, w_in, w_out)
             env["graph"] = (leaf, y_g, idx, sizes)
             y_g = y_g.detach()
         else:
-            y_g = c.experts(x_g, sizes, c.recv_counts[t], w_in, w_out)
+            y_g = c.experts(x_g, sizes, tile.offs, w_in, w_out)
         ys = torch.empty_like(y_g)
         ys[idx] = y_g
         env["ys"] = (ys, c.recv[t], c.send[t])
@@ -401,7 +422,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                             activation=self.activation)
 
     def _programs(self, k: int, save: bool, regather: bool):
-        call = _Call(self, TilePlan(k), save, None, [], [], [])
+        call = _Call(self, TilePlan(k), save, None, [])
         return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
@@ -423,6 +444,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
         return zlib.crc32(repr(key).encode())
 
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x",
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
@@ -441,17 +463,18 @@ class OverlapMoE(PlannedLayer, nn.Module):
             cap = math.ceil(self.capacity_factor * T * k / E)
             keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
         if self.aux_loss_coef > 0 and T > 0:
-            f = torch.bincount(flat_e, minlength=E).to(probs.dtype) / (T * k)
+            f = count(flat_e, E).to(probs.dtype) / (T * k)
             self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
         else:  # 0, still attached to the router so aux_loss.backward() works on any rank
             self.aux_loss = probs.sum() * 0.0
         tile_of = torch.zeros(T, dtype=torch.long, device=x_TH.device)
         for t, (a, b) in enumerate(tile_bounds(T, K)):
             tile_of[a:b] = t
-        kept = keep.nonzero().squeeze(1)
-        key = tile_of[tokens[kept]] * E + flat_e[kept]
-        order = kept[torch.sort(key, stable=True).indices]
-        counts = torch.bincount(tile_of[tokens[order]] * E + flat_e[order], minlength=K * E).view(K, ws, El)
+        # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
+        # once the counts are on the host ([Note: MoE host syncs]: no sync here).
+        key = torch.where(keep, tile_of[tokens] * E + flat_e, K * E)
+        order = torch.sort(key, stable=True).indices
+        counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return tokens[order], weights.reshape(-1)[order], counts
 
     def _run(self, x, plan: TilePlan, save: bool, trial=None, trace=None) -> torch.Tensor:
@@ -469,11 +492,10 @@ class OverlapMoE(PlannedLayer, nn.Module):
             table = self._agreement.gather(counts.reshape(-1).tolist())
             all_counts = torch.tensor(table, dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
             mine = all_counts[:, :, self.rank]  # [src, tile, El]
-            send = [all_counts[self.rank, t].sum(-1).tolist() for t in range(K)]
-            recv = [mine[:, t].sum(-1).tolist() for t in range(K)]
-            recv_counts = [mine[:, t].to(x.device) for t in range(K)]
-            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), send, recv,
-                         recv_counts)
+            kept = int(all_counts[self.rank].sum())
+            t_perm, w_perm = t_perm[:kept], w_perm[:kept]
+            tiles = [_Tile(all_counts[self.rank, t].sum(-1).tolist(), mine[:, t], x.device) for t in range(K)]
+            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), tiles)
             call.trial, call.trace = trial, trace
             x_perm = x_TH.index_select(0, t_perm)
             if save:

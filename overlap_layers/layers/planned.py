@@ -15,11 +15,13 @@ giving the device), and sets the attributes of :meth:`_init_planning`.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..config import OverlapConfig, check_num_tiles
 from ..runtime.group import first_disagreement
@@ -132,6 +134,23 @@ class PlannedLayer:
             from ..integrations.dtensor import as_dtensor_params  # integrations import the layers
             as_dtensor_params(self, mesh, axis)
 
+    # ----------------------------------------------------------------- DTensor inputs
+    _input_mesh = None  # with mesh=: the mesh axis' 1-D DeviceMesh a DTensor input must be on
+    _dtensor_input: bool = False  # True while a call runs on a DTensor input's local tensor
+
+    @staticmethod
+    def dtensor_io(forward: Callable) -> Callable:
+        """Decorator of a layer's ``forward(self, x, ...)``: a plain ``x`` runs ``forward`` unchanged;
+        a DTensor ``x`` runs it on ``x``'s local tensor and returns a DTensor with ``x``'s placements
+        ([Note: DTensor inputs] in overlap_layers.integrations.dtensor)."""
+        @functools.wraps(forward)
+        def wrapper(self, x, *args, **kwargs):
+            if not isinstance(x, DTensor):
+                return forward(self, x, *args, **kwargs)
+            from ..integrations.dtensor import dtensor_forward  # integrations import the layers
+            return dtensor_forward(self, functools.partial(forward, self), x, *args, **kwargs)
+        return wrapper
+
     def _init_planning(self, config: OverlapConfig) -> None:
         self.plan: Optional[TilePlan] = None
         self._pinned: Optional[TilePlan] = None
@@ -185,7 +204,10 @@ class PlannedLayer:
             dtype = torch.get_autocast_dtype(x.device.type)
         dtype_code = DTYPES.index(dtype) if dtype in DTYPES else -1
         request = fixed.digest() if fixed is not None else 0
-        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra))
+        # the last column: whether x came as a DTensor ([Note: DTensor inputs]), so that a DTensor on
+        # some ranks and a plain tensor on others is a ValueError on every rank, not a silent mix
+        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
+                                        int(self._dtensor_input)))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             w = self._weight
@@ -194,11 +216,12 @@ class PlannedLayer:
                    f"weights {w.dtype} on {w.device})" if err else ""
             raise ValueError(f"{what}: bad input on rank(s) " + ", ".join(
                 f"{r} ({errors[e]})" for r, e in errs.items()) + mine)
-        names = ("input error", *shape_names, "dtype", "plan request (0 = auto)", "grad mode", *extra_names)
+        names = ("input error", *shape_names, "dtype", "plan request (0 = auto)", "grad mode", *extra_names,
+                 "x a DTensor")
         bad = first_disagreement(table, names)
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
-                             f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}); {bad}")
+                             f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, DTensor or plain x); {bad}")
         return self._agreed_shape(shape, table), dtype, save, fixed
 
     def _agreed_shape(self, shape: tuple, table) -> tuple:
