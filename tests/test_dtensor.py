@@ -327,3 +327,246 @@ def test_meta_construction_has_global_shapes(pool2):
         assert out["OverlapAttention.wk"] == ((4, 16), "(Replicate(),)", "cpu")  # 1 KV head, dense
         assert out["OverlapAttention.wo"] == ((16, 16), "(Shard(dim=1),)", "cpu")
         assert out["OverlapMoE.w_in"] == ((4, 8, 8), "(Shard(dim=0),)", "cpu")
+
+
+# ------------------------------------------------------------------ DTensor inputs ([Note: DTensor inputs])
+def _dt_layer(kind, mesh, axis, sp, nkv=1):
+    """A mesh= layer of ``kind`` (float64, K=2) built from seed 17."""
+    torch.manual_seed(17)
+    kw = dict(mesh=mesh, axis=axis, num_tiles=2, dtype=torch.float64)
+    if kind == "mlp":
+        return OverlapMLP(8, 8, activation="swiglu", bias=True, sequence_parallel=sp, **kw)
+    if kind == "attention":
+        return OverlapAttention(16, 4, nkv, bias=True, qk_norm=True, sequence_parallel=sp, **kw)
+    return OverlapMoE(8, 6, 4, 2, shared_expert_ffn=6, **kw)
+
+
+def _dt_input_run(rank, ws, kind, sp, two_d, placement, nkv=1):
+    """The layer on a DTensor x equals the layer on x's local tensor: output (a DTensor with x's
+    placement and global shape), dx (a DTensor) and every parameter gradient, bit for bit."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh, axis, tp = _mesh(ws, two_d)
+    tp_mesh = mesh["tp"] if two_d else mesh
+    tws, trank = dist.get_world_size(tp), dist.get_rank(tp)
+    layer = _dt_layer(kind, mesh, axis, sp, nkv)
+    H = layer.hidden_size
+    g = torch.Generator().manual_seed(23)
+    B, S = 3, 4 * tws
+    x, dy = (torch.randn(B, S, H, generator=g, dtype=torch.float64) for _ in range(2))
+    pl = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[placement]
+    loc = (lambda t: t) if placement == "replicate" else (lambda t: t.chunk(tws, pl.dim)[trank])  # noqa: E731
+    xl, dyl = loc(x), loc(dy)
+    # plain local tensors
+    xp = xl.clone().requires_grad_()
+    yp = layer(xp)
+    yp.backward(dyl)
+    grads = {n: p.grad.to_local().clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    # the same as DTensors (uneven Shard(0): B=3 rows on 2 ranks, torch.chunk's split)
+    xd = DTensor.from_local(xl.clone(), tp_mesh, [pl], shape=x.shape, stride=x.stride()).requires_grad_()
+    yd = layer(xd)
+    assert isinstance(yd, DTensor) and yd.placements == (pl,) and yd.device_mesh == tp_mesh
+    assert yd.shape == x.shape and torch.equal(yd.to_local(), yp.detach()), "forward differs"
+    yd.backward(DTensor.from_local(dyl, tp_mesh, [pl], shape=dy.shape, stride=dy.stride()))
+    assert isinstance(xd.grad, DTensor) and xd.grad.placements == (pl,)
+    assert torch.equal(xd.grad.to_local(), xp.grad), "dx differs"
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad.to_local(), grads[n]), n
+    y_full = yd.full_tensor()  # the global output: every rank's local output, in place
+    return y_full.shape == x.shape and torch.equal(loc(y_full), yp.detach())
+
+
+@pytest.mark.parametrize("ws,kind,sp,two_d,placement,nkv", [
+    (2, "mlp", True, False, "shard1", 1),
+    (2, "mlp", False, False, "replicate", 1),
+    (4, "mlp", True, True, "shard1", 1),        # 2-D (dp, tp) mesh: x on mesh["tp"]
+    (2, "attention", True, False, "shard1", 1),  # replicated KV heads
+    (2, "attention", False, False, "replicate", 2),
+    (2, "moe", None, False, "shard0", 1),        # uneven: 3 batch rows on 2 ranks
+    (2, "moe", None, False, "shard1", 1),
+])
+def test_dtensor_input_matches_local_input(pools, ws, kind, sp, two_d, placement, nkv):
+    assert all(pools(ws).run(_dt_input_run, kind, sp, two_d, placement, nkv))
+
+
+def _dt_bad_run(rank, ws, case):
+    """A bad DTensor x: the ValueError message on this rank (None if none); then a good call on the
+    same layer still works (no rank left inside a collective)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    two_d = case == "mesh"
+    mesh, axis, tp = _mesh(ws, two_d)
+    tp_mesh = mesh["tp"] if two_d else mesh
+    kind = {"moe_replicate": "moe", "nosp_shard": "attention"}.get(case, "mlp")
+    sp = case != "nosp_shard"
+    if case == "group":
+        torch.manual_seed(17)
+        layer = OverlapMLP(8, 8, group=tp, num_tiles=2, dtype=torch.float64)
+    else:
+        layer = _dt_layer(kind, mesh, axis, sp)
+    xl = torch.randn(2, 4, layer.hidden_size, dtype=torch.float64)
+    if case == "mesh":
+        x = DTensor.from_local(xl, mesh["dp"], [Shard(1)])
+    elif case in ("placement", "moe_replicate"):
+        x = DTensor.from_local(xl, tp_mesh, [Replicate()])
+    elif case == "mixed":  # a DTensor on rank 0, a plain tensor elsewhere
+        x = DTensor.from_local(xl, tp_mesh, [Shard(1)]) if rank == 0 else xl
+    else:
+        x = DTensor.from_local(xl, tp_mesh, [Shard(1)])
+    try:
+        layer(x)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    y = layer(xl)  # the group still works
+    return msg, tuple(y.shape)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("placement", r"x: placement \(Replicate\(\),\).*takes Shard\(dim=1\)"),
+    ("nosp_shard", r"x: placement \(Shard\(dim=1\),\).*sequence_parallel=False\) takes Replicate\(\)"),
+    ("moe_replicate", r"x: placement \(Replicate\(\),\).*takes Shard\(dim=0\) or Shard\(dim=1\)"),
+    ("mesh", r"x: a DTensor on .*not on this OverlapMLP's mesh axis.*Shard\(dim=1\)"),
+    ("group", r"x: a DTensor, but this OverlapMLP was built with group=.*Shard\(dim=1\)"),
+    ("mixed", r"DTensor or plain x.*x a DTensor differs across ranks"),
+])
+def test_bad_dtensor_input_raises_on_every_rank(pools, case, match):
+    import re
+    ws = 4 if case == "mesh" else 2
+    for msg, shape in pools(ws).run(_dt_bad_run, case):
+        assert msg is not None and re.search(match, msg), msg
+        assert shape == (2, 4, 16 if case == "nosp_shard" else 8)
+
+
+# ------------------------------------------------------------------ FSDP2 (dp) x tp: attention and MoE
+def _fsdp_layer_run(rank, ws, kind, nkv, steps):
+    """OverlapAttention (TP over heads, SP) or OverlapMoE (EP over tp) on a (dp=2, tp=2) mesh,
+    fully_shard over dp, AdamW(foreach=False), against the dense float64 model in one process.
+    Rank (dp_i, tp_i) holds the batch rows of dp_i and the sequence positions of tp_i; the loss is
+    the mean over the batch of the summed squared error."""
+    from attention_reference import dense_attention
+    from moe_reference import dense_moe
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    mesh, _, tp = _mesh(ws, True)
+    dp_i, tp_i = mesh.get_coordinate()
+    dp = mesh["dp"].size()
+    g = torch.Generator().manual_seed(31)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    if kind == "attention":
+        H, nq, d = 16, 4, 4
+        dense = dict(wq=r(nq * d, H) / 4, wk=r(nkv * d, H) / 4, wv=r(nkv * d, H) / 4, wo=r(H, nq * d) / 4,
+                     bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H), q_norm=1 + 0.3 * r(d),
+                     k_norm=1 + 0.3 * r(d))
+        layer = OverlapAttention.from_dense(**dense, num_heads=nq, num_kv_heads=nkv, mesh=mesh, axis="tp",
+                                            num_tiles=2)
+        ref_fn = lambda x, p: dense_attention(x, p["wq"], p["wk"], p["wv"], p["wo"], num_heads=nq,  # noqa: E731
+                                              num_kv_heads=nkv, **{k: p[k] for k in ("bq", "bk", "bv", "bo",
+                                                                                     "q_norm", "k_norm")})
+    else:
+        H, F, E, k = 8, 6, 4, 2
+        dense = dict(router_weight=r(E, H), w_in=r(E, 2 * F, H) / 3, w_out=r(E, H, F) / 3,
+                     shared_w_in=r(2 * F, H) / 3, shared_w_out=r(H, F) / 3)
+        layer = OverlapMoE.from_dense(**dense, top_k=k, mesh=mesh, axis="tp", num_tiles=2)
+        ref_fn = lambda x, p: dense_moe(x, p["router_weight"], p["w_in"], p["w_out"], top_k=k,  # noqa: E731
+                                        shared_w_in=p["shared_w_in"], shared_w_out=p["shared_w_out"])[0]
+    B, S = 4, 8
+    xs, ts = [r(B, S, H) for _ in range(steps)], [r(B, S, H) for _ in range(steps)]
+    fully_shard(layer, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in dense.items()}
+    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, foreach=False)
+    for x, t in zip(xs, ts):
+        xl = x.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        tl = t.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        loss = ((layer(xl) - tl) ** 2).sum() * (dp / B)  # FSDP averages over dp: mean over the batch
+        loss.backward()
+        # attention: the tp partials (bo under SP, q_norm / k_norm, replicated KV heads); MoE: the
+        # router and shared expert hold this rank's tokens' partial, summed over the EP (tp) group
+        finalize_grads(layer, data_parallel=kind == "moe")
+        opt.step()
+        opt.zero_grad()
+        (((ref_fn(x, ref) - t) ** 2).sum() / B).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    errs = {}
+    for n, p in layer.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.ndim == 2, (n, type(p))
+        errs[n] = (p.full_tensor().reshape(ref[n].shape) - ref[n].detach()).abs().max().item()
+    moved = min((ref[n].detach() - dense[n]).abs().max().item() for n in ref)
+    placements = {n: str(p.placements) for n, p in layer.named_parameters()}
+    return errs, moved, placements
+
+
+@pytest.mark.parametrize("kind,nkv", [("attention", 1), ("attention", 2), ("moe", None)])
+def test_fsdp2_over_dp_with_tp_attention_and_moe_match_dense(pool4, kind, nkv):
+    """nkv=1 on tp=2: replicated KV heads (Replicate on tp); nkv=2: Shard(0); MoE: experts Shard(0)
+    over tp (expert parallel), router and shared expert Replicate."""
+    for errs, moved, placements in pool4.run(_fsdp_layer_run, kind, nkv, 3):
+        assert moved > 1e-3  # every parameter moved
+        assert max(errs.values()) < 1e-10, errs
+    if kind == "attention":
+        assert "Replicate" in placements["wk"] if nkv == 1 else "Replicate" not in placements["wk"], placements
+
+
+# ------------------------------------------------------------------ FSDP2 mixed precision (bf16 params, fp32 reduce)
+def _fsdp_mp_run(rank, ws, steps):
+    """OverlapMLP (swiglu, SP) on a (dp=2, tp=2) mesh, fully_shard over dp with
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), against the dense fp32 MLP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh, _, tp = _mesh(ws, True)
+    dp_i, tp_i = mesh.get_coordinate()
+    dp = mesh["dp"].size()
+    g = torch.Generator().manual_seed(41)
+    H, F, B, S = 16, 16, 4, 8
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
+    dense = dict(w_in=r(2 * F, H) / math.sqrt(H), w_out=r(H, F) / math.sqrt(F), b_in=r(2 * F), b_out=r(H))
+    xs, ts = [r(B, S, H) for _ in range(steps)], [r(B, S, H) for _ in range(steps)]
+    layer = OverlapMLP.from_dense(**dense, mesh=mesh, axis="tp", activation="swiglu", num_tiles=2)
+    fully_shard(layer, mesh=mesh["dp"],
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in dense.items()}
+    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, foreach=False)
+    out = dict(y_dtype=set(), grad_dtypes=set(), param_dtypes=set(), y_err=[], loss=[], grad_err=[])
+    for x, t in zip(xs, ts):
+        xl = x.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]  # fp32: FSDP casts the input to bf16
+        tl = t.chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        y = layer(xl)
+        out["y_dtype"].add(y.dtype)
+        loss = ((y.float() - tl) ** 2).sum() * (dp / B)
+        loss.backward()
+        finalize_grads(layer)
+        grads = {n: p.grad.full_tensor().reshape(ref[n].shape) for n, p in layer.named_parameters()}
+        out["grad_dtypes"] |= {p.grad.dtype for p in layer.parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["param_dtypes"] |= {p.dtype for p in layer.parameters()}
+        pre = x @ ref["w_in"].T + ref["b_in"]
+        y_ref = torch.nn.functional.silu(pre[..., :F]) * pre[..., F:]
+        y_ref = y_ref @ ref["w_out"].T + ref["b_out"]
+        ref_loss = ((y_ref - t) ** 2).sum() / B
+        ref_loss.backward()
+        yr = y_ref.detach().chunk(dp, 0)[dp_i].chunk(2, 1)[tp_i]
+        out["y_err"].append(((y.float() - yr).norm() / yr.norm()).item())
+        full_loss = loss.detach().clone()
+        dist.all_reduce(full_loss)
+        out["loss"].append((full_loss.item() / dp, ref_loss.item()))
+        out["grad_err"].append(max(((grads[n] - ref[n].grad).norm() / ref[n].grad.norm()).item() for n in ref))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out["param_err"] = max(((p.full_tensor().reshape(ref[n].shape) - ref[n].detach()).norm()
+                            / (ref[n].detach() - dense[n]).norm()).item() for n, p in layer.named_parameters())
+    return out
+
+
+def test_fsdp2_mixed_precision_bf16_params_fp32_reduce_mlp(pool4):
+    """bf16 compute and outputs, fp32 gradients and parameters; close to the dense fp32 model
+    (bf16 tolerances: relative errors of outputs, losses and gradients a few 1e-3; the parameters'
+    difference small against how far the optimizer moved them)."""
+    for out in pool4.run(_fsdp_mp_run, 3):
+        assert out["y_dtype"] == {torch.bfloat16}, out["y_dtype"]
+        assert out["grad_dtypes"] == {torch.float32} and out["param_dtypes"] == {torch.float32}, out
+        assert max(out["y_err"]) < 2e-2, out["y_err"]
+        assert all(abs(a - b) < 2e-2 * abs(b) for a, b in out["loss"]), out["loss"]
+        assert max(out["grad_err"]) < 3e-2, out["grad_err"]
+        assert out["param_err"] < 0.1, out["param_err"]

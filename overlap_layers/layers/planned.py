@@ -221,7 +221,8 @@ class PlannedLayer:
         bad = first_disagreement(table, names)
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
-                             f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, DTensor or plain x); {bad}")
+                             f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
+                             f"DTensor or plain x); {bad}")
         return self._agreed_shape(shape, table), dtype, save, fixed
 
     def _agreed_shape(self, shape: tuple, table) -> tuple:
