@@ -6,7 +6,7 @@ import pytest
 
 from overlap_layers.layers.moe import _backward_program, _Call, _forward_program
 from overlap_layers.layers.moe_cost import MoECostModel
-from overlap_layers.layers.mlp_cost import mlp_candidates
+from overlap_layers.layers.candidates import plan_candidates
 from overlap_layers.layers.planned import TilePlan
 from overlap_layers.layers.tp_program import Accumulator
 from overlap_layers.sim import COMM_KINDS, HardwareModel, choose
@@ -27,19 +27,19 @@ def mixtral_ep4(interference, gbps):
 
 @pytest.mark.parametrize("training", [False, True])
 def test_slow_all_to_all_makes_tiling_pay(training):
-    choice = choose(mlp_candidates(mixtral_ep4(1.0, 20.0), programs, training=training))
+    choice = choose(plan_candidates(mixtral_ep4(1.0, 20.0), programs, training=training))
     assert choice.candidate.num_tiles > 1, choice.reason
 
 
 @pytest.mark.parametrize("training", [False, True])
 def test_interference_keeps_the_serial_layer(training):
-    choice = choose(mlp_candidates(mixtral_ep4(3.0, 400.0), programs, training=training))
+    choice = choose(plan_candidates(mixtral_ep4(3.0, 400.0), programs, training=training))
     assert choice.candidate.num_tiles == 1, choice.reason
 
 
 def test_candidates_count_every_assignment_row():
     cm = mixtral_ep4(1.0, 100.0)
-    (one,) = [c for c in mlp_candidates(cm, programs, training=False) if c.num_tiles == 1]
+    (one,) = [c for c in plan_candidates(cm, programs, training=False) if c.num_tiles == 1]
     a = 8192 * 2  # assignment rows
     comm_ms = 2 * cm.model.comm_ms("all_to_all", a * 4096 * 2)
     assert one.predicted_ms > comm_ms  # serial: both exchanges plus the experts, nothing hidden

@@ -5,7 +5,8 @@ import torch.distributed as dist
 
 from overlap_layers import OverlapConfig, OverlapMLP, PlanMismatchError
 from overlap_layers.layers.mlp import MLPPlan
-from overlap_layers.layers.mlp_cost import MLPCostModel, mlp_candidates
+from overlap_layers.layers.candidates import plan_candidates
+from overlap_layers.layers.mlp_cost import MLPCostModel
 from overlap_layers.sim import COMM_KINDS, Candidate, HardwareModel, choose
 from pool import RankFailure
 
@@ -53,21 +54,21 @@ def llama8b_tp4(model):
 @pytest.mark.parametrize("training", [False, True])
 def test_interference_makes_tiling_lose(training):
     # NVLink-like: fast link, and NCCL kernels slow the GEMMs 3x while they run.
-    choice = choose(mlp_candidates(llama8b_tp4(hw(3.0, 300.0)), _Programs(), training=training))
+    choice = choose(plan_candidates(llama8b_tp4(hw(3.0, 300.0)), _Programs(), training=training))
     assert choice.candidate.num_tiles == 1, choice.reason
 
 
 @pytest.mark.parametrize("training", [False, True])
 def test_slow_link_makes_tiling_win(training):
     # PCIe-like: communication dominates and does not take SMs.
-    choice = choose(mlp_candidates(llama8b_tp4(hw(1.0, 15.0)), _Programs(), training=training))
+    choice = choose(plan_candidates(llama8b_tp4(hw(1.0, 15.0)), _Programs(), training=training))
     assert choice.candidate.num_tiles > 1, choice.reason
     serial = next(c for c in choice.candidates if c.is_serial)
     assert choice.candidate.predicted_ms < serial.predicted_ms
 
 
 def test_memory_budget_changes_the_choice():
-    cands = mlp_candidates(llama8b_tp4(hw(1.0, 15.0)), _Programs(), training=True)
+    cands = plan_candidates(llama8b_tp4(hw(1.0, 15.0)), _Programs(), training=True)
     free = choose(cands)
     budget = free.candidate.peak_bytes - 1
     assert any(c.peak_bytes <= budget for c in cands)
@@ -124,7 +125,7 @@ import itertools  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from overlap_layers.layers.mlp_cost import bucket_partitions, search_buckets  # noqa: E402
+from overlap_layers.layers.candidates import bucket_partitions, search_buckets  # noqa: E402
 from overlap_layers.layers.tiling import tile_bounds  # noqa: E402
 from overlap_layers.schedule import round_robin  # noqa: E402
 from overlap_layers.sim import Costs, analytic_model, simulate  # noqa: E402
@@ -144,7 +145,7 @@ def _makespan(prog, k, costs, buckets):
 
 
 def _mlp_programs_and_costs(cm, k, training=True):
-    """(program, costs) for the forward and each backward variant at K, as mlp_candidates builds them."""
+    """(program, costs) for the forward and each backward variant at K, as plan_candidates builds them."""
     bounds, out = tile_bounds(cm.rows, k), []
     for regather in (False, True):
         f, b = _Programs()(k, training, regather)
@@ -185,7 +186,7 @@ def test_search_beats_adjacent_pairs_when_latency_is_high(k):
         assert best.makespan_ms <= old + 1e-9, (prog.name, buckets, best.makespan_ms, old)
         assert best.makespan_ms == pytest.approx(_makespan(prog, k, costs, buckets))
     # The candidates carry the searched plan next to the unbucketed one, and it is faster.
-    cands = [c for c in mlp_candidates(cm, _Programs(), training=True) if c.num_tiles == k]
+    cands = [c for c in plan_candidates(cm, _Programs(), training=True) if c.num_tiles == k]
     for regather in (False, True):
         plain_c, bucketed_c = [c for c in cands if c.regather == regather]
         assert not plain_c.buckets_fwd and not plain_c.buckets_bwd
@@ -200,7 +201,7 @@ def test_no_latency_means_no_buckets(interference, gbps, training):
     # overlap. launch_ms is zeroed too: the model charges no host launch for a deferred bucket
     # member, so with launch_ms > 0 a bucket does save launches (a few us) and may win.
     model = replace(hw(interference, gbps, alpha=0.0), launch_ms=0.0)
-    cands = mlp_candidates(llama8b_tp4(model), _Programs(), training=training)
+    cands = plan_candidates(llama8b_tp4(model), _Programs(), training=training)
     assert all(not c.buckets_fwd and not c.buckets_bwd for c in cands), \
         [(c.num_tiles, c.buckets_fwd, c.buckets_bwd) for c in cands if c.buckets_fwd or c.buckets_bwd]
     assert len(cands) == 6 * (2 if training else 1)  # one candidate per K (x regather)
@@ -252,7 +253,7 @@ def test_search_bound_when_not_exhaustive():
 def test_budget_excluding_the_bucketed_plan_keeps_its_k_unbucketed():
     # K <= 6 offered, so the smaller K (larger peaks) fall out of the budget with the bucketed K=6
     # plan, whose buckets keep two tiles' buffers alive at once: K=6 unbucketed remains.
-    cands = mlp_candidates(llama8b_tp4(hw(1.0, 15.0, alpha=1.0)), _Programs(), training=False,
+    cands = plan_candidates(llama8b_tp4(hw(1.0, 15.0, alpha=1.0)), _Programs(), training=False,
                            tile_choices=(1, 2, 4, 6))
     free = choose(cands).candidate
     assert free.num_tiles == 6 and free.buckets_fwd, free
@@ -264,8 +265,8 @@ def test_budget_excluding_the_bucketed_plan_keeps_its_k_unbucketed():
 
 def test_candidates_are_deterministic_and_pair_unbucketed_with_bucketed():
     cm = llama8b_tp4(hw(1.0, 15.0, alpha=0.5))
-    a = mlp_candidates(cm, _Programs(), training=True)
-    assert a == mlp_candidates(cm, _Programs(), training=True)
+    a = plan_candidates(cm, _Programs(), training=True)
+    assert a == plan_candidates(cm, _Programs(), training=True)
     for k, regather in {(c.num_tiles, c.regather) for c in a}:
         group = [c for c in a if c.num_tiles == k and c.regather == regather]
         assert 1 <= len(group) <= 2 and not group[0].buckets_fwd and not group[0].buckets_bwd
@@ -283,7 +284,7 @@ def test_planning_time_llama3_70b_tp4(training):
     cm = MLPCostModel(rows=16384 // ws, world_size=ws, hidden=8192, n_in=2 * 28672 // ws, f_local=28672 // ws,
                       elt=2, sequence_parallel=True, model=analytic_model("cuda"))
     t0 = time.perf_counter()
-    cands = mlp_candidates(cm, _Programs(), training=training)
+    cands = plan_candidates(cm, _Programs(), training=training)
     dt = time.perf_counter() - t0
-    print(f"mlp_candidates llama3-70b TP4 training={training}: {dt * 1e3:.0f} ms, {len(cands)} candidates")
+    print(f"plan_candidates llama3-70b TP4 training={training}: {dt * 1e3:.0f} ms, {len(cands)} candidates")
     assert {c.num_tiles for c in cands} == {1, 2, 3, 4, 6, 8}

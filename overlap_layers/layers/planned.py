@@ -4,7 +4,7 @@ Reference: a :class:`PlannedLayer` with ``num_tiles="auto"`` runs, for each call
 :class:`~overlap_layers.layers.planning.PlanCache` holds for the call's key (the layer's shape
 bucket, dtype and grad mode): made at the first call for the key by calibrating (CUDA, once per
 dtype, or loaded from the calibration cache file), measuring the ops the candidates need,
-simulating every candidate (:func:`~overlap_layers.layers.mlp_cost.mlp_candidates`) and choosing
+simulating every candidate (:func:`~overlap_layers.layers.candidates.plan_candidates`) and choosing
 under the memory budget (:func:`~overlap_layers.sim.choose`); then verified on the first calls
 ([Note: first-call verification]).
 
@@ -30,7 +30,7 @@ from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
-from .mlp_cost import mlp_candidates
+from .candidates import plan_candidates
 from .planning import PlanCache
 from .tiling import effective_num_tiles
 
@@ -351,7 +351,7 @@ class PlannedLayer:
         cm = self._cost_model(key, self._hardware(dtype))
         if self._measuring():
             cm.model = self._measure_missing(cm, dtype)
-        choice = choose(mlp_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
+        choice = choose(plan_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
                         margin=self.config.margin)
         c = choice.candidate
         return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,

@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from ..sim import HardwareModel
-from .mlp_cost import TILE_CHOICES, MLPCostModel
+from .candidates import TILE_CHOICES
+from .mlp_cost import MLPCostModel
 from .tiling import tile_bounds
 
 
