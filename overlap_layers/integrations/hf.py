@@ -28,7 +28,7 @@ import importlib
 import logging
 import warnings
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -254,6 +254,128 @@ def _set_parent(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------- swap
+def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable, lookalike: Callable,
+                    build: Callable, ours: tuple, nothing: str, before_build: Optional[Callable] = None,
+                    kinds: Sequence[str] = KINDS, log: logging.Logger = logger, stacklevel: int = 4):
+    """Replace, in place, the modules of ``model`` that ``kind_of`` recognises (or ``rules``
+    select) by ``build(module, kind, opts)``; all built before any is put in, so an error leaves
+    the model as it was. Modules left in place are logged and warned about (never a silent
+    half-swap; one log line per kind of ``kinds``, and per other kind met); ``before_build(todo)``
+    may raise first. Returns ``(replaced, already)``:
+    kind -> [(name, class)], and how many modules were already ours. Logs go to ``log``."""
+    todo = []  # (name, module, kind, opts)
+    left = defaultdict(list)  # kind -> [(name, class name, reason)]
+    warned = defaultdict(list)  # (kind, class, reason) -> [names]
+    handled = set()  # modules decided on: their descendants are not looked at
+    already = 0
+    pattern_hits = defaultdict(int)
+
+    def inside(name):
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in handled for i in range(1, len(parts)))
+
+    for name, module in model.named_modules():
+        if not name or inside(name):
+            continue
+        if isinstance(module, ours):
+            already += 1
+            handled.add(name)
+            continue
+        kind, cls = kind_of(module), type(module).__name__
+        if rules is not None:
+            rule = next((r for r in rules if fnmatch.fnmatchcase(name, r[0])), None)
+            if rule is None:
+                if kind is not None:
+                    left[kind].append((name, cls, "not in the plan"))
+                    handled.add(name)
+                continue
+            pattern, want, opts = rule
+            pattern_hits[pattern] += 1
+            if want is None:
+                if kind is not None:
+                    left[kind].append((name, cls, f"excluded by plan[{pattern!r}]"))
+                handled.add(name)
+                continue
+            if kind is None:
+                reason = f"plan[{pattern!r}] asks for {want!r} but {cls} is not a recognised {want} class"
+                left[want].append((name, cls, "unknown class"))
+                warned[(want, cls, reason)].append(name)
+                handled.add(name)
+                continue
+            if kind != want:
+                raise ValueError(f"plan[{pattern!r}] = {want!r} matches {name} ({cls}), which is a known {kind} "
+                                 f"module; map it to {kind!r}, or narrow the pattern")
+            opts = dict(opts)
+        else:
+            if kind is None:
+                look = lookalike(module)
+                if look is not None:
+                    reason = f"{cls} looks like a {look} module but is not a recognised class"
+                    left[look].append((name, cls, "unknown class"))
+                    warned[(look, cls, reason)].append(name)
+                    handled.add(name)
+                continue
+            opts = {}
+        if config is not None and "config" not in opts:
+            opts["config"] = config
+        todo.append((name, module, kind, opts))
+        handled.add(name)
+
+    if before_build is not None:
+        before_build(todo)
+    built = []  # every replacement is built before the first is put in: an error leaves the model as it was
+    for name, module, kind, opts in todo:
+        cls = type(module).__name__
+        try:
+            new = build(module, kind, opts)
+        except (_Unswappable, ValueError) as e:  # ValueError: the layer's own checks (e.g. heads % group size)
+            left[kind].append((name, cls, str(e)))
+            warned[(kind, cls, str(e))].append(name)
+            continue
+        new.train(module.training)
+        if not any(p.requires_grad for p in module.parameters()):
+            new.requires_grad_(False)
+        built.append((name, module, kind, new))
+    replaced = defaultdict(list)  # kind -> [(name, class)]
+    for name, module, kind, new in built:
+        _set_parent(model, name, new)
+        replaced[kind].append((name, type(module).__name__))
+    del built, todo
+
+    if rules is not None:
+        for pattern, _, _ in rules:
+            if not pattern_hits[pattern]:
+                warnings.warn(f"overlap_layers.swap: plan pattern {pattern!r} matched no module", UserWarning,
+                              stacklevel=stacklevel)
+    for (kind, cls, reason), names in warned.items():
+        warnings.warn(f"overlap_layers.swap: left {len(names)} {kind} module(s) of class {cls} unswapped ({reason}): "
+                      f"{_names(names)}", UserWarning, stacklevel=stacklevel)
+    ws = dist.get_world_size(group)
+    for kind in KINDS:
+        rep, lft = replaced[kind], left[kind]
+        if kind not in kinds and not rep and not lft:
+            continue
+        by_cls = defaultdict(int)
+        for _, c in rep:
+            by_cls[c] += 1
+        line = f"overlap_layers.swap: {kind}: replaced {len(rep)}"
+        if rep:
+            line += f" ({', '.join(f'{c} x{n}' for c, n in by_cls.items())} -> {_TARGETS[kind]} over {ws} ranks)"
+        line += f", left {len(lft)}"
+        if lft:
+            reasons = defaultdict(list)
+            for n, c, r in lft:
+                reasons[f"{c}: {r}"].append(n)
+            line += " (" + "; ".join(f"{r}: {_names(ns, 2)}" for r, ns in reasons.items()) + ")"
+        log.info(line)
+    if already:
+        log.info(f"overlap_layers.swap: {already} module(s) were already overlap layers (left as they are)")
+    if not any(replaced.values()) and not already:
+        warnings.warn(f"overlap_layers.swap: nothing was replaced ({nothing}"
+                      + (" matched the plan" if rules is not None else "") + ")", UserWarning, stacklevel=stacklevel)
+    return replaced, already
+
+
 def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
          config: Optional[OverlapConfig] = None, block: bool = False) -> nn.Module:
     """Replace, in place, the MLP / attention / MoE modules of a Hugging Face transformers (>= 5)
@@ -313,120 +435,14 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
         raise ValueError("no known transformers model classes could be imported; install transformers>=5 "
                          "(pip install 'overlap_layers[hf]')")
 
-    todo = []  # (name, module, kind, opts)
-    left = defaultdict(list)  # kind -> [(name, class name, reason)]
-    warned = defaultdict(list)  # (kind, class, reason) -> [names]
-    handled = set()  # modules decided on: their descendants are not looked at
-    already = 0
-    pattern_hits = defaultdict(int)
-
-    def inside(name):
-        parts = name.split(".")
-        return any(".".join(parts[:i]) in handled for i in range(1, len(parts)))
-
-    for name, module in model.named_modules():
-        if not name or inside(name):
-            continue
-        if isinstance(module, _OURS):
-            already += 1
-            handled.add(name)
-            continue
-        kind = _kind_by_type(module, known)
-        cls = type(module).__name__
-        if rules is not None:
-            rule = next((r for r in rules if fnmatch.fnmatchcase(name, r[0])), None)
-            if rule is None:
-                if kind is not None:
-                    left[kind].append((name, cls, "not in the plan"))
-                    handled.add(name)
-                continue
-            pattern, want, opts = rule
-            pattern_hits[pattern] += 1
-            if want is None:
-                if kind is not None:
-                    left[kind].append((name, cls, f"excluded by plan[{pattern!r}]"))
-                handled.add(name)
-                continue
-            if kind is None:
-                reason = f"plan[{pattern!r}] asks for {want!r} but {cls} is not a recognised {want} class"
-                left[want].append((name, cls, "unknown class"))
-                warned[(want, cls, reason)].append(name)
-                handled.add(name)
-                continue
-            if kind != want:
-                raise ValueError(f"plan[{pattern!r}] = {want!r} matches {name} ({cls}), which is a known {kind} "
-                                 f"module; map it to {kind!r}, or narrow the pattern")
-            opts = dict(opts)
-        else:
-            if kind is None:
-                look = _lookalike_kind(module)
-                if look is not None:
-                    reason = f"{cls} looks like a {look} module but is not a recognised class"
-                    left[look].append((name, cls, "unknown class"))
-                    warned[(look, cls, reason)].append(name)
-                    handled.add(name)
-                continue
-            opts = {}
-        if config is not None and "config" not in opts:
-            opts["config"] = config
-        todo.append((name, module, kind, opts))
-        handled.add(name)
-
-    built = []  # every replacement is built before the first is put in: an error leaves the model as it was
-    for name, module, kind, opts in todo:
-        cls = type(module).__name__
-        try:
-            new = _BUILDERS[kind](module, group, opts)
-        except (_Unswappable, ValueError) as e:  # ValueError: the layer's own checks (e.g. heads % group size)
-            left[kind].append((name, cls, str(e)))
-            warned[(kind, cls, str(e))].append(name)
-            continue
-        new.train(module.training)
-        if not any(p.requires_grad for p in module.parameters()):
-            new.requires_grad_(False)
-        built.append((name, module, kind, new))
-    replaced = defaultdict(list)  # kind -> [(name, class)]
-    for name, module, kind, new in built:
-        _set_parent(model, name, new)
-        replaced[kind].append((name, type(module).__name__))
-    del built, todo
-
-    if rules is not None:
-        for pattern, _, _ in rules:
-            if not pattern_hits[pattern]:
-                warnings.warn(f"overlap_layers.swap: plan pattern {pattern!r} matched no module", UserWarning,
-                              stacklevel=2)
-    for (kind, cls, reason), names in warned.items():
-        warnings.warn(f"overlap_layers.swap: left {len(names)} {kind} module(s) of class {cls} unswapped ({reason}): "
-                      f"{_names(names)}", UserWarning, stacklevel=2)
-
-    ws = dist.get_world_size(group)
-    for kind in KINDS:
-        rep, lft = replaced[kind], left[kind]
-        by_cls = defaultdict(int)
-        for _, c in rep:
-            by_cls[c] += 1
-        what = ", ".join(f"{c} x{n}" for c, n in by_cls.items())
-        line = f"overlap_layers.swap: {kind}: replaced {len(rep)}"
-        if rep:
-            line += f" ({what} -> {_TARGETS[kind]} over {ws} ranks)"
-        line += f", left {len(lft)}"
-        if lft:
-            reasons = defaultdict(list)
-            for n, c, r in lft:
-                reasons[f"{c}: {r}"].append(n)
-            line += " (" + "; ".join(f"{r}: {_names(ns, 2)}" for r, ns in reasons.items()) + ")"
-        logger.info(line)
-    if already:
-        logger.info(f"overlap_layers.swap: {already} module(s) were already overlap layers (left as they are)")
-
+    replaced, already = replace_modules(
+        model, group, rules, config, kind_of=lambda m: _kind_by_type(m, known), lookalike=_lookalike_kind,
+        build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts), ours=_OURS,
+        nothing="no recognised MLP / attention / MoE module")
     if any(replaced[k] for k in ("attention",)):
         for m in model.modules():
             cfg = getattr(m, "config", None)
             if getattr(cfg, "use_cache", False):
                 cfg.use_cache = False
         logger.info("overlap_layers.swap: set config.use_cache=False (the swapped attention keeps no KV cache)")
-    if not any(replaced.values()) and not already:
-        warnings.warn("overlap_layers.swap: nothing was replaced (no recognised MLP / attention / MoE module"
-                      + (" matched the plan" if rules is not None else "") + ")", UserWarning, stacklevel=2)
     return model

@@ -85,13 +85,10 @@ recomputation re-runs the swapped layers' forward (collectives included) on ever
 """
 from __future__ import annotations
 
-import fnmatch
 import logging
 import sys
-import warnings
 import weakref
-from collections import defaultdict
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -101,11 +98,10 @@ from torch import nn
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP
 from ..runtime import resolve_group
-from .hf import KINDS, _names, _parse_plan, _set_parent, _Unswappable
+from .hf import _parse_plan, _Unswappable, replace_modules
 
 logger = logging.getLogger(__name__)
 
-_TARGETS = {"mlp": "OverlapMLP", "attention": "OverlapAttention"}
 _LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
                        "moe": ("MoELayer", "MoE", "Experts")}
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel")
@@ -544,112 +540,13 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
         name = type(m).__name__
         return next((k for k, suf in _LOOKALIKE_SUFFIXES.items() if name.endswith(suf)), None)
 
-    todo, left, warned, handled = [], defaultdict(list), defaultdict(list), set()
-    already, pattern_hits = 0, defaultdict(int)
+    def check_groups(todo):  # a wrong group is the caller's error: raise before building
+        for name, module, kind, opts in todo:
+            if all(hasattr(module, a) for a in (("linear_fc1",) if kind == "mlp" else ("linear_qkv",))):
+                _check_group(module, kind, group)
 
-    def inside(name):
-        parts = name.split(".")
-        return any(".".join(parts[:i]) in handled for i in range(1, len(parts)))
-
-    for name, module in model.named_modules():
-        if not name or inside(name):
-            continue
-        if isinstance(module, _OURS):
-            already += 1
-            handled.add(name)
-            continue
-        kind, cls = kind_of(module), type(module).__name__
-        if rules is not None:
-            rule = next((r for r in rules if fnmatch.fnmatchcase(name, r[0])), None)
-            if rule is None:
-                if kind is not None:
-                    left[kind].append((name, cls, "not in the plan"))
-                    handled.add(name)
-                continue
-            pattern, want, opts = rule
-            pattern_hits[pattern] += 1
-            if want is None:
-                if kind is not None:
-                    left[kind].append((name, cls, f"excluded by plan[{pattern!r}]"))
-                handled.add(name)
-                continue
-            if kind is None:
-                reason = f"plan[{pattern!r}] asks for {want!r} but {cls} is not a recognised {want} class"
-                left[want].append((name, cls, "unknown class"))
-                warned[(want, cls, reason)].append(name)
-                handled.add(name)
-                continue
-            if kind != want:
-                raise ValueError(f"plan[{pattern!r}] = {want!r} matches {name} ({cls}), which is a known {kind} "
-                                 f"module; map it to {kind!r}, or narrow the pattern")
-            opts = dict(opts)
-        else:
-            if kind is None:
-                look = lookalike(module)
-                if look is not None:
-                    reason = f"{cls} looks like a {look} module but is not a recognised class"
-                    left[look].append((name, cls, "unknown class"))
-                    warned[(look, cls, reason)].append(name)
-                    handled.add(name)
-                continue
-            opts = {}
-        if config is not None and "config" not in opts:
-            opts["config"] = config
-        todo.append((name, module, kind, opts))
-        handled.add(name)
-
-    for name, module, kind, opts in todo:  # a wrong group is the caller's error: raise before building
-        if all(hasattr(module, a) for a in (("linear_fc1",) if kind == "mlp" else ("linear_qkv",))):
-            _check_group(module, kind, group)
-
-    built = []
-    for name, module, kind, opts in todo:
-        cls = type(module).__name__
-        try:
-            new = _BUILDERS[kind](module, group, opts, M)
-        except (_Unswappable, ValueError) as e:  # ValueError: the layer's own checks
-            left[kind].append((name, cls, str(e)))
-            warned[(kind, cls, str(e))].append(name)
-            continue
-        new.train(module.training)
-        if not any(p.requires_grad for p in module.parameters()):
-            new.requires_grad_(False)
-        built.append((name, module, kind, new))
-    replaced = defaultdict(list)
-    for name, module, kind, new in built:
-        _set_parent(model, name, new)
-        replaced[kind].append((name, type(module).__name__))
-    del built, todo
-
-    if rules is not None:
-        for pattern, _, _ in rules:
-            if not pattern_hits[pattern]:
-                warnings.warn(f"overlap_layers.swap: plan pattern {pattern!r} matched no module", UserWarning,
-                              stacklevel=3)
-    for (kind, cls, reason), names in warned.items():
-        warnings.warn(f"overlap_layers.swap: left {len(names)} {kind} module(s) of class {cls} unswapped ({reason}): "
-                      f"{_names(names)}", UserWarning, stacklevel=3)
-    ws = dist.get_world_size(group)
-    for kind in KINDS:
-        rep, lft = replaced[kind], left[kind]
-        if kind == "moe" and not rep and not lft:
-            continue
-        by_cls: Dict[str, int] = defaultdict(int)
-        for _, c in rep:
-            by_cls[c] += 1
-        line = f"overlap_layers.swap: {kind}: replaced {len(rep)}"
-        if rep:
-            line += f" ({', '.join(f'{c} x{n}' for c, n in by_cls.items())} -> {_TARGETS[kind]} over {ws} ranks)"
-        line += f", left {len(lft)}"
-        if lft:
-            reasons = defaultdict(list)
-            for n, c, r in lft:
-                reasons[f"{c}: {r}"].append(n)
-            line += " (" + "; ".join(f"{r}: {_names(ns, 2)}" for r, ns in reasons.items()) + ")"
-        logger.info(line)
-    if already:
-        logger.info(f"overlap_layers.swap: {already} module(s) were already overlap layers (left as they are)")
-    if not any(replaced.values()) and not already:
-        warnings.warn("overlap_layers.swap: nothing was replaced (no recognised megatron-core MLP / SelfAttention"
-                      + (" matched the plan" if rules is not None else "") + ")", UserWarning, stacklevel=3)
+    replace_modules(model, group, rules, config, kind_of=kind_of, lookalike=lookalike,
+                    build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts, M), ours=_OURS,
+                    nothing="no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
+                    kinds=("mlp", "attention"), log=logger)
     return model
