@@ -570,3 +570,42 @@ def test_fsdp2_mixed_precision_bf16_params_fp32_reduce_mlp(pool4):
         assert all(abs(a - b) < 2e-2 * abs(b) for a, b in out["loss"]), out["loss"]
         assert max(out["grad_err"]) < 3e-2, out["grad_err"]
         assert out["param_err"] < 0.1, out["param_err"]
+
+
+def _dt_checkpoint_run(rank, ws):
+    """A DTensor input under activation checkpointing while first-call verification cycles K=2 /
+    K=1: every recomputation replays its own forward's plan (no CheckpointError), and the results
+    equal the plain (not checkpointed) layer's on the same calls."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.utils.checkpoint import checkpoint
+    from overlap_layers.layers.planned import TilePlan
+    mesh, axis, tp = _mesh(ws, False)
+    layers = []
+    for _ in range(2):
+        layer = _dt_layer("mlp", mesh, axis, True)
+        layer.num_tiles = "auto"
+        layer._make_plan = lambda *key: TilePlan(2, reason="forced by the test")
+        layers.append(layer)
+    g = torch.Generator().manual_seed(5)
+    ks = []
+    for call in range(8):
+        x, dy = (torch.randn(2, 4 * ws, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        xl, dyl = x.chunk(ws, 1)[rank], dy.chunk(ws, 1)[rank]
+        outs = []
+        for ck, layer in zip((False, True), layers):
+            layer.zero_grad(set_to_none=True)
+            xd = DTensor.from_local(xl.clone(), mesh, [Shard(1)], shape=x.shape, stride=x.stride()).requires_grad_()
+            yd = checkpoint(layer, xd, use_reentrant=False) if ck else layer(xd)
+            yd.backward(DTensor.from_local(dyl, mesh, [Shard(1)], shape=dy.shape, stride=dy.stride()))
+            outs.append((yd.to_local().detach(), xd.grad.to_local(),
+                         {n: p.grad.to_local() for n, p in layer.named_parameters()}, layer.plan.num_tiles))
+        (y0, dx0, g0, k0), (y1, dx1, g1, k1) = outs
+        assert k0 == k1 and torch.allclose(y0, y1) and torch.allclose(dx0, dx1), call
+        assert all(torch.allclose(g0[n], g1[n]) for n in g0), call
+        ks.append(k1)
+    return ks
+
+
+def test_dtensor_input_under_checkpoint_during_verification(pool2):
+    for ks in pool2.run(_dt_checkpoint_run):
+        assert ks[:4] == [2, 2, 1, 1], ks

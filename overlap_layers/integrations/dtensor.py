@@ -232,10 +232,10 @@ def dtensor_forward(layer: nn.Module, forward, x: DTensor, *args, **kwargs) -> D
         sp = f" (sequence_parallel={layer.sequence_parallel})" if hasattr(layer, "sequence_parallel") else ""
         raise ValueError(f"x: placement {tuple(x.placements)} on the mesh axis; this {name}{sp} takes {want} "
                          f"(x.redistribute(x.device_mesh, [{expected[0]!r}]))")
-    layer._dtensor_input = True
+    layer._dtensor_input, layer._replay_key = True, x  # a recomputation finds its plan by x ([Note: recompute])
     try:
         y = forward(x.to_local(), *args, **kwargs)
     finally:
-        layer._dtensor_input = False
+        layer._dtensor_input, layer._replay_key = False, None
     return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape,
                               stride=_contiguous_stride(x.shape))

@@ -113,8 +113,9 @@ class PlannedLayer:
     Under activation checkpointing the forward runs again inside the backward, and must run the
     plan its original forward ran (the saved tensors must match). A forward inside a backward pass
     therefore replays the plan recorded for its input tensor (the checkpoint passes the same
-    object), consuming no verification trial and not advancing the plan cache; every rank
-    recomputes in the same order, so the agreement gather still matches.
+    object; for a DTensor input, the DTensor, not the fresh local view the layer computes on),
+    consuming no verification trial and not advancing the plan cache; every rank recomputes in
+    the same order, so the agreement gather still matches.
     """
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
@@ -159,6 +160,7 @@ class PlannedLayer:
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
         self._plan_of_input = WeakTensorKeyDictionary()  # input -> its auto plan ([Note: recompute])
+        self._replay_key = None  # the caller's input when forward runs on a view of it (a DTensor's local)
         self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
 
     # ----------------------------------------------------------------- one call
@@ -237,7 +239,8 @@ class PlannedLayer:
         for ``export_trace(measured=True)`` when asked. Depends only on agreed values and the call
         history, so every rank takes the same branch."""
         trial = None
-        replay = self._plan_of_input.get(x) if _in_backward() and isinstance(x, torch.Tensor) else None
+        key = self._replay_key if self._replay_key is not None else x
+        replay = self._plan_of_input.get(key) if _in_backward() and isinstance(key, torch.Tensor) else None
         if fixed is not None:
             self.plan = fixed
         elif replay is not None:  # [Note: recompute]
@@ -245,7 +248,7 @@ class PlannedLayer:
         else:
             self.plan, trial = self._auto_plan(shape[:2], dtype, save)
             if save:
-                self._plan_of_input[x] = self.plan
+                self._plan_of_input[key] = self.plan
         self._last_call = (self._plan_key(shape[:2], dtype, save), self._tile_units(shape))
         trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
         if trial is not None:
