@@ -44,16 +44,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, execute, resolve_group
+from ..runtime import Agreement, StreamPool, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.timing import Stopwatch
 from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error,
                                register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
-from .planned import PlannedLayer, TilePlan, resolve_config
+from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                          recording_graph, row_forward, weight_grad)
@@ -154,8 +153,7 @@ class _TiledAttention(torch.autograd.Function):
                 for i, (b0, b1) in enumerate(bounds)]
         program = _forward_program(call, w_qkv, b_qkv, w_o, bounds)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
-        execute(sched, envs, call.group, streams=call.streams, label="attn", trace=call.launch_log,
-                recorder=call.trace.fwd if call.trace is not None else None)
+        run_tiles(call, sched, envs, "attn", backward=False, device=x_TH.device)
         if call.save:
             ctx.graphs = [(e["leaf"], e["o"]) for e in envs]
             keep_xg = call.sp and not call.plan.regather
@@ -191,15 +189,7 @@ class _TiledAttention(torch.autograd.Function):
         del graphs, o_ins, xgs, rest
         program = _backward_program(c, w_qkv, w_o, grads, norms)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
-        if c.trial is not None:
-            c.trial.bwd = Stopwatch(dy_TH.device)
-            c.trial.bwd.start()
-        execute(sched, envs, c.group, streams=c.streams, label="attn_bwd", trace=c.launch_log,
-                recorder=c.trace.start_backward() if c.trace is not None else None)
-        if c.trial is not None:
-            c.trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
+        run_tiles(c, sched, envs, "attn_bwd", backward=True, device=dy_TH.device)
         d_norms = [grads.get("norm0"), grads.get("norm1")] if norms else [None, None]
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 

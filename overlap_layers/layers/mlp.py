@@ -40,13 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, execute, resolve_group
+from ..runtime import Agreement, StreamPool, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from .mlp_cost import MLPCostModel
-from .planned import PlannedLayer, TilePlan, resolve_config
+from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .planning import Trial
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
@@ -149,8 +148,7 @@ class _TiledMLP(torch.autograd.Function):
         envs = [{"x": x_TH[a:b], "y_out": out_TH[a:b]} for a, b in bounds]
         program = _forward_program(call, w_in, b_in, w_out)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
-        execute(sched, envs, call.group, streams=call.streams, label="mlp", trace=call.launch_log,
-                recorder=call.trace.fwd if call.trace is not None else None)
+        run_tiles(call, sched, envs, "mlp", backward=False, device=x_TH.device)
         if call.save:
             pres = [e["pre"] for e in envs]
             xgs = [e["xg"] for e in envs] if (call.sequence_parallel and not call.plan.regather) else []
@@ -181,15 +179,7 @@ class _TiledMLP(torch.autograd.Function):
         del pres, xgs, rest
         program = _backward_program(c, w_in, w_out, grads, ctx.has_b_in)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
-        if c.trial is not None:
-            c.trial.bwd = Stopwatch(dy_TH.device)
-            c.trial.bwd.start()
-        execute(sched, envs, c.group, streams=c.streams, label="mlp_bwd", trace=c.launch_log,
-                recorder=c.trace.start_backward() if c.trace is not None else None)
-        if c.trial is not None:
-            c.trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
+        run_tiles(c, sched, envs, "mlp_bwd", backward=True, device=dy_TH.device)
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 

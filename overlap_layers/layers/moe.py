@@ -50,13 +50,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, execute, resolve_group
+from ..runtime import Agreement, StreamPool, resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.timing import Stopwatch
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
-from .planned import PlannedLayer, TilePlan, resolve_config
+from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .moe_cost import MoECostModel
 from .tiling import tile_bounds
 from .tp_program import Accumulator, recording_graph
@@ -214,9 +213,8 @@ class _ExpertExchange(torch.autograd.Function):
             offsets.append(offsets[-1] + sum(s))
         envs = [{"tile": t, "xs": (x_perm[offsets[t]:offsets[t + 1]], call.send[t], call.recv[t])}
                 for t in range(len(call.send))]
-        execute(round_robin(_forward_program(call, w_in, w_out), len(envs)), envs, call.group,
-                streams=call.streams, label="moe", trace=call.launch_log,
-                recorder=call.trace.fwd if call.trace is not None else None)
+        run_tiles(call, round_robin(_forward_program(call, w_in, w_out), len(envs)), envs, "moe", backward=False,
+                  device=x_perm.device)
         if call.save:
             ctx.graphs = [e["graph"] for e in envs]
             ctx.call, ctx.offsets = call, offsets
@@ -233,16 +231,8 @@ class _ExpertExchange(torch.autograd.Function):
         envs = [{"tile": t, "graph": graphs[t], "dys": (dy_perm[offs[t]:offs[t + 1]], c.send[t], c.recv[t])}
                 for t in range(len(graphs))]
         del graphs
-        if c.trial is not None:
-            c.trial.bwd = Stopwatch(dy_perm.device)
-            c.trial.bwd.start()
-        execute(round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, c.group,
-                streams=c.streams, label="moe_bwd", trace=c.launch_log,
-                recorder=c.trace.start_backward() if c.trace is not None else None)
-        if c.trial is not None:
-            c.trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
+        run_tiles(c, round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, "moe_bwd",
+                  backward=True, device=dy_perm.device)
         dx = torch.cat([e["dx"] for e in envs]) if envs else dy_perm.new_zeros(dy_perm.shape)
         return dx, grads["w_in"], grads["w_out"], None
 

@@ -27,6 +27,8 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
+from ..runtime import execute
+from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
@@ -104,6 +106,22 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
 def _in_backward() -> bool:
     """Whether autograd is running a backward node now (e.g. a checkpoint's recomputation)."""
     return torch._C._current_autograd_node() is not None
+
+
+def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
+    """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``),
+    recording it for ``export_trace(measured=True)`` when ``call.trace`` is set and, in backward,
+    timing it for first-call verification when ``call.trial`` is set."""
+    trace, trial = call.trace, (call.trial if backward else None)
+    recorder = None if trace is None else (trace.start_backward() if backward else trace.fwd)
+    if trial is not None:
+        trial.bwd = Stopwatch(device)
+        trial.bwd.start()
+    execute(schedule, envs, call.group, streams=call.streams, label=label, trace=call.launch_log, recorder=recorder)
+    if trial is not None:
+        trial.bwd.stop()
+    if backward and trace is not None:
+        trace.write()
 
 
 class PlannedLayer:

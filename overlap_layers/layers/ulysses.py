@@ -54,14 +54,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, execute, resolve_group
+from ..runtime import Agreement, StreamPool, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
-from ..runtime.timing import Stopwatch
 from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error,
                                register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
-from .planned import PlannedLayer, TilePlan, resolve_config
+from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import recording_graph
 from .ulysses_cost import UlyssesCostModel
@@ -270,8 +269,7 @@ class _UlyssesTiles(torch.autograd.Function):
         envs = [{"tile": i, "x": x_TH[b0 * s:b1 * s], "y_out": out_TH[b0 * s:b1 * s]}
                 for i, (b0, b1, _) in enumerate(call.tiles)]
         program = _forward_program(call, w_send, b_send, w_o)
-        execute(round_robin(program, len(envs)), envs, call.group, streams=call.streams, label="ulysses",
-                trace=call.launch_log, recorder=call.trace.fwd if call.trace is not None else None)
+        run_tiles(call, round_robin(program, len(envs)), envs, "ulysses", backward=False, device=x_TH.device)
         if call.save:
             ctx.graphs = [e["graph"] for e in envs]
             ctx.save_for_backward(x_TH, *w_send, *w_o, *[e["oT"] for e in envs])
@@ -294,15 +292,7 @@ class _UlyssesTiles(torch.autograd.Function):
                  "oT": oTs[i], "graph": graphs[i]} for i, (b0, b1, _) in enumerate(c.tiles)]
         del graphs, oTs, rest
         program = _backward_program(c, w_send, w_o, grads)
-        if c.trial is not None:
-            c.trial.bwd = Stopwatch(dy_TH.device)
-            c.trial.bwd.start()
-        execute(round_robin(program, len(envs)), envs, c.group, streams=c.streams, label="ulysses_bwd",
-                trace=c.launch_log, recorder=c.trace.start_backward() if c.trace is not None else None)
-        if c.trial is not None:
-            c.trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
+        run_tiles(c, round_robin(program, len(envs)), envs, "ulysses_bwd", backward=True, device=dy_TH.device)
         d_norms = [sum(g[i] for g in grads["norms"]) for i in range(len(c.norms))] or [None, None]
         per_route = [g for i in range(n_r) for g in (grads["w"][i], grads["b"][i], grads["wo"][i])]
         return (dx_TH, d_norms[0], d_norms[1], None, *per_route)
