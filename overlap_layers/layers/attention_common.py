@@ -14,12 +14,10 @@ import torch
 from torch import nn
 
 from .attention_core import rope_cos_sin
+from .planned import X_ERRORS, x_error
 
 INPUT_ERRORS = {
-    1: "input must be 3-D [batch, seq, hidden]",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
+    **X_ERRORS,
     5: "position_ids must be an integer tensor [batch or 1, global seq]",
     6: "position_embeddings must be (cos, sin), each [batch or 1, global seq, head_dim] with an even head_dim",
     7: "attention_mask must be None: the mask is causal (causal=True) or full (causal=False); "
@@ -121,14 +119,9 @@ def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, h
     is ``x.shape[1] * seq_factor``."""
     if attention_mask is not None:
         return 7
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        return 1
-    if x.shape[-1] != hidden_size:
-        return 2
-    if x.device != weight.device:
-        return 4
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        return 3
+    err = x_error(x, hidden_size, weight)
+    if err:
+        return err
     S = x.shape[1] * seq_factor
     if position_ids is not None and not (
             isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()

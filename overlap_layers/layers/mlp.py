@@ -45,7 +45,7 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from .mlp_cost import MLPCostModel
-from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
+from .planned import X_ERRORS, PlannedLayer, TilePlan, resolve_config, run_tiles, x_error
 from .planning import Trial
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
@@ -55,12 +55,6 @@ MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
-_INPUT_ERRORS = {
-    1: "input must be 3-D [batch, seq, hidden]",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
-}
 
 
 def _act(kind: str, pre_MI: torch.Tensor) -> torch.Tensor:
@@ -336,20 +330,9 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 "b_out": b_out.detach().clone() if b_out is not None else None}
 
     # ----------------------------------------------------------------- forward
-    def _input_error(self, x) -> int:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return 1
-        if x.shape[-1] != self.hidden_size:
-            return 2
-        if x.device != self.w_in.device:
-            return 4
-        if x.dtype != self.w_in.dtype and not torch.is_autocast_enabled(x.device.type):
-            return 3
-        return 0
-
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x")
+        shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
         return self._planned_call(x, shape, dtype, save, fixed,
                                   lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
 

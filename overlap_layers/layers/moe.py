@@ -55,17 +55,12 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
-from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
+from .planned import X_ERRORS, PlannedLayer, TilePlan, resolve_config, run_tiles, x_error
 from .moe_cost import MoECostModel
 from .tiling import tile_bounds
 from .tp_program import Accumulator, recording_graph
 
-_INPUT_ERRORS = {
-    1: "input must be 3-D [batch, seq, hidden] (batch*seq may be 0 and may differ across ranks)",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
-}
+_INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
 
 
 def count(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -418,17 +413,6 @@ class OverlapMoE(PlannedLayer, nn.Module):
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
         return {}  # GEMMs are measured; the rest is costed by bandwidth
 
-    def _input_error(self, x) -> int:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return 1
-        if x.shape[-1] != self.hidden_size:
-            return 2
-        if x.device != self.w_in.device:
-            return 4
-        if x.dtype != self.w_in.dtype and not torch.is_autocast_enabled(x.device.type):
-            return 3
-        return 0
-
     def _config_digest(self) -> int:
         key = (self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
                self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
@@ -436,7 +420,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
 
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype, save, fixed = self._agree(x, self._input_error(x), _INPUT_ERRORS, "x",
+        shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
                                                 shape_names=(None, None, "hidden"))
         return self._planned_call(x, shape, dtype, save, fixed,

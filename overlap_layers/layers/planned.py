@@ -108,6 +108,27 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+X_ERRORS = {
+    1: "input must be 3-D [batch, seq, hidden]",
+    2: "input hidden dim must equal hidden_size",
+    3: "input dtype must equal the weights' dtype outside autocast",
+    4: "input must be on the weights' device",
+}
+
+
+def x_error(x, hidden_size: int, weight: torch.Tensor) -> int:
+    """This rank's error code for a layer input ``x`` (0 if fine; keys of :data:`X_ERRORS`)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return 1
+    if x.shape[-1] != hidden_size:
+        return 2
+    if x.device != weight.device:
+        return 4
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return 3
+    return 0
+
+
 def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
     """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``),
     recording it for ``export_trace(measured=True)`` when ``call.trace`` is set and, in backward,
