@@ -254,6 +254,18 @@ def _set_parent(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------- swap
+def check_swap_args(model, block: bool, config, what: str) -> None:
+    """The arguments every ``swap`` shares (ValueError / NotImplementedError otherwise)."""
+    if block:
+        raise NotImplementedError("block=True: OverlapTransformerBlock (attention + MLP/MoE chained as one tiled "
+                                  "program) does not exist yet; use block=False, which swaps the attention, MLP and "
+                                  "MoE modules one by one")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__}: must be a torch.nn.Module ({what})")
+    if config is not None and not isinstance(config, OverlapConfig):
+        raise ValueError(f"config={config!r}: must be an OverlapConfig or None")
+
+
 def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable, lookalike: Callable,
                     build: Callable, ours: tuple, nothing: str, before_build: Optional[Callable] = None,
                     kinds: Sequence[str] = KINDS, log: logging.Logger = logger, stacklevel: int = 4):
@@ -420,14 +432,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     ``block=True`` (one ``OverlapTransformerBlock`` per decoder layer) is not implemented yet.
     Decisions depend only on the model's structure, so every rank of the group swaps alike.
     """
-    if block:
-        raise NotImplementedError("block=True: OverlapTransformerBlock (attention + MLP/MoE chained as one tiled "
-                                  "program) does not exist yet; use block=False, which swaps the attention, MLP and "
-                                  "MoE modules one by one")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={type(model).__name__}: must be a torch.nn.Module (a transformers model)")
-    if config is not None and not isinstance(config, OverlapConfig):
-        raise ValueError(f"config={config!r}: must be an OverlapConfig or None")
+    check_swap_args(model, block, config, "a transformers model")
     group = resolve_group(group, mesh, axis)
     rules = _parse_plan(plan)
     known = _known_classes()

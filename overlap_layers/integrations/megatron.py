@@ -98,7 +98,7 @@ from torch import nn
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP
 from ..runtime import resolve_group
-from .hf import _parse_plan, _Unswappable, replace_modules
+from .hf import _parse_plan, _Unswappable, check_swap_args, replace_modules
 
 logger = logging.getLogger(__name__)
 
@@ -521,13 +521,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     MLP / attention / MoE look-alikes (Megatron's MoELayer, MLA, Transformer Engine modules).
     Every replacement is built before the first is put in, so an error leaves the model as it was.
     A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
-    if block:
-        raise NotImplementedError("block=True: OverlapTransformerBlock (attention + MLP/MoE chained as one tiled "
-                                  "program) does not exist yet; use block=False")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={type(model).__name__}: must be a torch.nn.Module (a megatron-core model)")
-    if config is not None and not isinstance(config, OverlapConfig):
-        raise ValueError(f"config={config!r}: must be an OverlapConfig or None")
+    check_swap_args(model, block, config, "a megatron-core model")
     group = resolve_group(group, mesh, axis)
     rules = _parse_plan(plan)
     M = _megatron()
