@@ -89,7 +89,7 @@ def train(device: torch.device, args) -> None:
             out = m(input_ids=ids, labels=ids)
             out.loss.backward()
             if m is model:
-                overlap_layers.reduce_replicated_grads(model)
+                overlap_layers.finalize_grads(model)
             opt.step()
             losses.append(out.loss.item())
             aux.append(out.aux_loss.item())

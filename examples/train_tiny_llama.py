@@ -15,7 +15,7 @@ Needs ``pip install transformers`` (>= 5). The recipe, per rank::
     overlap_layers.swap(model, group=tp_group)          # in place; logs what was replaced
     loss = model(input_ids=ids, labels=ids).loss        # the same batch on every rank of tp_group
     loss.backward()
-    overlap_layers.reduce_replicated_grads(model)       # before clipping / optimizer.step()
+    overlap_layers.finalize_grads(model)       # before clipping / optimizer.step()
     optimizer.step()
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def train(device: torch.device, args) -> None:
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
             if m is model:
-                overlap_layers.reduce_replicated_grads(model)
+                overlap_layers.finalize_grads(model)
             opt.step()
             losses.append(loss.item())
         diff = abs(losses[0] - losses[1])

@@ -2,7 +2,7 @@
 
 Reference (what a swapped model must equal, up to rounding): the unswapped model, on every rank,
 fed the same batch on every rank of the group -- logits, loss, and after
-``reduce_replicated_grads(model)`` every parameter's gradient (the swapped layers' shards equal the
+``finalize_grads(model)`` every parameter's gradient (the swapped layers' shards equal the
 matching slices of the dense gradients, see their ``to_dense``).
 
 =========================================  ==============================================================
@@ -404,7 +404,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     (HF call signatures and return values; causal masks only, no KV cache -- ``swap`` sets
     ``config.use_cache=False``).
 
-    Gradients: **call** ``overlap_layers.reduce_replicated_grads(model)`` **after backward, before
+    Gradients: **call** ``overlap_layers.finalize_grads(model)`` **after backward, before
     clipping and the optimizer step** (on every rank). It sums the attention layers' per-rank
     partials (``q_norm`` / ``k_norm``, and the KV heads when ``num_key_value_heads`` < group size).
     Every other gradient is already what the dense model gives: the norms, embeddings and LM head

@@ -204,7 +204,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
     rank's partial* gradient in ``.grad``: ``bo`` under sequence parallelism (only the rank's own
     rows contribute), ``q_norm`` / ``k_norm`` (only its heads), and the KV heads when
     ``num_kv_heads < ws`` (only its query heads read them); sum them over the ranks that share
-    them (:func:`overlap_layers.reduce_replicated_grads` does, for every layer in a module).
+    them (:func:`overlap_layers.finalize_grads` does, for every layer in a module).
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (replicated KV heads: a Replicate of the dense ``wk``...); see
     overlap_layers.integrations.dtensor.

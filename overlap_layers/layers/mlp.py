@@ -188,7 +188,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
     ``w_out [H, F/ws]``, ``b_in [I]``, ``b_out [H]`` replicated and added once after the reduction.
     Under sequence parallelism ``b_out.grad`` holds *this rank's partial* (only its own rows
     contribute), like Megatron's sequence-parallel parameters: call
-    :func:`overlap_layers.reduce_replicated_grads` before the optimizer step. Without sequence
+    :func:`overlap_layers.finalize_grads` before the optimizer step. Without sequence
     parallelism every rank sees every token and ``b_out.grad`` is already complete.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.integrations.dtensor.
