@@ -147,7 +147,7 @@ def _check_moe_run(recs, passes, skewed):
         assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2] * len(passes)
     assert all(r["k"] == 1 for r in recs if r["mode"] == "serial")
-    assert all(r["host_agreement_us"] > 0 and r["host_counts_gather_us"] > 0 for r in recs if r["mode"] == "auto")
+    assert all(r["host_agreement_us"] > 0 and r["host_counts_exchange_us"] > 0 for r in recs if r["mode"] == "auto")
     assert all(r["expert_impl"] == "loop" for r in recs)  # CPU: one GEMM pair per expert
 
 

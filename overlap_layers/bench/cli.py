@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--nprocs", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile 3 calls of every mode (rank 0): DIR/<shape>_<pass>_<mode>.json "
+                        "(Chrome trace) and .txt (ops by device time)")
     p.add_argument("--out", default=None,
                    help="JSON path (default bench/results/<layers>_<device>_<time>.json, e.g. mlp_cpu_...)")
     args = p.parse_args(argv)
@@ -115,7 +118,8 @@ def _main(device: torch.device, args) -> None:
         group = groups[rank // tp]
         for layer, preset, shape in _shapes(args, args.preset, cuda):
             run = {"mlp": bench_shape, "moe": moe_bench.bench_shape}.get(layer, attn_bench.bench_shape)
-            recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log)
+            recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log,
+                       args.profile)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                 records.extend(recs)
                 _write(args, cuda, world, records, out)

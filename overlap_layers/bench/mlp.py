@@ -201,9 +201,9 @@ class MLPBench:
 
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None]) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
-                     repeats, log)
+                     repeats, log, profile)

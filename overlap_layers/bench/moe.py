@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE
+from ..layers.moe import OverlapMoE, _read_on_host
+from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import run_modes
 
@@ -132,14 +133,17 @@ class MoEBench(MLPBench):
 
     # ------------------------------------------------------------ our layer
     def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
-        """The shared host times, plus the MoE's second host gather, of the per-tile send counts
-        ([Note: MoE host syncs]; K=1's length); us, mean of ``n``, max over ranks."""
+        """The shared host times, plus the MoE's counts exchange ([Note: MoE host syncs]; K=1's
+        size): one device all-gather and the host read of its result, which waits for it; us,
+        mean of ``n``, max over ranks."""
         layer, out = self.layer, super().host_overhead_us(backward, n)
-        counts = [0] * self.s.experts
+        counts = torch.zeros(self.s.experts, dtype=torch.long, device=self.device)
+        gathered = counts.new_empty(self.ws * counts.numel())
         t0 = time.perf_counter()
         for _ in range(n):
-            layer._agreement.gather(counts)
-        out["host_counts_gather_us"] = layer._agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]
+            all_gather_rows(gathered, counts, group=self.group)
+            _read_on_host(gathered)()
+        out["host_counts_exchange_us"] = layer._agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]
         return out
 
     # ------------------------------------------------------------ references
@@ -234,8 +238,8 @@ def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: s
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None]) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
     b = MoEBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), expert_impl=b.expert_impl, busiest_expert_share=b.busiest_expert_share,
                   recv_imbalance=b.recv_imbalance)
-    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, log)
+    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, log, profile)

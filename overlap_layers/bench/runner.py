@@ -6,6 +6,8 @@ limit = max(compute, comm).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -69,10 +71,30 @@ def _candidate_predictions(plan) -> Dict[int, tuple]:
     return out
 
 
+def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> None:
+    """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0,
+    which writes ``path.json`` (a Chrome trace: kernels, streams, the executor's
+    ``overlap::<program>::<op>[tile]`` ranges) and ``path.txt`` (the ops by device time)."""
+    on = dist.get_rank() == 0
+    acts = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with (torch.profiler.profile(activities=acts) if on else contextlib.nullcontext()) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    if on:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        prof.export_chrome_trace(path + ".json")
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(path + ".txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=30))
+
+
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
-              log: Callable[[str], None]) -> List[dict]:
+              log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
-    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`)."""
+    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`).
+    ``profile``: a folder; each timed mode is then also profiled (:func:`profile_calls`)."""
     device, group, dtype = b.device, b.group, b.dtype
     records = []
     # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
@@ -110,6 +132,10 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 continue
             info = extra.setdefault(mode, {})
+            if profile:
+                name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
+                       f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
+                profile_calls(fn, device, os.path.join(profile, name))
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
             if layer_mode:

@@ -33,17 +33,20 @@ its gradient through the weights and the aux loss).
 
 [Note: MoE host syncs]
 An uneven all-to-all needs its split sizes on the host. All K tiles' send counts, per destination
-rank and local expert, are computed at once from the routing (one count) and exchanged in the
-call's second host gather, through the same host group as the agreement ([Note: agreement]):
-one device-to-host copy per call, before any tile is launched, so no tile's exchange waits on a
-sync and the backward reuses the same splits reversed (no sync at all). The counts also give the
-regrouping of received rows by local expert without another sync.
+rank and local expert, are computed at once from the routing (one count) and exchanged by one
+small device all-gather over the group: one device-to-host copy per call, before any tile is
+launched, so no tile's exchange waits on a sync and the backward reuses the same splits reversed
+(no sync at all). On CUDA the copy runs on a side stream into pinned memory and only the host waits
+for it: the gather of the assignment rows (and the shared expert) are launched first, so the GPU
+has work while the host reads the counts. The regrouping of received rows by local expert and the
+grouped-GEMM offsets are then computed on the device from the gathered counts; the host only adds
+the row totals (known from the copy) so those ops never sync either.
 """
 from __future__ import annotations
 
 import math
 import zlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,13 +98,13 @@ def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_expe
     return keep
 
 
-def regroup_index(counts_SE: torch.Tensor) -> torch.Tensor:
-    """Rows received grouped by source then local expert (``counts_SE`` rows of each) -> the
-    index that groups them by local expert then source."""
+def regroup_index(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows received grouped by source then local expert (``counts_SE`` rows of each; ``total``
+    their sum, given by the caller so the device never syncs) -> the index that groups them by
+    local expert then source."""
     lengths = counts_SE.t().reshape(-1)
     offsets = (torch.cumsum(counts_SE.reshape(-1), 0) - counts_SE.reshape(-1)).view_as(counts_SE).t().reshape(-1)
-    total = int(lengths.sum())
-    starts = torch.repeat_interleave(offsets - (torch.cumsum(lengths, 0) - lengths), lengths)
+    starts = torch.repeat_interleave(offsets - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
     return starts + torch.arange(total, device=counts_SE.device)
 
 
@@ -114,20 +117,37 @@ def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) ->
     return all(d * e % 16 == 0 for d in (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2]))
 
 
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory, so the copy does not wait."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+def _read_on_host(counts: torch.Tensor) -> Callable[[], List[int]]:
+    """Starts reading ``counts`` on the host; the returned function waits for it and gives the
+    list ([Note: MoE host syncs]). On CUDA the copy runs on a side stream into pinned memory, so
+    the host waits for the counts only, not for the work queued on the current stream meanwhile."""
+    if counts.device.type != "cuda":
+        return counts.tolist
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    side, cur = torch.cuda.Stream(counts.device), torch.cuda.current_stream(counts.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        host.copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    counts.record_stream(side)
+
+    def read() -> List[int]:
+        done.synchronize()
+        return host.tolist()
+    return read
 
 
 class _Tile:
-    """What one tile's exchange needs, all derived from the host-side counts ([Note: MoE host
-    syncs]): split sizes, rows per local expert, the regrouping index and grouped-GEMM offsets."""
+    """What one tile's exchange needs ([Note: MoE host syncs]): split sizes and rows per local
+    expert (host lists, from the copied counts) and, on the device, the regrouping index and the
+    grouped-GEMM offsets (from the gathered counts ``counts_SE`` [source, local expert])."""
 
-    def __init__(self, send: List[int], counts_SE: torch.Tensor, device: torch.device):
-        self.send, self.recv = send, counts_SE.sum(1).tolist()
-        self.sizes = counts_SE.sum(0).tolist()
-        self.index = _on_device(regroup_index(counts_SE), device)
-        self.offs = _on_device(torch.cumsum(counts_SE.sum(0), 0).to(torch.int32), device)
+    def __init__(self, send: List[int], host_SE: torch.Tensor, counts_SE: torch.Tensor):
+        self.send, self.recv = send, host_SE.sum(1).tolist()
+        self.sizes = host_SE.sum(0).tolist()
+        self.index = regroup_index(counts_SE, sum(self.recv))
+        self.offs = torch.cumsum(counts_SE.sum(0), 0).to(torch.int32)
 
 
 class _Call:
@@ -197,6 +217,11 @@ def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TilePro
                                    comm("combine_bwd", "all_to_all", src="dxs"), wait("combine_bwd", dst="dx")))
 
 
+def _rows(parts: List[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """The tiles' rows in order (one tile: its tensor, not a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty
+
+
 class _ExpertExchange(torch.autograd.Function):
     """``y_perm`` (expert outputs of the assignment rows ``x_perm``, same order) for the local
     experts ``w_in``, ``w_out``; see the module table."""
@@ -214,7 +239,7 @@ class _ExpertExchange(torch.autograd.Function):
             ctx.graphs = [e["graph"] for e in envs]
             ctx.call, ctx.offsets = call, offsets
             ctx.save_for_backward(w_in, w_out)
-        return torch.cat([e["y"] for e in envs]) if envs else x_perm.new_zeros((0, w_out.shape[1]))
+        return _rows([e["y"] for e in envs], x_perm.new_zeros((0, w_out.shape[1])))
 
     @staticmethod
     def backward(ctx, dy_perm):
@@ -228,7 +253,7 @@ class _ExpertExchange(torch.autograd.Function):
         del graphs
         run_tiles(c, round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, "moe_bwd",
                   backward=True, device=dy_perm.device)
-        dx = torch.cat([e["dx"] for e in envs]) if envs else dy_perm.new_zeros(dy_perm.shape)
+        dx = _rows([e["dx"] for e in envs], dy_perm.new_zeros(dy_perm.shape))
         return dx, grads["w_in"], grads["w_out"], None
 
 
@@ -461,26 +486,37 @@ class OverlapMoE(PlannedLayer, nn.Module):
             cdt = torch.get_autocast_dtype(dev)
             x_TH, w_in, w_out = x_TH.to(cdt), w_in.to(cdt), w_out.to(cdt)
         with torch.autocast(dev, enabled=False):
-            t_perm, w_perm, counts = self._route_and_count(x_TH, K)
-            # [Note: MoE host syncs]: every rank's counts, in one host gather.
-            table = self._agreement.gather(counts.reshape(-1).tolist())
+            with torch.profiler.record_function("overlap::moe::route"):
+                t_perm, w_perm, counts = self._route_and_count(x_TH, K)
+            # [Note: MoE host syncs]: every rank's counts in one device gather, read on the host
+            # while the assignment rows are gathered (those over capacity sort last: cut below).
+            gathered = counts.new_empty(ws * counts.numel())
+            all_gather_rows(gathered, counts.reshape(-1), group=self.group)
+            read = _read_on_host(gathered)
+            x_perm = x_TH.index_select(0, t_perm)
+            shared = None
+            if self.shared_w_in is not None:
+                sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
+                shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
+            with torch.profiler.record_function("overlap::moe::read_counts"):
+                table = read()
             all_counts = torch.tensor(table, dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
-            mine = all_counts[:, :, self.rank]  # [src, tile, El]
+            dev_counts = gathered.view(ws, K, ws, -1)[:, :, self.rank]  # [src, tile, El], on the device
+            mine = all_counts[:, :, self.rank]
             kept = int(all_counts[self.rank].sum())
-            t_perm, w_perm = t_perm[:kept], w_perm[:kept]
-            tiles = [_Tile(all_counts[self.rank, t].sum(-1).tolist(), mine[:, t], x.device) for t in range(K)]
+            t_perm, w_perm, x_perm = t_perm[:kept], w_perm[:kept], x_perm[:kept]
+            tiles = [_Tile(all_counts[self.rank, t].sum(-1).tolist(), mine[:, t], dev_counts[:, t]) for t in range(K)]
             call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), tiles)
             call.trial, call.trace = trial, trace
-            x_perm = x_TH.index_select(0, t_perm)
             if save:
                 y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
             else:
                 with torch.no_grad():
                     y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
-            y = torch.zeros_like(x_TH).index_add(0, t_perm, y_perm * w_perm.to(y_perm.dtype)[:, None])
-            if self.shared_w_in is not None:
-                sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
-                y = y + _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
+            with torch.profiler.record_function("overlap::moe::unpermute"):
+                y = torch.zeros_like(x_TH).index_add(0, t_perm, y_perm * w_perm.to(y_perm.dtype)[:, None])
+            if shared is not None:
+                y = y + shared
         return y.view(B, S, H)
 
     def extra_repr(self) -> str:
