@@ -3,8 +3,11 @@ experts are heavy, and loses when NCCL slows the expert GEMMs (no process group 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from hypothesis import given, strategies as st
 
-from overlap_layers.layers.moe import _backward_program, _Call, _forward_program
+from overlap_layers.layers.moe import _backward_program, _Call, _forward_program, regroup_index, tile_index
+from overlap_layers.layers.tiling import tile_bounds
 from overlap_layers.layers.moe_cost import MoECostModel
 from overlap_layers.layers.candidates import plan_candidates
 from overlap_layers.layers.planned import TilePlan
@@ -18,22 +21,24 @@ def programs(k, save, regather):
     return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
 
-def mixtral_ep4(interference, gbps):
+def mixtral_ep4(interference, gbps, grouped=False):
     hw = HardwareModel(gemm_tflops=600.0, gemm_fixed_ms=0.01, mem_gbps=3000.0, launch_ms=0.005,
                        interference=interference, comm={k: (0.02, gbps) for k in COMM_KINDS})
     return MoECostModel(tokens=8192, world_size=4, hidden=4096, n_in=2 * 14336, ffn=14336, experts=8, top_k=2,
-                        elt=2, model=hw)
+                        elt=2, model=hw, grouped=grouped)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("training", [False, True])
-def test_slow_all_to_all_makes_tiling_pay(training):
-    choice = choose(plan_candidates(mixtral_ep4(1.0, 20.0), programs, training=training))
+def test_slow_all_to_all_makes_tiling_pay(training, grouped):
+    choice = choose(plan_candidates(mixtral_ep4(1.0, 20.0, grouped), programs, training=training))
     assert choice.candidate.num_tiles > 1, choice.reason
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("training", [False, True])
-def test_interference_keeps_the_serial_layer(training):
-    choice = choose(plan_candidates(mixtral_ep4(3.0, 400.0), programs, training=training))
+def test_interference_keeps_the_serial_layer(training, grouped):
+    choice = choose(plan_candidates(mixtral_ep4(3.0, 400.0, grouped), programs, training=training))
     assert choice.candidate.num_tiles == 1, choice.reason
 
 
@@ -68,3 +73,34 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop():
     want.backward(dy.double())
     for g, w in [(got, want)] + [(a.grad, b.grad) for a, b in zip(got_leaves, want_leaves)]:
         assert torch.allclose(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_experts_cost_one_gemm_per_projection():
+    """Grouped, the experts of a tile cost one GEMM per projection over all its rows; per expert,
+    El GEMMs of r rows each (more fixed costs)."""
+    per_expert, grouped = mixtral_ep4(1.0, 100.0), mixtral_ep4(1.0, 100.0, grouped=True)
+    md, a = grouped.model, 4096
+    gathers = md.mem_ms(4 * a * 4096 * 2) + md.mem_ms(a * (2 * 14336 + 14336) * 2)
+    assert grouped.op_ms(a, "experts") == pytest.approx(md.gemm_ms(a, 2 * 14336, 4096) + md.gemm_ms(a, 4096, 14336)
+                                                        + gathers)
+    assert per_expert.op_ms(a, "experts") > grouped.op_ms(a, "experts")
+
+
+@given(n=st.integers(0, 50), k=st.integers(1, 9))
+def test_tile_index_matches_tile_bounds(n, k):
+    want = [t for t, (a, b) in enumerate(tile_bounds(n, k)) for _ in range(a, b)]
+    assert tile_index(n, k, "cpu").tolist() == want
+
+
+@given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=24), shape=st.sampled_from([(1, 2, 3), (2, 3, 2),
+                                                                                          (3, 2, 2), (2, 1, 4)]))
+def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
+    K, A, B = shape
+    c = torch.tensor((counts * 24)[:K * A * B]).view(K, A, B)
+    # label every row by (tile, a, b, i) in the a-then-b layout, then regroup: b-then-a within each tile
+    rows = [(t, a, b, i) for t in range(K) for a in range(A) for b in range(B) for i in range(int(c[t, a, b]))]
+    idx = regroup_index(c, len(rows))
+    got = [rows[j] for j in idx.tolist()]
+    assert got == sorted(rows, key=lambda r: (r[0], r[2], r[1], r[3]))
+    inv = regroup_index(c.transpose(1, 2), len(rows))
+    assert [got[j] for j in inv.tolist()] == rows

@@ -112,7 +112,7 @@ class MoEBench(MLPBench):
         L, ws, rank = self.layer, self.ws, dist.get_rank(self.group)
         El = L.num_local_experts
         with torch.no_grad():
-            _, _, counts = L._route_and_count(self.x.reshape(-1, self.s.hidden), 1)  # [1, ws, El]
+            counts = L._route_and_count(self.x.reshape(-1, self.s.hidden), 1)[2]  # [1, ws, El]
         table = torch.tensor(L._agreement.gather(counts.reshape(-1).tolist())).view(ws, ws, El)  # [src, dst, El]
         self.send = table[rank].sum(-1).tolist()
         self.recv = table[:, rank].sum(-1).tolist()

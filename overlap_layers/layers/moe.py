@@ -60,7 +60,6 @@ from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .planned import X_ERRORS, PlannedLayer, TilePlan, resolve_config, run_tiles, x_error
 from .moe_cost import MoECostModel
-from .tiling import tile_bounds
 from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
@@ -98,14 +97,59 @@ def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_expe
     return keep
 
 
-def regroup_index(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
-    """Rows received grouped by source then local expert (``counts_SE`` rows of each; ``total``
-    their sum, given by the caller so the device never syncs) -> the index that groups them by
-    local expert then source."""
-    lengths = counts_SE.t().reshape(-1)
-    offsets = (torch.cumsum(counts_SE.reshape(-1), 0) - counts_SE.reshape(-1)).view_as(counts_SE).t().reshape(-1)
-    starts = torch.repeat_interleave(offsets - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
-    return starts + torch.arange(total, device=counts_SE.device)
+def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows laid out tile by tile, each tile grouped by ``a`` then ``b`` (``counts [K, A, B]`` rows
+    per group) -> for each position of the same rows grouped by tile, then ``b``, then ``a``, the
+    row it takes. ``total`` is ``counts.sum()``, given by the caller so the device never syncs.
+    The inverse is ``regroup_index(counts.transpose(1, 2), total)``."""
+    flat = counts.reshape(-1)
+    src_start = (torch.cumsum(flat, 0) - flat).view_as(counts).transpose(1, 2).reshape(-1)
+    lengths = counts.transpose(1, 2).reshape(-1)
+    dst_start = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(src_start - dst_start, lengths, output_size=total) + \
+        torch.arange(total, device=counts.device)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` of x's rows (``inverse`` its inverse): the gradient
+    is a gather too, not an atomic scatter."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """The assignment rows ``x[order // k]`` (``order`` sorts the token-major assignments into
+    send order; ``pos`` is its inverse). The gradient of each token sums its k rows, by a gather
+    and a sum rather than an atomic scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, order, pos, k: int):
+        ctx.save_for_backward(pos)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        T = pos.numel() // ctx.k
+        return grad.index_select(0, pos).view(T, ctx.k, grad.shape[1]).sum(1), None, None, None
+
+
+def tile_index(n: int, k: int, device) -> torch.Tensor:
+    """The tile of each of ``n`` rows cut into ``k`` tiles as :func:`~overlap_layers.layers.tiling.tile_bounds` cuts them (the
+    first ``n % k`` tiles one row longer), in a fixed number of kernels whatever ``k``."""
+    base, extra = divmod(n, max(1, min(k, n)))
+    i = torch.arange(n, device=device)
+    cut = extra * (base + 1)
+    return torch.where(i < cut, i // (base + 1), extra + (i - cut) // max(base, 1))
 
 
 def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
@@ -140,14 +184,33 @@ def _read_on_host(counts: torch.Tensor) -> Callable[[], List[int]]:
 
 class _Tile:
     """What one tile's exchange needs ([Note: MoE host syncs]): split sizes and rows per local
-    expert (host lists, from the copied counts) and, on the device, the regrouping index and the
-    grouped-GEMM offsets (from the gathered counts ``counts_SE`` [source, local expert])."""
+    expert (host lists), and on the device the index grouping the received rows by local expert,
+    its inverse, and the grouped-GEMM offsets."""
 
-    def __init__(self, send: List[int], host_SE: torch.Tensor, counts_SE: torch.Tensor):
-        self.send, self.recv = send, host_SE.sum(1).tolist()
-        self.sizes = host_SE.sum(0).tolist()
-        self.index = regroup_index(counts_SE, sum(self.recv))
-        self.offs = torch.cumsum(counts_SE.sum(0), 0).to(torch.int32)
+    def __init__(self, send: List[int], recv: List[int], sizes: List[int], index, inverse, offs):
+        self.send, self.recv, self.sizes = send, recv, sizes
+        self.index, self.inverse, self.offs = index, inverse, offs
+
+
+def _tiles(host: torch.Tensor, dev: torch.Tensor, rank: int) -> List[_Tile]:
+    """The tiles of one call from every rank's counts, ``[source, tile, destination, local
+    expert]`` on the host (``host``) and on the device (``dev``): index, inverse and offsets of
+    all tiles are computed at once, so the launches do not grow with K."""
+    K = host.shape[1]
+    mine_h, mine_d = host[:, :, rank].transpose(0, 1), dev[:, :, rank].transpose(0, 1)  # [tile, source, El]
+    recv, sizes = mine_h.sum(2).tolist(), mine_h.sum(1).tolist()
+    starts = [0]
+    for r in recv:
+        starts.append(starts[-1] + sum(r))
+    index = regroup_index(mine_d, starts[-1])
+    inverse = regroup_index(mine_d.transpose(1, 2), starts[-1])
+    offs = torch.cumsum(mine_d.sum(1), 1).to(torch.int32)  # [tile, El]
+    out = []
+    for t in range(K):
+        a, b = starts[t], starts[t + 1]
+        out.append(_Tile(host[rank, t].sum(-1).tolist(), recv[t], sizes[t], index[a:b] - a, inverse[a:b] - a,
+                         offs[t]))
+    return out
 
 
 class _Call:
@@ -177,19 +240,16 @@ def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
     def experts(env):
         t = env["tile"]
         tile = c.tiles[t]
-        idx, sizes = tile.index, tile.sizes
-        x_g = env.pop("xr").index_select(0, idx)
+        x_g = env.pop("xr").index_select(0, tile.index)
         if c.save:
             leaf = x_g.detach().requires_grad_()
             with recording_graph():  # [Note: per-tile graphs]
-                y_g = c.experts(leaf, sizes, tile.offs, w_in, w_out)
-            env["graph"] = (leaf, y_g, idx, sizes)
+                y_g = c.experts(leaf, tile.sizes, tile.offs, w_in, w_out)
+            env["graph"] = (leaf, y_g)
             y_g = y_g.detach()
         else:
-            y_g = c.experts(x_g, sizes, tile.offs, w_in, w_out)
-        ys = torch.empty_like(y_g)
-        ys[idx] = y_g
-        env["ys"] = (ys, c.recv[t], c.send[t])
+            y_g = c.experts(x_g, tile.sizes, tile.offs, w_in, w_out)
+        env["ys"] = (y_g.index_select(0, tile.inverse), c.recv[t], c.send[t])
 
     return TileProgram("moe", (comm("dispatch", "all_to_all", src="xs"), wait("dispatch", dst="xr"),
                                compute("experts", experts), comm("combine", "all_to_all", src="ys"),
@@ -199,8 +259,9 @@ def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
 def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TileProgram:
     def experts_bwd(env):
         t = env["tile"]
-        leaf, y_g, idx, sizes = env.pop("graph")
-        dy_g = env.pop("dyr").index_select(0, idx)
+        tile = c.tiles[t]
+        leaf, y_g = env.pop("graph")
+        dy_g = env.pop("dyr").index_select(0, tile.index)
         if y_g.requires_grad:
             dx_g, dwi, dwo = torch.autograd.grad(y_g, (leaf, w_in, w_out), dy_g, allow_unused=True)
         else:  # no rows reached this rank's experts in this tile
@@ -208,9 +269,7 @@ def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TilePro
         for key, g in (("w_in", dwi), ("w_out", dwo)):
             if g is not None:
                 accumulate(key, lambda buf, g=g: buf.copy_(g), lambda buf, g=g: buf.add_(g))
-        dxs = torch.empty_like(dx_g)
-        dxs[idx] = dx_g
-        env["dxs"] = (dxs, c.recv[t], c.send[t])
+        env["dxs"] = (dx_g.index_select(0, tile.inverse), c.recv[t], c.send[t])
 
     return TileProgram("moe_bwd", (comm("dispatch_bwd", "all_to_all", src="dys"), wait("dispatch_bwd", dst="dyr"),
                                    compute("experts_bwd", experts_bwd),
@@ -426,10 +485,11 @@ class OverlapMoE(PlannedLayer, nn.Module):
         return (1 << max(tokens - 1, 0).bit_length(), dtype, save)  # bucketed to a power of two
 
     def _cost_model(self, key: tuple, hw) -> MoECostModel:
+        grouped = grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=key[1], device="meta"), self.w_in, self.w_out)
         return MoECostModel(tokens=key[0], world_size=self.world_size, hidden=self.hidden_size,
                             n_in=self.w_in.shape[1], ffn=self.ffn_hidden_size, experts=self.num_experts,
                             top_k=self.top_k, elt=torch.tensor([], dtype=key[1]).element_size(), model=hw,
-                            activation=self.activation)
+                            activation=self.activation, grouped=grouped)
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self, TilePlan(k), save, None, [])
@@ -452,7 +512,10 @@ class OverlapMoE(PlannedLayer, nn.Module):
                                   lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
 
     def _route_and_count(self, x_TH, K: int):
-        """Routing on the whole local batch, capacity, the send order and per-tile counts."""
+        """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``
+        the permutation of the token-major assignments into send order (by tile, then expert; the
+        dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
+        ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
         probs, top_p, experts, weights = route(x_TH, self._local("router_weight"), k, self.normalize_topk)
         flat_e = experts.reshape(-1)
@@ -466,15 +529,13 @@ class OverlapMoE(PlannedLayer, nn.Module):
             self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
         else:  # 0, still attached to the router so aux_loss.backward() works on any rank
             self.aux_loss = probs.sum() * 0.0
-        tile_of = torch.zeros(T, dtype=torch.long, device=x_TH.device)
-        for t, (a, b) in enumerate(tile_bounds(T, K)):
-            tile_of[a:b] = t
+        tile_of = tile_index(T, K, x_TH.device)
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
         # once the counts are on the host ([Note: MoE host syncs]: no sync here).
         key = torch.where(keep, tile_of[tokens] * E + flat_e, K * E)
         order = torch.sort(key, stable=True).indices
         counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
-        return tokens[order], weights.reshape(-1)[order], counts
+        return order, weights, counts
 
     def _run(self, x, plan: TilePlan, save: bool, trial=None, trace=None) -> torch.Tensor:
         dev = x.device.type
@@ -487,26 +548,26 @@ class OverlapMoE(PlannedLayer, nn.Module):
             x_TH, w_in, w_out = x_TH.to(cdt), w_in.to(cdt), w_out.to(cdt)
         with torch.autocast(dev, enabled=False):
             with torch.profiler.record_function("overlap::moe::route"):
-                t_perm, w_perm, counts = self._route_and_count(x_TH, K)
+                order, weights, counts = self._route_and_count(x_TH, K)
             # [Note: MoE host syncs]: every rank's counts in one device gather, read on the host
             # while the assignment rows are gathered (those over capacity sort last: cut below).
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
             read = _read_on_host(gathered)
-            x_perm = x_TH.index_select(0, t_perm)
+            n = order.numel()
+            pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
+            x_perm = _Dispatch.apply(x_TH, order, pos, self.top_k)
             shared = None
             if self.shared_w_in is not None:
                 sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
                 shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
             with torch.profiler.record_function("overlap::moe::read_counts"):
-                table = read()
-            all_counts = torch.tensor(table, dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
-            dev_counts = gathered.view(ws, K, ws, -1)[:, :, self.rank]  # [src, tile, El], on the device
-            mine = all_counts[:, :, self.rank]
-            kept = int(all_counts[self.rank].sum())
-            t_perm, w_perm, x_perm = t_perm[:kept], w_perm[:kept], x_perm[:kept]
-            tiles = [_Tile(all_counts[self.rank, t].sum(-1).tolist(), mine[:, t], dev_counts[:, t]) for t in range(K)]
-            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)), tiles)
+                host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
+            kept = int(host[self.rank].sum())
+            if kept < n:
+                x_perm = x_perm[:kept]
+            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
+                         _tiles(host, gathered.view(ws, K, ws, -1), self.rank))
             call.trial, call.trace = trial, trace
             if save:
                 y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
@@ -514,7 +575,10 @@ class OverlapMoE(PlannedLayer, nn.Module):
                 with torch.no_grad():
                     y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
             with torch.profiler.record_function("overlap::moe::unpermute"):
-                y = torch.zeros_like(x_TH).index_add(0, t_perm, y_perm * w_perm.to(y_perm.dtype)[:, None])
+                if kept < n:  # dropped assignments: zero rows
+                    y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])
+                rows = _PermuteRows.apply(y_perm, pos, order).view(-1, self.top_k, H)  # [T, k, H]
+                y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
             if shared is not None:
                 y = y + shared
         return y.view(B, S, H)

@@ -9,11 +9,15 @@ I expert fc1 width (2*ffn for swiglu), F = ffn, e bytes per element:
 op           time                                         memory allocated (freed after)
 ===========  ===========================================  ==============================
 dispatch     all-to-all of A*H*e                          received rows, A*H*e (experts)
-experts      El x (GEMM (r, I, H) + GEMM (r, H, F))       act and out, A*(I+F+H)*e (combine)
-             + memory A*(I+F)*e
+experts      GEMM (A, I, H) + GEMM (A, H, F) (grouped)    act and out, A*(I+F+H)*e (combine)
+             or El x (GEMM (r, I, H) + GEMM (r, H, F))
+             + memory A*(I+F)*e + two row gathers 4*A*H*e
 combine      all-to-all of A*H*e                          combined rows, A*H*e (kept: the output)
 dispatch_bwd all-to-all of A*H*e                          A*H*e (experts_bwd)
-experts_bwd  El x (2 GEMMs dgrad + 2 GEMMs wgrad) + act'  A*(I+F+H)*e (combine_bwd)
+experts_bwd  2 GEMMs dgrad + 2 wgrad (grouped: the dgrads   A*(I+F+H)*e (combine_bwd)
+             as one GEMM each, the wgrads as one with
+             El*H / El*I output rows and r deep; else
+             El x 4 GEMMs) + act' + two row gathers
 combine_bwd  all-to-all of A*H*e
 ===========  ===========================================  ==============================
 
@@ -32,10 +36,10 @@ class MoECostModel(MLPCostModel):
     """``rows`` = tokens per rank (the group's largest, bucketed)."""
 
     def __init__(self, *, tokens: int, world_size: int, hidden: int, n_in: int, ffn: int, experts: int, top_k: int,
-                 elt: int, model: HardwareModel, activation: str = "swiglu"):
+                 elt: int, model: HardwareModel, activation: str = "swiglu", grouped: bool = False):
         super().__init__(rows=tokens, world_size=world_size, hidden=hidden, n_in=n_in, f_local=ffn, elt=elt,
                          sequence_parallel=False, model=model, activation=activation)
-        self.k, self.El = top_k, max(experts // world_size, 1)
+        self.k, self.El, self.grouped = top_k, max(experts // world_size, 1), grouped
 
     def gathered(self, tokens: int) -> int:
         return tokens * self.k  # assignment rows sent (and, balanced, received)
@@ -44,7 +48,10 @@ class MoECostModel(MLPCostModel):
         return max(a // self.El, 1)
 
     def gemms(self, a: int) -> List[Tuple[int, int, int]]:
-        r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
+        """Forward (2), dgrad (2), wgrad (2) GEMM shapes (m, n, k) of ``a`` assignment rows."""
+        r, H, I, F, El = self._rows_per_expert(a), self.H, self.I, self.F, self.El
+        if self.grouped:
+            return [(a, I, H), (a, H, F), (a, F, H), (a, H, I), (El * H, F, r), (El * I, H, r)]
         return [(r, I, H), (r, H, F), (r, F, H), (r, H, I), (H, F, r), (I, H, r)]
 
     def act_ops(self, tile_choices=()) -> Dict[str, Tuple[str, int]]:
@@ -52,12 +59,15 @@ class MoECostModel(MLPCostModel):
 
     def op_ms(self, a: int, name: str) -> float:
         md, H, I, F, e = self.model, self.H, self.I, self.F, self.e
-        r = self._rows_per_expert(a)
+        n = 1 if self.grouped else self.El
+        g = self.gemms(a)
+        gathers = md.mem_ms(4 * a * H * e)  # grouping the received rows by expert and back
         if name == "experts":
-            return self.El * (md.gemm_ms(r, I, H) + md.gemm_ms(r, H, F)) + md.mem_ms(a * (I + F) * e)
+            return n * (md.gemm_ms(*g[0]) + md.gemm_ms(*g[1])) + md.mem_ms(a * (I + F) * e) + gathers
         if name == "experts_bwd":
-            gemms = md.gemm_ms(r, F, H) + md.gemm_ms(r, H, I) + md.gemm_ms(H, F, r) + md.gemm_ms(I, H, r)
-            return self.El * gemms + md.mem_ms(a * (2 * I + F) * e)
+            wgrad = 1 if self.grouped else self.El
+            return n * (md.gemm_ms(*g[2]) + md.gemm_ms(*g[3])) + wgrad * (md.gemm_ms(*g[4]) + md.gemm_ms(*g[5])) \
+                + md.mem_ms(a * (2 * I + F) * e) + gathers
         raise KeyError(name)
 
     def sizes(self) -> Dict[str, int]:
