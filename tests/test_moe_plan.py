@@ -99,8 +99,11 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
     c = torch.tensor((counts * 24)[:K * A * B]).view(K, A, B)
     # label every row by (tile, a, b, i) in the a-then-b layout, then regroup: b-then-a within each tile
     rows = [(t, a, b, i) for t in range(K) for a in range(A) for b in range(B) for i in range(int(c[t, a, b]))]
-    idx = regroup_index(c, len(rows))
-    got = [rows[j] for j in idx.tolist()]
+    starts = [0]
+    for t in range(K):
+        starts.append(starts[-1] + int(c[t].sum()))
+    bound = len(rows) + 5  # any bound: the positions past the rows are never read
+    idx, inv = regroup_index(c, bound).tolist(), regroup_index(c.transpose(1, 2), bound).tolist()
+    got = [rows[starts[t] + idx[p]] for t in range(K) for p in range(starts[t], starts[t + 1])]
     assert got == sorted(rows, key=lambda r: (r[0], r[2], r[1], r[3]))
-    inv = regroup_index(c.transpose(1, 2), len(rows))
-    assert [got[j] for j in inv.tolist()] == rows
+    assert [got[starts[t] + inv[p]] for t in range(K) for p in range(starts[t], starts[t + 1])] == rows

@@ -36,11 +36,14 @@ An uneven all-to-all needs its split sizes on the host. All K tiles' send counts
 rank and local expert, are computed at once from the routing (one count) and exchanged by one
 small device all-gather over the group: one device-to-host copy per call, before any tile is
 launched, so no tile's exchange waits on a sync and the backward reuses the same splits reversed
-(no sync at all). On CUDA the copy runs on a side stream into pinned memory and only the host waits
-for it: the gather of the assignment rows (and the shared expert) are launched first, so the GPU
-has work while the host reads the counts. The regrouping of received rows by local expert and the
-grouped-GEMM offsets are then computed on the device from the gathered counts; the host only adds
-the row totals (known from the copy) so those ops never sync either.
+(no sync at all). The host waits for that copy only: on CUDA it runs on a side stream into pinned
+memory, and everything that does not need the sizes on the host is launched before the wait - the
+gather of the assignment rows, the shared expert, and, from the gathered counts on the device, the
+index that groups each tile's received rows by local expert, its inverse and the grouped-GEMM
+offsets (sized by a bound the host knows: every rank's tokens times k, from the call's agreement).
+Between the counts' arrival and the first exchange the host only slices those and builds lists:
+on 4xH200 that window is the GPU's one idle gap of a call (about 0.2-0.3 ms), which is why extra
+tiles, each adding two NCCL launches to the host's path, rarely pay for the MoE over NVLink.
 """
 from __future__ import annotations
 
@@ -97,17 +100,22 @@ def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_expe
     return keep
 
 
-def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
+def regroup_index(counts: torch.Tensor, size: int) -> torch.Tensor:
     """Rows laid out tile by tile, each tile grouped by ``a`` then ``b`` (``counts [K, A, B]`` rows
     per group) -> for each position of the same rows grouped by tile, then ``b``, then ``a``, the
-    row it takes. ``total`` is ``counts.sum()``, given by the caller so the device never syncs.
-    The inverse is ``regroup_index(counts.transpose(1, 2), total)``."""
+    row it takes, counted from its tile's first row. ``size`` is any bound on ``counts.sum()``
+    known to the host (positions past the sum hold rows in range but are meaningless), so the
+    device never syncs. The inverse is ``regroup_index(counts.transpose(1, 2), size)``."""
+    K = counts.shape[0]
+    lengths = counts.transpose(1, 2).reshape(-1)  # groups in (tile, b, a) order
+    ends = torch.cumsum(lengths, 0)
     flat = counts.reshape(-1)
-    src_start = (torch.cumsum(flat, 0) - flat).view_as(counts).transpose(1, 2).reshape(-1)
-    lengths = counts.transpose(1, 2).reshape(-1)
-    dst_start = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(src_start - dst_start, lengths, output_size=total) + \
-        torch.arange(total, device=counts.device)
+    tile_rows = counts.sum((1, 2))
+    src_start = (torch.cumsum(flat, 0) - flat).view_as(counts) - (torch.cumsum(tile_rows, 0) - tile_rows).view(K, 1, 1)
+    shift = src_start.transpose(1, 2).reshape(-1) - (ends - lengths)
+    p = torch.arange(size, device=counts.device)
+    group = torch.searchsorted(ends, p, right=True).clamp_(max=lengths.numel() - 1)
+    return p + shift[group]
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -192,24 +200,27 @@ class _Tile:
         self.index, self.inverse, self.offs = index, inverse, offs
 
 
-def _tiles(host: torch.Tensor, dev: torch.Tensor, rank: int) -> List[_Tile]:
-    """The tiles of one call from every rank's counts, ``[source, tile, destination, local
-    expert]`` on the host (``host``) and on the device (``dev``): index, inverse and offsets of
-    all tiles are computed at once, so the launches do not grow with K."""
-    K = host.shape[1]
-    mine_h, mine_d = host[:, :, rank].transpose(0, 1), dev[:, :, rank].transpose(0, 1)  # [tile, source, El]
-    recv, sizes = mine_h.sum(2).tolist(), mine_h.sum(1).tolist()
-    starts = [0]
-    for r in recv:
-        starts.append(starts[-1] + sum(r))
-    index = regroup_index(mine_d, starts[-1])
-    inverse = regroup_index(mine_d.transpose(1, 2), starts[-1])
-    offs = torch.cumsum(mine_d.sum(1), 1).to(torch.int32)  # [tile, El]
-    out = []
-    for t in range(K):
-        a, b = starts[t], starts[t + 1]
-        out.append(_Tile(host[rank, t].sum(-1).tolist(), recv[t], sizes[t], index[a:b] - a, inverse[a:b] - a,
-                         offs[t]))
+def _tile_tensors(counts: torch.Tensor, bound: int):
+    """The device side of every tile, launched before the counts reach the host ([Note: MoE host
+    syncs]): from ``counts [tile, source, local expert]`` (rows this rank receives; at most
+    ``bound`` in all), the index grouping each tile's received rows by local expert, its inverse
+    (both over all tiles, relative to each tile's first row) and the grouped-GEMM offsets
+    ``[tile, El]``."""
+    return (regroup_index(counts, bound), regroup_index(counts.transpose(1, 2), bound),
+            torch.cumsum(counts.sum(1), 1).to(torch.int32))
+
+
+def _tiles(host: torch.Tensor, rank: int, index, inverse, offs) -> List[_Tile]:
+    """The tiles of one call from every rank's counts on the host, ``[source, tile, destination,
+    local expert]``, and :func:`_tile_tensors` of this rank's: host lists and views only, no
+    launches (this runs between the counts' arrival and the first exchange)."""
+    mine = host[:, :, rank].transpose(0, 1)  # [tile, source, El]
+    recv, sizes = mine.sum(2).tolist(), mine.sum(1).tolist()
+    out, a = [], 0
+    for t in range(host.shape[1]):
+        b = a + sum(recv[t])
+        out.append(_Tile(host[rank, t].sum(-1).tolist(), recv[t], sizes[t], index[a:b], inverse[a:b], offs[t]))
+        a = b
     return out
 
 
@@ -509,7 +520,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
                                                 shape_names=(None, None, "hidden"))
         return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
+                                  lambda plan, trial, trace: self._run(x, plan, save, shape[1], trial, trace))
 
     def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``
@@ -537,7 +548,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
         counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return order, weights, counts
 
-    def _run(self, x, plan: TilePlan, save: bool, trial=None, trace=None) -> torch.Tensor:
+    def _run(self, x, plan: TilePlan, save: bool, max_tokens: int, trial=None, trace=None) -> torch.Tensor:
+        """One call under ``plan``; ``max_tokens`` is the group's largest token count this call."""
         dev = x.device.type
         B, S, H = x.shape
         K, ws = plan.num_tiles, self.world_size
@@ -554,6 +566,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
             read = _read_on_host(gathered)
+            tensors = _tile_tensors(gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1),
+                                    ws * max_tokens * self.top_k)
             n = order.numel()
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
             x_perm = _Dispatch.apply(x_TH, order, pos, self.top_k)
@@ -567,7 +581,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
             if kept < n:
                 x_perm = x_perm[:kept]
             call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
-                         _tiles(host, gathered.view(ws, K, ws, -1), self.rank))
+                         _tiles(host, self.rank, *tensors))
             call.trial, call.trace = trial, trace
             if save:
                 y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
