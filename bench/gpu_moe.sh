@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The MoE grid on a 4-GPU machine: mixtral-8x7b and qwen3-30b-a3b, 8192 tokens per rank, EP 4 and
 # 2, forward and forward+backward, serial / naive (K=2, 4) / auto / compute-only / comm-only, then
-# the same at EP 4 with skewed routing, then a short Ulysses auto check. Runs the test suite first
-# (CPU tiers + CUDA tier, which holds the MoE and Ulysses numerics on CUDA).
+# the same at EP 4 with skewed routing. Runs the test suite first (CPU tiers + CUDA tier, which
+# holds the MoE numerics on CUDA).
 # Usage, from the repo root: bash bench/gpu_moe.sh OUTDIR [tests|notests]
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -22,7 +22,6 @@ bench() {  # name, extra args
 }
 bench moe_nvlink $MOE --tp 4 2
 bench moe_skew_nvlink $MOE --tp 4 --skew
-bench ulysses_nvlink --layer ulysses --preset llama3-8b --tp 4 --batch 2 --modes serial,naive,auto,compute,comm
-for f in moe_nvlink moe_skew_nvlink ulysses_nvlink; do
+for f in moe_nvlink moe_skew_nvlink; do
   python3 -m overlap_layers.bench.report "$OUT/$f.json" > "$OUT/report_$f.md" 2>&1; tail -4 "$OUT/report_$f.md"
 done
