@@ -5,6 +5,8 @@
 # holds the MoE numerics on CUDA).
 # Usage, from the repo root: bash bench/gpu_moe.sh OUTDIR [tests|notests]
 set -uo pipefail
+NPROC=${NPROC:-4}       # ranks; TPS: the group sizes of the grid (NPROC=8 TPS=8 on an 8-GPU machine)
+TPS=${TPS:-"4 2"}
 OUT=${1:-bench/results}
 TESTS=${2:-tests}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -16,12 +18,12 @@ if [ "$TESTS" = tests ]; then
 fi
 bench() {  # name, extra args
   local name=$1; shift
-  torchrun --nproc-per-node 4 -m overlap_layers.bench "$@" --out "$OUT/$name.json" 2>&1 \
+  torchrun --nproc-per-node $NPROC -m overlap_layers.bench "$@" --out "$OUT/$name.json" 2>&1 \
     | grep -v "^W1\|Warning\|warn" > "$OUT/bench_$name.log"
   grep -A100 "^layer" "$OUT/bench_$name.log" || tail -30 "$OUT/bench_$name.log"
 }
-bench moe_nvlink $MOE --tp 4 2
-bench moe_skew_nvlink $MOE --tp 4 --skew
+bench moe_nvlink $MOE --tp $TPS
+bench moe_skew_nvlink $MOE --tp ${TPS%% *} --skew
 for f in moe_nvlink moe_skew_nvlink; do
   python3 -m overlap_layers.bench.report "$OUT/$f.json" > "$OUT/report_$f.md" 2>&1; tail -4 "$OUT/report_$f.md"
 done
