@@ -18,21 +18,10 @@ adapter                     HF call it serves                      what it runs
                                                                    of the full tokens when HF records them
 ==========================  =====================================  ==========================================
 
-Autograd functions (per rank; T tokens of the replicated input, t_r = rank r's share, the first
-``T % ws`` ranks hold one more):
-
-=====================  ==================================  ==================================================
-function               forward                             backward
-=====================  ==================================  ==================================================
-``_SplitTokens``       x ``[T, H]`` -> own rows ``[t_r, H]``  all-gather the ranks' ``dx`` slices -> full
-                                                           ``dx [T, H]`` (the gradient of a replicated input
-                                                           is the full gradient on every rank)
-``_GatherTokens``      own rows ``[t_r, H]`` -> all-gather  ``dy [T, H]`` (full, identical on every rank)
-                       ``[T, H]``                          -> own rows ``dy[own]``
-``_SumGradOverGroup``  identity on a replicated parameter  all-reduce (sum) the parameter's gradient over
-                                                           the group: a replicated weight used on this
-                                                           rank's tokens only gets every rank's partial
-=====================  ==================================  ==================================================
+The token split and gather around the MoE are :func:`overlap_layers.layers.tokens.split_tokens`
+and :func:`~overlap_layers.layers.tokens.gather_tokens` (autograd both ways). ``_SumGradOverGroup``
+is the identity on a replicated parameter whose gradient it all-reduces (sums) over the group in
+backward: a replicated weight used on this rank's tokens only gets every rank's partial.
 
 [Note: HF attention mask]
 OverlapAttention computes causal attention over whole sequences (SDPA ``is_causal``). HF builds
@@ -56,67 +45,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers import OverlapAttention, OverlapMoE
-from ..runtime.collectives import _all_gather as all_gather_rows
+from ..layers.tokens import gather_tokens, split_tokens
 
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
 
 
-# ---------------------------------------------------------------------------- token split / gather
-def token_bounds(n: int, ws: int, rank: int):
-    """``[start, stop)`` of rank's share of ``n`` replicated tokens (``tensor_split`` style: the
-    first ``n % ws`` ranks hold one more; a share may be empty)."""
-    base, extra = divmod(n, ws)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
-
-
-def _gather_rows(x_tH: torch.Tensor, n: int, group) -> torch.Tensor:
-    """All ranks' shares (``token_bounds``) of ``n`` rows, in rank order: ``[n, H]``."""
-    ws = dist.get_world_size(group)
-    if ws == 1:
-        return x_tH.contiguous()
-    m = -(-n // ws)
-    pad = x_tH.new_zeros((m, *x_tH.shape[1:]))
-    pad[:x_tH.shape[0]] = x_tH
-    out = x_tH.new_empty((ws * m, *x_tH.shape[1:]))
-    all_gather_rows(out, pad, group=group)
-    parts = []
-    for r in range(ws):
-        a, b = token_bounds(n, ws, r)
-        parts.append(out[r * m:r * m + (b - a)])
-    return torch.cat(parts)
-
-
-class _SplitTokens(torch.autograd.Function):
-    """Forward: this rank's rows of the replicated ``x [T, H]``. Backward: all-gather of every
-    rank's ``dx`` rows (the full gradient, on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x_TH, group):
-        ctx.group, ctx.n = group, x_TH.shape[0]
-        a, b = token_bounds(x_TH.shape[0], dist.get_world_size(group), dist.get_rank(group))
-        return x_TH[a:b].clone()
-
-    @staticmethod
-    def backward(ctx, dx_tH):
-        return _gather_rows(dx_tH.contiguous(), ctx.n, ctx.group), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """Forward: all-gather every rank's rows into ``[T, H]``. Backward: this rank's rows of the
-    (replicated, full) ``dy``."""
-
-    @staticmethod
-    def forward(ctx, y_tH, group, n):
-        ctx.group, ctx.n = group, n
-        return _gather_rows(y_tH.contiguous(), n, group)
-
-    @staticmethod
-    def backward(ctx, dy_TH):
-        a, b = token_bounds(ctx.n, dist.get_world_size(ctx.group), dist.get_rank(ctx.group))
-        return dy_TH[a:b].contiguous(), None, None
-
-
+# ---------------------------------------------------------------------------- replicated weights
 class _SumGradOverGroup(torch.autograd.Function):
     """Forward: identity (a view of a replicated parameter). Backward: all-reduce (sum) of the
     gradient over the group."""
@@ -132,16 +66,6 @@ class _SumGradOverGroup(torch.autograd.Function):
         if dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(g, group=ctx.group)
         return g, None
-
-
-def split_tokens(x_TH: torch.Tensor, group) -> torch.Tensor:
-    """This rank's share of the replicated tokens ``x [T, H]``; see the module table."""
-    return _SplitTokens.apply(x_TH, group)
-
-
-def gather_tokens(y_tH: torch.Tensor, group, n: int) -> torch.Tensor:
-    """Every rank's share of ``n`` tokens, all-gathered to ``[n, H]``; see the module table."""
-    return _GatherTokens.apply(y_tH, group, n)
 
 
 def sum_grad_over_group(w: torch.Tensor, group) -> torch.Tensor:
@@ -278,7 +202,7 @@ class HFMoE(nn.Module):
     HF's call signature ``forward(hidden_states) -> hidden_states``.
 
     The input ``[batch, seq, hidden]`` is replicated on every rank; each rank routes and sends
-    only its share of the tokens (:func:`token_bounds`) through ``OverlapMoE`` and the outputs are
+    only its share of the tokens (:func:`overlap_layers.layers.tokens.token_bounds`) through ``OverlapMoE`` and the outputs are
     all-gathered, so no token is computed twice and the output is the full tensor on every rank.
     Gradients: the input's gradient is the full one on every rank; the router weight is used on
     this rank's tokens only, so its gradient is summed over the group *inside backward*

@@ -21,6 +21,11 @@ Two kinds of replicated parameter hold a rank partial after backward:
   OverlapAttention     ``bo`` under sequence parallelism; ``q_norm``, ``k_norm`` (only the rank's
                        query/KV heads); ``wk``, ``wv``, ``bk``, ``bv`` when ``num_kv_heads <
                        world_size`` (summed over the ranks sharing each KV head only)
+  OverlapTransformer-  the norms' ``weight`` / ``bias`` under sequence parallelism (the rank's
+  Block                positions only); its OverlapMoE's ``router_weight``, ``shared_w_in``,
+                       ``shared_w_out`` in either mode: inside a block the group is a tensor-
+                       parallel group over the same sequences, so the rank's share of the tokens
+                       is a TP partial, not a DP-style one (below)
   ===================  =====================================================================
 
 * *DP-style partials*: the rank's gradient is that of its own tokens only, and the layer's group
@@ -58,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .attention import OverlapAttention
+from .block import OverlapTransformerBlock
 from .mlp import OverlapMLP
 from .moe import OverlapMoE
 from .ulysses import UlyssesAttention
@@ -146,7 +152,9 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
     Always (tensor-parallel partials, which no data-parallel wrapper reduces):
     :class:`OverlapMLP` ``b_out`` under sequence parallelism; :class:`OverlapAttention` ``bo``
     under sequence parallelism, ``q_norm`` / ``k_norm``, and ``wk``, ``wv``, ``bk``, ``bv`` when
-    ``num_kv_heads < world_size`` (over the ranks sharing each KV head).
+    ``num_kv_heads < world_size`` (over the ranks sharing each KV head);
+    :class:`OverlapTransformerBlock` norms under sequence parallelism, and its MoE's router and
+    shared expert.
 
     Not by default (data-parallel style partials: the gradient of the rank's own tokens, which a
     DDP / FSDP reduction over the same ranks sums): every parameter of :class:`UlyssesAttention`,
@@ -162,8 +170,14 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
     every rank. Returns None."""
     if not isinstance(data_parallel, bool):
         raise ValueError(f"data_parallel={data_parallel!r}; must be True or False")
+    blocks = [m for m in model.modules() if isinstance(m, OverlapTransformerBlock)]
+    in_block = {id(b.mlp) for b in blocks}
     for m in model.modules():
-        if isinstance(m, OverlapMLP):
+        if isinstance(m, OverlapTransformerBlock):
+            norms = [m.attn_norm.weight, m.attn_norm.bias, m.mlp_norm.weight, m.mlp_norm.bias]
+            moe = [m.mlp.router_weight, m.mlp.shared_w_in, m.mlp.shared_w_out] if isinstance(m.mlp, OverlapMoE) else []
+            _sum_over_group((norms if m.sequence_parallel else []) + moe, m.group)
+        elif isinstance(m, OverlapMLP):
             if m.sequence_parallel and m.b_out is not None:
                 _sum_over_group([m.b_out], m.group)
         elif isinstance(m, OverlapAttention):
@@ -177,7 +191,7 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
             if data_parallel:
                 _sum_over_group(list(m.parameters(recurse=False)), m.group)
         elif isinstance(m, OverlapMoE):
-            if data_parallel:
+            if data_parallel and id(m) not in in_block:
                 _sum_over_group([m.router_weight, m.shared_w_in, m.shared_w_out], m.group)
 
 

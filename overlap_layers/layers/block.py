@@ -1,0 +1,167 @@
+"""A pre-norm transformer decoder block built from the overlap layers.
+
+Reference (what :class:`OverlapTransformerBlock` must equal, up to rounding), on the dense
+sequence ``x [batch, seq, hidden]``::
+
+    h = x + attention(attn_norm(x), position_ids / position_embeddings)   # causal, RoPE
+    y = h + mlp(mlp_norm(h))          # swiglu MLP, or the MoE of each token (top-k router)
+
+with ``attn_norm`` / ``mlp_norm`` RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``) or LayerNorm.
+With ``sequence_parallel=True`` each rank holds its ``seq/ws`` slice of ``x`` and of ``y``
+(rank r positions ``r*seq/ws ..``); otherwise every rank holds all of ``x`` and all of ``y``.
+
+The sublayers are the library's layers on one group: ``attention`` an :class:`OverlapAttention`,
+``mlp`` an :class:`OverlapMLP`, or an :class:`OverlapMoE` (expert parallel over the same group)
+when ``moe`` is given. The MoE computes each token once: under sequence parallelism every rank's
+slice is its own tokens; without it the replicated tokens are split across the group before the
+dispatch and gathered after (:mod:`overlap_layers.layers.tokens`).
+
+Each sublayer plans and overlaps its own collectives (its tiles, its K). Scheduling the two
+sublayers as one tiled program, so the attention's last reduce-scatter hides under the MLP's
+first tile, is not done yet: the block runs them one after the other.
+
+Gradients: the norms' weights (and LayerNorm biases) are replicated. Under sequence parallelism
+each rank's gradient covers its own positions only, a tensor-parallel partial; the MoE router and
+shared expert, used on this rank's tokens only, are partials in either mode. ``finalize_grads``
+sums both over the group (see its [Note: which partials]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import OverlapConfig
+from ..runtime import resolve_group
+from .attention import OverlapAttention
+from .mlp import OverlapMLP
+from .moe import OverlapMoE
+from .tokens import gather_tokens, split_tokens
+
+NORMS = ("rmsnorm", "layernorm")
+#: The OverlapMoE keywords a block's ``moe`` dict may hold (sizes, group and planning come from the block).
+MOE_KEYS = ("num_experts", "top_k", "activation", "normalize_topk", "capacity_factor", "aux_loss_coef",
+            "shared_expert_ffn")
+
+
+class BlockNorm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim, as ``torch.nn.functional.rms_norm`` /
+    ``layer_norm`` compute them; ``weight`` (and ``bias`` for LayerNorm) start at 1 (and 0). A
+    DTensor weight (``mesh=``) takes part through its local tensor."""
+
+    def __init__(self, kind: str, hidden_size: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.kind, self.hidden_size, self.eps = kind, hidden_size, float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if kind == "layernorm" \
+            else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = _local(self.weight), _local(self.bias)
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (self.hidden_size,), w, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.hidden_size}, eps={self.eps}"
+
+
+def _local(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    from ..integrations.dtensor import local  # integrations import the layers
+    return local(p)
+
+
+class OverlapTransformerBlock(nn.Module):
+    """Drop-in pre-norm decoder block; equals the module docstring's reference.
+
+    ``forward(x, position_ids=None, position_embeddings=None)``: ``x [batch, seq/ws, hidden]``
+    with ``sequence_parallel`` (this rank's slice of the positions), else ``[batch, seq, hidden]``
+    on every rank; ``position_ids [batch or 1, seq]`` of the global sequence or HF's
+    ``position_embeddings`` ``(cos, sin)``, as :class:`OverlapAttention` takes them. Returns
+    ``y`` shaped like ``x``. ``moe``: None for the swiglu MLP of width ``ffn_hidden_size``, or a
+    dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
+    ``MOE_KEYS``), whose experts then have width ``ffn_hidden_size``. ``num_tiles`` and
+    ``config`` apply to every sublayer. After backward, call ``finalize_grads(model)``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: Optional[int] = None,
+                 moe: Optional[dict] = None, norm: str = "rmsnorm", norm_eps: float = 1e-5, group=None, mesh=None,
+                 axis=None, sequence_parallel: bool = True, rope_theta: float = 10000.0, num_tiles=None,
+                 config: Optional[OverlapConfig] = None, dtype=None, device=None):
+        super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"norm={norm!r}; valid: {NORMS}")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
+            raise ValueError(f"norm_eps={norm_eps!r}; must be a positive number")
+        if moe is not None:
+            if not isinstance(moe, dict):
+                raise ValueError(f"moe={moe!r}; must be None (a dense MLP) or a dict of OverlapMoE keywords")
+            bad = sorted(set(moe) - set(MOE_KEYS))
+            missing = [k for k in ("num_experts", "top_k") if k not in moe]
+            if bad or missing:
+                raise ValueError(f"moe: unknown keys {bad}, missing keys {missing}; valid keys: {MOE_KEYS} "
+                                 f"(num_experts and top_k required)")
+        self.group = resolve_group(group, mesh, axis)
+        self.sequence_parallel = bool(sequence_parallel)
+        kw = dict(group=None if mesh is not None else self.group, mesh=mesh, axis=axis, num_tiles=num_tiles,
+                  config=config, dtype=dtype, device=device)
+        self.attn_norm = BlockNorm(norm, hidden_size, norm_eps, dtype, device)
+        self.attention = OverlapAttention(hidden_size, num_heads, num_kv_heads, sequence_parallel=sequence_parallel,
+                                          rope_theta=rope_theta, **kw)
+        self.mlp_norm = BlockNorm(norm, hidden_size, norm_eps, dtype, device)
+        if moe is None:
+            self.mlp = OverlapMLP(hidden_size, ffn_hidden_size, sequence_parallel=sequence_parallel,
+                                  activation="swiglu", **kw)
+        else:
+            moe = dict(moe)
+            self.mlp = OverlapMoE(hidden_size, ffn_hidden_size, moe.pop("num_experts"), moe.pop("top_k"), **moe, **kw)
+        if mesh is not None:
+            _replicate_norms(self, mesh, axis)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attention.hidden_size
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                position_embeddings=None) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), position_ids=position_ids, position_embeddings=position_embeddings)
+        return h + self._mlp(self.mlp_norm(h))
+
+    def _mlp(self, z: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.mlp, OverlapMoE) or self.sequence_parallel:
+            return self.mlp(z)
+        B, S, H = z.shape  # replicated tokens: each rank routes its share once
+        y = self.mlp(split_tokens(z.reshape(B * S, H), self.group).unsqueeze(0))
+        return gather_tokens(y.squeeze(0), self.group, B * S).view(B, S, H)
+
+    def to_dense(self) -> dict:
+        """``{"attn_norm": {weight, bias}, "attention": ..., "mlp_norm": ..., "mlp": ...}``: the
+        sublayers' ``to_dense()`` and the norms' full tensors. A collective."""
+        def norm(n):
+            return {k: None if p is None else _full(p).detach().clone() for k, p in (("weight", n.weight),
+                                                                                     ("bias", n.bias))}
+        return {"attn_norm": norm(self.attn_norm), "attention": self.attention.to_dense(),
+                "mlp_norm": norm(self.mlp_norm), "mlp": self.mlp.to_dense()}
+
+    def extra_repr(self) -> str:
+        return f"sequence_parallel={self.sequence_parallel}, moe={isinstance(self.mlp, OverlapMoE)}"
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _replicate_norms(block: OverlapTransformerBlock, mesh, axis) -> None:
+    """With ``mesh=``: the norms' parameters as Replicate DTensors on the mesh axis, like every
+    replicated parameter of the sublayers."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from ..integrations.dtensor import axis_mesh
+    m = axis_mesh(mesh, axis)
+    for norm in (block.attn_norm, block.mlp_norm):
+        for name in ("weight", "bias"):
+            p = getattr(norm, name)
+            if p is not None:
+                setattr(norm, name, nn.Parameter(DTensor.from_local(p.data, m, [Replicate()], run_check=False)))
