@@ -141,16 +141,35 @@ def rel(got, want):
 
 
 def swapped_pairs(model, dense):
-    """(name, swapped layer, kind, dense module) for every swapped layer."""
-    from overlap_layers import OverlapMLP
+    """(name, swapped layer, kind, dense module) for every swapped layer; a swapped decoder layer
+    (HFBlock) gives its attention and MLP / MoE, paired with the dense self_attn and mlp."""
+    from overlap_layers import OverlapMLP, OverlapMoE
     from overlap_layers.integrations import HFAttention, HFMoE
+    from overlap_layers.integrations.hf_adapters import HFBlock
     dense_mods = dict(dense.named_modules())
-    out = []
+    out, blocks = [], []
     for name, m in model.named_modules():
+        if any(name.startswith(b + ".") for b in blocks):
+            continue
+        if isinstance(m, HFBlock):
+            blocks.append(name)
+            out.append((name + ".block.attention", m.block.attention, "attention", dense_mods[name + ".self_attn"]))
+            out.append((name + ".block.mlp", m.block.mlp, "moe" if isinstance(m.block.mlp, OverlapMoE) else "mlp",
+                        dense_mods[name + ".mlp"]))
+            continue
         kind = {OverlapMLP: "mlp", HFAttention: "attention", HFMoE: "moe"}.get(type(m))
         if kind:
             out.append((name, m, kind, dense_mods[name]))
     return out
+
+
+def block_norms(model, dense):
+    """(name, our norm, the dense decoder layer's norm) for every swapped decoder layer."""
+    from overlap_layers.integrations.hf_adapters import HFBlock
+    dense_mods = dict(dense.named_modules())
+    return [(f"{name}.{theirs}", getattr(m.block, ours), dense_mods[f"{name}.{theirs}"])
+            for name, m in model.named_modules() if isinstance(m, HFBlock)
+            for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))]
 
 
 # ------------------------------------------------------------------ worker: equality with the dense model
@@ -171,6 +190,10 @@ def check_family(rank, ws, family, build_kw, swap_kw, attn_impl=None):
             assert (got[k] is None) == (w is None), (name, k)
             if w is not None and not torch.equal(got[k], w):
                 errs[f"to_dense {name}.{k}"] = rel(got[k], w)
+    norms = block_norms(model, dense)
+    for name, ours, theirs in norms:
+        if not torch.equal(ours.weight, theirs.weight) or ours.eps != theirs.variance_epsilon:
+            errs[f"norm {name}"] = 1.0
     ids = batch()  # the same batch on every rank
     out_d = dense(ids, labels=ids)
     out_s = model(ids, labels=ids)
@@ -190,6 +213,9 @@ def check_family(rank, ws, family, build_kw, swap_kw, attn_impl=None):
             if w is not None:
                 errs[f"grad {name}.{k}"] = rel(got[k], w)
         checked.update(id(p) for p in dmod.parameters())
+    for name, ours, theirs in norms:
+        errs[f"grad {name}.weight"] = rel(ours.weight.grad, theirs.weight.grad)
+        checked.add(id(theirs.weight))
     swapped_params = dict(model.named_parameters())
     for pname, p in dense.named_parameters():
         if id(p) in checked:
@@ -231,6 +257,23 @@ def test_swapped_equals_dense(pool2, case):
     for kind, n in want.items():
         assert any(f"swap: {kind}: replaced {n}" in ln and "left 0" in ln for ln in lines), (kind, lines)
     assert any("use_cache=False" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "mixtral_aux", "qwen3_moe", "qwen3"])
+def test_block_swap_equals_dense(pool2, case):
+    """``swap(..., block=True)``: every decoder layer becomes one OverlapTransformerBlock (HFBlock);
+    logits, loss (with Mixtral's recorded router logits and aux loss) and every gradient equal
+    the dense model's after finalize_grads."""
+    family, build_kw, attn_impl = CASES[case]
+    results = pool2.run(check_family, family, build_kw, {"block": True}, attn_impl)
+    for rank, res in enumerate(results):
+        assert res["checked"] == res["n_dense"], f"rank {rank}: checked {res['checked']} of {res['n_dense']} params"
+        bad = {k: v for k, v in res["errs"].items() if v > TOL}
+        assert not bad, f"{case} rank {rank}: {bad}"
+        assert not res["warned"], res["warned"]
+    lines = results[0]["lines"]
+    assert any("swap: block: replaced 2" in ln and "left 0" in ln for ln in lines), lines
+    assert any("swap: mlp: replaced 0" in ln for ln in lines), lines
 
 
 # ------------------------------------------------------------------ worker: plan, warnings, errors
@@ -284,7 +327,8 @@ def plans_and_errors(rank, ws):
     # errors
     errors = {}
     for key, fn in {
-        "block": lambda: swap(build("llama"), group=g, block=True),
+        "block": lambda: swap(build("llama"), group=g, block="yes"),
+        "block_kind": lambda: swap(build("llama"), group=g, plan={"model.layers.*": "block"}),
         "kind_mismatch": lambda: swap(build("llama"), group=g, plan={"model.layers.*.self_attn": "mlp"}),
         "bad_kind": lambda: swap(build("llama"), group=g, plan={"model.layers.*.mlp": "ffn"}),
         "bad_option": lambda: swap(build("llama"), group=g, plan={"model.layers.*.mlp": {"kind": "mlp", "tiles": 2}}),
@@ -333,7 +377,8 @@ def test_plan_warnings_and_errors(pool2):
         assert any("LlamaAttention unswapped" in w and "num_heads=3" in w for w in warned), warned
         assert any("attention: replaced 0, left 2" in ln for ln in lines), lines
         e = res["errors"]
-        assert e["block"][0] == "NotImplementedError" and "OverlapTransformerBlock" in e["block"][1]
+        assert e["block"][0] == "ValueError" and "block='yes'" in e["block"][1]
+        assert e["block_kind"][0] == "ValueError" and "'block'" in e["block_kind"][1]
         assert e["kind_mismatch"][0] == "ValueError" and "known attention module" in e["kind_mismatch"][1]
         assert e["bad_kind"][0] == "ValueError" and "'ffn'" in e["bad_kind"][1]
         assert e["bad_option"][0] == "ValueError" and "tiles" in e["bad_option"][1]

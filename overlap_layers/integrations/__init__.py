@@ -9,7 +9,7 @@ imported until ``swap`` needs it.
 import functools
 
 from . import hf as _hf
-from .hf_adapters import HFAttention, HFMoE
+from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .megatron import MegatronAttention, MegatronMLP, is_megatron_model
 
 
@@ -29,4 +29,4 @@ swap.__doc__ = (_hf.swap.__doc__ or "") + """
     ``rotary_pos_emb``, sequence parallelism from Megatron's config).
 """
 
-__all__ = ["swap", "HFAttention", "HFMoE", "MegatronAttention", "MegatronMLP"]
+__all__ = ["swap", "HFAttention", "HFBlock", "HFMoE", "MegatronAttention", "MegatronMLP"]

@@ -17,9 +17,13 @@ Qwen3MoeAttention                          HF's (cos, sin) so RoPE scaling is ex
                                            ``attention_bias``)
 MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
 Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
+with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
+MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
+MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside the block
 =========================================  ==============================================================
 
-Everything else (embeddings, norms, the LM head, rotary tables) stays as it is and runs replicated.
+Everything else (embeddings, norms outside decoder blocks, the LM head, rotary tables) stays as it
+is and runs replicated.
 """
 from __future__ import annotations
 
@@ -35,14 +39,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..layers import OverlapAttention, OverlapMLP, OverlapMoE
+from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
 from ..layers.attention_core import QK_NORM_EPS
 from ..runtime import resolve_group
-from .hf_adapters import HFAttention, HFMoE
+from .hf_adapters import HFAttention, HFBlock, HFMoE
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("mlp", "attention", "moe")
+BLOCK_KINDS = ("block",)  # swap(..., block=True): whole decoder layers first
 _OPTIONS = ("num_tiles", "config")
 
 # The HF classes recognised by type: kind -> [(module path, class name)]. A family missing from
@@ -52,10 +57,14 @@ _KNOWN = {
     "attention": [("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("mixtral", "MixtralAttention"),
                   ("qwen3", "Qwen3Attention"), ("qwen3_moe", "Qwen3MoeAttention")],
     "moe": [("mixtral", "MixtralSparseMoeBlock"), ("qwen3_moe", "Qwen3MoeSparseMoeBlock")],
+    # block=True: decoder layers of the pre-norm form input_layernorm -> self_attn -> residual,
+    # post_attention_layernorm -> mlp -> residual
+    "block": [("llama", "LlamaDecoderLayer"), ("mistral", "MistralDecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
+              ("mixtral", "MixtralDecoderLayer"), ("qwen3_moe", "Qwen3MoeDecoderLayer")],
 }
 # Class names that look like a swappable module (an unknown one of these is warned about).
 _LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
-                       "moe": ("MoeBlock", "MoEBlock", "MoE", "Moe", "Experts")}
+                       "moe": ("MoeBlock", "MoEBlock", "MoE", "Moe", "Experts"), "block": ("DecoderLayer",)}
 
 
 def _known_classes() -> Dict[str, tuple]:
@@ -74,28 +83,30 @@ def _known_classes() -> Dict[str, tuple]:
     return out
 
 
-def _kind_by_type(module: nn.Module, known: Dict[str, tuple]) -> Optional[str]:
-    for kind, classes in known.items():
-        if classes and type(module) in classes:
+def _kind_by_type(module: nn.Module, known: Dict[str, tuple], kinds: Sequence[str]) -> Optional[str]:
+    for kind in kinds:
+        if known.get(kind) and type(module) in known[kind]:
             return kind
     return None
 
 
-def _lookalike_kind(module: nn.Module) -> Optional[str]:
+def _lookalike_kind(module: nn.Module, kinds: Sequence[str]) -> Optional[str]:
     name = type(module).__name__
-    for kind, suffixes in _LOOKALIKE_SUFFIXES.items():
-        if name.endswith(suffixes):
+    for kind in kinds:
+        if name.endswith(_LOOKALIKE_SUFFIXES[kind]):
             return kind
     return None
 
 
-def _parse_plan(plan) -> Optional[List[tuple]]:
-    """``[(pattern, kind or None, options)]`` in the plan's order, or None without a plan."""
+def _parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
+    """``[(pattern, kind or None, options)]`` in the plan's order, or None without a plan; the kind
+    ``"block"`` (a decoder layer) is valid with ``block=True`` only."""
     if plan is None:
         return None
+    kinds = KINDS + BLOCK_KINDS if block else KINDS
     if not isinstance(plan, dict):
         raise ValueError(f"plan={plan!r}; must be a dict from module-name patterns (fnmatch) to a kind "
-                         f"({', '.join(KINDS)}), a dict {{'kind': ..., 'num_tiles': ..., 'config': ...}}, or None")
+                         f"({', '.join(kinds)}), a dict {{'kind': ..., 'num_tiles': ..., 'config': ...}}, or None")
     rules = []
     for pattern, spec in plan.items():
         if not isinstance(pattern, str):
@@ -104,7 +115,7 @@ def _parse_plan(plan) -> Optional[List[tuple]]:
         if isinstance(spec, dict):
             opts = dict(spec)
             if "kind" not in opts:
-                raise ValueError(f"plan[{pattern!r}] = {spec!r}: a dict spec needs 'kind' (one of {KINDS})")
+                raise ValueError(f"plan[{pattern!r}] = {spec!r}: a dict spec needs 'kind' (one of {kinds})")
             kind = opts.pop("kind")
             bad = sorted(set(opts) - set(_OPTIONS))
             if bad:
@@ -113,8 +124,8 @@ def _parse_plan(plan) -> Optional[List[tuple]]:
                 raise ValueError(f"plan[{pattern!r}]['config'] = {opts['config']!r}: must be an OverlapConfig")
         else:
             kind = spec
-        if kind is not None and kind not in KINDS:
-            raise ValueError(f"plan[{pattern!r}]: kind {kind!r}; valid: {', '.join(KINDS)}, or None to leave the "
+        if kind is not None and kind not in kinds:
+            raise ValueError(f"plan[{pattern!r}]: kind {kind!r}; valid: {', '.join(kinds)}, or None to leave the "
                              f"matching modules as they are")
         rules.append((pattern, kind, opts))
     return rules
@@ -238,9 +249,45 @@ def _build_moe(module, group, opts) -> nn.Module:
     return HFMoE(layer, gate, source=type(module).__name__)
 
 
+def _block_norm(norm, hidden: int):
+    """``(weight, eps)`` of an HF RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``)."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor) or tuple(w.shape) != (hidden,) \
+            or not isinstance(eps, float):
+        raise _Unswappable(f"{type(norm).__name__} is not an RMSNorm with weight [{hidden}] and a float eps")
+    _check_plain([w])
+    return w.detach(), eps
+
+
+def _build_block(module, group, opts, known) -> nn.Module:
+    attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+    n1, n2 = getattr(module, "input_layernorm", None), getattr(module, "post_attention_layernorm", None)
+    mlp_kind = _kind_by_type(mlp, known, ("mlp", "moe")) if mlp is not None else None
+    if _kind_by_type(attn, known, ("attention",)) is None or mlp_kind is None or n1 is None or n2 is None:
+        raise _Unswappable("expected self_attn (a known attention class), mlp (a known MLP / MoE class), "
+                           "input_layernorm and post_attention_layernorm")
+    hf_attn = _build_attention(attn, group, opts)
+    H = hf_attn.layer.hidden_size
+    (w1, eps1), (w2, eps2) = _block_norm(n1, H), _block_norm(n2, H)
+    if eps1 != eps2:
+        raise _Unswappable(f"the two norms' eps differ ({eps1}, {eps2})")
+    gate = None
+    if mlp_kind == "moe":
+        hf_moe = _build_moe(mlp, group, opts)
+        layer, gate = hf_moe.layer, hf_moe.gate
+    else:
+        layer = _build_mlp(mlp, group, opts)
+    block = OverlapTransformerBlock.from_layers(hf_attn.layer, layer, norm="rmsnorm", norm_eps=eps1,
+                                                attn_norm_weight=w1, mlp_norm_weight=w2)
+    return HFBlock(block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window,
+                   source=type(module).__name__)
+
+
 _BUILDERS = {"mlp": _build_mlp, "attention": _build_attention, "moe": _build_moe}
-_TARGETS = {"mlp": "OverlapMLP", "attention": "OverlapAttention", "moe": "OverlapMoE"}
-_OURS = (OverlapMLP, OverlapAttention, OverlapMoE, HFAttention, HFMoE)
+_TARGETS = {"mlp": "OverlapMLP", "attention": "OverlapAttention", "moe": "OverlapMoE",
+            "block": "OverlapTransformerBlock"}
+_OURS = (OverlapMLP, OverlapAttention, OverlapMoE, OverlapTransformerBlock, HFAttention, HFMoE, HFBlock)
 
 
 def _names(names: List[str], n: int = 4) -> str:
@@ -255,11 +302,9 @@ def _set_parent(model: nn.Module, name: str, new: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------- swap
 def check_swap_args(model, block: bool, config, what: str) -> None:
-    """The arguments every ``swap`` shares (ValueError / NotImplementedError otherwise)."""
-    if block:
-        raise NotImplementedError("block=True: OverlapTransformerBlock (attention + MLP/MoE chained as one tiled "
-                                  "program) does not exist yet; use block=False, which swaps the attention, MLP and "
-                                  "MoE modules one by one")
+    """The arguments every ``swap`` shares (ValueError otherwise)."""
+    if not isinstance(block, bool):
+        raise ValueError(f"block={block!r}; must be True or False")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={type(model).__name__}: must be a torch.nn.Module ({what})")
     if config is not None and not isinstance(config, OverlapConfig):
@@ -267,13 +312,14 @@ def check_swap_args(model, block: bool, config, what: str) -> None:
 
 
 def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable, lookalike: Callable,
-                    build: Callable, ours: tuple, nothing: str, before_build: Optional[Callable] = None,
+                    build: Callable, ours: tuple, nothing: Optional[str], before_build: Optional[Callable] = None,
                     kinds: Sequence[str] = KINDS, log: logging.Logger = logger, stacklevel: int = 4):
     """Replace, in place, the modules of ``model`` that ``kind_of`` recognises (or ``rules``
     select) by ``build(module, kind, opts)``; all built before any is put in, so an error leaves
     the model as it was. Modules left in place are logged and warned about (never a silent
     half-swap; one log line per kind of ``kinds``, and per other kind met); ``before_build(todo)``
-    may raise first. Returns ``(replaced, already)``:
+    may raise first; ``nothing`` (None: no warning) says what was looked for when nothing was
+    replaced. Returns ``(replaced, already)``:
     kind -> [(name, class)], and how many modules were already ours. Logs go to ``log``."""
     todo = []  # (name, module, kind, opts)
     left = defaultdict(list)  # kind -> [(name, class name, reason)]
@@ -363,7 +409,7 @@ def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable
         warnings.warn(f"overlap_layers.swap: left {len(names)} {kind} module(s) of class {cls} unswapped ({reason}): "
                       f"{_names(names)}", UserWarning, stacklevel=stacklevel)
     ws = dist.get_world_size(group)
-    for kind in KINDS:
+    for kind in dict.fromkeys(list(kinds) + list(KINDS)):
         rep, lft = replaced[kind], left[kind]
         if kind not in kinds and not rep and not lft:
             continue
@@ -382,7 +428,7 @@ def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable
         log.info(line)
     if already:
         log.info(f"overlap_layers.swap: {already} module(s) were already overlap layers (left as they are)")
-    if not any(replaced.values()) and not already:
+    if nothing is not None and not any(replaced.values()) and not already:
         warnings.warn(f"overlap_layers.swap: nothing was replaced ({nothing}"
                       + (" matched the plan" if rules is not None else "") + ")", UserWarning, stacklevel=stacklevel)
     return replaced, already
@@ -416,7 +462,8 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     across groups (a DP wrapper over the ranks that hold the same shard), as with any TP layer.
 
     ``plan``: a dict from module-name patterns (``fnmatch`` on the qualified name, e.g.
-    ``"model.layers.*.mlp"``) to a kind (``"mlp"``, ``"attention"``, ``"moe"``), to
+    ``"model.layers.*.mlp"``) to a kind (``"mlp"``, ``"attention"``, ``"moe"``; ``"block"`` with
+    ``block=True``), to
     ``{"kind": ..., "num_tiles": ..., "config": OverlapConfig(...)}``, or to None (leave those
     modules). The first matching pattern wins; only matched modules are replaced. A matched module
     must be of a recognised class of that kind (a known class of another kind raises ValueError; an
@@ -429,22 +476,40 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     does not divide the heads/experts, ...) and modules whose class looks like an MLP / attention /
     MoE but is unknown -- never a silent half-swap.
 
-    ``block=True`` (one ``OverlapTransformerBlock`` per decoder layer) is not implemented yet.
+    ``block=True``: each recognised decoder layer becomes one ``OverlapTransformerBlock`` (in an
+    :class:`HFBlock`, holding its norms, attention and MLP / MoE; ``plan`` may map patterns to the
+    kind ``"block"``); modules of decoder layers that cannot be swapped whole are then swapped one
+    by one as without it. The block's MoE router gradient is a per-rank partial that
+    ``finalize_grads`` sums (unlike ``HFMoE``'s, summed inside backward). Its sublayers still run
+    one after the other (one tiled program across them is future work).
     Decisions depend only on the model's structure, so every rank of the group swaps alike.
     """
     check_swap_args(model, block, config, "a transformers model")
     group = resolve_group(group, mesh, axis)
-    rules = _parse_plan(plan)
+    rules = _parse_plan(plan, block)
     known = _known_classes()
     if not any(known.values()):
         raise ValueError("no known transformers model classes could be imported; install transformers>=5 "
                          "(pip install 'overlap_layers[hf]')")
 
-    replaced, already = replace_modules(
-        model, group, rules, config, kind_of=lambda m: _kind_by_type(m, known), lookalike=_lookalike_kind,
+    replaced = {}
+    if block:  # decoder layers first; the second pass swaps what the blocks left, module by module
+        done, _ = replace_modules(
+            model, group, None if rules is None else [r for r in rules if r[1] in BLOCK_KINDS + (None,)], config,
+            kind_of=lambda m: _kind_by_type(m, known, BLOCK_KINDS),
+            lookalike=lambda m: _lookalike_kind(m, BLOCK_KINDS),
+            build=lambda module, kind, opts: _build_block(module, group, opts, known), ours=_OURS, nothing=None,
+            kinds=BLOCK_KINDS)
+        replaced.update(done)
+    done, already = replace_modules(
+        model, group, None if rules is None else [r for r in rules if r[1] not in BLOCK_KINDS], config,
+        kind_of=lambda m: _kind_by_type(m, known, KINDS),
+        lookalike=lambda m: _lookalike_kind(m, KINDS),
         build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts), ours=_OURS,
-        nothing="no recognised MLP / attention / MoE module")
-    if any(replaced[k] for k in ("attention",)):
+        nothing="no recognised decoder layer / MLP / attention / MoE module" if block else
+        "no recognised MLP / attention / MoE module")
+    replaced.update({k: v for k, v in done.items() if v})
+    if replaced.get("attention") or replaced.get("block"):
         for m in model.modules():
             cfg = getattr(m, "config", None)
             if getattr(cfg, "use_cache", False):

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers import OverlapAttention, OverlapMoE
+from ..layers import OverlapAttention, OverlapMoE, OverlapTransformerBlock
 from ..layers.tokens import gather_tokens, split_tokens
 
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
@@ -71,6 +71,19 @@ class _SumGradOverGroup(torch.autograd.Function):
 def sum_grad_over_group(w: torch.Tensor, group) -> torch.Tensor:
     """``w`` unchanged; its gradient is summed over ``group`` in backward."""
     return _SumGradOverGroup.apply(w, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: identity (a view). Backward: the gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, w, scale: float):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
 
 
 # ---------------------------------------------------------------------------- mask check
@@ -113,6 +126,43 @@ def is_causal_mask(mask, q_len: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- attention
+def call_problem(x, position_embeddings, attention_mask, cache, kwargs, sliding_window) -> Optional[Exception]:
+    """What an HF attention call asks that the swapped attention cannot do (the exception to
+    raise), or None."""
+    if cache is not None:
+        return NotImplementedError(
+            "a KV cache was passed (use_cache=True / generate()): the swapped attention keeps no KV cache. "
+            "Run the swapped model with use_cache=False (swap sets config.use_cache=False); generate with "
+            "the dense model")
+    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
+    if packed:
+        return ValueError(f"packed sequences ({', '.join(packed)}) are not supported: OverlapAttention is causal "
+                          f"over whole sequences; pass unpacked, unpadded batches")
+    if position_embeddings is None:
+        return ValueError("position_embeddings=(cos, sin) is required (HF's decoder layers pass them); the "
+                          "swapped attention never computes its own RoPE tables")
+    S = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
+    if sliding_window is not None and S > sliding_window:
+        return ValueError(f"sequence length {S} exceeds the sliding window {sliding_window}: the swapped "
+                          f"attention is plain causal; use sequences of at most {sliding_window} tokens")
+    if not is_causal_mask(attention_mask, S):
+        return ValueError(
+            "attention_mask is not the standard causal mask (padding, packed sequences or a sliding window): "
+            "the swapped attention supports causal attention over whole sequences only. Pass batches without "
+            "padding (attention_mask=None or all ones)")
+    return None
+
+
+def reject(layer: OverlapAttention, x, position_embeddings, problem: Exception, source: str) -> None:
+    """Raise ``problem`` on every rank, not only this one: the layer is handed a mask it rejects,
+    so the rejection travels through its agreement ([Note: agreement]) to every rank."""
+    try:
+        layer(x, position_embeddings=position_embeddings, attention_mask=True)
+    except ValueError as e:
+        raise type(problem)(f"{source} (swapped by overlap_layers.swap): {problem}") from e
+    raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+
+
 class HFAttention(nn.Module):
     """An HF attention module's stand-in: ``OverlapAttention(sequence_parallel=False)`` over the
     group, with HF's call signature and return contract.
@@ -139,47 +189,67 @@ class HFAttention(nn.Module):
         self.is_causal = True
         self.source = source  # the HF class this replaced (for messages)
 
-    def _problem(self, x, position_embeddings, attention_mask, cache, kwargs) -> Optional[Exception]:
-        if cache is not None:
-            return NotImplementedError(
-                "a KV cache was passed (use_cache=True / generate()): the swapped attention keeps no KV cache. "
-                "Run the swapped model with use_cache=False (swap sets config.use_cache=False); generate with "
-                "the dense model")
-        packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
-        if packed:
-            return ValueError(f"packed sequences ({', '.join(packed)}) are not supported: OverlapAttention is causal "
-                              f"over whole sequences; pass unpacked, unpadded batches")
-        if position_embeddings is None:
-            return ValueError("position_embeddings=(cos, sin) is required (HF's decoder layers pass them); the "
-                              "swapped attention never computes its own RoPE tables")
-        S = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
-        if self.sliding_window is not None and S > self.sliding_window:
-            return ValueError(f"sequence length {S} exceeds the sliding window {self.sliding_window}: the swapped "
-                              f"attention is plain causal; use sequences of at most {self.sliding_window} tokens")
-        if not is_causal_mask(attention_mask, S):
-            return ValueError(
-                "attention_mask is not the standard causal mask (padding, packed sequences or a sliding window): "
-                "the swapped attention supports causal attention over whole sequences only. Pass batches without "
-                "padding (attention_mask=None or all ones)")
-        return None
-
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
-        problem = self._problem(hidden_states, position_embeddings, attention_mask, cache, kwargs)
-        if problem is None:
-            return self.layer(hidden_states, position_embeddings=position_embeddings), None
-        # Every rank must raise, not only this one: hand the layer a mask it rejects, so the
-        # rejection travels through its agreement ([Note: agreement]) to every rank.
-        try:
-            self.layer(hidden_states, position_embeddings=position_embeddings, attention_mask=True)
-        except ValueError as e:
-            raise type(problem)(f"{self.source or 'attention'} (swapped by overlap_layers.swap): {problem}") from e
-        raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+        problem = call_problem(hidden_states, position_embeddings, attention_mask, cache, kwargs, self.sliding_window)
+        if problem is not None:
+            reject(self.layer, hidden_states, position_embeddings, problem, self.source or "attention")
+        return self.layer(hidden_states, position_embeddings=position_embeddings), None
 
     def to_dense(self) -> dict:
         """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
         return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}"
+
+
+# ---------------------------------------------------------------------------- decoder layer
+class HFBlock(nn.Module):
+    """An HF decoder layer's stand-in (``swap(..., block=True)``): an
+    :class:`OverlapTransformerBlock` without sequence parallelism, with the decoder layer's call
+    signature ``forward(hidden_states, attention_mask=None, position_ids=None, cache=None,
+    use_cache=False, position_embeddings=None, **kwargs) -> hidden_states``.
+
+    ``hidden_states [batch, seq, hidden]`` replicated on every rank, as in the unswapped model;
+    the output is the full tensor on every rank. The calls :class:`HFAttention` rejects are
+    rejected here alike, on every rank.
+
+    Router logits (an MoE block): ``gate`` is HF's router module, its weight tied to the block's
+    ``router_weight``. When HF records router logits the adapter runs the block's steps itself and
+    calls ``gate`` on the full normed tokens between them, so HF records the dense model's logits.
+    Gradients: ``finalize_grads(model)`` sums the router's gradient over the group (the routing
+    used this rank's share of the tokens only); the logits' part of it is complete on every rank,
+    so it enters scaled by 1/ws and the sum restores it exactly.
+    """
+
+    def __init__(self, block: OverlapTransformerBlock, gate: Optional[nn.Module] = None, *, layer_idx=None,
+                 sliding_window: Optional[int] = None, source: str = ""):
+        super().__init__()
+        self.block, self.gate = block, gate
+        self.layer_idx, self.sliding_window, self.source = layer_idx, sliding_window, source
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, past_key_values=None, past_key_value=None, **kwargs):
+        cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
+        problem = call_problem(hidden_states, position_embeddings, attention_mask, cache, kwargs, self.sliding_window)
+        if problem is not None:
+            reject(self.block.attention, hidden_states, position_embeddings, problem, self.source or "decoder layer")
+        gate = self.gate
+        if gate is None or not (gate._forward_hooks or gate._forward_pre_hooks) or not _router_logits_recorded():
+            return self.block(hidden_states, position_embeddings=position_embeddings)
+        blk = self.block  # the block's forward, with HF's router recorded on the full tokens
+        h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings)
+        z = blk.mlp_norm(h)
+        ws = dist.get_world_size(blk.group)
+        weight = _ScaleGrad.apply(blk.mlp.router_weight, 1.0 / ws)
+        torch.func.functional_call(gate, {"weight": weight}, (z.reshape(-1, z.shape[-1]),), strict=False)
+        return h + blk._mlp(z)
+
+    def to_dense(self) -> dict:
+        """The block's dense weights (:meth:`OverlapTransformerBlock.to_dense`); a collective."""
+        return self.block.to_dense()
 
     def extra_repr(self) -> str:
         return f"source={self.source}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}"

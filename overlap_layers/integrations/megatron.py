@@ -522,6 +522,10 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     Every replacement is built before the first is put in, so an error leaves the model as it was.
     A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
     check_swap_args(model, block, config, "a megatron-core model")
+    if block:
+        raise NotImplementedError("block=True is implemented for Hugging Face models; megatron-core TransformerLayers "
+                                  "are not swapped for OverlapTransformerBlock yet: use block=False, which swaps the "
+                                  "attention and MLP modules one by one")
     group = resolve_group(group, mesh, axis)
     rules = _parse_plan(plan)
     M = _megatron()

@@ -120,6 +120,43 @@ class OverlapTransformerBlock(nn.Module):
         if mesh is not None:
             _replicate_norms(self, mesh, axis)
 
+    @classmethod
+    def from_layers(cls, attention: OverlapAttention, mlp, *, norm: str = "rmsnorm", norm_eps: float = 1e-5,
+                    attn_norm_weight: Optional[torch.Tensor] = None, mlp_norm_weight: Optional[torch.Tensor] = None,
+                    attn_norm_bias: Optional[torch.Tensor] = None,
+                    mlp_norm_bias: Optional[torch.Tensor] = None) -> "OverlapTransformerBlock":
+        """A block around existing sublayers (no new weights are drawn): ``attention`` an
+        :class:`OverlapAttention`, ``mlp`` an :class:`OverlapMLP` or :class:`OverlapMoE` on the same
+        group, with the same sequence parallelism (an MoE fits either); the norms from the given
+        weights (``[hidden]``; default ones and zeros). Used by ``swap(..., block=True)``."""
+        if not isinstance(attention, OverlapAttention) or not isinstance(mlp, (OverlapMLP, OverlapMoE)):
+            raise ValueError(f"attention={type(attention).__name__}, mlp={type(mlp).__name__}: need an "
+                             f"OverlapAttention and an OverlapMLP or OverlapMoE")
+        if norm not in NORMS:
+            raise ValueError(f"norm={norm!r}; valid: {NORMS}")
+        if mlp.group is not attention.group or mlp.hidden_size != attention.hidden_size or \
+                getattr(mlp, "sequence_parallel", attention.sequence_parallel) != attention.sequence_parallel:
+            raise ValueError("attention and mlp must share the group, hidden_size and sequence_parallel")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = attention.group, attention.sequence_parallel
+        w = attention.wq
+        kw = dict(dtype=w.dtype, device=w.device)
+        self.attn_norm = BlockNorm(norm, attention.hidden_size, norm_eps, **kw)
+        self.attention = attention
+        self.mlp_norm = BlockNorm(norm, attention.hidden_size, norm_eps, **kw)
+        self.mlp = mlp
+        with torch.no_grad():
+            for n, weight, bias in ((self.attn_norm, attn_norm_weight, attn_norm_bias),
+                                    (self.mlp_norm, mlp_norm_weight, mlp_norm_bias)):
+                for p, t in ((n.weight, weight), (n.bias, bias)):
+                    if t is not None:
+                        if p is None or tuple(t.shape) != tuple(p.shape):
+                            raise ValueError(f"norm weight/bias of shape {tuple(t.shape)}: must be "
+                                             f"[{attention.hidden_size}] (a bias only with norm='layernorm')")
+                        p.copy_(t)
+        return self
+
     @property
     def hidden_size(self) -> int:
         return self.attention.hidden_size
