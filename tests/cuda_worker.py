@@ -273,6 +273,42 @@ def check_moe_and_ulysses(rank, ws, dev):
     return fails
 
 
+def check_block(rank, ws, dev):
+    """OverlapTransformerBlock (MLP and MoE, sequence parallel, K=2) on NCCL streams, float32 on
+    the GPU against the float64 dense block on the CPU; norm and router gradients after
+    finalize_grads."""
+    from block_reference import EPS, NKV, NQ, THETA, TOPK, make_case, reference
+    from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, finalize_grads
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails, group = 0, dist.group.WORLD
+    for moe in (False, True):
+        c = make_case(7, moe=moe, S=4 * ws)
+        y_ref, g = reference(c)
+        f = lambda t: t.to(dev, torch.float32)  # noqa: E731
+        attn = OverlapAttention.from_dense(f(c["wq"]), f(c["wk"]), f(c["wv"]), f(c["wo"]), num_heads=NQ,
+                                           num_kv_heads=NKV, group=group, rope_theta=THETA, num_tiles=2)
+        mlp = OverlapMoE.from_dense(f(c["router"]), f(c["w_in"]), f(c["w_out"]), top_k=TOPK, group=group,
+                                    num_tiles=2) if moe else \
+            OverlapMLP.from_dense(f(c["w_in"]), f(c["w_out"]), group=group, activation="swiglu", num_tiles=2)
+        blk = OverlapTransformerBlock.from_layers(attn, mlp, norm=c["norm"], norm_eps=EPS,
+                                                  attn_norm_weight=f(c["an_w"]), mlp_norm_weight=f(c["mn_w"]))
+        own = slice(rank * 4, (rank + 1) * 4)
+        x = f(c["x"][:, own]).requires_grad_()
+        y = blk(x)
+        y.backward(f(c["dy"][:, own]))
+        finalize_grads(blk)
+        pairs = [("y", y, y_ref[:, own]), ("dx", x.grad, g["x"][:, own]), ("attn_norm", blk.attn_norm.weight.grad,
+                                                                         g["an_w"])]
+        if moe:
+            pairs.append(("router", blk.mlp.router_weight.grad, g["router"]))
+        for name, got, want in pairs:
+            err = ((got.double().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()
+            if not err < 1e-4:
+                fails += 1
+                print(f"rank {rank} FAIL block (moe={moe}) {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -281,7 +317,7 @@ def main():
     rank, ws = dist.get_rank(), dist.get_world_size()
     fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
-        + check_moe_and_ulysses(rank, ws, dev)
+        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -15,53 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attention_reference import dense_attention
-from moe_reference import dense_moe
+from block_reference import D, E, EPS, F, H, NKV, NQ, THETA, TOPK, make_case, reference
 
 from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, finalize_grads
-
-H, NQ, NKV, D, F, E, TOPK, EPS, THETA = 16, 4, 2, 4, 8, 4, 2, 1e-5, 10000.0
-
-
-def make_case(seed, *, B=2, S=8, moe=False, norm="rmsnorm"):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    c = dict(x=r(B, S, H), dy=r(B, S, H), norm=norm, moe=moe,
-             an_w=1 + 0.1 * r(H), mn_w=1 + 0.1 * r(H),
-             an_b=0.1 * r(H) if norm == "layernorm" else None, mn_b=0.1 * r(H) if norm == "layernorm" else None,
-             wq=r(NQ * D, H) / 4, wk=r(NKV * D, H) / 4, wv=r(NKV * D, H) / 4, wo=r(H, NQ * D) / 4)
-    if moe:
-        c.update(router=r(E, H) / 2, w_in=r(E, 2 * F, H) / 4, w_out=r(E, H, F) / math.sqrt(F))
-    else:
-        c.update(w_in=r(2 * F, H) / 4, w_out=r(H, F) / math.sqrt(F))
-    return c
-
-
-def _norm(t, w, b, kind):
-    if kind == "rmsnorm":
-        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + EPS) * w
-    mu = t.mean(-1, keepdim=True)
-    return (t - mu) / torch.sqrt((t - mu).pow(2).mean(-1, keepdim=True) + EPS) * w + b
-
-
-def dense_block(c, leaves):
-    x, an_w, an_b, mn_w, mn_b, wq, wk, wv, wo, w_in, w_out, router = leaves
-    h = x + dense_attention(_norm(x, an_w, an_b, c["norm"]), wq, wk, wv, wo, num_heads=NQ, num_kv_heads=NKV,
-                            rope_theta=THETA)
-    z = _norm(h, mn_w, mn_b, c["norm"])
-    if c["moe"]:
-        return h + dense_moe(z, router, w_in, w_out, top_k=TOPK)[0]
-    a = z @ w_in.T
-    return h + (torch.nn.functional.silu(a[..., :F]) * a[..., F:]) @ w_out.T
-
-
-def reference(c):
-    names = ("x", "an_w", "an_b", "mn_w", "mn_b", "wq", "wk", "wv", "wo", "w_in", "w_out", "router")
-    leaves = [c.get(n).clone().requires_grad_() if c.get(n) is not None else None for n in names]
-    y = dense_block(c, leaves)
-    (y * c["dy"]).sum().backward()
-    return y.detach(), {n: (t.grad if t is not None else None) for n, t in zip(names, leaves)}
-
 
 def build(c, sp, k):
     group = dist.group.WORLD
@@ -160,3 +116,47 @@ def test_bad_arguments_raise_value_error(pool2):
         assert missing and "missing keys ['top_k']" in missing
         assert unknown and "experts_per_rank" in unknown
         assert not_dict and "moe=[4, 2]" in not_dict
+
+
+def mesh_vs_group(rank, ws, moe, sp):
+    """The block built with mesh= (DTensor parameters) against the same block with group=."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    kw = dict(num_kv_heads=NKV, moe=dict(num_experts=E, top_k=TOPK) if moe else None, norm="layernorm",
+              sequence_parallel=sp, num_tiles=2, dtype=torch.float64)
+    torch.manual_seed(0)
+    on_mesh = OverlapTransformerBlock(H, NQ, F, mesh=mesh, **kw)
+    torch.manual_seed(0)
+    on_group = OverlapTransformerBlock(H, NQ, F, group=dist.group.WORLD, **kw)
+    with torch.no_grad():  # non-trivial norms, the same on both
+        for blk in (on_mesh, on_group):
+            for i, n in enumerate((blk.attn_norm, blk.mlp_norm)):
+                for p in (n.weight, n.bias):
+                    _local_of(p).add_(0.1 * (i + 1))
+    not_dt = [n for n, p in on_mesh.named_parameters() if not isinstance(p, DTensor)]
+    g = torch.Generator().manual_seed(3)
+    S = 8 // ws if sp else 8
+    x = torch.randn(2, S, H, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, S, H, generator=g, dtype=torch.float64)
+    outs = []
+    for blk in (on_mesh, on_group):
+        xi = x.clone().requires_grad_()
+        y = blk(xi)
+        y.backward(dy)
+        finalize_grads(blk)
+        outs.append((y.detach(), xi.grad, {n: _local_of(p.grad) for n, p in blk.named_parameters()}))
+    (ym, dxm, gm), (yg, dxg, gg) = outs
+    return dict(not_dt=not_dt, y=torch.equal(ym, yg), dx=torch.equal(dxm, dxg),
+                grads=[n for n in gg if not torch.equal(gm[n].reshape(-1), gg[n].reshape(-1))])  # swiglu w_in: [2, F/ws, H]
+
+
+def _local_of(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.mark.parametrize("moe,sp", [(False, True), (True, False)])
+def test_block_with_mesh_holds_dtensors_and_equals_group_block(pool2, moe, sp):
+    for res in pool2.run(mesh_vs_group, moe, sp):
+        assert res["not_dt"] == [], res["not_dt"]
+        assert res["y"] and res["dx"] and res["grads"] == [], res
