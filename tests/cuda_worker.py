@@ -315,7 +315,8 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
+    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) \
+        + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
         + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev)
     t = torch.tensor([fails], device=dev)

@@ -148,7 +148,8 @@ def mesh_vs_group(rank, ws, moe, sp):
         outs.append((y.detach(), xi.grad, {n: _local_of(p.grad) for n, p in blk.named_parameters()}))
     (ym, dxm, gm), (yg, dxg, gg) = outs
     return dict(not_dt=not_dt, y=torch.equal(ym, yg), dx=torch.equal(dxm, dxg),
-                grads=[n for n in gg if not torch.equal(gm[n].reshape(-1), gg[n].reshape(-1))])  # swiglu w_in: [2, F/ws, H]
+                # flat: the mesh swiglu w_in's local view is [2, F/ws, H], the group one's [2*F/ws, H]
+                grads=[n for n in gg if not torch.equal(gm[n].reshape(-1), gg[n].reshape(-1))])
 
 
 def _local_of(t):

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, finalize_grads
+from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, UlyssesAttention, finalize_grads
 
 
 def _mesh(ws, two_d):
@@ -148,6 +148,37 @@ def _attn_run(rank, ws, nq, nkv, bias, qk_norm, sp, build):
 ])
 def test_attention_dtensor_params(pools, ws, nq, nkv, bias, qk_norm, sp, build):
     for bad in pools(ws).run(_attn_run, nq, nkv, bias, qk_norm, sp, build):
+        assert bad == [], f"full_tensor() of the finalized gradient differs from the dense one: {bad}"
+
+
+# ------------------------------------------------------------------ Ulysses
+def _ulysses_run(rank, ws, nq, nkv, bias, qk_norm, build):
+    mesh, axis, tp = _mesh(ws, False)
+    g = torch.Generator().manual_seed(6)
+    H, d, B, S = 16, 4, 2, 4 * ws
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) / math.sqrt(H)  # noqa: E731
+    dense = dict(wq=r(nq * d, H), wk=r(nkv * d, H), wv=r(nkv * d, H), wo=r(H, nq * d))
+    if bias:
+        dense.update(bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H))
+    if qk_norm:
+        dense.update(q_norm=1 + r(d), k_norm=1 + r(d))
+    x, dy = r(B, S, H), r(B, S, H)
+    if build == "init":
+        torch.manual_seed(9)
+        ml = UlyssesAttention(H, nq, nkv, mesh=mesh, bias=bias, qk_norm=qk_norm, num_tiles=2, dtype=torch.float64)
+        torch.manual_seed(9)
+        gl = UlyssesAttention(H, nq, nkv, group=tp, bias=bias, qk_norm=qk_norm, num_tiles=2, dtype=torch.float64)
+    else:
+        ml = UlyssesAttention.from_dense(**dense, num_heads=nq, num_kv_heads=nkv, mesh=mesh, num_tiles=2)
+        gl = UlyssesAttention.from_dense(**dense, num_heads=nq, num_kv_heads=nkv, group=tp, num_tiles=2)
+    # Ulysses' gradients are data-parallel style partials: summed with data_parallel=True
+    return _check_pair(ml, gl, x.chunk(ws, 1)[rank], dy.chunk(ws, 1)[rank], data_parallel=True)
+
+
+@pytest.mark.parametrize("ws,nq,nkv,bias,qk_norm,build", [(2, 4, 2, True, True, "dense"),
+                                                         (4, 4, 4, False, False, "init")])
+def test_ulysses_dtensor_params(pools, ws, nq, nkv, bias, qk_norm, build):
+    for bad in pools(ws).run(_ulysses_run, nq, nkv, bias, qk_norm, build):
         assert bad == [], f"full_tensor() of the finalized gradient differs from the dense one: {bad}"
 
 
@@ -338,6 +369,8 @@ def _dt_layer(kind, mesh, axis, sp, nkv=1):
         return OverlapMLP(8, 8, activation="swiglu", bias=True, sequence_parallel=sp, **kw)
     if kind == "attention":
         return OverlapAttention(16, 4, nkv, bias=True, qk_norm=True, sequence_parallel=sp, **kw)
+    if kind == "ulysses":
+        return UlyssesAttention(16, 4, nkv, bias=True, qk_norm=True, **kw)
     return OverlapMoE(8, 6, 4, 2, shared_expert_ffn=6, **kw)
 
 
@@ -384,6 +417,7 @@ def _dt_input_run(rank, ws, kind, sp, two_d, placement, nkv=1):
     (2, "attention", False, False, "replicate", 2),
     (2, "moe", None, False, "shard0", 1),        # uneven: 3 batch rows on 2 ranks
     (2, "moe", None, False, "shard1", 1),
+    (2, "ulysses", True, False, "shard1", 2),
 ])
 def test_dtensor_input_matches_local_input(pools, ws, kind, sp, two_d, placement, nkv):
     assert all(pools(ws).run(_dt_input_run, kind, sp, two_d, placement, nkv))

@@ -28,6 +28,9 @@ OverlapAttention  ``wq``, ``bq``                   dense, Shard(0)
                   ``bo``, ``q_norm``, ``k_norm``   Replicate
 OverlapMoE        ``w_in``, ``w_out``              ``[E, ...]``, Shard(0) over experts
                   ``router_weight``, shared        Replicate
+UlyssesAttention  every parameter                  dense, Replicate
+OverlapTrans-     its sublayers' as above; the     dense, Replicate
+formerBlock       norms' ``weight`` / ``bias``
 ================  ===============================  ==========================================
 
 The forward reads each parameter through ``layer._local(name)`` (:class:`PlannedLayer`), which
@@ -71,8 +74,9 @@ gather (:meth:`PlannedLayer._agree`): a DTensor on some ranks and a plain tensor
 ValueError on every rank. Other arguments (attention's ``position_ids``, ``position_embeddings``)
 stay plain tensors.
 
-With ``group=`` the parameters stay plain tensors. :class:`UlyssesAttention` is not converted
-(its parameters are whole on every rank; with ``mesh=`` they stay plain).
+With ``group=`` the parameters stay plain tensors. :class:`UlyssesAttention`'s parameters are
+whole on every rank: with ``mesh=`` every one is a Replicate DTensor, and a DTensor ``x`` must be
+Shard(1) (its sequence shard).
 
 Limits: ``reset_parameters()`` writes the ``group=`` layout and is run before the conversion;
 calling it again on a DTensor layer raises (build a new layer, or load a state dict).
@@ -93,6 +97,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from ..layers.attention import OverlapAttention
 from ..layers.mlp import OverlapMLP
 from ..layers.moe import OverlapMoE
+from ..layers.ulysses import UlyssesAttention
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ def _layouts(layer: nn.Module) -> Dict[str, Layout]:
     if isinstance(layer, OverlapMoE):
         return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
                 "shared_w_in": Layout(Replicate()), "shared_w_out": Layout(Replicate())}
+    if isinstance(layer, UlyssesAttention):  # whole on every rank
+        return {n: Layout(Replicate()) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")}
     raise ValueError(f"{type(layer).__name__} has no DTensor form; build it with group= (a ProcessGroup)")
 
 
@@ -196,6 +203,8 @@ def _input_placements(layer: nn.Module) -> tuple:
         return (Shard(1),) if layer.sequence_parallel else (Replicate(),)
     if isinstance(layer, OverlapMoE):
         return (Shard(0), Shard(1))
+    if isinstance(layer, UlyssesAttention):
+        return (Shard(1),)
     raise ValueError(f"x: {type(layer).__name__} takes no DTensor input; pass a plain tensor (x.to_local())")
 
 

@@ -272,7 +272,8 @@ class HFMoE(nn.Module):
     HF's call signature ``forward(hidden_states) -> hidden_states``.
 
     The input ``[batch, seq, hidden]`` is replicated on every rank; each rank routes and sends
-    only its share of the tokens (:func:`overlap_layers.layers.tokens.token_bounds`) through ``OverlapMoE`` and the outputs are
+    only its share of the tokens (:func:`overlap_layers.layers.tokens.token_bounds`) through
+    ``OverlapMoE`` and the outputs are
     all-gathered, so no token is computed twice and the output is the full tensor on every rank.
     Gradients: the input's gradient is the full one on every rank; the router weight is used on
     this rank's tokens only, so its gradient is summed over the group *inside backward*

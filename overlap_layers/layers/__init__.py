@@ -6,5 +6,5 @@ from .mlp import OverlapMLP
 from .moe import OverlapMoE
 from .ulysses import UlyssesAttention
 
-__all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "OverlapTransformerBlock", "finalize_grads", "reduce_replicated_grads",
-           "UlyssesAttention"]
+__all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "OverlapTransformerBlock", "finalize_grads",
+           "reduce_replicated_grads", "UlyssesAttention"]

@@ -152,7 +152,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 def tile_index(n: int, k: int, device) -> torch.Tensor:
-    """The tile of each of ``n`` rows cut into ``k`` tiles as :func:`~overlap_layers.layers.tiling.tile_bounds` cuts them (the
+    """The tile of each of ``n`` rows cut into ``k`` tiles as
+    :func:`~overlap_layers.layers.tiling.tile_bounds` cuts them (the
     first ``n % k`` tiles one row longer), in a fixed number of kernels whatever ``k``."""
     base, extra = divmod(n, max(1, min(k, n)))
     i = torch.arange(n, device=device)

@@ -355,6 +355,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         self._agreement = Agreement(self.group)
         self._init_planning(self.config)
         self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -380,8 +381,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         independently (Qwen2 has qkv biases only); ``q_norm``/``k_norm [d]`` both or neither."""
         H, d, num_kv_heads = check_dense(wq, wk, wv, wo, num_heads=num_heads, num_kv_heads=num_kv_heads, bq=bq,
                                          bk=bk, bv=bv, bo=bo, q_norm=q_norm, k_norm=k_norm)
-        layer = cls(H, num_heads, num_kv_heads, group=group, mesh=mesh, axis=axis, head_dim=d, rope_theta=rope_theta,
-                    causal=causal, bias=bq is not None, qk_norm=q_norm is not None, softmax_scale=softmax_scale,
+        layer = cls(H, num_heads, num_kv_heads, group=resolve_group(group, mesh, axis), head_dim=d,
+                    rope_theta=rope_theta, causal=causal, bias=bq is not None, qk_norm=q_norm is not None, softmax_scale=softmax_scale,
                     dropout_p=dropout_p, num_tiles=num_tiles, config=config, dtype=wq.dtype, device="meta")
         if (bo is not None) != layer.bias:  # qkv biases without bo, or bo alone
             layer.bo = nn.Parameter(torch.empty(H, dtype=wq.dtype, device="meta")) if bo is not None else None
@@ -391,13 +392,14 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                             ("bo", bo), ("q_norm", q_norm), ("k_norm", k_norm)):
                 if t is not None:
                     getattr(layer, name).copy_(t)
+        layer._as_dtensors(mesh, axis)
         return layer
 
     @torch.no_grad()
     def to_dense(self) -> dict:
         """The dense weights (keys of :meth:`from_dense`; None where absent); copies, rank-local."""
         names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
-        return {n: (getattr(self, n).detach().clone() if getattr(self, n) is not None else None) for n in names}
+        return {n: (self._local(n).detach().clone() if getattr(self, n) is not None else None) for n in names}
 
     # ----------------------------------------------------------------- forward
     def _units(self, batch: int) -> int:
@@ -460,9 +462,10 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                self.qk_norm, self.bo is not None)
         return zlib.crc32(repr(key).encode())
 
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
-        err = input_error(x, hidden_size=self.hidden_size, weight=self.wq, seq_factor=self.world_size,
+        err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,
                           head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask)
         shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
@@ -496,7 +499,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
-        params = [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv, self.bo, self.q_norm, self.k_norm]
+        params = [self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")]
         if torch.is_autocast_enabled(dev):
             cdt = torch.get_autocast_dtype(dev)
             x = x.to(cdt)
