@@ -9,10 +9,7 @@
    identical outputs and gradients to the plain layer, and a recomputation that issues the
    forward's collectives again, once, in the same order on every rank (``layer.launch_log``);
    see [Note: checkpoint and the layers].
-3. ``torch.compile(layer, backend="aot_eager")`` of OverlapMLP: same results and launches as
-   eager, graph breaks allowed (inductor gives the same results but took 8-17 s to compile on the
-   CPU machine: too slow for CI); and a model compiled around the layer with
-   ``torch.compiler.disable`` on the layer's forward.
+(torch.compile: tests/test_compile.py.)
 
 [Note: checkpoint and the layers]
 Non-reentrant checkpointing recomputes a layer's forward inside its backward. Two things make that
@@ -375,86 +372,3 @@ def test_checkpoint_microbatches_during_verification(pool2, cases):
     assert ks[0] == ks[1] and ks[0] in (1, 2)
 
 
-# ------------------------------------------------------------------ 3. torch.compile
-def compile_run(rank, ws, cases, calls):
-    import torch._dynamo
-    torch._dynamo.reset()
-    try:
-        return {sp: _compile_calls(rank, cases, sp, calls) for sp in (True, False)}
-    finally:
-        torch._dynamo.reset()
-
-
-def _compile_calls(rank, cases, sequence_parallel, calls):
-    m = cases["mlp"]
-    layer = OverlapMLP.from_dense(m["w_in"], m["w_out"], b_in=m["b_in"], b_out=m["b_out"],
-                                  group=dist.group.WORLD, sequence_parallel=sequence_parallel, num_tiles=2)
-    compiled = torch.compile(layer, backend="aot_eager")
-    out = []
-    for c in range(calls):
-        x, dy = _inputs("mlp_sp" if sequence_parallel else "mlp", cases, rank, c)
-        got = []
-        for fn in (layer, compiled):
-            layer.zero_grad(set_to_none=True)
-            layer.launch_log = []
-            xc = x.clone().requires_grad_()
-            y = fn(xc)
-            (y * dy).sum().backward()
-            got.append(dict(y=y.detach(), dx=xc.grad, log=list(layer.launch_log),
-                            grads={n: p.grad for n, p in layer.named_parameters()}))
-        out.append(got)
-    return out
-
-
-def test_torch_compile_matches_eager(pool2, cases):
-    """torch.compile (aot_eager) runs the layer, with and without sequence parallelism, with graph
-    breaks (the agreement's host gather, async collectives, Work.wait, zlib.crc32: the executor
-    frame runs eagerly), and gives eager's results and launches, bit for bit."""
-    res = pool2.run(compile_run, cases, 2, timeout=180)
-    for rank, per_sp in enumerate(res):
-        for sp, calls in per_sp.items():
-            for c, (eager, comp) in enumerate(calls):
-                assert comp["log"] == eager["log"] == res[0][sp][c][1]["log"], (sp, c)
-                for name in ("y", "dx"):
-                    assert torch.equal(comp[name], eager[name]), (rank, sp, c, name)
-                for n in eager["grads"]:
-                    assert torch.equal(comp["grads"][n], eager["grads"][n]), (rank, sp, c, n)
-
-
-class _Block(nn.Module):
-    """A residual block around the MLP, for compiling a model that contains a layer."""
-
-    def __init__(self, cases):
-        super().__init__()
-        m = cases["mlp"]
-        self.norm = nn.LayerNorm(H_MLP, dtype=torch.float64)
-        self.mlp = OverlapMLP.from_dense(m["w_in"], m["w_out"], b_in=m["b_in"], b_out=m["b_out"],
-                                         group=dist.group.WORLD, num_tiles=2)
-
-    def forward(self, x):
-        return x + 0.5 * self.mlp(self.norm(x))
-
-
-def compile_block_run(rank, ws, cases):
-    import torch._dynamo
-    torch._dynamo.reset()
-    try:
-        block = _Block(cases)
-        block.mlp.forward = torch.compiler.disable(block.mlp.forward)  # one clean break around the layer
-        x, dy = _inputs("mlp_sp", cases, rank, 0)
-        out = []
-        for fn in (block, torch.compile(block, backend="aot_eager")):
-            block.zero_grad(set_to_none=True)
-            xc = x.clone().requires_grad_()
-            (fn(xc) * dy).sum().backward()
-            out.append([xc.grad] + [p.grad for p in block.parameters()])
-        return all(torch.equal(a, b) for a, b in zip(*out))
-    finally:
-        torch._dynamo.reset()
-
-
-def test_torch_compile_of_a_model_with_the_layer_disabled(pool2, cases):
-    """The way to compile a model holding the layers today: ``torch.compiler.disable`` on the
-    layer's forward (2 graphs around it and ~0.2 s to compile, against ~12 graphs and ~3 s when
-    Dynamo walks into the agreement and the executor); same results."""
-    assert pool2.run(compile_block_run, cases, timeout=180) == [True, True]

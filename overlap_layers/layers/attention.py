@@ -389,6 +389,21 @@ class OverlapAttention(PlannedLayer, nn.Module):
 
         return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
 
+    def _compiled_extras(self, position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
+        """``[position_ids, cos, sin]`` for the compiled op ([Note: compiled calls]); None (the
+        eager path, which rejects them) for a mask or malformed position embeddings."""
+        pe = position_embeddings
+        if attention_mask is not None or (pe is not None and not (
+                isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe))):
+            return None
+        cos, sin = pe if pe is not None else (None, None)
+        return [position_ids, cos, sin]
+
+    def _compiled_kwargs(self, extras) -> dict:
+        position_ids, cos, sin = extras
+        return {"position_ids": position_ids,
+                "position_embeddings": None if cos is None and sin is None else (cos, sin)}
+
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:

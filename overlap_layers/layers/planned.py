@@ -33,6 +33,7 @@ from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
 from .candidates import plan_candidates
+from .compiled import can_compile, compiled_call, register_layer
 from .planning import PlanCache
 from .tiling import effective_num_tiles
 
@@ -182,16 +183,32 @@ class PlannedLayer:
     def dtensor_io(forward: Callable) -> Callable:
         """Decorator of a layer's ``forward(self, x, ...)``: a plain ``x`` runs ``forward`` unchanged;
         a DTensor ``x`` runs it on ``x``'s local tensor and returns a DTensor with ``x``'s placements
-        ([Note: DTensor inputs] in overlap_layers.integrations.dtensor)."""
+        ([Note: DTensor inputs] in overlap_layers.integrations.dtensor). While ``torch.compile``
+        traces, the call becomes one opaque op ([Note: compiled calls] in .compiled)."""
         @functools.wraps(forward)
         def wrapper(self, x, *args, **kwargs):
+            if torch.compiler.is_compiling() and can_compile(self, x):
+                extras = self._compiled_extras(*args, **kwargs)
+                if extras is not None:
+                    return compiled_call(self, x, extras)
             if not isinstance(x, DTensor):
                 return forward(self, x, *args, **kwargs)
             from ..integrations.dtensor import dtensor_forward  # integrations import the layers
             return dtensor_forward(self, functools.partial(forward, self), x, *args, **kwargs)
         return wrapper
 
+    def _compiled_extras(self, *args, **kwargs) -> Optional[list]:
+        """The call's other arguments as the compiled op's tensor list, or None if it cannot take
+        them ([Note: compiled calls]); none by default."""
+        return [] if not args and not kwargs else None
+
+    def _compiled_kwargs(self, extras) -> dict:
+        """The keyword arguments of ``forward`` from :meth:`_compiled_extras`' list."""
+        return {}
+
     def _init_planning(self, config: OverlapConfig) -> None:
+        register_layer(self)  # [Note: compiled calls]
+        self._compiled_graphs: dict = {}  # token -> (output, leaves) of a compiled call awaiting backward
         self.plan: Optional[TilePlan] = None
         self._pinned: Optional[TilePlan] = None
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,

@@ -1,0 +1,121 @@
+"""Tier 2: torch.compile of models holding the layers, on 2 gloo ranks ([Note: compiled calls]).
+
+Each layer call is one opaque op, so a model compiles with ``fullgraph=True`` (any graph break
+would raise). What each rank must hold, against the same model run eagerly:
+  outputs, input gradients, parameter gradients   bit for bit (the op runs the eager layer), and
+                                                   the same collectives (``launch_log``)
+  the layers' kept graphs                          none after backward, none after a forward whose
+                                                   output died without backward
+Backends: aot_eager for the layers one by one (fast); inductor once, for a decoder block whose
+norms and residuals inductor compiles around the opaque sublayer calls.
+"""
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_layers import (OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, UlyssesAttention,
+                            finalize_grads)
+
+H = 16
+
+
+def _layer(kind):
+    torch.manual_seed(0)
+    g, kw = dist.group.WORLD, dict(num_tiles=2, dtype=torch.float64)
+    if kind == "mlp_sp":
+        return OverlapMLP(H, 32, group=g, sequence_parallel=True, bias=True, **kw)
+    if kind == "mlp":
+        return OverlapMLP(H, 32, group=g, sequence_parallel=False, **kw)
+    if kind == "attention":
+        return OverlapAttention(H, 4, 2, group=g, qk_norm=True, **kw)
+    if kind == "ulysses":
+        return UlyssesAttention(H, 4, 2, group=g, **kw)
+    if kind == "moe":
+        return OverlapMoE(H, 8, 4, 2, group=g, shared_expert_ffn=8, **kw)
+    if kind == "block":
+        return OverlapTransformerBlock(H, 4, 32, num_kv_heads=2, group=g, **kw)
+    return OverlapTransformerBlock(H, 4, 8, num_kv_heads=2, moe=dict(num_experts=4, top_k=2), norm="layernorm",
+                                   group=g, **kw)
+
+
+class _Model(torch.nn.Module):
+    """Plain ops around a layer: what the compiler must trace through, no break allowed."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.inner = kind, _layer(kind)
+        self.scale = torch.nn.Parameter(torch.full((H,), 0.5, dtype=torch.float64))
+
+    def forward(self, x, pos=None):
+        h = torch.tanh(x) * self.scale
+        y = self.inner(h, position_ids=pos) if self.kind in ("attention", "ulysses", "block", "block_moe") \
+            else self.inner(h)
+        return (x + y).sin()
+
+
+def compile_run(rank, ws, kind, backend):
+    import torch._dynamo
+    torch._dynamo.reset()
+    try:
+        model = _Model(kind)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        g = torch.Generator().manual_seed(1 + rank)
+        x = torch.randn(2, 4, H, generator=g, dtype=torch.float64)  # sequence parallel: 4 * ws in all
+        dy = torch.randn_like(x)
+        pos = torch.arange(4 * ws)[None].expand(2, -1) if kind in ("attention", "block") else None
+        if kind in ("ulysses", "block_moe", "block"):
+            pos = None
+        out = []
+        for call in range(2):
+            for fn in (model, compiled):
+                model.zero_grad(set_to_none=True)
+                layers = [m for m in model.modules() if hasattr(m, "launch_log")]
+                for m in layers:
+                    m.launch_log = []
+                xc = x.clone().requires_grad_()
+                y = fn(xc, pos)
+                (y * dy).sum().backward()
+                finalize_grads(model)
+                out.append(dict(y=y.detach(), dx=xc.grad, grads={n: p.grad for n, p in model.named_parameters()},
+                                log=[list(m.launch_log) for m in layers]))
+        kept = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        y = compiled(x.clone().requires_grad_(), pos)  # a forward whose output dies without backward
+        pending = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        del y
+        gc.collect()
+        dropped = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        with torch.no_grad():
+            compiled(x, pos)
+        no_grad_kept = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        return dict(out=out, kept=kept, pending=pending, dropped=dropped, no_grad_kept=no_grad_kept)
+    finally:
+        torch._dynamo.reset()
+
+
+def _check(results, exact=True):
+    """``exact``: bit for bit (aot_eager runs the same kernels); else float64 rounding (inductor
+    fuses the ops around the layers)."""
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-12))
+    for rank, res in enumerate(results):
+        for call in range(2):
+            eager, comp = res["out"][2 * call], res["out"][2 * call + 1]
+            assert same(comp["y"], eager["y"]), (rank, call)
+            assert same(comp["dx"], eager["dx"]), (rank, call)
+            for n, g in eager["grads"].items():
+                assert (g is None) == (comp["grads"][n] is None) and (g is None or same(comp["grads"][n], g)), \
+                    (rank, call, n)
+            assert comp["log"] == eager["log"] and any(comp["log"]), (rank, call)
+        assert res["kept"] == 0 and res["pending"] >= 1 and res["dropped"] == 0 and res["no_grad_kept"] == 0, res
+
+
+@pytest.mark.parametrize("kind", ["mlp_sp", "mlp", "attention", "ulysses", "moe", "block_moe"])
+def test_fullgraph_compile_matches_eager(pool2, kind):
+    _check(pool2.run(compile_run, kind, "aot_eager", timeout=300))
+
+
+def test_inductor_fullgraph_block(pool2):
+    """inductor compiles the norms, residuals and surrounding ops of a decoder block around the
+    opaque attention and MLP calls."""
+    _check(pool2.run(compile_run, "block", "inductor", timeout=600), exact=False)
