@@ -297,6 +297,21 @@ def check_block(rank, ws, dev):
         y = blk(x)
         y.backward(f(c["dy"][:, own]))
         finalize_grads(blk)
+        # the same block under torch.compile (fullgraph: every sublayer call one opaque op)
+        import torch._dynamo as dynamo
+        dynamo.reset()
+        grads = [p.grad.clone() for p in blk.parameters()]
+        blk.zero_grad(set_to_none=True)
+        xc = x.detach().clone().requires_grad_()
+        yc = torch.compile(blk, backend="aot_eager", fullgraph=True)(xc)
+        yc.backward(f(c["dy"][:, own]))
+        finalize_grads(blk)
+        same = torch.allclose(yc, y, rtol=1e-5, atol=1e-6) and torch.allclose(xc.grad, x.grad, rtol=1e-5, atol=1e-6) \
+            and all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6) for p, g in zip(blk.parameters(), grads))
+        dynamo.reset()
+        if not same:
+            fails += 1
+            print(f"rank {rank} FAIL block (moe={moe}) under torch.compile differs from eager", flush=True)
         pairs = [("y", y, y_ref[:, own]), ("dx", x.grad, g["x"][:, own]), ("attn_norm", blk.attn_norm.weight.grad,
                                                                          g["an_w"])]
         if moe:
