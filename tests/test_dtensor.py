@@ -643,3 +643,43 @@ def _dt_checkpoint_run(rank, ws):
 def test_dtensor_input_under_checkpoint_during_verification(pool2):
     for ks in pool2.run(_dt_checkpoint_run):
         assert ks[:4] == [2, 2, 1, 1], ks
+
+
+# ------------------------------------------------------------------ foreach / fused optimizers
+def _optim_run(rank, ws):
+    """A model mixing a mesh= layer (DTensor parameters) and a plain LayerNorm: AdamW with
+    foreach=True and fused=True on ``param_groups(model)`` step like foreach=False on one list;
+    on one list they raise (the case param_groups exists for)."""
+    from overlap_layers import param_groups
+    mesh, _, _ = _mesh(ws, False)
+    out = {}
+    for kw in (dict(foreach=False), dict(foreach=True), dict(fused=True)):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
+                                    OverlapMLP(8, 8 * ws, mesh=mesh, sequence_parallel=False, num_tiles=1,
+                                               dtype=torch.float64))
+        groups = param_groups(model, lr=1e-2) if kw.get("foreach", True) else [dict(params=model.parameters())]
+        opt = torch.optim.AdamW(groups, lr=1e-2, **kw)
+        x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            finalize_grads(model)
+            opt.step()
+        out[str(kw)] = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
+    try:
+        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step()
+        out["mixed"] = None
+    except RuntimeError as e:
+        out["mixed"] = str(e)
+    want = out["{'foreach': False}"]
+    same = {k: all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(v, want))
+            for k, v in out.items() if k.startswith("{")}
+    return same, out["mixed"], [len(g["params"]) for g in param_groups(model)]
+
+
+def test_param_groups_make_foreach_and_fused_adamw_work(pool2):
+    for same, mixed, sizes in pool2.run(_optim_run):
+        assert all(same.values()), same
+        assert mixed is not None and "mixed torch.Tensor and DTensor" in mixed
+        assert sizes == [2, 2]  # w_in, w_out (DTensors); the LayerNorm's weight and bias

@@ -80,9 +80,9 @@ Shard(1) (its sequence shard).
 
 Limits: ``reset_parameters()`` writes the ``group=`` layout and is run before the conversion;
 calling it again on a DTensor layer raises (build a new layer, or load a state dict).
-``torch.optim.AdamW`` (and other foreach / fused optimizers) fail on a parameter list mixing
-DTensors and plain tensors: pass ``foreach=False`` or keep the other parameters DTensors too
-(e.g. FSDP2 over the whole model).
+``torch.optim.AdamW`` (and other foreach / fused optimizers) fail on a parameter group mixing
+DTensors and plain tensors: build the optimizer on :func:`param_groups` (one group each), or keep
+the other parameters DTensors too (e.g. FSDP2 over the whole model).
 """
 from __future__ import annotations
 
@@ -248,3 +248,19 @@ def dtensor_forward(layer: nn.Module, forward, x: DTensor, *args, **kwargs) -> D
         layer._dtensor_input, layer._replay_key = False, None
     return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape,
                               stride=_contiguous_stride(x.shape))
+
+
+# ---------------------------------------------------------------------- optimizers
+def param_groups(params, **options) -> list:
+    """``params`` (an iterable of parameters, or a module's) as optimizer parameter groups: the
+    DTensors in one group, the plain tensors in another, each with ``options``. Foreach and fused
+    optimizers (``torch.optim.AdamW(..., foreach=True)`` or ``fused=True``, the CUDA defaults) run
+    one kernel over a group and fail on a group mixing DTensors and plain tensors (a ``mesh=``
+    layer inside a model whose other parameters stay plain); DTensors of different meshes or
+    placements may share a group. Order is kept within each group; empty groups are left out."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    dts, plain = [], []
+    for p in params:
+        (dts if isinstance(p, DTensor) else plain).append(p)
+    return [dict(options, params=g) for g in (dts, plain) if g]
