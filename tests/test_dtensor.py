@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, UlyssesAttention, finalize_grads
+from overlap_layers import (OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, UlyssesAttention,
+                            finalize_grads)
 
 
 def _mesh(ws, two_d):
@@ -240,9 +241,25 @@ def _dcp_layer(kind, ws, seed, nkv=None):
     """A mesh= layer of ``kind`` on a 1-D mesh of every rank, initialised from ``seed``."""
     mesh, _, _ = _mesh(ws, False)
     torch.manual_seed(seed)
+    kw = dict(mesh=mesh, num_tiles=2, dtype=torch.float64)
     if kind == "mlp":
-        return OverlapMLP(8, 8, mesh=mesh, activation="swiglu", bias=True, num_tiles=2, dtype=torch.float64)
-    return OverlapAttention(16, 4, nkv, mesh=mesh, bias=True, qk_norm=True, num_tiles=2, dtype=torch.float64)
+        return OverlapMLP(8, 8, activation="swiglu", bias=True, **kw)
+    if kind == "moe":
+        return OverlapMoE(16, 8, 4, 2, shared_expert_ffn=8, **kw)
+    if kind == "ulysses":
+        return UlyssesAttention(16, 4, nkv, bias=True, qk_norm=True, **kw)
+    if kind == "block":
+        return OverlapTransformerBlock(16, 4, 8, num_kv_heads=nkv, moe=dict(num_experts=4, top_k=2),
+                                       norm="layernorm", **kw)
+    return OverlapAttention(16, 4, nkv, bias=True, qk_norm=True, **kw)
+
+
+def _flat_dense(layer) -> dict:
+    """``to_dense()`` flattened to name -> tensor (the block's is nested by sublayer)."""
+    out = {}
+    for k, v in layer.to_dense().items():
+        out.update({f"{k}.{k2}": v2 for k2, v2 in v.items()} if isinstance(v, dict) else {k: v})
+    return out
 
 
 def _dcp_save(rank, ws, kind, nkv, path):
@@ -251,7 +268,7 @@ def _dcp_save(rank, ws, kind, nkv, path):
     x = torch.randn(2, 8, layer.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y = _gather_seq(layer(x.chunk(ws, 1)[rank]), dist.group.WORLD)
     dcp.save({"model": layer.state_dict()}, checkpoint_id=path)
-    return layer.to_dense(), y
+    return _flat_dense(layer), y
 
 
 def _dcp_load(rank, ws, kind, nkv, path):
@@ -263,14 +280,16 @@ def _dcp_load(rank, ws, kind, nkv, path):
     x = torch.randn(2, 8, layer.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y = _gather_seq(layer(x.chunk(ws, 1)[rank]), dist.group.WORLD)
     placements = {n: str(p.placements) for n, p in layer.named_parameters()}
-    return layer.to_dense(), y, placements
+    return _flat_dense(layer), y, placements
 
 
-@pytest.mark.parametrize("kind,nkv", [("mlp", None), ("attention", 1), ("attention", 2)])
+@pytest.mark.parametrize("kind,nkv", [("mlp", None), ("attention", 1), ("attention", 2), ("moe", None),
+                                     ("ulysses", 2), ("block", 2)])
 def test_dcp_save_at_2_load_at_4(pools, tmp_path, kind, nkv):
     """Saved by 2 ranks, loaded (resharded) by 4: the same dense weights and outputs. Attention with
     nkv=2 goes from Shard(0) KV heads at 2 ranks to replicated KV heads at 4; nkv=1 is replicated
-    at both."""
+    at both. The MoE's experts go from 2 to 1 per rank; the block holds attention (nkv=2), an MoE
+    and LayerNorms."""
     path = str(tmp_path / "ckpt")
     saved = pools(2).run(_dcp_save, kind, nkv, path)
     loaded = pools(4).run(_dcp_load, kind, nkv, path)
