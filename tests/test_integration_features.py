@@ -372,3 +372,41 @@ def test_checkpoint_microbatches_during_verification(pool2, cases):
     assert ks[0] == ks[1] and ks[0] in (1, 2)
 
 
+
+
+def wrapped_microbatch_run(rank, ws, cases, per_step, reverse):
+    """Checkpoints around a module whose layer input is computed inside the region (a norm, a
+    block), so the recomputation feeds the layer a new tensor; ``per_step`` forwards, then their
+    backwards (in reverse order with ``reverse``), during first-call verification. Returns the
+    plans run and whether the gradients match the same schedule without checkpoints."""
+    layers = [_build("mlp_sp", "auto", cases, force_k=2) for _ in range(2)]
+    out = []
+    for ckpt, layer in zip((True, False), layers):
+        fn = lambda t, layer=layer: layer(torch.tanh(t))  # noqa: E731
+        ks, grads, pending = [], [], []
+        for c in range(14):
+            x, dy = _inputs("mlp_sp", cases, rank, c)
+            x = x.clone().requires_grad_()
+            pending.append((x, checkpoint(fn, x, use_reentrant=False) if ckpt else fn(x), dy))
+            ks.append(layer.plan.num_tiles)
+            if len(pending) == per_step:
+                for x, y, dy in (reversed(pending) if reverse else pending):
+                    (y * dy).sum().backward()
+                    grads.append(x.grad)
+                pending = []
+        out.append((ks, grads))
+    (ks_c, g_c), (ks_p, g_p) = out
+    return ks_c, ks_p, all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(g_c, g_p))
+
+
+@pytest.mark.parametrize("per_step,reverse", [(1, False), (2, False), (2, True)])
+def test_checkpoint_around_a_module_holding_the_layer_during_verification(pool2, cases, per_step, reverse):
+    """No CheckpointError, whatever the recomputation order: every recomputation runs its forward's
+    plan ([Note: recompute]). One region at a time, the checkpointed layer verifies as the plain
+    one does (K=2, 2, 1, 1, ... then a decision)."""
+    res = pool2.run(wrapped_microbatch_run, cases, per_step, reverse)
+    assert res[0][0] == res[1][0], "the ranks ran different plans"
+    for ks_c, ks_p, same in res:
+        assert same
+        if per_step == 1:
+            assert ks_c[:12] == ks_p[:12] == [2, 2, 1, 1] * 3, (ks_c, ks_p)

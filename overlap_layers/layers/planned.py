@@ -16,7 +16,9 @@ giving the device), and sets the attributes of :meth:`_init_planning`.
 from __future__ import annotations
 
 import functools
+import weakref
 import zlib
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -104,6 +106,11 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed (a checkpointed region, or activation offloading)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward node now (e.g. a checkpoint's recomputation)."""
     return torch._C._current_autograd_node() is not None
@@ -156,6 +163,16 @@ class PlannedLayer:
     object; for a DTensor input, the DTensor, not the fresh local view the layer computes on),
     consuming no verification trial and not advancing the plan cache; every rank recomputes in
     the same order, so the agreement gather still matches.
+    When the checkpointed region holds more than the layer (a norm before it, a whole decoder
+    block), the recomputation feeds the layer a new tensor, so identity cannot find the plan. The
+    forwards that run under saved-tensor hooks (what a checkpoint installs) are therefore queued
+    per plan key with their plans, until their recomputation: a recomputation the identity lookup
+    misses takes the oldest queued plan (one found by identity leaves the queue too). A
+    checkpointed forward may take a verification trial only while no other checkpointed forward of
+    its key awaits recomputation; otherwise it runs the plan queued last. The queued plans are
+    thus all equal, and whichever order the recomputations come in, each gets its forward's plan.
+    (A forward under hooks whose recomputation never comes, e.g. activation offloading, keeps its
+    entry; later checkpointed forwards of that key then run its plan and take no trials.)
     """
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
@@ -216,6 +233,7 @@ class PlannedLayer:
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
         self._plan_of_input = WeakTensorKeyDictionary()  # input -> its auto plan ([Note: recompute])
+        self._checkpointed_plans: dict = {}  # plan key -> plans of checkpointed forwards ([Note: recompute])
         self._replay_key = None  # the caller's input when forward runs on a view of it (a DTensor's local)
         self._trace_to = None  # export_trace(path, measured=True) waiting for the next call
 
@@ -296,16 +314,30 @@ class PlannedLayer:
         history, so every rank takes the same branch."""
         trial = None
         key = self._replay_key if self._replay_key is not None else x
-        replay = self._plan_of_input.get(key) if _in_backward() and isinstance(key, torch.Tensor) else None
+        in_backward = _in_backward()
+        replay = self._plan_of_input.get(key) if in_backward and isinstance(key, torch.Tensor) else None
+        hooked = save and _saved_tensor_hooks_active()  # a checkpointed region: [Note: recompute]
+        pkey = self._plan_key(shape[:2], dtype, save)
+        queue = self._checkpointed_plans.setdefault(pkey, deque()) if hooked else None
         if fixed is not None:
             self.plan = fixed
         elif replay is not None:  # [Note: recompute]
             self.plan = replay
+            if queue:
+                self._checkpointed_plans[pkey] = deque(e for e in queue if e[1]() is not key)
+        elif hooked and in_backward and queue:
+            self.plan = queue.popleft()[0]
+        elif hooked and queue:  # forwards whose recomputations are pending: all run the same plan
+            self.plan = queue[-1][0]
+            queue.append((self.plan, weakref.ref(key)))
+            self._plan_of_input[key] = self.plan
         else:
             self.plan, trial = self._auto_plan(shape[:2], dtype, save)
             if save:
                 self._plan_of_input[key] = self.plan
-        self._last_call = (self._plan_key(shape[:2], dtype, save), self._tile_units(shape))
+            if hooked and not in_backward:
+                queue.append((self.plan, weakref.ref(key)))
+        self._last_call = (pkey, self._tile_units(shape))
         trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
         if trial is not None:
             trial.fwd.start()
