@@ -78,8 +78,10 @@ def bad_call_input(rank, ws, name):
         x = torch.randn(2, 4, 8, device="meta")
     elif name == "attention_mask":
         kw["attention_mask"] = torch.ones(2, 1, 4 * ws, 4 * ws, dtype=torch.bool)
-    elif name == "attention_mask_rank1":
-        kw["attention_mask"] = torch.ones(2, 4 * ws) if rank == 1 else None
+    elif name == "attention_mask_rank1":  # a padding mask on rank 1 only (an all-ones one is accepted)
+        pad = torch.ones(2, 4 * ws)
+        pad[0, 0] = 0
+        kw["attention_mask"] = pad if rank == 1 else None
     elif name == "position_ids":
         kw["position_ids"] = torch.arange(4)[None].expand(2, 4)  # local length, not the global sequence
     elif name == "position_ids_float":

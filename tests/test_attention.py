@@ -471,3 +471,21 @@ def all_reduce_ranks(rank, ws):
     t = torch.tensor([rank + 1])
     dist.all_reduce(t)
     return int(t)
+
+
+def causal_mask_run(rank, ws):
+    """A mask equal to the causal one (boolean, additive float, 2-D without padding) is accepted
+    and changes nothing; the output equals the unmasked call's."""
+    torch.manual_seed(0)
+    layer = OverlapAttention(16, 4, 2, group=dist.group.WORLD, num_tiles=2, dtype=torch.float64)
+    S = 4 * ws
+    x = torch.randn(2, S // ws, 16, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    additive = torch.zeros(S, S, dtype=torch.float64).masked_fill(~tril, torch.finfo(torch.float64).min)
+    ref = layer(x)
+    return [torch.equal(layer(x, attention_mask=m), ref)
+            for m in (tril.expand(2, 1, S, S), additive.expand(2, 1, S, S), torch.ones(2, S, dtype=torch.long))]
+
+
+def test_mask_equal_to_causal_is_accepted(pool2):
+    assert pool2.run(causal_mask_run) == [[True] * 3] * 2

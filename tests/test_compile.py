@@ -119,3 +119,27 @@ def test_inductor_fullgraph_block(pool2):
     """inductor compiles the norms, residuals and surrounding ops of a decoder block around the
     opaque attention and MLP calls."""
     _check(pool2.run(compile_run, "block", "inductor", timeout=600), exact=False)
+
+
+def hf_compile_run(rank, ws, block):
+    """A swapped tiny HF Llama (HF builds a 4-D causal mask tensor when compiling) compiled with
+    fullgraph: the mask enters the attention's op and is checked there."""
+    import torch._dynamo
+    from test_swap_hf import batch, build
+    from overlap_layers import swap
+    torch._dynamo.reset()
+    try:
+        model = build("llama")
+        swap(model, group=dist.group.WORLD, block=block)
+        ids = batch()
+        eager = model(ids, labels=ids).loss
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, labels=ids).loss
+        return abs(float(compiled - eager)) / abs(float(eager))
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_swapped_hf_model_compiles_fullgraph(pool2, block):
+    pytest.importorskip("transformers")
+    assert all(err < 1e-6 for err in pool2.run(hf_compile_run, block, timeout=300))

@@ -28,16 +28,18 @@ OverlapAttention computes causal attention over whole sequences (SDPA ``is_causa
 one mask per forward and hands it to every attention module: ``None`` (SDPA without padding),
 a boolean ``[B, 1, S, S]`` mask (True = attend) or an additive float mask (0 / dtype min) for
 eager attention, a ``[B, S]`` padding mask for flash attention, or a flex ``BlockMask``. The
-adapter accepts ``None``, a 4-D mask that *equals* the standard causal mask (boolean, or additive
-with 0 where allowed and <= finfo.min/2 or -inf elsewhere) and a 2-D mask without padding; it
-rejects anything else (padding, packed sequences, sliding windows shorter than the sequence,
-a KV cache) with a ValueError / NotImplementedError on every rank (the rejection goes through the
-layer's agreement, so a rank that sees a different mask cannot hang the others). The verdict is
-cached per mask tensor, so the O(S^2) check runs once per forward, not once per layer.
+adapter hands the mask to the layer, which accepts ``None``, a 4-D mask that *equals* the standard
+causal mask (boolean, or additive with 0 where allowed and <= finfo.min/2 or -inf elsewhere) and a
+2-D mask without padding (:func:`overlap_layers.layers.attention_common.is_causal_mask`); anything
+else (padding, packed sequences) is a ValueError on every rank (the check is part of the layer's
+agreement, so a rank that sees a different mask cannot hang the others). The adapter itself
+rejects sliding windows shorter than the sequence and a KV cache, on every rank too. The verdict
+is cached per mask tensor, so the O(S^2) check runs once per forward, not once per layer. Under
+``torch.compile`` the mask enters the layer's opaque op and is checked there, eagerly (tracing
+cannot branch on its values).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -86,49 +88,10 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-# ---------------------------------------------------------------------------- mask check
-_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, its _version, verdict)
-
-
-def _causal_verdict(mask, q_len: int) -> bool:
-    """Whether ``mask`` (an HF attention mask, see [Note: HF attention mask]) is the standard
-    causal mask over ``q_len`` positions (or no mask at all)."""
-    if mask is None:
-        return True
-    if not isinstance(mask, torch.Tensor):
-        return False  # e.g. a flex-attention BlockMask
-    if mask.dim() == 2:  # flash attention's [batch, seq] padding mask
-        return mask.shape[-1] == q_len and bool((mask != 0).all())
-    if mask.dim() != 4 or mask.shape[-1] != q_len or mask.shape[-2] != q_len:
-        return False
-    tril = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril_()
-    if mask.dtype == torch.bool:
-        return bool((mask == tril).all())
-    if not mask.is_floating_point():
-        return False
-    allowed = mask == 0
-    blocked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min / 2)
-    return bool((allowed == tril).all()) and bool((allowed | blocked).all())
-
-
-def is_causal_mask(mask, q_len: int) -> bool:
-    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF passes one mask object
-    to every layer of a forward)."""
-    global _mask_verdict
-    if not isinstance(mask, torch.Tensor):
-        return _causal_verdict(mask, q_len)
-    last = _mask_verdict
-    if last is not None and last[0]() is mask and last[1] == (mask._version, q_len):
-        return last[2]
-    verdict = _causal_verdict(mask, q_len)
-    _mask_verdict = (weakref.ref(mask), (mask._version, q_len), verdict)
-    return verdict
-
-
 # ---------------------------------------------------------------------------- attention
-def call_problem(x, position_embeddings, attention_mask, cache, kwargs, sliding_window) -> Optional[Exception]:
+def call_problem(x, position_embeddings, cache, kwargs, sliding_window) -> Optional[Exception]:
     """What an HF attention call asks that the swapped attention cannot do (the exception to
-    raise), or None."""
+    raise), or None. The mask is the layer's to check ([Note: HF attention mask])."""
     if cache is not None:
         return NotImplementedError(
             "a KV cache was passed (use_cache=True / generate()): the swapped attention keeps no KV cache. "
@@ -145,12 +108,7 @@ def call_problem(x, position_embeddings, attention_mask, cache, kwargs, sliding_
     if sliding_window is not None and S > sliding_window:
         return ValueError(f"sequence length {S} exceeds the sliding window {sliding_window}: the swapped "
                           f"attention is plain causal; use sequences of at most {sliding_window} tokens")
-    if not is_causal_mask(attention_mask, S):
-        return ValueError(
-            "attention_mask is not the standard causal mask (padding, packed sequences or a sliding window): "
-            "the swapped attention supports causal attention over whole sequences only. Pass batches without "
-            "padding (attention_mask=None or all ones)")
-    return None
+    return None  # the mask goes to the layer, which accepts only one equal to the causal mask
 
 
 def reject(layer: OverlapAttention, x, position_embeddings, problem: Exception, source: str) -> None:
@@ -192,10 +150,10 @@ class HFAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
-        problem = call_problem(hidden_states, position_embeddings, attention_mask, cache, kwargs, self.sliding_window)
+        problem = call_problem(hidden_states, position_embeddings, cache, kwargs, self.sliding_window)
         if problem is not None:
             reject(self.layer, hidden_states, position_embeddings, problem, self.source or "attention")
-        return self.layer(hidden_states, position_embeddings=position_embeddings), None
+        return self.layer(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask), None
 
     def to_dense(self) -> dict:
         """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
@@ -233,14 +191,15 @@ class HFBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
-        problem = call_problem(hidden_states, position_embeddings, attention_mask, cache, kwargs, self.sliding_window)
+        problem = call_problem(hidden_states, position_embeddings, cache, kwargs, self.sliding_window)
         if problem is not None:
             reject(self.block.attention, hidden_states, position_embeddings, problem, self.source or "decoder layer")
         gate = self.gate
         if gate is None or not (gate._forward_hooks or gate._forward_pre_hooks) or not _router_logits_recorded():
-            return self.block(hidden_states, position_embeddings=position_embeddings)
+            return self.block(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask)
         blk = self.block  # the block's forward, with HF's router recorded on the full tokens
-        h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings)
+        h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings,
+                                          attention_mask=attention_mask)
         z = blk.mlp_norm(h)
         ws = dist.get_world_size(blk.group)
         weight = _ScaleGrad.apply(blk.mlp.router_weight, 1.0 / ws)

@@ -8,6 +8,7 @@ Hugging Face Llama tables for the global positions (or the given ``position_embe
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -20,8 +21,9 @@ INPUT_ERRORS = {
     **X_ERRORS,
     5: "position_ids must be an integer tensor [batch or 1, global seq]",
     6: "position_embeddings must be (cos, sin), each [batch or 1, global seq, head_dim] with an even head_dim",
-    7: "attention_mask must be None: the mask is causal (causal=True) or full (causal=False); "
-       "padding and packed-sequence masks are not supported yet",
+    7: "attention_mask must be None (the layer is causal with causal=True, full with causal=False) or, "
+       "with causal=True, a mask equal to the standard causal one; padding, packed-sequence and sliding-"
+       "window masks are not supported",
 }
 WHAT = "x / position_ids / position_embeddings / attention_mask"
 
@@ -114,15 +116,18 @@ def init_linear_(w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
 
 
 def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, head_dim: int, position_ids,
-                position_embeddings, attention_mask) -> int:
+                position_embeddings, attention_mask, causal: bool) -> int:
     """This rank's input-error code (0 if fine; keys of :data:`INPUT_ERRORS`). The global sequence
-    is ``x.shape[1] * seq_factor``."""
-    if attention_mask is not None:
+    is ``x.shape[1] * seq_factor``; a mask is accepted only if it equals the causal one
+    (:func:`is_causal_mask`) and the layer is causal."""
+    if attention_mask is not None and not (causal and isinstance(attention_mask, torch.Tensor)):
         return 7
     err = x_error(x, hidden_size, weight)
     if err:
         return err
     S = x.shape[1] * seq_factor
+    if attention_mask is not None and not is_causal_mask(attention_mask, S):
+        return 7
     if position_ids is not None and not (
             isinstance(position_ids, torch.Tensor) and not position_ids.is_floating_point()
             and not position_ids.is_complex() and position_ids.dim() == 2
@@ -135,6 +140,49 @@ def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, h
         if not ok:
             return 6
     return 0
+
+
+_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, its _version, verdict)
+# (the one module-level cache: HF hands one mask object to every layer of a forward, so the
+# O(S^2) comparison, and its device-to-host read, runs once per forward, not once per layer)
+
+
+def _causal_verdict(mask, q_len: int) -> bool:
+    """Whether ``mask`` is the standard causal mask over ``q_len`` positions (or no mask at all):
+    None; a ``[batch, q_len]`` mask with no padding (every entry nonzero); a ``[batch, 1 or heads,
+    q_len, q_len]`` boolean mask equal to the lower triangle (True = attend), or an additive float
+    mask with 0 on the lower triangle and <= finfo.min/2 or -inf above it (HF's mask forms, see
+    [Note: HF attention mask] in overlap_layers.integrations.hf_adapters)."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor):
+        return False  # e.g. a flex-attention BlockMask
+    if mask.dim() == 2:  # flash attention's [batch, seq] padding mask
+        return mask.shape[-1] == q_len and bool((mask != 0).all())
+    if mask.dim() != 4 or mask.shape[-1] != q_len or mask.shape[-2] != q_len:
+        return False
+    tril = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril_()
+    if mask.dtype == torch.bool:
+        return bool((mask == tril).all())
+    if not mask.is_floating_point():
+        return False
+    allowed = mask == 0
+    blocked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min / 2)
+    return bool((allowed == tril).all()) and bool((allowed | blocked).all())
+
+
+def is_causal_mask(mask, q_len: int) -> bool:
+    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF passes one mask object
+    to every layer of a forward)."""
+    global _mask_verdict
+    if not isinstance(mask, torch.Tensor):
+        return _causal_verdict(mask, q_len)
+    last = _mask_verdict
+    if last is not None and last[0]() is mask and last[1] == (mask._version, q_len):
+        return last[2]
+    verdict = _causal_verdict(mask, q_len)
+    _mask_verdict = (weakref.ref(mask), (mask._version, q_len), verdict)
+    return verdict
 
 
 def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, position_embeddings):

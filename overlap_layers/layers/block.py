@@ -76,7 +76,8 @@ def _local(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class OverlapTransformerBlock(nn.Module):
     """Drop-in pre-norm decoder block; equals the module docstring's reference.
 
-    ``forward(x, position_ids=None, position_embeddings=None)``: ``x [batch, seq/ws, hidden]``
+    ``forward(x, position_ids=None, position_embeddings=None, attention_mask=None)`` (a mask only
+    if it equals the causal one, as :class:`OverlapAttention` takes it): ``x [batch, seq/ws, hidden]``
     with ``sequence_parallel`` (this rank's slice of the positions), else ``[batch, seq, hidden]``
     on every rank; ``position_ids [batch or 1, seq]`` of the global sequence or HF's
     ``position_embeddings`` ``(cos, sin)``, as :class:`OverlapAttention` takes them. Returns
@@ -161,9 +162,10 @@ class OverlapTransformerBlock(nn.Module):
     def hidden_size(self) -> int:
         return self.attention.hidden_size
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                position_embeddings=None) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), position_ids=position_ids, position_embeddings=position_embeddings)
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
+                attention_mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), position_ids=position_ids, position_embeddings=position_embeddings,
+                               attention_mask=attention_mask)
         return h + self._mlp(self.mlp_norm(h))
 
     def _mlp(self, z: torch.Tensor) -> torch.Tensor:

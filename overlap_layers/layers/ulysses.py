@@ -463,18 +463,20 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         return zlib.crc32(repr(key).encode())
 
     def _compiled_extras(self, position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
-        """``[position_ids, cos, sin]`` for the compiled op ([Note: compiled calls]); None (the
-        eager path, which rejects them) for a mask or malformed position embeddings."""
+        """``[position_ids, cos, sin, attention_mask]`` for the compiled op ([Note: compiled calls]);
+        None (the eager path, which rejects them) for malformed arguments. A mask tensor goes into
+        the op, where the eager call checks that it is the causal one (a data-dependent check that
+        tracing could not make)."""
         pe = position_embeddings
-        if attention_mask is not None or (pe is not None and not (
+        if (attention_mask is not None and not isinstance(attention_mask, torch.Tensor)) or (pe is not None and not (
                 isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe))):
             return None
         cos, sin = pe if pe is not None else (None, None)
-        return [position_ids, cos, sin]
+        return [position_ids, cos, sin, attention_mask]
 
     def _compiled_kwargs(self, extras) -> dict:
-        position_ids, cos, sin = extras
-        return {"position_ids": position_ids,
+        position_ids, cos, sin, attention_mask = extras
+        return {"position_ids": position_ids, "attention_mask": attention_mask,
                 "position_embeddings": None if cos is None and sin is None else (cos, sin)}
 
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
@@ -482,7 +484,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                 attention_mask=None) -> torch.Tensor:
         err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,
                           head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
-                          attention_mask=attention_mask)
+                          attention_mask=attention_mask, causal=self.causal)
         shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
                                                 extra_names=("layer config",),
                                                 shape_names=("batch", "seq_local", "hidden"))
