@@ -390,6 +390,8 @@ def _dt_layer(kind, mesh, axis, sp, nkv=1):
         return OverlapAttention(16, 4, nkv, bias=True, qk_norm=True, sequence_parallel=sp, **kw)
     if kind == "ulysses":
         return UlyssesAttention(16, 4, nkv, bias=True, qk_norm=True, **kw)
+    if kind == "block":
+        return OverlapTransformerBlock(16, 4, 16, num_kv_heads=nkv, norm="layernorm", sequence_parallel=sp, **kw)
     return OverlapMoE(8, 6, 4, 2, shared_expert_ffn=6, **kw)
 
 
@@ -437,6 +439,8 @@ def _dt_input_run(rank, ws, kind, sp, two_d, placement, nkv=1):
     (2, "moe", None, False, "shard0", 1),        # uneven: 3 batch rows on 2 ranks
     (2, "moe", None, False, "shard1", 1),
     (2, "ulysses", True, False, "shard1", 2),
+    (2, "block", True, False, "shard1", 2),
+    (4, "block", False, True, "replicate", 2),    # 2-D (dp, tp) mesh, no sequence parallelism
 ])
 def test_dtensor_input_matches_local_input(pools, ws, kind, sp, two_d, placement, nkv):
     assert all(pools(ws).run(_dt_input_run, kind, sp, two_d, placement, nkv))

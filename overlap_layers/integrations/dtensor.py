@@ -97,6 +97,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from ..layers.attention import OverlapAttention
 from ..layers.mlp import OverlapMLP
 from ..layers.moe import OverlapMoE
+from ..layers.block import OverlapTransformerBlock
 from ..layers.ulysses import UlyssesAttention
 
 
@@ -199,7 +200,7 @@ def as_dtensor_params(layer: nn.Module, mesh, axis=None) -> None:
 # ---------------------------------------------------------------------- DTensor inputs
 def _input_placements(layer: nn.Module) -> tuple:
     """The placements (on the layer's mesh axis) a DTensor ``x`` may have ([Note: DTensor inputs])."""
-    if isinstance(layer, (OverlapMLP, OverlapAttention)):
+    if isinstance(layer, (OverlapMLP, OverlapAttention, OverlapTransformerBlock)):
         return (Shard(1),) if layer.sequence_parallel else (Replicate(),)
     if isinstance(layer, OverlapMoE):
         return (Shard(0), Shard(1))

@@ -68,6 +68,11 @@ class BlockNorm(nn.Module):
         return f"{self.kind}, {self.hidden_size}, eps={self.eps}"
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def _local(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     from ..integrations.dtensor import local  # integrations import the layers
     return local(p)
@@ -81,7 +86,8 @@ class OverlapTransformerBlock(nn.Module):
     with ``sequence_parallel`` (this rank's slice of the positions), else ``[batch, seq, hidden]``
     on every rank; ``position_ids [batch or 1, seq]`` of the global sequence or HF's
     ``position_embeddings`` ``(cos, sin)``, as :class:`OverlapAttention` takes them. Returns
-    ``y`` shaped like ``x``. ``moe``: None for the swiglu MLP of width ``ffn_hidden_size``, or a
+    ``y`` shaped like ``x`` (a DTensor ``x``, with ``mesh=``: Shard(1) under sequence parallelism,
+    else Replicate, gives a DTensor ``y`` of the same placement). ``moe``: None for the swiglu MLP of width ``ffn_hidden_size``, or a
     dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
     ``MOE_KEYS``), whose experts then have width ``ffn_hidden_size``. ``num_tiles`` and
     ``config`` apply to every sublayer. After backward, call ``finalize_grads(model)``.
@@ -162,8 +168,19 @@ class OverlapTransformerBlock(nn.Module):
     def hidden_size(self) -> int:
         return self.attention.hidden_size
 
+    @property
+    def _input_mesh(self):
+        """With ``mesh=``: the mesh axis a DTensor ``x`` must be on (the sublayers')."""
+        return self.attention._input_mesh
+
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
+        if _is_dtensor(x):  # Shard(1) with sequence parallelism, else Replicate: [Note: DTensor inputs]
+            from ..integrations.dtensor import dtensor_forward  # integrations import the layers
+            return dtensor_forward(self, self._forward, x, position_ids, position_embeddings, attention_mask)
+        return self._forward(x, position_ids, position_embeddings, attention_mask)
+
+    def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
         h = x + self.attention(self.attn_norm(x), position_ids=position_ids, position_embeddings=position_embeddings,
                                attention_mask=attention_mask)
         return h + self._mlp(self.mlp_norm(h))
