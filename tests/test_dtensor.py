@@ -113,17 +113,22 @@ def test_mlp_dtensor_params(pools, ws, activation, bias, sp, two_d, build):
 
 
 # ------------------------------------------------------------------ attention
-def _attn_run(rank, ws, nq, nkv, bias, qk_norm, sp, build):
-    mesh, axis, tp = _mesh(ws, False)
-    g = torch.Generator().manual_seed(5)
-    H, d, B, S = 16, 4, 2, 4 * ws
+def _attn_case(seed, ws, nq, nkv, bias, qk_norm, H=16, d=4, B=2):
+    """Dense attention weights (from_dense keywords) and x, dy for a global sequence of 4*ws."""
+    g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) / math.sqrt(H)  # noqa: E731
     dense = dict(wq=r(nq * d, H), wk=r(nkv * d, H), wv=r(nkv * d, H), wo=r(H, nq * d))
     if bias:
         dense.update(bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H))
     if qk_norm:
         dense.update(q_norm=1 + r(d), k_norm=1 + r(d))
-    x, dy = r(B, S, H), r(B, S, H)
+    return dense, r(B, 4 * ws, H), r(B, 4 * ws, H)
+
+
+def _attn_run(rank, ws, nq, nkv, bias, qk_norm, sp, build):
+    mesh, axis, tp = _mesh(ws, False)
+    H = 16
+    dense, x, dy = _attn_case(5, ws, nq, nkv, bias, qk_norm, H=H)
     opts = dict(sequence_parallel=sp, num_tiles=2)
     if build == "init":
         torch.manual_seed(9)
@@ -155,15 +160,8 @@ def test_attention_dtensor_params(pools, ws, nq, nkv, bias, qk_norm, sp, build):
 # ------------------------------------------------------------------ Ulysses
 def _ulysses_run(rank, ws, nq, nkv, bias, qk_norm, build):
     mesh, axis, tp = _mesh(ws, False)
-    g = torch.Generator().manual_seed(6)
-    H, d, B, S = 16, 4, 2, 4 * ws
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) / math.sqrt(H)  # noqa: E731
-    dense = dict(wq=r(nq * d, H), wk=r(nkv * d, H), wv=r(nkv * d, H), wo=r(H, nq * d))
-    if bias:
-        dense.update(bq=r(nq * d), bk=r(nkv * d), bv=r(nkv * d), bo=r(H))
-    if qk_norm:
-        dense.update(q_norm=1 + r(d), k_norm=1 + r(d))
-    x, dy = r(B, S, H), r(B, S, H)
+    H = 16
+    dense, x, dy = _attn_case(6, ws, nq, nkv, bias, qk_norm, H=H)
     if build == "init":
         torch.manual_seed(9)
         ml = UlyssesAttention(H, nq, nkv, mesh=mesh, bias=bias, qk_norm=qk_norm, num_tiles=2, dtype=torch.float64)

@@ -242,16 +242,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_swapped_equals_dense(pool2, case):
+def run_case(pool, case, swap_kw):
+    """``check_family`` of ``case`` on every rank, asserting that every dense parameter was checked,
+    every error is within TOL and nothing warned; returns rank 0's log lines."""
     family, build_kw, attn_impl = CASES[case]
-    results = pool2.run(check_family, family, build_kw, {}, attn_impl)
+    results = pool.run(check_family, family, build_kw, swap_kw, attn_impl)
     for rank, res in enumerate(results):
         assert res["checked"] == res["n_dense"], f"rank {rank}: checked {res['checked']} of {res['n_dense']} params"
         bad = {k: v for k, v in res["errs"].items() if v > TOL}
         assert not bad, f"{case} rank {rank}: {bad}"
         assert not res["warned"], res["warned"]
-    lines = results[0]["lines"]
+    return results[0]["lines"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_swapped_equals_dense(pool2, case):
+    family = CASES[case][0]
+    lines = run_case(pool2, case, {})
     want = {"llama": {"mlp": 2, "attention": 2, "moe": 0}, "mixtral": {"mlp": 0, "attention": 2, "moe": 2},
             "qwen3_moe": {"mlp": 1, "attention": 2, "moe": 1}}.get(family, {"mlp": 2, "attention": 2, "moe": 0})
     for kind, n in want.items():
@@ -264,14 +271,7 @@ def test_block_swap_equals_dense(pool2, case):
     """``swap(..., block=True)``: every decoder layer becomes one OverlapTransformerBlock (HFBlock);
     logits, loss (with Mixtral's recorded router logits and aux loss) and every gradient equal
     the dense model's after finalize_grads."""
-    family, build_kw, attn_impl = CASES[case]
-    results = pool2.run(check_family, family, build_kw, {"block": True}, attn_impl)
-    for rank, res in enumerate(results):
-        assert res["checked"] == res["n_dense"], f"rank {rank}: checked {res['checked']} of {res['n_dense']} params"
-        bad = {k: v for k, v in res["errs"].items() if v > TOL}
-        assert not bad, f"{case} rank {rank}: {bad}"
-        assert not res["warned"], res["warned"]
-    lines = results[0]["lines"]
+    lines = run_case(pool2, case, {"block": True})
     assert any("swap: block: replaced 2" in ln and "left 0" in ln for ln in lines), lines
     assert any("swap: mlp: replaced 0" in ln for ln in lines), lines
 

@@ -185,6 +185,26 @@ def is_causal_mask(mask, q_len: int) -> bool:
     return verdict
 
 
+def compiled_position_args(position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
+    """An attention call's other arguments as ``[position_ids, cos, sin, attention_mask]`` for the
+    compiled op ([Note: compiled calls] in .compiled); None (the eager path, which rejects them)
+    for malformed ones. A mask tensor goes into the op, where the eager call checks that it is the
+    causal one (a data-dependent check that tracing could not make)."""
+    pe = position_embeddings
+    if (attention_mask is not None and not isinstance(attention_mask, torch.Tensor)) or (pe is not None and not (
+            isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe))):
+        return None
+    cos, sin = pe if pe is not None else (None, None)
+    return [position_ids, cos, sin, attention_mask]
+
+
+def position_kwargs(extras) -> dict:
+    """The keyword arguments of :func:`compiled_position_args`' list."""
+    position_ids, cos, sin, attention_mask = extras
+    return {"position_ids": position_ids, "attention_mask": attention_mask,
+            "position_embeddings": None if cos is None and sin is None else (cos, sin)}
+
+
 def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, position_embeddings):
     """The call's RoPE tables ``(cos, sin)`` ``[batch or 1, S, head_dim]``, or None without RoPE."""
     if position_embeddings is not None:

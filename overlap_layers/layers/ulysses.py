@@ -56,8 +56,8 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import Agreement, StreamPool, resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
-from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, init_linear_, input_error,
-                               register_params)
+from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, compiled_position_args, init_linear_,
+                               input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
@@ -462,22 +462,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                self.qk_norm, self.bo is not None)
         return zlib.crc32(repr(key).encode())
 
-    def _compiled_extras(self, position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
-        """``[position_ids, cos, sin, attention_mask]`` for the compiled op ([Note: compiled calls]);
-        None (the eager path, which rejects them) for malformed arguments. A mask tensor goes into
-        the op, where the eager call checks that it is the causal one (a data-dependent check that
-        tracing could not make)."""
-        pe = position_embeddings
-        if (attention_mask is not None and not isinstance(attention_mask, torch.Tensor)) or (pe is not None and not (
-                isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe))):
-            return None
-        cos, sin = pe if pe is not None else (None, None)
-        return [position_ids, cos, sin, attention_mask]
-
-    def _compiled_kwargs(self, extras) -> dict:
-        position_ids, cos, sin, attention_mask = extras
-        return {"position_ids": position_ids, "attention_mask": attention_mask,
-                "position_embeddings": None if cos is None and sin is None else (cos, sin)}
+    _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
+    _compiled_kwargs = staticmethod(position_kwargs)
 
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
