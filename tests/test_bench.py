@@ -187,3 +187,18 @@ def test_bench_moe_args():
     for bad in (["--layer", "moe", "--preset", "llama3-8b"], ["--layer", "mlp", "--preset", "mixtral-8x7b"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_bench_profile_writes_a_trace_and_a_table_per_mode(tmp_path):
+    prof = tmp_path / "prof"
+    _run_bench(tmp_path, "--layer", "moe", "--passes", "fwd", "--modes", "serial,naive", "--profile", str(prof))
+    import json
+    names = sorted(p.name for p in prof.iterdir())
+    assert names == ["moe_tiny_ws2_b1_t128_fwd_naive2.json", "moe_tiny_ws2_b1_t128_fwd_naive2.txt",
+                     "moe_tiny_ws2_b1_t128_fwd_serial.json", "moe_tiny_ws2_b1_t128_fwd_serial.txt"], names
+    events = json.loads((prof / "moe_tiny_ws2_b1_t128_fwd_naive2.json").read_text())["traceEvents"]
+    ranges = {e["name"] for e in events if e.get("name", "").startswith("overlap::moe::")}
+    # the executor's per-tile ops and the layer's own ranges, both tiles
+    assert {"overlap::moe::dispatch[0]", "overlap::moe::dispatch[1]", "overlap::moe::route",
+            "overlap::moe::unpermute"} <= ranges, sorted(ranges)
+    assert "Self CPU" in (prof / "moe_tiny_ws2_b1_t128_fwd_serial.txt").read_text()
