@@ -27,9 +27,13 @@ backward   dyr = A2A(dy_perm tile rows);  dx_g, dw_in, dw_out = experts'(regroup
            dx_perm tile rows = A2A(ungroup(dx_g))
 =========  ==========================================================================
 
-Routing, capacity, the permutation ``x_perm = x[t_perm]`` and the weighted combine
-``y = index_add(t_perm, w_perm * y_perm)`` stay outside, in plain autograd (so the router gets
-its gradient through the weights and the aux loss).
+Routing, capacity and the permutations stay outside, on the whole call: ``order`` sorts the
+token-major assignments into send order (by tile, then expert, dropped ones last) and ``pos`` is
+its inverse. The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient
+gathers each token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
+``y_perm`` back in token-major order with a gather (``_PermuteRows``: a permutation, whose
+gradient is the inverse gather) and weighs each token's k rows with one ``bmm``, in plain
+autograd, so the router gets its gradient through the weights (and the aux loss).
 
 [Note: MoE host syncs]
 An uneven all-to-all needs its split sizes on the host. All K tiles' send counts, per destination
