@@ -149,23 +149,45 @@ def swap_logged(model, **kw):
                    and "overlap_layers" in str(w.message)]
 
 
+def swapped_layers(model):
+    """(name of the replaced Megatron module, our layer) of every swapped MLP / attention, those
+    inside a swapped TransformerLayer (MegatronBlock) included, and (name, our norm) of the blocks'
+    norms."""
+    from overlap_layers.integrations import MegatronAttention, MegatronMLP
+    from overlap_layers.integrations.megatron import MegatronBlock
+    layers, norms = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, (MegatronMLP, MegatronAttention)):
+            layers.append((name, m.layer))
+        elif isinstance(m, MegatronBlock):
+            layers += [(f"{name}.self_attention", m.block.attention), (f"{name}.mlp", m.block.mlp)]
+            norms += [(f"{name}.input_layernorm", m.block.attn_norm), (f"{name}.pre_mlp_layernorm", m.block.mlp_norm)]
+    return layers, norms
+
+
 def compare(ref, model, errs, group):
     """to_dense (exact) and gradients of every parameter, swapped or not; returns (checked, total)."""
-    from overlap_layers.integrations import MegatronAttention, MegatronMLP
     from overlap_layers.integrations.megatron import megatron_dense
     refs = dict(ref.named_modules())
     checked = set()
-    for name, m in model.named_modules():
-        if isinstance(m, (MegatronMLP, MegatronAttention)):
-            want_w = megatron_dense(refs[name])
-            want_g = megatron_dense(refs[name], get=lambda p: p.grad)
-            got_w, got_g = m.to_dense(), grads_to_dense(m.layer)
-            for k, w in want_w.items():
-                assert (got_w[k] is None) == (w is None), (name, k)
-                if w is not None:
-                    errs[f"to_dense {name}.{k}"] = 0.0 if torch.equal(got_w[k], w) else 1.0 + rel(got_w[k], w)
-                    errs[f"grad {name}.{k}"] = rel(got_g[k], want_g[k])
-            checked.update(id(p) for p in refs[name].parameters())
+    layers, norms = swapped_layers(model)
+    for name, ours in norms:
+        for attr in ("weight", "bias"):
+            want = getattr(refs[name], attr, None)
+            if want is not None:
+                errs[f"{name}.{attr}"] = 0.0 if torch.equal(getattr(ours, attr), want) else 1.0
+                errs[f"grad {name}.{attr}"] = rel(getattr(ours, attr).grad, want.grad)
+                checked.add(id(want))
+    for name, layer in layers:
+        want_w = megatron_dense(refs[name])
+        want_g = megatron_dense(refs[name], get=lambda p: p.grad)
+        got_w, got_g = layer.to_dense(), grads_to_dense(layer)
+        for k, w in want_w.items():
+            assert (got_w[k] is None) == (w is None), (name, k)
+            if w is not None:
+                errs[f"to_dense {name}.{k}"] = 0.0 if torch.equal(got_w[k], w) else 1.0 + rel(got_w[k], w)
+                errs[f"grad {name}.{k}"] = rel(got_g[k], want_g[k])
+        checked.update(id(p) for p in refs[name].parameters())
     params = dict(model.named_parameters())
     for pname, p in ref.named_parameters():
         if id(p) not in checked:
@@ -175,7 +197,7 @@ def compare(ref, model, errs, group):
 
 
 # ------------------------------------------------------------------ GPTModel, TP=2 (no sequence parallelism)
-def check_gpt(rank, ws, over):
+def check_gpt(rank, ws, over, block=False):
     from overlap_layers import OverlapConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -188,7 +210,7 @@ def check_gpt(rank, ws, over):
                             max_sequence_length=16, position_embedding_type="rope")
 
         ref, model = twins(build)
-        lines, warned = swap_logged(model, group=tp, config=OverlapConfig(num_tiles=2))
+        lines, warned = swap_logged(model, group=tp, config=OverlapConfig(num_tiles=2), block=block)
         ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
         pos = torch.arange(S)[None].expand(B, S)
         errs = {}
@@ -202,9 +224,14 @@ def check_gpt(rank, ws, over):
         (logits_ref * w).sum().backward()
         (logits * w).sum().backward()
         checked, total = compare(ref, model, errs, tp)
-        types = [type(m).__name__ for m in (model.decoder.layers[0].mlp, model.decoder.layers[0].self_attention)]
-        attrs = {k: getattr(model.decoder.layers[0].mlp.layer.w_in, k, None)
-                 for k in ("tensor_model_parallel", "partition_dim", "partition_stride")}
+        layer0 = model.decoder.layers[0]
+        if block:
+            types = [type(layer0).__name__]
+            w_in = layer0.block.mlp.w_in
+        else:
+            types = [type(m).__name__ for m in (layer0.mlp, layer0.self_attention)]
+            w_in = layer0.mlp.layer.w_in
+        attrs = {k: getattr(w_in, k, None) for k in ("tensor_model_parallel", "partition_dim", "partition_stride")}
     return dict(errs=errs, checked=checked, total=total, lines=lines, warned=warned, types=types, attrs=attrs)
 
 
@@ -215,6 +242,28 @@ GPT_CASES = {
     "bias_gelu_kv16": dict(add_bias_linear=True, gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
                            num_query_groups=4, kv_channels=16, softmax_scale=0.2),
 }
+
+
+def _gpt_results(pool, case, block):
+    results = pool.run(check_gpt, GPT_CASES[case], block)
+    for rank, res in enumerate(results):
+        assert res["checked"] == res["total"], res
+        bad = {k: v for k, v in res["errs"].items() if v > TOL}
+        assert not bad, f"{case} rank {rank}: {bad}"
+        assert not res["warned"], res["warned"]
+        assert res["attrs"] == {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride":
+                                2 if case == "gqa_swiglu_rope" else 1}
+    return results
+
+
+@pytest.mark.parametrize("case", list(GPT_CASES))
+def test_gpt_block_swap_equals_megatron(pool2, case):
+    """``block=True``: each TransformerLayer becomes one OverlapTransformerBlock (MegatronBlock)."""
+    for res in _gpt_results(pool2, case, True):
+        assert res["types"] == ["MegatronBlock"]
+        assert any("block: replaced 2 (TransformerLayer x2" in ln and "left 0" in ln for ln in res["lines"]), \
+            res["lines"]
+        assert any("mlp: replaced 0" in ln for ln in res["lines"]), res["lines"]
 
 
 @pytest.mark.parametrize("case", list(GPT_CASES))
@@ -232,7 +281,7 @@ def test_gpt_swapped_equals_megatron(pool2, case):
 
 
 # ------------------------------------------------------------------ TransformerLayer, TP=2 with sequence parallelism
-def check_layer_sp(rank, ws):
+def check_layer_sp(rank, ws, block=False):
     from overlap_layers import OverlapConfig, finalize_grads
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -253,11 +302,14 @@ def check_layer_sp(rank, ws):
         spec.submodules.input_layernorm = SPNorm
         spec.submodules.pre_mlp_layernorm = SPNorm
 
-        def build():
-            return TransformerLayer(cfg, spec.submodules, layer_number=1)
+        class Holder(torch.nn.Module):  # swap replaces submodules: the layer under test is one
+            def __init__(self):
+                super().__init__()
+                self.layer = TransformerLayer(cfg, spec.submodules, layer_number=1)
 
-        ref, model = twins(build)
-        lines, warned = swap_logged(model, group=tp, config=OverlapConfig(num_tiles=2))
+        ref_holder, holder = twins(Holder)
+        lines, warned = swap_logged(holder, group=tp, config=OverlapConfig(num_tiles=2), block=block)
+        ref, model = ref_holder.layer, holder.layer
         rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
         freqs = rope(S)
         x_full = torch.randn(S, B, 32, generator=torch.Generator().manual_seed(5))
@@ -270,7 +322,9 @@ def check_layer_sp(rank, ws):
         yr.backward(dy)
         ys.backward(dy)
         errs = {"out": rel(ys.detach(), yr.detach()), "dx": rel(xs.grad, xr.grad)}
-        ours = [model.mlp.layer.b_out, model.self_attention.layer.bo]
+        mlp, attn = (model.block.mlp, model.block.attention) if block else (model.mlp.layer, model.self_attention.layer)
+        # the SP biases, and a block's norms (Megatron's own norms are tagged sequence_parallel too)
+        ours = [mlp.b_out, attn.bo] + ([model.block.attn_norm.weight, model.block.mlp_norm.weight] if block else [])
         tagged = [bool(getattr(p, "sequence_parallel", False)) for p in ours]
         # overlap_layers.finalize_grads sums exactly the swapped parameters Megatron would (the SP biases)
         before = [p.grad.clone() for p in ours]
@@ -283,19 +337,21 @@ def check_layer_sp(rank, ws):
         sp_reduce(model, tp)
         errs.update({f"finalize_grads vs megatron {i}": rel(a, p.grad)
                      for i, (a, p) in enumerate(zip(by_finalize, ours))})
-        checked, total = compare(ref, model, errs, tp)
-        sp = [model.mlp.layer.sequence_parallel, model.self_attention.layer.sequence_parallel]
+        checked, total = compare(ref_holder, holder, errs, tp)
+        sp = [mlp.sequence_parallel, attn.sequence_parallel]
     return dict(errs=errs, checked=checked, total=total, warned=warned, tagged=tagged, sp=sp)
 
 
-def test_layer_sequence_parallel(pool2):
-    """Megatron's sequence parallelism ([s/tp, b, h] per rank) -> sequence_parallel=True layers."""
-    for rank, res in enumerate(pool2.run(check_layer_sp)):
+@pytest.mark.parametrize("block", [False, True])
+def test_layer_sequence_parallel(pool2, block):
+    """Megatron's sequence parallelism ([s/tp, b, h] per rank) -> sequence_parallel=True layers
+    (or, with block=True, one sequence-parallel OverlapTransformerBlock)."""
+    for rank, res in enumerate(pool2.run(check_layer_sp, block)):
         assert res["checked"] == res["total"], res
         bad = {k: v for k, v in res["errs"].items() if v > TOL}
         assert not bad, f"rank {rank}: {bad}"
         assert not res["warned"], res["warned"]
-        assert res["tagged"] == [True, True] and res["sp"] == [True, True]
+        assert all(res["tagged"]) and res["sp"] == [True, True]
 
 
 # ------------------------------------------------------------------ Megatron TP=1: full weights, sharded over group
@@ -352,6 +408,12 @@ def refusals(rank, ws):
         lines, warned = swap_logged(model, group=tp)
         out["interleaved"] = ([type(model.decoder.layers[0].self_attention).__name__,
                                type(model.decoder.layers[0].mlp).__name__], warned, lines)
+        # block=True with hidden dropout: the TransformerLayers are left (warned) and their attention
+        # and MLP swapped one by one (Megatron's bias-dropout-add stays)
+        model = gpt(hidden_dropout=0.1)
+        lines, warned = swap_logged(model, group=tp, block=True)
+        layer0 = model.decoder.layers[0]
+        out["dropout_block"] = ([type(m).__name__ for m in (layer0, layer0.self_attention, layer0.mlp)], warned, lines)
         # a plan: only layer 1's MLP
         model = gpt()
         lines, warned = swap_logged(model, group=tp, plan={"decoder.layers.1.mlp": "mlp"})
@@ -390,6 +452,10 @@ def test_refusals(pool2):
         types, warned, lines = res["interleaved"]
         assert types == ["SelfAttention", "MegatronMLP"], types
         assert any("rotary_interleaved=True" in w and "SelfAttention unswapped" in w for w in warned), warned
+        types, warned, lines = res["dropout_block"]
+        assert types == ["TransformerLayer", "MegatronAttention", "MegatronMLP"], types
+        assert any("hidden_dropout=0.1" in w and "TransformerLayer unswapped" in w for w in warned), warned
+        assert any("block: replaced 0, left 2" in ln for ln in lines), lines
         types, lines = res["plan"]
         assert types == ["MLP", "MegatronMLP", "SelfAttention", "SelfAttention"], types
         assert any("attention: replaced 0, left 2" in ln and "not in the plan" in ln for ln in lines), lines

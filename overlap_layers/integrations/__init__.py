@@ -10,7 +10,7 @@ import functools
 
 from . import hf as _hf
 from .hf_adapters import HFAttention, HFBlock, HFMoE
-from .megatron import MegatronAttention, MegatronMLP, is_megatron_model
+from .megatron import MegatronAttention, MegatronBlock, MegatronMLP, is_megatron_model
 
 
 @functools.wraps(_hf.swap)
@@ -29,4 +29,4 @@ swap.__doc__ = (_hf.swap.__doc__ or "") + """
     ``rotary_pos_emb``, sequence parallelism from Megatron's config).
 """
 
-__all__ = ["swap", "HFAttention", "HFBlock", "HFMoE", "MegatronAttention", "MegatronMLP"]
+__all__ = ["swap", "HFAttention", "HFBlock", "HFMoE", "MegatronAttention", "MegatronBlock", "MegatronMLP"]

@@ -17,6 +17,9 @@ ColumnParallelLinear, ``linear_fc2`` RowParallelLinear  (swiglu = ``gated_linear
 (interleaved per query group), ``DotProductAttention``  :class:`OverlapAttention` (GQA, causal, RoPE
 core, ``linear_proj`` RowParallelLinear                from Megatron's ``rotary_pos_emb``; biases when
                                                        ``add_bias_linear``)
+with ``block=True``: ``TransformerLayer`` (torch        :class:`MegatronBlock` around
+LayerNorm / RMSNorm, no cross-attention, no hidden     :class:`OverlapTransformerBlock`: the two above
+dropout)                                               and the layer's norms
 =====================================================  ==============================================
 
 Megatron's ``config.sequence_parallel`` (with a tensor-parallel size > 1) maps to
@@ -69,8 +72,9 @@ run time, on every rank). ``no_rope_freq`` layers get no RoPE, as in Megatron.
 
 [Note: Megatron gradients]
 The only swapped parameters whose gradient is a per-rank partial are the output biases under
-sequence parallelism (``b_out``, ``bo``: only the rank's own rows) -- exactly like Megatron's
-own row-parallel biases, whose ``sequence_parallel`` attribute they carry. (q/k norms and KV heads
+sequence parallelism (``b_out``, ``bo``: only the rank's own rows) and a swapped block's norms
+under sequence parallelism -- exactly like Megatron's own row-parallel biases and norms, whose
+``sequence_parallel`` attribute they carry. (q/k norms and KV heads
 replicated over the group, the other partials of :class:`OverlapAttention`, are refused at swap.)
 Sum them with **exactly one** of: Megatron's ``finalize_model_grads`` (it sums parameters with
 ``sequence_parallel=True`` over the TP group; what a Megatron training loop calls anyway, and the
@@ -96,7 +100,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OverlapConfig
-from ..layers import OverlapAttention, OverlapMLP
+from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
 from ..runtime import resolve_group
 from .hf import _parse_plan, _Unswappable, check_swap_args, replace_modules
 
@@ -125,9 +129,10 @@ def _megatron():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
     return dict(ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, MLP=MLP,
                 SelfAttention=SelfAttention, DotProductAttention=DotProductAttention, AttnMaskType=AttnMaskType,
-                IdentityOp=IdentityOp)
+                IdentityOp=IdentityOp, TransformerLayer=TransformerLayer)
 
 
 # ---------------------------------------------------------------------------- dense weights
@@ -265,6 +270,76 @@ class MegatronMLP(nn.Module):
         return f"source={self.source}"
 
 
+class _RopeTables:
+    """Megatron's ``rotary_pos_emb`` freqs -> our ``(cos, sin)`` ([Note: Megatron RoPE]), cached for
+    the last freqs tensor seen (Megatron hands one to every layer)."""
+
+    def __init__(self, mscale: float):
+        self.mscale = float(mscale)
+        self._last: Optional[tuple] = None  # (weakref to freqs, version, (cos, sin))
+
+    def __call__(self, freqs: torch.Tensor):
+        last = self._last
+        if last is not None and last[0]() is freqs and last[1] == freqs._version:
+            return last[2]
+        f = freqs[:, :, 0, :].transpose(0, 1)  # [S, b', 1, d] -> [b', S, d]
+        cs = (torch.cos(f) * self.mscale, torch.sin(f) * self.mscale)
+        self._last = (weakref.ref(freqs), freqs._version, cs)
+        return cs
+
+
+def _attention_problem(layer: OverlapAttention, x, attention_mask, key_value_states, inference_context,
+                       rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
+                       packed_seq_params) -> Optional[Exception]:
+    """What a Megatron self-attention call asks that ``layer`` cannot do (the exception), or None."""
+    if inference_context is not None or any(t is not None for t in (rotary_pos_cos, rotary_pos_sin,
+                                                                    rotary_pos_cos_sin)):
+        return NotImplementedError("an inference context / precomputed rotary cos-sin was passed: the swapped "
+                                   "attention keeps no KV cache; run inference with the unswapped model")
+    if key_value_states is not None:
+        return ValueError("key_value_states was passed: the swapped attention is self-attention only")
+    if packed_seq_params is not None:
+        return ValueError("packed_seq_params (THD packed sequences) are not supported: the swapped attention is "
+                          "causal over whole sequences")
+    if attention_bias is not None:
+        return ValueError("attention_bias is not supported by the swapped attention")
+    S = x.shape[0] * (layer.world_size if layer.sequence_parallel else 1) \
+        if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
+    if not _is_causal_mask(attention_mask, S):
+        return ValueError("attention_mask is not Megatron's causal mask (padding, reset position ids / EOD "
+                          "masks): the swapped attention supports causal attention over whole sequences only")
+    if rotary_pos_emb is not None and S:  # (a malformed x: the layer's own check reports it)
+        q, k = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+        if q is not k and not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                               and q.shape == k.shape and torch.equal(q, k)):
+            return ValueError("rotary_pos_emb has different query and key freqs; the swapped attention applies "
+                              "one RoPE to both")
+        if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == S and q.shape[2] == 1
+                and q.shape[1] in (1, x.shape[1])):
+            return ValueError(f"rotary_pos_emb must be Megatron's freqs [seq {S}, 1 or batch, 1, dim]; got "
+                              f"{tuple(getattr(q, 'shape', ()))}")
+        if q.shape[-1] != layer.head_dim:
+            return ValueError(f"partial rotary embedding (rotary dim {q.shape[-1]} < head dim "
+                              f"{layer.head_dim}, rotary_percent < 1) cannot be mapped exactly to the "
+                              f"swapped attention's RoPE")
+    return None
+
+
+def _reject(layer: OverlapAttention, x, problem: Exception, source: str) -> None:
+    """Raise ``problem`` on every rank, not only this one: a mask the layer rejects carries the
+    rejection through its agreement to every rank (as HFAttention does)."""
+    try:
+        layer(x, attention_mask=True)
+    except ValueError as e:
+        raise type(problem)(f"{source} (swapped by overlap_layers.swap): {problem}") from e
+    raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+
+
+def _seq_first(x):
+    """``[s, b, h]`` as the ``[b, s, h]`` view the layers take (a malformed x passes unchanged)."""
+    return x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
+
+
 class MegatronAttention(nn.Module):
     """A megatron-core ``SelfAttention``'s stand-in: :class:`OverlapAttention` over the group, with
     Megatron's call signature ``forward(hidden_states [s, b, h], attention_mask=None, ...,
@@ -282,51 +357,8 @@ class MegatronAttention(nn.Module):
                  mscale: float = 1.0, source: str = ""):
         super().__init__()
         self.layer = layer
-        self.layer_number, self.no_rope, self.mscale, self.source = layer_number, bool(no_rope), float(mscale), source
-        self._rope_cache: Optional[tuple] = None  # (weakref to freqs, version, (cos, sin))
-
-    def _cos_sin(self, freqs: torch.Tensor):
-        last = self._rope_cache
-        if last is not None and last[0]() is freqs and last[1] == freqs._version:
-            return last[2]
-        f = freqs[:, :, 0, :].transpose(0, 1)  # [S, b', 1, d] -> [b', S, d]
-        cs = (torch.cos(f) * self.mscale, torch.sin(f) * self.mscale)
-        self._rope_cache = (weakref.ref(freqs), freqs._version, cs)
-        return cs
-
-    def _problem(self, x, attention_mask, key_value_states, inference_context, rotary_pos_emb, rotary_pos_cos,
-                 rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params):
-        if inference_context is not None or any(t is not None for t in (rotary_pos_cos, rotary_pos_sin,
-                                                                        rotary_pos_cos_sin)):
-            return NotImplementedError("an inference context / precomputed rotary cos-sin was passed: the swapped "
-                                       "attention keeps no KV cache; run inference with the unswapped model")
-        if key_value_states is not None:
-            return ValueError("key_value_states was passed: the swapped attention is self-attention only")
-        if packed_seq_params is not None:
-            return ValueError("packed_seq_params (THD packed sequences) are not supported: the swapped attention is "
-                              "causal over whole sequences")
-        if attention_bias is not None:
-            return ValueError("attention_bias is not supported by the swapped attention")
-        S = x.shape[0] * (self.layer.world_size if self.layer.sequence_parallel else 1) \
-            if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
-        if not _is_causal_mask(attention_mask, S):
-            return ValueError("attention_mask is not Megatron's causal mask (padding, reset position ids / EOD "
-                              "masks): the swapped attention supports causal attention over whole sequences only")
-        if rotary_pos_emb is not None and S:  # (a malformed x: the layer's own check reports it)
-            q, k = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-            if q is not k and not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                                   and q.shape == k.shape and torch.equal(q, k)):
-                return ValueError("rotary_pos_emb has different query and key freqs; the swapped attention applies "
-                                  "one RoPE to both")
-            if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == S and q.shape[2] == 1
-                    and q.shape[1] in (1, x.shape[1])):
-                return ValueError(f"rotary_pos_emb must be Megatron's freqs [seq {S}, 1 or batch, 1, dim]; got "
-                                  f"{tuple(getattr(q, 'shape', ()))}")
-            if q.shape[-1] != self.layer.head_dim:
-                return ValueError(f"partial rotary embedding (rotary dim {q.shape[-1]} < head dim "
-                                  f"{self.layer.head_dim}, rotary_percent < 1) cannot be mapped exactly to the "
-                                  f"swapped attention's RoPE")
-        return None
+        self.layer_number, self.no_rope, self.source = layer_number, bool(no_rope), source
+        self.rope = _RopeTables(mscale)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
@@ -335,26 +367,78 @@ class MegatronAttention(nn.Module):
         inference_context = inference_context if inference_context is not None else inference_params
         if self.no_rope:
             rotary_pos_emb = None
-        problem = self._problem(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
-                                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params)
-        x = hidden_states.transpose(0, 1) if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 \
-            else hidden_states
-        if problem is None:
-            cs = None
-            if rotary_pos_emb is not None:
-                cs = self._cos_sin(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
-            return self.layer(x, position_embeddings=cs).transpose(0, 1), None
-        # Every rank must raise, not only this one: a mask the layer rejects carries the rejection
-        # through its agreement to every rank (as HFAttention does).
-        try:
-            self.layer(x, attention_mask=True)
-        except ValueError as e:
-            raise type(problem)(f"{self.source or 'SelfAttention'} (swapped by overlap_layers.swap): {problem}") from e
-        raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
+        problem = _attention_problem(self.layer, hidden_states, attention_mask, key_value_states, inference_context,
+                                     rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                     attention_bias, packed_seq_params)
+        x = _seq_first(hidden_states)
+        if problem is not None:
+            _reject(self.layer, x, problem, self.source or "SelfAttention")
+        cs = None
+        if rotary_pos_emb is not None:
+            cs = self.rope(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
+        return self.layer(x, position_embeddings=cs).transpose(0, 1), None
 
     def to_dense(self) -> dict:
         """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
         return self.layer.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
+
+
+class MegatronBlock(nn.Module):
+    """A megatron-core ``TransformerLayer``'s stand-in (``swap(..., block=True)``): an
+    :class:`OverlapTransformerBlock` run in Megatron's layout, with its call signature
+    ``forward(hidden_states [s, b, h], attention_mask=None, ..., rotary_pos_emb=None, ...) ->
+    (output [s, b, h], context)``.
+
+    The block's steps in sequence-first order, as :class:`MegatronAttention` and
+    :class:`MegatronMLP` take them ([Note: Megatron layout in the hot path]): the norms run on
+    ``[s, b, h]`` rows, the attention on the transposed view, the MLP on the ``[1, s*b, h]`` view.
+    Swapped only where Megatron's layer is exactly that block: no cross-attention, no hidden
+    dropout (``hidden_dropout=0``: Megatron's bias-dropout-add is then a plain residual add), no
+    residual after the layernorm, no fp32 residual, torch LayerNorm / RMSNorm norms. The norms'
+    weights keep Megatron's ``sequence_parallel`` attribute, so its ``finalize_model_grads`` (or
+    :func:`overlap_layers.finalize_grads`, not both) sums their per-rank partials. Rejected calls:
+    as :class:`MegatronAttention`, and ``context`` / ``padding_mask``.
+    """
+
+    def __init__(self, block: OverlapTransformerBlock, *, layer_number: int = 1, no_rope: bool = False,
+                 mscale: float = 1.0, source: str = ""):
+        super().__init__()
+        self.block = block
+        self.layer_number, self.no_rope, self.source = layer_number, bool(no_rope), source
+        self.rope = _RopeTables(mscale)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, inference_context=None, packed_seq_params=None, sequence_len_offset=None,
+                padding_mask=None, *, inference_params=None, **kwargs):
+        inference_context = inference_context if inference_context is not None else inference_params
+        blk = self.block
+        if self.no_rope:
+            rotary_pos_emb = None
+        problem = _attention_problem(blk.attention, hidden_states, attention_mask, None, inference_context,
+                                     rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                     attention_bias, packed_seq_params)
+        if problem is None and (context is not None or padding_mask is not None):
+            problem = ValueError("context (cross-attention) / padding_mask were passed: the swapped layer is a "
+                                 "causal self-attention block")
+        if problem is not None:
+            _reject(blk.attention, _seq_first(blk.attn_norm(hidden_states)), problem, self.source or "TransformerLayer")
+        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3):
+            blk.attention(hidden_states)  # its agreement raises the input error on every rank
+        cs = None
+        if rotary_pos_emb is not None:
+            cs = self.rope(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
+        s, b, h = hidden_states.shape
+        x = hidden_states + blk.attention(_seq_first(blk.attn_norm(hidden_states)),
+                                          position_embeddings=cs).transpose(0, 1)
+        return x + blk.mlp(blk.mlp_norm(x).reshape(1, s * b, h)).view(s, b, h), context
+
+    def to_dense(self) -> dict:
+        """The block's dense weights (:meth:`OverlapTransformerBlock.to_dense`); a collective."""
+        return self.block.to_dense()
 
     def extra_repr(self) -> str:
         return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
@@ -486,8 +570,48 @@ def _build_attention(module, group, opts, M) -> nn.Module:
                              source=type(module).__name__)
 
 
+def _block_norm(norm) -> tuple:
+    """``(kind, weight, bias, eps)`` of a torch LayerNorm / RMSNorm (Megatron's torch norms)."""
+    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.bias is not None:
+        return "layernorm", norm.weight, norm.bias, float(norm.eps)
+    if isinstance(norm, nn.RMSNorm) and norm.elementwise_affine and isinstance(norm.eps, float):
+        return "rmsnorm", norm.weight, None, norm.eps
+    raise _Unswappable(f"{type(norm).__name__} is not a torch LayerNorm (with bias) / RMSNorm (with a float eps)")
+
+
+def _build_block(module, group, opts, M) -> nn.Module:
+    cfg = module.config
+    for name in ("pre_cross_attn_layernorm", "cross_attention"):
+        if not isinstance(getattr(module, name, None), (M["IdentityOp"], type(None))):
+            raise _Unswappable(f"{name} is {type(getattr(module, name)).__name__} (cross-attention)")
+    for what, bad in (("hidden_dropout", float(module.hidden_dropout) != 0.0),
+                      ("apply_residual_connection_post_layernorm", cfg.apply_residual_connection_post_layernorm),
+                      ("fp32_residual_connection", cfg.fp32_residual_connection)):
+        if bad:
+            raise _Unswappable(f"{what}={getattr(module, what, getattr(cfg, what, None))} (the block adds plain "
+                               f"residuals in the activations' dtype)")
+    if type(module.self_attention) is not M["SelfAttention"] or type(module.mlp) is not M["MLP"]:
+        raise _Unswappable(f"self_attention {type(module.self_attention).__name__} / mlp "
+                           f"{type(module.mlp).__name__}: need megatron-core's SelfAttention and (dense) MLP")
+    (k1, w1, b1, e1), (k2, w2, b2, e2) = _block_norm(module.input_layernorm), _block_norm(module.pre_mlp_layernorm)
+    if (k1, e1) != (k2, e2):
+        raise _Unswappable(f"the two norms differ ({k1}, eps={e1}; {k2}, eps={e2})")
+    _check_plain([w1, b1, w2, b2])
+    attn = _build_attention(module.self_attention, group, opts, M)
+    mlp = _build_mlp(module.mlp, group, opts, M)
+    det = lambda t: None if t is None else t.detach()  # noqa: E731
+    block = OverlapTransformerBlock.from_layers(attn.layer, mlp.layer, norm=k1, norm_eps=e1,
+                                                attn_norm_weight=det(w1), attn_norm_bias=det(b1),
+                                                mlp_norm_weight=det(w2), mlp_norm_bias=det(b2))
+    for src, dst in ((w1, block.attn_norm.weight), (b1, block.attn_norm.bias), (w2, block.mlp_norm.weight),
+                     (b2, block.mlp_norm.bias)):
+        _copy_tp_attrs(src, dst)  # Megatron tags its norms sequence_parallel: its reduction covers ours
+    return MegatronBlock(block, layer_number=attn.layer_number, no_rope=attn.no_rope, mscale=attn.rope.mscale,
+                         source=type(module).__name__)
+
+
 _BUILDERS = {"mlp": _build_mlp, "attention": _build_attention}
-_OURS = (OverlapMLP, OverlapAttention, MegatronMLP, MegatronAttention)
+_OURS = (OverlapMLP, OverlapAttention, OverlapTransformerBlock, MegatronMLP, MegatronAttention, MegatronBlock)
 
 
 def _check_group(module, kind, group) -> None:
@@ -515,19 +639,18 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     ([Note: Megatron gradients]).
 
     ``plan`` and ``config`` work as in the Hugging Face swap (patterns on qualified names such as
-    ``"decoder.layers.*.mlp"``; kinds ``"mlp"`` and ``"attention"``). Logging
+    ``"decoder.layers.*.mlp"``; kinds ``"mlp"`` and ``"attention"``, and ``"block"`` with
+    ``block=True``). ``block=True``: each ``TransformerLayer`` that is exactly a pre-norm block
+    (see :class:`MegatronBlock`) becomes one ``OverlapTransformerBlock``; the modules of the
+    others are then swapped one by one. Logging
     (``logging.getLogger("overlap_layers.integrations.megatron")``, INFO): one line per kind.
     Warnings (``UserWarning``) for recognised modules that cannot be replaced and for unknown
     MLP / attention / MoE look-alikes (Megatron's MoELayer, MLA, Transformer Engine modules).
     Every replacement is built before the first is put in, so an error leaves the model as it was.
     A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
     check_swap_args(model, block, config, "a megatron-core model")
-    if block:
-        raise NotImplementedError("block=True is implemented for Hugging Face models; megatron-core TransformerLayers "
-                                  "are not swapped for OverlapTransformerBlock yet: use block=False, which swaps the "
-                                  "attention and MLP modules one by one")
     group = resolve_group(group, mesh, axis)
-    rules = _parse_plan(plan)
+    rules = _parse_plan(plan, block)
     M = _megatron()
     known = {"mlp": (M["MLP"],), "attention": (M["SelfAttention"],), "moe": ()}
 
@@ -540,11 +663,21 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
 
     def check_groups(todo):  # a wrong group is the caller's error: raise before building
         for name, module, kind, opts in todo:
-            if all(hasattr(module, a) for a in (("linear_fc1",) if kind == "mlp" else ("linear_qkv",))):
-                _check_group(module, kind, group)
+            sub = {"mlp": (module,), "attention": (module,)}.get(kind) or (module.mlp, module.self_attention)
+            for m, k in zip(sub, ("mlp", "attention") if kind == "block" else (kind,)):
+                if all(hasattr(m, a) for a in (("linear_fc1",) if k == "mlp" else ("linear_qkv",))):
+                    _check_group(m, k, group)
 
-    replace_modules(model, group, rules, config, kind_of=kind_of, lookalike=lookalike,
+    if block:  # TransformerLayers first; the second pass swaps what the blocks left, module by module
+        replace_modules(model, group, None if rules is None else [r for r in rules if r[1] in ("block", None)],
+                        config, kind_of=lambda m: "block" if type(m) is M["TransformerLayer"] else None,
+                        lookalike=lambda m: "block" if type(m).__name__.endswith("TransformerLayer") else None,
+                        build=lambda module, kind, opts: _build_block(module, group, opts, M), ours=_OURS,
+                        nothing=None, before_build=check_groups, kinds=("block",), log=logger)
+    replace_modules(model, group, None if rules is None else [r for r in rules if r[1] != "block"], config,
+                    kind_of=kind_of, lookalike=lookalike,
                     build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts, M), ours=_OURS,
-                    nothing="no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
+                    nothing="no recognised megatron-core TransformerLayer / MLP / SelfAttention" if block else
+                    "no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
                     kinds=("mlp", "attention"), log=logger)
     return model
