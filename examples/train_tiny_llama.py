@@ -7,6 +7,7 @@ batches of random tokens (the same on every rank). It prints the two losses side
 
     python examples/train_tiny_llama.py                    # CPU: starts 2 gloo ranks itself
     python examples/train_tiny_llama.py --steps 5 --nprocs 4
+    python examples/train_tiny_llama.py --block          # whole decoder layers as OverlapTransformerBlock
     torchrun --nproc-per-node 2 examples/train_tiny_llama.py   # GPUs: NCCL, one GPU per rank
 
 Needs ``pip install transformers`` (>= 5). The recipe, per rank::
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nprocs", type=int, default=2, help="CPU ranks to start when not under torchrun")
     p.add_argument("--tol", type=float, default=1e-3, help="largest |dense - overlap| loss difference accepted")
+    p.add_argument("--block", action="store_true",
+                   help="swap whole decoder layers (OverlapTransformerBlock) instead of attention and MLP one by one")
     return p.parse_args(argv)
 
 
@@ -65,7 +68,7 @@ def train(device: torch.device, args) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     model = build_model(args.seed, device)
     dense = copy.deepcopy(model)
-    overlap_layers.swap(model, group=dist.group.WORLD)  # TP over the whole world
+    overlap_layers.swap(model, group=dist.group.WORLD, block=args.block)  # TP over the whole world
     runs = [("dense", dense, torch.optim.AdamW(dense.parameters(), lr=args.lr)),
             ("overlap", model, torch.optim.AdamW(model.parameters(), lr=args.lr))]
     # Batches of random tokens from a small random corpus (so the loss has something to learn),

@@ -425,13 +425,15 @@ def test_moe_split_uneven(pool2):
 
 # ------------------------------------------------------------------ the examples' CPU paths
 def test_examples_run():
-    """Both examples' CPU paths (each starts 2 gloo ranks itself), run together (their start-up is
-    mostly imports): they exit 0 and print one line per step and that the losses match."""
+    """Both examples' CPU paths (each starts 2 gloo ranks itself; the Llama one also with --block),
+    run together (their start-up is mostly imports): they exit 0 and print one line per step and
+    that the losses match."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    runs = {"train_tiny_llama.py": 3, "moe_example.py": 2}
-    procs = {script: subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", script), "--steps", str(n)],
+    runs = {("train_tiny_llama.py",): 3, ("train_tiny_llama.py", "--block"): 2, ("moe_example.py",): 2}
+    procs = {script: subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", script[0]), *script[1:],
+                                       "--steps", str(n)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for script, n in runs.items()}
     for script, p in procs.items():
