@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -446,3 +447,43 @@ def test_examples_run():
         steps = [ln for ln in out.splitlines() if ln.lstrip().startswith("step")]
         assert len(steps) == runs[script], out
         assert "losses match" in out, out
+
+
+# ------------------------------------------------------------------ HF gradient checkpointing
+def checkpointed_run(rank, ws, block):
+    """``model.gradient_checkpointing_enable()`` on a swapped model (HF checkpoints its decoder
+    layers, or our HFBlocks): loss and every gradient equal the dense model's, and the blocks did
+    recompute (their layers ran forward twice)."""
+    from overlap_layers import OverlapAttention, finalize_grads, swap
+    model = build("llama")
+    dense = copy.deepcopy(model)
+    swap(model, group=dist.group.WORLD, block=block)
+    model.gradient_checkpointing_enable()
+    model.train()
+    dense.train()
+    attn = next(m for m in model.modules() if isinstance(m, OverlapAttention))
+    attn.launch_log = []
+    ids = batch()
+    loss, want = model(ids, labels=ids).loss, dense(ids, labels=ids).loss
+    n_fwd = len(attn.launch_log)
+    loss.backward()
+    want.backward()
+    finalize_grads(model)
+    recomputed = Counter(name for _, name, _ in attn.launch_log)
+    errs = {"loss": abs(loss.item() - want.item()) / abs(want.item())}
+    for name, layer, kind, dmod in swapped_pairs(model, dense):
+        got = grads_to_dense(layer)
+        for k, w in dense_view(dmod, kind)(lambda t: t.grad).items():
+            if w is not None:
+                errs[f"grad {name}.{k}"] = rel(got[k], w)
+    errs["embed"] = rel(model.model.embed_tokens.weight.grad, dense.model.embed_tokens.weight.grad)
+    fwd_ops = Counter(name for _, name, _ in attn.launch_log[:n_fwd])
+    return errs, all(recomputed[k] == 2 * v for k, v in fwd_ops.items())
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_hf_gradient_checkpointing(pool2, block):
+    for errs, recomputed in pool2.run(checkpointed_run, block):
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, bad
+        assert recomputed

@@ -40,6 +40,7 @@ cannot branch on its values).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -182,14 +183,24 @@ class HFBlock(nn.Module):
     so it enters scaled by 1/ws and the sum restores it exactly.
     """
 
+    #: HF's ``gradient_checkpointing_enable()`` sets this (and ``_gradient_checkpointing_func``) on
+    #: every module that has the attribute: the block is then checkpointed as a decoder layer is.
+    gradient_checkpointing = False
+
     def __init__(self, block: OverlapTransformerBlock, gate: Optional[nn.Module] = None, *, layer_idx=None,
                  sliding_window: Optional[int] = None, source: str = ""):
         super().__init__()
         self.block, self.gate = block, gate
         self.layer_idx, self.sliding_window, self.source = layer_idx, sliding_window, source
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, past_key_values=None, past_key_value=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, **kwargs):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # as HF's decoder layers do ([Note: recompute] keeps the recomputation's plans)
+            return self._gradient_checkpointing_func(functools.partial(self._forward, **kwargs), hidden_states)
+        return self._forward(hidden_states, **kwargs)
+
+    def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                 use_cache=False, position_embeddings=None, past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
         problem = call_problem(hidden_states, position_embeddings, cache, kwargs, self.sliding_window)
         if problem is not None:
