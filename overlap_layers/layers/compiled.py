@@ -38,7 +38,8 @@ _AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality) 
 
 
 def _autograd_inside():
-    """Lift the custom-op kernel's exclusion of the autograd keys for the block (grad mode too)."""
+    """Lift the custom-op kernel's exclusion of the autograd keys for the block (grad mode is the
+    caller's to set)."""
     inc, exc = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
     return torch._C._ForceDispatchKeyGuard(inc, exc - _AUTOGRAD)
 
