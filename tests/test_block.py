@@ -135,6 +135,8 @@ def mesh_vs_group(rank, ws, moe, sp):
                 for p in (n.weight, n.bias):
                     _local_of(p).add_(0.1 * (i + 1))
     not_dt = [n for n, p in on_mesh.named_parameters() if not isinstance(p, DTensor)]
+    rebuilt = OverlapTransformerBlock.from_layers(on_mesh.attention, on_mesh.mlp, norm="layernorm")
+    not_dt += [f"from_layers {n}" for n, p in rebuilt.named_parameters() if not isinstance(p, DTensor)]
     g = torch.Generator().manual_seed(3)
     S = 8 // ws if sp else 8
     x = torch.randn(2, S, H, generator=g, dtype=torch.float64)

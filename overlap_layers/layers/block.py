@@ -68,6 +68,13 @@ class BlockNorm(nn.Module):
         return f"{self.kind}, {self.hidden_size}, eps={self.eps}"
 
 
+def _check_norm(norm, norm_eps) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r}; valid: {NORMS}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
+        raise ValueError(f"norm_eps={norm_eps!r}; must be a positive number")
+
+
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
@@ -98,10 +105,7 @@ class OverlapTransformerBlock(nn.Module):
                  axis=None, sequence_parallel: bool = True, rope_theta: float = 10000.0, num_tiles=None,
                  config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
-        if norm not in NORMS:
-            raise ValueError(f"norm={norm!r}; valid: {NORMS}")
-        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
-            raise ValueError(f"norm_eps={norm_eps!r}; must be a positive number")
+        _check_norm(norm, norm_eps)
         if moe is not None:
             if not isinstance(moe, dict):
                 raise ValueError(f"moe={moe!r}; must be None (a dense MLP) or a dict of OverlapMoE keywords")
@@ -135,12 +139,12 @@ class OverlapTransformerBlock(nn.Module):
         """A block around existing sublayers (no new weights are drawn): ``attention`` an
         :class:`OverlapAttention`, ``mlp`` an :class:`OverlapMLP` or :class:`OverlapMoE` on the same
         group, with the same sequence parallelism (an MoE fits either); the norms from the given
-        weights (``[hidden]``; default ones and zeros). Used by ``swap(..., block=True)``."""
+        weights (``[hidden]``; default ones and zeros), as Replicate DTensors when the sublayers
+        hold DTensors (``mesh=``). Used by ``swap(..., block=True)``."""
         if not isinstance(attention, OverlapAttention) or not isinstance(mlp, (OverlapMLP, OverlapMoE)):
             raise ValueError(f"attention={type(attention).__name__}, mlp={type(mlp).__name__}: need an "
                              f"OverlapAttention and an OverlapMLP or OverlapMoE")
-        if norm not in NORMS:
-            raise ValueError(f"norm={norm!r}; valid: {NORMS}")
+        _check_norm(norm, norm_eps)
         if mlp.group is not attention.group or mlp.hidden_size != attention.hidden_size or \
                 getattr(mlp, "sequence_parallel", attention.sequence_parallel) != attention.sequence_parallel:
             raise ValueError("attention and mlp must share the group, hidden_size and sequence_parallel")
@@ -162,6 +166,8 @@ class OverlapTransformerBlock(nn.Module):
                             raise ValueError(f"norm weight/bias of shape {tuple(t.shape)}: must be "
                                              f"[{attention.hidden_size}] (a bias only with norm='layernorm')")
                         p.copy_(t)
+        if attention._input_mesh is not None:  # DTensor sublayers (mesh=): the norms too
+            _replicate_norms(self, attention._input_mesh, None)
         return self
 
     @property
