@@ -32,6 +32,27 @@ class RankFailure(Exception):
         return [(o[1], o[2]) if o[0] == "err" else None for o in self.outcomes]
 
 
+def expect_value_error_on_every_rank(pool, fn, *args, match):
+    """``pool.run(fn, *args)`` must raise ValueError on every rank, each message holding ``match``
+    (a string, or a tuple of acceptable strings: any one of them)."""
+    import pytest
+    with pytest.raises(RankFailure) as info:
+        pool.run(fn, *args, timeout=60)
+    errs = info.value.errors()
+    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
+    alts = match if isinstance(match, tuple) else (match,)
+    assert all(any(m in e[1] for m in alts) for e in errs), [e[1] for e in errs]
+
+
+def all_reduce_ranks(rank, world_size):
+    """The sum of rank + 1 over the group: a pool that still works after failures answers it."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
+
+
 def _worker(rank, world_size, store_path, conn):
     import torch
     import torch.distributed as dist

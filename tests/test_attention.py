@@ -19,7 +19,7 @@ from attention_reference import bad_call_input, dense_attention
 from overlap_layers import OverlapConfig, reduce_replicated_grads
 from overlap_layers.layers.attention import OverlapAttention
 from overlap_layers.layers.mlp import MLPPlan
-from pool import RankFailure
+from pool import all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 
@@ -358,16 +358,6 @@ def test_constructor_shapes_and_round_trip(pool2):
 
 
 # ------------------------------------------------------------------ bad input
-def expect_value_error_on_every_rank(pool, fn, *args, match):
-    """``match``: a string, or a tuple of acceptable strings (any one of them in the message)."""
-    with pytest.raises(RankFailure) as info:
-        pool.run(fn, *args, timeout=60)
-    errs = info.value.errors()
-    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
-    alts = match if isinstance(match, tuple) else (match,)
-    assert all(any(m in e[1] for m in alts) for e in errs), [e[1] for e in errs]
-
-
 def _build_kw(rank, ws, kw):
     args = dict(hidden_size=16, num_heads=4, group=dist.group.WORLD)
     args.update(kw)
@@ -465,12 +455,6 @@ def test_pin_plan_rejects_bad_plans(pool2, plan, match):
 
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
-
-
-def all_reduce_ranks(rank, ws):
-    t = torch.tensor([rank + 1])
-    dist.all_reduce(t)
-    return int(t)
 
 
 def causal_mask_run(rank, ws):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
 from overlap_layers.layers.mlp import MLPPlan
-from pool import RankFailure
+from pool import all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -305,14 +305,6 @@ def _x_ok(rank):
     return torch.randn(2, 4, 8)
 
 
-def expect_value_error_on_every_rank(pool, fn, *args, match):
-    with pytest.raises(RankFailure) as info:
-        pool.run(fn, *args, timeout=60)
-    errs = info.value.errors()
-    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
-    assert all(match in e[1] for e in errs), [e[1] for e in errs]
-
-
 @pytest.mark.parametrize("kw,match", [
     (dict(ffn_hidden_size=7), "ffn_hidden_size"),
     (dict(hidden_size=0), "hidden_size"),
@@ -381,9 +373,3 @@ def test_different_num_tiles_per_rank_raises(pool2):
 
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
-
-
-def all_reduce_ranks(rank, ws):
-    t = torch.tensor([rank + 1])
-    dist.all_reduce(t)
-    return int(t)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_reference import dense_moe, route
-from pool import RankFailure
+from pool import all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapMoE
 
@@ -415,16 +415,6 @@ def test_constructor_shapes(pool2):
 
 
 # ------------------------------------------------------------------ bad input
-def expect_value_error_on_every_rank(pool, fn, *args, match):
-    """``match``: a string, or a tuple of acceptable strings (any one of them in the message)."""
-    with pytest.raises(RankFailure) as info:
-        pool.run(fn, *args, timeout=60)
-    errs = info.value.errors()
-    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
-    alts = match if isinstance(match, tuple) else (match,)
-    assert all(any(m in e[1] for m in alts) for e in errs), [e[1] for e in errs]
-
-
 def _build_kw(rank, ws, kw):
     args = dict(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, group=dist.group.WORLD)
     args.update(kw)
@@ -533,10 +523,3 @@ def test_no_grad_forward(pool2):
 
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
-
-
-def all_reduce_ranks(rank, ws):
-    t = torch.tensor([rank + 1])
-    dist.all_reduce(t)
-    return int(t)
-

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import overlap_layers
 from attention_reference import bad_call_input, dense_attention
 from overlap_layers import OverlapConfig, UlyssesAttention
-from pool import RankFailure
+from pool import all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
@@ -311,14 +311,6 @@ def test_init_matches_nn_linear_and_round_trips(pool2, bias, qk_norm, on_meta):
 
 
 # ------------------------------------------------------------------ bad input
-def expect_value_error_on_every_rank(pool, fn, *args, match):
-    with pytest.raises(RankFailure) as info:
-        pool.run(fn, *args, timeout=60)
-    errs = info.value.errors()
-    assert all(e is not None and e[0] == "ValueError" for e in errs), info.value
-    assert all(match in e[1] for e in errs), [e[1] for e in errs]
-
-
 def _build_kw(rank, ws, kw):
     args = dict(hidden_size=16, num_heads=4, group=dist.group.WORLD)
     args.update(kw)
@@ -413,10 +405,4 @@ def test_config_transport_copy_engine_refused(pool2):
 
 
 def test_pool_survives_errors(pool2):
-    assert pool2.run(_all_reduce_ranks) == [3, 3]
-
-
-def _all_reduce_ranks(rank, ws):
-    t = torch.tensor([rank + 1])
-    dist.all_reduce(t)
-    return int(t)
+    assert pool2.run(all_reduce_ranks) == [3, 3]
