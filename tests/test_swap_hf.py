@@ -12,16 +12,17 @@ original and runs both on the same batch. What each rank must hold, from the ref
   to_dense() of a swapped layer   the dense module's weights, exactly
 """
 import copy
-import logging
 import os
 import subprocess
 import sys
-import warnings
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from swap_helpers import grads_to_dense, rel
+from swap_helpers import swap_logged as _swap_logged
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,30 +70,9 @@ def batch(seed=1, B=2, S=8, vocab=96):
     return torch.randint(0, vocab, (B, S), generator=g)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def swap_logged(model, **kw):
-    """``swap`` with its log lines and warnings captured."""
-    from overlap_layers import swap
-    logger = logging.getLogger("overlap_layers.integrations.hf")
-    h, old = _Records(), logger.level
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO)
-    try:
-        with warnings.catch_warnings(record=True) as ws:
-            warnings.simplefilter("always")
-            swap(model, **kw)
-    finally:
-        logger.removeHandler(h)
-        logger.setLevel(old)
-    return h.lines, [str(w.message) for w in ws if issubclass(w.category, UserWarning)]
+    """``swap`` with the HF swap's log lines and every UserWarning captured."""
+    return _swap_logged(model, "overlap_layers.integrations.hf", **kw)
 
 
 # ------------------------------------------------------------------ dense <-> swapped mapping
@@ -121,24 +101,6 @@ def dense_view(dense_mod, kind):
             return {"router_weight": get(dense_mod.gate.weight), "w_in": get(dense_mod.experts.gate_up_proj),
                     "w_out": get(dense_mod.experts.down_proj), "shared_w_in": None, "shared_w_out": None}
     return view
-
-
-def grads_to_dense(layer):
-    """``to_dense()`` of the layer's gradients (a collective): weights swapped for grads, gathered,
-    restored."""
-    params = list(layer.parameters())
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-        out = layer.to_dense()
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    return out
-
-
-def rel(got, want):
-    return ((got.double() - want.double()).norm() / max(want.double().norm().item(), 1e-30)).item()
 
 
 def swapped_pairs(model, dense):

@@ -24,12 +24,14 @@ seed and the same re-drawn weights):
                                                           module, exactly
 """
 import contextlib
-import logging
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from swap_helpers import grads_to_dense, rel
+from swap_helpers import swap_logged as _swap_logged
 
 pytest.importorskip("megatron.core")
 
@@ -101,23 +103,6 @@ def causal_mask():
     return torch.ones(S, S, dtype=torch.bool).triu_(1)[None, None]
 
 
-def rel(got, want):
-    return ((got.double() - want.double()).norm() / max(want.double().norm().item(), 1e-30)).item()
-
-
-def grads_to_dense(layer):
-    """``to_dense()`` of the layer's gradients (a collective)."""
-    params = list(layer.parameters())
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-        out = layer.to_dense()
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    return out
-
-
 def sp_reduce(model, group, skip=()):
     """What Megatron's finalize_model_grads does for sequence parallelism: sum, over the TP group,
     the gradients of parameters tagged ``sequence_parallel`` (except ``skip``)."""
@@ -127,26 +112,8 @@ def sp_reduce(model, group, skip=()):
 
 
 def swap_logged(model, **kw):
-    from overlap_layers import swap
-    logger = logging.getLogger("overlap_layers.integrations.megatron")
-    lines = []
-
-    class H(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    h, old = H(logging.INFO), logger.level
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO)
-    try:
-        with warnings.catch_warnings(record=True) as ws:
-            warnings.simplefilter("always")
-            swap(model, **kw)
-    finally:
-        logger.removeHandler(h)
-        logger.setLevel(old)
-    return lines, [str(w.message) for w in ws if issubclass(w.category, UserWarning)
-                   and "overlap_layers" in str(w.message)]
+    """``swap`` with the Megatron swap's log lines and overlap_layers' warnings captured."""
+    return _swap_logged(model, "overlap_layers.integrations.megatron", ours_only=True, **kw)
 
 
 def swapped_layers(model):
