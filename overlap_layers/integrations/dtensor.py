@@ -95,6 +95,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..layers.attention import OverlapAttention
+from ..layers.attention_common import PARAMS
 from ..layers.mlp import OverlapMLP
 from ..layers.moe import OverlapMoE
 from ..layers.block import OverlapTransformerBlock
@@ -165,7 +166,7 @@ def _layouts(layer: nn.Module) -> Dict[str, Layout]:
         return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
                 "shared_w_in": Layout(Replicate()), "shared_w_out": Layout(Replicate())}
     if isinstance(layer, UlyssesAttention):  # whole on every rank
-        return {n: Layout(Replicate()) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")}
+        return {n: Layout(Replicate()) for n in PARAMS}
     raise ValueError(f"{type(layer).__name__} has no DTensor form; build it with group= (a ProcessGroup)")
 
 

@@ -44,15 +44,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, resolve_group
+from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..schedule import TileProgram, round_robin
-from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, compiled_position_args, init_linear_,
-                               input_error, position_kwargs, register_params)
+from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
+                               init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
-from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
+from .planned import PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                          recording_graph, row_forward, weight_grad)
@@ -235,12 +235,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
-        self.launch_log: Optional[list] = None
-        self._streams = StreamPool()
-        self._agreement = Agreement(self.group)
-        self._init_planning(self.config)
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     def _kv_heads(self) -> range:
@@ -336,7 +331,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
             per = ws // self.num_kv_heads  # ranks sharing one KV head hold copies: keep the first
             return g.view(ws, *t.shape)[::per].reshape(-1, *t.shape[1:])
 
-        p = {n: self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")}
+        p = {n: self._local(n) for n in PARAMS}
         out = {"wq": gather(p["wq"]), "wk": kv(p["wk"]), "wv": kv(p["wv"]),
                "wo": gather(p["wo"].t()).t().contiguous(),
                "bq": gather(p["bq"]) if self.bias else None, "bk": kv(p["bk"]) if self.bias else None,
@@ -408,12 +403,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
-        params = [self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")]
-        if torch.is_autocast_enabled(dev):
-            cdt = torch.get_autocast_dtype(dev)
-            x = x.to(cdt)
-            params = [p.to(cdt) if p is not None and p.is_floating_point() else p for p in params]
-        wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
+        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
         B, s, H = x.shape
         S = s * (self.world_size if self.sequence_parallel else 1)
         with torch.autocast(dev, enabled=False):
@@ -425,11 +415,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
             x_TH = x.reshape(B * s, H).contiguous()
-            if save:
-                y_TH = _TiledAttention.apply(x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
-            else:
-                with torch.no_grad():
-                    y_TH = _TiledAttention.apply(x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
+            y_TH = apply_saving(_TiledAttention, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:
                 y_TH = y_TH + bo
         return y_TH.view(B, s, H)

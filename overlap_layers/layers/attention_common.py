@@ -26,6 +26,8 @@ INPUT_ERRORS = {
        "window masks are not supported",
 }
 WHAT = "x / position_ids / position_embeddings / attention_mask"
+#: Every attention parameter, in the order the layers read them (None where a layer has none).
+PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 
 
 def _positive_int(name: str, v) -> None:

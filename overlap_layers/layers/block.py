@@ -94,8 +94,8 @@ class OverlapTransformerBlock(nn.Module):
     on every rank; ``position_ids [batch or 1, seq]`` of the global sequence or HF's
     ``position_embeddings`` ``(cos, sin)``, as :class:`OverlapAttention` takes them. Returns
     ``y`` shaped like ``x`` (a DTensor ``x``, with ``mesh=``: Shard(1) under sequence parallelism,
-    else Replicate, gives a DTensor ``y`` of the same placement). ``moe``: None for the swiglu MLP of width ``ffn_hidden_size``, or a
-    dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
+    else Replicate, gives a DTensor ``y`` of the same placement). ``moe``: None for the swiglu MLP
+    of width ``ffn_hidden_size``, or a dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
     ``MOE_KEYS``), whose experts then have width ``ffn_hidden_size``. ``num_tiles`` and
     ``config`` apply to every sublayer. After backward, call ``finalize_grads(model)``.
     """

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, resolve_group
+from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from .mlp_cost import MLPCostModel
-from .planned import X_ERRORS, PlannedLayer, TilePlan, resolve_config, run_tiles, x_error
+from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .planning import Trial
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
@@ -221,12 +221,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self.launch_log: Optional[list] = None
-        self._streams = StreamPool()
-        self._agreement = Agreement(self.group)
-        self._init_planning(self.config)
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     def _dense_in_rows(self) -> int:
@@ -377,12 +372,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
-        w_in, b_in, w_out, b_out = (self._local(n) for n in ("w_in", "b_in", "w_out", "b_out"))
-        if torch.is_autocast_enabled(dev):
-            cdt = torch.get_autocast_dtype(dev)
-            x, w_in, w_out = x.to(cdt), w_in.to(cdt), w_out.to(cdt)
-            b_in = b_in.to(cdt) if b_in is not None else None
-            b_out = b_out.to(cdt) if b_out is not None else None
+        x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
         B, S, H = x.shape
         call = _Call(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
@@ -390,11 +380,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
                      launch_log=self.launch_log, trial=trial, trace=trace)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
-            if save:
-                y_TH = _TiledMLP.apply(x_TH, w_in, b_in, w_out, call)
-            else:
-                with torch.no_grad():
-                    y_TH = _TiledMLP.apply(x_TH, w_in, b_in, w_out, call)
+            y_TH = apply_saving(_TiledMLP, save, x_TH, w_in, b_in, w_out, call)
             if b_out is not None:
                 y_TH = y_TH + b_out
         return y_TH.view(B, S, H)

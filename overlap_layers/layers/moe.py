@@ -60,12 +60,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, resolve_group
+from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
-from .planned import X_ERRORS, PlannedLayer, TilePlan, resolve_config, run_tiles, x_error
+from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .moe_cost import MoECostModel
 from .tp_program import Accumulator, recording_graph
 
@@ -397,12 +397,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         else:
             self.shared_w_in = self.shared_w_out = None
         self.aux_loss: Optional[torch.Tensor] = None
-        self.launch_log: Optional[list] = None
-        self._streams = StreamPool()
-        self._agreement = Agreement(self.group)
-        self._init_planning(self.config)
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -558,11 +553,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
         dev = x.device.type
         B, S, H = x.shape
         K, ws = plan.num_tiles, self.world_size
+        x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
-        w_in, w_out = self._local("w_in"), self._local("w_out")
-        if torch.is_autocast_enabled(dev):
-            cdt = torch.get_autocast_dtype(dev)
-            x_TH, w_in, w_out = x_TH.to(cdt), w_in.to(cdt), w_out.to(cdt)
         with torch.autocast(dev, enabled=False):
             with torch.profiler.record_function("overlap::moe::route"):
                 order, weights, counts = self._route_and_count(x_TH, K)
@@ -588,11 +580,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
                          _tiles(host, self.rank, *tensors))
             call.trial, call.trace = trial, trace
-            if save:
-                y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
-            else:
-                with torch.no_grad():
-                    y_perm = _ExpertExchange.apply(x_perm, w_in, w_out, call)
+            y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
             with torch.profiler.record_function("overlap::moe::unpermute"):
                 if kept < n:  # dropped assignments: zero rows
                     y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])

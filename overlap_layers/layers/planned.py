@@ -11,7 +11,7 @@ under the memory budget (:func:`~overlap_layers.sim.choose`); then verified on t
 A layer provides ``_plan_key(shape, dtype, save)`` (a tuple ending in dtype, save),
 ``_tile_units(shape)`` (what K is capped by), ``_cost_model(key, hw)``, ``_programs(k, save,
 regather)``, ``_op_setups(cm, dtype)`` (the non-GEMM ops to measure) and ``_weight`` (a parameter
-giving the device), and sets the attributes of :meth:`_init_planning`.
+giving the device), and ends its constructor with :meth:`_init_layer`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
-from ..runtime import execute
+from ..runtime import Agreement, StreamPool, execute
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -104,6 +104,14 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
     if config.transport == "copy_engine":
         raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
+
+
+def apply_saving(fn, save: bool, *args):
+    """``fn.apply(*args)`` (an autograd Function), recording its graph only when ``save``."""
+    if save:
+        return fn.apply(*args)
+    with torch.no_grad():
+        return fn.apply(*args)
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -222,6 +230,27 @@ class PlannedLayer:
     def _compiled_kwargs(self, extras) -> dict:
         """The keyword arguments of ``forward`` from :meth:`_compiled_extras`' list."""
         return {}
+
+    def _init_layer(self, config: OverlapConfig, mesh, axis) -> None:
+        """The end of every layer's constructor (``self.group`` set, parameters allocated): the
+        launch log, streams, the group's agreement, the planning state, the initial weights and,
+        with ``mesh=``, the DTensor parameters."""
+        self.launch_log: Optional[list] = None
+        self._streams = StreamPool()
+        self._agreement = Agreement(self.group)
+        self._init_planning(config)
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
+
+    def _call_tensors(self, x: torch.Tensor, names: Sequence[str]):
+        """``(x, [parameters])``: ``x`` and the local parameters ``names`` (None stays None) in
+        the dtype the call computes in, autocast's on ``x``'s device when it is enabled."""
+        params = [self._local(n) for n in names]
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            cdt = torch.get_autocast_dtype(dev)
+            x, params = x.to(cdt), [None if p is None else p.to(cdt) for p in params]
+        return x, params
 
     def _init_planning(self, config: OverlapConfig) -> None:
         register_layer(self)  # [Note: compiled calls]

@@ -54,10 +54,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import Agreement, StreamPool, resolve_group
+from ..runtime import resolve_group
 from ..schedule import TileProgram, comm, compute, round_robin, wait
-from .attention_common import (INPUT_ERRORS, WHAT, check_args, check_dense, compiled_position_args, init_linear_,
-                               input_error, position_kwargs, register_params)
+from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
+                               init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
@@ -347,15 +347,10 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         self.softmax_scale, self.dropout_p = softmax_scale, dropout_p
         register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                         bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
-        self.launch_log: Optional[list] = None
         self.tile_by = "batch"  # what the last call tiled
         self._routes: dict = {}  # (h0, h1) -> _Route; rank-dependent, but never decides a collective
         self._indices: dict = {}  # (heads, field, device) -> index tensor, so a call copies no index to the device
-        self._streams = StreamPool()
-        self._agreement = Agreement(self.group)
-        self._init_planning(self.config)
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -398,7 +393,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     @torch.no_grad()
     def to_dense(self) -> dict:
         """The dense weights (keys of :meth:`from_dense`; None where absent); copies, rank-local."""
-        names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
+        names = PARAMS
         return {n: (self._local(n).detach().clone() if getattr(self, n) is not None else None) for n in names}
 
     # ----------------------------------------------------------------- forward
@@ -502,12 +497,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         dev = x.device.type
-        params = [self._local(n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")]
-        if torch.is_autocast_enabled(dev):
-            cdt = torch.get_autocast_dtype(dev)
-            x = x.to(cdt)
-            params = [p.to(cdt) if p is not None else None for p in params]
-        wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
+        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
         B, s, H = x.shape
         tiles, routes = self._tiles(B, plan)
         self.tile_by = "heads" if len(routes) > 1 else "batch"
