@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..layers.attention import OverlapAttention
 from ..layers.attention_core import attention, rope_cos_sin
 from .mlp import MLPBench
-from .runner import run_modes
+from .runner import pass_fn, run_modes
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
 PRESETS = {
@@ -174,15 +174,7 @@ class UlyssesBench(AttentionBench):
                     attention(q, k, v, cos_sin=cs, q_norm=None, k_norm=None, causal=True, scale=None),
                     o_loc @ w_o.t())
 
-        def run():
-            if backward:
-                torch.autograd.backward(list(forward()), grads)
-                for t in (x, w_send, w_o, q, k, v, o_loc):
-                    t.grad = None
-            else:
-                with torch.no_grad():
-                    forward()
-        return run
+        return pass_fn(forward, backward, grads, (x, w_send, w_o, q, k, v, o_loc))
 
     def comm_fn(self, backward: bool):
         r, g, ws = self._route(), self.group, self.ws

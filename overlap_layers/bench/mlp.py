@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
-from .runner import run_modes
+from .runner import pass_fn, run_modes
 
 PRESETS = {
     "tiny": dict(hidden=64, ffn=256, batch=2, seq=64),
@@ -77,15 +77,7 @@ class MLPBench:
         layer.pin_plan(None)
         x = self.x.detach().requires_grad_(backward)
 
-        def run():
-            if backward:
-                self.call_layer(x).backward(self.dy)
-                x.grad = None
-                for p in layer.parameters():
-                    p.grad = None
-            else:
-                with torch.no_grad():
-                    self.call_layer(x)
+        run = pass_fn(lambda: self.call_layer(x), backward, [self.dy], [x, *layer.parameters()])
         self.planning_ms = None
         if k == "auto":
             t0 = time.perf_counter()
@@ -129,15 +121,8 @@ class MLPBench:
         w_out = self.layer.w_out.detach().requires_grad_(backward)
         dyg = torch.randn(xg.shape, device=self.device, dtype=self.dtype)
 
-        def run():
-            if backward:
-                y = _act(self.s.activation, xg @ w_in.t()) @ w_out.t()
-                y.backward(dyg)
-                xg.grad = w_in.grad = w_out.grad = None
-            else:
-                with torch.no_grad():
-                    _act(self.s.activation, xg @ w_in.t()) @ w_out.t()
-        return run
+        return pass_fn(lambda: _act(self.s.activation, xg @ w_in.t()) @ w_out.t(), backward, [dyg],
+                       [xg, w_in, w_out])
 
     def comm_fn(self, backward: bool):
         x2 = self.x.reshape(-1, self.s.hidden)

@@ -43,7 +43,7 @@ from ..layers.mlp import _act
 from ..layers.moe import OverlapMoE, _read_on_host
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
-from .runner import run_modes
+from .runner import pass_fn, run_modes
 
 # tokens: per rank (each rank's own batch 1 x seq tokens)
 PRESETS = {
@@ -202,15 +202,7 @@ class MoEBench(MLPBench):
             y = torch.zeros_like(x).index_add(0, t_perm, x_perm * weights.reshape(-1)[order].to(x.dtype)[:, None])
             return experts(xr, sizes, offs, w_in, w_out), y
 
-        def run():
-            if backward:
-                torch.autograd.backward(list(forward()), [inp["dyr"], dy])
-                for t in (x, router, w_in, w_out, xr):
-                    t.grad = None
-            else:
-                with torch.no_grad():
-                    forward()
-        return run
+        return pass_fn(forward, backward, [inp["dyr"], dy], (x, router, w_in, w_out, xr))
 
     def comm_fn(self, backward: bool):
         H, g, send, recv = self.s.hidden, self.group, self.send, self.recv

@@ -10,7 +10,7 @@ import contextlib
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,23 @@ import torch.distributed as dist
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def pass_fn(forward: Callable, backward: bool, grads: Sequence[torch.Tensor],
+            leaves: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A callable running one pass: ``forward()`` (a tensor or a tuple of them) under no_grad, or,
+    with ``backward``, forward then backward of its outputs with ``grads``, clearing the
+    ``leaves``' gradients after."""
+    def run():
+        if backward:
+            out = forward()
+            torch.autograd.backward(list(out) if isinstance(out, (tuple, list)) else [out], list(grads))
+            for t in leaves:
+                t.grad = None
+        else:
+            with torch.no_grad():
+                forward()
+    return run
 
 
 def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
