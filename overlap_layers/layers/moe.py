@@ -236,7 +236,6 @@ class _Call:
         self.group, self.activation, self.plan, self.save, self.streams = \
             layer.group, layer.activation, plan, save, streams
         self.tiles = tiles
-        self.send, self.recv = [t.send for t in tiles], [t.recv for t in tiles]
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
@@ -265,7 +264,7 @@ def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
             y_g = y_g.detach()
         else:
             y_g = c.experts(x_g, tile.sizes, tile.offs, w_in, w_out)
-        env["ys"] = (y_g.index_select(0, tile.inverse), c.recv[t], c.send[t])
+        env["ys"] = (y_g.index_select(0, tile.inverse), tile.recv, tile.send)
 
     return TileProgram("moe", (comm("dispatch", "all_to_all", src="xs"), wait("dispatch", dst="xr"),
                                compute("experts", experts), comm("combine", "all_to_all", src="ys"),
@@ -285,7 +284,7 @@ def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TilePro
         for key, g in (("w_in", dwi), ("w_out", dwo)):
             if g is not None:
                 accumulate(key, lambda buf, g=g: buf.copy_(g), lambda buf, g=g: buf.add_(g))
-        env["dxs"] = (dx_g.index_select(0, tile.inverse), c.recv[t], c.send[t])
+        env["dxs"] = (dx_g.index_select(0, tile.inverse), tile.recv, tile.send)
 
     return TileProgram("moe_bwd", (comm("dispatch_bwd", "all_to_all", src="dys"), wait("dispatch_bwd", dst="dyr"),
                                    compute("experts_bwd", experts_bwd),
@@ -304,10 +303,10 @@ class _ExpertExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_perm, w_in, w_out, call: _Call):
         offsets = [0]
-        for s in call.send:
-            offsets.append(offsets[-1] + sum(s))
-        envs = [{"tile": t, "xs": (x_perm[offsets[t]:offsets[t + 1]], call.send[t], call.recv[t])}
-                for t in range(len(call.send))]
+        for tile in call.tiles:
+            offsets.append(offsets[-1] + sum(tile.send))
+        envs = [{"tile": t, "xs": (x_perm[offsets[t]:offsets[t + 1]], tile.send, tile.recv)}
+                for t, tile in enumerate(call.tiles)]
         run_tiles(call, round_robin(_forward_program(call, w_in, w_out), len(envs)), envs, "moe", backward=False,
                   device=x_perm.device)
         if call.save:
@@ -323,7 +322,7 @@ class _ExpertExchange(torch.autograd.Function):
         graphs, ctx.graphs, offs = ctx.graphs, None, ctx.offsets
         dy_perm = dy_perm.contiguous()
         grads = {"w_in": torch.zeros_like(w_in), "w_out": torch.zeros_like(w_out)}
-        envs = [{"tile": t, "graph": graphs[t], "dys": (dy_perm[offs[t]:offs[t + 1]], c.send[t], c.recv[t])}
+        envs = [{"tile": t, "graph": graphs[t], "dys": (dy_perm[offs[t]:offs[t + 1]], c.tiles[t].send, c.tiles[t].recv)}
                 for t in range(len(graphs))]
         del graphs
         run_tiles(c, round_robin(_backward_program(c, w_in, w_out, Accumulator(grads)), len(envs)), envs, "moe_bwd",
