@@ -101,6 +101,7 @@ from torch import nn
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
+from ..layers.attention_common import is_causal_mask
 from ..runtime import resolve_group
 from .hf import _parse_plan, _Unswappable, check_swap_args, replace_modules
 
@@ -214,28 +215,7 @@ def _copy_tp_attrs(src: Optional[torch.Tensor], dst: Optional[torch.Tensor]) -> 
             setattr(dst, a, getattr(src, a))
 
 
-# ---------------------------------------------------------------------------- masks and RoPE
-_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, (version, S), verdict)
-
-
-def _is_causal_mask(mask, S: int) -> bool:
-    """Whether a Megatron attention mask (boolean, True = masked out) is the causal one over ``S``
-    positions (None is: the layer's mask type is causal). Cached for the last mask seen (Megatron
-    hands one mask object to every layer)."""
-    global _mask_verdict
-    if mask is None:
-        return True
-    if not isinstance(mask, torch.Tensor):
-        return False
-    last = _mask_verdict
-    if last is not None and last[0]() is mask and last[1] == (mask._version, S):
-        return last[2]
-    ok = (mask.dtype == torch.bool and mask.dim() == 4 and tuple(mask.shape[-2:]) == (S, S) and bool(
-        (mask == torch.ones(S, S, dtype=torch.bool, device=mask.device).triu_(1)).all()))
-    _mask_verdict = (weakref.ref(mask), (mask._version, S), ok)
-    return ok
-
-
+# ---------------------------------------------------------------------------- adapters
 class MegatronMLP(nn.Module):
     """A megatron-core ``MLP``'s stand-in: :class:`OverlapMLP` over the group, with Megatron's call
     signature ``forward(hidden_states [s, b, h], **kwargs) -> (output [s, b, h], None)``.
@@ -305,7 +285,7 @@ def _attention_problem(layer: OverlapAttention, x, attention_mask, key_value_sta
         return ValueError("attention_bias is not supported by the swapped attention")
     S = x.shape[0] * (layer.world_size if layer.sequence_parallel else 1) \
         if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
-    if not _is_causal_mask(attention_mask, S):
+    if not is_causal_mask(attention_mask, S, masked_is_true=True):  # Megatron's boolean form
         return ValueError("attention_mask is not Megatron's causal mask (padding, reset position ids / EOD "
                           "masks): the swapped attention supports causal attention over whole sequences only")
     if rotary_pos_emb is not None and S:  # (a malformed x: the layer's own check reports it)

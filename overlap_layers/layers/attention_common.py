@@ -145,20 +145,25 @@ def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, h
 
 
 _mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, its _version, verdict)
-# (the one module-level cache: HF hands one mask object to every layer of a forward, so the
-# O(S^2) comparison, and its device-to-host read, runs once per forward, not once per layer)
+# (the one module-level cache: HF and Megatron hand one mask object to every layer of a forward,
+# so the O(S^2) comparison, and its device-to-host read, runs once per forward, not per layer)
 
 
-def _causal_verdict(mask, q_len: int) -> bool:
+def _causal_verdict(mask, q_len: int, masked_is_true: bool) -> bool:
     """Whether ``mask`` is the standard causal mask over ``q_len`` positions (or no mask at all):
     None; a ``[batch, q_len]`` mask with no padding (every entry nonzero); a ``[batch, 1 or heads,
     q_len, q_len]`` boolean mask equal to the lower triangle (True = attend), or an additive float
     mask with 0 on the lower triangle and <= finfo.min/2 or -inf above it (HF's mask forms, see
-    [Note: HF attention mask] in overlap_layers.integrations.hf_adapters)."""
+    [Note: HF attention mask] in overlap_layers.integrations.hf_adapters). With
+    ``masked_is_true`` (Megatron's form) only a 4-D boolean mask equal to the strict upper
+    triangle (True = masked out)."""
     if mask is None:
         return True
     if not isinstance(mask, torch.Tensor):
         return False  # e.g. a flex-attention BlockMask
+    if masked_is_true:
+        return mask.dtype == torch.bool and mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, q_len) and bool(
+            (mask == torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).triu_(1)).all())
     if mask.dim() == 2:  # flash attention's [batch, seq] padding mask
         return mask.shape[-1] == q_len and bool((mask != 0).all())
     if mask.dim() != 4 or mask.shape[-1] != q_len or mask.shape[-2] != q_len:
@@ -173,17 +178,18 @@ def _causal_verdict(mask, q_len: int) -> bool:
     return bool((allowed == tril).all()) and bool((allowed | blocked).all())
 
 
-def is_causal_mask(mask, q_len: int) -> bool:
-    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF passes one mask object
-    to every layer of a forward)."""
+def is_causal_mask(mask, q_len: int, masked_is_true: bool = False) -> bool:
+    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF and Megatron pass one mask
+    object to every layer of a forward)."""
     global _mask_verdict
     if not isinstance(mask, torch.Tensor):
-        return _causal_verdict(mask, q_len)
+        return _causal_verdict(mask, q_len, masked_is_true)
+    key = (mask._version, q_len, masked_is_true)
     last = _mask_verdict
-    if last is not None and last[0]() is mask and last[1] == (mask._version, q_len):
+    if last is not None and last[0]() is mask and last[1] == key:
         return last[2]
-    verdict = _causal_verdict(mask, q_len)
-    _mask_verdict = (weakref.ref(mask), (mask._version, q_len), verdict)
+    verdict = _causal_verdict(mask, q_len, masked_is_true)
+    _mask_verdict = (weakref.ref(mask), key, verdict)
     return verdict
 
 
