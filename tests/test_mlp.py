@@ -143,6 +143,56 @@ def test_plans_regather_and_buckets(pool2, plan):
     check(pool2.run(run_layer, case, opts, torch.float64, plan), case, opts, torch.float64)
 
 
+RANK_GRID = [
+    # (ws, activation, bias, regather, dtype, B, S per rank): rows split by source rank, over NCCL/gloo send/recv
+    (2, "swiglu", False, False, torch.float64, 2, 4),
+    (2, "gelu", True, True, torch.float64, 1, 5),  # odd rows: own halves of 2 and 3
+    (2, "relu", True, False, torch.float32, 1, 1),  # one row: no first half
+    (4, "swiglu", True, False, torch.float64, 1, 3),
+    (4, "swiglu", False, True, torch.float32, 2, 2),
+]
+
+
+@pytest.mark.parametrize("ws,activation,bias,regather,dtype,B,S", RANK_GRID)
+def test_rank_chunks_match_dense_reference(pools, ws, activation, bias, regather, dtype, B, S):
+    case = make_case(ws * 11 + S, B, S * ws, 12, 8 * ws, activation, bias)
+    opts = dict(activation=activation)
+    plan = MLPPlan(1, regather=regather, decomposition="rank")
+    check(pools(ws).run(run_layer, case, opts, dtype, plan), case, opts, dtype)
+
+
+def rank_chunk_log(rank, ws, rows):
+    layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, dtype=torch.float64)
+    layer.pin_plan(MLPPlan(1, decomposition="rank"))
+    layer.launch_log = []
+    x = torch.randn(1, rows, 12, dtype=torch.float64, requires_grad=True)
+    layer(x).sum().backward()
+    return layer.launch_log
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_rank_chunks_own_rows_first_and_last(pools, ws):
+    """Own first half, then peers in step order (rank+1, rank+2, ...), then own second half, in
+    forward and backward (written out here, not derived from the layer's pieces())."""
+    for rank, log in enumerate(pools(ws).run(rank_chunk_log, 5)):
+        order = [(rank, 0, 2)] + [((rank + j) % ws, 0, 5) for j in range(1, ws)] + [(rank, 2, 5)]
+        assert log == [("rank_chunk", d, *o) for d in ("fwd", "bwd") for o in order]
+
+
+def bad_pin(rank, ws, plan, sp):
+    OverlapMLP(12, 8 * ws, group=dist.group.WORLD, sequence_parallel=sp).pin_plan(plan)
+
+
+@pytest.mark.parametrize("plan,sp,match", [
+    (MLPPlan(1, decomposition="rank"), False, "sequence_parallel=True"),
+    (MLPPlan(1, decomposition="rows"), True, "decomposition='rows'"),
+    (MLPPlan(2, transport="copy_engine"), True, "needs plan.decomposition='rank'"),
+    (MLPPlan(1, transport="nvlink", decomposition="rank"), True, "transport='nvlink'"),
+])
+def test_bad_rank_plans(pool2, plan, sp, match):
+    expect_value_error_on_every_rank(pool2, bad_pin, plan, sp, match=match)
+
+
 def test_no_sp_buckets(pool2):
     plan = MLPPlan(3, buckets_fwd=(("ar", ((0, 1, 2),)),), buckets_bwd=(("ar_dx", ((0,), (1, 2))),))
     case = make_case(4, 1, 9, 12, 16, "gelu", True)

@@ -33,6 +33,8 @@ from .tiling import tile_bounds
 class AttentionCostModel(MLPCostModel):
     """Tiles are batch rows (``rows`` = batch); see the module table."""
 
+    has_rank_chunks = False
+
     def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
                  head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel):
         d = head_dim

@@ -31,8 +31,10 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,8 +44,13 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, shared_workspace,
+                                symmetric_memory_status, workspace_bytes)
+from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
+from ..sim import Candidate
+from . import rank_chunks
 from .mlp_cost import MLPCostModel
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .planning import Trial
@@ -98,6 +105,7 @@ class _Call:
     launch_log: Optional[list]
     trial: Optional[Trial] = None  # times the backward during first-call verification
     trace: Optional[TraceJob] = None  # records every op for export_trace(measured=True)
+    exchange: Optional[Callable] = None  # (sources, partial_shape, keep) -> an exchange (rank plans)
 
 
 def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
@@ -177,6 +185,48 @@ class _TiledMLP(torch.autograd.Function):
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
+class _RankChunkMLP(torch.autograd.Function):
+    """The SP MLP split by source rank (``rank_chunks.py``), without ``b_out``."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
+        T, H = x_TH.shape
+        keep_xg = call.save and not call.plan.regather
+        ex = call.exchange([x_TH], (T, H), (keep_xg,))
+        pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0]))
+        y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
+                                   call.launch_log)
+        if call.save:
+            ctx.save_for_backward(x_TH, w_in, w_out, pre_all, *([ex.gathered[0]] if keep_xg else []))
+            ctx.call, ctx.has_b_in = call, b_in is not None
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        c: _Call = ctx.call
+        x_TH, w_in, w_out, pre_all, *xg = ctx.saved_tensors
+        trial = c.trial
+        if trial is not None:
+            trial.bwd = Stopwatch(dy_TH.device)
+            trial.bwd.start()
+        dy_TH = dy_TH.contiguous()
+        T, H = x_TH.shape
+        grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
+                 "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
+        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), ())
+
+        def gathered_x(j, q, a, b, pulled):
+            if j == 0:
+                return x_TH[a:b]
+            return pulled[1] if c.plan.regather else xg[0][q]
+
+        dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out, partial(_act, c.activation),
+                                     partial(_act_backward, c.activation), grads, c.launch_log)
+        if trial is not None:
+            trial.bwd.stop()
+        return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
+
+
 class OverlapMLP(PlannedLayer, nn.Module):
     """Drop-in tensor-parallel MLP (Megatron column-parallel fc1, row-parallel fc2).
 
@@ -195,7 +245,17 @@ class OverlapMLP(PlannedLayer, nn.Module):
 
     ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto". Set ``launch_log`` to a list
     to record the order in which ops were launched (a debugging aid).
+
+    With sequence parallelism the planner may also split the layer by source rank instead of by
+    batch tile (``plan.decomposition == "rank"``, ``rank_chunks.py``), exchanging chunks over
+    NCCL send/recv or, on CUDA with ``torch.distributed._symmetric_memory``, over the copy
+    engines (``plan.transport == "copy_engine"``, a symmetric workspace shared by the group's
+    layers). ``config.transport``: "auto" lets the planner choose, "nccl" never uses the copy
+    engine, "copy_engine" plans only copy-engine candidates (and serial) where it is available;
+    where it is not, one warning says why and NCCL runs.
     """
+
+    _has_copy_engine = True
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group=None, mesh=None, axis=None,
                  sequence_parallel: bool = True, activation: str = "swiglu", bias: bool = False,
@@ -221,6 +281,8 @@ class OverlapMLP(PlannedLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
+        self._copy_engine: Optional[bool] = None  # agreed availability, asked once
+        self._workspace = None
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -367,7 +429,94 @@ class OverlapMLP(PlannedLayer, nn.Module):
             dh = torch.randn(m, cm.F, dtype=dtype, device=dev)
             return lambda: _act_backward(self.activation, pre, dh)
 
-        return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()}
+        setups = {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()}
+        if self._rank_transports() and "copy_engine" in self._rank_transports():
+            setups.update(self._copy_engine_setups(cm, dtype))
+        return setups
+
+    # ----------------------------------------------------------------- rank chunks
+    def _check_pin(self, plan: TilePlan) -> None:
+        if plan.decomposition not in ("batch", "rank"):
+            raise ValueError(f"plan.decomposition={plan.decomposition!r}; valid: 'batch', 'rank'")
+        if plan.transport not in ("nccl", "copy_engine"):
+            raise ValueError(f"plan.transport={plan.transport!r}; valid: 'nccl', 'copy_engine'")
+        if plan.decomposition == "rank" and not self.sequence_parallel:
+            raise ValueError("plan.decomposition='rank' needs sequence_parallel=True (it splits the gathered "
+                             "rows by source rank)")
+        if plan.transport == "copy_engine" and plan.decomposition != "rank":
+            raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
+
+    def _copy_engine_available(self) -> bool:
+        """Whether every rank can use the copy-engine transport (agreed once; a collective the
+        first time, called at the same call on every rank). Warns once with the reason when not,
+        on CUDA or when ``config.transport`` asked for it."""
+        if self._copy_engine is None:
+            why = symmetric_memory_status(self.group, self._weight.device)
+            self._copy_engine = self._agreement.min([0.0 if why else 1.0])[0] == 1.0
+            if not self._copy_engine and (self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
+                warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why or 'on another rank'}); "
+                              f"using NCCL", stacklevel=2)
+        return self._copy_engine
+
+    def _rank_transports(self) -> tuple:
+        """The transports the planner may try for rank chunks (none without SP or with one rank)."""
+        if not self.sequence_parallel or self.world_size < 2:
+            return ()
+        if self.config.transport == "nccl":
+            return ("nccl",)
+        ce = ("copy_engine",) if self._copy_engine_available() else ()
+        return ce if self.config.transport == "copy_engine" and ce else ("nccl",) + ce
+
+    def _exchange(self, transport: str, device: torch.device) -> Callable:
+        if transport == "copy_engine" and self._copy_engine_available():
+            if self._workspace is None:
+                self._workspace = shared_workspace(self.group, device)
+            return partial(CopyEngineExchange, self._workspace)
+        return partial(PointToPointExchange, self.group)
+
+    def _copy_engine_setups(self, cm: MLPCostModel, dtype: torch.dtype) -> dict:
+        """Timed ops of the copy-engine cost: a peer copy of one chunk, a signal round trip."""
+        dev = self.w_in.device
+        ws_obj = self._workspace = self._workspace or shared_workspace(self.group, dev)
+        peer = (self.rank + 1) % self.world_size
+        nbytes = cm.chunk_bytes()
+
+        def copy():
+            ws_obj.reserve(nbytes)
+            src = ws_obj.view(peer, (nbytes,), torch.uint8, 0)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            return lambda: dst.copy_(src)
+
+        def signal():
+            ws_obj.reserve(1)
+            send_to, recv_from = (self.rank - 1) % self.world_size, peer
+
+            def round_trip():
+                ws_obj.handle.put_signal(send_to, 0)
+                ws_obj.handle.wait_signal(recv_from, 0)
+            return round_trip
+
+        return {f"peer_copy:{nbytes}": copy, "signal": signal}
+
+    def _rank_candidates(self, cm: MLPCostModel, batch: list, *, training: bool) -> list:
+        """One candidate per transport and backward strategy ([Note: rank-chunk cost])."""
+        out = []
+        for transport in self._rank_transports():
+            for regather in ((False, True) if training else (False,)):
+                base = next((c for c in batch if c.num_tiles == 1 and c.regather == regather
+                             and not c.buckets_fwd and not c.buckets_bwd), None)
+                if base is None:
+                    continue
+                ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1)
+                if training:
+                    b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport, sources=2 if regather else 1)
+                    ms, exposed = ms + b_ms, exposed + b_exposed
+                extra = (workspace_bytes(self.world_size, [(cm.rows, cm.H)] * (2 if regather else 1),
+                                         (cm.rows, cm.H), cm.e) if transport == "copy_engine"
+                         else self.world_size * cm.chunk_bytes())
+                out.append(Candidate(1, regather, (), (), ms, exposed, base.peak_bytes + extra,
+                                     decomposition="rank", transport=transport))
+        return out
 
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
@@ -378,9 +527,12 @@ class OverlapMLP(PlannedLayer, nn.Module):
                      plan=plan, save=save,
                      streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                      launch_log=self.launch_log, trial=trial, trace=trace)
+        fn = _TiledMLP
+        if plan.decomposition == "rank":
+            fn, call.exchange = _RankChunkMLP, self._exchange(plan.transport, x.device)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
-            y_TH = apply_saving(_TiledMLP, save, x_TH, w_in, b_in, w_out, call)
+            y_TH = apply_saving(fn, save, x_TH, w_in, b_in, w_out, call)
             if b_out is not None:
                 y_TH = y_TH + b_out
         return y_TH.view(B, S, H)

@@ -23,6 +23,19 @@ measured for M rows (key :meth:`MLPCostModel.act_key`). A collective's latency i
 alpha; a member of a bucket of two or more also pays a copy of its M*H*e bytes in and out.
 
 The candidates are compared by :func:`~overlap_layers.layers.candidates.plan_candidates`.
+
+[Note: rank-chunk cost]
+The rank-chunk plan (``rank_chunks.py``) is costed by a recurrence, not the tile simulator: its
+pieces (own first half, ws-1 peer chunks, own second half) run back to back on the compute stream;
+pull j (of every source) finishes at ``setup + j * pull`` on its own stream, and a peer piece
+starts at ``max(compute free, its pull done)``; pushes run on a third stream, each after its
+piece; the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last
+push. A transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy
+engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
+steps) over NCCL, which also slows every piece by the interference factor. The copy engine adds
+the copies of the sources into the symmetric buffer and one signal round trip (``"signal"``)
+before the first pull and after the last push. Peak memory: the serial plan's plus the partial
+slots (``ws*T*H*e``), in the persistent symmetric workspace for the copy engine.
 """
 from __future__ import annotations
 
@@ -37,6 +50,8 @@ from .tiling import tile_bounds
 class MLPCostModel:
     """Maps the MLP's ops to times and bytes for one input shape."""
 
+    has_rank_chunks = True  # whether the layer runs the rank-chunk plan (subclasses: no)
+
     def __init__(self, *, rows: int, world_size: int, hidden: int, n_in: int, f_local: int, elt: int,
                  sequence_parallel: bool, model: HardwareModel, activation: str = "swiglu"):
         self.rows, self.ws, self.H, self.I, self.F, self.e = rows, world_size, hidden, n_in, f_local, elt
@@ -50,6 +65,7 @@ class MLPCostModel:
     def act_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:
         """Key -> (name, rows) of every activation op the candidates run (for measuring)."""
         rows = {self.gathered(b - a) for k in tile_choices for a, b in tile_bounds(self.rows, k)}
+        rows |= set(self.piece_rows())
         return {self.act_key(name, m): (name, m) for m in rows for name in ("act", "act_bwd")}
 
     def gathered(self, local_rows: int) -> int:
@@ -157,4 +173,51 @@ class MLPCostModel:
         for k in tile_choices:
             for a, b in tile_bounds(self.rows, k):
                 shapes.update(self.gemms(self.gathered(b - a)))
+        for m in self.piece_rows():
+            shapes.update(self.gemms(m))
         return shapes
+
+    # ----------------------------------------------------------------- rank chunks ([Note: rank-chunk cost])
+    def piece_rows(self) -> Tuple[int, ...]:
+        """Row counts of the rank-chunk pieces (local rows, the own halves); none without SP."""
+        T = self.rows
+        if not (self.has_rank_chunks and self.sp and self.ws > 1):
+            return ()
+        return tuple(sorted({T, T // 2, T - T // 2} - {0}))
+
+    def chunk_bytes(self) -> int:
+        return self.rows * self.H * self.e
+
+    def transfer_ms(self, transport: str, nbytes: int) -> float:
+        md = self.model
+        if transport == "copy_engine":
+            return md.op_ms(f"peer_copy:{nbytes}", nbytes)
+        return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
+
+    def piece_ms(self, m: int, backward: bool) -> float:
+        names = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
+        return sum(self.op_ms(m, name) for name in names)
+
+    def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int) -> Tuple[float, float]:
+        """(predicted ms, exposed ms beyond the pieces' own time) of one rank-chunk pass."""
+        md, T, ws, chunk = self.model, self.rows, self.ws, self.chunk_bytes()
+        half = T // 2
+        ce = transport == "copy_engine"
+        slow = 1.0 if ce else md.interference
+        signal = md.op_ms("signal", 0) if ce else 0.0
+        setup = sources * md.mem_ms(2 * chunk) + signal if ce else md.launch_ms
+        pull, push = sources * self.transfer_ms(transport, chunk), self.transfer_ms(transport, chunk)
+        t = setup + (self.piece_ms(half, backward) * slow if half else 0.0)
+        pushed = 0.0
+        for j in range(1, ws):
+            t = max(t, setup + j * pull) + self.piece_ms(T, backward) * slow
+            pushed = max(pushed, t) + push
+        t += self.piece_ms(T - half, backward) * slow
+        end = max(t, pushed + signal) + md.mem_ms((ws + 1) * chunk)
+        own = sum(self.piece_ms(m, backward) for m in ((half, T - half) if half else (T,))) + \
+            (ws - 1) * self.piece_ms(T, backward)
+        return end, max(end - own, 0.0)
+
+    def rank_chunk_ops(self) -> Dict[str, int]:
+        """Copy-engine ops the rank-chunk cost needs measured: key -> bytes."""
+        return {f"peer_copy:{self.chunk_bytes()}": self.chunk_bytes(), "signal": 0}

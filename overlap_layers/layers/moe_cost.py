@@ -35,6 +35,8 @@ from .mlp_cost import MLPCostModel
 class MoECostModel(MLPCostModel):
     """``rows`` = tokens per rank (the group's largest, bucketed)."""
 
+    has_rank_chunks = False
+
     def __init__(self, *, tokens: int, world_size: int, hidden: int, n_in: int, ffn: int, experts: int, top_k: int,
                  elt: int, model: HardwareModel, activation: str = "swiglu", grouped: bool = False):
         super().__init__(rows=tokens, world_size=world_size, hidden=hidden, n_in=n_in, f_local=ffn, elt=elt,

@@ -16,6 +16,7 @@ giving the device), and ends its constructor with :meth:`_init_layer`.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 import zlib
 from collections import deque
@@ -55,7 +56,8 @@ class TilePlan:
     buckets_bwd: tuple = ()
     regather: bool = False  # backward re-gathers x instead of saving the gathered input
     num_streams: int = 2
-    transport: str = "nccl"
+    transport: str = "nccl"  # or "copy_engine" (rank decomposition only)
+    decomposition: str = "batch"  # or "rank": the MLP split by source rank ([Note] in rank_chunks.py)
     predicted_ms: Optional[float] = field(default=None, compare=False)
     predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
     reason: str = field(default="", compare=False)
@@ -67,11 +69,13 @@ class TilePlan:
 
     @property
     def is_serial(self) -> bool:
-        return self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
+        return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
+                and self.decomposition == "batch")
 
     def digest(self) -> int:
         """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
-        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport)
+        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport,
+               self.decomposition)
         return zlib.crc32(repr(key).encode())
 
 
@@ -83,15 +87,22 @@ def contenders(plan: TilePlan) -> list:
         return [plan]
 
     def as_plan(c):
-        return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
-                        predicted_peak_bytes=c.peak_bytes, reason=plan.reason, candidates=plan.candidates)
+        return plan_of(c, reason=plan.reason, candidates=plan.candidates)
 
     serial = next((c for c in plan.candidates if c.is_serial), None)
     # The runner-up needs no more memory than a plan that runs anyway (the planned or the serial one).
     cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
-    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap]
+    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap
+              and c.decomposition == "batch"]
     runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
     return [plan, *runner_up, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
+
+
+def plan_of(c, *, reason: str, candidates: tuple) -> TilePlan:
+    """The plan that runs candidate ``c`` (a :class:`~overlap_layers.sim.Candidate`)."""
+    return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, transport=c.transport,
+                    decomposition=c.decomposition, predicted_ms=c.predicted_ms, predicted_peak_bytes=c.peak_bytes,
+                    reason=reason, candidates=candidates)
 
 
 def resolve_config(config: Optional[OverlapConfig], num_tiles):
@@ -101,8 +112,6 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
         config = OverlapConfig()
     elif not isinstance(config, OverlapConfig):
         raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
-    if config.transport == "copy_engine":
-        raise ValueError("config.transport='copy_engine' is not available yet; use 'auto' or 'nccl'")
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
 
 
@@ -183,6 +192,8 @@ class PlannedLayer:
     entry; later checkpointed forwards of that key then run its plan and take no trials.)
     """
 
+    _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
+
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
     _local_views: dict = {}  # name -> view of a DTensor parameter; empty (plain parameters) with group=
 
@@ -235,6 +246,9 @@ class PlannedLayer:
         """The end of every layer's constructor (``self.group`` set, parameters allocated): the
         launch log, streams, the group's agreement, the planning state, the initial weights and,
         with ``mesh=``, the DTensor parameters."""
+        if config.transport == "copy_engine" and not self._has_copy_engine:
+            warnings.warn(f"{type(self).__name__} has no copy-engine path; config.transport='copy_engine' "
+                          f"runs NCCL here", stacklevel=3)
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
         self._agreement = Agreement(self.group)
@@ -453,6 +467,10 @@ class PlannedLayer:
         free = torch.cuda.mem_get_info(self._weight.device)[0]
         return int(self._agreement.min([float(free)])[0] * mb)
 
+    def _rank_candidates(self, cm, batch: list, *, training: bool) -> list:
+        """Candidates split by source rank (layers that have them); none by default."""
+        return []
+
     def _measure_missing(self, cm, dtype: torch.dtype):
         """Time the GEMMs and other ops the candidates need that the model lacks (max over
         ranks), add them to the model and the cache file."""
@@ -471,11 +489,12 @@ class PlannedLayer:
         cm = self._cost_model(key, self._hardware(dtype))
         if self._measuring():
             cm.model = self._measure_missing(cm, dtype)
-        choice = choose(plan_candidates(cm, self._programs, training=save), budget_bytes=self._budget(),
-                        margin=self.config.margin)
-        c = choice.candidate
-        return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, predicted_ms=c.predicted_ms,
-                        predicted_peak_bytes=c.peak_bytes, reason=choice.reason, candidates=choice.candidates)
+        candidates = plan_candidates(cm, self._programs, training=save)
+        candidates += self._rank_candidates(cm, candidates, training=save)
+        if self.config.transport == "copy_engine" and any(c.transport == "copy_engine" for c in candidates):
+            candidates = [c for c in candidates if c.is_serial or c.transport == "copy_engine"]
+        choice = choose(candidates, budget_bytes=self._budget(), margin=self.config.margin)
+        return plan_of(choice.candidate, reason=choice.reason, candidates=choice.candidates)
 
     # ----------------------------------------------------------------- explaining
     def export_trace(self, path, measured: bool = False) -> None:

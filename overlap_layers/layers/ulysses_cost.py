@@ -36,6 +36,8 @@ from .tiling import tile_bounds
 class UlyssesCostModel(MLPCostModel):
     """``rows`` = the tile units (batch rows, or local query heads when ``by_heads``)."""
 
+    has_rank_chunks = False
+
     def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
                  head_dim: int, elt: int, causal: bool, model: HardwareModel):
         ws = world_size

@@ -21,10 +21,20 @@ class Candidate:
     predicted_ms: float
     exposed_comm_ms: float
     peak_bytes: int
+    decomposition: str = "batch"  # or "rank": split by source rank (DESIGN.md 4, remedy a)
+    transport: str = "nccl"  # or "copy_engine"
 
     @property
     def is_serial(self) -> bool:
-        return self.num_tiles == 1 and not self.regather and not self.buckets_fwd and not self.buckets_bwd
+        return (self.num_tiles == 1 and not self.regather and not self.buckets_fwd and not self.buckets_bwd
+                and self.decomposition == "batch")
+
+    @property
+    def label(self) -> str:
+        """``K=2``, or ``rank chunks over copy_engine`` (for reasons and tables)."""
+        if self.decomposition == "rank":
+            return f"rank chunks over {self.transport}"
+        return f"K={self.num_tiles}"
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,11 @@ def choose(candidates: Sequence[Candidate], *, budget_bytes: Optional[int] = Non
     if serial is not None and serial in fits and not best.is_serial:
         if best.predicted_ms > serial.predicted_ms * (1.0 - margin):
             return Choice(serial, tuple(candidates),
-                          f"kept K=1: the best tiled plan (K={best.num_tiles}, {best.predicted_ms:.3f} ms) "
+                          f"kept K=1: the best tiled plan ({best.label}, {best.predicted_ms:.3f} ms) "
                           f"does not beat serial ({serial.predicted_ms:.3f} ms) by more than {margin:.0%}")
         return Choice(best, tuple(candidates),
-                      f"K={best.num_tiles} predicted {best.predicted_ms:.3f} ms vs serial "
+                      f"{best.label} predicted {best.predicted_ms:.3f} ms vs serial "
                       f"{serial.predicted_ms:.3f} ms ({1 - best.predicted_ms / serial.predicted_ms:.1%} faster)")
     why = "serial is the fastest candidate" if best.is_serial else \
         "serial does not fit the memory budget" if serial is not None else "no serial candidate"
-    return Choice(best, tuple(candidates), f"K={best.num_tiles}: {why}")
+    return Choice(best, tuple(candidates), f"{best.label}: {why}")

@@ -1,0 +1,255 @@
+"""Rank-chunk exchanges: an all-gather taken one source rank at a time and a reduce-scatter given
+one destination rank at a time, so that compute on one chunk hides the transfer of the next.
+
+Reference, for rank r of a group of ws ranks, local sources ``src[i]`` of shape ``[T, ...]`` and
+partials of shape ``[T, *partial]``::
+
+    step j = 1 .. ws-1 talks to q = (r + j) % ws (it receives q's rows) and s = (r - j) % ws
+    pull(j)[i]      == src[i] of rank q                          (all-gather, one chunk)
+    push(j, p_rq)   sends rank r's partial for q's rows to q
+    finish()        == own + sum over s != r of the partial rank s pushed for r's rows
+                       (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
+
+Every rank issues steps in the same order (pulls 1..ws-1 at creation, then pushes as it calls
+them), so matching is by construction. Two transports implement it:
+
+* :class:`CopyEngineExchange` (CUDA, ``torch.distributed._symmetric_memory``): sources are copied
+  into this rank's symmetric buffer, peers pull them with device-to-device copies over NVLink
+  ("Memcpy PtoP": the copy engines, no SMs), partials are copied into the owner's buffer; a pull
+  and a push each wait for one peer signal instead of a barrier ([Note: exchange signals]).
+* :class:`PointToPointExchange` (any backend with ``isend``/``irecv``: NCCL, gloo): one
+  ``batch_isend_irecv`` group per step. On NCCL these are SM kernels like any collective; on CPU
+  it is how the rank-chunk schedule is tested.
+
+[Note: exchange signals]
+A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (pushed
+into by peers; slot r is its own). Per call and peer p, two signals on the workspace's signal
+pad: channel 0 "my sources are in my buffer" (put after the local copy, waited before pulling
+from p) and channel 1 "my partial for you is in your slot" (put after the push, waited before the
+sum). Reuse is safe without barriers: rank r overwrites its sources (next call) only after
+waiting for every peer's channel-1 signal, which each peer puts after its pull from r, and r
+pushes into p's slot only after p's channel-0 signal of the same call, which p puts after summing
+its slots of the previous call (all ordered on p's current stream). A signal is a flag that the
+wait resets, and the order above never puts a flag twice before it is waited. Every exchange on
+one workspace must run on the same current stream, in the same order on every rank: one layer
+after another, as a model runs them.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
+
+
+def peers(rank: int, world_size: int) -> List[Tuple[int, int, int]]:
+    """``(j, q, s)`` per step: receive from ``q = rank + j``, send to ``s = rank - j`` (mod ws)."""
+    return [(j, (rank + j) % world_size, (rank - j) % world_size) for j in range(1, world_size)]
+
+
+def _gathered(sources: Sequence[torch.Tensor], world_size: int, rank: int, keep: Sequence[bool]
+              ) -> List[torch.Tensor]:
+    """``[ws, T, ...]`` receive buffers per source; row block ``rank`` holds the source itself
+    where ``keep`` says so (the caller keeps the whole gathered tensor), else stays unwritten."""
+    out = []
+    for i, s in enumerate(sources):
+        g = s.new_empty((world_size, *s.shape))
+        if i < len(keep) and keep[i]:
+            g[rank].copy_(s)
+        out.append(g)
+    return out
+
+
+class PointToPointExchange:
+    """The exchange over ``isend``/``irecv`` (see the module docstring)."""
+
+    transport = "nccl"
+
+    def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
+                 keep_gathered: Sequence[bool] = ()):
+        self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
+        self.sources = [s.contiguous() for s in sources]
+        self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
+        x = self.sources[0]
+        self.slots = x.new_empty((self.ws, *partial_shape))
+        self.own_partial = self.slots[self.rank]
+        self._pull_works, self._push_works, self._keep = {}, [], []
+        for j, q, s in peers(self.rank, self.ws):
+            ops = []
+            for src, dst in zip(self.sources, self.gathered):
+                ops += [dist.P2POp(dist.isend, src, self._g[s], group), dist.P2POp(dist.irecv, dst[q], self._g[q], group)]
+            self._pull_works[j] = dist.batch_isend_irecv(ops)
+
+    def pull(self, j: int) -> List[torch.Tensor]:
+        for w in self._pull_works.pop(j):
+            w.wait()
+        q = (self.rank + j) % self.ws
+        return [g[q] for g in self.gathered]
+
+    def push(self, j: int, partial: torch.Tensor) -> None:
+        q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
+        partial = partial.contiguous()
+        self._keep.append(partial)
+        self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
+                                                    dist.P2POp(dist.irecv, self.slots[s], self._g[s], self.group)])
+
+    def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        for w in self._push_works:
+            w.wait()
+        self._keep.clear()
+        return torch.sum(self.slots, 0, out=out)
+
+
+class SymmetricWorkspace:
+    """One rank's symmetric buffer for a group (sources, then ws partial slots), its handle and
+    the two copy streams; grown collectively when a call needs more bytes.
+
+    Layers get it from :func:`shared_workspace`, so every layer of a group shares one buffer
+    (sized for the largest exchange) instead of each holding its own. Its bytes are persistent
+    device memory beside the layers'; it is freed when the last layer holding it is."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+        self.ws, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.nbytes, self._buf, self.handle = 0, None, None
+        self.pull_stream = torch.cuda.Stream(device=device)
+        self.push_stream = torch.cuda.Stream(device=device)
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow to at least ``nbytes`` (a collective: every rank passes the same number)."""
+        if nbytes <= self.nbytes:
+            return
+        from torch.distributed import _symmetric_memory as symm_mem
+        if self._buf is not None:  # peers may still read the old buffer: drain everyone first
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        self._buf = self.handle = None
+        nbytes = -(-nbytes // 4096) * 4096
+        self._buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self._buf, self.group)
+        self.nbytes = nbytes
+
+    def view(self, rank: int, shape: Tuple[int, ...], dtype: torch.dtype, offset_bytes: int) -> torch.Tensor:
+        elt = torch.tensor([], dtype=dtype).element_size()
+        assert offset_bytes % elt == 0
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+
+
+_WORKSPACES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def shared_workspace(group, device: torch.device) -> SymmetricWorkspace:
+    """The workspace of ``group`` on ``device``, shared by the layers that hold it (a weak cache:
+    no layer holding it, no buffer)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (group.group_name, idx)
+    w = _WORKSPACES.get(key)
+    if w is None:
+        w = _WORKSPACES[key] = SymmetricWorkspace(group, torch.device("cuda", idx))
+    return w
+
+
+def workspace_bytes(world_size: int, source_shapes: Sequence[Tuple[int, ...]], partial_shape: Tuple[int, ...],
+                    elt: int) -> int:
+    """Symmetric bytes one exchange needs: its sources and ``world_size`` partial slots."""
+    def n(shape):
+        out = 1
+        for d in shape:
+            out *= d
+        return out
+    src = sum(-(-n(s) * elt // 256) * 256 for s in source_shapes)
+    return src + world_size * n(partial_shape) * elt
+
+
+class CopyEngineExchange:
+    """The exchange over symmetric memory and the copy engines (see the module docstring)."""
+
+    transport = "copy_engine"
+
+    def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
+                 partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = ()):
+        w = self.w = workspace
+        self.ws, self.rank = w.ws, w.rank
+        self.sources = [s.contiguous() for s in sources]
+        dtype = self.sources[0].dtype
+        elt = self.sources[0].element_size()
+        w.reserve(workspace_bytes(self.ws, [tuple(s.shape) for s in self.sources], tuple(partial_shape), elt))
+        self._src_offsets, off = [], 0
+        for s in self.sources:
+            self._src_offsets.append(off)
+            off += -(-s.numel() * elt // 256) * 256
+        self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
+        self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
+        self.own_partial = self.slots[self.rank]
+        self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
+        compute = torch.cuda.current_stream(w.device)
+        for s, off in zip(self.sources, self._src_offsets):
+            w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
+        w.pull_stream.wait_stream(compute)
+        self._pulled = {}
+        with torch.cuda.stream(w.pull_stream):
+            for _, _, s in peers(self.rank, self.ws):
+                w.handle.put_signal(s, PULL)
+            for j, q, _ in peers(self.rank, self.ws):
+                w.handle.wait_signal(q, PULL)
+                for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
+                    g[q].copy_(w.view(q, tuple(src.shape), dtype, off))
+                ev = torch.cuda.Event()
+                ev.record(w.pull_stream)
+                self._pulled[j] = ev
+        self._pushes = 0
+
+    def pull(self, j: int) -> List[torch.Tensor]:
+        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop(j))
+        q = (self.rank + j) % self.ws
+        return [g[q] for g in self.gathered]
+
+    def push(self, j: int, partial: torch.Tensor) -> None:
+        w, q = self.w, (self.rank + j) % self.ws
+        w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
+        partial.record_stream(w.push_stream)
+        with torch.cuda.stream(w.push_stream):
+            dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
+            dst.copy_(partial)
+            w.handle.put_signal(q, PUSH)
+        self._pushes += 1
+
+    def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        assert self._pushes == self.ws - 1 and not self._pulled, "every step must pull and push once"
+        compute = torch.cuda.current_stream(self.w.device)
+        compute.wait_stream(self.w.push_stream)
+        for _, _, s in peers(self.rank, self.ws):
+            self.w.handle.wait_signal(s, PUSH)
+        return torch.sum(self.slots, 0, out=out)
+
+
+def symmetric_memory_status(group, device: torch.device) -> str:
+    """"" when this group can use the copy-engine transport on ``device``, else why not.
+
+    Local facts only (device type, backend, the symmetric-memory module); the caller agrees the
+    answer across ranks before acting on it."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not cuda"
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError) as e:
+        return f"the group has no backend ({e})"
+    if "nccl" not in str(backend):
+        return f"the group's backend is {backend}, not nccl"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch.distributed._symmetric_memory is missing ({e})"
+    ws = dist.get_world_size(group)
+    ranks = [dist.get_global_rank(group, i) for i in range(ws)]
+    if len(ranks) > torch.cuda.device_count():
+        return "the group spans more than one host"
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    for other in range(torch.cuda.device_count()):
+        if other != me and not torch.cuda.can_device_access_peer(me, other):
+            return f"cuda:{me} cannot access cuda:{other} as a peer"
+    return ""
