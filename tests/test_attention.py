@@ -374,7 +374,6 @@ def _build_kw(rank, ws, kw):
     (2, dict(num_tiles="many"), "num_tiles"),
     (2, dict(group=None), "exactly one of group"),
     (2, dict(config="fast"), "config"),
-    (2, dict(config=OverlapConfig(transport="copy_engine")), "copy_engine"),
     (2, dict(head_dim=3), "head_dim"),                                        # RoPE needs an even head_dim
 ])
 def test_bad_constructor_arguments(pools, ws, kw, match):

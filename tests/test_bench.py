@@ -29,7 +29,7 @@ def test_bench_cpu_default(tmp_path):
     # The report reads the run back (fixed K=1 and K=2 rows and auto for both passes).
     from overlap_layers.bench.report import report
     text = report(recs)
-    assert text.count("| tiny | 2 |") == 2 and "Auto within 3% of the best measured K on" in text
+    assert text.count("| tiny | 2 |") == 2 and "Auto within 3% of the best measured plan on" in text
 
 
 def _rec(pass_, mode, k, ms, pred, peak=None, ppeak=None):
@@ -48,10 +48,20 @@ def test_report_summary_numbers():
             _rec("fwdbwd", "auto", 1, 20.0, 20.0)]
     text = report(recs)
     # time errors: 10%, 10%, 0%, 0%, 0% -> median 0%, max 10%; memory: 10%, 10%
-    assert "median |pred - meas| / meas 0.0% (max 10.0%) over 5 fixed-K cells" in text
+    assert "median |pred - meas| / meas 0.0% (max 10.0%) over 5 fixed-plan cells" in text
     assert "Peak memory: median |pred - meas| / meas 10.0% (max 10.0%) over 2 cells" in text
-    assert "Auto within 3% of the best measured K on 1 of 2 rows" in text
-    assert "| 2 (8.10) | 2 | 1.01 | 0.81 |" in text
+    assert "Auto within 3% of the best measured plan on 1 of 2 rows" in text
+    assert "| 2 (8.10) | K=2 | 1.01 | 0.81 |" in text
+
+
+def test_report_rank_chunk_columns():
+    from overlap_layers.bench.report import report
+    rank = dict(_rec("fwd", "rank", 1, 7.5, 7.0), decomposition="rank", transport="nccl")
+    ce = dict(_rec("fwd", "rank_ce", 1, 6.0, 6.0), decomposition="rank", transport="copy_engine")
+    auto = dict(_rec("fwd", "auto", 1, 6.3, 6.0), decomposition="rank", transport="copy_engine")
+    text = report([_rec("fwd", "serial", 1, 10.0, 9.0), rank, ce, auto])
+    assert "| K=1 meas / pred ms | rank meas / pred ms | rank_ce meas / pred ms | auto plan (ms) |" in text
+    assert "| 10.00 / 9.00 | 7.50 / 7.00 | 6.00 / 6.00 | rank_ce (6.30) | rank_ce | 1.05 | 0.63 |" in text
 
 
 def _run_bench(tmp_path, *args):
@@ -90,7 +100,7 @@ def test_bench_cpu_attention(tmp_path):
     text = report(recs)
     for layer in ("attention", "ulysses"):
         assert text.count(f"| {layer} | tiny | 2 | 2 | 128 |") == 2
-        assert f"{layer}: Auto within 3% of the best measured K on" in text
+        assert f"{layer}: Auto within 3% of the best measured plan on" in text
 
 
 def test_bench_layer_list_and_args():
@@ -124,10 +134,10 @@ def test_report_groups_layers():
     # grouped by layer in order of first appearance; one row per (layer, batch, tokens)
     assert [ln.split(" | ")[0:4] for ln in lines] == [["| attention", "p", "4", "2"], ["| attention", "p", "4", "4"],
                                                       ["| mlp", "p", "4", "2"]]
-    assert "| 1 (5.00) | 2 | 1.25 | 1.00 |" in text  # attention: auto stayed serial, K=2 measured faster
-    assert "mlp: Time: median |pred - meas| / meas 0.0% (max 0.0%) over 2 fixed-K cells." in text
-    assert "attention: Auto within 3% of the best measured K on 0 of 2 rows." in text
-    assert "mlp: Auto within 3% of the best measured K on 1 of 1 rows." in text
+    assert "| 1 (5.00) | K=2 | 1.25 | 1.00 |" in text  # attention: auto stayed serial, K=2 measured faster
+    assert "mlp: Time: median |pred - meas| / meas 0.0% (max 0.0%) over 2 fixed-plan cells." in text
+    assert "attention: Auto within 3% of the best measured plan on 0 of 2 rows." in text
+    assert "mlp: Auto within 3% of the best measured plan on 1 of 1 rows." in text
     assert "attention: Time" not in text  # no predictions for attention yet
 
 
@@ -158,7 +168,7 @@ def test_bench_cpu_moe(tmp_path):
     assert "moe" in proc.stdout and "/limit" in proc.stdout
     from overlap_layers.bench.report import report
     text = report(recs)
-    assert text.count("| moe | tiny | 2 | 1 | 128 |") == 2 and "Auto within 3% of the best measured K on" in text
+    assert text.count("| moe | tiny | 2 | 1 | 128 |") == 2 and "Auto within 3% of the best measured plan on" in text
 
 
 def test_bench_cpu_moe_skew(tmp_path):

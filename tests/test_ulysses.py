@@ -399,9 +399,17 @@ def test_bad_input_raises_on_every_rank(pool2, name, match):
     expect_value_error_on_every_rank(pool2, _call_with, name, match=match)
 
 
-def test_config_transport_copy_engine_refused(pool2):
-    expect_value_error_on_every_rank(pool2, _build_kw, dict(config=OverlapConfig(transport="copy_engine")),
-                                     match="copy_engine")
+def _build_warnings(rank, ws, kw):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _build_kw(rank, ws, kw)
+    return [str(w.message) for w in caught]
+
+
+def test_config_transport_copy_engine_warns_and_runs_nccl(pool2):
+    for msgs in pool2.run(_build_warnings, dict(config=OverlapConfig(transport="copy_engine"))):
+        assert any("UlyssesAttention has no copy-engine path" in m for m in msgs), msgs
 
 
 def test_pool_survives_errors(pool2):

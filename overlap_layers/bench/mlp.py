@@ -5,6 +5,8 @@ Modes (DESIGN.md, Benchmarks):
 * ``serial``  - OverlapMLP with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``), no planner;
 * ``auto``    - ``num_tiles="auto"``;
+* ``rank`` / ``rank_ce`` - the layer split by source rank (``rank_chunks.py``), pinned, over
+  NCCL send/recv / over the copy engine (CUDA symmetric memory; NCCL where unavailable);
 * ``asynctp`` - CUDA only: forward with ``torch.ops.symm_mem.fused_all_gather_matmul`` +
   ``fused_matmul_reduce_scatter``; forward+backward as torchtitan enables it
   (``torch.compile`` of the serial functional layer with ``_micro_pipeline_tp``);
@@ -31,7 +33,7 @@ PRESETS = {
     "llama3-8b": dict(hidden=4096, ffn=14336, batch=4, seq=4096),
     "llama3-70b": dict(hidden=8192, ffn=28672, batch=4, seq=4096),
 }
-MODES = ("serial", "naive", "auto", "asynctp", "compute", "comm")
+MODES = ("serial", "naive", "auto", "rank", "rank_ce", "asynctp", "compute", "comm")
 
 
 @dataclass
@@ -89,6 +91,19 @@ class MLPBench:
                     break
                 run()
         return run
+
+    @property
+    def has_rank_chunks(self) -> bool:
+        return self.s.sequence_parallel and self.ws > 1
+
+    def rank_fn(self, transport: str, backward: bool):
+        """A callable running the layer split by source rank over ``transport``."""
+        from ..layers.planned import TilePlan
+        layer = self.layer
+        layer.plan = None
+        layer.pin_plan(TilePlan(1, decomposition="rank", transport=transport))
+        x = self.x.detach().requires_grad_(backward)
+        return pass_fn(lambda: self.call_layer(x), backward, [self.dy], [x, *layer.parameters()])
 
     def host_overhead_us(self, backward: bool, n: int = 200) -> dict:
         """Host time of a cached auto call's bookkeeping: the plan-cache lookup, and the

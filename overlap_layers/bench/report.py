@@ -19,8 +19,9 @@ from typing import Dict, List
 
 
 def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
-    """(layer, preset, TP, batch, tokens, pass, skewed) -> {K: fixed-K record, "auto": auto record},
-    grouped by layer (in order of first appearance)."""
+    """(layer, preset, TP, batch, tokens, pass, skewed) -> {K: fixed-K record, "rank" / "rank_ce":
+    the pinned rank-chunk plan's record, "auto": auto record}, grouped by layer (in order of first
+    appearance)."""
     rows: Dict[tuple, Dict[object, dict]] = defaultdict(dict)
     for r in records:
         if r.get("ms") is None:
@@ -29,6 +30,8 @@ def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
                bool(r.get("skewed")))
         if r["mode"] in ("serial", "naive"):
             rows[key][r["k"]] = r
+        elif r["mode"] in ("rank", "rank_ce"):
+            rows[key][r["mode"]] = r
         elif r["mode"] == "auto":
             rows[key]["auto"] = r
     order = list(dict.fromkeys(key[0] for key in rows))
@@ -47,12 +50,12 @@ class _Stats:
         out = []
         if t_err:
             out.append(f"{prefix}Time: median |pred - meas| / meas {statistics.median(t_err):.1%} "
-                       f"(max {max(t_err):.1%}) over {len(t_err)} fixed-K cells.")
+                       f"(max {max(t_err):.1%}) over {len(t_err)} fixed-plan cells.")
         if m_err:
             out.append(f"{prefix}Peak memory: median |pred - meas| / meas {statistics.median(m_err):.1%} "
                        f"(max {max(m_err):.1%}) over {len(m_err)} cells.")
         if self.n_auto:
-            out.append(f"{prefix}Auto within 3% of the best measured K on {self.near} of {self.n_auto} rows.")
+            out.append(f"{prefix}Auto within 3% of the best measured plan on {self.near} of {self.n_auto} rows.")
         if hosts:
             out.append(f"{prefix}Cached call host time: plan lookup median "
                        f"{statistics.median(h[0] for h in hosts):.1f} us, agreement gather median "
@@ -68,11 +71,23 @@ def _err(pred, meas):
     return abs(pred - meas) / meas if pred is not None and meas else None
 
 
+def _name(k) -> str:
+    return f"K={k}" if isinstance(k, int) else k
+
+
+def _plan_name(r: dict) -> str:
+    if r.get("decomposition") == "rank":
+        return "rank_ce" if r.get("transport") == "copy_engine" else "rank"
+    return str(r["k"])
+
+
 def report(records: List[dict], title: str = "") -> str:
     rows = _rows(records)
-    ks = sorted({k for row in rows.values() for k in row if k != "auto"})
-    head = ["layer", "preset", "TP", "batch", "tokens", "pass"] + [f"K={k} meas / pred ms" for k in ks] + \
-        ["auto K (ms)", "best K", "auto / best", "auto / serial"] + [f"K={k} peak meas / pred MiB" for k in ks]
+    keys = {k for row in rows.values() for k in row if k != "auto"}
+    ks = sorted(k for k in keys if isinstance(k, int)) + sorted(k for k in keys if not isinstance(k, int))
+    head = ["layer", "preset", "TP", "batch", "tokens", "pass"] + [f"{_name(k)} meas / pred ms" for k in ks] + \
+        ["auto plan (ms)", "best plan", "auto / best", "auto / serial"] + \
+        [f"{_name(k)} peak meas / pred MiB" for k in ks]
     out = [f"### {title}" if title else "", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     stats: Dict[str, _Stats] = {}
     for (layer, preset, ws, batch, tokens, pass_, skewed), row in rows.items():
@@ -93,7 +108,7 @@ def report(records: List[dict], title: str = "") -> str:
         if auto and best is not None:
             st.n_auto += 1
             st.near += auto["ms"] <= 1.03 * fixed[best]
-            cells += [f"{auto['k']} ({auto['ms']:.2f})", str(best), f"{auto['ms'] / fixed[best]:.2f}",
+            cells += [f"{_plan_name(auto)} ({auto['ms']:.2f})", _name(best), f"{auto['ms'] / fixed[best]:.2f}",
                       f"{auto['ms'] / fixed[1]:.2f}" if 1 in fixed else "-"]
             if auto.get("planning_ms") is not None:
                 planning.append(auto["planning_ms"])

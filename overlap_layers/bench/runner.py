@@ -77,14 +77,18 @@ def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def _candidate_predictions(plan) -> Dict[int, tuple]:
-    """K -> (predicted ms, predicted peak bytes) of the plain candidates (no regather, no
-    buckets) of a planner's plan; empty when the plan has no candidates."""
+def _candidate_predictions(plan) -> Dict[object, tuple]:
+    """K (batch tiles) or ``"rank"`` / ``"rank_ce"`` (rank chunks over NCCL / the copy engine) ->
+    (predicted ms, predicted peak bytes) of the plain candidates (no regather, no buckets) of a
+    planner's plan; empty when the plan has no candidates."""
     out = {}
     for c in getattr(plan, "candidates", ()) or ():
         if not getattr(c, "regather", False) and not getattr(c, "buckets_fwd", ()) \
                 and not getattr(c, "buckets_bwd", ()):
-            out[c.num_tiles] = (c.predicted_ms, getattr(c, "peak_bytes", None))
+            key = c.num_tiles
+            if getattr(c, "decomposition", "batch") == "rank":
+                key = "rank_ce" if c.transport == "copy_engine" else "rank"
+            out[key] = (c.predicted_ms, getattr(c, "peak_bytes", None))
     return out
 
 
@@ -124,8 +128,12 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
         extra: Dict[str, dict] = {}
         predicted: Dict[int, tuple] = {}
         for mode in runs:
-            layer_mode = mode in ("serial", "auto") or mode.startswith("naive")
-            if layer_mode:
+            layer_mode = mode in ("serial", "auto", "rank", "rank_ce") or mode.startswith("naive")
+            if mode in ("rank", "rank_ce"):
+                if not getattr(b, "has_rank_chunks", False):
+                    continue  # a layer (or shape) without the rank-chunk plan: no record
+                fn = b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
+            elif layer_mode:
                 fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
             elif mode == "compute":
                 fn = b.compute_fn(backward)
@@ -158,17 +166,21 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if layer_mode:
                 plan = b.layer.plan
                 info["k"] = plan.num_tiles
+                info["decomposition"], info["transport"] = plan.decomposition, plan.transport
                 if mode == "auto":
                     info["predicted_ms"] = getattr(plan, "predicted_ms", None)
                     info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
                     info["reason"] = getattr(plan, "reason", "")
                     predicted.update(_candidate_predictions(plan))
                     info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
+                                               decomposition=c.decomposition, transport=c.transport,
                                                ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
                                           for c in getattr(plan, "candidates", ()) or ()]
                     info.update(b.host_overhead_us(backward))
                     info["planning_ms"] = b.planning_ms
-                elif info["k"] in predicted:
+                elif mode in predicted:
+                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[mode]
+                elif info["k"] in predicted and info["decomposition"] == "batch":
                     info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
             log(f"  {label} {pass_:6s} {mode:8s} {times[mode]:.3f} ms")
         limit = max(times["compute"], times["comm"]) \

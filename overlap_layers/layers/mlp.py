@@ -281,8 +281,8 @@ class OverlapMLP(PlannedLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self._copy_engine: Optional[bool] = None  # agreed availability, asked once
-        self._workspace = None
+        self._copy_engine: Optional[str] = None  # "" or why this rank cannot use the copy engine
+        self._warned_copy_engine, self._workspace = False, None
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -446,17 +446,27 @@ class OverlapMLP(PlannedLayer, nn.Module):
         if plan.transport == "copy_engine" and plan.decomposition != "rank":
             raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
 
-    def _copy_engine_available(self) -> bool:
-        """Whether every rank can use the copy-engine transport (agreed once; a collective the
-        first time, called at the same call on every rank). Warns once with the reason when not,
-        on CUDA or when ``config.transport`` asked for it."""
+    def _floor(self) -> tuple:
+        return (self._copy_engine_here(),)
+
+    def _copy_engine_here(self) -> int:
+        """1 if this rank could use the copy-engine transport (asked once; the call's agreement
+        takes the minimum over the ranks), else 0."""
         if self._copy_engine is None:
-            why = symmetric_memory_status(self.group, self._weight.device)
-            self._copy_engine = self._agreement.min([0.0 if why else 1.0])[0] == 1.0
-            if not self._copy_engine and (self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
-                warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why or 'on another rank'}); "
-                              f"using NCCL", stacklevel=2)
-        return self._copy_engine
+            self._copy_engine = "" if self.config.transport == "nccl" else \
+                symmetric_memory_status(self.group, self._weight.device)
+        return int(self._copy_engine == "")
+
+    def _copy_engine_available(self) -> bool:
+        """Whether every rank can use the copy-engine transport (from this call's agreement).
+        Warns once with the reason when not, on CUDA or when ``config.transport`` asked for it."""
+        ok = self.config.transport != "nccl" and bool(self._agreed_floor and self._agreed_floor[0])
+        if not ok and not self._warned_copy_engine and self.config.transport != "nccl" and (
+                self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
+            self._warned_copy_engine = True
+            warnings.warn(f"overlap_layers: copy-engine transport unavailable "
+                          f"({self._copy_engine or 'on another rank'}); using NCCL", stacklevel=2)
+        return ok
 
     def _rank_transports(self) -> tuple:
         """The transports the planner may try for rank chunks (none without SP or with one rank)."""

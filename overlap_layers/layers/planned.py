@@ -311,9 +311,12 @@ class PlannedLayer:
     def _agree(self, x, err: int, errors: Mapping[int, str], what: str, *, extra: Sequence[int] = (),
                extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden")):
         """The call's agreement ([Note: agreement]): one host gather of (input error ``err``, shape,
-        dtype, plan request, grad mode, ``extra``) from every rank; raises the same ValueError on
-        every rank if any rank's input is bad (``errors[code]`` says why, ``what`` names the
-        arguments) or if the ranks disagree. Returns ``(shape, dtype, save, fixed plan or None)``."""
+        dtype, plan request, grad mode, ``extra``, :meth:`_floor`) from every rank; raises the same
+        ValueError on every rank if any rank's input is bad (``errors[code]`` says why, ``what``
+        names the arguments) or if the ranks disagree on anything but the floor, whose minimum
+        over the ranks becomes ``self._agreed_floor``. Returns ``(shape, dtype, save, fixed plan
+        or None)``."""
+        floor = self._floor()
         shape = tuple(x.shape) if err == 0 else (0, 0, 0)
         fixed = self._fixed_plan(shape) if err == 0 else TilePlan(1)
         save = torch.is_grad_enabled() and (
@@ -325,8 +328,10 @@ class PlannedLayer:
         request = fixed.digest() if fixed is not None else 0
         # the last column: whether x came as a DTensor ([Note: DTensor inputs]), so that a DTensor on
         # some ranks and a plain tensor on others is a ValueError on every rank, not a silent mix
-        table = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
-                                        int(self._dtensor_input)))
+        full = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
+                                       int(self._dtensor_input), *floor))
+        table = [row[:len(row) - len(floor)] for row in full]
+        self._set_floor(full, len(floor))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
         if errs:
             w = self._weight
@@ -343,6 +348,16 @@ class PlannedLayer:
                              f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
                              f"DTensor or plain x); {bad}")
         return self._agreed_shape(shape, table), dtype, save, fixed
+
+    _agreed_floor: tuple = ()
+
+    def _floor(self) -> tuple:
+        """Ints each rank adds to its agreement row whose minimum over the ranks (not equality) is
+        what counts, e.g. whether this rank could use a transport; none by default."""
+        return ()
+
+    def _set_floor(self, table, n: int) -> None:
+        self._agreed_floor = tuple(min(col) for col in zip(*(row[len(row) - n:] for row in table))) if n else ()
 
     def _agreed_shape(self, shape: tuple, table) -> tuple:
         """The shape planning uses: this rank's (equal on every rank once agreed); a layer whose
@@ -427,7 +442,10 @@ class PlannedLayer:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; valid: {DTYPES}")
         request = zlib.crc32(repr((pairs, str(dtype), bool(training))).encode())
-        table = self._agreement.gather((request,))
+        floor = self._floor()
+        full = self._agreement.gather((request, *floor))
+        self._set_floor(full, len(floor))
+        table = [row[0] for row in full]
         if len(set(table)) > 1:
             raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
                              f"this rank: shapes={shapes}, dtype={dtype}, training={training}")
