@@ -32,9 +32,11 @@ def check_numerics(rank, ws, dev):
     fails = 0
     for sp in (True, False):
         for act, bias in (("swiglu", False), ("gelu", True), ("relu", True)):
+            rank_plans = (MLPPlan(1, decomposition="rank"), MLPPlan(1, decomposition="rank", transport="copy_engine"),
+                          MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine")) if sp else ()
             for plan in (MLPPlan(1), MLPPlan(2), MLPPlan(3), MLPPlan(4), MLPPlan(3, regather=True),
                          MLPPlan(4, buckets_fwd=(("ag" if sp else "ar", ((0, 1), (2, 3))),),
-                                 buckets_bwd=(("ag_dy" if sp else "ar_dx", ((0,), (1, 2, 3))),))):
+                                 buckets_bwd=(("ag_dy" if sp else "ar_dx", ((0,), (1, 2, 3))),)), *rank_plans):
                 g = torch.Generator(device="cpu").manual_seed(7)
                 H, Fd, B, S = 64, 32 * ws, 2, 12 * ws
                 n_in = 2 * Fd if act == "swiglu" else Fd
@@ -64,11 +66,46 @@ def check_numerics(rank, ws, dev):
                          ("w_in.grad", layer.w_in.grad, want_w_in),
                          ("w_out.grad", layer.w_out.grad, leaves[2].grad[:, rank * fl:(rank + 1) * fl]),
                          ("to_dense", dense_w["w_in"], w_in)]
+                if plan.transport == "copy_engine" and layer._workspace is None:
+                    fails += 1
+                    print(f"rank {rank} FAIL {plan}: fell back from the copy engine ({layer._copy_engine})", flush=True)
                 for name, got, want in pairs:
                     err = ((got.double() - want).norm() / want.norm()).item()
                     if not err < 1e-5:
                         fails += 1
                         print(f"rank {rank} FAIL sp={sp} {act} {plan} {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
+def check_copy_engine_reuse(rank, ws, dev):
+    """Two layers sharing one symmetric workspace, called back to back for several steps with
+    growing token counts (the workspace grows), forward and backward: every result equals the same
+    plan over NCCL send/recv (the same arithmetic, another transport)."""
+    fails = 0
+    torch.manual_seed(3)
+    outs = {}
+    for transport in ("nccl", "copy_engine"):
+        torch.manual_seed(3)
+        layers = [OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev) for _ in range(2)]
+        for layer in layers:
+            layer.pin_plan(MLPPlan(1, decomposition="rank", transport=transport))
+        res = []
+        for step, rows in enumerate((8, 8, 24, 16, 40)):
+            g = torch.Generator(device="cpu").manual_seed(100 + step * ws + rank)
+            x = torch.randn(1, rows, 64, generator=g).to(dev).requires_grad_()
+            y = layers[1](layers[0](x))
+            y.square().sum().backward()
+            res += [y.detach(), x.grad]
+        res += [p.grad for layer in layers for p in layer.parameters()]
+        outs[transport] = res
+        if transport == "copy_engine" and layers[0]._workspace is not layers[1]._workspace:
+            fails += 1
+            print(f"rank {rank} FAIL: the layers do not share one workspace", flush=True)
+    for i, (a, b) in enumerate(zip(outs["nccl"], outs["copy_engine"])):
+        err = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+        if not err < 1e-6:
+            fails += 1
+            print(f"rank {rank} FAIL copy-engine reuse, tensor {i}: rel err {err:.3g}", flush=True)
     return fails
 
 
@@ -330,7 +367,8 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_autocast_and_no_grad(rank, ws, dev) \
+    fails = check_numerics(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) \
+        + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
         + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev)

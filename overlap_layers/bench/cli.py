@@ -64,6 +64,8 @@ def parse_args(argv=None):
                    help="mlp and moe expert activation")
     p.add_argument("--skew", action="store_true",
                    help="moe: skewed routing (most tokens to expert 0) instead of balanced-ish random routing")
+    p.add_argument("--transport", default="auto", choices=["auto", "nccl", "copy_engine"],
+                   help="mlp: the layers' config.transport (nccl: the planner never uses the copy engine)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -144,7 +146,8 @@ def _shapes(args, presets, cuda: bool = False):
                 for tokens in args.tokens or [base["batch"] * base["seq"]]:
                     batch = base["batch"] if tokens % base["batch"] == 0 else 1
                     yield layer, preset, Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
-                                               sequence_parallel=not args.no_sp, activation=args.activation)
+                                               sequence_parallel=not args.no_sp, activation=args.activation,
+                                               transport=args.transport)
             else:
                 base = attn_bench.PRESETS[preset]
                 for batch in args.batch or base["batch"]:

@@ -24,6 +24,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import OverlapConfig
 from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
 from .runner import pass_fn, run_modes
@@ -45,6 +46,7 @@ class Shape:
     seq: int  # global sequence (split over ranks with sequence parallelism)
     sequence_parallel: bool = True
     activation: str = "swiglu"
+    transport: str = "auto"  # the layer's config.transport
 
 
 class MLPBench:
@@ -58,7 +60,8 @@ class MLPBench:
             raise ValueError(f"seq={shape.seq} and ffn={shape.ffn} must divide by the group size {ws}")
         torch.manual_seed(0)
         self.layer = OverlapMLP(shape.hidden, shape.ffn, group=group, sequence_parallel=shape.sequence_parallel,
-                                activation=shape.activation, num_tiles=1, dtype=dtype, device=device)
+                                activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
+                                config=OverlapConfig(transport=shape.transport))
         seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
         self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
         self.dy = torch.randn_like(self.x)
@@ -204,6 +207,6 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                 log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
-                  activation=shape.activation)
+                  activation=shape.activation, config_transport=shape.transport)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
                      repeats, log, profile)

@@ -36,6 +36,7 @@ after another, as a model runs them.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
@@ -128,6 +129,11 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
         self._buf = self.handle = None
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed on older torch; a deprecated no-op on newer ones
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group.group_name)
         nbytes = -(-nbytes // 4096) * 4096
         self._buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self._buf, self.group)
