@@ -77,6 +77,30 @@ def check_numerics(rank, ws, dev):
     return fails
 
 
+def check_fused_swiglu(rank, ws, dev):
+    """The Triton SwiGLU forward / backward against the float64 formulas (odd sizes: a partial
+    last block), in float32 and bfloat16, and through autograd."""
+    from overlap_layers.layers.swiglu import fused_available, swiglu, swiglu_backward, swiglu_recorded
+    fails = 0
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        pre = torch.randn(37, 2 * 129, device=dev).to(dtype)
+        dh = torch.randn(37, 129, device=dev).to(dtype)
+        g, u = pre.double().chunk(2, -1)
+        s = torch.sigmoid(g)
+        want_h = g * s * u
+        want_dpre = torch.cat([dh.double() * u * s * (1 + g * (1 - s)), dh.double() * g * s], -1)
+        dpre, h = swiglu_backward(pre, dh)
+        leaf = pre.clone().requires_grad_()
+        swiglu_recorded(leaf).backward(dh)
+        for name, got, want in (("h", swiglu(pre), want_h), ("bwd h", h, want_h), ("dpre", dpre, want_dpre),
+                                ("autograd dpre", leaf.grad, want_dpre)):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            if not (fused_available(pre) and err < tol):
+                fails += 1
+                print(f"rank {rank} FAIL fused swiglu {dtype} {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
 def check_copy_engine_reuse(rank, ws, dev):
     """Two layers sharing one symmetric workspace, called back to back for several steps with
     growing token counts (the workspace grows), forward and backward: every result equals the same
@@ -367,7 +391,7 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) \
+    fails = check_numerics(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import overlap_layers
 from attention_reference import bad_call_input, dense_attention
-from overlap_layers import OverlapConfig, reduce_replicated_grads
+from overlap_layers import reduce_replicated_grads
 from overlap_layers.layers.attention import OverlapAttention
 from overlap_layers.layers.mlp import MLPPlan
 from pool import all_reduce_ranks, expect_value_error_on_every_rank

@@ -54,6 +54,7 @@ from . import rank_chunks
 from .mlp_cost import MLPCostModel
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .planning import Trial
+from .swiglu import swiglu, swiglu_backward, swiglu_recorded
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program, row_forward,
                          weight_grad)
@@ -65,31 +66,24 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 
 
 def _act(kind: str, pre_MI: torch.Tensor) -> torch.Tensor:
-    """act(pre); swiglu multiplies in place (no temporary) unless autograd records it."""
+    """act(pre); swiglu runs fused on CUDA (``swiglu.py``)."""
     if kind == "swiglu":
-        gate, up = pre_MI.chunk(2, dim=-1)
         if torch.is_grad_enabled() and pre_MI.requires_grad:
-            return F.silu(gate) * up
-        return F.silu(gate).mul_(up)
+            return swiglu_recorded(pre_MI)
+        return swiglu(pre_MI)
     if kind == "gelu":
         return F.gelu(pre_MI)
     return F.relu(pre_MI)
 
 
-def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(pre) given d(loss)/d(act(pre)). For swiglu the two halves are written into one
-    ``[M, I]`` buffer, with one ``[M, F]`` temporary alive at a time."""
+def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor):
+    """``(d(loss)/d(pre), act(pre))`` given d(loss)/d(act(pre)): the backward also hands back the
+    activation the weight gradient of fc2 needs (for swiglu both come from one fused pass)."""
     if kind == "swiglu":
-        gate, up = pre_MI.chunk(2, dim=-1)
-        dpre = torch.empty_like(pre_MI)
-        d_gate, d_up = dpre.chunk(2, dim=-1)
-        torch.mul(dh_MF, F.silu(gate), out=d_up)
-        torch.mul(dh_MF, up, out=d_gate)
-        d_gate.copy_(torch.ops.aten.silu_backward(d_gate, gate))
-        return dpre
+        return swiglu_backward(pre_MI, dh_MF)
     if kind == "gelu":
-        return torch.ops.aten.gelu_backward(dh_MF, pre_MI)
-    return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
+        return torch.ops.aten.gelu_backward(dh_MF, pre_MI), F.gelu(pre_MI)
+    return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0), F.relu(pre_MI)
 
 
 @dataclass
@@ -125,12 +119,10 @@ def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> Til
     accumulate = Accumulator(grads)
 
     def dgrad2(env):
-        dy = env["dyg"] if sp else env["dy"]
-        env["h"] = _act(c.activation, env["pre"])
-        env["dh"] = torch.mm(dy, w_out)
+        env["dh"] = torch.mm(env["dyg"] if sp else env["dy"], w_out)
 
     def act_bwd(env):
-        env["dpre"] = _act_backward(c.activation, env.pop("pre"), env.pop("dh"))
+        env["dpre"], env["h"] = _act_backward(c.activation, env.pop("pre"), env.pop("dh"))
 
     return backward_program("mlp_bwd", sp, regather, ("dgrad2", dgrad2), ("act_bwd", act_bwd),
                             ("dgrad1", column_dgrad(sp, "dpre", w_in)),
@@ -220,7 +212,7 @@ class _RankChunkMLP(torch.autograd.Function):
                 return x_TH[a:b]
             return pulled[1] if c.plan.regather else xg[0][q]
 
-        dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out, partial(_act, c.activation),
+        dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out,
                                      partial(_act_backward, c.activation), grads, c.launch_log)
         if trial is not None:
             trial.bwd.stop()

@@ -12,14 +12,14 @@ act        memory M*(I+F)*e                     h, M*F*e (fc2)
 fc2        GEMM (M, H, F)                       partial out, M*H*e (wait_rs)
 rs / ar    collective over M*H*e
 ag_dy      collective over M*H*e                dy gathered, M*H*e (wgrad2)
-dgrad2     memory M*(I+F)*e + GEMM (M, F, H)    h and dh, 2*M*F*e (wgrad2)
-act_bwd    memory M*(2I+F)*e                    dpre, M*I*e (wgrad1)
+dgrad2     GEMM (M, F, H)                       dh, M*F*e (act_bwd)
+act_bwd    memory M*(2I+2F)*e                   dpre and h, M*(I+F)*e (wgrad1)
 dgrad1     GEMM (M, H, I)                       dx gathered, M*H*e (wait_rs_dx)
 wgrad2     GEMM (H, F, M);  wgrad1 GEMM (I, H, M)
 =========  ===================================  ====================================
 
-"memory b" is ``b`` bytes at the calibrated bandwidth unless the activation (or its backward) was
-measured for M rows (key :meth:`MLPCostModel.act_key`). A collective's latency is its kind's
+"memory b" is ``b`` bytes at the calibrated bandwidth unless the activation (or its backward, which
+also returns the activation for wgrad2) was measured for M rows (key :meth:`MLPCostModel.act_key`). A collective's latency is its kind's
 alpha; a member of a bucket of two or more also pays a copy of its M*H*e bytes in and out.
 
 The candidates are compared by :func:`~overlap_layers.layers.candidates.plan_candidates`.
@@ -81,8 +81,8 @@ class MLPCostModel:
             "fc1": lambda: md.gemm_ms(m, I, H),
             "act": lambda: md.op_ms(self.act_key("act", m), m * (I + F) * e),
             "fc2": lambda: md.gemm_ms(m, H, F),
-            "dgrad2": lambda: md.op_ms(self.act_key("act", m), m * (I + F) * e) + md.gemm_ms(m, F, H),
-            "act_bwd": lambda: md.op_ms(self.act_key("act_bwd", m), m * (2 * I + F) * e),
+            "dgrad2": lambda: md.gemm_ms(m, F, H),
+            "act_bwd": lambda: md.op_ms(self.act_key("act_bwd", m), m * (2 * I + 2 * F) * e),
             "dgrad1": lambda: md.gemm_ms(m, H, I),
             "wgrad2": lambda: md.gemm_ms(H, F, m),
             "wgrad1": lambda: md.gemm_ms(I, H, m),
@@ -93,12 +93,12 @@ class MLPCostModel:
         """Op name -> elements per gathered row of the buffer it allocates (module table)."""
         H, I, F = self.H, self.I, self.F
         return {"ag": H, "ag_x": H, "fc1": I, "act": F, "fc2": H if self.sp else 0, "ag_dy": H,
-                "dgrad2": 2 * F, "act_bwd": I, "dgrad1": H if self.sp else 0}
+                "dgrad2": F, "act_bwd": I + F, "dgrad1": H if self.sp else 0}
 
     def frees(self, *, save: bool, keep_xg: bool, backward: bool) -> Dict[str, Optional[str]]:
         """Op name -> the op after which its buffer dies (None: kept for backward)."""
         return {"ag": None if keep_xg else "fc1", "fc1": None if save and not backward else "act",
-                "act": "fc2", "fc2": "wait_rs", "ag_dy": "wgrad2", "ag_x": "wgrad1", "dgrad2": "wgrad2",
+                "act": "fc2", "fc2": "wait_rs", "ag_dy": "wgrad2", "ag_x": "wgrad1", "dgrad2": "act_bwd",
                 "act_bwd": "wgrad1", "dgrad1": "wait_rs_dx"}
 
     def saved_bytes(self, m: int, keep_xg: bool) -> int:

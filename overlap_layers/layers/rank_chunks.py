@@ -63,9 +63,10 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
     return exchange.finish()
 
 
-def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act, act_backward, grads: dict, log):
-    """The backward in the module table. ``gathered_x(j, q, a, b)`` returns the input rows of a
-    piece (saved, or pulled as ``exchange``'s second source). Fills ``grads`` (``w_in``,
+def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, grads: dict, log):
+    """The backward in the module table; ``act_backward(pre, dh)`` returns ``(dpre, act(pre))``.
+    ``gathered_x(j, q, a, b, pulled)`` returns the input rows of a piece (saved, or pulled as
+    ``exchange``'s second source). Fills ``grads`` (``w_in``,
     ``w_out`` and ``b_in`` if not None) and returns ``dx [T, H]``."""
     rank, ws, T = exchange.rank, exchange.ws, dy_TH.shape[0]
     first = True
@@ -75,14 +76,11 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act, act_backwar
             dy = dy_TH[a:b] if j == 0 else pulled[0]
             x = gathered_x(j, q, a, b, pulled)
             pre = pre_all[q, a:b]
-            dh = torch.mm(dy, w_out)
-            dpre = act_backward(pre, dh)
-            del dh
+            dpre, h = act_backward(pre, torch.mm(dy, w_out))
             out = exchange.own_partial[a:b] if j == 0 else None
             out = torch.mm(dpre, w_in, out=out)
             if j:
                 exchange.push(j, out)
-            h = act(pre)
             if first:
                 torch.mm(dy.t(), h, out=grads["w_out"])
                 torch.mm(dpre.t(), x, out=grads["w_in"])

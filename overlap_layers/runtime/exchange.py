@@ -36,6 +36,7 @@ after another, as a model runs them.
 """
 from __future__ import annotations
 
+import importlib.util
 import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -246,10 +247,8 @@ def symmetric_memory_status(group, device: torch.device) -> str:
         return f"the group has no backend ({e})"
     if "nccl" not in str(backend):
         return f"the group's backend is {backend}, not nccl"
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError as e:
-        return f"torch.distributed._symmetric_memory is missing ({e})"
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return "torch.distributed._symmetric_memory is missing"
     ws = dist.get_world_size(group)
     ranks = [dist.get_global_rank(group, i) for i in range(ws)]
     if len(ranks) > torch.cuda.device_count():

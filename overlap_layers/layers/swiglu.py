@@ -1,0 +1,112 @@
+"""SwiGLU and its backward as one pass over memory each (Triton on CUDA, eager elsewhere).
+
+Reference (``pre [M, 2F]`` = gate columns then up columns, ``dh [M, F]``), computed in float32
+and rounded once to ``pre``'s dtype::
+
+    h     = silu(g) * u                      with g = pre[:, :F], u = pre[:, F:], s = sigmoid(g)
+    dpre  = [dh * u * s * (1 + g * (1 - s)),  dh * g * s]      (d gate, d up)
+
+The eager versions run several kernels (each reading and writing ``M*F`` elements): the forward
+two, the backward five plus a recomputation of ``h`` for the weight gradient. The fused backward
+returns ``h`` too, so one pass serves both. Used when the tensors are on CUDA, contiguous and
+Triton imports; otherwise (CPU, no Triton) the eager formulas run.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the eager path
+    triton = None
+
+_BLOCK = 1024
+
+
+def fused_available(pre: torch.Tensor) -> bool:
+    return triton is not None and pre.is_cuda and pre.is_contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        row, col = idx // f, idx % f
+        g_off = row * 2 * f + col
+        g = tl.load(pre_ptr + g_off, mask=mask).to(tl.float32)
+        u = tl.load(pre_ptr + g_off + f, mask=mask).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + idx, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        row, col = idx // f, idx % f
+        g_off = row * 2 * f + col
+        g = tl.load(pre_ptr + g_off, mask=mask).to(tl.float32)
+        u = tl.load(pre_ptr + g_off + f, mask=mask).to(tl.float32)
+        dh = tl.load(dh_ptr + idx, mask=mask).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        tl.store(dpre_ptr + g_off, (dh * u * s * (1.0 + g * (1.0 - s))).to(dpre_ptr.dtype.element_ty), mask=mask)
+        tl.store(dpre_ptr + g_off + f, (dh * silu).to(dpre_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + idx, (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(pre_MI: torch.Tensor) -> torch.Tensor:
+    """``h [M, F]`` of the module reference (no autograd: call it outside recorded regions)."""
+    gate, up = pre_MI.chunk(2, dim=-1)
+    if not fused_available(pre_MI):
+        return F.silu(gate).mul_(up)
+    h = pre_MI.new_empty(gate.shape)
+    n, f = h.numel(), h.shape[-1]
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, h, n, f, BLOCK=_BLOCK)
+    return h
+
+
+def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dpre [M, 2F], h [M, F])`` of the module reference."""
+    gate, up = pre_MI.chunk(2, dim=-1)
+    dpre = torch.empty_like(pre_MI)
+    if not (fused_available(pre_MI) and dh_MF.is_contiguous()):
+        d_gate, d_up = dpre.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        torch.mul(dh_MF, silu, out=d_up)
+        torch.mul(dh_MF, up, out=d_gate)
+        d_gate.copy_(torch.ops.aten.silu_backward(d_gate, gate))
+        return dpre, silu.mul_(up)
+    h = pre_MI.new_empty(gate.shape)
+    n, f = h.numel(), h.shape[-1]
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, dh_MF, dpre, h, n, f, BLOCK=_BLOCK)
+    return dpre, h
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``h`` recorded by autograd with the fused kernels both ways (first derivatives only)."""
+
+    @staticmethod
+    def forward(ctx, pre_MI):
+        ctx.save_for_backward(pre_MI)
+        return swiglu(pre_MI)
+
+    @staticmethod
+    def backward(ctx, dh_MF):
+        (pre_MI,) = ctx.saved_tensors
+        return swiglu_backward(pre_MI, dh_MF.contiguous())[0]
+
+
+def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
+    """``h`` for a region autograd records: fused where :func:`fused_available`, else the eager
+    formula (which also supports higher derivatives)."""
+    if fused_available(pre_MI):
+        return _SwiGLU.apply(pre_MI)
+    gate, up = pre_MI.chunk(2, dim=-1)
+    return F.silu(gate) * up
