@@ -90,6 +90,29 @@ def test_contenders_add_a_runner_up_within_memory():
     assert _contenders(MLPPlan(1)) == [MLPPlan(1)]
 
 
+def test_contenders_add_the_best_rank_plan_and_verify_a_close_serial_plan():
+    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.sim import Candidate
+    serial = Candidate(1, False, (), (), 10.0, 1.0, 500)
+    ce = Candidate(1, False, (), (), 9.8, 0.1, 600, decomposition="rank", transport="copy_engine")
+    ce_regather = Candidate(1, True, (), (), 9.9, 0.1, 550, decomposition="rank", transport="copy_engine")
+    p2p = Candidate(1, False, (), (), 12.0, 2.0, 600, decomposition="rank", transport="nccl")
+    k2 = Candidate(2, False, (), (), 9.0, 0.5, 700)
+    cands = (serial, ce, ce_regather, p2p, k2)
+    plan = MLPPlan(2, predicted_ms=9.0, predicted_peak_bytes=700, reason="r", candidates=cands)
+    got = _contenders(plan)
+    # one rival per other kind (the best-predicted one), serial last
+    assert [(p.decomposition, p.transport, p.regather) for p in got] == [
+        ("batch", "nccl", False), ("rank", "copy_engine", False), ("rank", "nccl", False), ("batch", "nccl", False)]
+    assert got[-1].is_serial and got[1].label == "rank chunks over copy_engine"
+    # a serial plan with a rival predicted within 5%: timed against it; out of budget or far: alone
+    kept = MLPPlan(1, predicted_ms=10.0, predicted_peak_bytes=500, reason="r", candidates=(serial, ce, p2p))
+    assert [p.label for p in _contenders(kept)] == ["rank chunks over copy_engine", "K=1"]
+    assert _contenders(kept, budget=550) == [kept]
+    far = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, p2p))
+    assert _contenders(far) == [far]
+
+
 @pytest.mark.parametrize("tiled_ms,want_k", [(0.98, 1), (0.96, 2)])
 def test_verification_keeps_serial_unless_clearly_faster(tiled_ms, want_k):
     cache = PlanCache(_OneRank(), trials=1, margin=0.03)

@@ -72,6 +72,11 @@ class TilePlan:
         return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
                 and self.decomposition == "batch")
 
+    @property
+    def label(self) -> str:
+        """``K=2``, or ``rank chunks over copy_engine``."""
+        return f"rank chunks over {self.transport}" if self.decomposition == "rank" else f"K={self.num_tiles}"
+
     def digest(self) -> int:
         """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
         key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport,
@@ -79,23 +84,41 @@ class TilePlan:
         return zlib.crc32(repr(key).encode())
 
 
-def contenders(plan: TilePlan) -> list:
-    """What first-call verification times: ``plan``, the best-predicted candidate with another
-    K > 1 that needs no more memory than ``plan`` or K=1 (if any), and the plain layer (K=1);
-    each carries ``plan``'s explanation and its own prediction."""
-    if plan.is_serial:
-        return [plan]
+VERIFY_CLOSE = 0.05  # a serial plan is timed against a rival predicted within this fraction of it
 
+
+def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
+    """What first-call verification times, the plain layer (K=1) last, each carrying ``plan``'s
+    explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
+    candidate of each other kind (batch tiles with another K > 1, rank chunks per transport) that
+    needs no more memory than ``plan`` or K=1, then K=1. For a serial ``plan``: the best other
+    candidate within ``budget`` predicted at most :data:`VERIFY_CLOSE` slower than K=1 (the model
+    cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
         return plan_of(c, reason=plan.reason, candidates=plan.candidates)
 
+    def best(cands):
+        return min(cands, key=lambda c: (c.predicted_ms, c.num_tiles))
+
     serial = next((c for c in plan.candidates if c.is_serial), None)
-    # The runner-up needs no more memory than a plan that runs anyway (the planned or the serial one).
+    if plan.is_serial:
+        rivals = [c for c in plan.candidates if not c.is_serial and serial is not None
+                  and (budget is None or c.peak_bytes <= budget)
+                  and c.predicted_ms <= serial.predicted_ms * (1 + VERIFY_CLOSE)]
+        return [as_plan(best(rivals)), plan] if rivals else [plan]
+    # A rival needs no more memory than a plan that runs anyway (the planned or the serial one).
     cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
-    others = [c for c in plan.candidates if c.num_tiles not in (1, plan.num_tiles) and c.peak_bytes <= cap
-              and c.decomposition == "batch"]
-    runner_up = [as_plan(min(others, key=lambda c: (c.predicted_ms, c.num_tiles)))] if others else []
-    return [plan, *runner_up, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
+    kinds = {}
+    for c in plan.candidates:
+        if c.decomposition == "batch":
+            same = c.num_tiles in (1, plan.num_tiles) and plan.decomposition == "batch" or c.num_tiles == 1
+        else:
+            same = (c.decomposition, c.transport) == (plan.decomposition, plan.transport)
+        if same or c.peak_bytes > cap:
+            continue
+        kinds.setdefault((c.decomposition, c.transport), []).append(c)
+    rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
+    return [plan, *rivals, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
 
 
 def plan_of(c, *, reason: str, candidates: tuple) -> TilePlan:
@@ -350,6 +373,7 @@ class PlannedLayer:
         return self._agreed_shape(shape, table), dtype, save, fixed
 
     _agreed_floor: tuple = ()
+    _plan_budget: Optional[int] = None  # the memory budget the last plan was made under
 
     def _floor(self) -> tuple:
         """Ints each rank adds to its agreement row whose minimum over the ranks (not equality) is
@@ -411,8 +435,8 @@ class PlannedLayer:
         """The planned plan for ``shape`` (K capped to its tile units) and the trial this call
         must time, if any."""
         key, units = self._plan_key(shape, dtype, save), self._tile_units(shape)
-        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key), contenders, self._weight.device,
-                                      call=call)
+        plan, trial = self._plans.get(key, lambda key: self._make_plan(*key),
+                                      lambda plan: contenders(plan, self._plan_budget), self._weight.device, call=call)
         k = effective_num_tiles(units, plan.num_tiles)
         if k != plan.num_tiles:
             plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
@@ -511,7 +535,8 @@ class PlannedLayer:
         candidates += self._rank_candidates(cm, candidates, training=save)
         if self.config.transport == "copy_engine" and any(c.transport == "copy_engine" for c in candidates):
             candidates = [c for c in candidates if c.is_serial or c.transport == "copy_engine"]
-        choice = choose(candidates, budget_bytes=self._budget(), margin=self.config.margin)
+        self._plan_budget = self._budget()
+        choice = choose(candidates, budget_bytes=self._plan_budget, margin=self.config.margin)
         return plan_of(choice.candidate, reason=choice.reason, candidates=choice.candidates)
 
     # ----------------------------------------------------------------- explaining

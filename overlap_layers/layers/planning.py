@@ -34,6 +34,10 @@ from ..runtime.group import Agreement, PlanMismatchError
 from ..runtime.timing import Stopwatch, total_ms
 
 
+def _label(plan) -> str:
+    return getattr(plan, "label", None) or f"K={getattr(plan, 'num_tiles', '?')}"
+
+
 @dataclass
 class Trial:
     """One timed call during verification; the layer stops ``fwd`` and fills ``bwd``."""
@@ -75,8 +79,8 @@ class PlanCache:
             call: bool = True) -> Tuple[object, Optional[Trial]]:
         """The plan for ``key`` and, during verification, the :class:`Trial` this call must time.
 
-        ``contenders_of(plan)`` lists the plans to time: ``plan`` first, the serial plan last
-        (just ``[plan]`` when ``plan`` is serial: nothing to verify). ``call=False`` plans
+        ``contenders_of(plan)`` lists the plans to time, the serial plan last (just ``[plan]``
+        when there is nothing to verify). ``call=False`` plans
         without running (warm-up): no trial is handed out."""
         entry = self._entries.get(key)
         if entry is None:
@@ -125,7 +129,7 @@ class PlanCache:
         if win != n - 1 and measured[win] > measured[-1] * (1.0 - self._margin):
             win = n - 1  # as in planning: a tiled plan must win by more than the margin
         what = "forward+backward" if with_bwd else "forward"
-        times = ", ".join(f"K={getattr(p, 'num_tiles', '?')} {ms:.3f} ms" for p, ms in zip(contenders, measured))
+        times = ", ".join(f"{_label(p)} {ms:.3f} ms" for p, ms in zip(contenders, measured))
         verdict = (f"verified on the first calls ({what}, min of {self._trials} calls each, max over ranks): "
-                   f"{times}: {'kept' if win == 0 else 'switched to'} K={getattr(contenders[win], 'num_tiles', '?')}")
+                   f"{times}: {'kept' if contenders[win] is entry.plan else 'switched to'} {_label(contenders[win])}")
         return replace(contenders[win], reason=f"{entry.plan.reason}; {verdict}")
