@@ -172,11 +172,12 @@ def rank_chunk_log(rank, ws, rows):
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_rank_chunks_own_rows_first_and_last(pools, ws):
-    """Own first half, then peers in step order (rank+1, rank+2, ...), then own second half, in
-    forward and backward (written out here, not derived from the layer's pieces())."""
-    for rank, log in enumerate(pools(ws).run(rank_chunk_log, 5)):
-        order = [(rank, 0, 2)] + [((rank + j) % ws, 0, 5) for j in range(1, ws)] + [(rank, 2, 5)]
-        assert log == [("rank_chunk", d, *o) for d in ("fwd", "bwd") for o in order]
+    """Own first half (step 0), then the peers' chunks in step order (step j: rank + j), then
+    the own second half, in forward and backward, alike on every rank (written out here, not
+    derived from the layer's pieces())."""
+    order = [(0, 0, 2)] + [(j, 0, 5) for j in range(1, ws)] + [(0, 2, 5)]
+    for log in pools(ws).run(rank_chunk_log, 5):
+        assert log == [(f"step{j}[{a}:{b}]", "rank_chunk", d) for d in ("fwd", "bwd") for j, a, b in order]
 
 
 def bad_pin(rank, ws, plan, sp):

@@ -422,7 +422,7 @@ class OverlapMLP(PlannedLayer, nn.Module):
             return lambda: _act_backward(self.activation, pre, dh)
 
         setups = {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()}
-        if self._rank_transports() and "copy_engine" in self._rank_transports():
+        if "copy_engine" in self._rank_transports():
             setups.update(self._copy_engine_setups(cm, dtype))
         return setups
 
@@ -461,13 +461,13 @@ class OverlapMLP(PlannedLayer, nn.Module):
         return ok
 
     def _rank_transports(self) -> tuple:
-        """The transports the planner may try for rank chunks (none without SP or with one rank)."""
-        if not self.sequence_parallel or self.world_size < 2:
+        """The transports the planner tries for rank chunks: the copy engine where every rank has
+        it (none without SP, with one rank, or with ``config.transport="nccl"``). Rank chunks over
+        NCCL send/recv run only when pinned: on 2x H200 they never beat batch tiles or K=1
+        (bench/results/mlp_rank_h200x2_2026-11-26.md)."""
+        if not self.sequence_parallel or self.world_size < 2 or self.config.transport == "nccl":
             return ()
-        if self.config.transport == "nccl":
-            return ("nccl",)
-        ce = ("copy_engine",) if self._copy_engine_available() else ()
-        return ce if self.config.transport == "copy_engine" and ce else ("nccl",) + ce
+        return ("copy_engine",) if self._copy_engine_available() else ()
 
     def _exchange(self, transport: str, device: torch.device) -> Callable:
         if transport == "copy_engine" and self._copy_engine_available():

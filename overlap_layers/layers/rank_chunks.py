@@ -59,7 +59,7 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
             if j:
                 exchange.push(j, out)
         if log is not None:
-            log.append(("rank_chunk", "fwd", q, a, b))
+            log.append((f"step{j}[{a}:{b}]", "rank_chunk", "fwd"))  # rank-independent, like every log entry
     return exchange.finish()
 
 
@@ -93,5 +93,5 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
                     grads["b_in"].add_(dpre.sum(0))
             first = False
         if log is not None:
-            log.append(("rank_chunk", "bwd", q, a, b))
+            log.append((f"step{j}[{a}:{b}]", "rank_chunk", "bwd"))
     return exchange.finish()
