@@ -77,14 +77,14 @@ def test_cache_times_every_contender_and_keeps_the_fastest():
     assert plan.num_tiles == 4 and "switched to K=4" in plan.reason and "K=4 1.500 ms" in plan.reason
 
 
-def test_contenders_add_a_runner_up_within_memory():
+def test_contenders_add_a_runner_up_within_the_budget():
     from overlap_layers.layers.planned import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
              Candidate(4, False, (), (), 8.5, 0.4, 300), Candidate(8, False, (), (), 8.2, 0.3, 900))
     plan = MLPPlan(2, predicted_ms=8.0, predicted_peak_bytes=400, reason="r", candidates=cands)
-    got = _contenders(plan)
-    # K=8 is predicted faster than K=4 but needs more memory than K=2 or K=1: K=4 is the runner-up.
+    got = _contenders(plan, budget=500)
+    # K=8 is predicted faster than K=4 but needs more memory than the budget: K=4 is the runner-up.
     assert [p.num_tiles for p in got] == [2, 4, 1] and got[1].predicted_ms == 8.5
     assert all(p.reason == "r" for p in got)
     assert _contenders(MLPPlan(1)) == [MLPPlan(1)]

@@ -513,10 +513,10 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 if training:
                     b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport, sources=2 if regather else 1)
                     ms, exposed = ms + b_ms, exposed + b_exposed
-                extra = (workspace_bytes(self.world_size, [(cm.rows, cm.H)] * (2 if regather else 1),
+                slots = (workspace_bytes(self.world_size, [(cm.rows, cm.H)] * (2 if regather else 1),
                                          (cm.rows, cm.H), cm.e) if transport == "copy_engine"
                          else self.world_size * cm.chunk_bytes())
-                out.append(Candidate(1, regather, (), (), ms, exposed, base.peak_bytes + extra,
+                out.append(Candidate(1, regather, (), (), ms, exposed, cm.rank_chunk_peak(base.peak_bytes, slots),
                                      decomposition="rank", transport=transport))
         return out
 

@@ -34,8 +34,10 @@ push. A transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) ov
 engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
 steps) over NCCL, which also slows every piece by the interference factor. The copy engine adds
 the copies of the sources into the symmetric buffer and one signal round trip (``"signal"``)
-before the first pull and after the last push. Peak memory: the serial plan's plus the partial
-slots (``ws*T*H*e``), in the persistent symmetric workspace for the copy engine.
+before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
+slots (``ws*T*H*e``; in the persistent symmetric workspace for the copy engine, with the sources),
+minus the activation of ws-1 chunks (a piece holds ``h`` for its own ``T`` rows, the serial
+layer for all ``ws*T``).
 """
 from __future__ import annotations
 
@@ -218,6 +220,6 @@ class MLPCostModel:
             (ws - 1) * self.piece_ms(T, backward)
         return end, max(end - own, 0.0)
 
-    def rank_chunk_ops(self) -> Dict[str, int]:
-        """Copy-engine ops the rank-chunk cost needs measured: key -> bytes."""
-        return {f"peer_copy:{self.chunk_bytes()}": self.chunk_bytes(), "signal": 0}
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
+        """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""
+        return serial_peak + slot_bytes - (self.ws - 1) * self.rows * self.F * self.e

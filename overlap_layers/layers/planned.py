@@ -90,8 +90,9 @@ VERIFY_CLOSE = 0.05  # a serial plan is timed against a rival predicted within t
 def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     """What first-call verification times, the plain layer (K=1) last, each carrying ``plan``'s
     explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
-    candidate of each other kind (batch tiles with another K > 1, rank chunks per transport) that
-    needs no more memory than ``plan`` or K=1, then K=1. For a serial ``plan``: the best other
+    candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
+    applies it) of each other kind (batch tiles with another K > 1, rank chunks per transport),
+    then K=1. For a serial ``plan``: the best other
     candidate within ``budget`` predicted at most :data:`VERIFY_CLOSE` slower than K=1 (the model
     cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
@@ -106,15 +107,13 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
                   and (budget is None or c.peak_bytes <= budget)
                   and c.predicted_ms <= serial.predicted_ms * (1 + VERIFY_CLOSE)]
         return [as_plan(best(rivals)), plan] if rivals else [plan]
-    # A rival needs no more memory than a plan that runs anyway (the planned or the serial one).
-    cap = max(plan.predicted_peak_bytes or 0, serial.peak_bytes if serial else 0)
     kinds = {}
     for c in plan.candidates:
         if c.decomposition == "batch":
             same = c.num_tiles in (1, plan.num_tiles) and plan.decomposition == "batch" or c.num_tiles == 1
         else:
             same = (c.decomposition, c.transport) == (plan.decomposition, plan.transport)
-        if same or c.peak_bytes > cap:
+        if same or (budget is not None and c.peak_bytes > budget):
             continue
         kinds.setdefault((c.decomposition, c.transport), []).append(c)
     rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
