@@ -101,6 +101,27 @@ def check_fused_swiglu(rank, ws, dev):
     return fails
 
 
+def check_copy_engine_trace(rank, ws, dev):
+    """export_trace of the copy-engine plan: predicted and measured hold the same ops."""
+    import json
+    import tempfile
+    from collections import Counter
+    layer = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)
+    layer.pin_plan(MLPPlan(1, decomposition="rank", transport="copy_engine"))
+    x = torch.randn(1, 16, 64, device=dev, requires_grad=True)
+    layer(x).sum().backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        layer.export_trace(f"{tmp}/pred.json")
+        layer.export_trace(f"{tmp}/meas.json", measured=True)
+        layer(x).sum().backward()
+        got = [Counter(e["name"] for e in json.load(open(f"{tmp}/{n}.json"))["traceEvents"] if e["ph"] == "X")
+               for n in ("pred", "meas")]
+    if got[0] != got[1] or got[0]["to_symmetric[0]"] != 2 or got[0]["pull[1]"] != 2:
+        print(f"rank {rank} FAIL copy-engine trace: predicted {got[0]} measured {got[1]}", flush=True)
+        return 1
+    return 0
+
+
 def check_copy_engine_reuse(rank, ws, dev):
     """Two layers sharing one symmetric workspace, called back to back for several steps with
     growing token counts (the workspace grows), forward and backward: every result equals the same
@@ -392,6 +413,7 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
     fails = check_numerics(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
+        + check_copy_engine_trace(rank, ws, dev) \
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \

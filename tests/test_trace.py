@@ -285,3 +285,27 @@ def test_layer_export_trace_predicted_and_measured_match(pool2, tmp_path, plan_k
     pytest.importorskip("matplotlib")
     plot_timeline(tmp_path / "meas0.json", tmp_path / "meas0.png")
     assert (tmp_path / "meas0.png").stat().st_size > 1000
+
+
+def rank_traces(rank, ws, tmp):
+    from overlap_layers import OverlapMLP
+    from overlap_layers.layers.mlp import MLPPlan
+    layer = OverlapMLP(16, 32, group=dist.group.WORLD)
+    layer.pin_plan(MLPPlan(1, decomposition="rank"))
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    layer(x).sum().backward()
+    layer.export_trace(f"{tmp}/pred{rank}.json")
+    layer.export_trace(f"{tmp}/meas{rank}.json", measured=True)
+    layer(x).sum().backward()
+
+
+def test_rank_chunk_plan_export_trace_predicted_and_measured_match(pool2, tmp_path):
+    """The rank-chunk plan's timeline (its cost recurrence) and its measured trace hold the same
+    ops: the own halves, the peer's chunk, its pull and push, the sum, forward and backward."""
+    pool2.run(rank_traces, str(tmp_path))
+    want = Counter({(d, f"{step}[{tag}]"): 1 for d, step in (("forward", "fwd"), ("backward", "bwd"))
+                    for tag in ("own[:h]", "1", "own[h:]")})
+    want.update({(d, name): 1 for d in ("forward", "backward") for name in ("pull[1]", "push[1]", "sum[0]")})
+    for rank in (0, 1):
+        assert _events(tmp_path / f"pred{rank}.json") == want
+        assert _events(tmp_path / f"meas{rank}.json") == want

@@ -184,10 +184,11 @@ class _RankChunkMLP(torch.autograd.Function):
     def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
         T, H = x_TH.shape
         keep_xg = call.save and not call.plan.regather
-        ex = call.exchange([x_TH], (T, H), (keep_xg,))
+        recorder = call.trace.fwd if call.trace is not None else None
+        ex = call.exchange([x_TH], (T, H), (keep_xg,), recorder)
         pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0]))
         y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
-                                   call.launch_log)
+                                   call.launch_log, recorder)
         if call.save:
             ctx.save_for_backward(x_TH, w_in, w_out, pre_all, *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b_in = call, b_in is not None
@@ -205,7 +206,8 @@ class _RankChunkMLP(torch.autograd.Function):
         T, H = x_TH.shape
         grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
                  "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
-        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), ())
+        recorder = c.trace.start_backward() if c.trace is not None else None
+        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), recorder)
 
         def gathered_x(j, q, a, b, pulled):
             if j == 0:
@@ -213,9 +215,11 @@ class _RankChunkMLP(torch.autograd.Function):
             return pulled[1] if c.plan.regather else xg[0][q]
 
         dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out,
-                                     partial(_act_backward, c.activation), grads, c.launch_log)
+                                     partial(_act_backward, c.activation), grads, c.launch_log, recorder)
         if trial is not None:
             trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
@@ -475,6 +479,15 @@ class OverlapMLP(PlannedLayer, nn.Module):
                 self._workspace = shared_workspace(self.group, device)
             return partial(CopyEngineExchange, self._workspace)
         return partial(PointToPointExchange, self.group)
+
+    def _predicted_timelines(self, cm: MLPCostModel, plan: TilePlan, save: bool) -> dict:
+        if plan.decomposition != "rank":
+            return super()._predicted_timelines(cm, plan, save)
+        out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1)}
+        if save:
+            out["backward"] = cm.rank_chunk_timeline(backward=True, transport=plan.transport,
+                                                     sources=2 if plan.regather else 1)
+        return out
 
     def _copy_engine_setups(self, cm: MLPCostModel, dtype: torch.dtype) -> dict:
         """Timed ops of the copy-engine cost: a peer copy of one chunk, a signal round trip."""

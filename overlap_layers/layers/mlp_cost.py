@@ -45,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..schedule import TileProgram, round_robin
 from ..sim import Costs, HardwareModel, Timeline, simulate
+from ..sim.simulator import Event, timeline_from_events
 from .candidates import TILE_CHOICES
 from .tiling import tile_bounds
 
@@ -200,25 +201,40 @@ class MLPCostModel:
         names = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
         return sum(self.op_ms(m, name) for name in names)
 
-    def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int) -> Tuple[float, float]:
-        """(predicted ms, exposed ms beyond the pieces' own time) of one rank-chunk pass."""
+    def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int) -> Timeline:
+        """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): pieces and
+        the copies into / the sum of the symmetric buffer on ``compute0``, transfers on ``comm``
+        (a signal's wait delays the first pull and the sum)."""
         md, T, ws, chunk = self.model, self.rows, self.ws, self.chunk_bytes()
         half = T // 2
         ce = transport == "copy_engine"
         slow = 1.0 if ce else md.interference
         signal = md.op_ms("signal", 0) if ce else 0.0
-        setup = sources * md.mem_ms(2 * chunk) + signal if ce else md.launch_ms
+        events = []
+
+        def add(name, tag, stream, start, ms):
+            events.append(Event(name, tag, stream, start, start + ms))
+            return start + ms
+
+        t = add("to_symmetric", 0, "compute0", 0.0, sources * md.mem_ms(2 * chunk)) if ce else md.launch_ms
+        pulled = t + signal
         pull, push = sources * self.transfer_ms(transport, chunk), self.transfer_ms(transport, chunk)
-        t = setup + (self.piece_ms(half, backward) * slow if half else 0.0)
+        step = "bwd" if backward else "fwd"
+        if half:
+            t = add(step, "own[:h]", "compute0", t, self.piece_ms(half, backward) * slow)
         pushed = 0.0
         for j in range(1, ws):
-            t = max(t, setup + j * pull) + self.piece_ms(T, backward) * slow
-            pushed = max(pushed, t) + push
-        t += self.piece_ms(T - half, backward) * slow
-        end = max(t, pushed + signal) + md.mem_ms((ws + 1) * chunk)
-        own = sum(self.piece_ms(m, backward) for m in ((half, T - half) if half else (T,))) + \
-            (ws - 1) * self.piece_ms(T, backward)
-        return end, max(end - own, 0.0)
+            pulled = add("pull", j, "comm", pulled, pull)
+            t = add(step, j, "compute0", max(t, pulled), self.piece_ms(T, backward) * slow)
+            pushed = add("push", j, "comm", max(pushed, t), push)
+        t = add(step, "own[h:]", "compute0", t, self.piece_ms(T - half, backward) * slow)
+        add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
+        return timeline_from_events(events, ["compute0", "comm"])
+
+    def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int) -> Tuple[float, float]:
+        """(predicted ms, exposed communication ms) of one rank-chunk pass."""
+        tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources)
+        return tl.makespan_ms, tl.exposed_comm_ms
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""

@@ -557,9 +557,11 @@ class PlannedLayer:
         key, _ = self._last_call
         dtype, save = key[-2], key[-1]
         hw = self._hw.get(dtype) or analytic_model(self._weight.device.type)
-        p = self.plan
-        write_chrome_trace(path, self._cost_model(key, hw).timelines(
-            self._programs, p.num_tiles, p.regather, p.buckets_fwd, p.buckets_bwd, save))
+        write_chrome_trace(path, self._predicted_timelines(self._cost_model(key, hw), self.plan, save))
+
+    def _predicted_timelines(self, cm, plan: TilePlan, save: bool) -> dict:
+        """The timelines the planner scored ``plan`` by (forward, and backward when ``save``)."""
+        return cm.timelines(self._programs, plan.num_tiles, plan.regather, plan.buckets_fwd, plan.buckets_bwd, save)
 
     def explain(self) -> str:
         """The last call's plan as a text table of the candidates the planner compared."""

@@ -40,12 +40,25 @@ def pieces(rank: int, world_size: int, rows: int) -> List[Tuple[int, int, int, i
     return out + [(0, rank, half, rows)]
 
 
+def _finish(exchange, recorder) -> torch.Tensor:
+    tok = recorder.begin("sum", 0, "compute0") if recorder is not None else None
+    out = exchange.finish()
+    if tok is not None:
+        recorder.end(tok)
+    return out
+
+
+def _tag(j: int, a: int, b: int, rows: int) -> str:
+    return str(j) if j else ("own[:h]" if a == 0 and b < rows else "own[h:]" if a else "own")
+
+
 def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch.Tensor,
-            act: Callable, pre_all: torch.Tensor, log) -> torch.Tensor:
+            act: Callable, pre_all: torch.Tensor, log, recorder=None) -> torch.Tensor:
     """The forward in the module table; writes ``pre`` of every gathered row into ``pre_all``
-    ``[ws, T, I]`` and returns ``y [T, H]``."""
+    ``[ws, T, I]`` and returns ``y [T, H]``. ``recorder`` (an ``OpRecorder``) times each piece."""
     rank, ws, T = exchange.rank, exchange.ws, x_TH.shape[0]
     for j, q, a, b in pieces(rank, ws, T):
+        tok = recorder.begin("fwd", _tag(j, a, b, T), "compute0") if recorder is not None else None
         with torch.profiler.record_function(f"overlap::mlp::rank_chunk[{q}]"):
             xin = x_TH[a:b] if j == 0 else exchange.pull(j)[0]
             pre = pre_all[q, a:b]
@@ -58,12 +71,14 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
             out = torch.mm(h, w_out.t(), out=out)
             if j:
                 exchange.push(j, out)
+        if tok is not None:
+            recorder.end(tok)
         if log is not None:
             log.append((f"step{j}[{a}:{b}]", "rank_chunk", "fwd"))  # rank-independent, like every log entry
-    return exchange.finish()
+    return _finish(exchange, recorder)
 
 
-def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, grads: dict, log):
+def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, grads: dict, log, recorder=None):
     """The backward in the module table; ``act_backward(pre, dh)`` returns ``(dpre, act(pre))``.
     ``gathered_x(j, q, a, b, pulled)`` returns the input rows of a piece (saved, or pulled as
     ``exchange``'s second source). Fills ``grads`` (``w_in``,
@@ -71,6 +86,7 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
     rank, ws, T = exchange.rank, exchange.ws, dy_TH.shape[0]
     first = True
     for j, q, a, b in pieces(rank, ws, T):
+        tok = recorder.begin("bwd", _tag(j, a, b, T), "compute0") if recorder is not None else None
         with torch.profiler.record_function(f"overlap::mlp_bwd::rank_chunk[{q}]"):
             pulled = exchange.pull(j) if j else None
             dy = dy_TH[a:b] if j == 0 else pulled[0]
@@ -92,6 +108,8 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
                 if grads.get("b_in") is not None:
                     grads["b_in"].add_(dpre.sum(0))
             first = False
+        if tok is not None:
+            recorder.end(tok)
         if log is not None:
             log.append((f"step{j}[{a}:{b}]", "rank_chunk", "bwd"))
-    return exchange.finish()
+    return _finish(exchange, recorder)

@@ -71,8 +71,9 @@ class PointToPointExchange:
     transport = "nccl"
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
-                 keep_gathered: Sequence[bool] = ()):
+                 keep_gathered: Sequence[bool] = (), recorder=None):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
         self.sources = [s.contiguous() for s in sources]
         self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
@@ -89,6 +90,8 @@ class PointToPointExchange:
     def pull(self, j: int) -> List[torch.Tensor]:
         for w in self._pull_works.pop(j):
             w.wait()
+        if self.recorder is not None:
+            self.recorder.mark("pull", j, "comm")
         q = (self.rank + j) % self.ws
         return [g[q] for g in self.gathered]
 
@@ -96,6 +99,8 @@ class PointToPointExchange:
         q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
         partial = partial.contiguous()
         self._keep.append(partial)
+        if self.recorder is not None:
+            self.recorder.mark("push", j, "comm")
         self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
                                                     dist.P2POp(dist.irecv, self.slots[s], self._g[s], self.group)])
 
@@ -178,8 +183,9 @@ class CopyEngineExchange:
     transport = "copy_engine"
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
-                 partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = ()):
+                 partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None):
         w = self.w = workspace
+        rec = self.recorder = recorder  # an OpRecorder: times each copy on its stream
         self.ws, self.rank = w.ws, w.rank
         self.sources = [s.contiguous() for s in sources]
         dtype = self.sources[0].dtype
@@ -194,8 +200,11 @@ class CopyEngineExchange:
         self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
         compute = torch.cuda.current_stream(w.device)
+        tok = rec.begin("to_symmetric", 0, "compute0") if rec is not None else None
         for s, off in zip(self.sources, self._src_offsets):
             w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
+        if tok is not None:
+            rec.end(tok)
         w.pull_stream.wait_stream(compute)
         self._pulled = {}
         with torch.cuda.stream(w.pull_stream):
@@ -203,8 +212,11 @@ class CopyEngineExchange:
                 w.handle.put_signal(s, PULL)
             for j, q, _ in peers(self.rank, self.ws):
                 w.handle.wait_signal(q, PULL)
+                tok = rec.begin("pull", j, "comm", stream=w.pull_stream) if rec is not None else None
                 for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
                     g[q].copy_(w.view(q, tuple(src.shape), dtype, off))
+                if tok is not None:
+                    rec.end(tok, stream=w.pull_stream)
                 ev = torch.cuda.Event()
                 ev.record(w.pull_stream)
                 self._pulled[j] = ev
@@ -221,7 +233,10 @@ class CopyEngineExchange:
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
+            tok = self.recorder.begin("push", j, "comm", stream=w.push_stream) if self.recorder is not None else None
             dst.copy_(partial)
+            if tok is not None:
+                self.recorder.end(tok, stream=w.push_stream)
             w.handle.put_signal(q, PUSH)
         self._pushes += 1
 
