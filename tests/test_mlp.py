@@ -449,3 +449,28 @@ def test_different_num_tiles_per_rank_raises(pool2):
 
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
+
+
+def copy_engine_agreement(rank, ws, same_host):
+    import socket
+    import warnings
+    from unittest import mock
+    import overlap_layers.layers.mlp as mlp_module
+    host = "node0" if same_host or rank == 0 else "node1"
+    with mock.patch.object(mlp_module, "symmetric_memory_status", lambda group, device: ""), \
+            mock.patch.object(socket, "gethostname", lambda: host), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, config=OverlapConfig(transport="copy_engine"))
+        layer._agree(torch.randn(1, 4, 12), 0, {}, "x")
+        ok = layer._copy_engine_available()
+    return ok, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_copy_engine_needs_every_rank_on_one_host(pool2, same_host):
+    """Availability is agreed in the call's agreement: usable on every rank of one host, else
+    one warning naming why (here with the symmetric-memory check forced to pass on CPU)."""
+    for ok, msgs in pool2.run(copy_engine_agreement, same_host):
+        assert ok == same_host
+        assert msgs == ([] if same_host else [
+            "overlap_layers: copy-engine transport unavailable (the group spans several hosts); using NCCL"])

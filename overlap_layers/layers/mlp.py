@@ -31,7 +31,9 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
+import socket
 import warnings
+import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -443,7 +445,10 @@ class OverlapMLP(PlannedLayer, nn.Module):
             raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
 
     def _floor(self) -> tuple:
-        return (self._copy_engine_here(),)
+        """(copy engine usable here, host id, -host id): the agreed minimum of the first says
+        whether every rank can use it, the other two whether all ranks share one host."""
+        host = zlib.crc32(socket.gethostname().encode())
+        return (self._copy_engine_here(), host, -host)
 
     def _copy_engine_here(self) -> int:
         """1 if this rank could use the copy-engine transport (asked once; the call's agreement
@@ -456,12 +461,14 @@ class OverlapMLP(PlannedLayer, nn.Module):
     def _copy_engine_available(self) -> bool:
         """Whether every rank can use the copy-engine transport (from this call's agreement).
         Warns once with the reason when not, on CUDA or when ``config.transport`` asked for it."""
-        ok = self.config.transport != "nccl" and bool(self._agreed_floor and self._agreed_floor[0])
+        floor = self._agreed_floor
+        one_host = bool(floor) and floor[1] == -floor[2]
+        ok = self.config.transport != "nccl" and bool(floor) and bool(floor[0]) and one_host
         if not ok and not self._warned_copy_engine and self.config.transport != "nccl" and (
                 self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
             self._warned_copy_engine = True
-            warnings.warn(f"overlap_layers: copy-engine transport unavailable "
-                          f"({self._copy_engine or 'on another rank'}); using NCCL", stacklevel=2)
+            why = self._copy_engine or ("the group spans several hosts" if not one_host else "on another rank")
+            warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why}); using NCCL", stacklevel=2)
         return ok
 
     def _rank_transports(self) -> tuple:

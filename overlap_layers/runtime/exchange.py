@@ -252,8 +252,8 @@ class CopyEngineExchange:
 def symmetric_memory_status(group, device: torch.device) -> str:
     """"" when this group can use the copy-engine transport on ``device``, else why not.
 
-    Local facts only (device type, backend, the symmetric-memory module); the caller agrees the
-    answer across ranks before acting on it."""
+    Local facts only (device type, backend, the symmetric-memory module, peer access); the caller
+    agrees the answer across ranks, and that they share one host, before acting on it."""
     if device.type != "cuda":
         return f"the device is {device.type}, not cuda"
     try:
@@ -264,10 +264,8 @@ def symmetric_memory_status(group, device: torch.device) -> str:
         return f"the group's backend is {backend}, not nccl"
     if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
         return "torch.distributed._symmetric_memory is missing"
-    ws = dist.get_world_size(group)
-    ranks = [dist.get_global_rank(group, i) for i in range(ws)]
-    if len(ranks) > torch.cuda.device_count():
-        return "the group spans more than one host"
+    if dist.get_world_size(group) > torch.cuda.device_count():
+        return "the group has more ranks than this host has GPUs"
     me = device.index if device.index is not None else torch.cuda.current_device()
     for other in range(torch.cuda.device_count()):
         if other != me and not torch.cuda.can_device_access_peer(me, other):
