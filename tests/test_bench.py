@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_cpu_default(tmp_path):
     out = tmp_path / "mlp.json"
@@ -212,3 +214,21 @@ def test_bench_profile_writes_a_trace_and_a_table_per_mode(tmp_path):
     assert {"overlap::moe::dispatch[0]", "overlap::moe::dispatch[1]", "overlap::moe::route",
             "overlap::moe::unpermute"} <= ranges, sorted(ranges)
     assert "Self CPU" in (prof / "moe_tiny_ws2_b1_t128_fwd_serial.txt").read_text()
+
+
+def test_chart_bars_and_png(tmp_path):
+    from overlap_layers.bench.chart import bars
+    recs = [dict(_rec("fwd", "serial", 1, 10.0, 9.0), limit_ms=8.0), dict(_rec("fwd", "naive", 2, 9.0, 9.0), limit_ms=8.0),
+            dict(_rec("fwd", "auto", 2, 8.8, 9.0), limit_ms=8.0), dict(_rec("fwd", "compute", None, 8.0, None), limit_ms=8.0),
+            dict(_rec("fwdbwd", "serial", 1, 20.0, 20.0), limit_ms=16.0)]
+    labels, series = bars(recs)
+    assert labels == ["mlp p\nTP4 8 fwd", "mlp p\nTP4 8 fwdbwd"]
+    assert list(series) == ["serial", "naive K=2", "auto"]  # compute/comm are the limit, not bars
+    assert series["serial"] == [1.25, 1.25] and series["auto"][0] == 1.1 and series["auto"][1] != series["auto"][1]
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"meta": {}, "records": recs}))
+    proc = subprocess.run([sys.executable, "-m", "overlap_layers.bench.chart", str(path), str(tmp_path / "r.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "r.png").stat().st_size > 1000
