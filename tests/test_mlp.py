@@ -455,9 +455,9 @@ def copy_engine_agreement(rank, ws, same_host):
     import socket
     import warnings
     from unittest import mock
-    import overlap_layers.layers.mlp as mlp_module
+    import overlap_layers.layers.rank_plans as rank_plans
     host = "node0" if same_host or rank == 0 else "node1"
-    with mock.patch.object(mlp_module, "symmetric_memory_status", lambda group, device: ""), \
+    with mock.patch.object(rank_plans, "symmetric_memory_status", lambda group, device: ""), \
             mock.patch.object(socket, "gethostname", lambda: host), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, config=OverlapConfig(transport="copy_engine"))

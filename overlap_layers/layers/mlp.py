@@ -31,9 +31,6 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
-import socket
-import warnings
-import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -46,13 +43,11 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, shared_workspace,
-                                symmetric_memory_status, workspace_bytes)
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
-from ..sim import Candidate
 from . import rank_chunks
+from .rank_plans import RankChunkPlans
 from .mlp_cost import MLPCostModel
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .planning import Trial
@@ -225,7 +220,7 @@ class _RankChunkMLP(torch.autograd.Function):
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
-class OverlapMLP(PlannedLayer, nn.Module):
+class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     """Drop-in tensor-parallel MLP (Megatron column-parallel fc1, row-parallel fc2).
 
     Equals the dense MLP in this module's docstring. Input ``[batch, seq_local, hidden]`` with
@@ -252,8 +247,6 @@ class OverlapMLP(PlannedLayer, nn.Module):
     engine, "copy_engine" plans only copy-engine candidates (and serial) where it is available;
     where it is not, one warning says why and NCCL runs.
     """
-
-    _has_copy_engine = True
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group=None, mesh=None, axis=None,
                  sequence_parallel: bool = True, activation: str = "swiglu", bias: bool = False,
@@ -427,118 +420,8 @@ class OverlapMLP(PlannedLayer, nn.Module):
             dh = torch.randn(m, cm.F, dtype=dtype, device=dev)
             return lambda: _act_backward(self.activation, pre, dh)
 
-        setups = {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()}
-        if "copy_engine" in self._rank_transports():
-            setups.update(self._copy_engine_setups(cm, dtype))
-        return setups
-
-    # ----------------------------------------------------------------- rank chunks
-    def _check_pin(self, plan: TilePlan) -> None:
-        if plan.decomposition not in ("batch", "rank"):
-            raise ValueError(f"plan.decomposition={plan.decomposition!r}; valid: 'batch', 'rank'")
-        if plan.transport not in ("nccl", "copy_engine"):
-            raise ValueError(f"plan.transport={plan.transport!r}; valid: 'nccl', 'copy_engine'")
-        if plan.decomposition == "rank" and not self.sequence_parallel:
-            raise ValueError("plan.decomposition='rank' needs sequence_parallel=True (it splits the gathered "
-                             "rows by source rank)")
-        if plan.transport == "copy_engine" and plan.decomposition != "rank":
-            raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
-
-    def _floor(self) -> tuple:
-        """(copy engine usable here, host id, -host id): the agreed minimum of the first says
-        whether every rank can use it, the other two whether all ranks share one host."""
-        host = zlib.crc32(socket.gethostname().encode())
-        return (self._copy_engine_here(), host, -host)
-
-    def _copy_engine_here(self) -> int:
-        """1 if this rank could use the copy-engine transport (asked once; the call's agreement
-        takes the minimum over the ranks), else 0."""
-        if self._copy_engine is None:
-            self._copy_engine = "" if self.config.transport == "nccl" else \
-                symmetric_memory_status(self.group, self._weight.device)
-        return int(self._copy_engine == "")
-
-    def _copy_engine_available(self) -> bool:
-        """Whether every rank can use the copy-engine transport (from this call's agreement).
-        Warns once with the reason when not, on CUDA or when ``config.transport`` asked for it."""
-        floor = self._agreed_floor
-        one_host = bool(floor) and floor[1] == -floor[2]
-        ok = self.config.transport != "nccl" and bool(floor) and bool(floor[0]) and one_host
-        if not ok and not self._warned_copy_engine and self.config.transport != "nccl" and (
-                self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
-            self._warned_copy_engine = True
-            why = self._copy_engine or ("the group spans several hosts" if not one_host else "on another rank")
-            warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why}); using NCCL", stacklevel=2)
-        return ok
-
-    def _rank_transports(self) -> tuple:
-        """The transports the planner tries for rank chunks: the copy engine where every rank has
-        it (none without SP, with one rank, or with ``config.transport="nccl"``). Rank chunks over
-        NCCL send/recv run only when pinned: on 2x H200 they never beat batch tiles or K=1
-        (bench/results/mlp_rank_h200x2_2026-11-26.md)."""
-        if not self.sequence_parallel or self.world_size < 2 or self.config.transport == "nccl":
-            return ()
-        return ("copy_engine",) if self._copy_engine_available() else ()
-
-    def _exchange(self, transport: str, device: torch.device) -> Callable:
-        if transport == "copy_engine" and self._copy_engine_available():
-            if self._workspace is None:
-                self._workspace = shared_workspace(self.group, device)
-            return partial(CopyEngineExchange, self._workspace)
-        return partial(PointToPointExchange, self.group)
-
-    def _predicted_timelines(self, cm: MLPCostModel, plan: TilePlan, save: bool) -> dict:
-        if plan.decomposition != "rank":
-            return super()._predicted_timelines(cm, plan, save)
-        out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1)}
-        if save:
-            out["backward"] = cm.rank_chunk_timeline(backward=True, transport=plan.transport,
-                                                     sources=2 if plan.regather else 1)
-        return out
-
-    def _copy_engine_setups(self, cm: MLPCostModel, dtype: torch.dtype) -> dict:
-        """Timed ops of the copy-engine cost: a peer copy of one chunk, a signal round trip."""
-        dev = self.w_in.device
-        ws_obj = self._workspace = self._workspace or shared_workspace(self.group, dev)
-        peer = (self.rank + 1) % self.world_size
-        nbytes = cm.chunk_bytes()
-
-        def copy():
-            ws_obj.reserve(nbytes)
-            src = ws_obj.view(peer, (nbytes,), torch.uint8, 0)
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            return lambda: dst.copy_(src)
-
-        def signal():
-            ws_obj.reserve(1)
-            send_to, recv_from = (self.rank - 1) % self.world_size, peer
-
-            def round_trip():
-                ws_obj.handle.put_signal(send_to, 0)
-                ws_obj.handle.wait_signal(recv_from, 0)
-            return round_trip
-
-        return {f"peer_copy:{nbytes}": copy, "signal": signal}
-
-    def _rank_candidates(self, cm: MLPCostModel, batch: list, *, training: bool) -> list:
-        """One candidate per transport and backward strategy ([Note: rank-chunk cost])."""
-        out = []
-        for transport in self._rank_transports():
-            for regather in ((False, True) if training else (False,)):
-                base = next((c for c in batch if c.num_tiles == 1 and c.regather == regather
-                             and not c.buckets_fwd and not c.buckets_bwd), None)
-                if base is None:
-                    continue
-                ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1)
-                if training:
-                    b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport, sources=2 if regather else 1)
-                    ms, exposed = ms + b_ms, exposed + b_exposed
-                slots = (workspace_bytes(self.world_size, [(cm.rows, cm.H)] * (2 if regather else 1),
-                                         (cm.rows, cm.H), cm.e) if transport == "copy_engine"
-                         else self.world_size * cm.chunk_bytes())
-                out.append(Candidate(1, regather, (), (), ms, exposed, cm.rank_chunk_peak(base.peak_bytes, slots),
-                                     decomposition="rank", transport=transport))
-        return out
+        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()},
+                **self._copy_engine_setups(cm)}
 
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:

@@ -25,10 +25,11 @@ alpha; a member of a bucket of two or more also pays a copy of its M*H*e bytes i
 The candidates are compared by :func:`~overlap_layers.layers.candidates.plan_candidates`.
 
 [Note: rank-chunk cost]
-The rank-chunk plan (``rank_chunks.py``) is costed by a recurrence, not the tile simulator: its
-pieces (own first half, ws-1 peer chunks, own second half) run back to back on the compute stream;
-pull j (of every source) finishes at ``setup + j * pull`` on its own stream, and a peer piece
-starts at ``max(compute free, its pull done)``; pushes run on a third stream, each after its
+A rank-chunk plan (``rank_chunks.py``; the attention's in ``attention.py``) is costed by a
+recurrence, not the tile simulator: its pieces (:meth:`MLPCostModel.rank_pieces`: for the MLP own
+first half, ws-1 peer chunks, own second half) run back to back on the compute stream; pull j (of
+every source) finishes at ``setup + j * pull`` on its own stream, and a piece that needs it
+starts at ``max(compute free, pull j done)``; pushes run on a third stream, each after its
 piece; the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last
 push. A transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy
 engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
@@ -181,15 +182,19 @@ class MLPCostModel:
         return shapes
 
     # ----------------------------------------------------------------- rank chunks ([Note: rank-chunk cost])
+    def chunk_rows(self) -> int:
+        """Rows of one rank's chunk (its local rows)."""
+        return self.rows
+
     def piece_rows(self) -> Tuple[int, ...]:
         """Row counts of the rank-chunk pieces (local rows, the own halves); none without SP."""
-        T = self.rows
+        T = self.chunk_rows()
         if not (self.has_rank_chunks and self.sp and self.ws > 1):
             return ()
         return tuple(sorted({T, T // 2, T - T // 2} - {0}))
 
     def chunk_bytes(self) -> int:
-        return self.rows * self.H * self.e
+        return self.chunk_rows() * self.H * self.e
 
     def transfer_ms(self, transport: str, nbytes: int) -> float:
         md = self.model
@@ -197,16 +202,25 @@ class MLPCostModel:
             return md.op_ms(f"peer_copy:{nbytes}", nbytes)
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
-    def piece_ms(self, m: int, backward: bool) -> float:
-        names = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
-        return sum(self.op_ms(m, name) for name in names)
+    def rank_pieces(self, backward: bool) -> List[Tuple[str, str, float, int, int]]:
+        """``(name, tag, compute ms, pull step, push step)`` of the MLP's pieces in launch order
+        (step 0: no transfer): own first half, the peers' chunks (pulled, then pushed), own
+        second half (``rank_chunks.py``)."""
+        T = self.chunk_rows()
+        half, name = T // 2, "bwd" if backward else "fwd"
+        ops = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
+
+        def ms(m):
+            return sum(self.op_ms(m, op) for op in ops)
+        out = [(name, "own[:h]", ms(half), 0, 0)] if half else []
+        out += [(name, str(j), ms(T), j, j) for j in range(1, self.ws)]
+        return out + [(name, "own[h:]" if half else "own", ms(T - half), 0, 0)]
 
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int) -> Timeline:
-        """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): pieces and
-        the copies into / the sum of the symmetric buffer on ``compute0``, transfers on ``comm``
-        (a signal's wait delays the first pull and the sum)."""
-        md, T, ws, chunk = self.model, self.rows, self.ws, self.chunk_bytes()
-        half = T // 2
+        """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
+        and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
+        ``comm`` (a signal's wait delays the first pull and the sum)."""
+        md, ws, chunk = self.model, self.ws, self.chunk_bytes()
         ce = transport == "copy_engine"
         slow = 1.0 if ce else md.interference
         signal = md.op_ms("signal", 0) if ce else 0.0
@@ -217,17 +231,14 @@ class MLPCostModel:
             return start + ms
 
         t = add("to_symmetric", 0, "compute0", 0.0, sources * md.mem_ms(2 * chunk)) if ce else md.launch_ms
-        pulled = t + signal
-        pull, push = sources * self.transfer_ms(transport, chunk), self.transfer_ms(transport, chunk)
-        step = "bwd" if backward else "fwd"
-        if half:
-            t = add(step, "own[:h]", "compute0", t, self.piece_ms(half, backward) * slow)
-        pushed = 0.0
+        pulled = {0: t + signal}
         for j in range(1, ws):
-            pulled = add("pull", j, "comm", pulled, pull)
-            t = add(step, j, "compute0", max(t, pulled), self.piece_ms(T, backward) * slow)
-            pushed = add("push", j, "comm", max(pushed, t), push)
-        t = add(step, "own[h:]", "compute0", t, self.piece_ms(T - half, backward) * slow)
+            pulled[j] = add("pull", j, "comm", pulled[j - 1], sources * self.transfer_ms(transport, chunk))
+        pushed = 0.0
+        for name, tag, ms, pull, push in self.rank_pieces(backward):
+            t = add(name, tag, "compute0", max(t, pulled[pull]), ms * slow)
+            if push:
+                pushed = add("push", push, "comm", max(pushed, t), self.transfer_ms(transport, chunk))
         add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
         return timeline_from_events(events, ["compute0", "comm"])
 
@@ -238,4 +249,4 @@ class MLPCostModel:
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""
-        return serial_peak + slot_bytes - (self.ws - 1) * self.rows * self.F * self.e
+        return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.F * self.e

@@ -1,0 +1,141 @@
+"""Planning, checking and running the rank-chunk decomposition, for the layers that have one
+(``OverlapMLP``, ``OverlapAttention``: sequence parallel, split by source rank).
+
+Reference: a mixin of :class:`~overlap_layers.layers.planned.PlannedLayer` hooks. What it decides
+is identical on every rank by construction: whether the copy engine is usable comes from the call's
+agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", and whether
+every rank is on one host); candidates come from the layer's cost model ([Note: rank-chunk cost]).
+A layer mixing it in sets ``self._copy_engine = None`` and ``self._warned_copy_engine = False``
+and ``self._workspace = None`` in its constructor, runs ``plan.decomposition == "rank"`` with
+:meth:`_exchange`, and its cost model provides ``rank_pieces``.
+"""
+from __future__ import annotations
+
+import socket
+import warnings
+import zlib
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, shared_workspace,
+                                symmetric_memory_status, workspace_bytes)
+from ..sim import Candidate
+
+
+class RankChunkPlans:
+    """Mixin: the rank-chunk plan's checks, transports, exchanges, candidates and timelines."""
+
+    _has_copy_engine = True
+
+    def _check_pin(self, plan) -> None:
+        if plan.decomposition not in ("batch", "rank"):
+            raise ValueError(f"plan.decomposition={plan.decomposition!r}; valid: 'batch', 'rank'")
+        if plan.transport not in ("nccl", "copy_engine"):
+            raise ValueError(f"plan.transport={plan.transport!r}; valid: 'nccl', 'copy_engine'")
+        if plan.decomposition == "rank" and not self.sequence_parallel:
+            raise ValueError("plan.decomposition='rank' needs sequence_parallel=True (it splits the gathered "
+                             "rows by source rank)")
+        if plan.transport == "copy_engine" and plan.decomposition != "rank":
+            raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
+
+    def _floor(self) -> tuple:
+        """(copy engine usable here, host id, -host id): the agreed minimum of the first says
+        whether every rank can use it, the other two whether all ranks share one host."""
+        host = zlib.crc32(socket.gethostname().encode())
+        return (self._copy_engine_here(), host, -host)
+
+    def _copy_engine_here(self) -> int:
+        """1 if this rank could use the copy-engine transport (asked once; the call's agreement
+        takes the minimum over the ranks), else 0."""
+        if self._copy_engine is None:
+            self._copy_engine = "" if self.config.transport == "nccl" else \
+                symmetric_memory_status(self.group, self._weight.device)
+        return int(self._copy_engine == "")
+
+    def _copy_engine_available(self) -> bool:
+        """Whether every rank can use the copy-engine transport (from this call's agreement).
+        Warns once with the reason when not, on CUDA or when ``config.transport`` asked for it."""
+        floor = self._agreed_floor
+        one_host = bool(floor) and floor[1] == -floor[2]
+        ok = self.config.transport != "nccl" and bool(floor) and bool(floor[0]) and one_host
+        if not ok and not self._warned_copy_engine and self.config.transport != "nccl" and (
+                self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
+            self._warned_copy_engine = True
+            why = self._copy_engine or ("the group spans several hosts" if not one_host else "on another rank")
+            warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why}); using NCCL", stacklevel=2)
+        return ok
+
+    def _rank_transports(self) -> tuple:
+        """The transports the planner tries for rank chunks: the copy engine where every rank has
+        it (none without SP, with one rank, or with ``config.transport="nccl"``). Rank chunks over
+        NCCL send/recv run only when pinned: on 2x H200 they never beat batch tiles or K=1
+        (bench/results/mlp_rank_h200x2_2026-11-26.md)."""
+        if not self.sequence_parallel or self.world_size < 2 or self.config.transport == "nccl":
+            return ()
+        return ("copy_engine",) if self._copy_engine_available() else ()
+
+    def _exchange(self, transport: str, device: torch.device) -> Callable:
+        """The exchange factory of a rank-chunk call: ``(sources, partial_shape, keep, recorder)``."""
+        if transport == "copy_engine" and self._copy_engine_available():
+            if self._workspace is None:
+                self._workspace = shared_workspace(self.group, device)
+            return partial(CopyEngineExchange, self._workspace)
+        return partial(PointToPointExchange, self.group)
+
+    def _predicted_timelines(self, cm, plan, save: bool) -> dict:
+        if plan.decomposition != "rank":
+            return super()._predicted_timelines(cm, plan, save)
+        out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1)}
+        if save:
+            out["backward"] = cm.rank_chunk_timeline(backward=True, transport=plan.transport,
+                                                     sources=2 if plan.regather else 1)
+        return out
+
+    def _copy_engine_setups(self, cm) -> dict:
+        """Timed ops of the copy-engine cost, when the planner will use it: a peer copy of one
+        chunk, a signal round trip."""
+        if "copy_engine" not in self._rank_transports():
+            return {}
+        dev = self._weight.device
+        ws_obj = self._workspace = self._workspace or shared_workspace(self.group, dev)
+        peer = (self.rank + 1) % self.world_size
+        nbytes = cm.chunk_bytes()
+
+        def copy():
+            ws_obj.reserve(nbytes)
+            src = ws_obj.view(peer, (nbytes,), torch.uint8, 0)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            return lambda: dst.copy_(src)
+
+        def signal():
+            ws_obj.reserve(1)
+            send_to, recv_from = (self.rank - 1) % self.world_size, peer
+
+            def round_trip():
+                ws_obj.handle.put_signal(send_to, 0)
+                ws_obj.handle.wait_signal(recv_from, 0)
+            return round_trip
+
+        return {f"peer_copy:{nbytes}": copy, "signal": signal}
+
+    def _rank_candidates(self, cm, batch: list, *, training: bool) -> list:
+        """One candidate per transport and backward strategy ([Note: rank-chunk cost])."""
+        out = []
+        chunk = (cm.chunk_rows(), cm.H)
+        for transport in self._rank_transports():
+            for regather in ((False, True) if training else (False,)):
+                base = next((c for c in batch if c.num_tiles == 1 and c.regather == regather
+                             and not c.buckets_fwd and not c.buckets_bwd), None)
+                if base is None:
+                    continue
+                ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1)
+                if training:
+                    b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport, sources=2 if regather else 1)
+                    ms, exposed = ms + b_ms, exposed + b_exposed
+                slots = (workspace_bytes(self.world_size, [chunk] * (2 if regather else 1), chunk, cm.e)
+                         if transport == "copy_engine" else self.world_size * cm.chunk_bytes())
+                out.append(Candidate(1, regather, (), (), ms, exposed, cm.rank_chunk_peak(base.peak_bytes, slots),
+                                     decomposition="rank", transport=transport))
+        return out
