@@ -97,7 +97,9 @@ class MLPBench:
 
     @property
     def has_rank_chunks(self) -> bool:
-        return self.s.sequence_parallel and self.ws > 1
+        """Whether the layer has the rank-chunk plan for this shape (sequence parallel, 2+ ranks)."""
+        from ..layers.rank_plans import RankChunkPlans
+        return isinstance(self.layer, RankChunkPlans) and self.layer.sequence_parallel and self.ws > 1
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""

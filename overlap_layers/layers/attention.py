@@ -34,6 +34,17 @@ wgrad       dwo += dyg.T @ o; dwqkv += dqkv.T @ xg (saved or  same with x
 
 The core's backward is ``torch.autograd.grad`` of a graph recorded per tile in the forward (SDPA's
 own saved tensors), so it costs what autograd would and is never recomputed.
+
+``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``; all sequences at
+once; step j talks to rank q = r + j, see ``runtime/exchange.py``):
+
+=========  ==================================================================================
+forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
+           o = core(qkv); partial = o[q] @ wo.T pushed to each peer q, own last; y = sum
+dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do);
+           dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum
+wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes
+=========  ==================================================================================
 """
 from __future__ import annotations
 
@@ -46,6 +57,7 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime.timing import Stopwatch
 from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
@@ -53,6 +65,8 @@ from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles
+from .rank_chunks import accumulate, accumulate_rows, finish, piece
+from .rank_plans import RankChunkPlans
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                          recording_graph, row_forward, weight_grad)
@@ -83,6 +97,7 @@ class _Call:
         self.cos_sin, self.batch, self.s = cos_sin, batch, seq_local
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
+        self.exchange = None  # the exchange factory of a rank-chunk plan
 
     def core(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1."""
@@ -194,7 +209,116 @@ class _TiledAttention(torch.autograd.Function):
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 
 
-class OverlapAttention(PlannedLayer, nn.Module):
+def _own_last(ws: int) -> list:
+    return list(range(1, ws)) + [0]
+
+
+def _tag(j: int) -> str:
+    return str(j) if j else "own"
+
+
+def _logged(c: "_Call", j: int, name: str, direction: str) -> None:
+    if c.launch_log is not None:
+        c.launch_log.append((f"step{j}", name, direction))  # rank-independent, like every log entry
+
+
+class _RankChunkAttention(torch.autograd.Function):
+    """The SP attention split by source rank, without ``bo`` (module docstring, rank chunks):
+    the QKV projection of each rank's rows as they are pulled (own rows first), the core on all
+    rows, the output projection of each rank's rows pushed to it (own rows last)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
+        T, H = x_TH.shape
+        rec = call.trace.fwd if call.trace is not None else None
+        keep_xg = call.save and not call.plan.regather
+        ex = call.exchange([x_TH], (T, H), (keep_xg,), rec)
+        ws, r = ex.ws, ex.rank
+        qkv_all = x_TH.new_empty((ws, T, w_qkv.shape[0]))
+        for j in range(ws):
+            with piece(rec, "qkv", _tag(j), f"overlap::attn::qkv_chunk[{(r + j) % ws}]"):
+                xin = x_TH if j == 0 else ex.pull(j)[0]
+                out = qkv_all[(r + j) % ws]
+                if b_qkv is None:
+                    torch.mm(xin, w_qkv.t(), out=out)
+                else:
+                    torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
+            _logged(call, j, "qkv", "fwd")
+        qkv_MC = qkv_all.view(ws * T, -1)
+        with piece(rec, "core", "all", "overlap::attn::core"):
+            if call.save:
+                leaf = qkv_MC.detach().requires_grad_()
+                with recording_graph():  # [Note: per-tile graphs]
+                    o = call.core(leaf, 0, call.batch)
+                o_in = o.detach()
+            else:
+                o_in = call.core(qkv_MC, 0, call.batch)
+        o_all = o_in.view(ws, T, -1)
+        for j in _own_last(ws):
+            with piece(rec, "proj", _tag(j), f"overlap::attn::proj_chunk[{(r + j) % ws}]"):
+                if j:
+                    ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()))
+                else:
+                    torch.mm(o_all[r], w_o.t(), out=ex.own_partial)
+            _logged(call, j, "proj", "fwd")
+        y_TH = finish(ex, rec)
+        if call.save:
+            ctx.graph = (leaf, o)
+            ctx.save_for_backward(x_TH, w_qkv, w_o, o_in, *([ex.gathered[0]] if keep_xg else []))
+            ctx.call, ctx.has_b = call, b_qkv is not None
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        c: _Call = ctx.call
+        x_TH, w_qkv, w_o, o_in, *xg = ctx.saved_tensors
+        (leaf, o), ctx.graph = ctx.graph, None
+        if c.trial is not None:
+            c.trial.bwd = Stopwatch(dy_TH.device)
+            c.trial.bwd.start()
+        rec = c.trace.start_backward() if c.trace is not None else None
+        dy_TH = dy_TH.contiguous()
+        T, H = x_TH.shape
+        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), rec)
+        ws, r = ex.ws, ex.rank
+        o_all = o_in.view(ws, T, -1)
+        norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
+        grads = {"w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
+                 "b_qkv": w_qkv.new_empty(w_qkv.shape[0]) if ctx.has_b else None}
+        do_all = dy_TH.new_empty((ws, T, w_o.shape[1]))
+        xs = {}
+        for j in range(ws):
+            q = (r + j) % ws
+            with piece(rec, "dgrad_o", _tag(j), f"overlap::attn_bwd::dgrad_o_chunk[{q}]"):
+                pulled = ex.pull(j) if j else None
+                dy = dy_TH if j == 0 else pulled[0]
+                torch.mm(dy, w_o, out=do_all[q])
+                accumulate(grads, "w_o", dy, o_all[q], j == 0)
+                xs[q] = x_TH if j == 0 else pulled[1] if c.plan.regather else xg[0][q]
+            _logged(c, j, "dgrad_o", "bwd")
+        with piece(rec, "core_bwd", "all", "overlap::attn_bwd::core"):
+            got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * T, -1))
+        dqkv_all = got[0].view(ws, T, -1)
+        for i, j in enumerate(_own_last(ws)):
+            q = (r + j) % ws
+            with piece(rec, "dgrad_qkv", _tag(j), f"overlap::attn_bwd::dgrad_qkv_chunk[{q}]"):
+                if j:
+                    ex.push(j, torch.mm(dqkv_all[q], w_qkv))
+                else:
+                    torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial)
+                accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0)
+                accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0)
+            _logged(c, j, "dgrad_qkv", "bwd")
+        dx_TH = finish(ex, rec)
+        if c.trial is not None:
+            c.trial.bwd.stop()
+        if c.trace is not None:
+            c.trace.write()
+        d_norms = list(got[1:]) if norms else [None, None]
+        return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
+
+
+class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     """Drop-in tensor-parallel (and sequence-parallel) attention; equals the module docstring's
     reference.
 
@@ -235,6 +359,7 @@ class OverlapAttention(PlannedLayer, nn.Module):
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
+        self._copy_engine, self._warned_copy_engine, self._workspace = None, False, None  # RankChunkPlans
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -382,7 +507,8 @@ class OverlapAttention(PlannedLayer, nn.Module):
             do = torch.randn_like(o)
             return lambda: torch.autograd.grad(o, leaf, do, retain_graph=True)
 
-        return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
+        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()},
+                **self._copy_engine_setups(cm)}
 
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
@@ -414,8 +540,11 @@ class OverlapAttention(PlannedLayer, nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
+            fn = _TiledAttention
+            if plan.decomposition == "rank":
+                fn, call.exchange = _RankChunkAttention, self._exchange(plan.transport, x.device)
             x_TH = x.reshape(B * s, H).contiguous()
-            y_TH = apply_saving(_TiledAttention, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
+            y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:
                 y_TH = y_TH + bo
         return y_TH.view(B, s, H)

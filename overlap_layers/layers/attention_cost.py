@@ -33,8 +33,6 @@ from .tiling import tile_bounds
 class AttentionCostModel(MLPCostModel):
     """Tiles are batch rows (``rows`` = batch); see the module table."""
 
-    has_rank_chunks = False
-
     def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
                  head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel):
         d = head_dim
@@ -92,6 +90,32 @@ class AttentionCostModel(MLPCostModel):
         return {"ag": None if keep_xg else "qkv", "qkv": None if keep else "core", "core": None if keep else "proj",
                 "proj": "wait_rs", "ag_dy": "wgrad_o", "ag_x": "wgrad_qkv", "dgrad_o": "core_bwd",
                 "core_bwd": "wgrad_qkv", "dgrad_qkv": "wait_rs_dx"}
+
+    # ----------------------------------------------------------------- rank chunks ([Note: rank-chunk cost])
+    def chunk_rows(self) -> int:
+        return self.rows * self.s
+
+    def piece_rows(self) -> Tuple[int, ...]:
+        return (self.chunk_rows(),) if self.sp and self.ws > 1 else ()
+
+    def rank_pieces(self, backward: bool) -> List[Tuple[str, str, float, int, int]]:
+        """Own rows' projection, the pulled peers', the core on all rows, the peers' projections
+        (pushed), the own rows' last (``_RankChunkAttention``)."""
+        T, ws, M = self.chunk_rows(), self.ws, self.gathered(self.rows)
+        first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
+            (("qkv",), "core", ("proj",))
+
+        def ms(ops):
+            return sum(self.op_ms(T, op) for op in ops)
+        peers = range(1, ws)
+        return ([(first[0], "own", ms(first), 0, 0)] + [(first[0], str(j), ms(first), j, 0) for j in peers]
+                + [(core, "all", self.op_ms(M, core), 0, 0)]
+                + [(last[0], str(j), ms(last), 0, j) for j in peers] + [(last[0], "own", ms(last), 0, 0)])
+
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
+        """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)
+        that one chunk's partial replaces."""
+        return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.H * self.e
 
     def saved_bytes(self, m: int, keep_xg: bool) -> int:
         return (m * (2 * self.C + self.A) + (m * self.H if keep_xg else 0)) * self.e

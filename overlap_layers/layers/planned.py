@@ -316,7 +316,11 @@ class PlannedLayer:
         self._pinned = plan
 
     def _check_pin(self, plan: TilePlan) -> None:
-        """Layer-specific limits of a pinned plan (ValueError); none by default."""
+        """Layer-specific limits of a pinned plan (ValueError); by default batch tiles over NCCL."""
+        if plan.decomposition != "batch" or plan.transport != "nccl":
+            raise ValueError(f"plan: {type(self).__name__} runs batch tiles over NCCL only (decomposition='batch', "
+                             f"transport='nccl'); got decomposition={plan.decomposition!r}, "
+                             f"transport={plan.transport!r}")
 
     def _fixed_plan(self, shape: tuple) -> Optional[TilePlan]:
         """The pinned plan or a fixed K (capped by the tile units); None when the planner decides."""

@@ -27,6 +27,7 @@ for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Tuple
 
 import torch
@@ -40,12 +41,41 @@ def pieces(rank: int, world_size: int, rows: int) -> List[Tuple[int, int, int, i
     return out + [(0, rank, half, rows)]
 
 
-def _finish(exchange, recorder) -> torch.Tensor:
-    tok = recorder.begin("sum", 0, "compute0") if recorder is not None else None
-    out = exchange.finish()
+def finish(exchange, recorder=None) -> torch.Tensor:
+    """``exchange.finish()`` (the sum of the partial slots), timed by ``recorder`` if given."""
+    with piece(recorder, "sum", 0):
+        return exchange.finish()
+
+
+@contextlib.contextmanager
+def piece(recorder, name: str, tag, label: str = ""):
+    """Runs a piece: the ops launched inside are timed on the compute stream as ``name[tag]``
+    by ``recorder`` (if any) and carry the profiler range ``label`` (if any)."""
+    tok = recorder.begin(name, tag, "compute0") if recorder is not None else None
+    with torch.profiler.record_function(label) if label else contextlib.nullcontext():
+        yield
     if tok is not None:
         recorder.end(tok)
-    return out
+
+
+def accumulate(grads: dict, key: str, a_t: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``grads[key] = a_t.T @ b`` on the first piece, ``+=`` after (a no-op for a None entry)."""
+    if grads.get(key) is None:
+        return
+    if first:
+        torch.mm(a_t.t(), b, out=grads[key])
+    else:
+        grads[key].addmm_(a_t.t(), b)
+
+
+def accumulate_rows(grads: dict, key: str, rows: torch.Tensor, first: bool) -> None:
+    """``grads[key] = rows.sum(0)`` on the first piece, ``+=`` after (a bias gradient)."""
+    if grads.get(key) is None:
+        return
+    if first:
+        torch.sum(rows, 0, out=grads[key])
+    else:
+        grads[key].add_(rows.sum(0))
 
 
 def _tag(j: int, a: int, b: int, rows: int) -> str:
@@ -58,58 +88,40 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
     ``[ws, T, I]`` and returns ``y [T, H]``. ``recorder`` (an ``OpRecorder``) times each piece."""
     rank, ws, T = exchange.rank, exchange.ws, x_TH.shape[0]
     for j, q, a, b in pieces(rank, ws, T):
-        tok = recorder.begin("fwd", _tag(j, a, b, T), "compute0") if recorder is not None else None
-        with torch.profiler.record_function(f"overlap::mlp::rank_chunk[{q}]"):
+        with piece(recorder, "fwd", _tag(j, a, b, T), f"overlap::mlp::rank_chunk[{q}]"):
             xin = x_TH[a:b] if j == 0 else exchange.pull(j)[0]
             pre = pre_all[q, a:b]
             if b_in is None:
                 torch.mm(xin, w_in.t(), out=pre)
             else:
                 torch.addmm(b_in, xin, w_in.t(), out=pre)
-            h = act(pre)
-            out = exchange.own_partial[a:b] if j == 0 else None
-            out = torch.mm(h, w_out.t(), out=out)
+            out = torch.mm(act(pre), w_out.t(), out=exchange.own_partial[a:b] if j == 0 else None)
             if j:
                 exchange.push(j, out)
-        if tok is not None:
-            recorder.end(tok)
         if log is not None:
             log.append((f"step{j}[{a}:{b}]", "rank_chunk", "fwd"))  # rank-independent, like every log entry
-    return _finish(exchange, recorder)
+    return finish(exchange, recorder)
 
 
 def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, grads: dict, log, recorder=None):
     """The backward in the module table; ``act_backward(pre, dh)`` returns ``(dpre, act(pre))``.
     ``gathered_x(j, q, a, b, pulled)`` returns the input rows of a piece (saved, or pulled as
-    ``exchange``'s second source). Fills ``grads`` (``w_in``,
-    ``w_out`` and ``b_in`` if not None) and returns ``dx [T, H]``."""
+    ``exchange``'s second source). Fills ``grads`` (``w_in``, ``w_out`` and ``b_in`` if not
+    None) and returns ``dx [T, H]``."""
     rank, ws, T = exchange.rank, exchange.ws, dy_TH.shape[0]
-    first = True
-    for j, q, a, b in pieces(rank, ws, T):
-        tok = recorder.begin("bwd", _tag(j, a, b, T), "compute0") if recorder is not None else None
-        with torch.profiler.record_function(f"overlap::mlp_bwd::rank_chunk[{q}]"):
+    for i, (j, q, a, b) in enumerate(pieces(rank, ws, T)):
+        with piece(recorder, "bwd", _tag(j, a, b, T), f"overlap::mlp_bwd::rank_chunk[{q}]"):
             pulled = exchange.pull(j) if j else None
             dy = dy_TH[a:b] if j == 0 else pulled[0]
             x = gathered_x(j, q, a, b, pulled)
             pre = pre_all[q, a:b]
             dpre, h = act_backward(pre, torch.mm(dy, w_out))
-            out = exchange.own_partial[a:b] if j == 0 else None
-            out = torch.mm(dpre, w_in, out=out)
+            out = torch.mm(dpre, w_in, out=exchange.own_partial[a:b] if j == 0 else None)
             if j:
                 exchange.push(j, out)
-            if first:
-                torch.mm(dy.t(), h, out=grads["w_out"])
-                torch.mm(dpre.t(), x, out=grads["w_in"])
-                if grads.get("b_in") is not None:
-                    torch.sum(dpre, 0, out=grads["b_in"])
-            else:
-                grads["w_out"].addmm_(dy.t(), h)
-                grads["w_in"].addmm_(dpre.t(), x)
-                if grads.get("b_in") is not None:
-                    grads["b_in"].add_(dpre.sum(0))
-            first = False
-        if tok is not None:
-            recorder.end(tok)
+            accumulate(grads, "w_out", dy, h, i == 0)
+            accumulate(grads, "w_in", dpre, x, i == 0)
+            accumulate_rows(grads, "b_in", dpre, i == 0)
         if log is not None:
             log.append((f"step{j}[{a}:{b}]", "rank_chunk", "bwd"))
-    return _finish(exchange, recorder)
+    return finish(exchange, recorder)

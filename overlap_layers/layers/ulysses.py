@@ -402,6 +402,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         return batch if batch > 1 else self.num_heads // self.world_size
 
     def _check_pin(self, plan: TilePlan) -> None:
+        super()._check_pin(plan)
         if plan.regather or plan.buckets_fwd or plan.buckets_bwd:
             raise ValueError(f"plan={plan!r}: Ulysses has no re-gather and its all-to-alls are not bucketed")
 
