@@ -105,6 +105,18 @@ def test_bench_cpu_attention(tmp_path):
         assert f"{layer}: Auto within 3% of the best measured plan on" in text
 
 
+def test_bench_cpu_block(tmp_path):
+    """The block: both sublayers' plans per record, the limit from both sublayers' references."""
+    proc, recs = _run_bench(tmp_path, "--layer", "block", "--modes", "serial,naive,auto,rank,compute,comm")
+    by = {(r["pass"], r["mode"]): r for r in recs}
+    for p in ("fwd", "fwdbwd"):
+        lim = max(by[(p, "compute")]["ms"], by[(p, "comm")]["ms"])
+        assert by[(p, "serial")]["k"] == "K=1 + K=1" and by[(p, "naive")]["k"] == "K=2 + K=2"
+        assert by[(p, "rank")]["attention_plan"] == by[(p, "rank")]["mlp_plan"] == "rank chunks over nccl"
+        assert all(by[(p, m)]["limit_ms"] == lim and by[(p, m)]["ffn"] == 256 for m in ("serial", "auto", "rank"))
+    assert {r["layer"] for r in recs} == {"block"} and "K=1 + K=1" in proc.stdout
+
+
 def test_bench_layer_list_and_args():
     from overlap_layers.bench.cli import _shapes, parse_args
     args = parse_args(["--layer", "mlp,attention", "--preset", "llama3-8b", "llama3-70b"])

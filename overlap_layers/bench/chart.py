@@ -15,7 +15,9 @@ ORDER = ("serial", "naive", "auto", "rank", "rank_ce", "asynctp")
 
 
 def _label(r: dict) -> str:
-    return r["mode"] + (f" K={r['k']}" if r["mode"] == "naive" else "")
+    if r["mode"] != "naive":
+        return r["mode"]
+    return f"naive K={r['k']}" if isinstance(r["k"], int) else f"naive {r['k']}"
 
 
 def bars(records: List[dict]) -> Tuple[List[str], Dict[str, List[float]]]:

@@ -9,9 +9,10 @@ Without torchrun it spawns ``--nprocs`` (default 2) gloo ranks on the CPU and ru
 
     ... -m overlap_layers.bench --layer moe --preset mixtral-8x7b qwen3-30b-a3b [--skew]
 
-``--layer`` takes a comma list (mlp, attention, ulysses, moe). Preset names are shared; each layer
+``--layer`` takes a comma list (mlp, attention, ulysses, moe, block: attention + MLP of the
+preset, ``bench/block.py``). Preset names are shared; each layer
 takes its shapes from its own table (``bench.mlp.PRESETS``: tokens = batch*seq per TP group;
-``bench.attention.PRESETS`` for attention and ulysses: heads, KV heads, global seq 8192 and
+``bench.attention.PRESETS`` for attention, ulysses and the block: heads, KV heads, global seq 8192 and
 batches 2 and 4 for llama3-*; ``bench.moe.PRESETS`` for moe: experts, top-k, 8192 tokens per rank
 (batch 1), over an expert-parallel group of ``--tp`` ranks). ``--skew`` routes most tokens to one
 expert (moe).
@@ -32,10 +33,11 @@ import torch.distributed as dist
 
 from ..launch import run_ranks
 from . import attention as attn_bench
+from . import block as block_bench
 from . import moe as moe_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
 
-LAYERS = ("mlp", "attention", "ulysses", "moe")
+LAYERS = ("mlp", "attention", "ulysses", "moe", "block")
 
 
 def _presets(layer: str) -> dict:
@@ -119,7 +121,8 @@ def _main(device: torch.device, args) -> None:
         groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
         group = groups[rank // tp]
         for layer, preset, shape in _shapes(args, args.preset, cuda):
-            run = {"mlp": bench_shape, "moe": moe_bench.bench_shape}.get(layer, attn_bench.bench_shape)
+            run = {"mlp": bench_shape, "moe": moe_bench.bench_shape, "block": block_bench.bench_shape}.get(
+                layer, attn_bench.bench_shape)
             recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log,
                        args.profile)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
@@ -181,7 +184,7 @@ def format_table(records) -> str:
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
         layer = r.get("layer", "mlp") + ("-skew" if r.get("skewed") else "")
-        k = {"copy_engine": "r-ce", "nccl": "rank"}[r.get("transport", "nccl")] \
+        k = {"copy_engine": "r-ce", "nccl": "rank"}.get(r.get("transport"), "rank") \
             if r.get("decomposition") == "rank" else str(r.get("k", ""))
         lines.append(f"{layer:9s} {r['preset']:13s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "

@@ -163,7 +163,9 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 profile_calls(fn, device, os.path.join(profile, name))
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
-            if layer_mode:
+            if layer_mode and not hasattr(b.layer, "plan"):  # a composite (the block): its sublayers' plans
+                info.update(b.plan_info())
+            elif layer_mode:
                 plan = b.layer.plan
                 info["k"] = plan.num_tiles
                 info["decomposition"], info["transport"] = plan.decomposition, plan.transport

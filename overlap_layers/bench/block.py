@@ -1,0 +1,90 @@
+"""Benchmark of OverlapTransformerBlock (norms, attention, MLP; sequence parallel), composed of
+the attention and MLP benches of the same preset.
+
+Modes as for the MLP (``overlap_layers.bench.mlp``): ``serial`` / ``naive`` / ``auto`` set K on
+both sublayers, ``rank`` / ``rank_ce`` pin the rank-chunk plan on both; ``compute`` is the
+attention's and the MLP's compute-only references run back to back and ``comm`` their
+collectives back to back, so the limit is max(compute, comm) of the two sublayers together (the
+norms and residual adds, a few memory passes, are left out of the reference). No ``asynctp``.
+Records carry each sublayer's plan (``attention_plan``, ``mlp_plan``).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from ..layers.block import OverlapTransformerBlock
+from ..layers.planned import TilePlan
+from .attention import AttentionBench, AttentionShape
+from .mlp import PRESETS, MLPBench, Shape
+from .runner import pass_fn, run_modes
+
+
+class BlockBench:
+    """The bench interface of :class:`~overlap_layers.bench.mlp.MLPBench` for the block."""
+
+    def __init__(self, shape: AttentionShape, group, device, dtype, naive_k):
+        self.attn = AttentionBench(shape, group, device, dtype, naive_k)
+        ffn = PRESETS[shape.preset]["ffn"]
+        self.mlp = MLPBench(Shape(shape.preset, shape.hidden, ffn, shape.batch, shape.seq,
+                                  sequence_parallel=shape.sequence_parallel), group, device, dtype, naive_k)
+        self.layer = OverlapTransformerBlock.from_layers(self.attn.layer, self.mlp.layer)
+        self.s, self.group, self.device, self.dtype, self.ws = shape, group, device, dtype, self.attn.ws
+        self.x, self.dy = self.attn.x, self.attn.dy
+        self.planning_ms: Optional[float] = None
+        self.has_rank_chunks = shape.sequence_parallel and self.ws > 1
+
+    def _sublayers(self):
+        return (self.layer.attention, self.layer.mlp)
+
+    def _run(self, backward: bool):
+        x = self.x.detach().requires_grad_(backward)
+        return pass_fn(lambda: self.layer(x, position_embeddings=self.attn.cos_sin), backward, [self.dy],
+                       [x, *self.layer.parameters()])
+
+    def layer_fn(self, k, backward: bool):
+        """Both sublayers at K=``k`` (or "auto": run until both settled their first-call verification)."""
+        for sub in self._sublayers():
+            sub.num_tiles, sub.plan = k, None
+            sub.pin_plan(None)
+        run = self._run(backward)
+        if k == "auto":
+            for _ in range(64):
+                run()
+                if not any(sub.verifying for sub in self._sublayers()):
+                    break
+        return run
+
+    def rank_fn(self, transport: str, backward: bool):
+        for sub in self._sublayers():
+            sub.plan = None
+            sub.pin_plan(TilePlan(1, decomposition="rank", transport=transport))
+        return self._run(backward)
+
+    def plan_info(self) -> dict:
+        a, m = (sub.plan for sub in self._sublayers())
+        return dict(k=f"{a.label} + {m.label}", attention_plan=a.label, mlp_plan=m.label,
+                    decomposition="rank" if a.decomposition == m.decomposition == "rank" else "batch",
+                    transport=a.transport if a.transport == m.transport else "mixed")
+
+    def host_overhead_us(self, backward: bool) -> dict:
+        return {}
+
+    def compute_fn(self, backward: bool):
+        fa, fm = self.attn.compute_fn(backward), self.mlp.compute_fn(backward)
+        return lambda: (fa(), fm())
+
+    def comm_fn(self, backward: bool):
+        fa, fm = self.attn.comm_fn(backward), self.mlp.comm_fn(backward)
+        return lambda: (fa(), fm())
+
+    def asynctp_fn(self, backward: bool):
+        return None
+
+
+def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
+                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+    b = BlockBench(shape, group, device, dtype, naive_k)
+    fields = dict(shape.record_fields(), layer="block", ffn=b.mlp.s.ffn)
+    ks = list(dict.fromkeys(b.attn.cap_k(k) for k in naive_k))
+    return run_modes(b, fields, [m for m in modes if m != "asynctp"], passes, ks, warmup, iters, repeats, log,
+                     profile)
