@@ -16,9 +16,11 @@ when ``moe`` is given. The MoE computes each token once: under sequence parallel
 slice is its own tokens; without it the replicated tokens are split across the group before the
 dispatch and gathered after (:mod:`overlap_layers.layers.tokens`).
 
-Each sublayer plans and overlaps its own collectives (its tiles, its K). Scheduling the two
-sublayers as one tiled program, so the attention's last reduce-scatter hides under the MLP's
-first tile, is not done yet: the block runs them one after the other.
+Each sublayer plans and overlaps its own collectives (its tiles, its K, or its rank chunks).
+Scheduling the two sublayers as one tiled program, so the attention's last reduce-scatter hides
+under the MLP's first tile, is not done: the block runs them one after the other. With rank
+chunks (sequence parallel, copy engine) each sublayer starts and ends on its own rows, which
+hides most of that fill and drain inside the sublayer.
 
 Gradients: the norms' weights (and LayerNorm biases) are replicated. Under sequence parallelism
 each rank's gradient covers its own positions only, a tensor-parallel partial; the MoE router and
