@@ -34,6 +34,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import OverlapConfig
 from ..layers.attention import OverlapAttention
 from ..layers.attention_core import attention, rope_cos_sin
 from .mlp import MLPBench
@@ -58,7 +59,8 @@ class AttentionShape:
     batch: int
     seq: int  # global sequence (split over ranks with sequence parallelism)
     sequence_parallel: bool = True
-    layer: str = "attention"  # or "ulysses"
+    layer: str = "attention"  # or "ulysses", "block"
+    transport: str = "auto"  # the layers' config.transport
 
     def record_fields(self) -> dict:
         """The shape's fields of every record (the MLP's fields, plus heads, kv_heads, head_dim)."""
@@ -90,7 +92,7 @@ class AttentionBench(MLPBench):
     def _make_layer(self, shape: AttentionShape, group, dtype, device):
         return OverlapAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
                                 sequence_parallel=shape.sequence_parallel, rope_theta=ROPE_THETA, num_tiles=1,
-                                dtype=dtype, device=device)
+                                config=OverlapConfig(transport=shape.transport), dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:
         """The K the layer runs for a fixed ``k`` (it tiles the batch)."""

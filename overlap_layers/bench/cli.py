@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--skew", action="store_true",
                    help="moe: skewed routing (most tokens to expert 0) instead of balanced-ish random routing")
     p.add_argument("--transport", default="auto", choices=["auto", "nccl", "copy_engine"],
-                   help="mlp: the layers' config.transport (nccl: the planner never uses the copy engine)")
+                   help="mlp, attention, block: the layers' config.transport (nccl: never the copy engine)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -156,7 +156,8 @@ def _shapes(args, presets, cuda: bool = False):
                 for batch in args.batch or base["batch"]:
                     yield layer, preset, attn_bench.AttentionShape(
                         preset, base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], batch,
-                        args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer)
+                        args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer,
+                        transport=args.transport)
 
 
 def _write(args, cuda, world, records, out) -> None:
