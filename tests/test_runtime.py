@@ -153,3 +153,16 @@ def gathered_lifetime(rank, ws):
 
 def test_executor_keeps_no_collective_buffer_alive(pool2):
     assert pool2.run(gathered_lifetime) == [[False, False]] * 2
+
+
+def test_workspace_bytes_aligns_each_source_and_counts_every_slot():
+    from overlap_layers.runtime.exchange import peers, workspace_bytes
+    # one source of 3x5 bf16 = 30 B -> 256 B; 2 slots of 30 B
+    assert workspace_bytes(2, [(3, 5)], (3, 5), 2) == 256 + 2 * 30
+    # two sources of 8x16 bf16 = 256 B each (already aligned); 4 slots of 256 B
+    assert workspace_bytes(4, [(8, 16), (8, 16)], (8, 16), 2) == 2 * 256 + 4 * 256
+    # step j receives from rank + j and sends to rank - j: every pair meets at the same step
+    ws = 4
+    for r in range(ws):
+        for j, q, s in peers(r, ws):
+            assert (j, r) in {(jj, ss) for jj, _, ss in peers(q, ws)}

@@ -37,6 +37,7 @@ after another, as a model runs them.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -165,16 +166,15 @@ def shared_workspace(group, device: torch.device) -> SymmetricWorkspace:
     return w
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 256 (each source starts on a 256-byte boundary)."""
+    return -(-nbytes // 256) * 256
+
+
 def workspace_bytes(world_size: int, source_shapes: Sequence[Tuple[int, ...]], partial_shape: Tuple[int, ...],
                     elt: int) -> int:
     """Symmetric bytes one exchange needs: its sources and ``world_size`` partial slots."""
-    def n(shape):
-        out = 1
-        for d in shape:
-            out *= d
-        return out
-    src = sum(-(-n(s) * elt // 256) * 256 for s in source_shapes)
-    return src + world_size * n(partial_shape) * elt
+    return sum(_aligned(math.prod(s) * elt) for s in source_shapes) + world_size * math.prod(partial_shape) * elt
 
 
 class CopyEngineExchange:
@@ -194,7 +194,7 @@ class CopyEngineExchange:
         self._src_offsets, off = [], 0
         for s in self.sources:
             self._src_offsets.append(off)
-            off += -(-s.numel() * elt // 256) * 256
+            off += _aligned(s.numel() * elt)
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]
