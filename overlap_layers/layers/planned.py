@@ -57,7 +57,7 @@ class TilePlan:
     regather: bool = False  # backward re-gathers x instead of saving the gathered input
     num_streams: int = 2
     transport: str = "nccl"  # or "copy_engine" (rank decomposition only)
-    decomposition: str = "batch"  # or "rank": the MLP split by source rank ([Note] in rank_chunks.py)
+    decomposition: str = "batch"  # or "rank": split by source rank (MLP, attention; rank_chunks.py)
     predicted_ms: Optional[float] = field(default=None, compare=False)
     predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
     reason: str = field(default="", compare=False)
@@ -110,7 +110,7 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     kinds = {}
     for c in plan.candidates:
         if c.decomposition == "batch":
-            same = c.num_tiles in (1, plan.num_tiles) and plan.decomposition == "batch" or c.num_tiles == 1
+            same = c.num_tiles == 1 or (plan.decomposition == "batch" and c.num_tiles == plan.num_tiles)
         else:
             same = (c.decomposition, c.transport) == (plan.decomposition, plan.transport)
         if same or (budget is not None and c.peak_bytes > budget):
