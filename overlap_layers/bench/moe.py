@@ -12,7 +12,8 @@ presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
 * ``asynctp`` - not available for MoE (recorded with ms None);
 * ``compute`` - a fixed plain-PyTorch reference with no collectives: the router
   (``x @ router_weight.T``, softmax, top-k) on the local tokens, the permutation by expert (a
-  stable sort, the gather of the assignment rows and their weighted ``index_add`` back), and the
+  stable sort, the gather of the assignment rows, and the combine as the layer runs it: each
+  token's k rows gathered back and weighed with one ``bmm``), and the
   local experts on already-dispatched rows: as many as this rank's experts would receive under
   balanced routing (``tokens*top_k/experts`` from each rank per expert; with ``--skew`` the counts
   of the benchmark's own routing instead, so the limit still bounds the skewed run). The experts
@@ -197,9 +198,11 @@ class MoEBench(MLPBench):
             top_p, top_e = probs.topk(k, dim=-1)
             weights = top_p / top_p.sum(-1, keepdim=True) if L.normalize_topk else top_p
             order = torch.sort(top_e.reshape(-1), stable=True).indices  # assignments grouped by expert
-            t_perm = order // k
-            x_perm = x.index_select(0, t_perm)  # what the dispatch sends (its stand-in on return)
-            y = torch.zeros_like(x).index_add(0, t_perm, x_perm * weights.reshape(-1)[order].to(x.dtype)[:, None])
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(order.numel(), device=order.device)  # the inverse permutation
+            x_perm = x.index_select(0, order // k)  # what the dispatch sends (its stand-in on return)
+            # the combine as the layer does it: each token's k rows gathered back, one bmm with its weights
+            y = torch.bmm(weights.to(x.dtype)[:, None, :], x_perm.index_select(0, pos).view(-1, k, H)).squeeze(1)
             return experts(xr, sizes, offs, w_in, w_out), y
 
         return pass_fn(forward, backward, [inp["dyr"], dy], (x, router, w_in, w_out, xr))
