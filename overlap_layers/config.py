@@ -27,7 +27,11 @@ class OverlapConfig:
     for a new shape bucket time the planned plan against K=1 and keep the faster
     ([Note: first-call verification] in ``layers/planning.py``). ``cache_dir``: where calibrations
     persist as JSON (None: ``$XDG_CACHE_HOME/overlap_layers`` or ``~/.cache/overlap_layers``).
-    ``transport``: "auto" and "nccl" run NCCL; layers refuse "copy_engine" until it is built.
+    ``transport``: how rank-chunk plans exchange rows (``OverlapMLP``, ``OverlapAttention`` with
+    sequence parallelism): "auto" lets the planner use the copy engine (symmetric memory, CUDA)
+    where every rank can, "nccl" never uses it, "copy_engine" plans only copy-engine plans (or
+    K=1); where it is unavailable, or in a layer without that path, a warning says so and NCCL
+    runs.
     """
 
     num_tiles: Union[int, str] = "auto"
