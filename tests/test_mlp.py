@@ -220,6 +220,22 @@ def test_copy_engine_config_falls_back_to_nccl_with_one_warning(pool2):
     check(results, case, dict(), torch.float64)
 
 
+def pinned_copy_engine_on_cpu(rank, ws):
+    import warnings
+    layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, dtype=torch.float64)
+    layer.pin_plan(MLPPlan(1, decomposition="rank", transport="copy_engine"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(1, 4, 12, dtype=torch.float64))
+    return layer.plan.label, [str(w.message) for w in caught]
+
+
+def test_pinned_copy_engine_plan_without_it_runs_and_shows_send_recv(pool2):
+    for label, msgs in pool2.run(pinned_copy_engine_on_cpu):
+        assert label == "rank chunks over nccl"
+        assert len(msgs) == 1 and "copy-engine transport unavailable (the device is cpu" in msgs[0]
+
+
 def test_no_sp_buckets(pool2):
     plan = MLPPlan(3, buckets_fwd=(("ar", ((0, 1, 2),)),), buckets_bwd=(("ar_dx", ((0,), (1, 2))),))
     case = make_case(4, 1, 9, 12, 16, "gelu", True)

@@ -542,7 +542,8 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
             fn = _TiledAttention
             if plan.decomposition == "rank":
-                fn, call.exchange = _RankChunkAttention, self._exchange(plan.transport, x.device)
+                fn = _RankChunkAttention
+                call.plan, call.exchange = self._rank_run(plan, x.device)
             x_TH = x.reshape(B * s, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:

@@ -96,7 +96,7 @@ class _Call:
     launch_log: Optional[list]
     trial: Optional[Trial] = None  # times the backward during first-call verification
     trace: Optional[TraceJob] = None  # records every op for export_trace(measured=True)
-    exchange: Optional[Callable] = None  # (sources, partial_shape, keep) -> an exchange (rank plans)
+    exchange: Optional[Callable] = None  # (sources, partial_shape, keep, recorder) -> an exchange (rank plans)
 
 
 def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
@@ -239,13 +239,12 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto". Set ``launch_log`` to a list
     to record the order in which ops were launched (a debugging aid).
 
-    With sequence parallelism the planner may also split the layer by source rank instead of by
-    batch tile (``plan.decomposition == "rank"``, ``rank_chunks.py``), exchanging chunks over
-    NCCL send/recv or, on CUDA with ``torch.distributed._symmetric_memory``, over the copy
-    engines (``plan.transport == "copy_engine"``, a symmetric workspace shared by the group's
-    layers). ``config.transport``: "auto" lets the planner choose, "nccl" never uses the copy
-    engine, "copy_engine" plans only copy-engine candidates (and serial) where it is available;
-    where it is not, one warning says why and NCCL runs.
+    With sequence parallelism the layer can also be split by source rank instead of by batch tile
+    (``plan.decomposition == "rank"``, ``rank_chunks.py``), exchanging chunks on CUDA over the
+    copy engines (``plan.transport == "copy_engine"``: ``torch.distributed._symmetric_memory``, a
+    workspace shared by the group's layers; the planner's candidate) or over NCCL / gloo send/recv
+    (``"nccl"``: pinned plans only). ``config.transport`` (see OverlapConfig) says whether the
+    planner may use the copy engine; where it is unavailable one warning says why and NCCL runs.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group=None, mesh=None, axis=None,
@@ -433,7 +432,8 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
                      launch_log=self.launch_log, trial=trial, trace=trace)
         fn = _TiledMLP
         if plan.decomposition == "rank":
-            fn, call.exchange = _RankChunkMLP, self._exchange(plan.transport, x.device)
+            fn = _RankChunkMLP
+            call.plan, call.exchange = self._rank_run(plan, x.device)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_in, b_in, w_out, call)

@@ -7,15 +7,15 @@ agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable 
 every rank is on one host); candidates come from the layer's cost model ([Note: rank-chunk cost]).
 A layer mixing it in sets ``self._copy_engine = None`` and ``self._warned_copy_engine = False``
 and ``self._workspace = None`` in its constructor, runs ``plan.decomposition == "rank"`` with
-:meth:`_exchange`, and its cost model provides ``rank_pieces``.
+:meth:`_rank_run`, and its cost model provides ``rank_pieces``.
 """
 from __future__ import annotations
 
 import socket
 import warnings
 import zlib
+from dataclasses import replace
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -54,16 +54,18 @@ class RankChunkPlans:
                 symmetric_memory_status(self.group, self._weight.device)
         return int(self._copy_engine == "")
 
-    def _copy_engine_available(self) -> bool:
+    def _copy_engine_available(self, asked: bool = False) -> bool:
         """Whether every rank can use the copy-engine transport (from this call's agreement).
-        Warns once with the reason when not, on CUDA or when ``config.transport`` asked for it."""
+        Warns once with the reason when not, on CUDA or when it was asked for (``config.transport``,
+        or a pinned plan: ``asked``)."""
         floor = self._agreed_floor
         one_host = bool(floor) and floor[1] == -floor[2]
         ok = self.config.transport != "nccl" and bool(floor) and bool(floor[0]) and one_host
-        if not ok and not self._warned_copy_engine and self.config.transport != "nccl" and (
-                self.config.transport == "copy_engine" or self._weight.device.type == "cuda"):
+        if not ok and not self._warned_copy_engine and (asked or self.config.transport != "nccl" and (
+                self.config.transport == "copy_engine" or self._weight.device.type == "cuda")):
             self._warned_copy_engine = True
-            why = self._copy_engine or ("the group spans several hosts" if not one_host else "on another rank")
+            why = ("config.transport='nccl'" if self.config.transport == "nccl" else self._copy_engine
+                   or ("the group spans several hosts" if not one_host else "on another rank"))
             warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why}); using NCCL", stacklevel=2)
         return ok
 
@@ -76,13 +78,17 @@ class RankChunkPlans:
             return ()
         return ("copy_engine",) if self._copy_engine_available() else ()
 
-    def _exchange(self, transport: str, device: torch.device) -> Callable:
-        """The exchange factory of a rank-chunk call: ``(sources, partial_shape, keep, recorder)``."""
-        if transport == "copy_engine" and self._copy_engine_available():
+    def _rank_run(self, plan, device: torch.device):
+        """``(plan, exchange factory)`` of a rank-chunk call: a copy-engine plan where the copy
+        engine is unavailable runs (and shows in ``self.plan``) over send/recv instead. The
+        factory takes ``(sources, partial_shape, keep, recorder)``."""
+        if plan.transport == "copy_engine" and self._copy_engine_available(asked=True):
             if self._workspace is None:
                 self._workspace = shared_workspace(self.group, device)
-            return partial(CopyEngineExchange, self._workspace)
-        return partial(PointToPointExchange, self.group)
+            return plan, partial(CopyEngineExchange, self._workspace)
+        if plan.transport != "nccl":
+            plan = self.plan = replace(plan, transport="nccl")
+        return plan, partial(PointToPointExchange, self.group)
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":
