@@ -359,7 +359,6 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
-        self._copy_engine, self._warned_copy_engine, self._workspace = None, False, None  # RankChunkPlans
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights

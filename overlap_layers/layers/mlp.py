@@ -271,7 +271,6 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self._copy_engine, self._warned_copy_engine, self._workspace = None, False, None  # RankChunkPlans
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights

@@ -5,9 +5,8 @@ Reference: a mixin of :class:`~overlap_layers.layers.planned.PlannedLayer` hooks
 is identical on every rank by construction: whether the copy engine is usable comes from the call's
 agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", and whether
 every rank is on one host); candidates come from the layer's cost model ([Note: rank-chunk cost]).
-A layer mixing it in sets ``self._copy_engine = None`` and ``self._warned_copy_engine = False``
-and ``self._workspace = None`` in its constructor, runs ``plan.decomposition == "rank"`` with
-:meth:`_rank_run`, and its cost model provides ``rank_pieces``.
+A layer mixing it in runs ``plan.decomposition == "rank"`` with :meth:`_rank_run`, and its cost
+model provides ``rank_pieces``.
 """
 from __future__ import annotations
 
@@ -28,6 +27,9 @@ class RankChunkPlans:
     """Mixin: the rank-chunk plan's checks, transports, exchanges, candidates and timelines."""
 
     _has_copy_engine = True
+    _copy_engine = None  # "" or why this rank cannot use the copy engine (asked once)
+    _warned_copy_engine = False
+    _workspace = None  # the group's SymmetricWorkspace, once a copy-engine plan runs or is measured
 
     def _check_pin(self, plan) -> None:
         if plan.decomposition not in ("batch", "rank"):
