@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from overlap_layers import (OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, UlyssesAttention,
                             finalize_grads)
+from overlap_layers.layers import TilePlan
 
 H = 16
 
@@ -24,6 +25,10 @@ H = 16
 def _layer(kind):
     torch.manual_seed(0)
     g, kw = dist.group.WORLD, dict(num_tiles=2, dtype=torch.float64)
+    if kind in ("mlp_rank", "attention_rank"):  # split by source rank, over send/recv on gloo
+        layer = _layer(kind[:-5] if kind == "attention_rank" else "mlp_sp")
+        layer.pin_plan(TilePlan(1, decomposition="rank"))
+        return layer
     if kind == "mlp_sp":
         return OverlapMLP(H, 32, group=g, sequence_parallel=True, bias=True, **kw)
     if kind == "mlp":
@@ -50,7 +55,8 @@ class _Model(torch.nn.Module):
 
     def forward(self, x, pos=None):
         h = torch.tanh(x) * self.scale
-        y = self.inner(h, position_ids=pos) if self.kind in ("attention", "ulysses", "block", "block_moe") \
+        y = self.inner(h, position_ids=pos) if self.kind in ("attention", "attention_rank", "ulysses", "block",
+                                                              "block_moe") \
             else self.inner(h)
         return (x + y).sin()
 
@@ -64,7 +70,7 @@ def compile_run(rank, ws, kind, backend):
         g = torch.Generator().manual_seed(1 + rank)
         x = torch.randn(2, 4, H, generator=g, dtype=torch.float64)  # sequence parallel: 4 * ws in all
         dy = torch.randn_like(x)
-        pos = torch.arange(4 * ws)[None].expand(2, -1) if kind in ("attention", "block") else None
+        pos = torch.arange(4 * ws)[None].expand(2, -1) if kind in ("attention", "attention_rank", "block") else None
         if kind in ("ulysses", "block_moe", "block"):
             pos = None
         out = []
@@ -110,7 +116,8 @@ def _check(results, exact=True):
         assert res["kept"] == 0 and res["pending"] >= 1 and res["dropped"] == 0 and res["no_grad_kept"] == 0, res
 
 
-@pytest.mark.parametrize("kind", ["mlp_sp", "mlp", "attention", "ulysses", "moe", "block_moe"])
+@pytest.mark.parametrize("kind", ["mlp_sp", "mlp", "attention", "ulysses", "moe", "block_moe", "mlp_rank",
+                                  "attention_rank"])
 def test_fullgraph_compile_matches_eager(pool2, kind):
     _check(pool2.run(compile_run, kind, "aot_eager", timeout=300))
 
