@@ -210,3 +210,37 @@ def test_timeline_invariants(k, s, slow, alpha, seed, bucket):
         order = ["ag", "wait_ag", "fc1", "fc2", "rs", "wait_rs"]
         assert all(s_t[a].end_ms <= s_t[b].end_ms + 1e-9 for a, b in zip(order, order[1:]))
         assert s_t["fc2"].end_ms <= s_t["rs"].start_ms + 1e-9
+
+
+# ------------------------------------------------------------------ the rank-chunk cost recurrence
+def _rank_cm(peer_copy_ms: float, ws: int = 2, interference: float = 1.0):
+    """An MLP cost model where every GEMM takes 1 ms and memory passes are free, so a forward
+    piece (fc1, act, fc2) takes 2 ms; a chunk of 8 rows x 4 x 2 B = 64 B copies in ``peer_copy_ms``."""
+    from overlap_layers.layers.mlp_cost import MLPCostModel
+    from overlap_layers.sim import COMM_KINDS, HardwareModel
+    hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=interference,
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
+    return MLPCostModel(rows=8, world_size=ws, hidden=4, n_in=8, f_local=4, elt=2, sequence_parallel=True, model=hw)
+
+
+@pytest.mark.parametrize("copy_ms,makespan,exposed", [
+    (1.0, 6.0, 0.0),   # pull (0-1) under own[:h] (0-2), peer 2-4, push (4-5) under own[h:] (4-6), sum at 6
+    (5.0, 12.0, 6.0),  # pull 0-5 (3 exposed), peer 5-7, own[h:] 7-9, push 7-12 (3 exposed), sum at 12
+])
+def test_rank_chunk_recurrence_by_hand(copy_ms, makespan, exposed):
+    tl = _rank_cm(copy_ms).rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
+    assert tl.makespan_ms == pytest.approx(makespan, abs=1e-6)
+    assert tl.exposed_comm_ms == pytest.approx(exposed, abs=1e-6)
+    # by start time ("comm" before "compute0" at a tie): the push starts with the own second half
+    names = [(e.name, e.tile) for e in sorted(tl.events, key=lambda e: (e.start_ms, e.stream))]
+    assert [n for n in names if n[0] != "to_symmetric"] == \
+        [("pull", 1), ("fwd", "own[:h]"), ("fwd", "1"), ("push", 1), ("fwd", "own[h:]"), ("sum", 0)]
+
+
+def test_rank_chunk_recurrence_four_ranks_pulls_in_a_row():
+    # ws=4, copy 3 ms: pulls end at 3, 6, 9; pieces own[:h] 0-2, peer1 3-5, peer2 6-8, peer3 9-11,
+    # own[h:] 11-13; pushes 5-8, 8-11, 11-14; sum at 14
+    tl = _rank_cm(3.0, ws=4).rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
+    assert tl.makespan_ms == pytest.approx(14.0, abs=1e-6)
+    starts = {(e.name, e.tile): e.start_ms for e in tl.events}
+    assert [starts[("fwd", str(j))] for j in (1, 2, 3)] == pytest.approx([3.0, 6.0, 9.0], abs=1e-6)
