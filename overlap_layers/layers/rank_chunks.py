@@ -24,6 +24,9 @@ wgrad      dw_out += dy_q.T @ act(pre_q); dw_in += dpre.T @ x_q; db_in += sum(dp
 
 Legend: T local rows, h = T // 2, H hidden, I local fc1 width, F local ffn width; pre is saved
 for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).
+
+:func:`piece`, :func:`finish`, :func:`accumulate` and :func:`accumulate_rows` serve the
+attention's rank-chunk path too (``attention.py``).
 """
 from __future__ import annotations
 
