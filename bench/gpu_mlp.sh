@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The MLP grid (llama3-8b, llama3-70b; fwd and fwd+bwd; K=1, the naive Ks, the rank-chunk plans
+# The MLP grid (and with LAYERS=..., the attention's and the block's; llama3-8b, llama3-70b; fwd and
+# fwd+bwd; K=1, the naive Ks, the rank-chunk plans
 # over NCCL and the copy engine, and auto) at the group sizes TPS, over NVLink ("nvlink") and/or
 # with NCCL_P2P_DISABLE=1 ("p2p": a PCIe-class path; asynctp and the copy engine left out, since
 # symmetric memory would still use NVLink), then the planner fidelity report. "nvlink" also runs
@@ -9,10 +10,11 @@ set -uo pipefail
 NPROC=${NPROC:-4}       # ranks; TPS: the group sizes of the grid (NPROC=8 TPS=8 on an 8-GPU machine)
 TPS=${TPS:-"4 2"}
 NAIVE=${NAIVE:-"2 4"}
+LAYERS=${LAYERS:-mlp}   # e.g. LAYERS=mlp,attention,block: the same grid for each (one JSON)
 OUT=${1:-bench/results}
 PART=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-GRID="--preset llama3-8b llama3-70b --tp $TPS --naive-k $NAIVE"
+GRID="--layer $LAYERS --preset llama3-8b llama3-70b --tp $TPS --naive-k $NAIVE"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "$PART" != p2p ]; then
