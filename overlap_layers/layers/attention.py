@@ -57,14 +57,13 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.timing import Stopwatch
 from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
-from .planned import PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles
+from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece
 from .rank_plans import RankChunkPlans
 from .tiling import tile_bounds
@@ -229,8 +228,17 @@ class _RankChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
+        with recorded_pass(call, backward=False, device=x_TH.device) as rec:
+            return _RankChunkAttention._forward(ctx, x_TH, w_qkv, b_qkv, w_o, call, rec)
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        with recorded_pass(ctx.call, backward=True, device=dy_TH.device) as rec:
+            return _RankChunkAttention._backward(ctx, dy_TH, rec)
+
+    @staticmethod
+    def _forward(ctx, x_TH, w_qkv, b_qkv, w_o, call: _Call, rec):
         T, H = x_TH.shape
-        rec = call.trace.fwd if call.trace is not None else None
         keep_xg = call.save and not call.plan.regather
         ex = call.exchange([x_TH], (T, H), (keep_xg,), rec)
         ws, r = ex.ws, ex.rank
@@ -269,14 +277,10 @@ class _RankChunkAttention(torch.autograd.Function):
         return y_TH
 
     @staticmethod
-    def backward(ctx, dy_TH):
+    def _backward(ctx, dy_TH, rec):
         c: _Call = ctx.call
         x_TH, w_qkv, w_o, o_in, *xg = ctx.saved_tensors
         (leaf, o), ctx.graph = ctx.graph, None
-        if c.trial is not None:
-            c.trial.bwd = Stopwatch(dy_TH.device)
-            c.trial.bwd.start()
-        rec = c.trace.start_backward() if c.trace is not None else None
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
         ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), rec)
@@ -310,10 +314,6 @@ class _RankChunkAttention(torch.autograd.Function):
                 accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0)
             _logged(c, j, "dgrad_qkv", "bwd")
         dx_TH = finish(ex, rec)
-        if c.trial is not None:
-            c.trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
         d_norms = list(got[1:]) if norms else [None, None]
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 

@@ -43,13 +43,13 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from . import rank_chunks
 from .rank_plans import RankChunkPlans
 from .mlp_cost import MLPCostModel
-from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
+from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles,
+                      x_error)
 from .planning import Trial
 from .swiglu import swiglu, swiglu_backward, swiglu_recorded
 from .tiling import tile_bounds
@@ -181,11 +181,11 @@ class _RankChunkMLP(torch.autograd.Function):
     def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
         T, H = x_TH.shape
         keep_xg = call.save and not call.plan.regather
-        recorder = call.trace.fwd if call.trace is not None else None
-        ex = call.exchange([x_TH], (T, H), (keep_xg,), recorder)
-        pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0]))
-        y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
-                                   call.launch_log, recorder)
+        with recorded_pass(call, backward=False, device=x_TH.device) as recorder:
+            ex = call.exchange([x_TH], (T, H), (keep_xg,), recorder)
+            pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0]))
+            y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
+                                       call.launch_log, recorder)
         if call.save:
             ctx.save_for_backward(x_TH, w_in, w_out, pre_all, *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b_in = call, b_in is not None
@@ -195,28 +195,20 @@ class _RankChunkMLP(torch.autograd.Function):
     def backward(ctx, dy_TH):
         c: _Call = ctx.call
         x_TH, w_in, w_out, pre_all, *xg = ctx.saved_tensors
-        trial = c.trial
-        if trial is not None:
-            trial.bwd = Stopwatch(dy_TH.device)
-            trial.bwd.start()
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
-        grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
-                 "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
-        recorder = c.trace.start_backward() if c.trace is not None else None
-        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), recorder)
 
         def gathered_x(j, q, a, b, pulled):
             if j == 0:
                 return x_TH[a:b]
             return pulled[1] if c.plan.regather else xg[0][q]
 
-        dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out,
-                                     partial(_act_backward, c.activation), grads, c.launch_log, recorder)
-        if trial is not None:
-            trial.bwd.stop()
-        if c.trace is not None:
-            c.trace.write()
+        with recorded_pass(c, backward=True, device=dy_TH.device) as recorder:
+            grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
+                     "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
+            ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), recorder)
+            dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out,
+                                         partial(_act_backward, c.activation), grads, c.launch_log, recorder)
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 

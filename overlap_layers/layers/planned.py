@@ -15,6 +15,7 @@ giving the device), and ends its constructor with :meth:`_init_layer`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -176,20 +177,29 @@ def x_error(x, hidden_size: int, weight: torch.Tensor) -> int:
     return 0
 
 
-def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
-    """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``),
-    recording it for ``export_trace(measured=True)`` when ``call.trace`` is set and, in backward,
-    timing it for first-call verification when ``call.trial`` is set."""
+@contextlib.contextmanager
+def recorded_pass(call, *, backward: bool, device: torch.device):
+    """One pass of a layer call: yields the ``OpRecorder`` for ``export_trace(measured=True)``
+    (None unless ``call.trace`` is set); in backward, times the pass for first-call verification
+    when ``call.trial`` is set, and writes the trace at the end."""
     trace, trial = call.trace, (call.trial if backward else None)
     recorder = None if trace is None else (trace.start_backward() if backward else trace.fwd)
     if trial is not None:
         trial.bwd = Stopwatch(device)
         trial.bwd.start()
-    execute(schedule, envs, call.group, streams=call.streams, label=label, trace=call.launch_log, recorder=recorder)
+    yield recorder
     if trial is not None:
         trial.bwd.stop()
     if backward and trace is not None:
         trace.write()
+
+
+def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
+    """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``)
+    as a :func:`recorded_pass`."""
+    with recorded_pass(call, backward=backward, device=device) as recorder:
+        execute(schedule, envs, call.group, streams=call.streams, label=label, trace=call.launch_log,
+                recorder=recorder)
 
 
 class PlannedLayer:
