@@ -539,10 +539,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
-            fn = _TiledAttention
-            if plan.decomposition == "rank":
-                fn = _RankChunkAttention
-                call.plan, call.exchange = self._rank_run(plan, x.device)
+            fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
             x_TH = x.reshape(B * s, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:

@@ -421,10 +421,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
                      plan=plan, save=save,
                      streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                      launch_log=self.launch_log, trial=trial, trace=trace)
-        fn = _TiledMLP
-        if plan.decomposition == "rank":
-            fn = _RankChunkMLP
-            call.plan, call.exchange = self._rank_run(plan, x.device)
+        fn = self._function(plan, call, x.device, _TiledMLP, _RankChunkMLP)
         with torch.autocast(dev, enabled=False):
             x_TH = x.reshape(B * S, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_in, b_in, w_out, call)

@@ -5,8 +5,8 @@ Reference: a mixin of :class:`~overlap_layers.layers.planned.PlannedLayer` hooks
 is identical on every rank by construction: whether the copy engine is usable comes from the call's
 agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", and whether
 every rank is on one host); candidates come from the layer's cost model ([Note: rank-chunk cost]).
-A layer mixing it in runs ``plan.decomposition == "rank"`` with :meth:`_rank_run`, and its cost
-model provides ``rank_pieces``.
+A layer mixing it in picks its autograd Function with :meth:`_function`, and its cost model
+provides ``rank_pieces``.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class RankChunkPlans:
     _has_copy_engine = True
     _copy_engine = None  # "" or why this rank cannot use the copy engine (asked once)
     _warned_copy_engine = False
+    _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
     _workspace = None  # the group's SymmetricWorkspace, once a copy-engine plan runs or is measured
 
     def _check_pin(self, plan) -> None:
@@ -45,8 +46,8 @@ class RankChunkPlans:
     def _floor(self) -> tuple:
         """(copy engine usable here, host id, -host id): the agreed minimum of the first says
         whether every rank can use it, the other two whether all ranks share one host."""
-        host = zlib.crc32(socket.gethostname().encode())
-        return (self._copy_engine_here(), host, -host)
+        ok = self._copy_engine_here()  # asks once, and learns the host with it
+        return (ok, self._host_id, -self._host_id)
 
     def _copy_engine_here(self) -> int:
         """1 if this rank could use the copy-engine transport (asked once; the call's agreement
@@ -54,6 +55,7 @@ class RankChunkPlans:
         if self._copy_engine is None:
             self._copy_engine = "" if self.config.transport == "nccl" else \
                 symmetric_memory_status(self.group, self._weight.device)
+            self._host_id = zlib.crc32(socket.gethostname().encode())
         return int(self._copy_engine == "")
 
     def _copy_engine_available(self, asked: bool = False) -> bool:
@@ -79,6 +81,14 @@ class RankChunkPlans:
         if not self.sequence_parallel or self.world_size < 2 or self.config.transport == "nccl":
             return ()
         return ("copy_engine",) if self._copy_engine_available() else ()
+
+    def _function(self, plan, call, device: torch.device, tiled, ranked):
+        """The autograd Function that runs ``plan``: ``tiled`` for batch tiles, else ``ranked``,
+        with ``call.plan`` and ``call.exchange`` set by :meth:`_rank_run`."""
+        if plan.decomposition != "rank":
+            return tiled
+        call.plan, call.exchange = self._rank_run(plan, device)
+        return ranked
 
     def _rank_run(self, plan, device: torch.device):
         """``(plan, exchange factory)`` of a rank-chunk call: a copy-engine plan where the copy

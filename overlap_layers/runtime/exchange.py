@@ -147,7 +147,7 @@ class SymmetricWorkspace:
         self.nbytes = nbytes
 
     def view(self, rank: int, shape: Tuple[int, ...], dtype: torch.dtype, offset_bytes: int) -> torch.Tensor:
-        elt = torch.tensor([], dtype=dtype).element_size()
+        elt = dtype.itemsize
         assert offset_bytes % elt == 0
         return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
 
