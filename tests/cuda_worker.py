@@ -27,6 +27,25 @@ def dense(x, w_in, w_out, b_in, b_out, act):
     return h @ w_out.T + (0 if b_out is None else b_out)
 
 
+def count_fails(rank: int, label: str, pairs, tol: float) -> int:
+    """How many ``(name, got, want)`` pairs are off by a relative error of ``tol`` or more; prints each."""
+    fails = 0
+    for name, got, want in pairs:
+        err = ((got.double().to(want.device) - want).norm() / want.norm().clamp_min(1e-12)).item()
+        if not err < tol:
+            fails += 1
+            print(f"rank {rank} FAIL {label} {name}: rel err {err:.3g}", flush=True)
+    return fails
+
+
+def fell_back(rank: int, layer, plan) -> int:
+    """1 (and a line) if a copy-engine ``plan`` ran without the copy engine on ``layer``."""
+    if plan.transport == "copy_engine" and layer._workspace is None:
+        print(f"rank {rank} FAIL {plan.label}: fell back from the copy engine ({layer._copy_engine})", flush=True)
+        return 1
+    return 0
+
+
 def check_numerics(rank, ws, dev):
     torch.backends.cuda.matmul.allow_tf32 = False
     fails = 0
@@ -66,14 +85,7 @@ def check_numerics(rank, ws, dev):
                          ("w_in.grad", layer.w_in.grad, want_w_in),
                          ("w_out.grad", layer.w_out.grad, leaves[2].grad[:, rank * fl:(rank + 1) * fl]),
                          ("to_dense", dense_w["w_in"], w_in)]
-                if plan.transport == "copy_engine" and layer._workspace is None:
-                    fails += 1
-                    print(f"rank {rank} FAIL {plan}: fell back from the copy engine ({layer._copy_engine})", flush=True)
-                for name, got, want in pairs:
-                    err = ((got.double() - want).norm() / want.norm()).item()
-                    if not err < 1e-5:
-                        fails += 1
-                        print(f"rank {rank} FAIL sp={sp} {act} {plan} {name}: rel err {err:.3g}", flush=True)
+                fails += fell_back(rank, layer, plan) + count_fails(rank, f"sp={sp} {act} {plan}", pairs, 1e-5)
     return fails
 
 
@@ -289,14 +301,7 @@ def check_attention(rank, ws, dev):
                  ("wq", layer.wq.grad, leaves[1].grad[qh.start * d:qh.stop * d]),
                  ("wo", layer.wo.grad, leaves[4].grad[:, qh.start * d:qh.stop * d]), ("q_norm", layer.q_norm.grad,
                                                                                       leaves[5].grad)]
-        if plan.transport == "copy_engine" and layer._workspace is None:
-            fails += 1
-            print(f"rank {rank} FAIL attention {plan}: fell back from the copy engine", flush=True)
-        for name, got, want in pairs:
-            err = ((got.double() - want).norm() / want.norm()).item()
-            if not err < 1e-4:
-                fails += 1
-                print(f"rank {rank} FAIL attention {plan.label} {name}: rel err {err:.3g}", flush=True)
+        fails += fell_back(rank, layer, plan) + count_fails(rank, f"attention {plan.label}", pairs, 1e-4)
     auto = OverlapAttention(512, 8, 4, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16)
     xa = torch.randn(4, 256, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(20):
@@ -353,12 +358,7 @@ def check_moe_and_ulysses(rank, ws, dev):
     dist.all_reduce(gq)
     pairs += [("ulysses y", yl, ya_ref.chunk(ws, 1)[rank]), ("ulysses dx", xl.grad, la[0].grad.chunk(ws, 1)[rank]),
               ("ulysses wq", gq, la[1].grad)]
-    for name, got, want in pairs:
-        err = ((got.double() - want).norm() / want.norm().clamp_min(1e-12)).item()
-        if not err < 1e-4:
-            fails += 1
-            print(f"rank {rank} FAIL {name}: rel err {err:.3g}", flush=True)
-    return fails
+    return fails + count_fails(rank, "", pairs, 1e-4)
 
 
 def check_block(rank, ws, dev):
@@ -404,11 +404,7 @@ def check_block(rank, ws, dev):
                                                                          g["an_w"])]
         if moe:
             pairs.append(("router", blk.mlp.router_weight.grad, g["router"]))
-        for name, got, want in pairs:
-            err = ((got.double().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()
-            if not err < 1e-4:
-                fails += 1
-                print(f"rank {rank} FAIL block (moe={moe}) {name}: rel err {err:.3g}", flush=True)
+        fails += count_fails(rank, f"block (moe={moe})", pairs, 1e-4)
     return fails
 
 

@@ -44,6 +44,19 @@ def expect_value_error_on_every_rank(pool, fn, *args, match):
     assert all(any(m in e[1] for m in alts) for e in errs), [e[1] for e in errs]
 
 
+def assert_dense_round_trip(dense: dict, same: dict, case: dict, params) -> None:
+    """A layer's ``to_dense()`` (``dense``) returned exactly the dense ``case`` tensors it was built
+    from (None where the case has none), and ``same`` (name -> bool) is all true."""
+    import torch
+    assert set(dense) == set(params), sorted(dense)
+    for n in params:
+        if case[n] is None:
+            assert dense[n] is None, n
+        else:
+            assert torch.equal(dense[n], case[n]), n
+    assert all(same.values()), same
+
+
 def all_reduce_ranks(rank, world_size):
     """The sum of rank + 1 over the group: a pool that still works after failures answers it."""
     import torch

@@ -19,7 +19,7 @@ from attention_reference import bad_call_input, dense_attention
 from overlap_layers import reduce_replicated_grads
 from overlap_layers.layers.attention import OverlapAttention
 from overlap_layers.layers.mlp import MLPPlan
-from pool import all_reduce_ranks, expect_value_error_on_every_rank
+from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 
@@ -341,13 +341,7 @@ def round_trip(rank, ws, case):
 def test_from_dense_to_dense_round_trip(pools, ws, nq, nkv, bias, qk_norm):
     case = make_case(11 + nq, B=1, S=4, H=12, nq=nq, nkv=nkv, d=4, bias=bias, qk_norm=qk_norm)
     for dense, same in pools(ws).run(round_trip, case):
-        assert set(dense) == set(PARAMS), sorted(dense)
-        for n in PARAMS:
-            if case[n] is None:
-                assert dense[n] is None, n
-            else:
-                assert torch.equal(dense[n], case[n]), n
-        assert all(same.values()), same
+        assert_dense_round_trip(dense, same, case, PARAMS)
 
 
 def _init_run(rank, ws, seed, kw):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_reference import dense_moe, route
-from pool import all_reduce_ranks, expect_value_error_on_every_rank
+from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapMoE
 
@@ -379,13 +379,7 @@ def test_from_dense_to_dense_round_trip(pools, ws, E, Fs, activation):
     case = make_case(41 + E, ws=ws, E=E, top_k=2, Fs=Fs, activation=activation)
     El, n_in = E // ws, (2 if activation == "swiglu" else 1)
     for rank, (dense, params, same) in enumerate(pools(ws).run(_round_trip, case, dict(activation=activation))):
-        assert set(dense) == set(PARAMS), sorted(dense)
-        for n in PARAMS:
-            if case[n] is None:
-                assert dense[n] is None, n
-            else:
-                assert torch.equal(dense[n], case[n]), n
-        assert all(same.values()), same
+        assert_dense_round_trip(dense, same, case, PARAMS)
         want = dict(router_weight=case["router_weight"], w_in=case["w_in"][rank * El:(rank + 1) * El],
                     w_out=case["w_out"][rank * El:(rank + 1) * El], shared_w_in=case["shared_w_in"],
                     shared_w_out=case["shared_w_out"])
