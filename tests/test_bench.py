@@ -16,14 +16,7 @@ def test_bench_cpu_default(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     recs = data["records"]
-    modes = {(r["pass"], r["mode"]) for r in recs}
-    for p in ("fwd", "fwdbwd"):
-        for m in ("serial", "naive", "auto", "compute", "comm"):
-            assert (p, m) in modes
-    for r in recs:
-        if r["mode"] in ("serial", "naive", "auto", "compute", "comm"):
-            assert r["ms"] > 0 and r["limit_ms"] >= max(
-                x["ms"] for x in recs if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm")) - 1e-9
+    _check_modes_and_limits(recs, ("fwd", "fwdbwd"))
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]
@@ -32,6 +25,21 @@ def test_bench_cpu_default(tmp_path):
     from overlap_layers.bench.report import report
     text = report(recs)
     assert text.count("| tiny | 2 |") == 2 and "Auto within 3% of the best measured plan on" in text
+
+
+def _check_modes_and_limits(recs, passes, modes=("serial", "naive", "auto", "compute", "comm", "asynctp")):
+    """Every pass ran every mode; each timed record is positive and its limit is max(compute, comm)
+    of its pass or more; asynctp (where there is none) has no time."""
+    have = {(r["pass"], r["mode"]) for r in recs}
+    for p in passes:
+        for m in modes:
+            assert (p, m) in have, (p, m)
+    for r in recs:
+        if r["mode"] == "asynctp":
+            assert r["ms"] is None
+            continue
+        lim = max(x["ms"] for x in recs if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
+        assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
 
 
 def _rec(pass_, mode, k, ms, pred, peak=None, ppeak=None):
@@ -82,18 +90,10 @@ def test_bench_cpu_attention(tmp_path):
     assert {r["layer"] for r in recs} == {"attention", "ulysses"}
     for layer in ("attention", "ulysses"):
         mine = [r for r in recs if r["layer"] == layer]
-        modes = {(r["pass"], r["mode"]) for r in mine}
-        for p in ("fwd", "fwdbwd"):
-            for m in ("serial", "naive", "auto", "compute", "comm", "asynctp"):
-                assert (p, m) in modes, (layer, p, m)
+        _check_modes_and_limits(mine, ("fwd", "fwdbwd"))
         for r in mine:
             assert (r["preset"], r["hidden"], r["heads"], r["kv_heads"], r["batch"], r["seq"], r["world_size"]) == \
                 ("tiny", 64, 4, 2, 2, 64, 2)
-            if r["mode"] == "asynctp":
-                assert r["ms"] is None
-                continue
-            lim = max(x["ms"] for x in mine if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
-            assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
         assert [r["k"] for r in mine if r["mode"] == "naive"] == [2, 2]
         assert all(r["k"] == 1 for r in mine if r["mode"] == "serial")
         assert all(r["host_agreement_us"] > 0 for r in mine if r["mode"] == "auto")
@@ -156,19 +156,11 @@ def test_report_groups_layers():
 
 
 def _check_moe_run(recs, passes, skewed):
-    modes = {(r["pass"], r["mode"]) for r in recs}
-    for p in passes:
-        for m in ("serial", "naive", "auto", "compute", "comm", "asynctp"):
-            assert (p, m) in modes, (p, m)
+    _check_modes_and_limits(recs, passes)
     for r in recs:
         assert r["layer"] == "moe" and r["skewed"] is skewed
         assert (r["preset"], r["experts"], r["top_k"], r["hidden"], r["ffn"], r["tokens"], r["world_size"]) == \
             ("tiny", 4, 2, 64, 32, 128, 2)
-        if r["mode"] == "asynctp":
-            assert r["ms"] is None
-            continue
-        lim = max(x["ms"] for x in recs if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
-        assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2] * len(passes)
     assert all(r["k"] == 1 for r in recs if r["mode"] == "serial")
     assert all(r["host_agreement_us"] > 0 and r["host_counts_exchange_us"] > 0 for r in recs if r["mode"] == "auto")
