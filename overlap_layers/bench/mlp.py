@@ -95,6 +95,11 @@ class MLPBench:
                 run()
         return run
 
+    def plan_info(self) -> dict:
+        """The record fields of the plan the layer ran last."""
+        plan = self.layer.plan
+        return dict(k=plan.num_tiles, decomposition=plan.decomposition, transport=plan.transport)
+
     @property
     def has_rank_chunks(self) -> bool:
         """Whether the layer has the rank-chunk plan for this shape (sequence parallel, 2+ ranks)."""

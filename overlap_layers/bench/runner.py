@@ -163,12 +163,10 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 profile_calls(fn, device, os.path.join(profile, name))
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
-            if layer_mode and not hasattr(b.layer, "plan"):  # a composite (the block): its sublayers' plans
+            plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
+            if layer_mode:
                 info.update(b.plan_info())
-            elif layer_mode:
-                plan = b.layer.plan
-                info["k"] = plan.num_tiles
-                info["decomposition"], info["transport"] = plan.decomposition, plan.transport
+            if layer_mode and plan is not None:
                 if mode == "auto":
                     info["predicted_ms"] = getattr(plan, "predicted_ms", None)
                     info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
