@@ -166,3 +166,90 @@ def test_workspace_bytes_aligns_each_source_and_counts_every_slot():
     for r in range(ws):
         for j, q, s in peers(r, ws):
             assert (j, r) in {(jj, ss) for jj, _, ss in peers(q, ws)}
+
+
+def agreement_rows(rank, ws):
+    """Gathers through the shared-memory mailbox and through gloo, several calls in a row (both
+    parities reused), int and float rows and a row of three rounds."""
+    import os
+    from overlap_layers.runtime.group import Agreement
+    from overlap_layers.runtime.mailbox import WORDS
+    fast, slow = Agreement(dist.group.WORLD), Agreement(dist.group.WORLD, shared_memory=False)
+
+    def ints(r, i):
+        return tuple(r * 1000 + 10 * i + j for j in range(3 + i))
+
+    def floats(r, i):
+        return tuple(r + 0.25 * j - 1e-300 * i for j in range(2 + i))
+
+    def long(r, i):
+        return tuple(range(r + i, r + i + 2 * WORDS + 5))
+
+    bad = []
+    for i in range(5):
+        for row, dtype in ((ints, torch.int64), (floats, torch.float64), (long, torch.int64)):
+            want = [row(r, i) for r in range(ws)]
+            for a in (fast, slow):
+                got = a.gather(row(rank, i), dtype)
+                if got != want:
+                    bad.append((i, row.__name__, a.mailbox is not None))
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"overlap_layers_agree_{os.getpid()}_")]
+    return fast.mailbox is not None, slow.mailbox is None, bad, left
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_agreement_mailbox_gathers_what_gloo_gathers(pools, ws):
+    for used, unused, bad, left in pools(ws).run(agreement_rows):
+        assert used and unused and bad == [] and left == []
+
+
+def uneven_agreement_rows(rank, ws):
+    from overlap_layers.runtime.group import Agreement
+    a = Agreement(dist.group.WORLD)
+    a.gather((1,))
+    return a.gather(tuple(range(rank + 1)))
+
+
+def test_agreement_mailbox_rows_of_different_lengths_raise_on_every_rank(pool2):
+    from pool import expect_value_error_on_every_rank
+    expect_value_error_on_every_rank(pool2, uneven_agreement_rows, match="rows of different lengths")
+
+
+def agreement_one_rank_without_mailbox(rank, ws):
+    from overlap_layers.runtime import mailbox
+    from overlap_layers.runtime.group import Agreement
+    capable = mailbox._capable
+    if rank == ws - 1:
+        mailbox._capable = lambda: False
+    try:
+        a = Agreement(dist.group.WORLD)
+        return a.gather((rank, 7)), a.mailbox is None
+    finally:
+        mailbox._capable = capable
+
+
+def test_agreement_falls_back_to_gloo_on_every_rank_if_one_cannot_map(pool4):
+    for rows, gloo in pool4.run(agreement_one_rank_without_mailbox):
+        assert rows == [(r, 7) for r in range(4)] and gloo
+
+
+def _lone_mailbox(pids, timeout_s):
+    import mmap
+    from overlap_layers.runtime.mailbox import HostMailbox, WORDS
+    return HostMailbox(mmap.mmap(-1, 2 * 2 * (WORDS + 2) * 8), 2, 0, pids, timeout_s)
+
+
+def test_mailbox_wait_raises_when_the_awaited_rank_exited():
+    import os
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(RuntimeError, match=f"pid {gone.pid}\\) exited"):
+        _lone_mailbox([os.getpid(), gone.pid], 60.0).gather([1])
+
+
+def test_mailbox_wait_times_out():
+    import os
+    with pytest.raises(RuntimeError, match="did not arrive within"):
+        _lone_mailbox([os.getpid(), os.getpid()], 0.5).gather([1])

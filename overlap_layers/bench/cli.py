@@ -175,13 +175,14 @@ def _write(args, cuda, world, records, out) -> None:
 
 def format_table(records) -> str:
     head = f"{'layer':9s} {'preset':13s} {'ws':>2s} {'B':>3s} {'tokens':>6s} {'pass':6s} {'mode':8s} {'K':>4s} " \
-           f"{'ms':>8s} {'pred':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
+           f"{'ms':>8s} {'pred':>7s} {'host':>7s} {'/limit':>7s} {'/serial':>7s} {'peak MiB':>9s} {'pred MiB':>9s}"
     lines = [head, "-" * len(head)]
     for r in records:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
         rl = "-" if r["ratio_limit"] is None else f"{r['ratio_limit']:.2f}"
         rs = "-" if r["ratio_serial"] is None else f"{r['ratio_serial']:.2f}"
         pr = "-" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.3f}"
+        host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.3f}"
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
         layer = r.get("layer", "mlp") + ("-skew" if r.get("skewed") else "")
@@ -189,7 +190,7 @@ def format_table(records) -> str:
             if r.get("decomposition") == "rank" else str(r.get("k", ""))
         lines.append(f"{layer:9s} {r['preset']:13s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
-                     f"{k:>4s} {ms:>8s} {pr:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
+                     f"{k:>4s} {ms:>8s} {pr:>7s} {host:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
     return "\n".join(lines)
 

@@ -62,6 +62,7 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime.executor import profiler_range
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
@@ -555,7 +556,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(dev, enabled=False):
-            with torch.profiler.record_function("overlap::moe::route"):
+            with profiler_range("overlap::moe::route"):
                 order, weights, counts = self._route_and_count(x_TH, K)
             # [Note: MoE host syncs]: every rank's counts in one device gather, read on the host
             # while the assignment rows are gathered (those over capacity sort last: cut below).
@@ -571,7 +572,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
             if self.shared_w_in is not None:
                 sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
                 shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
-            with torch.profiler.record_function("overlap::moe::read_counts"):
+            with profiler_range("overlap::moe::read_counts"):
                 host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
             kept = int(host[self.rank].sum())
             if kept < n:
@@ -580,7 +581,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
                          _tiles(host, self.rank, *tensors))
             call.trial, call.trace = trial, trace
             y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
-            with torch.profiler.record_function("overlap::moe::unpermute"):
+            with profiler_range("overlap::moe::unpermute"):
                 if kept < n:  # dropped assignments: zero rows
                     y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])
                 rows = _PermuteRows.apply(y_perm, pos, order).view(-1, self.top_k, H)  # [T, k, H]

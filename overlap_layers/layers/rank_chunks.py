@@ -35,6 +35,8 @@ from typing import Callable, List, Tuple
 
 import torch
 
+from ..runtime.executor import profiler_range
+
 
 def pieces(rank: int, world_size: int, rows: int) -> List[Tuple[int, int, int, int]]:
     """``(step, source rank, first row, end row)`` in launch order; step 0 is the rank's own rows."""
@@ -55,7 +57,7 @@ def piece(recorder, name: str, tag, label: str = ""):
     """Runs a piece: the ops launched inside are timed on the compute stream as ``name[tag]``
     by ``recorder`` (if any) and carry the profiler range ``label`` (if any)."""
     tok = recorder.begin(name, tag, "compute0") if recorder is not None else None
-    with torch.profiler.record_function(label) if label else contextlib.nullcontext():
+    with profiler_range(label) if label else contextlib.nullcontext():
         yield
     if tok is not None:
         recorder.end(tok)

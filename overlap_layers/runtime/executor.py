@@ -27,6 +27,14 @@ from . import collectives
 from .trace import OpRecorder
 
 
+def profiler_range(name: str):
+    """The profiler range ``name`` while a profiler runs, else nothing (a range costs a few
+    microseconds of host time even when nobody records it, and the executor opens one per op)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -70,7 +78,7 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
             continue
         members = ln.bucket if op.kind == "comm" else (t,)
         tag = ",".join(map(str, members))
-        with _on(stream), torch.profiler.record_function(f"overlap::{label}::{op.name}[{tag}]"):
+        with _on(stream), profiler_range(f"overlap::{label}::{op.name}[{tag}]"):
             if op.kind == "compute":
                 if stream is not None and op.chain in chain_last:
                     prev_stream, ev = chain_last[op.chain]
