@@ -111,6 +111,10 @@ def test_contenders_add_the_best_rank_plan_and_verify_a_close_serial_plan():
     assert _contenders(kept, budget=550) == [kept]
     far = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, p2p))
     assert _contenders(far) == [far]
+    # close rivals of two kinds: both timed (the best of each kind), K=1 last
+    k2_close, k4_close = Candidate(2, False, (), (), 10.3, 0.5, 450), Candidate(4, False, (), (), 10.4, 0.4, 400)
+    both = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, ce, p2p, k2_close, k4_close))
+    assert [p.label for p in _contenders(both)] == ["K=2", "rank chunks over copy_engine", "K=1"]
 
 
 @pytest.mark.parametrize("tiled_ms,want_k", [(0.98, 1), (0.96, 2)])

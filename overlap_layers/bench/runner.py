@@ -77,23 +77,18 @@ def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def host_ms_per_call(fn: Callable[[], None], device, calls: int = 10, busy_ms: float = 200.0) -> Optional[float]:
-    """Host time of one call of ``fn`` (ms, mean of ``calls``) while the GPU is busy, so that the
-    host never waits for it: the launches, Python and the agreement alone. A pass whose host time
-    is above its GPU time is host-bound. The GPU first gets a spin kernel of about ``busy_ms``;
-    None when the calls took longer than that (the host waited for the GPU: a host sync)."""
+def host_ms_per_call(fn: Callable[[], None], device, calls: int = 10) -> float:
+    """Host time of one call of ``fn`` (ms, mean of ``calls`` back to back from an idle GPU): the
+    time until the last call returns, before waiting for the GPU. A pass whose host time is
+    below its GPU time lets the host run ahead (launches, Python and the agreement hidden); one
+    whose host time reaches its GPU time is host-bound (or waits for the GPU inside)."""
     torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(int(busy_ms * 2e6))  # cycles: at least busy_ms at clocks up to 2 GHz
-    end.record()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize(device)
-    busy_ms = start.elapsed_time(end)
-    return elapsed / calls if elapsed < 0.9 * busy_ms else None
+    return elapsed / calls
 
 
 def _candidate_predictions(plan) -> Dict[object, tuple]:

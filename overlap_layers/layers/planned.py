@@ -93,9 +93,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
     candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
     applies it) of each other kind (batch tiles with another K > 1, rank chunks per transport),
-    then K=1. For a serial ``plan``: the best other
-    candidate within ``budget`` predicted at most :data:`VERIFY_CLOSE` slower than K=1 (the model
-    cannot tell them apart), then K=1; or ``[plan]`` alone."""
+    then K=1. For a serial ``plan``: the same rivals, only those predicted at most
+    :data:`VERIFY_CLOSE` slower than K=1 (the model cannot tell them apart), then K=1; or
+    ``[plan]`` alone."""
     def as_plan(c):
         return plan_of(c, reason=plan.reason, candidates=plan.candidates)
 
@@ -103,11 +103,6 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
         return min(cands, key=lambda c: (c.predicted_ms, c.num_tiles))
 
     serial = next((c for c in plan.candidates if c.is_serial), None)
-    if plan.is_serial:
-        rivals = [c for c in plan.candidates if not c.is_serial and serial is not None
-                  and (budget is None or c.peak_bytes <= budget)
-                  and c.predicted_ms <= serial.predicted_ms * (1 + VERIFY_CLOSE)]
-        return [as_plan(best(rivals)), plan] if rivals else [plan]
     kinds = {}
     for c in plan.candidates:
         if c.decomposition == "batch":
@@ -116,8 +111,12 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
             same = (c.decomposition, c.transport) == (plan.decomposition, plan.transport)
         if same or (budget is not None and c.peak_bytes > budget):
             continue
+        if plan.is_serial and (serial is None or c.predicted_ms > serial.predicted_ms * (1 + VERIFY_CLOSE)):
+            continue
         kinds.setdefault((c.decomposition, c.transport), []).append(c)
     rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
+    if plan.is_serial:
+        return [*rivals, plan] if rivals else [plan]
     return [plan, *rivals, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
 
 
