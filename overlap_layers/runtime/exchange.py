@@ -124,6 +124,7 @@ class SymmetricWorkspace:
         self.group, self.device = group, device
         self.ws, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.nbytes, self._buf, self.handle = 0, None, None
+        self._views: dict = {}  # (rank, shape, dtype, offset) -> tensor: every call asks for the same few
         self.pull_stream = torch.cuda.Stream(device=device)
         self.push_stream = torch.cuda.Stream(device=device)
 
@@ -136,6 +137,7 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
         self._buf = self.handle = None
+        self._views.clear()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed on older torch; a deprecated no-op on newer ones
             with warnings.catch_warnings():
@@ -147,9 +149,17 @@ class SymmetricWorkspace:
         self.nbytes = nbytes
 
     def view(self, rank: int, shape: Tuple[int, ...], dtype: torch.dtype, offset_bytes: int) -> torch.Tensor:
-        elt = dtype.itemsize
-        assert offset_bytes % elt == 0
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+        """Rank ``rank``'s buffer from ``offset_bytes`` as a ``shape`` tensor of ``dtype`` (made
+        once per workspace size: a peer buffer's tensor costs host time to build)."""
+        key = (rank, tuple(shape), dtype, offset_bytes)
+        t = self._views.get(key)
+        if t is None:
+            if len(self._views) >= 256:  # many shapes (e.g. varying lengths): start over
+                self._views.clear()
+            elt = dtype.itemsize
+            assert offset_bytes % elt == 0
+            t = self._views[key] = self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+        return t
 
 
 _WORKSPACES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
