@@ -203,6 +203,26 @@ def test_agreement_mailbox_gathers_what_gloo_gathers(pools, ws):
         assert used and unused and bad == [] and left == []
 
 
+def agreement_stress(rank, ws, calls):
+    """Many gathers in a row with ranks drifting apart (random pauses): every row of every call
+    must be that call's, so no rank ever reads a slot of another call."""
+    import random
+    import time
+    from overlap_layers.runtime.group import Agreement
+    a, rng, bad = Agreement(dist.group.WORLD), random.Random(rank), 0
+    for i in range(calls):
+        if rng.random() < 0.1:
+            time.sleep(rng.random() * 1e-3)
+        got = a.gather((i, rank, i * ws + rank))
+        bad += got != [(i, r, i * ws + r) for r in range(ws)]
+    return a.mailbox is not None, bad
+
+
+def test_agreement_mailbox_keeps_calls_apart_under_drift(pool4):
+    for used, bad in pool4.run(agreement_stress, 400):
+        assert used and bad == 0
+
+
 def uneven_agreement_rows(rank, ws):
     from overlap_layers.runtime.group import Agreement
     a = Agreement(dist.group.WORLD)
