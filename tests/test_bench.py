@@ -207,7 +207,8 @@ def test_bench_moe_args():
 
 def test_bench_profile_writes_a_trace_and_a_table_per_mode(tmp_path):
     prof = tmp_path / "prof"
-    _run_bench(tmp_path, "--layer", "moe", "--passes", "fwd", "--modes", "serial,naive", "--profile", str(prof))
+    _run_bench(tmp_path, "--layer", "moe", "--passes", "fwd", "--modes", "serial,naive", "--profile", str(prof),
+               "--profile-calls", "2")
     import json
     names = sorted(p.name for p in prof.iterdir())
     assert names == ["moe_tiny_ws2_b1_t128_fwd_naive2.json", "moe_tiny_ws2_b1_t128_fwd_naive2.txt",
@@ -217,6 +218,8 @@ def test_bench_profile_writes_a_trace_and_a_table_per_mode(tmp_path):
     # the executor's per-tile ops and the layer's own ranges, both tiles
     assert {"overlap::moe::dispatch[0]", "overlap::moe::dispatch[1]", "overlap::moe::route",
             "overlap::moe::unpermute"} <= ranges, sorted(ranges)
+    # --profile-calls 2: two calls in each trace, one routing range each
+    assert sum(e.get("name") == "overlap::moe::route" for e in events) == 2
     assert "Self CPU" in (prof / "moe_tiny_ws2_b1_t128_fwd_serial.txt").read_text()
 
 

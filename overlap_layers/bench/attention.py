@@ -38,7 +38,7 @@ from ..config import OverlapConfig
 from ..layers.attention import OverlapAttention
 from ..layers.attention_core import attention, rope_cos_sin
 from .mlp import MLPBench
-from .runner import pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
 PRESETS = {
@@ -195,7 +195,7 @@ class UlyssesBench(AttentionBench):
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     b = (UlyssesBench if shape.layer == "ulysses" else AttentionBench)(shape, group, device, dtype, naive_k)
     ks = list(dict.fromkeys(b.cap_k(k) for k in naive_k))
     return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, log, profile)

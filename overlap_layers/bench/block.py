@@ -16,7 +16,7 @@ from ..layers.block import OverlapTransformerBlock
 from ..layers.planned import TilePlan
 from .attention import AttentionBench, AttentionShape
 from .mlp import PRESETS, MLPBench, Shape
-from .runner import pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes
 
 
 class BlockBench:
@@ -83,7 +83,7 @@ class BlockBench:
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     b = BlockBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), layer="block", ffn=b.mlp.s.ffn)
     ks = list(dict.fromkeys(b.attn.cap_k(k) for k in naive_k))

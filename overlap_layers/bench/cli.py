@@ -36,6 +36,7 @@ from . import attention as attn_bench
 from . import block as block_bench
 from . import moe as moe_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
+from .runner import Profile
 
 LAYERS = ("mlp", "attention", "ulysses", "moe", "block")
 
@@ -75,11 +76,15 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--nprocs", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also profile 3 calls of every mode (rank 0): DIR/<shape>_<pass>_<mode>.json "
+                   help="also profile --profile-calls calls of every mode (rank 0): DIR/<shape>_<pass>_<mode>.json "
                         "(Chrome trace) and .txt (ops by device time)")
+    p.add_argument("--profile-calls", type=int, default=3, metavar="N",
+                   help="with --profile: calls per trace (default 3; 10 or more show the steady state)")
     p.add_argument("--out", default=None,
                    help="JSON path (default bench/results/<layers>_<device>_<time>.json, e.g. mlp_cpu_...)")
     args = p.parse_args(argv)
+    if args.profile_calls < 1:
+        p.error(f"--profile-calls {args.profile_calls}: must be >= 1")
     args.layers = list(dict.fromkeys(x for x in args.layer.split(",") if x))
     bad = [x for x in args.layers if x not in LAYERS]
     if bad or not args.layers:
@@ -124,7 +129,7 @@ def _main(device: torch.device, args) -> None:
             run = {"mlp": bench_shape, "moe": moe_bench.bench_shape, "block": block_bench.bench_shape}.get(
                 layer, attn_bench.bench_shape)
             recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log,
-                       args.profile)
+                       Profile(args.profile, args.profile_calls) if args.profile else None)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                 records.extend(recs)
                 _write(args, cuda, world, records, out)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..config import OverlapConfig
 from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
-from .runner import pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes
 
 PRESETS = {
     "tiny": dict(hidden=64, ffn=256, batch=2, seq=64),
@@ -211,7 +211,7 @@ class MLPBench:
 
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation, config_transport=shape.transport)

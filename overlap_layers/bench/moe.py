@@ -44,7 +44,7 @@ from ..layers.mlp import _act
 from ..layers.moe import OverlapMoE, _read_on_host
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
-from .runner import pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes
 
 # tokens: per rank (each rank's own batch 1 x seq tokens)
 PRESETS = {
@@ -233,7 +233,7 @@ def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: s
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     b = MoEBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), expert_impl=b.expert_impl, busiest_expert_share=b.busiest_expert_share,
                   recv_imbalance=b.recv_imbalance)

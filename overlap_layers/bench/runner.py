@@ -10,6 +10,7 @@ import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -106,6 +107,14 @@ def _candidate_predictions(plan) -> Dict[object, tuple]:
     return out
 
 
+@dataclass(frozen=True)
+class Profile:
+    """What :func:`run_modes` profiles for each timed mode: ``calls`` calls back to back (after
+    the timed loop, so a larger count shows the steady state) into ``folder``."""
+    folder: str
+    calls: int = 3
+
+
 def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> None:
     """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0,
     which writes ``path.json`` (a Chrome trace: kernels, streams, the executor's
@@ -126,10 +135,10 @@ def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> 
 
 
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
-              log: Callable[[str], None], profile: Optional[str] = None) -> List[dict]:
+              log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
     ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`).
-    ``profile``: a folder; each timed mode is then also profiled (:func:`profile_calls`)."""
+    ``profile``: each timed mode is then also profiled (:func:`profile_calls`)."""
     device, group, dtype = b.device, b.group, b.dtype
     records = []
     # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
@@ -174,7 +183,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
-                profile_calls(fn, device, os.path.join(profile, name))
+                profile_calls(fn, device, os.path.join(profile.folder, name), profile.calls)
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
                 info["host_ms"] = host_ms_per_call(fn, device)
