@@ -63,7 +63,8 @@ def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, 
         q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
     q, k, v = (t.transpose(1, 2) for t in (q_bSnd, k_bSnd, v_bSnd))
     if cos_sin is not None:
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        cos, sin = (t.to(q.dtype) for t in cos_sin)  # once for q and k (apply_rope's cast is then a no-op)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     gqa = q.shape[1] != k.shape[1]
     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
                                        enable_gqa=gqa)
