@@ -31,7 +31,11 @@ class OverlapConfig:
     sequence parallelism): "auto" lets the planner use the copy engine (symmetric memory, CUDA)
     where every rank can, "nccl" never uses it, "copy_engine" plans only copy-engine plans (or
     K=1); where it is unavailable, or in a layer without that path, a warning says so and NCCL
-    runs.
+    runs. ``cuda_graphs``: the layer's calls will be replayed from CUDA graphs, so host time does
+    not count: first-call verification then times each contender with the call queued ahead of
+    the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Any layer can be
+    captured once a call of that shape has run eagerly; this flag only changes what
+    verification measures.
     """
 
     num_tiles: Union[int, str] = "auto"
@@ -41,6 +45,7 @@ class OverlapConfig:
     measure: bool = True
     verify_first_calls: bool = True
     cache_dir: Optional[str] = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check_num_tiles(self.num_tiles, "OverlapConfig.num_tiles")
@@ -54,5 +59,7 @@ class OverlapConfig:
                 raise ValueError(f"memory_budget={mb!r}; bytes must be > 0")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not (0 <= self.margin < 1):
             raise ValueError(f"margin={self.margin!r}; must be a number in [0, 1)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; must be True or False")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; valid: {TRANSPORTS}")

@@ -408,6 +408,83 @@ def check_block(rank, ws, dev):
     return fails
 
 
+def _graphed_step(layer, x, dy):
+    """A CUDA graph of one forward+backward of ``layer`` on static ``x`` / ``dy`` (after two eager
+    warm-up steps on a side stream); returns (graph, y, grads of x and the parameters)."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.autograd.grad(layer(x), [x, *params], dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        grads = torch.autograd.grad(y, [x, *params], dy)
+    return graph, y, grads
+
+
+def check_cuda_graphs(rank, ws, dev):
+    """[Note: CUDA graphs]: a captured forward+backward replayed on new inputs equals the eager
+    call on them (OverlapMLP serial, K=2, rank chunks over NCCL and the copy engine; OverlapAttention
+    over the copy engine), also after another layer grew the shared symmetric workspace; capture
+    before a plan exists, and OverlapMoE capture, raise RuntimeError on every rank."""
+    from overlap_layers import OverlapAttention, OverlapMoE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails = 0
+    g = torch.Generator(device="cpu").manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
+    cases = [(lambda: OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev), p)
+             for p in (MLPPlan(1), MLPPlan(2), MLPPlan(1, decomposition="rank"),
+                       MLPPlan(1, decomposition="rank", transport="copy_engine"))]
+    cases.append((lambda: OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16, device=dev),
+                  MLPPlan(1, decomposition="rank", transport="copy_engine")))
+    for make, plan in cases:
+        torch.manual_seed(5)
+        layer = make()
+        layer.pin_plan(plan)
+        x, dy = r(2, 8, 64).requires_grad_(), r(2, 8, 64)
+        graph, y, grads = _graphed_step(layer, x, dy)
+        grower = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)  # a larger exchange afterwards
+        grower.pin_plan(MLPPlan(1, decomposition="rank", transport="copy_engine"))
+        grower(r(4, 64, 64)).sum().backward()
+        for step in range(2):
+            with torch.no_grad():
+                x.copy_(r(2, 8, 64))
+                dy.copy_(r(2, 8, 64))
+            graph.replay()
+            want_y = layer(x)
+            want = torch.autograd.grad(want_y, [x, *[p for p in layer.parameters() if p.requires_grad]], dy)
+            pairs = [("y", y, want_y.double())] + [(f"grad {i}", a, b.double()) for i, (a, b) in
+                                                  enumerate(zip(grads, want))]
+            fails += count_fails(rank, f"graph {type(layer).__name__} {plan.label} replay {step}", pairs, 1e-5)
+    auto = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)
+    xa = r(2, 8, 64)
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            auto(xa)
+        fails += 1
+        print(f"rank {rank} FAIL: capture before planning did not raise", flush=True)
+    except RuntimeError as e:
+        if "before its plan" not in str(e):
+            fails += 1
+            print(f"rank {rank} FAIL: capture before planning raised {e}", flush=True)
+    moe = OverlapMoE(64, 32, 2 * ws, 2, group=dist.group.WORLD, num_tiles=1, device=dev)
+    xm = r(1, 8, 64)
+    moe(xm)
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            moe(xm)
+        fails += 1
+        print(f"rank {rank} FAIL: OverlapMoE capture did not raise", flush=True)
+    except RuntimeError as e:
+        if "cannot be captured" not in str(e):
+            fails += 1
+            print(f"rank {rank} FAIL: OverlapMoE capture raised {e}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -419,7 +496,7 @@ def main():
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
-        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev)
+        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

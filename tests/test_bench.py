@@ -130,8 +130,11 @@ def test_bench_layer_list_and_args():
     ((_, _, s),) = _shapes(args, ["tiny"])
     assert (s.batch, s.seq, s.sequence_parallel) == (1, 128, False)
     assert parse_args([]).layers == ["mlp"]
+    args = parse_args(["--layer", "mlp,attention,block", "--graphs"])
+    assert all(s.cuda_graphs for _, _, s in _shapes(args, ["tiny"]))
+    assert not any(s.cuda_graphs for _, _, s in _shapes(parse_args(["--layer", "mlp,attention"]), ["tiny"]))
     import pytest
-    for bad in (["--layer", "mlp,nope"], ["--layer", "ulysses", "--no-sp"]):
+    for bad in (["--layer", "mlp,nope"], ["--layer", "ulysses", "--no-sp"], ["--layer", "mlp,moe", "--graphs"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

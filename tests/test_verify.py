@@ -213,3 +213,65 @@ def warm_bad(rank, ws):
 
 def test_warmup_rejects_bad_shapes(pool2):
     expect_value_error_on_every_rank(pool2, warm_bad, match="shapes=")
+
+
+def test_capture_neither_plans_nor_advances_verification():
+    """[Note: CUDA graphs]: a captured call with no plan for its key raises; during verification
+    it runs the planned plan, takes no trial and leaves the sequence of trials as it was."""
+    cache = PlanCache(_OneRank(), trials=1)
+    make = lambda key: MLPPlan(2, reason="planned")  # noqa: E731
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="before its plan"):
+        cache.get("k", make, _serial, cpu, capturing=True)
+    assert len(cache) == 0
+    seen = []
+    for capturing in (False, True, True, False, False, True, False):
+        plan, trial = cache.get("k", make, _serial, cpu, capturing=capturing)
+        seen.append((plan.num_tiles, trial is not None))
+        if trial is not None:
+            trial.fwd = _Fixed(1.0 if trial.index == 0 else 3.0)
+    # eager calls alone: K=2 warm, K=2 timed, K=1 warm, K=1 timed, then decided (K=2)
+    assert seen == [(2, False), (2, False), (2, False), (2, True), (1, False), (2, False), (1, True)]
+    plan, trial = cache.get("k", make, _serial, cpu)
+    assert trial is None and not cache.verifying() and plan.num_tiles == 2
+
+
+def test_prequeued_trials_carry_the_prequeue_to_their_stopwatch():
+    cache = PlanCache(_OneRank(), trials=1, prequeue_ms=20.0)
+    make = lambda key: MLPPlan(2, reason="planned")  # noqa: E731
+    cache.get("k", make, _serial, torch.device("cpu"))
+    _, trial = cache.get("k", make, _serial, torch.device("cpu"))
+    assert trial is not None and trial.fwd.prequeue_ms == 20.0
+    assert PlanCache(_OneRank()).prequeue_ms == 0.0
+
+
+def _capture_on(rank, ws, capturing_ranks, plan_first):
+    """An auto OverlapMLP call under a faked CUDA-graph capture on ``capturing_ranks``."""
+    from overlap_layers.layers import planned
+    torch.manual_seed(0)
+    layer = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
+    x = torch.randn(2, 4, 16)
+    eager = layer(x) if plan_first else None
+    real = planned.capturing_graph
+    planned.capturing_graph = lambda t: rank in capturing_ranks
+    try:
+        y = layer(x)
+        return tuple(y.shape), bool(torch.equal(y, eager))
+    finally:
+        planned.capturing_graph = real
+
+
+def test_capture_on_some_ranks_raises_on_every_rank(pool2):
+    expect_value_error_on_every_rank(pool2, _capture_on, (0,), True, match="capturing a CUDA graph differs")
+
+
+def test_capture_before_planning_raises_on_every_rank(pool2):
+    from pool import RankFailure
+    with pytest.raises(RankFailure) as info:
+        pool2.run(_capture_on, (0, 1), False, timeout=60)
+    errors = info.value.errors()
+    assert all(e is not None and e[0] == "RuntimeError" and "before its plan" in e[1] for e in errors), errors
+
+
+def test_capture_after_planning_runs_the_plan(pool2):
+    assert pool2.run(_capture_on, (0, 1), True) == [((2, 4, 16), True)] * 2

@@ -61,12 +61,14 @@ class AttentionShape:
     sequence_parallel: bool = True
     layer: str = "attention"  # or "ulysses", "block"
     transport: str = "auto"  # the layers' config.transport
+    cuda_graphs: bool = False  # time CUDA-graph replays; the layers' config.cuda_graphs
 
     def record_fields(self) -> dict:
         """The shape's fields of every record (the MLP's fields, plus heads, kv_heads, head_dim)."""
         return dict(layer=self.layer, preset=self.preset, hidden=self.hidden, ffn=None, heads=self.heads,
                     kv_heads=self.kv_heads, head_dim=self.head_dim, batch=self.batch, seq=self.seq,
-                    tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None)
+                    tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None,
+                    cuda_graphs=self.cuda_graphs)
 
 
 class AttentionBench(MLPBench):
@@ -92,7 +94,8 @@ class AttentionBench(MLPBench):
     def _make_layer(self, shape: AttentionShape, group, dtype, device):
         return OverlapAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
                                 sequence_parallel=shape.sequence_parallel, rope_theta=ROPE_THETA, num_tiles=1,
-                                config=OverlapConfig(transport=shape.transport), dtype=dtype, device=device)
+                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs),
+                                dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:
         """The K the layer runs for a fixed ``k`` (it tiles the batch)."""
@@ -145,7 +148,8 @@ class UlyssesBench(AttentionBench):
         if not shape.sequence_parallel:
             raise ValueError("ulysses is always sequence parallel (no --no-sp)")
         return UlyssesAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
-                                rope_theta=ROPE_THETA, num_tiles=1, dtype=dtype, device=device)
+                                rope_theta=ROPE_THETA, num_tiles=1, config=OverlapConfig(cuda_graphs=shape.cuda_graphs),
+                                dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:
         """Batch tiles for batch > 1, head groups (of the local query heads) for batch 1."""

@@ -15,7 +15,8 @@ takes its shapes from its own table (``bench.mlp.PRESETS``: tokens = batch*seq p
 ``bench.attention.PRESETS`` for attention, ulysses and the block: heads, KV heads, global seq 8192 and
 batches 2 and 4 for llama3-*; ``bench.moe.PRESETS`` for moe: experts, top-k, 8192 tokens per rank
 (batch 1), over an expert-parallel group of ``--tp`` ranks). ``--skew`` routes most tokens to one
-expert (moe).
+expert (moe). ``--graphs`` (CUDA) times every mode as CUDA-graph replays, captured after
+warm-up, with the layers' ``config.cuda_graphs`` set (not moe: it reads its split sizes on the host).
 
 Prints a table (ms, ratio to limit, ratio to serial, peak memory) on rank 0 and writes JSON.
 """
@@ -69,6 +70,9 @@ def parse_args(argv=None):
                    help="moe: skewed routing (most tokens to expert 0) instead of balanced-ish random routing")
     p.add_argument("--transport", default="auto", choices=["auto", "nccl", "copy_engine"],
                    help="mlp, attention, block: the layers' config.transport (nccl: never the copy engine)")
+    p.add_argument("--graphs", action="store_true",
+                   help="CUDA: time every mode as CUDA-graph replays (layers built with config.cuda_graphs=True); "
+                        "not moe")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -90,6 +94,8 @@ def parse_args(argv=None):
     if bad or not args.layers:
         p.error(f"--layer {args.layer!r}: valid layers are {', '.join(LAYERS)} (comma list)")
     for layer in args.layers:
+        if layer == "moe" and args.graphs:
+            p.error("--graphs: moe cannot be captured into a CUDA graph (it reads its all-to-all sizes on the host)")
         if layer == "ulysses" and args.no_sp:
             p.error("--no-sp: ulysses is always sequence parallel")
         table = _presets(layer)
@@ -101,6 +107,8 @@ def parse_args(argv=None):
 
 def _main(device: torch.device, args) -> None:
     cuda = device.type == "cuda"
+    if args.graphs and not cuda:
+        raise SystemExit("--graphs: CUDA graphs need CUDA devices (run under torchrun on GPUs)")
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
@@ -155,14 +163,14 @@ def _shapes(args, presets, cuda: bool = False):
                     batch = base["batch"] if tokens % base["batch"] == 0 else 1
                     yield layer, preset, Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
                                                sequence_parallel=not args.no_sp, activation=args.activation,
-                                               transport=args.transport)
+                                               transport=args.transport, cuda_graphs=args.graphs)
             else:
                 base = attn_bench.PRESETS[preset]
                 for batch in args.batch or base["batch"]:
                     yield layer, preset, attn_bench.AttentionShape(
                         preset, base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], batch,
                         args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer,
-                        transport=args.transport)
+                        transport=args.transport, cuda_graphs=args.graphs)
 
 
 def _write(args, cuda, world, records, out) -> None:
@@ -197,6 +205,8 @@ def format_table(records) -> str:
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
                      f"{k:>4s} {ms:>8s} {pr:>7s} {host:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
+    if any(r.get("cuda_graphs") for r in records):
+        lines.append("(times are CUDA-graph replays: --graphs)")
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ class Shape:
     sequence_parallel: bool = True
     activation: str = "swiglu"
     transport: str = "auto"  # the layer's config.transport
+    cuda_graphs: bool = False  # time CUDA-graph replays; the layer's config.cuda_graphs
 
 
 class MLPBench:
@@ -61,7 +62,7 @@ class MLPBench:
         torch.manual_seed(0)
         self.layer = OverlapMLP(shape.hidden, shape.ffn, group=group, sequence_parallel=shape.sequence_parallel,
                                 activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
-                                config=OverlapConfig(transport=shape.transport))
+                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs))
         seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
         self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
         self.dy = torch.randn_like(self.x)
@@ -214,6 +215,6 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                 log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
-                  activation=shape.activation, config_transport=shape.transport)
+                  activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
                      repeats, log, profile)

@@ -118,13 +118,15 @@ class Profile:
 def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> None:
     """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0,
     which writes ``path.json`` (a Chrome trace: kernels, streams, the executor's
-    ``overlap::<program>::<op>[tile]`` ranges) and ``path.txt`` (the ops by device time)."""
+    ``overlap::<program>::<op>[tile]`` ranges, one ``bench::call`` range per call) and
+    ``path.txt`` (the ops by device time)."""
     on = dist.get_rank() == 0
     acts = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with (torch.profiler.profile(activities=acts) if on else contextlib.nullcontext()) as prof:
         for _ in range(calls):
-            fn()
+            with torch.profiler.record_function("bench::call"):
+                fn()
         _sync(device)
     if on:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -134,11 +136,30 @@ def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> 
             f.write(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
+def graph_replay(fn: Callable[[], None], device, warmup: int = 3) -> Callable[[], None]:
+    """``fn`` captured into a CUDA graph (after ``warmup`` eager calls on a side stream, as
+    capture requires); returns the graph's replay. Every rank captures at once (the layers'
+    collectives are captured too)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
               log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
     ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`).
-    ``profile``: each timed mode is then also profiled (:func:`profile_calls`)."""
+    ``profile``: each timed mode is then also profiled (:func:`profile_calls`). With
+    ``fields["cuda_graphs"]`` every mode is timed as :func:`graph_replay` (peak memory from an
+    eager call of the same plan)."""
+    graphs = bool(fields.get("cuda_graphs")) and b.device.type == "cuda"
     device, group, dtype = b.device, b.group, b.dtype
     records = []
     # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
@@ -171,7 +192,10 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if fn is None:
                 times[mode] = None
                 continue
+            eager = fn
             try:
+                if graphs:
+                    fn = graph_replay(eager, device)
                 times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
             except Exception as e:  # noqa: BLE001
                 if mode != "asynctp":
@@ -185,7 +209,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
                 profile_calls(fn, device, os.path.join(profile.folder, name), profile.calls)
             if device.type == "cuda":
-                info["peak_bytes"] = peak_bytes_of_one_call(fn, device)
+                info["peak_bytes"] = peak_bytes_of_one_call(eager, device)
                 info["host_ms"] = host_ms_per_call(fn, device)
             plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:

@@ -519,6 +519,9 @@ class OverlapMoE(PlannedLayer, nn.Module):
         shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
                                                 shape_names=(None, None, "hidden"))
+        if self._capturing:  # agreed: every rank raises
+            raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
+                               "split sizes (from the routing) to the host; run it eagerly")
         return self._planned_call(x, shape, dtype, save, fixed,
                                   lambda plan, trial, trace: self._run(x, plan, save, shape[1], trial, trace))
 

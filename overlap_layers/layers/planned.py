@@ -43,6 +43,9 @@ from .tiling import effective_num_tiles
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _PLAN_CACHE_SIZE = 32
+# How far ahead of the device a verification trial queues its call with config.cuda_graphs: above the
+# host time of one pass of any layer here (about 2-7 ms at TP 4 on H200; bench ``host`` column).
+_PREQUEUE_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,11 @@ X_ERRORS = {
 }
 
 
+def capturing_graph(x: torch.Tensor) -> bool:
+    """Whether this call on ``x`` is being captured into a CUDA graph ([Note: CUDA graphs])."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def x_error(x, hidden_size: int, weight: torch.Tensor) -> int:
     """This rank's error code for a layer input ``x`` (0 if fine; keys of :data:`X_ERRORS`)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -184,7 +192,7 @@ def recorded_pass(call, *, backward: bool, device: torch.device):
     trace, trial = call.trace, (call.trial if backward else None)
     recorder = None if trace is None else (trace.start_backward() if backward else trace.fwd)
     if trial is not None:
-        trial.bwd = Stopwatch(device)
+        trial.bwd = Stopwatch(device, trial.fwd.prequeue_ms)
         trial.bwd.start()
     yield recorder
     if trial is not None:
@@ -221,6 +229,19 @@ class PlannedLayer:
     thus all equal, and whichever order the recomputations come in, each gets its forward's plan.
     (A forward under hooks whose recomputation never comes, e.g. activation offloading, keeps its
     entry; later checkpointed forwards of that key then run its plan and take no trials.)
+
+    [Note: CUDA graphs]
+    A call can be captured into a CUDA graph (``torch.cuda.graph``, ``make_graphed_callables``,
+    a whole training step) once its plan exists: its GEMMs, NCCL collectives, copy-engine copies
+    and signal kernels are stream work, and its host work (agreement gather, plan lookup) runs at
+    capture only. Capturing is a column of the call's agreement (every rank captures or the call
+    raises ValueError on every rank). A captured call neither plans nor times
+    (:class:`~overlap_layers.layers.planning.PlanCache`): a shape with no plan raises
+    RuntimeError, pending verification pauses until the next eager calls, and the graph keeps the
+    plan it captured. The copy-engine workspace keeps every buffer a graph captured
+    (``runtime/exchange.py``). ``OverlapMoE`` cannot be captured: it reads its all-to-all sizes
+    on the host. Replays launch no Python, so a plan whose eager calls are host-bound runs at its
+    device time; ``config.cuda_graphs`` makes verification compare contenders that way.
     """
 
     _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
@@ -303,7 +324,7 @@ class PlannedLayer:
         self.plan: Optional[TilePlan] = None
         self._pinned: Optional[TilePlan] = None
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
-                                margin=config.margin)
+                                margin=config.margin, prequeue_ms=_PREQUEUE_MS if config.cuda_graphs else 0.0)
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
         self._plan_of_input = WeakTensorKeyDictionary()  # input -> its auto plan ([Note: recompute])
@@ -361,10 +382,12 @@ class PlannedLayer:
             dtype = torch.get_autocast_dtype(x.device.type)
         dtype_code = DTYPES.index(dtype) if dtype in DTYPES else -1
         request = fixed.digest() if fixed is not None else 0
-        # the last column: whether x came as a DTensor ([Note: DTensor inputs]), so that a DTensor on
-        # some ranks and a plain tensor on others is a ValueError on every rank, not a silent mix
+        # the last columns: whether x came as a DTensor ([Note: DTensor inputs]), so that a DTensor on
+        # some ranks and a plain tensor on others is a ValueError on every rank, not a silent mix;
+        # whether the call is being captured into a CUDA graph ([Note: CUDA graphs])
+        capturing = err == 0 and capturing_graph(x)
         full = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
-                                       int(self._dtensor_input), *floor))
+                                       int(self._dtensor_input), int(capturing), *floor))
         table = [row[:len(row) - len(floor)] for row in full]
         self._set_floor(full, len(floor))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
@@ -376,15 +399,17 @@ class PlannedLayer:
             raise ValueError(f"{what}: bad input on rank(s) " + ", ".join(
                 f"{r} ({errors[e]})" for r, e in errs.items()) + mine)
         names = ("input error", *shape_names, "dtype", "plan request (0 = auto)", "grad mode", *extra_names,
-                 "x a DTensor")
+                 "x a DTensor", "capturing a CUDA graph")
         bad = first_disagreement(table, names)
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
                              f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
-                             f"DTensor or plain x); {bad}")
+                             f"DTensor or plain x, CUDA-graph capture or not); {bad}")
+        self._capturing = capturing  # agreed: equal on every rank
         return self._agreed_shape(shape, table), dtype, save, fixed
 
     _agreed_floor: tuple = ()
+    _capturing: bool = False  # whether the current call is being captured into a CUDA graph (agreed)
     _plan_budget: Optional[int] = None  # the memory budget the last plan was made under
 
     def _floor(self) -> tuple:
@@ -448,7 +473,8 @@ class PlannedLayer:
         must time, if any."""
         key, units = self._plan_key(shape, dtype, save), self._tile_units(shape)
         plan, trial = self._plans.get(key, lambda key: self._make_plan(*key),
-                                      lambda plan: contenders(plan, self._plan_budget), self._weight.device, call=call)
+                                      lambda plan: contenders(plan, self._plan_budget), self._weight.device, call=call,
+                                      capturing=call and self._capturing)
         k = effective_num_tiles(units, plan.num_tiles)
         if k != plan.num_tiles:
             plan = replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())

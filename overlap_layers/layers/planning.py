@@ -20,6 +20,13 @@ serial plan is kept unless the fastest beats it by more than ``margin``, as in p
 at the same call on every rank because the cache is a function of the call history, which every
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
 the reduced numbers.
+
+A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
+it runs the key's current plan (the planned plan while verification is pending), takes no trial
+and does not advance the verification, which goes on at the next eager calls; a key with no plan
+yet raises RuntimeError on every rank. With ``prequeue_ms``, each trial's stopwatches queue the
+call ahead of the device first (:class:`Stopwatch`), so contenders are compared as CUDA-graph
+replays would run them.
 """
 from __future__ import annotations
 
@@ -60,9 +67,10 @@ class PlanCache:
     """The plans of one layer, per key; see the module docstring and [Note: first-call verification]."""
 
     def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, prequeue_ms: float = 0.0) -> None:
         self._agreement = agreement
         self._size, self._verify, self._trials, self._margin = size, verify, trials, margin
+        self.prequeue_ms = prequeue_ms
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self.last_key: Optional[Hashable] = None
 
@@ -76,13 +84,18 @@ class PlanCache:
 
     def get(self, key: Hashable, make: Callable[[Hashable], object],
             contenders_of: Callable[[object], Sequence[object]], device: torch.device, *,
-            call: bool = True) -> Tuple[object, Optional[Trial]]:
+            call: bool = True, capturing: bool = False) -> Tuple[object, Optional[Trial]]:
         """The plan for ``key`` and, during verification, the :class:`Trial` this call must time.
 
         ``contenders_of(plan)`` lists the plans to time, the serial plan last (just ``[plan]``
         when there is nothing to verify). ``call=False`` plans
-        without running (warm-up): no trial is handed out."""
+        without running (warm-up): no trial is handed out. ``capturing``: the call is being
+        captured into a CUDA graph (see the module docstring)."""
         entry = self._entries.get(key)
+        if entry is None and capturing:
+            raise RuntimeError(f"a layer call is being captured into a CUDA graph before its plan for {key} exists: "
+                               "planning times work on the device, which capture forbids; run one eager call of "
+                               "this shape (or layer.warmup([(batch, seq_local)])) before capturing")
         if entry is None:
             plan = make(key)
             digests = {row[0] for row in self._agreement.gather((plan.digest(),))}
@@ -96,7 +109,7 @@ class PlanCache:
         else:
             self._entries.move_to_end(key)
         self.last_key = key
-        if not call or entry.trials is None:
+        if not call or entry.trials is None or capturing:
             return entry.plan, None
         n = len(entry.contenders)
         if entry.step < 2 * n * self._trials:  # each contender runs twice in a row; the second call is timed
@@ -104,7 +117,7 @@ class PlanCache:
             entry.step += 1
             if not timed:
                 return entry.contenders[i], None
-            trial = Trial(entry.contenders[i], i, Stopwatch(device))
+            trial = Trial(entry.contenders[i], i, Stopwatch(device, self.prequeue_ms))
             entry.trials.append(trial)
             return trial.plan, trial
         entry.plan = self._decide(entry)

@@ -118,24 +118,41 @@ class SymmetricWorkspace:
 
     Layers get it from :func:`shared_workspace`, so every layer of a group shares one buffer
     (sized for the largest exchange) instead of each holding its own. Its bytes are persistent
-    device memory beside the layers'; it is freed when the last layer holding it is."""
+    device memory beside the layers'; it is freed when the last layer holding it is.
+
+    A CUDA graph that captured an exchange copies into this buffer, and its peers' graphs into
+    theirs, at every replay: once captured, a buffer outgrown later is kept (with its handle)
+    rather than freed, and growing during a capture raises RuntimeError ([Note: CUDA graphs] in
+    ``layers/planned.py``)."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
         self.ws, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.nbytes, self._buf, self.handle = 0, None, None
+        self.captured = False  # whether a CUDA graph captured an exchange on the current buffer
+        self._retired: list = []  # (buffer, handle) outgrown after a capture: graphs still use them
         self._views: dict = {}  # (rank, shape, dtype, offset) -> tensor: every call asks for the same few
         self.pull_stream = torch.cuda.Stream(device=device)
         self.push_stream = torch.cuda.Stream(device=device)
 
     def reserve(self, nbytes: int) -> None:
         """Grow to at least ``nbytes`` (a collective: every rank passes the same number)."""
+        capturing = torch.cuda.is_current_stream_capturing()
         if nbytes <= self.nbytes:
+            self.captured |= capturing
             return
+        if capturing:
+            raise RuntimeError(f"a copy-engine exchange needs {nbytes} symmetric bytes while a CUDA graph is being "
+                               f"captured, and the workspace has {self.nbytes}: allocating them is a collective "
+                               "with host synchronisation, which capture forbids; run one eager call of this "
+                               "shape before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
         if self._buf is not None:  # peers may still read the old buffer: drain everyone first
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
+            if self.captured:
+                self._retired.append((self._buf, self.handle))
+                self.captured = False
         self._buf = self.handle = None
         self._views.clear()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
