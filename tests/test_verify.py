@@ -105,15 +105,18 @@ def test_contenders_add_the_best_rank_plan_and_verify_a_close_serial_plan():
     assert [(p.decomposition, p.transport, p.regather) for p in got] == [
         ("batch", "nccl", False), ("rank", "copy_engine", False), ("rank", "nccl", False), ("batch", "nccl", False)]
     assert got[-1].is_serial and got[1].label == "rank chunks over copy_engine"
-    # a serial plan with a rival predicted within 5%: timed against it; out of budget or far: alone
-    kept = MLPPlan(1, predicted_ms=10.0, predicted_peak_bytes=500, reason="r", candidates=(serial, ce, p2p))
+    # a serial plan with a rival predicted within VERIFY_CLOSE: timed against it; out of budget or far: alone
+    p2p_far = Candidate(1, False, (), (), 13.0, 2.0, 600, decomposition="rank", transport="nccl")
+    kept = MLPPlan(1, predicted_ms=10.0, predicted_peak_bytes=500, reason="r", candidates=(serial, ce, p2p_far))
     assert [p.label for p in _contenders(kept)] == ["rank chunks over copy_engine", "K=1"]
     assert _contenders(kept, budget=550) == [kept]
-    far = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, p2p))
+    near = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, p2p))  # 20% slower: still timed
+    assert [p.label for p in _contenders(near)] == ["rank chunks over nccl", "K=1"]
+    far = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, p2p_far))
     assert _contenders(far) == [far]
     # close rivals of two kinds: both timed (the best of each kind), K=1 last
     k2_close, k4_close = Candidate(2, False, (), (), 10.3, 0.5, 450), Candidate(4, False, (), (), 10.4, 0.4, 400)
-    both = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, ce, p2p, k2_close, k4_close))
+    both = MLPPlan(1, predicted_ms=10.0, reason="r", candidates=(serial, ce, p2p_far, k2_close, k4_close))
     assert [p.label for p in _contenders(both)] == ["K=2", "rank chunks over copy_engine", "K=1"]
 
 

@@ -88,7 +88,10 @@ class TilePlan:
         return zlib.crc32(repr(key).encode())
 
 
-VERIFY_CLOSE = 0.05  # a serial plan is timed against a rival predicted within this fraction of it
+# A serial plan is timed against rivals predicted within this fraction of it. The model's error is
+# this large: on 4x H200 (TP 4, llama3-8b MLP) rank chunks over the copy engine were predicted 7-25%
+# slower than K=1 and ran 5-19% faster as CUDA-graph replays (bench/results/graphs_h200x4_2026-11-26.md).
+VERIFY_CLOSE = 0.25
 
 
 def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
