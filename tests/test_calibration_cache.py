@@ -166,7 +166,7 @@ def test_cache_key_and_path(monkeypatch, tmp_path):
     for var in NCCL_TRANSPORT_ENV:
         monkeypatch.delenv(var, raising=False)
     key = cpu_key(world_size=4)
-    assert key["format"] == 1 and key["device"] == "cpu" and key["torch"] == torch.__version__
+    assert key["format"] == 2 and key["device"] == "cpu" and key["torch"] == torch.__version__
     assert key["world_size"] == 4 and key["transport"] == "gloo" and key["dtype"] == "torch.float32"
     assert set(key["env"]) == set(NCCL_TRANSPORT_ENV) and not any(key["env"].values())
     assert key["nccl"] is None or isinstance(key["nccl"], str)

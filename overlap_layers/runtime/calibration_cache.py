@@ -34,7 +34,7 @@ import torch
 from ..sim import HardwareModel
 from .group import Agreement
 
-FORMAT = 1
+FORMAT = 2  # 2: ops timed queued ahead of the device (runtime/calibrate.py), not one launch at a time
 
 NCCL_TRANSPORT_ENV = (
     "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL",
