@@ -5,9 +5,11 @@ each rank and then max-reduced over the group through the host-side agreement, s
 plans from the same numbers ([Note: agreement]). On CPU nothing is measured: the analytic model
 is used.
 
-Each repeat is queued behind a sleep kernel and runs the op several times in a row when it is
-short (:func:`_time_ms`), so a number is the device's time for the op, as in a busy stream or
-a CUDA graph, without the host's launch latency in it (the cost model adds launch costs itself).
+Each repeat is queued behind a sleep kernel and runs the op :data:`_IN_A_ROW` times in a row
+(:func:`_time_ms`), so a number is the device's time for the op, as in a busy stream or a CUDA
+graph, without the host's launch latency in it (the cost model adds launch costs itself). The
+count is a constant: ops that are collectives (or signal round trips) must run as many times on
+every rank, so no rank may derive it from its own timings.
 """
 from __future__ import annotations
 
@@ -24,31 +26,25 @@ from .group import Agreement
 
 
 _PREQUEUE_CYCLES = 2_000_000  # a sleep of about 1 ms (at 2 GHz or less): longer than queuing one sample
-_SAMPLE_MS = 0.5  # a sample repeats a short op until it spans about this long
-_MAX_IN_A_ROW = 16
-
-
-def _sample_ms(fn, calls: int, prequeue: bool) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if prequeue:
-        torch.cuda._sleep(_PREQUEUE_CYCLES)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / calls
+_IN_A_ROW = 4  # the same on every rank: the op may be a collective
 
 
 def _time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
-    """Median over ``reps`` samples of ``fn``'s device time (ms): each sample queued behind a
-    sleep kernel, ``fn`` repeated in a row up to about :data:`_SAMPLE_MS` (at most
-    :data:`_MAX_IN_A_ROW` times) and the time divided by the repeats."""
+    """Median over ``reps`` samples of ``fn``'s device time (ms); a sample is :data:`_IN_A_ROW`
+    calls in a row queued behind a sleep kernel, its time divided by the calls."""
     for _ in range(warmup):
         fn()
-    once = _sample_ms(fn, 1, prequeue=True)
-    calls = max(1, min(_MAX_IN_A_ROW, int(_SAMPLE_MS / max(once, 1e-3))))
-    return statistics.median(_sample_ms(fn, calls, prequeue=True) for _ in range(reps))
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_PREQUEUE_CYCLES)
+        a.record()
+        for _ in range(_IN_A_ROW):
+            fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / _IN_A_ROW)
+    return statistics.median(samples)
 
 
 def measure_ops(setups: Mapping[Hashable, Callable[[], Callable[[], object]]], agreement: Agreement
