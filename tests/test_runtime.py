@@ -235,6 +235,37 @@ def test_agreement_mailbox_rows_of_different_lengths_raise_on_every_rank(pool2):
     expect_value_error_on_every_rank(pool2, uneven_agreement_rows, match="rows of different lengths")
 
 
+def _layers_of_one_group(rank, ws, mismatched):
+    """An MLP and an attention layer on WORLD, then on a new group of the same ranks; with
+    ``mismatched`` rank 0 calls the MLP while the others call the attention."""
+    from overlap_layers import OverlapAttention
+    torch.manual_seed(0)
+    world = dist.group.WORLD
+    mlp, attn = OverlapMLP(16, 8 * ws, group=world), OverlapAttention(16, 2 * ws, ws, group=world, head_dim=4)
+    other = dist.new_group(list(range(ws)))
+    twin = OverlapMLP(16, 8 * ws, group=other)
+    x = torch.randn(2, 4, 16)
+    if mismatched:
+        return (mlp if rank == 0 else attn)(x)
+    first = mlp._agreement
+    del mlp
+    again = OverlapMLP(16, 8 * ws, group=world)  # made after the first MLP was freed: the same share
+    y = attn(again(x))
+    return (first is attn._agreement is again._agreement, twin._agreement is not first,
+            first.mailbox is not None, tuple(y.shape), tuple(twin(x).shape))
+
+
+def test_layers_of_a_group_share_one_agreement(pool2):
+    assert pool2.run(_layers_of_one_group, False) == [(True, True, True, (2, 4, 16), (2, 4, 16))] * 2
+
+
+def test_ranks_calling_different_layers_raise_on_every_rank_and_the_group_goes_on(pool2):
+    from pool import expect_value_error_on_every_rank
+    expect_value_error_on_every_rank(pool2, _layers_of_one_group, True,
+                                     match=("rows of different lengths", "differs across ranks"))
+    assert pool2.run(_layers_of_one_group, False)[0][3] == (2, 4, 16)
+
+
 def agreement_one_rank_without_mailbox(rank, ws):
     from overlap_layers.runtime import mailbox
     from overlap_layers.runtime.group import Agreement

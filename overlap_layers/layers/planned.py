@@ -31,7 +31,7 @@ from ..config import OverlapConfig, check_num_tiles
 from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
-from ..runtime import Agreement, StreamPool, execute
+from ..runtime import StreamPool, execute, shared_agreement
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -306,7 +306,7 @@ class PlannedLayer:
                           f"runs NCCL here", stacklevel=3)
         self.launch_log: Optional[list] = None
         self._streams = StreamPool()
-        self._agreement = Agreement(self.group)
+        self._agreement = shared_agreement(self.group)
         self._init_planning(config)
         self.reset_parameters()
         self._as_dtensors(mesh, axis)

@@ -14,10 +14,19 @@ over NCCL would need a host sync on a device result every call, which drains the
 exposes all host launch overhead (measured on 4xH200: ~0.3 ms per MLP call). When the whole
 group shares one x86-64 Linux host, the gather goes through a shared-memory mailbox instead of
 gloo, a few microseconds instead of 0.3-0.5 ms ([Note: host mailbox] in ``runtime/mailbox.py``).
+The layers of one group share one Agreement (:func:`shared_agreement`): one gloo twin and one
+mailbox per group, not per layer (a deep model would otherwise create a gloo group and a
+/dev/shm file for every layer). Sharing is safe because every rank calls the group's layers in
+the same order, as their collectives already require; a rank that calls another layer than its
+peers then gathers a row of another shape or content, which raises on every rank instead of
+mixing calls. The share lives as long as the process (not as long as some layer), so whether a
+layer finds it never depends on when each rank's garbage collector freed the layers before it:
+a rank that made a new Agreement would set up a mailbox with gloo gathers while a rank that
+reused one gathered through the mailbox. Gathers of one group must come from one thread at a time.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,6 +108,18 @@ class Agreement:
         if not values:
             return []
         return [min(col) for col in zip(*self.gather(values, dtype=torch.float64))]
+
+
+_AGREEMENTS: Dict[int, Agreement] = {}  # id(group) -> its Agreement, which holds the group (so the id stays its)
+
+
+def shared_agreement(group) -> Agreement:
+    """The :class:`Agreement` of ``group``, the same object for every layer of the process that
+    asks (see the module docstring)."""
+    a = _AGREEMENTS.get(id(group))
+    if a is None:
+        a = _AGREEMENTS[id(group)] = Agreement(group)
+    return a
 
 
 def first_disagreement(table: Sequence[Tuple[int, ...]], names: Sequence[str]) -> Optional[str]:
