@@ -33,24 +33,25 @@ def fused_available(pre: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
+    def _gate_up_block(pre_ptr, n, f, BLOCK: tl.constexpr):
+        # this program's flat indices into h [M, F], their mask, the gate offsets in pre [M, 2F]
+        # and the gate and up values in float32
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
-        row, col = idx // f, idx % f
-        g_off = row * 2 * f + col
+        g_off = (idx // f) * 2 * f + idx % f
         g = tl.load(pre_ptr + g_off, mask=mask).to(tl.float32)
         u = tl.load(pre_ptr + g_off + f, mask=mask).to(tl.float32)
+        return idx, mask, g_off, g, u
+
+    @triton.jit
+    def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
+        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK)
         h = g * tl.sigmoid(g) * u
         tl.store(h_ptr + idx, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
-        row, col = idx // f, idx % f
-        g_off = row * 2 * f + col
-        g = tl.load(pre_ptr + g_off, mask=mask).to(tl.float32)
-        u = tl.load(pre_ptr + g_off + f, mask=mask).to(tl.float32)
+        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK)
         dh = tl.load(dh_ptr + idx, mask=mask).to(tl.float32)
         s = tl.sigmoid(g)
         silu = g * s
