@@ -485,6 +485,45 @@ def check_cuda_graphs(rank, ws, dev):
     return fails
 
 
+def check_workspace_kept_on_some_ranks(rank, ws, dev):
+    """Layers freed on every rank while rank 1 still holds their symmetric workspace (as a late
+    garbage collection would): the next copy-engine layer's agreement makes every rank release
+    it, and the call equals the same plan over NCCL send/recv."""
+    plan = lambda t: MLPPlan(1, decomposition="rank", transport=t)  # noqa: E731
+    torch.manual_seed(4)
+    old = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)
+    old.pin_plan(plan("copy_engine"))
+    x = torch.randn(2, 16, 64, device=dev)
+    old(x).sum().backward()
+    from overlap_layers.runtime.exchange import held_workspace_bytes
+    keep = old._workspace if rank == 1 else None
+    del old
+    held = [None] * ws
+    dist.all_gather_object(held, held_workspace_bytes(dist.group.WORLD, dev) > 0)
+    fails = 0
+    if held[0] or not held[1]:
+        fails += 1
+        print(f"rank {rank} FAIL: the scenario did not arise (workspace held per rank: {held})", flush=True)
+    outs = {}
+    for transport in ("copy_engine", "nccl"):
+        torch.manual_seed(5)
+        layer = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)
+        layer.pin_plan(plan(transport))
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.square().sum().backward()
+        outs[transport] = [y.detach(), xx.grad, *[p.grad for p in layer.parameters()]]
+        if transport == "copy_engine" and keep is not None and layer._workspace is not keep:
+            fails += 1
+            print(f"rank {rank} FAIL: rank 1 did not reuse the workspace it kept", flush=True)
+    for i, (a, b) in enumerate(zip(outs["nccl"], outs["copy_engine"])):
+        err = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+        if not err < 1e-6:
+            fails += 1
+            print(f"rank {rank} FAIL workspace kept on rank 1, tensor {i}: rel err {err:.3g}", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -496,7 +535,8 @@ def main():
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
-        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev)
+        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
+        + check_workspace_kept_on_some_ranks(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

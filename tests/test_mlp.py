@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
 from overlap_layers.layers.mlp import MLPPlan
-from pool import all_reduce_ranks, expect_value_error_on_every_rank
+from pool import RankFailure, all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -490,3 +490,34 @@ def test_copy_engine_needs_every_rank_on_one_host(pool2, same_host):
         assert ok == same_host
         assert msgs == ([] if same_host else [
             "overlap_layers: copy-engine transport unavailable (the group spans several hosts); using NCCL"])
+
+
+def held_workspaces(rank, ws, held, capturing):
+    """One agreement of an MLP whose ranks hold ``held[rank]`` symmetric bytes (faked on CPU);
+    returns how many times this rank released its workspace."""
+    from unittest import mock
+    import overlap_layers.layers.planned as planned
+    import overlap_layers.layers.rank_plans as rank_plans
+    released = []
+
+    class Workspace:
+        def release(self):
+            released.append(rank)
+    with mock.patch.object(rank_plans, "held_workspace_bytes", lambda group, device: held[rank]), \
+            mock.patch.object(rank_plans, "shared_workspace", lambda group, device: Workspace()), \
+            mock.patch.object(planned, "capturing_graph", lambda x: capturing):
+        layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD)
+        layer._agree(torch.randn(1, 4, 12), 0, {}, "x")
+        layer.warmup([(1, 4)])
+    return len(released)
+
+
+def test_ranks_holding_different_workspaces_release_them_together(pool2):
+    """The workspace bytes each rank holds are agreed; when they differ every rank releases its
+    workspace (a collective) at the call and at warm-up, and never when they are equal."""
+    assert pool2.run(held_workspaces, (0, 1 << 20), False) == [2, 2]
+    assert pool2.run(held_workspaces, (1 << 20, 1 << 20), False) == [0, 0]
+    with pytest.raises(RankFailure) as info:
+        pool2.run(held_workspaces, (0, 1 << 20), True, timeout=60)
+    assert all(e is not None and e[0] == "RuntimeError" and "different symmetric workspaces" in e[1]
+               for e in info.value.errors())

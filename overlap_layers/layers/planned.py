@@ -409,6 +409,7 @@ class PlannedLayer:
                              f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
                              f"DTensor or plain x, CUDA-graph capture or not); {bad}")
         self._capturing = capturing  # agreed: equal on every rank
+        self._after_agreement(capturing)
         return self._agreed_shape(shape, table), dtype, save, fixed
 
     _agreed_floor: tuple = ()
@@ -419,6 +420,10 @@ class PlannedLayer:
         """Ints each rank adds to its agreement row whose minimum over the ranks (not equality) is
         what counts, e.g. whether this rank could use a transport; none by default."""
         return ()
+
+    def _after_agreement(self, capturing: bool) -> None:
+        """Run on every rank once a call's (or warm-up's) agreement has passed, from agreed values
+        only (``self._agreed_floor``; ``capturing``: the call is being captured); nothing by default."""
 
     def _set_floor(self, table, n: int) -> None:
         self._agreed_floor = tuple(min(col) for col in zip(*(row[len(row) - n:] for row in table))) if n else ()
@@ -514,6 +519,7 @@ class PlannedLayer:
         if len(set(table)) > 1:
             raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
                              f"this rank: shapes={shapes}, dtype={dtype}, training={training}")
+        self._after_agreement(False)
         if self._pinned is not None or self.num_tiles != "auto":
             return []
         return [self._auto_plan(p, dtype, bool(training), call=False)[0] for p in pairs]

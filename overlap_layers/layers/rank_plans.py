@@ -3,8 +3,9 @@
 
 Reference: a mixin of :class:`~overlap_layers.layers.planned.PlannedLayer` hooks. What it decides
 is identical on every rank by construction: whether the copy engine is usable comes from the call's
-agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", and whether
-every rank is on one host); candidates come from the layer's cost model ([Note: rank-chunk cost]).
+agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", whether
+every rank is on one host, and whether every rank holds the same symmetric workspace); candidates
+come from the layer's cost model ([Note: rank-chunk cost]).
 A layer mixing it in picks its autograd Function with :meth:`_function`, and its cost model
 provides ``rank_pieces``.
 """
@@ -18,7 +19,7 @@ from functools import partial
 
 import torch
 
-from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, shared_workspace,
+from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
                                 symmetric_memory_status, workspace_bytes)
 from ..sim import Candidate
 
@@ -44,10 +45,25 @@ class RankChunkPlans:
             raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
 
     def _floor(self) -> tuple:
-        """(copy engine usable here, host id, -host id): the agreed minimum of the first says
-        whether every rank can use it, the other two whether all ranks share one host."""
+        """(copy engine usable here, host id, -host id, workspace bytes held, their negation): the
+        agreed minimum of the first says whether every rank can use it, the next two whether all
+        ranks share one host, the last two whether all hold the same workspace."""
         ok = self._copy_engine_here()  # asks once, and learns the host with it
-        return (ok, self._host_id, -self._host_id)
+        held = held_workspace_bytes(self.group, self._weight.device)
+        return (ok, self._host_id, -self._host_id, held, -held)
+
+    def _after_agreement(self, capturing: bool) -> None:
+        """Ranks holding different symmetric workspaces (some kept the workspace of freed layers
+        alive longer than others) all release theirs here, so that the next exchange grows it
+        on every rank alike; decided from agreed values only."""
+        floor = self._agreed_floor
+        if floor[3] == -floor[4]:
+            return
+        if capturing:
+            raise RuntimeError("the ranks hold different symmetric workspaces (layers freed on some ranks only); "
+                               "releasing them synchronises, which CUDA-graph capture forbids: run one eager call "
+                               "before capturing")
+        shared_workspace(self.group, self._weight.device).release()
 
     def _copy_engine_here(self) -> int:
         """1 if this rank could use the copy-engine transport (asked once; the call's agreement

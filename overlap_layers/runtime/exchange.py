@@ -118,7 +118,10 @@ class SymmetricWorkspace:
 
     Layers get it from :func:`shared_workspace`, so every layer of a group shares one buffer
     (sized for the largest exchange) instead of each holding its own. Its bytes are persistent
-    device memory beside the layers'; it is freed when the last layer holding it is.
+    device memory beside the layers'; it is freed when the last layer holding it is. Growing is a
+    collective decided from each rank's own size, so every rank must hold the same workspace: the
+    bytes a rank holds are a column of every call's agreement (:func:`held_workspace_bytes`), and
+    when ranks differ (some still hold the workspace of freed layers) all release theirs first.
 
     A CUDA graph that captured an exchange copies into this buffer, and its peers' graphs into
     theirs, at every replay: once captured, a buffer outgrown later is kept (with its handle)
@@ -147,14 +150,8 @@ class SymmetricWorkspace:
                                "with host synchronisation, which capture forbids; run one eager call of this "
                                "shape before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
-        if self._buf is not None:  # peers may still read the old buffer: drain everyone first
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)
-            if self.captured:
-                self._retired.append((self._buf, self.handle))
-                self.captured = False
-        self._buf = self.handle = None
-        self._views.clear()
+        if self._buf is not None:
+            self._drop()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed on older torch; a deprecated no-op on newer ones
             with warnings.catch_warnings():
@@ -164,6 +161,23 @@ class SymmetricWorkspace:
         self._buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self._buf, self.group)
         self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Drop the buffer: a collective, every rank of the group calls it at the same point
+        (:meth:`RankChunkPlans._after_agreement` when the ranks' workspaces differ), with or
+        without a buffer."""
+        self._drop()
+
+    def _drop(self) -> None:
+        """Free the buffer (kept alive instead if a graph captured it) once every rank has
+        drained its work: peers may still read it."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        if self.captured:
+            self._retired.append((self._buf, self.handle))
+        self._buf = self.handle = None
+        self._views.clear()
+        self.nbytes, self.captured = 0, False
 
     def view(self, rank: int, shape: Tuple[int, ...], dtype: torch.dtype, offset_bytes: int) -> torch.Tensor:
         """Rank ``rank``'s buffer from ``offset_bytes`` as a ``shape`` tensor of ``dtype`` (made
@@ -191,6 +205,17 @@ def shared_workspace(group, device: torch.device) -> SymmetricWorkspace:
     if w is None:
         w = _WORKSPACES[key] = SymmetricWorkspace(group, torch.device("cuda", idx))
     return w
+
+
+def held_workspace_bytes(group, device: torch.device) -> int:
+    """Bytes of ``group``'s shared workspace on ``device`` in this process; 0 when it has none
+    (CPU included). Never creates one. Ranks can differ here only when some still hold the
+    workspace of layers that others have freed (garbage collection runs at different times)."""
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    w = _WORKSPACES.get((group.group_name, idx))
+    return w.nbytes if w is not None else 0
 
 
 def _aligned(nbytes: int) -> int:
