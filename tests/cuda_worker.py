@@ -459,30 +459,27 @@ def check_cuda_graphs(rank, ws, dev):
             pairs = [("y", y, want_y.double())] + [(f"grad {i}", a, b.double()) for i, (a, b) in
                                                   enumerate(zip(grads, want))]
             fails += count_fails(rank, f"graph {type(layer).__name__} {plan.label} replay {step}", pairs, 1e-5)
-    auto = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)
-    xa = r(2, 8, 64)
-    try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            auto(xa)
-        fails += 1
-        print(f"rank {rank} FAIL: capture before planning did not raise", flush=True)
-    except RuntimeError as e:
-        if "before its plan" not in str(e):
-            fails += 1
-            print(f"rank {rank} FAIL: capture before planning raised {e}", flush=True)
+    fails += _capture_raises(rank, "capture before planning", OverlapMLP(64, 32 * ws, group=dist.group.WORLD,
+                                                                         device=dev), r(2, 8, 64), "before its plan")
     moe = OverlapMoE(64, 32, 2 * ws, 2, group=dist.group.WORLD, num_tiles=1, device=dev)
     xm = r(1, 8, 64)
     moe(xm)
+    return fails + _capture_raises(rank, "OverlapMoE capture", moe, xm, "cannot be captured")
+
+
+def _capture_raises(rank, what: str, layer, x, match: str) -> int:
+    """0 if capturing ``layer(x)`` into a CUDA graph raises RuntimeError holding ``match``, else 1
+    (and a line)."""
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            moe(xm)
-        fails += 1
-        print(f"rank {rank} FAIL: OverlapMoE capture did not raise", flush=True)
+            layer(x)
     except RuntimeError as e:
-        if "cannot be captured" not in str(e):
-            fails += 1
-            print(f"rank {rank} FAIL: OverlapMoE capture raised {e}", flush=True)
-    return fails
+        if match in str(e):
+            return 0
+        print(f"rank {rank} FAIL: {what} raised {e}", flush=True)
+        return 1
+    print(f"rank {rank} FAIL: {what} did not raise", flush=True)
+    return 1
 
 
 def check_workspace_kept_on_some_ranks(rank, ws, dev):
@@ -516,12 +513,8 @@ def check_workspace_kept_on_some_ranks(rank, ws, dev):
         if transport == "copy_engine" and keep is not None and layer._workspace is not keep:
             fails += 1
             print(f"rank {rank} FAIL: rank 1 did not reuse the workspace it kept", flush=True)
-    for i, (a, b) in enumerate(zip(outs["nccl"], outs["copy_engine"])):
-        err = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
-        if not err < 1e-6:
-            fails += 1
-            print(f"rank {rank} FAIL workspace kept on rank 1, tensor {i}: rel err {err:.3g}", flush=True)
-    return fails
+    pairs = [(f"tensor {i}", got, want.double()) for i, (want, got) in enumerate(zip(outs["nccl"], outs["copy_engine"]))]
+    return fails + count_fails(rank, "workspace kept on rank 1", pairs, 1e-6)
 
 
 def main():
