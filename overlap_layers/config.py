@@ -33,9 +33,9 @@ class OverlapConfig:
     K=1); where it is unavailable, or in a layer without that path, a warning says so and NCCL
     runs. ``cuda_graphs``: the layer's calls will be replayed from CUDA graphs, so host time does
     not count: first-call verification then times each contender with the call queued ahead of
-    the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Any layer can be
-    captured once a call of that shape has run eagerly; this flag only changes what
-    verification measures.
+    the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
+    ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
+    this flag; it only changes what verification measures.
     """
 
     num_tiles: Union[int, str] = "auto"
