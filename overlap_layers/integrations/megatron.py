@@ -320,7 +320,26 @@ def _seq_first(x):
     return x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
 
 
-class MegatronAttention(nn.Module):
+class _RopeAdapter(nn.Module):
+    """What :class:`MegatronAttention` and :class:`MegatronBlock` share: the layer number, whether
+    the layer skips RoPE, the RoPE tables made from Megatron's freqs, and the source module name."""
+
+    def __init__(self, *, layer_number: int, no_rope: bool, mscale: float, source: str):
+        super().__init__()
+        self.layer_number, self.no_rope, self.source = layer_number, bool(no_rope), source
+        self.rope = _RopeTables(mscale)
+
+    def _cos_sin(self, rotary_pos_emb):
+        """Our ``position_embeddings`` for Megatron's ``rotary_pos_emb`` (None: no RoPE)."""
+        if rotary_pos_emb is None:
+            return None
+        return self.rope(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
+
+    def extra_repr(self) -> str:
+        return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
+
+
+class MegatronAttention(_RopeAdapter):
     """A megatron-core ``SelfAttention``'s stand-in: :class:`OverlapAttention` over the group, with
     Megatron's call signature ``forward(hidden_states [s, b, h], attention_mask=None, ...,
     rotary_pos_emb=None, ...) -> (output [s, b, h], None)``.
@@ -335,10 +354,8 @@ class MegatronAttention(nn.Module):
 
     def __init__(self, layer: OverlapAttention, *, layer_number: int = 1, no_rope: bool = False,
                  mscale: float = 1.0, source: str = ""):
-        super().__init__()
+        super().__init__(layer_number=layer_number, no_rope=no_rope, mscale=mscale, source=source)
         self.layer = layer
-        self.layer_number, self.no_rope, self.source = layer_number, bool(no_rope), source
-        self.rope = _RopeTables(mscale)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
@@ -353,20 +370,14 @@ class MegatronAttention(nn.Module):
         x = _seq_first(hidden_states)
         if problem is not None:
             _reject(self.layer, x, problem, self.source or "SelfAttention")
-        cs = None
-        if rotary_pos_emb is not None:
-            cs = self.rope(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
-        return self.layer(x, position_embeddings=cs).transpose(0, 1), None
+        return self.layer(x, position_embeddings=self._cos_sin(rotary_pos_emb)).transpose(0, 1), None
 
     def to_dense(self) -> dict:
         """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
         return self.layer.to_dense()
 
-    def extra_repr(self) -> str:
-        return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
 
-
-class MegatronBlock(nn.Module):
+class MegatronBlock(_RopeAdapter):
     """A megatron-core ``TransformerLayer``'s stand-in (``swap(..., block=True)``): an
     :class:`OverlapTransformerBlock` run in Megatron's layout, with its call signature
     ``forward(hidden_states [s, b, h], attention_mask=None, ..., rotary_pos_emb=None, ...) ->
@@ -385,10 +396,8 @@ class MegatronBlock(nn.Module):
 
     def __init__(self, block: OverlapTransformerBlock, *, layer_number: int = 1, no_rope: bool = False,
                  mscale: float = 1.0, source: str = ""):
-        super().__init__()
+        super().__init__(layer_number=layer_number, no_rope=no_rope, mscale=mscale, source=source)
         self.block = block
-        self.layer_number, self.no_rope, self.source = layer_number, bool(no_rope), source
-        self.rope = _RopeTables(mscale)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
@@ -408,20 +417,14 @@ class MegatronBlock(nn.Module):
             _reject(blk.attention, _seq_first(blk.attn_norm(hidden_states)), problem, self.source or "TransformerLayer")
         if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3):
             blk.attention(hidden_states)  # its agreement raises the input error on every rank
-        cs = None
-        if rotary_pos_emb is not None:
-            cs = self.rope(rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb)
         s, b, h = hidden_states.shape
         x = hidden_states + blk.attention(_seq_first(blk.attn_norm(hidden_states)),
-                                          position_embeddings=cs).transpose(0, 1)
+                                          position_embeddings=self._cos_sin(rotary_pos_emb)).transpose(0, 1)
         return x + blk.mlp(blk.mlp_norm(x).reshape(1, s * b, h)).view(s, b, h), context
 
     def to_dense(self) -> dict:
         """The block's dense weights (:meth:`OverlapTransformerBlock.to_dense`); a collective."""
         return self.block.to_dense()
-
-    def extra_repr(self) -> str:
-        return f"source={self.source}, layer_number={self.layer_number}, no_rope={self.no_rope}"
 
 
 # ---------------------------------------------------------------------------- builders

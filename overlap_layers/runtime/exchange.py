@@ -151,7 +151,7 @@ class SymmetricWorkspace:
                                "shape before capturing")
         from torch.distributed import _symmetric_memory as symm_mem
         if self._buf is not None:
-            self._drop()
+            self.release()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed on older torch; a deprecated no-op on newer ones
             with warnings.catch_warnings():
@@ -163,14 +163,10 @@ class SymmetricWorkspace:
         self.nbytes = nbytes
 
     def release(self) -> None:
-        """Drop the buffer: a collective, every rank of the group calls it at the same point
-        (:meth:`RankChunkPlans._after_agreement` when the ranks' workspaces differ), with or
-        without a buffer."""
-        self._drop()
-
-    def _drop(self) -> None:
-        """Free the buffer (kept alive instead if a graph captured it) once every rank has
-        drained its work: peers may still read it."""
+        """Free the buffer (kept alive instead if a graph captured it) once every rank has drained
+        its work, since peers may still read it: a collective, every rank of the group calls it at
+        the same point (growing, or :meth:`RankChunkPlans._after_agreement` when the ranks'
+        workspaces differ), with or without a buffer."""
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         if self.captured:
