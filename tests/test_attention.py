@@ -264,30 +264,48 @@ def test_pinned_plans(pool2, plan):
 
 
 RANK_GRID = [
-    # ws, regather, B, S(global), H, nq, nkv, d, causal, bias, qk_norm, pos, dtype
-    (2, False, 2, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),
-    (2, True, 1, 6, 12, 4, 1, 4, True, False, False, "default", torch.float64),   # nkv < ws
-    (2, False, 3, 4, 16, 4, 4, 4, False, True, False, "emb", torch.float32),
-    (4, True, 2, 8, 16, 8, 2, 2, True, True, True, "ids", torch.float64),
-    (4, False, 1, 8, 16, 4, 1, 4, True, False, True, "default", torch.float64),
+    # ws, regather, K, B, S(global), H, nq, nkv, d, causal, bias, qk_norm, pos, dtype
+    (2, False, 1, 2, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),
+    (2, True, 1, 1, 6, 12, 4, 1, 4, True, False, False, "default", torch.float64),   # nkv < ws
+    (2, False, 1, 3, 4, 16, 4, 4, 4, False, True, False, "emb", torch.float32),     # all rows at once
+    (4, True, 1, 2, 8, 16, 8, 2, 2, True, True, True, "ids", torch.float64),
+    (4, False, 1, 1, 8, 16, 4, 1, 4, True, False, True, "default", torch.float64),
+    (2, False, 2, 3, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),       # causal in tiles 2+1
+    (4, True, 2, 2, 8, 16, 8, 4, 2, True, False, True, "emb", torch.float64),
+    (4, False, 4, 4, 4, 8, 4, 4, 2, True, True, False, "default", torch.float32),  # MHA, 1 row per chunk
+    (4, False, 1, 2, 8, 16, 4, 4, 4, False, False, True, "ids", torch.float64),    # all rows at once
 ]
 
 
-@pytest.mark.parametrize("ws,regather,B,S,H,nq,nkv,d,causal,bias,qk_norm,pos,dtype", RANK_GRID)
-def test_rank_chunks_match_dense_reference(pools, ws, regather, B, S, H, nq, nkv, d, causal, bias, qk_norm, pos,
+@pytest.mark.parametrize("ws,regather,k,B,S,H,nq,nkv,d,causal,bias,qk_norm,pos,dtype", RANK_GRID)
+def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, nkv, d, causal, bias, qk_norm, pos,
                                            dtype):
-    """Split by source rank (over send/recv on gloo): forward, dx and every gradient, two calls."""
-    case = make_case(ws * 31 + B * 7 + S, B=B, S=S, H=H, nq=nq, nkv=nkv, d=d, bias=bias, qk_norm=qk_norm, pos=pos)
+    """Split by source rank (over send/recv on gloo; causal: by query chunk, inside K batch
+    tiles): forward, dx and every gradient, two calls."""
+    case = make_case(ws * 31 + B * 7 + S + k, B=B, S=S, H=H, nq=nq, nkv=nkv, d=d, bias=bias, qk_norm=qk_norm,
+                     pos=pos)
     opts = dict(causal=causal)
-    res = pools(ws).run(run_layer, case, opts, dtype, 2, MLPPlan(1, regather=regather, decomposition="rank"))
+    res = pools(ws).run(run_layer, case, opts, dtype, 2, MLPPlan(k, regather=regather, decomposition="rank"))
     for call in range(2):
         check(res, case, opts, dtype, call)
 
 
-def _rank_log(rank, ws):
+def test_rank_chunk_tiles_need_causal(pool2):
+    """Batch tiles of rank chunks are the causal plan's: a pinned K > 1 on a non-causal layer is a
+    ValueError naming num_tiles."""
+    expect_value_error_on_every_rank(pool2, _pin_rank_tiles, match="plan.num_tiles=2")
+
+
+def _pin_rank_tiles(rank, ws):
     from overlap_layers import OverlapAttention
-    layer = OverlapAttention(16, 4 * ws // 2 if ws > 2 else 4, group=dist.group.WORLD, dtype=torch.float64)
-    layer.pin_plan(MLPPlan(1, decomposition="rank"))
+    OverlapAttention(16, 4, group=dist.group.WORLD, causal=False).pin_plan(MLPPlan(2, decomposition="rank"))
+
+
+def _rank_log(rank, ws, causal, k):
+    from overlap_layers import OverlapAttention
+    layer = OverlapAttention(16, 4 * ws // 2 if ws > 2 else 4, group=dist.group.WORLD, causal=causal,
+                             dtype=torch.float64)
+    layer.pin_plan(MLPPlan(k, decomposition="rank"))
     layer.launch_log = []
     layer(torch.randn(2, 4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
     return layer.launch_log
@@ -295,12 +313,21 @@ def _rank_log(rank, ws):
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_rank_chunks_launch_order(pools, ws):
-    """Own rows' projection first, then the peers' in step order; the output projection of the
-    peers first and the own rows last; alike on every rank (written out here)."""
+    """Not causal: own rows' projection first, then the peers' in step order; the output projection
+    of the peers first and the own rows last; alike on every rank (written out here)."""
     peers = [f"step{j}" for j in range(1, ws)]
     want = [(s, "qkv", "fwd") for s in ["step0"] + peers] + [(s, "proj", "fwd") for s in peers + ["step0"]] + \
         [(s, "dgrad_o", "bwd") for s in ["step0"] + peers] + [(s, "dgrad_qkv", "bwd") for s in peers + ["step0"]]
-    assert pools(ws).run(_rank_log) == [want] * ws
+    assert pools(ws).run(_rank_log, False, 1) == [want] * ws
+
+
+@pytest.mark.parametrize("ws,k", [(2, 2), (4, 1)])
+def test_causal_rank_chunks_launch_order(pools, ws, k):
+    """Causal: per batch tile, the chunks in sequence order forward and in reverse backward (each
+    chunk's key gradients are complete only after every later chunk); alike on every rank."""
+    fwd = [(f"tile{i}.chunk{q}", "qkv+core+proj", "fwd") for i in range(k) for q in range(ws)]
+    bwd = [(f"tile{i}.chunk{q}", "dgrad_o+core_bwd+dgrad_qkv", "bwd") for i in range(k) for q in reversed(range(ws))]
+    assert pools(ws).run(_rank_log, True, k) == [fwd + bwd] * ws
 
 
 def _no_grad_run(rank, ws, case, sp):

@@ -35,8 +35,9 @@ wgrad       dwo += dyg.T @ o; dwqkv += dqkv.T @ xg (saved or  same with x
 The core's backward is ``torch.autograd.grad`` of a graph recorded per tile in the forward (SDPA's
 own saved tensors), so it costs what autograd would and is never recomputed.
 
-``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``; all sequences at
-once; step j talks to rank q = r + j, see ``runtime/exchange.py``):
+``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``, not causal; all
+sequences at once; step j talks to rank q = r + j, see ``runtime/exchange.py``; a causal layer
+runs ``attention_causal.py`` instead, which splits the core by query chunk):
 
 =========  ==================================================================================
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
@@ -61,6 +62,7 @@ from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
+from .attention_causal import _CausalRankAttention
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
@@ -465,11 +467,14 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         assert out["wq"].shape[0] == self.num_heads * d
         return out
 
-    # ----------------------------------------------------------------- forward
     # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property
     def _weight(self) -> torch.Tensor:
         return self.wq
+
+    @property
+    def _rank_tiles(self) -> bool:
+        return self.causal  # the causal rank-chunk plan runs inside batch tiles (attention_causal.py)
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         return (shape[0], shape[1], dtype, save)  # exact batch and local sequence
@@ -539,7 +544,8 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
-            fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
+            fn = self._function(plan, call, x.device, _TiledAttention,
+                                _CausalRankAttention if self.causal else _RankChunkAttention)
             x_TH = x.reshape(B * s, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:

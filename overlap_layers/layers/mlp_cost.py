@@ -196,6 +196,10 @@ class MLPCostModel:
     def chunk_bytes(self) -> int:
         return self.chunk_rows() * self.H * self.e
 
+    def rank_tiles(self) -> Tuple[int, ...]:
+        """Batch tile counts of the rank-chunk candidates (the MLP's run all rows at once)."""
+        return (1,)
+
     def transfer_ms(self, transport: str, nbytes: int) -> float:
         md = self.model
         if transport == "copy_engine":
@@ -216,10 +220,11 @@ class MLPCostModel:
         out += [(name, str(j), ms(T), j, j) for j in range(1, self.ws)]
         return out + [(name, "own[h:]" if half else "own", ms(T - half), 0, 0)]
 
-    def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int) -> Timeline:
+    def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
         and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
         ``comm`` (a signal's wait delays the first pull and the sum)."""
+        assert tiles == 1, tiles
         md, ws, chunk = self.model, self.ws, self.chunk_bytes()
         ce = transport == "copy_engine"
         slow = 1.0 if ce else md.interference
@@ -242,11 +247,11 @@ class MLPCostModel:
         add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
         return timeline_from_events(events, ["compute0", "comm"])
 
-    def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int) -> Tuple[float, float]:
+    def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Tuple[float, float]:
         """(predicted ms, exposed communication ms) of one rank-chunk pass."""
-        tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources)
+        tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources, tiles=tiles)
         return tl.makespan_ms, tl.exposed_comm_ms
 
-    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""
         return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.F * self.e

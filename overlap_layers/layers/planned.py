@@ -36,6 +36,7 @@ from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
+from ..sim.planner import plan_label
 from .candidates import plan_candidates
 from .compiled import can_compile, compiled_call, register_layer
 from .planning import PlanCache
@@ -80,8 +81,8 @@ class TilePlan:
 
     @property
     def label(self) -> str:
-        """``K=2``, or ``rank chunks over copy_engine``."""
-        return f"rank chunks over {self.transport}" if self.decomposition == "rank" else f"K={self.num_tiles}"
+        """See :func:`~overlap_layers.sim.planner.plan_label`."""
+        return plan_label(self.decomposition, self.transport, self.num_tiles)
 
     def digest(self) -> int:
         """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""

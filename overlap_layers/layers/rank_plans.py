@@ -28,6 +28,7 @@ class RankChunkPlans:
     """Mixin: the rank-chunk plan's checks, transports, exchanges, candidates and timelines."""
 
     _has_copy_engine = True
+    _rank_tiles = False  # whether rank chunks run inside batch tiles (the causal attention's)
     _copy_engine = None  # "" or why this rank cannot use the copy engine (asked once)
     _warned_copy_engine = False
     _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
@@ -43,6 +44,10 @@ class RankChunkPlans:
                              "rows by source rank)")
         if plan.transport == "copy_engine" and plan.decomposition != "rank":
             raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
+        if plan.decomposition == "rank" and plan.num_tiles > 1 and not self._rank_tiles:
+            raise ValueError(f"plan.num_tiles={plan.num_tiles} with plan.decomposition='rank': "
+                             f"{type(self).__name__} runs rank chunks on all rows at once here (num_tiles=1); "
+                             "batch tiles of rank chunks are the causal attention's")
 
     def _floor(self) -> tuple:
         """(copy engine usable here, host id, -host id, workspace bytes held, their negation): the
@@ -121,10 +126,11 @@ class RankChunkPlans:
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":
             return super()._predicted_timelines(cm, plan, save)
-        out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1)}
+        k = plan.num_tiles
+        out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1, tiles=k)}
         if save:
             out["backward"] = cm.rank_chunk_timeline(backward=True, transport=plan.transport,
-                                                     sources=2 if plan.regather else 1)
+                                                     sources=2 if plan.regather else 1, tiles=k)
         return out
 
     def _copy_engine_setups(self, cm) -> dict:
@@ -164,12 +170,15 @@ class RankChunkPlans:
                              and not c.buckets_fwd and not c.buckets_bwd), None)
                 if base is None:
                     continue
-                ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1)
-                if training:
-                    b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport, sources=2 if regather else 1)
-                    ms, exposed = ms + b_ms, exposed + b_exposed
                 slots = (workspace_bytes(self.world_size, [chunk] * (2 if regather else 1), chunk, cm.e)
                          if transport == "copy_engine" else self.world_size * cm.chunk_bytes())
-                out.append(Candidate(1, regather, (), (), ms, exposed, cm.rank_chunk_peak(base.peak_bytes, slots),
-                                     decomposition="rank", transport=transport))
+                peak = cm.rank_chunk_peak(base.peak_bytes, slots, training)
+                for k in cm.rank_tiles():
+                    ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1, tiles=k)
+                    if training:
+                        b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport,
+                                                           sources=2 if regather else 1, tiles=k)
+                        ms, exposed = ms + b_ms, exposed + b_exposed
+                    out.append(Candidate(k, regather, (), (), ms, exposed, peak, decomposition="rank",
+                                         transport=transport))
         return out

@@ -10,8 +10,16 @@ partials of shape ``[T, *partial]``::
     finish()        == own + sum over s != r of the partial rank s pushed for r's rows
                        (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
 
-Every rank issues steps in the same order (pulls 1..ws-1 at creation, then pushes as it calls
-them), so matching is by construction. Two transports implement it:
+With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows), every step
+moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's sources and ``push(j, p, i)``
+fills rows ``blocks[i]`` of q's slot; ``finish`` needs every (step, block) pushed once.
+
+Every rank issues the transfers in the same order, so matching is by construction: send/recv
+posts the pulls at creation and the pushes block-major in step order (a push called early waits
+on this rank until the ones before it are called). The copy engine has no matching to keep
+(one-sided copies and per-peer signals): it pulls in ``pull_order``, a list of ``(step, block)``
+that may differ between ranks (the causal attention pulls chunks in sequence order), and pushes
+as they are called. Two transports implement it:
 
 * :class:`CopyEngineExchange` (CUDA, ``torch.distributed._symmetric_memory``): sources are copied
   into this rank's symmetric buffer, peers pull them with device-to-device copies over NVLink
@@ -53,6 +61,13 @@ def peers(rank: int, world_size: int) -> List[Tuple[int, int, int]]:
     return [(j, (rank + j) % world_size, (rank - j) % world_size) for j in range(1, world_size)]
 
 
+def _blocks(blocks: Optional[Sequence[Tuple[int, int]]], rows: int) -> List[Tuple[int, int]]:
+    """The row blocks of an exchange (default: one block of all ``rows``)."""
+    out = [(0, rows)] if blocks is None else [(int(a), int(b)) for a, b in blocks]
+    assert out and all(0 <= a < b <= rows for a, b in out), f"blocks {out} must be row ranges of {rows} rows"
+    return out
+
+
 def _gathered(sources: Sequence[torch.Tensor], world_size: int, rank: int, keep: Sequence[bool]
               ) -> List[torch.Tensor]:
     """``[ws, T, ...]`` receive buffers per source; row block ``rank`` holds the source itself
@@ -72,7 +87,8 @@ class PointToPointExchange:
     transport = "nccl"
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
-                 keep_gathered: Sequence[bool] = (), recorder=None):
+                 keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
+                 pull_order=None):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
@@ -81,31 +97,42 @@ class PointToPointExchange:
         x = self.sources[0]
         self.slots = x.new_empty((self.ws, *partial_shape))
         self.own_partial = self.slots[self.rank]
+        self.blocks = _blocks(blocks, x.shape[0])
         self._pull_works, self._push_works, self._keep = {}, [], []
-        for j, q, s in peers(self.rank, self.ws):
-            ops = []
-            for src, dst in zip(self.sources, self.gathered):
-                ops += [dist.P2POp(dist.isend, src, self._g[s], group), dist.P2POp(dist.irecv, dst[q], self._g[q], group)]
-            self._pull_works[j] = dist.batch_isend_irecv(ops)
+        for i, (a, b) in enumerate(self.blocks):
+            for j, q, s in peers(self.rank, self.ws):
+                ops = []
+                for src, dst in zip(self.sources, self.gathered):
+                    ops += [dist.P2POp(dist.isend, src[a:b], self._g[s], group),
+                            dist.P2POp(dist.irecv, dst[q, a:b], self._g[q], group)]
+                self._pull_works[j, i] = dist.batch_isend_irecv(ops)
+        # pushes go out block-major in step order on every rank (matching); _ready holds early ones
+        self._push_order = [(j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)]
+        self._ready: dict = {}
 
-    def pull(self, j: int) -> List[torch.Tensor]:
-        for w in self._pull_works.pop(j):
+    def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
+        for w in self._pull_works.pop((j, block)):
             w.wait()
         if self.recorder is not None:
             self.recorder.mark("pull", j, "comm")
-        q = (self.rank + j) % self.ws
-        return [g[q] for g in self.gathered]
+        q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
+        return [g[q, a:b] for g in self.gathered]
 
-    def push(self, j: int, partial: torch.Tensor) -> None:
-        q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
+    def push(self, j: int, partial: torch.Tensor, block: int = 0) -> None:
         partial = partial.contiguous()
         self._keep.append(partial)
         if self.recorder is not None:
             self.recorder.mark("push", j, "comm")
-        self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
-                                                    dist.P2POp(dist.irecv, self.slots[s], self._g[s], self.group)])
+        self._ready[j, block] = partial
+        while self._push_order and self._push_order[0] in self._ready:
+            j, i = self._push_order.pop(0)
+            q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[i]
+            self._push_works += dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, self._ready.pop((j, i)), self._g[q], self.group),
+                dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        assert not self._push_order and not self._pull_works, "every step must pull and push each block once"
         for w in self._push_works:
             w.wait()
         self._keep.clear()
@@ -231,7 +258,8 @@ class CopyEngineExchange:
     transport = "copy_engine"
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
-                 partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None):
+                 partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,
+                 blocks: Optional[Sequence[Tuple[int, int]]] = None, pull_order=None):
         w = self.w = workspace
         rec = self.recorder = recorder  # an OpRecorder: times each copy on its stream
         self.ws, self.rank = w.ws, w.rank
@@ -247,6 +275,10 @@ class CopyEngineExchange:
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
+        self.blocks = _blocks(blocks, self.sources[0].shape[0])
+        order = [(j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)] if pull_order is None \
+            else [tuple(p) for p in pull_order]
+        assert sorted(order) == sorted((j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)), order
         compute = torch.cuda.current_stream(w.device)
         tok = rec.begin("to_symmetric", 0, "compute0") if rec is not None else None
         for s, off in zip(self.sources, self._src_offsets):
@@ -258,38 +290,43 @@ class CopyEngineExchange:
         with torch.cuda.stream(w.pull_stream):
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
-            for j, q, _ in peers(self.rank, self.ws):
-                w.handle.wait_signal(q, PULL)
+            waited = set()
+            for j, i in order:
+                q, (a, b) = (self.rank + j) % self.ws, self.blocks[i]
+                if q not in waited:
+                    w.handle.wait_signal(q, PULL)
+                    waited.add(q)
                 tok = rec.begin("pull", j, "comm", stream=w.pull_stream) if rec is not None else None
                 for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
-                    g[q].copy_(w.view(q, tuple(src.shape), dtype, off))
+                    g[q, a:b].copy_(w.view(q, tuple(src.shape), dtype, off)[a:b])
                 if tok is not None:
                     rec.end(tok, stream=w.pull_stream)
                 ev = torch.cuda.Event()
                 ev.record(w.pull_stream)
-                self._pulled[j] = ev
-        self._pushes = 0
+                self._pulled[j, i] = ev
+        self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
 
-    def pull(self, j: int) -> List[torch.Tensor]:
-        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop(j))
-        q = (self.rank + j) % self.ws
-        return [g[q] for g in self.gathered]
+    def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
+        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
+        q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
+        return [g[q, a:b] for g in self.gathered]
 
-    def push(self, j: int, partial: torch.Tensor) -> None:
-        w, q = self.w, (self.rank + j) % self.ws
+    def push(self, j: int, partial: torch.Tensor, block: int = 0) -> None:
+        w, q, (a, b) = self.w, (self.rank + j) % self.ws, self.blocks[block]
         w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
             tok = self.recorder.begin("push", j, "comm", stream=w.push_stream) if self.recorder is not None else None
-            dst.copy_(partial)
+            dst[a:b].copy_(partial)
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
-            w.handle.put_signal(q, PUSH)
-        self._pushes += 1
+            self._left[j] -= 1
+            if not self._left[j]:  # the peer's slot is complete: one signal per call ([Note: exchange signals])
+                w.handle.put_signal(q, PUSH)
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        assert self._pushes == self.ws - 1 and not self._pulled, "every step must pull and push once"
+        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 
+def plan_label(decomposition: str, transport: str, num_tiles: int) -> str:
+    """``K=2``, ``rank chunks over copy_engine``, or ``rank chunks over copy_engine, K=2`` (rank
+    chunks inside batch tiles)."""
+    if decomposition != "rank":
+        return f"K={num_tiles}"
+    return f"rank chunks over {transport}" + (f", K={num_tiles}" if num_tiles > 1 else "")
+
+
 @dataclass(frozen=True)
 class Candidate:
     num_tiles: int
@@ -31,10 +39,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """``K=2``, or ``rank chunks over copy_engine`` (for reasons and tables)."""
-        if self.decomposition == "rank":
-            return f"rank chunks over {self.transport}"
-        return f"K={self.num_tiles}"
+        """For reasons and tables: see :func:`plan_label`."""
+        return plan_label(self.decomposition, self.transport, self.num_tiles)
 
 
 @dataclass(frozen=True)
