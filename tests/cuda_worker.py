@@ -288,7 +288,9 @@ def check_attention(rank, ws, dev):
     fails = 0
     for plan in (MLPPlan(2, buckets_bwd=(("ag_dy", ((0, 1),)),)), MLPPlan(1, decomposition="rank"),
                  MLPPlan(1, decomposition="rank", transport="copy_engine"),
-                 MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine")):
+                 MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine"),
+                 MLPPlan(2, decomposition="rank", transport="copy_engine"),  # causal chunks in batch tiles
+                 MLPPlan(2, regather=True, decomposition="rank", transport="copy_engine")):
         layer = OverlapAttention.from_dense(*[t.float() for t in ws_], num_heads=nq, num_kv_heads=nkv,
                                             q_norm=qn.float(), k_norm=kn.float(), group=dist.group.WORLD)
         layer.pin_plan(plan)
@@ -438,8 +440,9 @@ def check_cuda_graphs(rank, ws, dev):
     cases = [(lambda: OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev), p)
              for p in (MLPPlan(1), MLPPlan(2), MLPPlan(1, decomposition="rank"),
                        MLPPlan(1, decomposition="rank", transport="copy_engine"))]
-    cases.append((lambda: OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16, device=dev),
-                  MLPPlan(1, decomposition="rank", transport="copy_engine")))
+    cases += [(lambda: OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16, device=dev), p)
+              for p in (MLPPlan(1, decomposition="rank", transport="copy_engine"),
+                        MLPPlan(2, decomposition="rank", transport="copy_engine"))]
     for make, plan in cases:
         torch.manual_seed(5)
         layer = make()

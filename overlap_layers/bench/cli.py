@@ -199,8 +199,9 @@ def format_table(records) -> str:
         pk = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         ppk = "-" if r.get("predicted_peak_bytes") is None else f"{r['predicted_peak_bytes'] / 2**20:.0f}"
         layer = r.get("layer", "mlp") + ("-skew" if r.get("skewed") else "")
-        k = {"copy_engine": "r-ce", "nccl": "rank"}.get(r.get("transport"), "rank") \
-            if r.get("decomposition") == "rank" else str(r.get("k", ""))
+        k = str(r.get("k", ""))
+        if r.get("decomposition") == "rank":  # r-ce, or r-ce2 for rank chunks in 2 batch tiles
+            k = {"copy_engine": "r-ce", "nccl": "rank"}.get(r.get("transport"), "rank") + (k if k not in ("", "1") else "")
         lines.append(f"{layer:9s} {r['preset']:13s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
                      f"{k:>4s} {ms:>8s} {pr:>7s} {host:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"

@@ -93,15 +93,18 @@ def host_ms_per_call(fn: Callable[[], None], device, calls: int = 10) -> float:
 
 
 def _candidate_predictions(plan) -> Dict[object, tuple]:
-    """K (batch tiles) or ``"rank"`` / ``"rank_ce"`` (rank chunks over NCCL / the copy engine) ->
-    (predicted ms, predicted peak bytes) of the plain candidates (no regather, no buckets) of a
-    planner's plan; empty when the plan has no candidates."""
+    """K (batch tiles) or ``"rank"`` / ``"rank_ce"`` (rank chunks over NCCL / the copy engine, on
+    all rows: K=1, as the rank modes pin them) -> (predicted ms, predicted peak bytes) of the plain
+    candidates (no regather, no buckets) of a planner's plan; empty when the plan has no
+    candidates."""
     out = {}
     for c in getattr(plan, "candidates", ()) or ():
         if not getattr(c, "regather", False) and not getattr(c, "buckets_fwd", ()) \
                 and not getattr(c, "buckets_bwd", ()):
             key = c.num_tiles
             if getattr(c, "decomposition", "batch") == "rank":
+                if c.num_tiles > 1:
+                    continue
                 key = "rank_ce" if c.transport == "copy_engine" else "rank"
             out[key] = (c.predicted_ms, getattr(c, "peak_bytes", None))
     return out
