@@ -533,3 +533,35 @@ def causal_mask_run(rank, ws):
 
 def test_mask_equal_to_causal_is_accepted(pool2):
     assert pool2.run(causal_mask_run) == [[True] * 3] * 2
+
+
+def _chunk_core_setups(rank, ws):
+    """The causal plan's measured op (all chunk cores of a tile, ``chunk_cores``), run as the
+    planner's setups run it, and compared with the whole core on the same qkv rows."""
+    from overlap_layers.layers.attention import _Call
+    from overlap_layers.layers.attention_causal import chunk_cores
+    from overlap_layers.layers.attention_common import cos_sin as cos_sin_of
+    from overlap_layers.sim import analytic_model
+    torch.manual_seed(3)
+    layer = OverlapAttention(16, 4, 2, group=dist.group.WORLD, qk_norm=True, dtype=torch.float64)
+    layer._rank_transports = lambda: ("copy_engine",)  # as on a GPU with the copy engine
+    layer._copy_engine_setups = lambda cm: {}
+    B, s = 2, 4
+    cm = layer._cost_model((B, s, torch.float64, True), analytic_model("cpu"))
+    setups = layer._op_setups(cm, torch.float64)
+    for fn in setups.values():
+        fn()()  # every setup builds and runs
+    call = _Call(layer, MLPPlan(1), False, None, cos_sin_of(10000.0, 4, ws * s, "cpu", torch.float64, None, None),
+                 B, s)
+    qkv = torch.randn(ws * B * s, cm.C, dtype=torch.float64)
+    whole = call.core(qkv, 0, B)
+    chunks = torch.cat(chunk_cores(call, list(qkv.view(ws, B * s, cm.C)), 0, B))
+    return sorted(k for k in setups if "chunks" in k), (chunks - whole).abs().max().item()
+
+
+def test_chunk_core_setups_equal_the_whole_core(pool2):
+    """With the copy engine (faked), the planner also times the causal plan's chunk cores per tile
+    size (batch 2: tiles of 2 and 1 sequences), and the chunks together equal the whole core."""
+    for keys, err in pool2.run(_chunk_core_setups):
+        assert keys == ["core_chunks:1x8", "core_chunks:2x8", "core_chunks_bwd:1x8", "core_chunks_bwd:2x8"]
+        assert err < 1e-12

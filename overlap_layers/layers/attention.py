@@ -62,7 +62,7 @@ from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
-from .attention_causal import _CausalRankAttention
+from .attention_causal import _CausalRankAttention, chunk_cores
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
@@ -499,19 +499,27 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
         def setup(name, b):
             cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, dev, dtype, None, None)
-            call = _Call(self, TilePlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
+            call = _Call(self, TilePlan(1), name.endswith("bwd"), None, cos_sin, b, cm.s)
             if call.q_norm is not None:
                 call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
-            qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
-            if name == "core":
-                return lambda: call.core(qkv, 0, b)
-            leaf = qkv.requires_grad_()
+            if name.startswith("core_chunks"):  # the causal rank-chunk plan's cores of one tile, per chunk
+                qkvs = [torch.randn(b * cm.s, C, dtype=dtype, device=dev) for _ in range(cm.g)]
+                core = lambda *leaves: chunk_cores(call, leaves, 0, b)  # noqa: E731
+            else:
+                qkvs = [torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)]
+                core = lambda leaf: [call.core(leaf, 0, b)]  # noqa: E731
+            if not name.endswith("bwd"):
+                return lambda: core(*qkvs)
+            leaves = [t.requires_grad_() for t in qkvs]
             with torch.enable_grad():
-                o = call.core(leaf, 0, b)
-            do = torch.randn_like(o)
-            return lambda: torch.autograd.grad(o, leaf, do, retain_graph=True)
+                outs = core(*leaves)
+            dos = [torch.randn_like(o) for o in outs]
+            return lambda: torch.autograd.grad(outs, leaves, dos, retain_graph=True)
 
-        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()},
+        ops = dict(cm.core_ops())
+        if self._rank_transports():
+            ops.update(cm.chunk_core_ops())
+        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in ops.items()},
                 **self._copy_engine_setups(cm)}
 
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]

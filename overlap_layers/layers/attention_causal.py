@@ -75,6 +75,22 @@ def _as_rows(o_bnsd: torch.Tensor) -> torch.Tensor:
     return o_bnsd.transpose(1, 2).reshape(b * s, n * d)
 
 
+def _core_chunk(c, qkv_TC: torch.Tensor, b0: int, b1: int, q: int, ks: list, vs: list) -> torch.Tensor:
+    """o ``[b*s, A]`` of chunk q (its qkv rows; ``ks``/``vs`` hold chunks ``0 .. q-1``'s rotated
+    keys and values, and get chunk q's appended)."""
+    qr, kr, vr = _rotated(c, qkv_TC, b0, b1, q)
+    ks.append(kr)
+    vs.append(vr)
+    return _as_rows(prefix_attention(qr, torch.cat(ks, 2), torch.cat(vs, 2), scale=c.scale, dropout_p=c.dropout_p))
+
+
+def chunk_cores(c, qkvs, b0: int, b1: int) -> list:
+    """Every chunk's o (chunk q's qkv rows in ``qkvs[q]``), as the forward computes them: what
+    the planner times as one op ([Note: causal rank-chunk cost] in ``attention_cost.py``)."""
+    ks, vs = [], []
+    return [_core_chunk(c, qkv, b0, b1, q, ks, vs) for q, qkv in enumerate(qkvs)]
+
+
 class _CausalRankAttention(torch.autograd.Function):
     """The module docstring's causal rank-chunk attention, without ``bo`` (added outside)."""
 
@@ -121,14 +137,9 @@ class _CausalRankAttention(torch.autograd.Function):
                                                  dropout_p=c.dropout_p)
                         g.o = o
                         tile_graphs.append(g)
-                        o = o.detach()
+                        o_rows = _as_rows(o.detach())
                     else:
-                        qr, kr, vr = _rotated(c, qkv, b0, b1, q)
-                        ks.append(kr)
-                        vs.append(vr)
-                        o = prefix_attention(qr, torch.cat(ks, 2), torch.cat(vs, 2), scale=c.scale,
-                                             dropout_p=c.dropout_p)
-                    o_rows = _as_rows(o)
+                        o_rows = _core_chunk(c, qkv, b0, b1, q, ks, vs)
                     tile_o.append(o_rows)
                     if j:
                         ex.push(j, torch.mm(o_rows, w_o.t()), i)

@@ -25,7 +25,10 @@ The causal rank-chunk plan (``attention_causal.py``) runs, per batch tile of b s
 chunk q, one piece: qkv and proj GEMMs of the tile's ``b*s`` rows (forward), or dgrad_o, wgrad_o,
 dgrad_qkv and wgrad_qkv (backward), plus the chunk's core. Chunk q's queries meet ``(q+1)*s``
 keys under a causal mask, ``(2q+1)/ws^2`` of the whole core's work: its core costs that share of
-the tile's measured core (forward, or backward) plus three launches (the prefix concatenations
+the tile's chunk cores, measured as one op (``"core_chunks:bxS"``, and ``"core_chunks_bwd:bxS"``:
+the chunks' prefix kernels need not run as fast as the whole core's; on H200 with torch 2.11 the
+lower-right causal SDPA is flash-attention 2, half the speed of the cuDNN kernel the whole causal
+core gets), else that share of the whole core plus three launches (the prefix concatenations
 and the output's transpose). It is costed by the rank-chunk recurrence ([Note: rank-chunk
 cost]) with the pulls in the chunks' order of use, which depends on the rank: the prediction is
 the slowest rank's, the same number on every rank.
@@ -119,10 +122,19 @@ class AttentionCostModel(MLPCostModel):
             return ()
         return tuple(sorted({(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)}))
 
+    def chunk_core_ops(self) -> Dict[str, Tuple[str, int]]:
+        """Key -> (name, batch rows) of the causal plan's chunk cores (for measuring)."""
+        sizes = {b - a for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)} if self.causal else ()
+        return {self.core_key(name, b): (name, b) for b in sizes for name in ("core_chunks", "core_chunks_bwd")}
+
     def _causal_piece_ms(self, b: int, q: int, backward: bool) -> float:
         """One piece of the causal plan: tile of b sequences, chunk q ([Note: causal rank-chunk cost])."""
         m, share = b * self.s, (2 * q + 1) / self.ws ** 2
-        core = self.op_ms(self.gathered(b), "core_bwd" if backward else "core") * share + 3 * self.model.launch_ms
+        measured = self.model.op_measured.get(self.core_key("core_chunks_bwd" if backward else "core_chunks", b))
+        if measured is not None:
+            core = measured * share
+        else:
+            core = self.op_ms(self.gathered(b), "core_bwd" if backward else "core") * share + 3 * self.model.launch_ms
         gemms = ("dgrad_o", "wgrad_o", "dgrad_qkv", "wgrad_qkv") if backward else ("qkv", "proj")
         return core + sum(self.op_ms(m, op) for op in gemms)
 
