@@ -35,9 +35,10 @@ wgrad       dwo += dyg.T @ o; dwqkv += dqkv.T @ xg (saved or  same with x
 The core's backward is ``torch.autograd.grad`` of a graph recorded per tile in the forward (SDPA's
 own saved tensors), so it costs what autograd would and is never recomputed.
 
-``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``, not causal; all
-sequences at once; step j talks to rank q = r + j, see ``runtime/exchange.py``; a causal layer
-runs ``attention_causal.py`` instead, which splits the core by query chunk):
+``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``, ``num_tiles == 1``;
+all sequences at once; step j talks to rank q = r + j, see ``runtime/exchange.py``; with
+``num_tiles > 1`` a causal layer runs ``attention_causal.py`` instead: rank chunks inside batch
+tiles, the core split by query chunk so that one tile's chunks hide the next one's transfers):
 
 =========  ==================================================================================
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
@@ -474,7 +475,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     @property
     def _rank_tiles(self) -> bool:
-        return self.causal  # the causal rank-chunk plan runs inside batch tiles (attention_causal.py)
+        return self.causal  # with K > 1 the causal rank-chunk plan (attention_causal.py)
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         return (shape[0], shape[1], dtype, save)  # exact batch and local sequence
@@ -553,7 +554,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
             fn = self._function(plan, call, x.device, _TiledAttention,
-                                _CausalRankAttention if self.causal else _RankChunkAttention)
+                                _CausalRankAttention if plan.num_tiles > 1 else _RankChunkAttention)
             x_TH = x.reshape(B * s, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:

@@ -1,6 +1,8 @@
 """The causal sequence-parallel attention split by source rank in sequence order, so that the
 attention core of one chunk hides the transfers of the next (the rank-chunk plan of a causal
-``OverlapAttention``).
+``OverlapAttention`` in K > 1 batch tiles; with K = 1 the layer runs its core on all rows at
+once, ``_RankChunkAttention``: one whole-core kernel, where this plan's first pull and last push
+would have nothing to hide under).
 
 Reference: the serial SP attention of ``attention.py``. Under sequence parallelism rank q holds
 positions ``q*s .. (q+1)*s - 1``, so the gathered rows of source rank q are query chunk q, and

@@ -111,8 +111,8 @@ class AttentionCostModel(MLPCostModel):
         return self.rows * self.s
 
     def rank_tiles(self) -> Tuple[int, ...]:
-        """Batch tile counts of the rank-chunk candidates: 1, 2 and 4 (as the batch allows) for a
-        causal layer (``attention_causal.py``), else 1."""
+        """Batch tile counts of the rank-chunk candidates: 1 (the core on all rows at once) and, for
+        a causal layer, 2 and 4 as the batch allows (``attention_causal.py``)."""
         if not self.causal:
             return (1,)
         return tuple(sorted({min(k, self.rows) for k in (1, 2, 4)}))
@@ -124,7 +124,7 @@ class AttentionCostModel(MLPCostModel):
 
     def chunk_core_ops(self) -> Dict[str, Tuple[str, int]]:
         """Key -> (name, batch rows) of the causal plan's chunk cores (for measuring)."""
-        sizes = {b - a for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)} if self.causal else ()
+        sizes = {b - a for k in self.rank_tiles() if k > 1 for a, b in tile_bounds(self.rows, k)}
         return {self.core_key(name, b): (name, b) for b in sizes for name in ("core_chunks", "core_chunks_bwd")}
 
     def _causal_piece_ms(self, b: int, q: int, backward: bool) -> float:
@@ -173,8 +173,9 @@ class AttentionCostModel(MLPCostModel):
         return timeline_from_events(events, ["compute0", "comm"])
 
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
-        """The causal plan's slowest rank ([Note: causal rank-chunk cost]), else the all-rows plan's."""
-        if not self.causal:
+        """With ``tiles > 1`` the causal plan's slowest rank ([Note: causal rank-chunk cost]), else
+        the all-rows plan's."""
+        if tiles == 1:
             return super().rank_chunk_timeline(backward=backward, transport=transport, sources=sources)
         lines = [self._causal_timeline(backward=backward, transport=transport, sources=sources, tiles=tiles, rank=r)
                  for r in range(self.ws)]
@@ -194,12 +195,12 @@ class AttentionCostModel(MLPCostModel):
                 + [(core, "all", self.op_ms(M, core), 0, 0)]
                 + [(last[0], str(j), ms(last), 0, j) for j in peers] + [(last[0], "own", ms(last), 0, 0)])
 
-    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False) -> int:
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False, tiles: int = 1) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)
-        that one chunk's partial replaces; the causal plan saves for backward each chunk's key and
-        value prefix (``ws*(ws+1)/2`` chunks of k and v instead of ws)."""
+        that one chunk's partial replaces; the causal plan (``tiles > 1``) saves for backward each
+        chunk's key and value prefix (``ws*(ws+1)/2`` chunks of k and v instead of ws)."""
         extra = 0
-        if self.causal and training:
+        if tiles > 1 and training:
             kv = self.C - self.A  # the k and v widths
             extra = (self.ws * (self.ws + 1) // 2 - self.ws) * self.chunk_rows() * kv * self.e
         return serial_peak + slot_bytes + extra - (self.ws - 1) * self.chunk_rows() * self.H * self.e

@@ -252,6 +252,6 @@ class MLPCostModel:
         tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources, tiles=tiles)
         return tl.makespan_ms, tl.exposed_comm_ms
 
-    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False) -> int:
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False, tiles: int = 1) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""
         return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.F * self.e

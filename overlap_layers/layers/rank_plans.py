@@ -172,8 +172,8 @@ class RankChunkPlans:
                     continue
                 slots = (workspace_bytes(self.world_size, [chunk] * (2 if regather else 1), chunk, cm.e)
                          if transport == "copy_engine" else self.world_size * cm.chunk_bytes())
-                peak = cm.rank_chunk_peak(base.peak_bytes, slots, training)
                 for k in cm.rank_tiles():
+                    peak = cm.rank_chunk_peak(base.peak_bytes, slots, training, k)
                     ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1, tiles=k)
                     if training:
                         b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport,
