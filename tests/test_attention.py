@@ -270,18 +270,18 @@ RANK_GRID = [
     (2, False, 1, 3, 4, 16, 4, 4, 4, False, True, False, "emb", torch.float32),     # all rows at once
     (4, True, 1, 2, 8, 16, 8, 2, 2, True, True, True, "ids", torch.float64),
     (4, False, 1, 1, 8, 16, 4, 1, 4, True, False, True, "default", torch.float64),
-    (2, False, 2, 3, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),       # causal in tiles 2+1
-    (4, True, 2, 2, 8, 16, 8, 4, 2, True, False, True, "emb", torch.float64),
+    (2, False, 2, 3, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),       # tiles of 2 and 1
+    (4, True, 2, 2, 8, 16, 8, 4, 2, False, False, True, "emb", torch.float64),
     (4, False, 4, 4, 4, 8, 4, 4, 2, True, True, False, "default", torch.float32),  # MHA, 1 row per chunk
-    (4, False, 1, 2, 8, 16, 4, 4, 4, False, False, True, "ids", torch.float64),    # all rows at once
+    (2, True, 3, 3, 4, 8, 2, 1, 4, False, True, False, "default", torch.float64),
 ]
 
 
 @pytest.mark.parametrize("ws,regather,k,B,S,H,nq,nkv,d,causal,bias,qk_norm,pos,dtype", RANK_GRID)
 def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, nkv, d, causal, bias, qk_norm, pos,
                                            dtype):
-    """Split by source rank (over send/recv on gloo; causal: by query chunk, inside K batch
-    tiles): forward, dx and every gradient, two calls."""
+    """Split by source rank inside K batch tiles (over send/recv on gloo): forward, dx and every
+    gradient, two calls."""
     case = make_case(ws * 31 + B * 7 + S + k, B=B, S=S, H=H, nq=nq, nkv=nkv, d=d, bias=bias, qk_norm=qk_norm,
                      pos=pos)
     opts = dict(causal=causal)
@@ -290,44 +290,28 @@ def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, 
         check(res, case, opts, dtype, call)
 
 
-def test_rank_chunk_tiles_need_causal(pool2):
-    """Batch tiles of rank chunks are the causal plan's: a pinned K > 1 on a non-causal layer is a
-    ValueError naming num_tiles."""
-    expect_value_error_on_every_rank(pool2, _pin_rank_tiles, match="plan.num_tiles=2")
-
-
-def _pin_rank_tiles(rank, ws):
+def _rank_log(rank, ws, k):
     from overlap_layers import OverlapAttention
-    OverlapAttention(16, 4, group=dist.group.WORLD, causal=False).pin_plan(MLPPlan(2, decomposition="rank"))
-
-
-def _rank_log(rank, ws, causal, k):
-    from overlap_layers import OverlapAttention
-    layer = OverlapAttention(16, 4 * ws // 2 if ws > 2 else 4, group=dist.group.WORLD, causal=causal,
-                             dtype=torch.float64)
+    layer = OverlapAttention(16, 4 * ws // 2 if ws > 2 else 4, group=dist.group.WORLD, dtype=torch.float64)
     layer.pin_plan(MLPPlan(k, decomposition="rank"))
     layer.launch_log = []
     layer(torch.randn(2, 4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
     return layer.launch_log
 
 
-@pytest.mark.parametrize("ws", [2, 4])
-def test_rank_chunks_launch_order(pools, ws):
-    """Not causal: own rows' projection first, then the peers' in step order; the output projection
-    of the peers first and the own rows last; alike on every rank (written out here)."""
-    peers = [f"step{j}" for j in range(1, ws)]
-    want = [(s, "qkv", "fwd") for s in ["step0"] + peers] + [(s, "proj", "fwd") for s in peers + ["step0"]] + \
-        [(s, "dgrad_o", "bwd") for s in ["step0"] + peers] + [(s, "dgrad_qkv", "bwd") for s in peers + ["step0"]]
-    assert pools(ws).run(_rank_log, False, 1) == [want] * ws
-
-
-@pytest.mark.parametrize("ws,k", [(2, 2), (4, 2)])
-def test_causal_rank_chunks_launch_order(pools, ws, k):
-    """Causal, K > 1: per batch tile, the chunks in sequence order forward and in reverse backward (each
-    chunk's key gradients are complete only after every later chunk); alike on every rank."""
-    fwd = [(f"tile{i}.chunk{q}", "qkv+core+proj", "fwd") for i in range(k) for q in range(ws)]
-    bwd = [(f"tile{i}.chunk{q}", "dgrad_o+core_bwd+dgrad_qkv", "bwd") for i in range(k) for q in reversed(range(ws))]
-    assert pools(ws).run(_rank_log, True, k) == [fwd + bwd] * ws
+@pytest.mark.parametrize("ws,k", [(2, 1), (4, 1), (4, 2)])
+def test_rank_chunks_launch_order(pools, ws, k):
+    """Per batch tile: own rows' projection first, then the peers' in step order; the output
+    projection of the peers first and the own rows last; alike on every rank (written out here)."""
+    peers = list(range(1, ws))
+    out = []
+    for fwd in (True, False):
+        first, last = ("qkv", "proj") if fwd else ("dgrad_o", "dgrad_qkv")
+        for i in range(k):
+            name = (lambda j: f"step{j}") if k == 1 else (lambda j, i=i: f"tile{i}.step{j}")
+            d = "fwd" if fwd else "bwd"
+            out += [(name(j), first, d) for j in [0] + peers] + [(name(j), last, d) for j in peers + [0]]
+    assert pools(ws).run(_rank_log, k) == [out] * ws
 
 
 def _no_grad_run(rank, ws, case, sp):
@@ -534,35 +518,3 @@ def causal_mask_run(rank, ws):
 def test_mask_equal_to_causal_is_accepted(pool2):
     assert pool2.run(causal_mask_run) == [[True] * 3] * 2
 
-
-def _chunk_core_setups(rank, ws):
-    """The causal plan's measured op (all chunk cores of a tile, ``chunk_cores``), run as the
-    planner's setups run it, and compared with the whole core on the same qkv rows."""
-    from overlap_layers.layers.attention import _Call
-    from overlap_layers.layers.attention_causal import chunk_cores
-    from overlap_layers.layers.attention_common import cos_sin as cos_sin_of
-    from overlap_layers.sim import analytic_model
-    torch.manual_seed(3)
-    layer = OverlapAttention(16, 4, 2, group=dist.group.WORLD, qk_norm=True, dtype=torch.float64)
-    layer._rank_transports = lambda: ("copy_engine",)  # as on a GPU with the copy engine
-    layer._copy_engine_setups = lambda cm: {}
-    B, s = 2, 4
-    cm = layer._cost_model((B, s, torch.float64, True), analytic_model("cpu"))
-    setups = layer._op_setups(cm, torch.float64)
-    for fn in setups.values():
-        fn()()  # every setup builds and runs
-    call = _Call(layer, MLPPlan(1), False, None, cos_sin_of(10000.0, 4, ws * s, "cpu", torch.float64, None, None),
-                 B, s)
-    qkv = torch.randn(ws * B * s, cm.C, dtype=torch.float64)
-    whole = call.core(qkv, 0, B)
-    chunks = torch.cat(chunk_cores(call, list(qkv.view(ws, B * s, cm.C)), 0, B))
-    return sorted(k for k in setups if "chunks" in k), (chunks - whole).abs().max().item()
-
-
-def test_chunk_core_setups_equal_the_whole_core(pool2):
-    """With the copy engine (faked), the planner also times the causal plan's chunk cores per tile
-    size (batch 2: the plan runs with K=2, tiles of 1 sequence), and the chunks together equal the
-    whole core."""
-    for keys, err in pool2.run(_chunk_core_setups):
-        assert keys == ["core_chunks:1x8", "core_chunks_bwd:1x8"]
-        assert err < 1e-12

@@ -189,6 +189,7 @@ def bad_pin(rank, ws, plan, sp):
     (MLPPlan(1, decomposition="rows"), True, "decomposition='rows'"),
     (MLPPlan(2, transport="copy_engine"), True, "needs plan.decomposition='rank'"),
     (MLPPlan(1, transport="nvlink", decomposition="rank"), True, "transport='nvlink'"),
+    (MLPPlan(2, decomposition="rank"), True, "plan.num_tiles=2"),  # batch tiles of rank chunks: attention only
 ])
 def test_bad_rank_plans(pool2, plan, sp, match):
     expect_value_error_on_every_rank(pool2, bad_pin, plan, sp, match=match)

@@ -246,26 +246,26 @@ def test_rank_chunk_recurrence_four_ranks_pulls_in_a_row():
     assert [starts[("fwd", str(j))] for j in (1, 2, 3)] == pytest.approx([3.0, 6.0, 9.0], abs=1e-6)
 
 
-def test_causal_rank_chunk_recurrence_by_hand():
-    """[Note: causal rank-chunk cost], ws=2, two sequences in K=2 tiles: GEMMs 1 ms, a tile's
-    chunk cores measured at 4 ms (chunk 0 a quarter, chunk 1 three quarters), a tile's block
-    copies in 3 ms (pulls at 0-3 and 3-6). Rank 0: tile 0 own chunk 0 at 0-3 (qkv, core 1, proj),
-    chunk 1 at 3-8 (push 8-11), tile 1 chunk 0 at 8-11, chunk 1 at 11-16, its push 16-19 exposed,
-    sum at 19; rank 1 waits for its first chunk (0-3 exposed) and ends at 19 too. K=1 is the
-    all-rows plan (one core on every row)."""
+
+def test_rank_chunk_recurrence_attention_in_two_tiles():
+    """[Note: rank-chunk cost] with batch tiles (the attention's): ws=2, two sequences in K=2 tiles,
+    GEMMs 1 ms, a tile's core 2 ms, a tile's block copies in 3 ms (pulls at 0-3 and 3-6, queued
+    at the start). Tile 0: own qkv 0-1, peer qkv 3-4 (after its pull), core 4-6, peer proj 6-7
+    (push 7-10), own proj 7-8; tile 1: own qkv 8-9, peer qkv 9-10 (pulled under tile 0), core
+    10-12, peer proj 12-13 (push 13-16, exposed past own proj 13-14), sum at 16; exposed: the
+    first pull's 2 ms and the last push's 2 ms."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core_chunks:1x4": 4.0})
+                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4": 2.0})
     cm = AttentionCostModel(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
                             sequence_parallel=True, causal=True, model=hw)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
-    assert tl.makespan_ms == pytest.approx(19.0, abs=1e-6)
-    assert tl.exposed_comm_ms == pytest.approx(3.0, abs=1e-6)
-    spans = {(e.name, e.tile): (e.start_ms, e.end_ms) for e in tl.events}
-    want = {("chunk", "0.0"): (0, 3), ("chunk", "0.1"): (3, 8), ("push", "0.1"): (8, 11), ("chunk", "1.0"): (8, 11),
-            ("chunk", "1.1"): (11, 16), ("push", "1.1"): (16, 19)}
-    assert {k: tuple(round(t, 6) for t in spans[k]) for k in want} == want
-    one = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=1)
-    assert ("core", "all") in {(e.name, e.tile) for e in one.events}
+    assert tl.makespan_ms == pytest.approx(16.0, abs=1e-6)
+    assert tl.exposed_comm_ms == pytest.approx(4.0, abs=1e-6)
+    spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
+    want = {("qkv", "0.own"): (0, 1), ("qkv", "0.1"): (3, 4), ("core", "0.own"): (4, 6), ("push", "0.1"): (7, 10),
+            ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.own"): (10, 12), ("push", "1.1"): (13, 16)}
+    assert {k: spans[k] for k in want} == want
+    assert cm.rank_tiles() == (1, 2)

@@ -35,10 +35,10 @@ wgrad       dwo += dyg.T @ o; dwqkv += dqkv.T @ xg (saved or  same with x
 The core's backward is ``torch.autograd.grad`` of a graph recorded per tile in the forward (SDPA's
 own saved tensors), so it costs what autograd would and is never recomputed.
 
-``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``, ``num_tiles == 1``;
-all sequences at once; step j talks to rank q = r + j, see ``runtime/exchange.py``; with
-``num_tiles > 1`` a causal layer runs ``attention_causal.py`` instead: rank chunks inside batch
-tiles, the core split by query chunk so that one tile's chunks hide the next one's transfers):
+``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``; per batch tile of
+``plan.num_tiles``, each tile one block of the exchange; step j talks to rank q = r + j, see
+``runtime/exchange.py``). Every tile's pulls are queued at the start, so tile t's core hides
+tile t+1's pulls and tile t-1's pushes; with one tile only the own rows' projections hide any:
 
 =========  ==================================================================================
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
@@ -63,7 +63,6 @@ from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
-from .attention_causal import _CausalRankAttention, chunk_cores
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
@@ -215,19 +214,23 @@ def _own_last(ws: int) -> list:
     return list(range(1, ws)) + [0]
 
 
-def _tag(j: int) -> str:
-    return str(j) if j else "own"
+def _tag(i: int, j: int, k: int) -> str:
+    """A piece's tag: ``own`` or the step, prefixed by the tile when there are several."""
+    tag = str(j) if j else "own"
+    return tag if k == 1 else f"{i}.{tag}"
 
 
-def _logged(c: "_Call", j: int, name: str, direction: str) -> None:
-    if c.launch_log is not None:
-        c.launch_log.append((f"step{j}", name, direction))  # rank-independent, like every log entry
+def _logged(c: "_Call", i: int, j: int, k: int, name: str, direction: str) -> None:
+    if c.launch_log is not None:  # rank-independent, like every log entry
+        c.launch_log.append((f"step{j}" if k == 1 else f"tile{i}.step{j}", name, direction))
 
 
 class _RankChunkAttention(torch.autograd.Function):
-    """The SP attention split by source rank, without ``bo`` (module docstring, rank chunks):
-    the QKV projection of each rank's rows as they are pulled (own rows first), the core on all
-    rows, the output projection of each rank's rows pushed to it (own rows last)."""
+    """The SP attention split by source rank inside batch tiles, without ``bo`` (module
+    docstring, rank chunks): per tile, the QKV projection of each rank's rows as they are pulled
+    (own rows first), the core on the tile's rows, the output projection of each rank's rows
+    pushed to it (own rows last). Every tile's pulls are queued at the start, so a tile's core
+    hides the next tile's pulls and the previous tile's pushes."""
 
     @staticmethod
     def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
@@ -243,81 +246,96 @@ class _RankChunkAttention(torch.autograd.Function):
     def _forward(ctx, x_TH, w_qkv, b_qkv, w_o, call: _Call, rec):
         T, H = x_TH.shape
         keep_xg = call.save and not call.plan.regather
-        ex = call.exchange([x_TH], (T, H), (keep_xg,), rec)
+        bounds = tile_bounds(call.batch, call.plan.num_tiles)
+        blocks, k = [(b0 * call.s, b1 * call.s) for b0, b1 in bounds], len(bounds)
+        ex = call.exchange([x_TH], (T, H), (keep_xg,), rec, blocks=blocks)
         ws, r = ex.ws, ex.rank
-        qkv_all = x_TH.new_empty((ws, T, w_qkv.shape[0]))
-        for j in range(ws):
-            with piece(rec, "qkv", _tag(j), f"overlap::attn::qkv_chunk[{(r + j) % ws}]"):
-                xin = x_TH if j == 0 else ex.pull(j)[0]
-                out = qkv_all[(r + j) % ws]
-                if b_qkv is None:
-                    torch.mm(xin, w_qkv.t(), out=out)
+        graphs, o_ins = [], []
+        for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
+            qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
+            for j in range(ws):
+                with piece(rec, "qkv", _tag(i, j, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
+                    xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
+                    out = qkv_all[(r + j) % ws]
+                    if b_qkv is None:
+                        torch.mm(xin, w_qkv.t(), out=out)
+                    else:
+                        torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
+                _logged(call, i, j, k, "qkv", "fwd")
+            qkv_MC = qkv_all.view(ws * (b - a), -1)
+            with piece(rec, "core", _tag(i, 0, k) if k > 1 else "all", f"overlap::attn::core[{i}]"):
+                if call.save:
+                    leaf = qkv_MC.detach().requires_grad_()
+                    with recording_graph():  # [Note: per-tile graphs]
+                        o = call.core(leaf, b0, b1)
+                    graphs.append((leaf, o))
+                    o_in = o.detach()
                 else:
-                    torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
-            _logged(call, j, "qkv", "fwd")
-        qkv_MC = qkv_all.view(ws * T, -1)
-        with piece(rec, "core", "all", "overlap::attn::core"):
-            if call.save:
-                leaf = qkv_MC.detach().requires_grad_()
-                with recording_graph():  # [Note: per-tile graphs]
-                    o = call.core(leaf, 0, call.batch)
-                o_in = o.detach()
-            else:
-                o_in = call.core(qkv_MC, 0, call.batch)
-        o_all = o_in.view(ws, T, -1)
-        for j in _own_last(ws):
-            with piece(rec, "proj", _tag(j), f"overlap::attn::proj_chunk[{(r + j) % ws}]"):
-                if j:
-                    ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()))
-                else:
-                    torch.mm(o_all[r], w_o.t(), out=ex.own_partial)
-            _logged(call, j, "proj", "fwd")
+                    o_in = call.core(qkv_MC, b0, b1)
+            o_ins.append(o_in)
+            o_all = o_in.view(ws, b - a, -1)
+            for j in _own_last(ws):
+                with piece(rec, "proj", _tag(i, j, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
+                    if j:
+                        ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
+                    else:
+                        torch.mm(o_all[r], w_o.t(), out=ex.own_partial[a:b])
+                _logged(call, i, j, k, "proj", "fwd")
         y_TH = finish(ex, rec)
         if call.save:
-            ctx.graph = (leaf, o)
-            ctx.save_for_backward(x_TH, w_qkv, w_o, o_in, *([ex.gathered[0]] if keep_xg else []))
+            ctx.graphs, ctx.bounds, ctx.blocks = graphs, bounds, blocks
+            ctx.save_for_backward(x_TH, w_qkv, w_o, *o_ins, *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b = call, b_qkv is not None
         return y_TH
 
     @staticmethod
     def _backward(ctx, dy_TH, rec):
         c: _Call = ctx.call
-        x_TH, w_qkv, w_o, o_in, *xg = ctx.saved_tensors
-        (leaf, o), ctx.graph = ctx.graph, None
+        x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
+        graphs, ctx.graphs, blocks = ctx.graphs, None, ctx.blocks
+        k = len(blocks)
+        o_ins, xg = rest[:k], rest[k:]
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
-        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), rec)
+        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), rec, blocks=blocks)
         ws, r = ex.ws, ex.rank
-        o_all = o_in.view(ws, T, -1)
         norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
         grads = {"w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
                  "b_qkv": w_qkv.new_empty(w_qkv.shape[0]) if ctx.has_b else None}
-        do_all = dy_TH.new_empty((ws, T, w_o.shape[1]))
-        xs = {}
-        for j in range(ws):
-            q = (r + j) % ws
-            with piece(rec, "dgrad_o", _tag(j), f"overlap::attn_bwd::dgrad_o_chunk[{q}]"):
-                pulled = ex.pull(j) if j else None
-                dy = dy_TH if j == 0 else pulled[0]
-                torch.mm(dy, w_o, out=do_all[q])
-                accumulate(grads, "w_o", dy, o_all[q], j == 0)
-                xs[q] = x_TH if j == 0 else pulled[1] if c.plan.regather else xg[0][q]
-            _logged(c, j, "dgrad_o", "bwd")
-        with piece(rec, "core_bwd", "all", "overlap::attn_bwd::core"):
-            got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * T, -1))
-        dqkv_all = got[0].view(ws, T, -1)
-        for i, j in enumerate(_own_last(ws)):
-            q = (r + j) % ws
-            with piece(rec, "dgrad_qkv", _tag(j), f"overlap::attn_bwd::dgrad_qkv_chunk[{q}]"):
-                if j:
-                    ex.push(j, torch.mm(dqkv_all[q], w_qkv))
-                else:
-                    torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial)
-                accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0)
-                accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0)
-            _logged(c, j, "dgrad_qkv", "bwd")
+        d_norms = [None] * len(norms)
+        for i, (a, b) in enumerate(blocks):
+            o_all = o_ins[i].view(ws, b - a, -1)
+            do_all = dy_TH.new_empty((ws, b - a, w_o.shape[1]))
+            xs = {}
+            for j in range(ws):
+                q = (r + j) % ws
+                with piece(rec, "dgrad_o", _tag(i, j, k), f"overlap::attn_bwd::dgrad_o_chunk[{i}.{q}]"):
+                    pulled = ex.pull(j, i) if j else None
+                    dy = dy_TH[a:b] if j == 0 else pulled[0]
+                    torch.mm(dy, w_o, out=do_all[q])
+                    accumulate(grads, "w_o", dy, o_all[q], i == 0 and j == 0)
+                    xs[q] = x_TH[a:b] if j == 0 else pulled[1] if c.plan.regather else xg[0][q, a:b]
+                _logged(c, i, j, k, "dgrad_o", "bwd")
+            leaf, o = graphs[i]
+            graphs[i] = None  # this tile's graph is done: free its saved tensors after the grad
+            with piece(rec, "core_bwd", _tag(i, 0, k) if k > 1 else "all", f"overlap::attn_bwd::core[{i}]"):
+                got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * (b - a), -1))
+            del leaf, o
+            for n, gn in enumerate(got[1:]):
+                d_norms[n] = gn if d_norms[n] is None else d_norms[n].add_(gn)
+            dqkv_all = got[0].view(ws, b - a, -1)
+            for n, j in enumerate(_own_last(ws)):
+                q = (r + j) % ws
+                with piece(rec, "dgrad_qkv", _tag(i, j, k), f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
+                    if j:
+                        ex.push(j, torch.mm(dqkv_all[q], w_qkv), i)
+                    else:
+                        torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
+                    accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
+                    accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
+                _logged(c, i, j, k, "dgrad_qkv", "bwd")
         dx_TH = finish(ex, rec)
-        d_norms = list(got[1:]) if norms else [None, None]
+        d_norms += [None] * (2 - len(d_norms))
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 
 
@@ -473,9 +491,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     def _weight(self) -> torch.Tensor:
         return self.wq
 
-    @property
-    def _rank_tiles(self) -> bool:
-        return self.causal  # with K > 1 the causal rank-chunk plan (attention_causal.py)
+    _rank_tiles = True  # rank chunks inside batch tiles (_RankChunkAttention)
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         return (shape[0], shape[1], dtype, save)  # exact batch and local sequence
@@ -500,27 +516,19 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
         def setup(name, b):
             cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, dev, dtype, None, None)
-            call = _Call(self, TilePlan(1), name.endswith("bwd"), None, cos_sin, b, cm.s)
+            call = _Call(self, TilePlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
             if call.q_norm is not None:
                 call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
-            if name.startswith("core_chunks"):  # the causal rank-chunk plan's cores of one tile, per chunk
-                qkvs = [torch.randn(b * cm.s, C, dtype=dtype, device=dev) for _ in range(cm.g)]
-                core = lambda *leaves: chunk_cores(call, leaves, 0, b)  # noqa: E731
-            else:
-                qkvs = [torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)]
-                core = lambda leaf: [call.core(leaf, 0, b)]  # noqa: E731
-            if not name.endswith("bwd"):
-                return lambda: core(*qkvs)
-            leaves = [t.requires_grad_() for t in qkvs]
+            qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
+            if name == "core":
+                return lambda: call.core(qkv, 0, b)
+            leaf = qkv.requires_grad_()
             with torch.enable_grad():
-                outs = core(*leaves)
-            dos = [torch.randn_like(o) for o in outs]
-            return lambda: torch.autograd.grad(outs, leaves, dos, retain_graph=True)
+                o = call.core(leaf, 0, b)
+            do = torch.randn_like(o)
+            return lambda: torch.autograd.grad(o, leaf, do, retain_graph=True)
 
-        ops = dict(cm.core_ops())
-        if self._rank_transports():
-            ops.update(cm.chunk_core_ops())
-        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in ops.items()},
+        return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()},
                 **self._copy_engine_setups(cm)}
 
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
@@ -553,8 +561,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
-            fn = self._function(plan, call, x.device, _TiledAttention,
-                                _CausalRankAttention if plan.num_tiles > 1 else _RankChunkAttention)
+            fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
             x_TH = x.reshape(B * s, H).contiguous()
             y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
             if bo is not None:

@@ -19,7 +19,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 QK_NORM_EPS = 1e-6
 
@@ -53,19 +52,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate_qk(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, *, cos_sin: Optional[Tuple[torch.Tensor, torch.Tensor]],
-              q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``q [b, nq, S, d]``, ``k [b, nkv, S, d]`` (heads first) after the reference's qk-norm and
-    RoPE; ``cos, sin [b or 1, S, d]`` are the tables of these S positions."""
-    if q_norm is not None:
-        q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
-    q, k = q_bSnd.transpose(1, 2), k_bSnd.transpose(1, 2)
-    if cos_sin is not None:
-        cos, sin = (t.to(q.dtype) for t in cos_sin)  # once for q and k (apply_rope's cast is then a no-op)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return q, k
-
-
 def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, *,
               cos_sin: Optional[Tuple[torch.Tensor, torch.Tensor]], q_norm: Optional[torch.Tensor],
               k_norm: Optional[torch.Tensor], causal: bool, scale: Optional[float],
@@ -73,24 +59,13 @@ def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, 
     """``o [b, S, nq, d]`` from projected ``q [b, S, nq, d]``, ``k, v [b, S, nkv, d]`` (see the
     module docstring). Uses ``scaled_dot_product_attention`` (flash / memory-efficient kernels on
     GPU) with ``enable_gqa`` when nq != nkv."""
-    q, k = rotate_qk(q_bSnd, k_bSnd, cos_sin=cos_sin, q_norm=q_norm, k_norm=k_norm)
-    v = v_bSnd.transpose(1, 2)
+    if q_norm is not None:
+        q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
+    q, k, v = (t.transpose(1, 2) for t in (q_bSnd, k_bSnd, v_bSnd))
+    if cos_sin is not None:
+        cos, sin = (t.to(q.dtype) for t in cos_sin)  # once for q and k (apply_rope's cast is then a no-op)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     gqa = q.shape[1] != k.shape[1]
     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
                                        enable_gqa=gqa)
     return o.transpose(1, 2)
-
-
-def prefix_attention(q_bnsd: torch.Tensor, k_bnLd: torch.Tensor, v_bnLd: torch.Tensor, *, scale: Optional[float],
-                     dropout_p: float = 0.0) -> torch.Tensor:
-    """``o [b, nq, s, d]``: causal attention of ``s`` queries that are the *last* s positions of
-    the ``L`` keys' sequence (query i sees keys ``0 .. L-s+i``): the rows of the reference's
-    ``softmax(q k^T * scale + causal mask) v`` for positions ``L-s .. L-1``. SDPA with the
-    lower-right causal bias (flash on GPU: its causal mask is lower-right), GQA when nq != nkv."""
-    s, L = q_bnsd.shape[2], k_bnLd.shape[2]
-    gqa = q_bnsd.shape[1] != k_bnLd.shape[1]
-    if s == L:
-        return F.scaled_dot_product_attention(q_bnsd, k_bnLd, v_bnLd, is_causal=True, scale=scale,
-                                              dropout_p=dropout_p, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q_bnsd, k_bnLd, v_bnLd, attn_mask=causal_lower_right(s, L), scale=scale,
-                                          dropout_p=dropout_p, enable_gqa=gqa)

@@ -200,31 +200,34 @@ class MLPCostModel:
         """Batch tile counts of the rank-chunk candidates (the MLP's run all rows at once)."""
         return (1,)
 
+    def rank_blocks(self, tiles: int) -> List[Tuple[int, int]]:
+        """The exchange's row blocks of a rank-chunk plan with ``tiles`` tiles, in chunk units."""
+        return [(0, self.chunk_rows())]
+
     def transfer_ms(self, transport: str, nbytes: int) -> float:
         md = self.model
         if transport == "copy_engine":
             return md.op_ms(f"peer_copy:{nbytes}", nbytes)
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
-    def rank_pieces(self, backward: bool) -> List[Tuple[str, str, float, int, int]]:
-        """``(name, tag, compute ms, pull step, push step)`` of the MLP's pieces in launch order
-        (step 0: no transfer): own first half, the peers' chunks (pulled, then pushed), own
-        second half (``rank_chunks.py``)."""
+    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int]]:
+        """``(name, tag, compute ms, pull step, push step, block)`` of the MLP's pieces in launch
+        order (step 0: no transfer; one block): own first half, the peers' chunks (pulled, then
+        pushed), own second half (``rank_chunks.py``)."""
         T = self.chunk_rows()
         half, name = T // 2, "bwd" if backward else "fwd"
         ops = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
 
         def ms(m):
             return sum(self.op_ms(m, op) for op in ops)
-        out = [(name, "own[:h]", ms(half), 0, 0)] if half else []
-        out += [(name, str(j), ms(T), j, j) for j in range(1, self.ws)]
-        return out + [(name, "own[h:]" if half else "own", ms(T - half), 0, 0)]
+        out = [(name, "own[:h]", ms(half), 0, 0, 0)] if half else []
+        out += [(name, str(j), ms(T), j, j, 0) for j in range(1, self.ws)]
+        return out + [(name, "own[h:]" if half else "own", ms(T - half), 0, 0, 0)]
 
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
         and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
         ``comm`` (a signal's wait delays the first pull and the sum)."""
-        assert tiles == 1, tiles
         md, ws, chunk = self.model, self.ws, self.chunk_bytes()
         ce = transport == "copy_engine"
         slow = 1.0 if ce else md.interference
@@ -235,15 +238,26 @@ class MLPCostModel:
             events.append(Event(name, tag, stream, start, start + ms))
             return start + ms
 
+        blocks = self.rank_blocks(tiles)
+        units = blocks[-1][1]
+
+        def transfer(i):  # one block of a chunk
+            return self.transfer_ms(transport, chunk) * (blocks[i][1] - blocks[i][0]) / units
+
+        def tag(i, j):
+            return j if len(blocks) == 1 else f"{i}.{j}"
+
         t = add("to_symmetric", 0, "compute0", 0.0, sources * md.mem_ms(2 * chunk)) if ce else md.launch_ms
-        pulled = {0: t + signal}
-        for j in range(1, ws):
-            pulled[j] = add("pull", j, "comm", pulled[j - 1], sources * self.transfer_ms(transport, chunk))
+        pulled = {(0, i): t + signal for i in range(len(blocks))}
+        done = t + signal
+        for i in range(len(blocks)):
+            for j in range(1, ws):
+                done = pulled[j, i] = add("pull", tag(i, j), "comm", done, sources * transfer(i))
         pushed = 0.0
-        for name, tag, ms, pull, push in self.rank_pieces(backward):
-            t = add(name, tag, "compute0", max(t, pulled[pull]), ms * slow)
+        for name, tag_, ms, pull, push, i in self.rank_pieces(backward, tiles):
+            t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
-                pushed = add("push", push, "comm", max(pushed, t), self.transfer_ms(transport, chunk))
+                pushed = add("push", tag(i, push), "comm", max(pushed, t), transfer(i))
         add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
         return timeline_from_events(events, ["compute0", "comm"])
 
@@ -252,6 +266,6 @@ class MLPCostModel:
         tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources, tiles=tiles)
         return tl.makespan_ms, tl.exposed_comm_ms
 
-    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int, training: bool = False, tiles: int = 1) -> int:
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""
         return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.F * self.e

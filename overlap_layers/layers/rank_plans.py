@@ -28,7 +28,7 @@ class RankChunkPlans:
     """Mixin: the rank-chunk plan's checks, transports, exchanges, candidates and timelines."""
 
     _has_copy_engine = True
-    _rank_tiles = False  # whether rank chunks run inside batch tiles (the causal attention's)
+    _rank_tiles = False  # whether rank chunks run inside batch tiles (the attention's)
     _copy_engine = None  # "" or why this rank cannot use the copy engine (asked once)
     _warned_copy_engine = False
     _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
@@ -47,7 +47,7 @@ class RankChunkPlans:
         if plan.decomposition == "rank" and plan.num_tiles > 1 and not self._rank_tiles:
             raise ValueError(f"plan.num_tiles={plan.num_tiles} with plan.decomposition='rank': "
                              f"{type(self).__name__} runs rank chunks on all rows at once here (num_tiles=1); "
-                             "batch tiles of rank chunks are the causal attention's")
+                             "batch tiles of rank chunks are the attention's")
 
     def _floor(self) -> tuple:
         """(copy engine usable here, host id, -host id, workspace bytes held, their negation): the
@@ -172,8 +172,8 @@ class RankChunkPlans:
                     continue
                 slots = (workspace_bytes(self.world_size, [chunk] * (2 if regather else 1), chunk, cm.e)
                          if transport == "copy_engine" else self.world_size * cm.chunk_bytes())
+                peak = cm.rank_chunk_peak(base.peak_bytes, slots)
                 for k in cm.rank_tiles():
-                    peak = cm.rank_chunk_peak(base.peak_bytes, slots, training, k)
                     ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1, tiles=k)
                     if training:
                         b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport,

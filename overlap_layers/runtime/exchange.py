@@ -10,16 +10,14 @@ partials of shape ``[T, *partial]``::
     finish()        == own + sum over s != r of the partial rank s pushed for r's rows
                        (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
 
-With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows), every step
-moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's sources and ``push(j, p, i)``
-fills rows ``blocks[i]`` of q's slot; ``finish`` needs every (step, block) pushed once.
+With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
+batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
+sources and ``push(j, p, i)`` fills rows ``blocks[i]`` of q's slot; ``finish`` needs every
+(step, block) pushed once.
 
-Every rank issues the transfers in the same order, so matching is by construction: send/recv
-posts the pulls at creation and the pushes block-major in step order (a push called early waits
-on this rank until the ones before it are called). The copy engine has no matching to keep
-(one-sided copies and per-peer signals): it pulls in ``pull_order``, a list of ``(step, block)``
-that may differ between ranks (the causal attention pulls chunks in sequence order), and pushes
-as they are called. Two transports implement it:
+Every rank issues steps in the same order (pulls block by block, 1..ws-1 each, at creation, then
+pushes as it calls them: block by block, in step order), so matching is by construction. Two
+transports implement it:
 
 * :class:`CopyEngineExchange` (CUDA, ``torch.distributed._symmetric_memory``): sources are copied
   into this rank's symmetric buffer, peers pull them with device-to-device copies over NVLink
@@ -68,6 +66,16 @@ def _blocks(blocks: Optional[Sequence[Tuple[int, int]]], rows: int) -> List[Tupl
     return out
 
 
+def _tag(block: int, step: int, blocks: list):
+    """A transfer's tag in traces: its step, prefixed by the block when there are several."""
+    return step if len(blocks) == 1 else f"{block}.{step}"
+
+
+def _push_step(n: int, world_size: int) -> Tuple[int, int]:
+    """``(step, block)`` of the n-th push: block by block, steps 1..ws-1 in each."""
+    return n % (world_size - 1) + 1, n // (world_size - 1)
+
+
 def _gathered(sources: Sequence[torch.Tensor], world_size: int, rank: int, keep: Sequence[bool]
               ) -> List[torch.Tensor]:
     """``[ws, T, ...]`` receive buffers per source; row block ``rank`` holds the source itself
@@ -87,8 +95,7 @@ class PointToPointExchange:
     transport = "nccl"
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
-                 keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
-                 pull_order=None):
+                 keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
@@ -106,15 +113,13 @@ class PointToPointExchange:
                     ops += [dist.P2POp(dist.isend, src[a:b], self._g[s], group),
                             dist.P2POp(dist.irecv, dst[q, a:b], self._g[q], group)]
                 self._pull_works[j, i] = dist.batch_isend_irecv(ops)
-        # pushes go out block-major in step order on every rank (matching); _ready holds early ones
-        self._push_order = [(j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)]
-        self._ready: dict = {}
+        self._pushes = 0
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         for w in self._pull_works.pop((j, block)):
             w.wait()
         if self.recorder is not None:
-            self.recorder.mark("pull", j, "comm")
+            self.recorder.mark("pull", _tag(block, j, self.blocks), "comm")
         q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
@@ -122,17 +127,16 @@ class PointToPointExchange:
         partial = partial.contiguous()
         self._keep.append(partial)
         if self.recorder is not None:
-            self.recorder.mark("push", j, "comm")
-        self._ready[j, block] = partial
-        while self._push_order and self._push_order[0] in self._ready:
-            j, i = self._push_order.pop(0)
-            q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[i]
-            self._push_works += dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, self._ready.pop((j, i)), self._g[q], self.group),
-                dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
+            self.recorder.mark("push", _tag(block, j, self.blocks), "comm")
+        assert (j, block) == _push_step(self._pushes, self.ws), "pushes go block by block, in step order"
+        self._pushes += 1
+        q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[block]
+        self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
+                                                    dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        assert not self._push_order and not self._pull_works, "every step must pull and push each block once"
+        assert self._pushes == len(self.blocks) * (self.ws - 1) and not self._pull_works, \
+            "every step must pull and push each block once"
         for w in self._push_works:
             w.wait()
         self._keep.clear()
@@ -259,7 +263,7 @@ class CopyEngineExchange:
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
                  partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,
-                 blocks: Optional[Sequence[Tuple[int, int]]] = None, pull_order=None):
+                 blocks: Optional[Sequence[Tuple[int, int]]] = None):
         w = self.w = workspace
         rec = self.recorder = recorder  # an OpRecorder: times each copy on its stream
         self.ws, self.rank = w.ws, w.rank
@@ -276,9 +280,6 @@ class CopyEngineExchange:
         self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
-        order = [(j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)] if pull_order is None \
-            else [tuple(p) for p in pull_order]
-        assert sorted(order) == sorted((j, i) for i in range(len(self.blocks)) for j in range(1, self.ws)), order
         compute = torch.cuda.current_stream(w.device)
         tok = rec.begin("to_symmetric", 0, "compute0") if rec is not None else None
         for s, off in zip(self.sources, self._src_offsets):
@@ -290,20 +291,19 @@ class CopyEngineExchange:
         with torch.cuda.stream(w.pull_stream):
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
-            waited = set()
-            for j, i in order:
-                q, (a, b) = (self.rank + j) % self.ws, self.blocks[i]
-                if q not in waited:
-                    w.handle.wait_signal(q, PULL)
-                    waited.add(q)
-                tok = rec.begin("pull", j, "comm", stream=w.pull_stream) if rec is not None else None
-                for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
-                    g[q, a:b].copy_(w.view(q, tuple(src.shape), dtype, off)[a:b])
-                if tok is not None:
-                    rec.end(tok, stream=w.pull_stream)
-                ev = torch.cuda.Event()
-                ev.record(w.pull_stream)
-                self._pulled[j, i] = ev
+            for i, (a, b) in enumerate(self.blocks):
+                for j, q, _ in peers(self.rank, self.ws):
+                    if i == 0:
+                        w.handle.wait_signal(q, PULL)
+                    tok = rec.begin("pull", _tag(i, j, self.blocks), "comm", stream=w.pull_stream) \
+                        if rec is not None else None
+                    for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
+                        g[q, a:b].copy_(w.view(q, tuple(src.shape), dtype, off)[a:b])
+                    if tok is not None:
+                        rec.end(tok, stream=w.pull_stream)
+                    ev = torch.cuda.Event()
+                    ev.record(w.pull_stream)
+                    self._pulled[j, i] = ev
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
@@ -317,7 +317,8 @@ class CopyEngineExchange:
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
-            tok = self.recorder.begin("push", j, "comm", stream=w.push_stream) if self.recorder is not None else None
+            tok = self.recorder.begin("push", _tag(block, j, self.blocks), "comm", stream=w.push_stream) \
+                if self.recorder is not None else None
             dst[a:b].copy_(partial)
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
