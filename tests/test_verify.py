@@ -278,3 +278,25 @@ def test_capture_before_planning_raises_on_every_rank(pool2):
 
 def test_capture_after_planning_runs_the_plan(pool2):
     assert pool2.run(_capture_on, (0, 1), True) == [((2, 4, 16), True)] * 2
+
+
+@pytest.mark.parametrize("prequeue_ms,want", [(0.0, ["sync", "event"]), (5.0, ["sleep", "event"])])
+def test_stopwatch_start_on_cuda(monkeypatch, prequeue_ms, want):
+    """runtime/timing.py: a prequeued stopwatch sleeps before its start event (device time, as a
+    replay runs); an eager one first waits for the device to be idle (call time, host gaps
+    included), and never sleeps. The CUDA calls are recorded by fakes (this tier has no GPU)."""
+    from overlap_layers.runtime.timing import Stopwatch
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, **_):
+            pass
+
+        def record(self):
+            calls.append("event")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append("sleep"))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    Stopwatch(torch.device("cuda"), prequeue_ms).start()
+    assert calls == want

@@ -9,7 +9,12 @@ with the stop event, and only when it is read.
 With ``prequeue_ms`` (CUDA), :meth:`start` first puts a sleep kernel of that length on the
 stream, so the host queues the region while the device waits: the region then runs as it would
 replayed from a CUDA graph, without the gaps of a host that launches slower than the device
-runs (the sleep itself is outside the region).
+runs (the sleep itself is outside the region). Without it (CUDA), :meth:`start` first waits for
+the device to finish its queued work, so the region starts on an idle device and its time
+includes those gaps: what an eager call costs where the host is slower than the device. Left
+queued, a previous call's work would hide them: the start event would run only when the device
+reached it, by which time the host had launched much of the region (first-call verification
+alternates contenders, so a host-bound plan timed after a device-bound one looked fast).
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class Stopwatch:
     def start(self) -> None:
         if self._cuda and self.prequeue_ms > 0:
             torch.cuda._sleep(int(self.prequeue_ms * _SLEEP_CYCLES_PER_MS))
+        elif self._cuda:
+            torch.cuda.synchronize()
         self._start = self._mark()
 
     def stop(self) -> None:
