@@ -1,4 +1,5 @@
 """First-call verification ([Note: first-call verification]) and warm-up planning."""
+import math
 import time
 
 import pytest
@@ -19,13 +20,18 @@ class _OneRank:
 
 
 class _Fixed:
-    """A finished stopwatch reading a given time."""
+    """A finished stopwatch reading a given device time (its host time is less)."""
+
+    prequeue_ms = 0.0
 
     def __init__(self, ms):
         self.ms, self.done = ms, True
 
     def elapsed_ms(self):
         return self.ms
+
+    def host_ms(self):
+        return 0.0
 
 
 def _serial(plan):
@@ -280,23 +286,19 @@ def test_capture_after_planning_runs_the_plan(pool2):
     assert pool2.run(_capture_on, (0, 1), True) == [((2, 4, 16), True)] * 2
 
 
-@pytest.mark.parametrize("prequeue_ms,want", [(0.0, ["sync", "event"]), (5.0, ["sleep", "event"])])
-def test_stopwatch_start_on_cuda(monkeypatch, prequeue_ms, want):
-    """runtime/timing.py: a prequeued stopwatch sleeps before its start event (device time, as a
-    replay runs); an eager one first waits for the device to be idle (call time, host gaps
-    included), and never sleeps. The CUDA calls are recorded by fakes (this tier has no GPU)."""
-    from overlap_layers.runtime.timing import Stopwatch
-    calls = []
 
-    class FakeEvent:
-        def __init__(self, **_):
-            pass
+@pytest.mark.parametrize("prequeue_ms,device,host,want", [
+    (0.0, [1.0, 2.0], [0.5, 0.5], 3.0),   # device-bound eager passes: their device time
+    (0.0, [1.0, 2.0], [2.5, 1.5], 4.0),   # host-bound: the host's wall time sets a loop's pace
+    (10.0, [1.0, 2.0], [2.5, 1.5], 3.0),  # prequeued (timed as replays): device time only
+])
+def test_total_ms_of_trial_passes(prequeue_ms, device, host, want):
+    """runtime/timing.total_ms: what passes cost a steady loop, from fake finished stopwatches."""
+    from overlap_layers.runtime.timing import Stopwatch, total_ms
 
-        def record(self):
-            calls.append("event")
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append("sleep"))
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    Stopwatch(torch.device("cuda"), prequeue_ms).start()
-    assert calls == want
+    def watch(dev_ms, host_ms):
+        w = Stopwatch(torch.device("cpu"), prequeue_ms)
+        w._start, w._stop, w._host_start, w._host_stop = 0.0, dev_ms / 1e3, 0.0, host_ms / 1e3
+        return w
+    assert total_ms(*[watch(d, h) for d, h in zip(device, host)]) == pytest.approx(want)
+    assert total_ms(watch(1.0, 1.0), None) == math.inf

@@ -26,7 +26,8 @@ it runs the key's current plan (the planned plan while verification is pending),
 and does not advance the verification, which goes on at the next eager calls; a key with no plan
 yet raises RuntimeError on every rank. With ``prequeue_ms``, each trial's stopwatches queue the
 call ahead of the device first (:class:`Stopwatch`), so contenders are compared as CUDA-graph
-replays would run them.
+replays would run them; without it, as a steady eager loop runs them: the larger of a trial's
+device time and its host time (:func:`~overlap_layers.runtime.timing.total_ms`).
 """
 from __future__ import annotations
 

@@ -9,12 +9,13 @@ with the stop event, and only when it is read.
 With ``prequeue_ms`` (CUDA), :meth:`start` first puts a sleep kernel of that length on the
 stream, so the host queues the region while the device waits: the region then runs as it would
 replayed from a CUDA graph, without the gaps of a host that launches slower than the device
-runs (the sleep itself is outside the region). Without it (CUDA), :meth:`start` first waits for
-the device to finish its queued work, so the region starts on an idle device and its time
-includes those gaps: what an eager call costs where the host is slower than the device. Left
-queued, a previous call's work would hide them: the start event would run only when the device
-reached it, by which time the host had launched much of the region (first-call verification
-alternates contenders, so a host-bound plan timed after a device-bound one looked fast).
+runs (the sleep itself is outside the region).
+
+:func:`total_ms` is what the regions cost a steady eager loop: the larger of their device time and
+the host's wall time from :meth:`start` to :meth:`stop` (a host that launches slower than the
+device runs sets the pace of back-to-back calls; the device time alone, measured while a previous
+call's work is still queued, would hide that). With ``prequeue_ms`` it is the device time: the
+region is timed as a replay runs, and the host's time is the sleep's.
 """
 from __future__ import annotations
 
@@ -33,17 +34,18 @@ class Stopwatch:
         self._cuda = device.type == "cuda"
         self.prequeue_ms = prequeue_ms
         self._start = self._stop = None
+        self._host_start = self._host_stop = 0.0  # the host clock at start and stop
 
     def start(self) -> None:
         if self._cuda and self.prequeue_ms > 0:
             torch.cuda._sleep(int(self.prequeue_ms * _SLEEP_CYCLES_PER_MS))
-        elif self._cuda:
-            torch.cuda.synchronize()
+        self._host_start = time.perf_counter()
         self._start = self._mark()
 
     def stop(self) -> None:
         if self._start is not None:
             self._stop = self._mark()
+            self._host_stop = time.perf_counter()
 
     def _mark(self):
         if self._cuda:
@@ -66,8 +68,18 @@ class Stopwatch:
         return (self._stop - self._start) * 1e3
 
 
+    def host_ms(self) -> float:
+        """The host's wall time from start to stop (``inf`` if it never stopped)."""
+        return (self._host_stop - self._host_start) * 1e3 if self._stop is not None else math.inf
+
+
 def total_ms(*watches: Optional[Stopwatch]) -> float:
-    """Sum of the stopwatches' times (``inf`` if any is missing or unfinished)."""
+    """What the passes cost a steady loop (``inf`` if any is missing or unfinished): their device
+    times summed, or with no prequeue the larger of that and their host times summed (see the
+    module docstring)."""
     if any(w is None for w in watches):
         return math.inf
-    return sum(w.elapsed_ms() for w in watches)
+    device = sum(w.elapsed_ms() for w in watches)
+    if any(w.prequeue_ms > 0 for w in watches):
+        return device
+    return max(device, sum(w.host_ms() for w in watches))
