@@ -289,7 +289,7 @@ def check_attention(rank, ws, dev):
     for plan in (MLPPlan(2, buckets_bwd=(("ag_dy", ((0, 1),)),)), MLPPlan(1, decomposition="rank"),
                  MLPPlan(1, decomposition="rank", transport="copy_engine"),
                  MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine"),
-                 MLPPlan(2, decomposition="rank", transport="copy_engine"),  # causal chunks in batch tiles
+                 MLPPlan(2, decomposition="rank", transport="copy_engine"),  # rank chunks in 2 batch tiles
                  MLPPlan(2, regather=True, decomposition="rank", transport="copy_engine")):
         layer = OverlapAttention.from_dense(*[t.float() for t in ws_], num_heads=nq, num_kv_heads=nkv,
                                             q_norm=qn.float(), k_norm=kn.float(), group=dist.group.WORLD)

@@ -265,7 +265,7 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     assert tl.makespan_ms == pytest.approx(16.0, abs=1e-6)
     assert tl.exposed_comm_ms == pytest.approx(4.0, abs=1e-6)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
-    want = {("qkv", "0.own"): (0, 1), ("qkv", "0.1"): (3, 4), ("core", "0.own"): (4, 6), ("push", "0.1"): (7, 10),
-            ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.own"): (10, 12), ("push", "1.1"): (13, 16)}
+    want = {("qkv", "0.own"): (0, 1), ("qkv", "0.1"): (3, 4), ("core", "0.all"): (4, 6), ("push", "0.1"): (7, 10),
+            ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.all"): (10, 12), ("push", "1.1"): (13, 16)}
     assert {k: spans[k] for k in want} == want
     assert cm.rank_tiles() == (1, 2)

@@ -201,7 +201,8 @@ def format_table(records) -> str:
         layer = r.get("layer", "mlp") + ("-skew" if r.get("skewed") else "")
         k = str(r.get("k", ""))
         if r.get("decomposition") == "rank":  # r-ce, or r-ce2 for rank chunks in 2 batch tiles
-            k = {"copy_engine": "r-ce", "nccl": "rank"}.get(r.get("transport"), "rank") + (k if k not in ("", "1") else "")
+            k = {"copy_engine": "r-ce", "nccl": "rank"}.get(r.get("transport"), "rank") + \
+                (k if k.isdigit() and k != "1" else "")
         lines.append(f"{layer:9s} {r['preset']:13s} {r['world_size']:>2d} {r.get('batch', '-')!s:>3s} "
                      f"{r['tokens']:>6d} {r['pass']:6s} {r['mode']:8s} "
                      f"{k:>4s} {ms:>8s} {pr:>7s} {host:>7s} {rl:>7s} {rs:>7s} {pk:>9s} {ppk:>9s}"

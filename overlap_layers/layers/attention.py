@@ -263,7 +263,7 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
-            with piece(rec, "core", _tag(i, 0, k) if k > 1 else "all", f"overlap::attn::core[{i}]"):
+            with piece(rec, "core", "all" if k == 1 else f"{i}.all", f"overlap::attn::core[{i}]"):
                 if call.save:
                     leaf = qkv_MC.detach().requires_grad_()
                     with recording_graph():  # [Note: per-tile graphs]
@@ -318,7 +318,7 @@ class _RankChunkAttention(torch.autograd.Function):
                 _logged(c, i, j, k, "dgrad_o", "bwd")
             leaf, o = graphs[i]
             graphs[i] = None  # this tile's graph is done: free its saved tensors after the grad
-            with piece(rec, "core_bwd", _tag(i, 0, k) if k > 1 else "all", f"overlap::attn_bwd::core[{i}]"):
+            with piece(rec, "core_bwd", "all" if k == 1 else f"{i}.all", f"overlap::attn_bwd::core[{i}]"):
                 got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * (b - a), -1))
             del leaf, o
             for n, gn in enumerate(got[1:]):

@@ -125,7 +125,7 @@ class AttentionCostModel(MLPCostModel):
                 return t if len(bounds) == 1 else f"{i}.{t}"
             peers = range(1, ws)
             out += ([(first[0], tag(0), ms(first), 0, 0, i)] + [(first[0], tag(j), ms(first), j, 0, i) for j in peers]
-                    + [(core, tag(0) if len(bounds) > 1 else "all", self.op_ms(self.gathered(b1 - b0), core), 0, 0, i)]
+                    + [(core, "all" if len(bounds) == 1 else f"{i}.all", self.op_ms(self.gathered(b1 - b0), core), 0, 0, i)]
                     + [(last[0], tag(j), ms(last), 0, j, i) for j in peers] + [(last[0], tag(0), ms(last), 0, 0, i)])
         return out
 

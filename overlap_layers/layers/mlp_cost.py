@@ -27,10 +27,11 @@ The candidates are compared by :func:`~overlap_layers.layers.candidates.plan_can
 [Note: rank-chunk cost]
 A rank-chunk plan (``rank_chunks.py``; the attention's in ``attention.py``) is costed by a
 recurrence, not the tile simulator: its pieces (:meth:`MLPCostModel.rank_pieces`: for the MLP own
-first half, ws-1 peer chunks, own second half) run back to back on the compute stream; pull j (of
-every source) finishes at ``setup + j * pull`` on its own stream, and a piece that needs it
-starts at ``max(compute free, pull j done)``; pushes run on a third stream, each after its
-piece; the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last
+first half, ws-1 peer chunks, own second half; for the attention, per batch tile, the projections
+around the tile's core) run back to back on the compute stream; the pulls (of every source) run
+back to back on their own stream, block by block (one block, or one per batch tile: a block's
+share of the chunk's copy time), steps 1..ws-1 in each, and a piece that needs one starts at
+``max(compute free, its pull done)``; pushes run on a third stream, each after its piece; the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last
 push. A transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy
 engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
 steps) over NCCL, which also slows every piece by the interference factor. The copy engine adds

@@ -67,7 +67,6 @@ class Stopwatch:
             return float(self._start.elapsed_time(self._stop))
         return (self._stop - self._start) * 1e3
 
-
     def host_ms(self) -> float:
         """The host's wall time from start to stop (``inf`` if it never stopped)."""
         return (self._host_stop - self._host_start) * 1e3 if self._stop is not None else math.inf
