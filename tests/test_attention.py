@@ -518,3 +518,31 @@ def causal_mask_run(rank, ws):
 def test_mask_equal_to_causal_is_accepted(pool2):
     assert pool2.run(causal_mask_run) == [[True] * 3] * 2
 
+
+
+def _rank_candidates(rank, ws, training):
+    """The rank-chunk candidates of an attention and an MLP with the copy engine faked usable (as
+    on a GPU), from the analytic model: (K, regather, label, peak) per candidate."""
+    from overlap_layers import OverlapMLP
+    from overlap_layers.layers.candidates import plan_candidates
+    from overlap_layers.sim import analytic_model
+    out = {}
+    for name, layer, key in [
+            ("attention", OverlapAttention(16, 4, 2, group=dist.group.WORLD), (4, 4, torch.float32, training)),
+            ("mlp", OverlapMLP(16, 32, group=dist.group.WORLD), (64, torch.float32, training))]:
+        layer._rank_transports = lambda: ("copy_engine",)
+        cm = layer._cost_model(key, analytic_model("cuda"))
+        batch = plan_candidates(cm, layer._programs, training=training)
+        out[name] = [(c.num_tiles, c.regather, c.label) for c in layer._rank_candidates(cm, batch, training=training)]
+    return out
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_rank_candidates_in_batch_tiles(pool2, training):
+    """The planner tries the attention's rank chunks in K = 1, 2 and 4 batch tiles (batch 4), each
+    with and without re-gather when training; the MLP's on all rows only."""
+    got = pool2.run(_rank_candidates, training)[0]
+    regathers = (False, True) if training else (False,)
+    assert got["attention"] == [(k, rg, "rank chunks over copy_engine" + (f", K={k}" if k > 1 else ""))
+                                for rg in regathers for k in (1, 2, 4)]
+    assert got["mlp"] == [(1, rg, "rank chunks over copy_engine") for rg in regathers]
