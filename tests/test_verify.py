@@ -302,3 +302,16 @@ def test_total_ms_of_trial_passes(prequeue_ms, device, host, want):
         return w
     assert total_ms(*[watch(d, h) for d, h in zip(device, host)]) == pytest.approx(want)
     assert total_ms(watch(1.0, 1.0), None) == math.inf
+
+
+def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
+    """A batch-tiled plan is timed against the best-predicted K below it and the best above it
+    (on 4x H200 with P2P disabled the model put K=8 next to K=4 while K=2 ran faster), then K=1."""
+    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.sim import Candidate
+    cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
+                  ((1, 12.0), (2, 9.0), (3, 9.5), (4, 8.0), (6, 8.9), (8, 8.8)))
+    plan = MLPPlan(4, predicted_ms=8.0, reason="r", candidates=cands)
+    assert [p.num_tiles for p in _contenders(plan)] == [4, 2, 8, 1]
+    two = MLPPlan(2, predicted_ms=9.0, reason="r", candidates=cands)  # nothing between K=1 and K=2
+    assert [p.num_tiles for p in _contenders(two)] == [2, 4, 1]

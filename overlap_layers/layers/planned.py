@@ -101,8 +101,8 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     """What first-call verification times, the plain layer (K=1) last, each carrying ``plan``'s
     explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
     candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
-    applies it) of each other kind (batch tiles with another K > 1, rank chunks per transport),
-    then K=1. For a serial ``plan``: the same rivals, only those predicted at most
+    applies it) of each other kind (batch tiles with fewer tiles than a batch-tiled ``plan`` and
+    with more, or with another K > 1; rank chunks per transport), then K=1. For a serial ``plan``: the same rivals, only those predicted at most
     :data:`VERIFY_CLOSE` slower than K=1 (the model cannot tell them apart), then K=1; or
     ``[plan]`` alone."""
     def as_plan(c):
@@ -114,15 +114,18 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     serial = next((c for c in plan.candidates if c.is_serial), None)
     kinds = {}
     for c in plan.candidates:
+        kind = (c.decomposition, c.transport)
         if c.decomposition == "batch":
             same = c.num_tiles == 1 or (plan.decomposition == "batch" and c.num_tiles == plan.num_tiles)
+            if plan.decomposition == "batch" and plan.num_tiles > 1:  # the model may misjudge either way
+                kind += ("fewer tiles" if c.num_tiles < plan.num_tiles else "more tiles",)
         else:
-            same = (c.decomposition, c.transport) == (plan.decomposition, plan.transport)
+            same = kind == (plan.decomposition, plan.transport)
         if same or (budget is not None and c.peak_bytes > budget):
             continue
         if plan.is_serial and (serial is None or c.predicted_ms > serial.predicted_ms * (1 + VERIFY_CLOSE)):
             continue
-        kinds.setdefault((c.decomposition, c.transport), []).append(c)
+        kinds.setdefault(kind, []).append(c)
     rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
     if plan.is_serial:
         return [*rivals, plan] if rivals else [plan]
