@@ -283,7 +283,7 @@ class _RankChunkAttention(torch.autograd.Function):
                 _logged(call, i, j, k, "proj", "fwd")
         y_TH = finish(ex, rec)
         if call.save:
-            ctx.graphs, ctx.bounds, ctx.blocks = graphs, bounds, blocks
+            ctx.graphs, ctx.blocks = graphs, blocks
             ctx.save_for_backward(x_TH, w_qkv, w_o, *o_ins, *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b = call, b_qkv is not None
         return y_TH
