@@ -59,6 +59,7 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime.exchange import block_tag
 from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
@@ -66,7 +67,7 @@ from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
-from .rank_chunks import accumulate, accumulate_rows, finish, piece
+from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from .rank_plans import RankChunkPlans
 from .tiling import tile_bounds
 from .tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
@@ -214,12 +215,6 @@ def _own_last(ws: int) -> list:
     return list(range(1, ws)) + [0]
 
 
-def _tag(i: int, j: int, k: int) -> str:
-    """A piece's tag: ``own`` or the step, prefixed by the tile when there are several."""
-    tag = str(j) if j else "own"
-    return tag if k == 1 else f"{i}.{tag}"
-
-
 def _logged(c: "_Call", i: int, j: int, k: int, name: str, direction: str) -> None:
     if c.launch_log is not None:  # rank-independent, like every log entry
         c.launch_log.append((f"step{j}" if k == 1 else f"tile{i}.step{j}", name, direction))
@@ -254,7 +249,7 @@ class _RankChunkAttention(torch.autograd.Function):
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
             qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
             for j in range(ws):
-                with piece(rec, "qkv", _tag(i, j, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
+                with piece(rec, "qkv", step_tag(j, i, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
                     xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
                     out = qkv_all[(r + j) % ws]
                     if b_qkv is None:
@@ -263,7 +258,7 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
-            with piece(rec, "core", "all" if k == 1 else f"{i}.all", f"overlap::attn::core[{i}]"):
+            with piece(rec, "core", block_tag(i, "all", k), f"overlap::attn::core[{i}]"):
                 if call.save:
                     leaf = qkv_MC.detach().requires_grad_()
                     with recording_graph():  # [Note: per-tile graphs]
@@ -275,7 +270,7 @@ class _RankChunkAttention(torch.autograd.Function):
             o_ins.append(o_in)
             o_all = o_in.view(ws, b - a, -1)
             for j in _own_last(ws):
-                with piece(rec, "proj", _tag(i, j, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
+                with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
                     if j:
                         ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
                     else:
@@ -309,7 +304,7 @@ class _RankChunkAttention(torch.autograd.Function):
             xs = {}
             for j in range(ws):
                 q = (r + j) % ws
-                with piece(rec, "dgrad_o", _tag(i, j, k), f"overlap::attn_bwd::dgrad_o_chunk[{i}.{q}]"):
+                with piece(rec, "dgrad_o", step_tag(j, i, k), f"overlap::attn_bwd::dgrad_o_chunk[{i}.{q}]"):
                     pulled = ex.pull(j, i) if j else None
                     dy = dy_TH[a:b] if j == 0 else pulled[0]
                     torch.mm(dy, w_o, out=do_all[q])
@@ -318,7 +313,7 @@ class _RankChunkAttention(torch.autograd.Function):
                 _logged(c, i, j, k, "dgrad_o", "bwd")
             leaf, o = graphs[i]
             graphs[i] = None  # this tile's graph is done: free its saved tensors after the grad
-            with piece(rec, "core_bwd", "all" if k == 1 else f"{i}.all", f"overlap::attn_bwd::core[{i}]"):
+            with piece(rec, "core_bwd", block_tag(i, "all", k), f"overlap::attn_bwd::core[{i}]"):
                 got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * (b - a), -1))
             del leaf, o
             for n, gn in enumerate(got[1:]):
@@ -326,7 +321,7 @@ class _RankChunkAttention(torch.autograd.Function):
             dqkv_all = got[0].view(ws, b - a, -1)
             for n, j in enumerate(_own_last(ws)):
                 q = (r + j) % ws
-                with piece(rec, "dgrad_qkv", _tag(i, j, k), f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
+                with piece(rec, "dgrad_qkv", step_tag(j, i, k), f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
                     if j:
                         ex.push(j, torch.mm(dqkv_all[q], w_qkv), i)
                     else:

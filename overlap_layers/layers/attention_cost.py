@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from ..runtime.exchange import block_tag
 from ..sim import HardwareModel
 from .candidates import TILE_CHOICES
 from .mlp_cost import MLPCostModel
+from .rank_chunks import step_tag
 from .tiling import tile_bounds
 
 
@@ -121,11 +123,10 @@ class AttentionCostModel(MLPCostModel):
                 return sum(self.op_ms(T, op) for op in ops)
 
             def tag(j):
-                t = str(j) if j else "own"
-                return t if len(bounds) == 1 else f"{i}.{t}"
+                return step_tag(j, i, len(bounds))
             peers = range(1, ws)
             out += ([(first[0], tag(0), ms(first), 0, 0, i)] + [(first[0], tag(j), ms(first), j, 0, i) for j in peers]
-                    + [(core, "all" if len(bounds) == 1 else f"{i}.all", self.op_ms(self.gathered(b1 - b0), core), 0, 0, i)]
+                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(self.gathered(b1 - b0), core), 0, 0, i)]
                     + [(last[0], tag(j), ms(last), 0, j, i) for j in peers] + [(last[0], tag(0), ms(last), 0, 0, i)])
         return out
 

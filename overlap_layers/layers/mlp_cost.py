@@ -31,9 +31,9 @@ first half, ws-1 peer chunks, own second half; for the attention, per batch tile
 around the tile's core) run back to back on the compute stream; the pulls (of every source) run
 back to back on their own stream, block by block (one block, or one per batch tile: a block's
 share of the chunk's copy time), steps 1..ws-1 in each, and a piece that needs one starts at
-``max(compute free, its pull done)``; pushes run on a third stream, each after its piece; the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last
-push. A transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy
-engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
+``max(compute free, its pull done)``; pushes run on a third stream, each after its piece; the
+sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last push. A
+transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
 steps) over NCCL, which also slows every piece by the interference factor. The copy engine adds
 the copies of the sources into the symmetric buffer and one signal round trip (``"signal"``)
 before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from ..runtime.exchange import block_tag
 from ..schedule import TileProgram, round_robin
 from ..sim import Costs, HardwareModel, Timeline, simulate
 from ..sim.simulator import Event, timeline_from_events
@@ -245,20 +246,17 @@ class MLPCostModel:
         def transfer(i):  # one block of a chunk
             return self.transfer_ms(transport, chunk) * (blocks[i][1] - blocks[i][0]) / units
 
-        def tag(i, j):
-            return j if len(blocks) == 1 else f"{i}.{j}"
-
         t = add("to_symmetric", 0, "compute0", 0.0, sources * md.mem_ms(2 * chunk)) if ce else md.launch_ms
         pulled = {(0, i): t + signal for i in range(len(blocks))}
         done = t + signal
         for i in range(len(blocks)):
             for j in range(1, ws):
-                done = pulled[j, i] = add("pull", tag(i, j), "comm", done, sources * transfer(i))
+                done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
         pushed = 0.0
         for name, tag_, ms, pull, push, i in self.rank_pieces(backward, tiles):
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
-                pushed = add("push", tag(i, push), "comm", max(pushed, t), transfer(i))
+                pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t), transfer(i))
         add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
         return timeline_from_events(events, ["compute0", "comm"])
 

@@ -102,9 +102,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
     candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
     applies it) of each other kind (batch tiles with fewer tiles than a batch-tiled ``plan`` and
-    with more, or with another K > 1; rank chunks per transport), then K=1. For a serial ``plan``: the same rivals, only those predicted at most
-    :data:`VERIFY_CLOSE` slower than K=1 (the model cannot tell them apart), then K=1; or
-    ``[plan]`` alone."""
+    with more, or with another K > 1; rank chunks per transport), then K=1. For a serial
+    ``plan``: the same rivals, only those predicted at most :data:`VERIFY_CLOSE` slower than K=1
+    (the model cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
         return plan_of(c, reason=plan.reason, candidates=plan.candidates)
 

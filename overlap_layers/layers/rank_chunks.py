@@ -25,8 +25,8 @@ wgrad      dw_out += dy_q.T @ act(pre_q); dw_in += dpre.T @ x_q; db_in += sum(dp
 Legend: T local rows, h = T // 2, H hidden, I local fc1 width, F local ffn width; pre is saved
 for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).
 
-:func:`piece`, :func:`finish`, :func:`accumulate` and :func:`accumulate_rows` serve the
-attention's rank-chunk path too (``attention.py``).
+:func:`piece`, :func:`finish`, :func:`accumulate`, :func:`accumulate_rows` and :func:`step_tag`
+serve the attention's rank-chunk path too (``attention.py``).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
+from ..runtime.exchange import block_tag
 from ..runtime.executor import profiler_range
 
 
@@ -81,6 +82,12 @@ def accumulate_rows(grads: dict, key: str, rows: torch.Tensor, first: bool) -> N
         torch.sum(rows, 0, out=grads[key])
     else:
         grads[key].add_(rows.sum(0))
+
+
+def step_tag(j: int, block: int = 0, blocks: int = 1) -> str:
+    """A rank-chunk piece's tag in traces: its step (``own`` for the rank's own rows), prefixed by
+    its batch tile when there are several (the attention's)."""
+    return block_tag(block, str(j) if j else "own", blocks)
 
 
 def _tag(j: int, a: int, b: int, rows: int) -> str:

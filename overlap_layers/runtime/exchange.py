@@ -66,9 +66,11 @@ def _blocks(blocks: Optional[Sequence[Tuple[int, int]]], rows: int) -> List[Tupl
     return out
 
 
-def _tag(block: int, step: int, blocks: list):
-    """A transfer's tag in traces: its step, prefixed by the block when there are several."""
-    return step if len(blocks) == 1 else f"{block}.{step}"
+def block_tag(block: int, tag, blocks: int):
+    """A tag in traces (a transfer's step, a piece's name), prefixed by its block (the
+    attention's batch tile) when an exchange has several; the cost models tag their predicted
+    events the same way."""
+    return tag if blocks == 1 else f"{block}.{tag}"
 
 
 def _push_step(n: int, world_size: int) -> Tuple[int, int]:
@@ -119,7 +121,7 @@ class PointToPointExchange:
         for w in self._pull_works.pop((j, block)):
             w.wait()
         if self.recorder is not None:
-            self.recorder.mark("pull", _tag(block, j, self.blocks), "comm")
+            self.recorder.mark("pull", block_tag(block, j, len(self.blocks)), "comm")
         q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
@@ -127,7 +129,7 @@ class PointToPointExchange:
         partial = partial.contiguous()
         self._keep.append(partial)
         if self.recorder is not None:
-            self.recorder.mark("push", _tag(block, j, self.blocks), "comm")
+            self.recorder.mark("push", block_tag(block, j, len(self.blocks)), "comm")
         assert (j, block) == _push_step(self._pushes, self.ws), "pushes go block by block, in step order"
         self._pushes += 1
         q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[block]
@@ -295,7 +297,7 @@ class CopyEngineExchange:
                 for j, q, _ in peers(self.rank, self.ws):
                     if i == 0:
                         w.handle.wait_signal(q, PULL)
-                    tok = rec.begin("pull", _tag(i, j, self.blocks), "comm", stream=w.pull_stream) \
+                    tok = rec.begin("pull", block_tag(i, j, len(self.blocks)), "comm", stream=w.pull_stream) \
                         if rec is not None else None
                     for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
                         g[q, a:b].copy_(w.view(q, tuple(src.shape), dtype, off)[a:b])
@@ -317,7 +319,7 @@ class CopyEngineExchange:
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
-            tok = self.recorder.begin("push", _tag(block, j, self.blocks), "comm", stream=w.push_stream) \
+            tok = self.recorder.begin("push", block_tag(block, j, len(self.blocks)), "comm", stream=w.push_stream) \
                 if self.recorder is not None else None
             dst[a:b].copy_(partial)
             if tok is not None:
