@@ -33,8 +33,9 @@ back to back on their own stream, block by block (one block, or one per batch ti
 share of the chunk's copy time), steps 1..ws-1 in each, and a piece that needs one starts at
 ``max(compute free, its pull done)``; pushes run on a third stream, each after its piece; the
 sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last push. A
-transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1
-steps) over NCCL, which also slows every piece by the interference factor. The copy engine adds
+transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
+send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
+over NCCL, which also slows every piece by the interference factor. The copy engine adds
 the copies of the sources into the symmetric buffer and one signal round trip (``"signal"``)
 before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
 slots (``ws*T*H*e``; in the persistent symmetric workspace for the copy engine, with the sources),
