@@ -114,7 +114,7 @@ def run_layer(rank, ws, case, opts, dtype, calls=1, plan=None, reduce=False):
         if reduce:
             reduce_replicated_grads(layer)
         out.append(dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()},
-                        k=layer.plan.num_tiles, dtype=y.dtype))
+                        k=layer.plan.num_tiles, decomposition=layer.plan.decomposition, dtype=y.dtype))
     return dict(params=params, calls=out)
 
 
@@ -274,6 +274,7 @@ RANK_GRID = [
     (4, True, 2, 2, 8, 16, 8, 4, 2, False, False, True, "emb", torch.float64),
     (4, False, 4, 4, 4, 8, 4, 4, 2, True, True, False, "default", torch.float32),  # MHA, 1 row per chunk
     (2, True, 3, 3, 4, 8, 2, 1, 4, False, True, False, "default", torch.float64),
+    (2, False, 4, 2, 8, 16, 4, 2, 4, True, True, False, "ids", torch.float64),     # K=4 capped to the batch
 ]
 
 
@@ -287,6 +288,7 @@ def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, 
     opts = dict(causal=causal)
     res = pools(ws).run(run_layer, case, opts, dtype, 2, MLPPlan(k, regather=regather, decomposition="rank"))
     for call in range(2):
+        assert [(c["k"], c["decomposition"]) for r in res for c in [r["calls"][call]]] == [(min(k, B), "rank")] * ws
         check(res, case, opts, dtype, call)
 
 

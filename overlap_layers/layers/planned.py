@@ -368,7 +368,7 @@ class PlannedLayer:
             k = effective_num_tiles(units, self._pinned.num_tiles)
             if k == self._pinned.num_tiles:
                 return self._pinned
-            return TilePlan(k, regather=self._pinned.regather, num_streams=self._pinned.num_streams)
+            return replace(self._pinned, num_tiles=k, buckets_fwd=(), buckets_bwd=())  # buckets name tiles
         if self.num_tiles == "auto":
             return None
         return TilePlan(effective_num_tiles(units, self.num_tiles))
