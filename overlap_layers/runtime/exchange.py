@@ -15,11 +15,9 @@ batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i
 sources and ``push(j, p, i)`` fills rows ``blocks[i]`` of q's slot; ``finish`` needs every
 (step, block) pushed once.
 
-Every rank issues steps in the same order (pulls block by block, 1..ws-1 each, then pushes as it
-calls them: block by block, in step order), so matching is by construction. Send/recv posts the
-pulls at creation (NCCL's stream waits for the current stream when an op is posted, so a later
-post would wait for the caller's compute); the copy engine queues them at the first ``pull``,
-after the caller has launched its own rows' work. Two transports implement it:
+Every rank issues steps in the same order (pulls block by block, 1..ws-1 each, at creation, then
+pushes as it calls them: block by block, in step order), so matching is by construction. Two
+transports implement it:
 
 * :class:`CopyEngineExchange` (CUDA, ``torch.distributed._symmetric_memory``): sources are copied
   into this rank's symmetric buffer, peers pull them with device-to-device copies over NVLink
@@ -291,21 +289,10 @@ class CopyEngineExchange:
         if tok is not None:
             rec.end(tok)
         w.pull_stream.wait_stream(compute)
+        self._pulled = {}
         with torch.cuda.stream(w.pull_stream):
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
-        self._pulled: Optional[dict] = None  # (step, block) -> event, once the pulls are queued
-        self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
-
-    def _queue_pulls(self) -> None:
-        """Queue every pull on the pull stream, block by block (steps 1..ws-1 in each). Done at
-        the first :meth:`pull`, so the host launches the caller's own-rows work before this:
-        the device computes while the host queues the copies (an eager call's host is otherwise
-        the critical path between the local copy and the first GEMM). The pull stream already
-        waits for the local copy and carries the PULL signals (the constructor), not the
-        compute stream's later work."""
-        w, rec, dtype, self._pulled = self.w, self.recorder, self._dtype, {}
-        with torch.cuda.stream(w.pull_stream):
             for i, (a, b) in enumerate(self.blocks):
                 for j, q, _ in peers(self.rank, self.ws):
                     if i == 0:
@@ -319,10 +306,9 @@ class CopyEngineExchange:
                     ev = torch.cuda.Event()
                     ev.record(w.pull_stream)
                     self._pulled[j, i] = ev
+        self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
-        if self._pulled is None:
-            self._queue_pulls()
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
         q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
@@ -343,7 +329,7 @@ class CopyEngineExchange:
                 w.handle.put_signal(q, PUSH)
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        assert not any(self._left.values()) and self._pulled == {}, "every step must pull and push each block once"
+        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
