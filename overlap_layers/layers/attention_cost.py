@@ -109,9 +109,10 @@ class AttentionCostModel(MLPCostModel):
             return ()
         return tuple(sorted({(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)}))
 
-    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int]]:
+    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
-        the peers' projections (pushed), the own rows' last (``_RankChunkAttention``)."""
+        the peers' projections (pushed; backward, the QKV weight gradient after the push is the
+        tail), the own rows' last (``_RankChunkAttention``)."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -125,10 +126,17 @@ class AttentionCostModel(MLPCostModel):
             def tag(j):
                 return step_tag(j, i, len(bounds))
             peers = range(1, ws)
-            out += ([(first[0], tag(0), ms(first), 0, 0, i)] + [(first[0], tag(j), ms(first), j, 0, i) for j in peers]
-                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(self.gathered(b1 - b0), core), 0, 0, i)]
-                    + [(last[0], tag(j), ms(last), 0, j, i) for j in peers] + [(last[0], tag(0), ms(last), 0, 0, i)])
+            tail = ms(last[1:])
+            out += ([(first[0], tag(0), ms(first), 0, 0, i, 0.0)]
+                    + [(first[0], tag(j), ms(first), j, 0, i, 0.0) for j in peers]
+                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(self.gathered(b1 - b0), core), 0, 0, i, 0.0)]
+                    + [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
+                    + [(last[0], tag(0), ms(last), 0, 0, i, 0.0)])
         return out
+
+    def sums_early(self, backward: bool, transport: str) -> bool:
+        """Never: the attention's last piece is its own rows' projection (no tail to hide a sum)."""
+        return False
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)

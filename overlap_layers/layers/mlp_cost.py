@@ -26,18 +26,21 @@ The candidates are compared by :func:`~overlap_layers.layers.candidates.plan_can
 
 [Note: rank-chunk cost]
 A rank-chunk plan (``rank_chunks.py``; the attention's in ``attention.py``) is costed by a
-recurrence, not the tile simulator: its pieces (:meth:`MLPCostModel.rank_pieces`: for the MLP own
-first half, ws-1 peer chunks, own second half; for the attention, per batch tile, the projections
-around the tile's core) run back to back on the compute stream; the pulls (of every source) run
-back to back on their own stream, block by block (one block, or one per batch tile: a block's
-share of the chunk's copy time), steps 1..ws-1 in each, and a piece that needs one starts at
-``max(compute free, its pull done)``; pushes run on a third stream, each after its piece; the
-sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece and the last push. A
+recurrence, not the tile simulator: its pieces (:meth:`MLPCostModel.rank_pieces`: for the MLP
+forward own first half, ws-1 peer chunks, own second half, backward own rows then the peers'; for
+the attention, per batch tile, the projections around the tile's core) run back to back on the
+compute stream; the pulls (of every source) run back to back on their own stream, block by block
+(one block, or one per batch tile: a block's share of the chunk's copy time), steps 1..ws-1 in
+each, and a piece that needs one starts at ``max(compute free, its pull done)``; pushes run on a
+third stream, each after its piece's compute but its tail (the weight gradients a backward piece
+launches after its push); the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece
+and the last push, or, in the MLP backward over the copy engine, on a second stream right after
+the last push (beside the last piece's tail; ``sums_early``). A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds
-the copies of the sources into the symmetric buffer and one signal round trip (``"signal"``)
-before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
+the copies of the sources into the symmetric buffer (on the pull stream, beside the first piece)
+and one signal round trip (``"signal"``) before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
 slots (``ws*T*H*e``; in the persistent symmetric workspace for the copy engine, with the sources),
 minus the activation of ws-1 chunks (a piece holds ``h`` for its own ``T`` rows, the serial
 layer for all ``ws*T``).
@@ -213,19 +216,31 @@ class MLPCostModel:
             return md.op_ms(f"peer_copy:{nbytes}", nbytes)
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
-    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int]]:
-        """``(name, tag, compute ms, pull step, push step, block)`` of the MLP's pieces in launch
-        order (step 0: no transfer; one block): own first half, the peers' chunks (pulled, then
-        pushed), own second half (``rank_chunks.py``)."""
+    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
+        """``(name, tag, compute ms, pull step, push step, block, tail ms)`` of the MLP's pieces in
+        launch order (step 0: no transfer; one block; the tail: the piece's compute after its
+        push, the weight gradients): forward own first half, the peers' chunks (pulled, then
+        pushed), own second half; backward own rows whole, then the peers' (``rank_chunks.py``)."""
         T = self.chunk_rows()
-        half, name = T // 2, "bwd" if backward else "fwd"
-        ops = ("dgrad2", "act_bwd", "dgrad1", "wgrad2", "wgrad1") if backward else ("fc1", "act", "fc2")
+        if backward:
+            dgrad, wgrad = ("dgrad2", "act_bwd", "dgrad1"), ("wgrad2", "wgrad1")
+
+            def bwd(j):
+                tail = sum(self.op_ms(T, op) for op in wgrad)
+                return ("bwd", str(j) if j else "own", sum(self.op_ms(T, op) for op in dgrad) + tail, j, j, 0, tail)
+            return [bwd(j) for j in range(self.ws)]
+        half = T // 2
 
         def ms(m):
-            return sum(self.op_ms(m, op) for op in ops)
-        out = [(name, "own[:h]", ms(half), 0, 0, 0)] if half else []
-        out += [(name, str(j), ms(T), j, j, 0) for j in range(1, self.ws)]
-        return out + [(name, "own[h:]" if half else "own", ms(T - half), 0, 0, 0)]
+            return sum(self.op_ms(m, op) for op in ("fc1", "act", "fc2"))
+        out = [("fwd", "own[:h]", ms(half), 0, 0, 0, 0.0)] if half else []
+        out += [("fwd", str(j), ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
+        return out + [("fwd", "own[h:]" if half else "own", ms(T - half), 0, 0, 0, 0.0)]
+
+    def sums_early(self, backward: bool, transport: str) -> bool:
+        """Whether the sum of the slots runs beside the last piece's tail (``reduce_early``: the
+        MLP backward over the copy engine)."""
+        return backward and transport == "copy_engine"
 
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
@@ -247,19 +262,21 @@ class MLPCostModel:
         def transfer(i):  # one block of a chunk
             return self.transfer_ms(transport, chunk) * (blocks[i][1] - blocks[i][0]) / units
 
-        t = add("to_symmetric", 0, "compute0", 0.0, sources * md.mem_ms(2 * chunk)) if ce else md.launch_ms
-        pulled = {(0, i): t + signal for i in range(len(blocks))}
-        done = t + signal
+        t = md.launch_ms
+        done = (add("to_symmetric", 0, "comm", 0.0, sources * md.mem_ms(2 * chunk)) if ce else 0.0) + signal
+        pulled = {(0, i): t for i in range(len(blocks))}
         for i in range(len(blocks)):
             for j in range(1, ws):
                 done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
         pushed = 0.0
-        for name, tag_, ms, pull, push, i in self.rank_pieces(backward, tiles):
+        for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles):
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
-                pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t), transfer(i))
-        add("sum", 0, "compute0", max(t, pushed + signal), md.mem_ms((ws + 1) * chunk))
-        return timeline_from_events(events, ["compute0", "comm"])
+                pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
+        early = self.sums_early(backward, transport)
+        add("sum", 0, "compute1" if early else "compute0", pushed + signal if early else max(t, pushed + signal),
+            md.mem_ms((ws + 1) * chunk))
+        return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
 
     def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Tuple[float, float]:
         """(predicted ms, exposed communication ms) of one rank-chunk pass."""

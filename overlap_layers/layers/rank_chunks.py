@@ -15,7 +15,10 @@ own, 2nd   same on x_r[h:]                                                      
 then ``y_r = sum of the slots`` (the partials every rank computed for r's rows). Peers come in
 step order q = r+1, r+2, ... (mod ws): the exchange's pull order. The own rows start at once (no
 pipeline fill) and the second half hides the last push (no drain). Backward is the same split of
-the serial backward over ``dy`` (gathered the same way, and ``x`` too when re-gathering):
+the serial backward over ``dy`` (gathered the same way, and ``x`` too when re-gathering), with
+the own rows whole and first: a piece pushes its dx partial before its weight gradients, so the
+last piece's weight gradients hide the last push and, over the copy engine, the sum of the slots
+(``exchange.reduce_early``); halves would only cost GEMM efficiency there.
 
 =========  =======================================================================
 dgrad      dh = dy_q @ w_out; dpre = act'(pre_q, dh); dx partial = dpre @ w_in -> rank q
@@ -39,8 +42,11 @@ from ..runtime.exchange import block_tag
 from ..runtime.executor import profiler_range
 
 
-def pieces(rank: int, world_size: int, rows: int) -> List[Tuple[int, int, int, int]]:
-    """``(step, source rank, first row, end row)`` in launch order; step 0 is the rank's own rows."""
+def pieces(rank: int, world_size: int, rows: int, backward: bool = False) -> List[Tuple[int, int, int, int]]:
+    """``(step, source rank, first row, end row)`` in launch order; step 0 is the rank's own rows
+    (halves first and last forward, whole and first backward: the module docstring)."""
+    if backward:
+        return [(0, rank, 0, rows)] + [(j, (rank + j) % world_size, 0, rows) for j in range(1, world_size)]
     half = rows // 2
     out = [(0, rank, 0, half)] if half else []
     out += [(j, (rank + j) % world_size, 0, rows) for j in range(1, world_size)]
@@ -48,7 +54,10 @@ def pieces(rank: int, world_size: int, rows: int) -> List[Tuple[int, int, int, i
 
 
 def finish(exchange, recorder=None) -> torch.Tensor:
-    """``exchange.finish()`` (the sum of the partial slots), timed by ``recorder`` if given."""
+    """``exchange.finish()`` (the sum of the partial slots), timed by ``recorder`` if given (by
+    the exchange itself when ``reduce_early`` queued the sum)."""
+    if exchange.summed_early:
+        return exchange.finish()
     with piece(recorder, "sum", 0):
         return exchange.finish()
 
@@ -121,7 +130,7 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
     ``exchange``'s second source). Fills ``grads`` (``w_in``, ``w_out`` and ``b_in`` if not
     None) and returns ``dx [T, H]``."""
     rank, ws, T = exchange.rank, exchange.ws, dy_TH.shape[0]
-    for i, (j, q, a, b) in enumerate(pieces(rank, ws, T)):
+    for i, (j, q, a, b) in enumerate(pieces(rank, ws, T, backward=True)):
         with piece(recorder, "bwd", _tag(j, a, b, T), f"overlap::mlp_bwd::rank_chunk[{q}]"):
             pulled = exchange.pull(j) if j else None
             dy = dy_TH[a:b] if j == 0 else pulled[0]
@@ -131,6 +140,8 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
             out = torch.mm(dpre, w_in, out=exchange.own_partial[a:b] if j == 0 else None)
             if j:
                 exchange.push(j, out)
+            if j == ws - 1:  # the last push: the sum may run beside this piece's weight gradients
+                exchange.reduce_early()
             accumulate(grads, "w_out", dy, h, i == 0)
             accumulate(grads, "w_in", dpre, x, i == 0)
             accumulate_rows(grads, "b_in", dpre, i == 0)

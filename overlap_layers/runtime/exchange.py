@@ -9,6 +9,9 @@ partials of shape ``[T, *partial]``::
     push(j, p_rq)   sends rank r's partial for q's rows to q
     finish()        == own + sum over s != r of the partial rank s pushed for r's rows
                        (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
+    reduce_early()  may come after the last push, once ``own_partial`` is written: the copy
+                    engine then sums on its push stream while the caller computes on (the MLP
+                    backward's last weight gradients); ``finish()`` joins it
 
 With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
 batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
@@ -116,6 +119,11 @@ class PointToPointExchange:
                             dist.P2POp(dist.irecv, dst[q, a:b], self._g[q], group)]
                 self._pull_works[j, i] = dist.batch_isend_irecv(ops)
         self._pushes = 0
+
+    summed_early = False  # NCCL's works are waited on the current stream: the sum stays in finish
+
+    def reduce_early(self) -> None:
+        """Nothing: :meth:`finish` waits for the pushes and sums (see the module docstring)."""
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         for w in self._pull_works.pop((j, block)):
@@ -280,17 +288,20 @@ class CopyEngineExchange:
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]
-        self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
+        self.gathered = _gathered(self.sources, self.ws, self.rank, ())
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
         compute = torch.cuda.current_stream(w.device)
-        tok = rec.begin("to_symmetric", 0, "compute0") if rec is not None else None
-        for s, off in zip(self.sources, self._src_offsets):
-            w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
-        if tok is not None:
-            rec.end(tok)
         w.pull_stream.wait_stream(compute)
         self._pulled = {}
-        with torch.cuda.stream(w.pull_stream):
+        with torch.cuda.stream(w.pull_stream):  # the compute stream starts on the own rows meanwhile
+            tok = rec.begin("to_symmetric", 0, "comm", stream=w.pull_stream) if rec is not None else None
+            for s, off in zip(self.sources, self._src_offsets):
+                w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
+            if tok is not None:
+                rec.end(tok, stream=w.pull_stream)
+            for i, g in enumerate(self.gathered):  # the caller keeps these whole: own rows too
+                if i < len(keep_gathered) and keep_gathered[i]:
+                    g[self.rank].copy_(self.sources[i])
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
             for i, (a, b) in enumerate(self.blocks):
@@ -307,6 +318,7 @@ class CopyEngineExchange:
                     ev.record(w.pull_stream)
                     self._pulled[j, i] = ev
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
+        self._early: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # (sum, done) of reduce_early
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
@@ -328,9 +340,37 @@ class CopyEngineExchange:
             if not self._left[j]:  # the peer's slot is complete: one signal per call ([Note: exchange signals])
                 w.handle.put_signal(q, PUSH)
 
+    @property
+    def summed_early(self) -> bool:
+        return self._early is not None
+
+    def reduce_early(self) -> None:
+        """Queue the sum of the slots on the push stream, after this rank's pushes and the peers'
+        PUSH signals, so that compute launched after this call runs beside it. Every push must be
+        done and ``own_partial`` written (both ordered before the push stream by now: each push
+        waits for the current stream). Timed as ``sum`` on ``compute1`` by the recorder."""
+        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
+        w, compute = self.w, torch.cuda.current_stream(self.w.device)
+        out = torch.empty(self.slots.shape[1:], dtype=self.slots.dtype, device=w.device)  # the caller's stream owns it
+        w.push_stream.wait_stream(compute)
+        with torch.cuda.stream(w.push_stream):
+            tok = self.recorder.begin("sum", 0, "compute1", stream=w.push_stream) if self.recorder is not None else None
+            for _, _, s in peers(self.rank, self.ws):
+                w.handle.wait_signal(s, PUSH)
+            torch.sum(self.slots, 0, out=out)
+            if tok is not None:
+                self.recorder.end(tok, stream=w.push_stream)
+            done = torch.cuda.Event()
+            done.record(w.push_stream)
+        self._early = (out, done)
+
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
+        if self._early is not None:
+            summed, done = self._early
+            compute.wait_event(done)
+            return summed if out is None else out.copy_(summed)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
             self.w.handle.wait_signal(s, PUSH)
