@@ -279,7 +279,7 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4": 2.0})
+                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0})
     cm = AttentionCostModel(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
                             sequence_parallel=True, causal=True, model=hw)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
@@ -290,3 +290,29 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
             ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.all"): (10, 12), ("push", "1.1"): (13, 16)}
     assert {k: spans[k] for k in want} == want
     assert cm.rank_tiles() == (1, 2)
+
+
+def test_attention_core_keys_name_everything_the_core_time_depends_on():
+    """The calibration cache holds every layer's measured ops under their keys, so two layers
+    whose cores differ (heads, KV heads, head dim, causal) must not share one: a llama3-70b
+    attention once planned with the 8b core's time (both B=2, S=8192)."""
+    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.layers.ulysses_cost import UlyssesCostModel
+    from overlap_layers.sim import analytic_model
+
+    def key(cls, name="core", **kw):
+        shape = dict(batch=2, seq_local=2048, world_size=4, hidden=4096, heads=8, kv_heads=2, head_dim=128, elt=2,
+                     causal=True, model=analytic_model("cpu"))
+        shape.update(kw)
+        if cls is AttentionCostModel:
+            return cls(sequence_parallel=True, **shape).core_key(name, 2)
+        return cls(**shape).core_key(name, 2)
+    for cls in (AttentionCostModel, UlyssesCostModel):
+        base = key(cls)
+        assert key(cls) == base and key(cls, "core_bwd") != base
+        for change in (dict(heads=16), dict(kv_heads=1), dict(head_dim=64), dict(causal=False), dict(seq_local=1024)):
+            if cls is UlyssesCostModel and "heads" in change:  # global heads: 8 q, 2 kv -> 2 q and 1 kv a rank
+                change = dict(heads=16, hidden=8192)
+            elif cls is UlyssesCostModel and "kv_heads" in change:
+                change = dict(kv_heads=8)  # 2 kv a rank (kv_heads=1 leaves 1, the same core)
+            assert key(cls, **change) != base, (cls.__name__, change)

@@ -40,7 +40,7 @@ class AttentionCostModel(MLPCostModel):
         d = head_dim
         super().__init__(rows=batch, world_size=world_size, hidden=hidden, n_in=(heads + 2 * kv_heads) * d,
                          f_local=heads * d, elt=elt, sequence_parallel=sequence_parallel, model=model)
-        self.s, self.nq, self.d, self.causal = seq_local, heads, d, causal
+        self.s, self.nq, self.nkv, self.d, self.causal = seq_local, heads, kv_heads, d, causal
         self.g = world_size if sequence_parallel else 1
 
     @property
@@ -55,7 +55,10 @@ class AttentionCostModel(MLPCostModel):
         return batch_rows * self.s * self.g
 
     def core_key(self, name: str, b: int) -> str:
-        return f"{name}:{b}x{self.g * self.s}"
+        """The measured-op key of the core (``"core"`` or ``"core_bwd"``) over ``b`` sequences:
+        everything its time depends on (the calibration cache holds every layer's keys:
+        ``"core:2x8192:q8kv2d128:causal"``)."""
+        return f"{name}:{b}x{self.g * self.s}:q{self.nq}kv{self.nkv}d{self.d}:{'causal' if self.causal else 'full'}"
 
     def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:
         """Key -> (name, batch rows) of every core op the candidates run (for measuring)."""

@@ -65,7 +65,7 @@ class UlyssesCostModel(MLPCostModel):
 
     def core_key(self, name: str, m: int) -> str:
         b, nh, _, _ = self._tile(m)
-        return f"u{name}:{b}x{self.ws * self.s}x{nh}"
+        return f"u{name}:{b}x{self.ws * self.s}x{nh}:kv{self._hk(nh)}d{self.d}:{'causal' if self.causal else 'full'}"
 
     def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int, int]]:
         """Key -> (name, batch rows, heads) of every core op the candidates run (for measuring)."""
