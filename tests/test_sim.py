@@ -233,8 +233,13 @@ def test_rank_chunk_recurrence_by_hand(copy_ms, makespan, exposed):
     assert tl.exposed_comm_ms == pytest.approx(exposed, abs=1e-6)
     # by start time ("comm" before "compute0" at a tie): the push starts with the own second half
     names = [(e.name, e.tile) for e in sorted(tl.events, key=lambda e: (round(e.start_ms, 6), e.stream))]
-    assert [n for n in names if n[0] != "to_symmetric"] == \
+    assert [n for n in names if n[0] != "to_symmetric" and n != ("sum", "early")] == \
         [("pull", 1), ("fwd", "own[:h]"), ("fwd", "1"), ("push", 1), ("fwd", "own[h:]"), ("sum", 0)]
+    # the first half's rows are summed on compute1 as soon as the last push is in (free here)
+    ev = {(e.name, e.tile): e for e in tl.events}
+    push_end = ev[("push", 1)].end_ms
+    assert (ev[("sum", "early")].stream, ev[("sum", "early")].start_ms) == ("compute1", pytest.approx(push_end))
+    assert ev[("sum", 0)].start_ms == pytest.approx(max(push_end, ev[("fwd", "own[h:]")].end_ms))
 
 
 @pytest.mark.parametrize("copy_ms,makespan,exposed,push_at", [
@@ -251,7 +256,8 @@ def test_rank_chunk_recurrence_backward_by_hand(copy_ms, makespan, exposed, push
     ev = {(e.name, e.tile): e for e in tl.events}
     assert [ev[("bwd", "own")].start_ms, ev[("bwd", "1")].start_ms] == pytest.approx([0.0, max(4.0, copy_ms)])
     assert ev[("push", 1)].start_ms == pytest.approx(push_at)
-    assert (ev[("sum", 0)].stream, ev[("sum", 0)].start_ms) == ("compute1", pytest.approx(push_at + copy_ms))
+    assert (ev[("sum", "early")].stream, ev[("sum", "early")].start_ms) == ("compute1", pytest.approx(push_at + copy_ms))
+    assert ("sum", 0) not in ev  # every row summed early
     # over NCCL the sum stays on the compute stream, after the last piece
     tl = _rank_cm(copy_ms).rank_chunk_timeline(backward=True, transport="nccl", sources=1)
     s = next(e for e in tl.events if e.name == "sum")

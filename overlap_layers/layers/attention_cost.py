@@ -137,9 +137,9 @@ class AttentionCostModel(MLPCostModel):
                     + [(last[0], tag(0), ms(last), 0, 0, i, 0.0)])
         return out
 
-    def sums_early(self, backward: bool, transport: str) -> bool:
-        """Never: the attention's last piece is its own rows' projection (no tail to hide a sum)."""
-        return False
+    def early_sum_rows(self, backward: bool, transport: str) -> int:
+        """None: the attention's last piece is its own rows' projection of the whole tile."""
+        return 0
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)

@@ -34,8 +34,9 @@ compute stream; the pulls (of every source) run back to back on their own stream
 each, and a piece that needs one starts at ``max(compute free, its pull done)``; pushes run on a
 third stream, each after its piece's compute but its tail (the weight gradients a backward piece
 launches after its push); the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece
-and the last push, or, in the MLP backward over the copy engine, on a second stream right after
-the last push (beside the last piece's tail; ``sums_early``). A
+and the last push, except that over the copy engine the MLP sums rows on a second stream right
+after the last push (``early_sum_rows``): backward all of them, beside the last piece's tail;
+forward the own first half's, beside the own second half, the rest after it. A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds
@@ -237,10 +238,14 @@ class MLPCostModel:
         out += [("fwd", str(j), ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
         return out + [("fwd", "own[h:]" if half else "own", ms(T - half), 0, 0, 0, 0.0)]
 
-    def sums_early(self, backward: bool, transport: str) -> bool:
-        """Whether the sum of the slots runs beside the last piece's tail (``reduce_early``: the
-        MLP backward over the copy engine)."""
-        return backward and transport == "copy_engine"
+    def early_sum_rows(self, backward: bool, transport: str) -> int:
+        """Rows of the slots summed beside the compute after the last push (``reduce_early``,
+        over the copy engine): backward all (beside the last piece's weight gradients), forward
+        the own first half's (beside the own second half)."""
+        if transport != "copy_engine":
+            return 0
+        T = self.chunk_rows()
+        return T if backward else T // 2
 
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
@@ -273,9 +278,11 @@ class MLPCostModel:
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
-        early = self.sums_early(backward, transport)
-        add("sum", 0, "compute1" if early else "compute0", pushed + signal if early else max(t, pushed + signal),
-            md.mem_ms((ws + 1) * chunk))
+        rows, early = self.chunk_rows(), self.early_sum_rows(backward, transport)
+        summed = add("sum", "early", "compute1", pushed + signal, md.mem_ms((ws + 1) * chunk) * early / rows) \
+            if early else pushed + signal
+        if early < rows:
+            add("sum", 0, "compute0", max(t, summed), md.mem_ms((ws + 1) * chunk) * (rows - early) / rows)
         return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
 
     def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Tuple[float, float]:

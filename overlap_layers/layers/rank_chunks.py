@@ -18,7 +18,8 @@ pipeline fill) and the second half hides the last push (no drain). Backward is t
 the serial backward over ``dy`` (gathered the same way, and ``x`` too when re-gathering), with
 the own rows whole and first: a piece pushes its dx partial before its weight gradients, so the
 last piece's weight gradients hide the last push and, over the copy engine, the sum of the slots
-(``exchange.reduce_early``); halves would only cost GEMM efficiency there.
+(``exchange.reduce_early``); halves would only cost GEMM efficiency there. Forward, the copy
+engine sums the first half's rows beside the own second half, the rest after it.
 
 =========  =======================================================================
 dgrad      dh = dy_q @ w_out; dpre = act'(pre_q, dh); dx partial = dpre @ w_in -> rank q
@@ -54,8 +55,8 @@ def pieces(rank: int, world_size: int, rows: int, backward: bool = False) -> Lis
 
 
 def finish(exchange, recorder=None) -> torch.Tensor:
-    """``exchange.finish()`` (the sum of the partial slots), timed by ``recorder`` if given (by
-    the exchange itself when ``reduce_early`` queued the sum)."""
+    """``exchange.finish()`` (the sum of the partial slots, or of the rows ``reduce_early`` left),
+    timed by ``recorder`` if given (the early sum is timed by the exchange itself)."""
     if exchange.summed_early:
         return exchange.finish()
     with piece(recorder, "sum", 0):
@@ -108,6 +109,7 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
     """The forward in the module table; writes ``pre`` of every gathered row into ``pre_all``
     ``[ws, T, I]`` and returns ``y [T, H]``. ``recorder`` (an ``OpRecorder``) times each piece."""
     rank, ws, T = exchange.rank, exchange.ws, x_TH.shape[0]
+    half = T // 2
     for j, q, a, b in pieces(rank, ws, T):
         with piece(recorder, "fwd", _tag(j, a, b, T), f"overlap::mlp::rank_chunk[{q}]"):
             xin = x_TH[a:b] if j == 0 else exchange.pull(j)[0]
@@ -119,6 +121,8 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
             out = torch.mm(act(pre), w_out.t(), out=exchange.own_partial[a:b] if j == 0 else None)
             if j:
                 exchange.push(j, out)
+            if j == ws - 1 and half:  # the last push: the first half's rows may be summed beside the second half
+                exchange.reduce_early(half)
         if log is not None:
             log.append((f"step{j}[{a}:{b}]", "rank_chunk", "fwd"))  # rank-independent, like every log entry
     return finish(exchange, recorder)

@@ -9,9 +9,11 @@ partials of shape ``[T, *partial]``::
     push(j, p_rq)   sends rank r's partial for q's rows to q
     finish()        == own + sum over s != r of the partial rank s pushed for r's rows
                        (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
-    reduce_early()  may come after the last push, once ``own_partial`` is written: the copy
-                    engine then sums on its push stream while the caller computes on (the MLP
-                    backward's last weight gradients); ``finish()`` joins it
+    reduce_early(n) may come after the last push, once rows ``[0, n)`` of ``own_partial`` are
+                    written (default: all rows): the copy engine then sums those rows on its push
+                    stream while the caller computes on (the MLP backward's last weight
+                    gradients, its forward's own second half); ``finish()`` joins it and sums
+                    the rest
 
 With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
 batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
@@ -120,9 +122,9 @@ class PointToPointExchange:
                 self._pull_works[j, i] = dist.batch_isend_irecv(ops)
         self._pushes = 0
 
-    summed_early = False  # NCCL's works are waited on the current stream: the sum stays in finish
+    summed_early = False  # NCCL's works are waited on the current stream: the sums stay in finish
 
-    def reduce_early(self) -> None:
+    def reduce_early(self, rows: Optional[int] = None) -> None:
         """Nothing: :meth:`finish` waits for the pushes and sums (see the module docstring)."""
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
@@ -318,7 +320,7 @@ class CopyEngineExchange:
                     ev.record(w.pull_stream)
                     self._pulled[j, i] = ev
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
-        self._early: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # (sum, done) of reduce_early
+        self._early: Optional[Tuple[torch.Tensor, int, torch.cuda.Event]] = None  # (sum, rows, done): reduce_early
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
@@ -342,34 +344,42 @@ class CopyEngineExchange:
 
     @property
     def summed_early(self) -> bool:
-        return self._early is not None
+        """Whether :meth:`reduce_early` summed every row (``finish`` then only joins it)."""
+        return self._early is not None and self._early[1] == self.slots.shape[1]
 
-    def reduce_early(self) -> None:
-        """Queue the sum of the slots on the push stream, after this rank's pushes and the peers'
-        PUSH signals, so that compute launched after this call runs beside it. Every push must be
-        done and ``own_partial`` written (both ordered before the push stream by now: each push
-        waits for the current stream). Timed as ``sum`` on ``compute1`` by the recorder."""
+    def reduce_early(self, rows: Optional[int] = None) -> None:
+        """Queue the sum of the slots' rows ``[0, rows)`` (default all) on the push stream, after
+        this rank's pushes and the peers' PUSH signals, so that compute launched after this call
+        runs beside it; :meth:`finish` sums the rest. Every push must be done and those rows of
+        ``own_partial`` written (both ordered before the push stream by now: each push waits for
+        the current stream). Timed as ``sum[early]`` on ``compute1`` by the recorder."""
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         w, compute = self.w, torch.cuda.current_stream(self.w.device)
+        n = self.slots.shape[1] if rows is None else rows
         out = torch.empty(self.slots.shape[1:], dtype=self.slots.dtype, device=w.device)  # the caller's stream owns it
         w.push_stream.wait_stream(compute)
         with torch.cuda.stream(w.push_stream):
-            tok = self.recorder.begin("sum", 0, "compute1", stream=w.push_stream) if self.recorder is not None else None
+            tok = self.recorder.begin("sum", "early", "compute1", stream=w.push_stream) if self.recorder is not None \
+                else None
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.wait_signal(s, PUSH)
-            torch.sum(self.slots, 0, out=out)
+            torch.sum(self.slots[:, :n], 0, out=out[:n])
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
             done = torch.cuda.Event()
             done.record(w.push_stream)
-        self._early = (out, done)
+        self._early = (out, n, done)
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum of the slots (into ``out`` if given). After :meth:`reduce_early`: joins it and
+        sums the remaining rows (the peers' signals were waited there)."""
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
         if self._early is not None:
-            summed, done = self._early
+            summed, n, done = self._early
             compute.wait_event(done)
+            if n < summed.shape[0]:
+                torch.sum(self.slots[:, n:], 0, out=summed[n:])
             return summed if out is None else out.copy_(summed)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
