@@ -256,7 +256,8 @@ def test_rank_chunk_recurrence_backward_by_hand(copy_ms, makespan, exposed, push
     ev = {(e.name, e.tile): e for e in tl.events}
     assert [ev[("bwd", "own")].start_ms, ev[("bwd", "1")].start_ms] == pytest.approx([0.0, max(4.0, copy_ms)])
     assert ev[("push", 1)].start_ms == pytest.approx(push_at)
-    assert (ev[("sum", "early")].stream, ev[("sum", "early")].start_ms) == ("compute1", pytest.approx(push_at + copy_ms))
+    early = ev[("sum", "early")]
+    assert (early.stream, early.start_ms) == ("compute1", pytest.approx(push_at + copy_ms))
     assert ("sum", 0) not in ev  # every row summed early
     # over NCCL the sum stays on the compute stream, after the last piece
     tl = _rank_cm(copy_ms).rank_chunk_timeline(backward=True, transport="nccl", sources=1)

@@ -39,12 +39,12 @@ after the last push (``early_sum_rows``): backward all of them, beside the last 
 forward the own first half's, beside the own second half, the rest after it. A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
-over NCCL, which also slows every piece by the interference factor. The copy engine adds
-the copies of the sources into the symmetric buffer (on the pull stream, beside the first piece)
-and one signal round trip (``"signal"``) before the first pull and after the last push. Peak memory: the serial plan's, plus the partial
-slots (``ws*T*H*e``; in the persistent symmetric workspace for the copy engine, with the sources),
-minus the activation of ws-1 chunks (a piece holds ``h`` for its own ``T`` rows, the serial
-layer for all ``ws*T``).
+over NCCL, which also slows every piece by the interference factor. The copy engine adds the
+copies of the sources into the symmetric buffer (on the pull stream, beside the first piece) and
+one signal round trip (``"signal"``) before the first pull and after the last push. Peak memory:
+the serial plan's, plus the partial slots (``ws*T*H*e``; in the persistent symmetric workspace
+for the copy engine, with the sources), minus the activation of ws-1 chunks (a piece holds ``h``
+for its own ``T`` rows, the serial layer for all ``ws*T``).
 """
 from __future__ import annotations
 
