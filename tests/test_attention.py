@@ -304,8 +304,7 @@ def _rank_log(rank, ws, k):
 @pytest.mark.parametrize("ws,k", [(2, 1), (4, 1), (4, 2)])
 def test_rank_chunks_launch_order(pools, ws, k):
     """Per batch tile: own rows' projection first, then the peers' in step order; the output
-    projection of the peers first and the own rows last, and backward the own rows' dx partial
-    first; alike on every rank (written out here)."""
+    projection of the peers first and the own rows last; alike on every rank (written out here)."""
     peers = list(range(1, ws))
     out = []
     for fwd in (True, False):
@@ -313,8 +312,7 @@ def test_rank_chunks_launch_order(pools, ws, k):
         for i in range(k):
             name = (lambda j: f"step{j}") if k == 1 else (lambda j, i=i: f"tile{i}.step{j}")
             d = "fwd" if fwd else "bwd"
-            out += [(name(j), first, d) for j in [0] + peers] + \
-                [(name(j), last, d) for j in (peers + [0] if fwd else [0] + peers)]
+            out += [(name(j), first, d) for j in [0] + peers] + [(name(j), last, d) for j in peers + [0]]
     assert pools(ws).run(_rank_log, k) == [out] * ws
 
 

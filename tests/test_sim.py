@@ -299,29 +299,6 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     assert cm.rank_tiles() == (1, 2)
 
 
-def test_rank_chunk_recurrence_attention_backward_own_rows_first():
-    """The attention backward in 2 tiles over the copy engine (GEMMs 1 ms): per tile the own
-    rows' dx partial comes first, each peer's is pushed after its dgrad (before its 1 ms QKV
-    weight gradient), and every row is summed on compute1 once the last push is in."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
-    from overlap_layers.sim import COMM_KINDS, HardwareModel
-    hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
-                       comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 2.0, "signal": 0.0, "core_bwd:1x4:q1kv1d4:causal": 2.0})
-    cm = AttentionCostModel(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
-                            sequence_parallel=True, causal=True, model=hw)
-    tl = cm.rank_chunk_timeline(backward=True, transport="copy_engine", sources=1, tiles=2)
-    ev = {(e.name, e.tile): e for e in tl.events}
-    for i in (0, 1):
-        own, peer, push = ev[("dgrad_qkv", f"{i}.own")], ev[("dgrad_qkv", f"{i}.1")], ev[("push", f"{i}.1")]
-        assert own.end_ms == pytest.approx(peer.start_ms)
-        assert push.start_ms == pytest.approx(peer.end_ms - 1.0)  # before the 1 ms weight gradient
-    last = ev[("push", "1.1")]
-    assert (ev[("sum", "early")].stream, ev[("sum", "early")].start_ms) == ("compute1", pytest.approx(last.end_ms))
-    assert ("sum", 0) not in ev
-    assert cm.early_sum_rows(False, "copy_engine") == cm.early_sum_rows(True, "nccl") == 0
-
-
 def test_attention_core_keys_name_everything_the_core_time_depends_on():
     """The calibration cache holds every layer's measured ops under their keys, so two layers
     whose cores differ (heads, KV heads, head dim, causal) must not share one: a llama3-70b

@@ -44,12 +44,9 @@ tile t+1's pulls and tile t-1's pushes; with one tile only the own rows' project
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
            o = core(qkv); partial = o[q] @ wo.T pushed to each peer q, own last; y = sum
 dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do);
-           dx partial = dqkv[q] @ wqkv, own first, then pushed to each peer q; dx = sum
-wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q after each dx partial
+           dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum
+wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes
 =========  ==================================================================================
-
-Backward, the last piece's QKV weight gradient hides its push and, over the copy engine, the sum
-of the slots (``exchange.reduce_early``), as in the MLP's backward (``rank_chunks.py``).
 """
 from __future__ import annotations
 
@@ -227,9 +224,8 @@ class _RankChunkAttention(torch.autograd.Function):
     """The SP attention split by source rank inside batch tiles, without ``bo`` (module
     docstring, rank chunks): per tile, the QKV projection of each rank's rows as they are pulled
     (own rows first), the core on the tile's rows, the output projection of each rank's rows
-    pushed to it (own rows last; backward first, see the module docstring). Every tile's pulls
-    are queued at the start, so a tile's core hides the next tile's pulls and the previous
-    tile's pushes."""
+    pushed to it (own rows last). Every tile's pulls are queued at the start, so a tile's core
+    hides the next tile's pulls and the previous tile's pushes."""
 
     @staticmethod
     def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
@@ -323,17 +319,15 @@ class _RankChunkAttention(torch.autograd.Function):
             for n, gn in enumerate(got[1:]):
                 d_norms[n] = gn if d_norms[n] is None else d_norms[n].add_(gn)
             dqkv_all = got[0].view(ws, b - a, -1)
-            for j in range(ws):  # own rows first: the last piece's weight gradient hides its push
+            for n, j in enumerate(_own_last(ws)):
                 q = (r + j) % ws
                 with piece(rec, "dgrad_qkv", step_tag(j, i, k), f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
                     if j:
                         ex.push(j, torch.mm(dqkv_all[q], w_qkv), i)
                     else:
                         torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
-                    if i == k - 1 and j == ws - 1:  # the last push: the sum may run beside the last weight gradient
-                        ex.reduce_early()
-                    accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and j == 0)
-                    accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and j == 0)
+                    accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
+                    accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
                 _logged(c, i, j, k, "dgrad_qkv", "bwd")
         dx_TH = finish(ex, rec)
         d_norms += [None] * (2 - len(d_norms))

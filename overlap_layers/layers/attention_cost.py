@@ -114,9 +114,8 @@ class AttentionCostModel(MLPCostModel):
 
     def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
-        then the peers' projections (pushed) and the own rows' last, or backward the own rows'
-        first and the peers' after, each pushed before its tail, the QKV weight gradient
-        (``_RankChunkAttention``)."""
+        the peers' projections (pushed; backward, the QKV weight gradient after the push is the
+        tail), the own rows' last (``_RankChunkAttention``)."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -131,18 +130,16 @@ class AttentionCostModel(MLPCostModel):
                 return step_tag(j, i, len(bounds))
             peers = range(1, ws)
             tail = ms(last[1:])
-            own_last = [(last[0], tag(0), ms(last), 0, 0, i, 0.0)]
-            pushed = [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
             out += ([(first[0], tag(0), ms(first), 0, 0, i, 0.0)]
                     + [(first[0], tag(j), ms(first), j, 0, i, 0.0) for j in peers]
                     + [(core, block_tag(i, "all", len(bounds)), self.op_ms(self.gathered(b1 - b0), core), 0, 0, i, 0.0)]
-                    + (own_last + pushed if backward else pushed + own_last))
+                    + [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
+                    + [(last[0], tag(0), ms(last), 0, 0, i, 0.0)])
         return out
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
-        """Backward over the copy engine, every row (beside the last piece's QKV weight
-        gradient); forward none (its last piece is the own rows' projection)."""
-        return self.chunk_rows() if backward and transport == "copy_engine" else 0
+        """None: the attention's last piece is its own rows' projection of the whole tile."""
+        return 0
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)

@@ -34,10 +34,9 @@ compute stream; the pulls (of every source) run back to back on their own stream
 each, and a piece that needs one starts at ``max(compute free, its pull done)``; pushes run on a
 third stream, each after its piece's compute but its tail (the weight gradients a backward piece
 launches after its push); the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece
-and the last push, except that over the copy engine rows are summed on a second stream right
-after the last push (``early_sum_rows``): backward all of them, beside the last piece's tail (MLP
-and attention); the MLP forward the own first half's, beside the own second half, the rest
-after it. A
+and the last push, except that over the copy engine the MLP sums rows on a second stream right
+after the last push (``early_sum_rows``): backward all of them, beside the last piece's tail;
+forward the own first half's, beside the own second half, the rest after it. A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds the
