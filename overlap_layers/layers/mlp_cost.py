@@ -224,12 +224,9 @@ class MLPCostModel:
         pushed), own second half; backward own rows whole, then the peers' (``rank_chunks.py``)."""
         T = self.chunk_rows()
         if backward:
-            dgrad, wgrad = ("dgrad2", "act_bwd", "dgrad1"), ("wgrad2", "wgrad1")
-
-            def bwd(j):
-                tail = sum(self.op_ms(T, op) for op in wgrad)
-                return ("bwd", str(j) if j else "own", sum(self.op_ms(T, op) for op in dgrad) + tail, j, j, 0, tail)
-            return [bwd(j) for j in range(self.ws)]
+            dgrad = sum(self.op_ms(T, op) for op in ("dgrad2", "act_bwd", "dgrad1"))
+            tail = sum(self.op_ms(T, op) for op in ("wgrad2", "wgrad1"))
+            return [("bwd", str(j) if j else "own", dgrad + tail, j, j, 0, tail) for j in range(self.ws)]
         half = T // 2
 
         def ms(m):
@@ -278,11 +275,10 @@ class MLPCostModel:
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
-        rows, early = self.chunk_rows(), self.early_sum_rows(backward, transport)
-        summed = add("sum", "early", "compute1", pushed + signal, md.mem_ms((ws + 1) * chunk) * early / rows) \
-            if early else pushed + signal
+        rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), md.mem_ms((ws + 1) * chunk)
+        summed = add("sum", "early", "compute1", pushed + signal, sum_ms * early / rows) if early else pushed + signal
         if early < rows:
-            add("sum", 0, "compute0", max(t, summed), md.mem_ms((ws + 1) * chunk) * (rows - early) / rows)
+            add("sum", 0, "compute0", max(t, summed), sum_ms * (rows - early) / rows)
         return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
 
     def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Tuple[float, float]:

@@ -42,9 +42,9 @@ waiting for every peer's channel-1 signal, which each peer puts after its pull f
 pushes into p's slot only after p's channel-0 signal of the same call, which p puts after summing
 its slots of the previous call (all ordered on p's current stream; a sum that ``reduce_early``
 ran on the push stream, with its signal waits, is joined into the current stream by ``finish``
-before the call returns). A signal is a flag that the wait resets, and the order above never puts a flag twice before it is waited. Every exchange on
-one workspace must run on the same current stream, in the same order on every rank: one layer
-after another, as a model runs them.
+before the call returns). A signal is a flag that the wait resets, and the order above never puts
+a flag twice before it is waited. Every exchange on one workspace must run on the same current
+stream, in the same order on every rank: one layer after another, as a model runs them.
 """
 from __future__ import annotations
 
@@ -84,17 +84,19 @@ def _push_step(n: int, world_size: int) -> Tuple[int, int]:
     return n % (world_size - 1) + 1, n // (world_size - 1)
 
 
-def _gathered(sources: Sequence[torch.Tensor], world_size: int, rank: int, keep: Sequence[bool]
-              ) -> List[torch.Tensor]:
-    """``[ws, T, ...]`` receive buffers per source; row block ``rank`` holds the source itself
-    where ``keep`` says so (the caller keeps the whole gathered tensor), else stays unwritten."""
-    out = []
-    for i, s in enumerate(sources):
-        g = s.new_empty((world_size, *s.shape))
+def _gathered(sources: Sequence[torch.Tensor], world_size: int) -> List[torch.Tensor]:
+    """``[ws, T, ...]`` receive buffers per source (row block ``rank`` stays unwritten unless
+    :func:`_keep_own` fills it)."""
+    return [s.new_empty((world_size, *s.shape)) for s in sources]
+
+
+def _keep_own(gathered: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], rank: int,
+              keep: Sequence[bool]) -> None:
+    """Copy each source into row block ``rank`` of its receive buffer where ``keep`` says so (the
+    caller keeps the whole gathered tensor), on the current stream."""
+    for i, (g, s) in enumerate(zip(gathered, sources)):
         if i < len(keep) and keep[i]:
             g[rank].copy_(s)
-        out.append(g)
-    return out
 
 
 class PointToPointExchange:
@@ -108,7 +110,8 @@ class PointToPointExchange:
         self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
         self.sources = [s.contiguous() for s in sources]
-        self.gathered = _gathered(self.sources, self.ws, self.rank, keep_gathered)
+        self.gathered = _gathered(self.sources, self.ws)
+        _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
         x = self.sources[0]
         self.slots = x.new_empty((self.ws, *partial_shape))
         self.own_partial = self.slots[self.rank]
@@ -291,7 +294,7 @@ class CopyEngineExchange:
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]
-        self.gathered = _gathered(self.sources, self.ws, self.rank, ())
+        self.gathered = _gathered(self.sources, self.ws)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
         compute = torch.cuda.current_stream(w.device)
         w.pull_stream.wait_stream(compute)
@@ -302,9 +305,7 @@ class CopyEngineExchange:
                 w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
             if tok is not None:
                 rec.end(tok, stream=w.pull_stream)
-            for i, g in enumerate(self.gathered):  # the caller keeps these whole: own rows too
-                if i < len(keep_gathered) and keep_gathered[i]:
-                    g[self.rank].copy_(self.sources[i])
+            _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
             for i, (a, b) in enumerate(self.blocks):
