@@ -113,7 +113,8 @@ class _Call:
         o = attention(q.reshape(b, g * s, self.nq, d), k.reshape(b, g * s, self.nkv, d),
                       v.reshape(b, g * s, self.nkv, d), cos_sin=cs, q_norm=self.q_norm, k_norm=self.k_norm,
                       causal=self.causal, scale=self.scale, dropout_p=self.dropout_p)
-        return o.reshape(b, g, s, self.nq * d).transpose(0, 1).reshape(g * b * s, self.nq * d)
+        # [b, g*s, nq, d] -> rank-major [g*b*s, A] in one copy (the sequence split into (g, s) is a view)
+        return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * b * s, self.nq * d)
 
 
 def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:

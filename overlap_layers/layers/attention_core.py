@@ -35,15 +35,47 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` (tables cast to ``x``'s dtype), computed per half
-    without building the rotated copy: ``[x1*c1 - x2*s1, x2*c2 + x1*s2]`` for ``x = [x1, x2]``
-    (four half-width kernels and the concatenation; the rotated form takes four full-width
-    kernels and a concatenation, about three times the memory traffic)."""
-    h = x_bhSd.shape[-1] // 2
+    """``x * cos + rotate_half(x) * sin`` (tables cast to ``x``'s dtype) as a new contiguous
+    tensor, differentiable in ``x`` (:class:`_Rope`) and, where they require it, in the tables."""
     cos, sin = cos_bSd.to(x_bhSd.dtype)[:, None], sin_bSd.to(x_bhSd.dtype)[:, None]
-    x1, x2 = x_bhSd[..., :h], x_bhSd[..., h:]
-    return torch.cat([torch.addcmul(x1 * cos[..., :h], x2, sin[..., :h], value=-1),
-                      torch.addcmul(x2 * cos[..., h:], x1, sin[..., h:])], dim=-1)
+    if cos.requires_grad or sin.requires_grad:  # learned tables: autograd of the formula
+        h = x_bhSd.shape[-1] // 2
+        x1, x2 = x_bhSd[..., :h], x_bhSd[..., h:]
+        return torch.cat([x1 * cos[..., :h] - x2 * sin[..., :h], x2 * cos[..., h:] + x1 * sin[..., h:]], dim=-1)
+    return _Rope.apply(x_bhSd, cos, sin)
+
+
+def _rotate_into(out: torch.Tensor, a: torch.Tensor, c1, s1, c2, s2, sign1: float, sign2: float) -> torch.Tensor:
+    """``out = [a1*c1 + sign1*a2*s1, a2*c2 + sign2*a1*s2]`` for ``a = [a1, a2]`` (halves of the last
+    dimension): four half-width kernels writing ``out``'s halves in place (no concatenation, no
+    rotated copy of ``a``)."""
+    h = a.shape[-1] // 2
+    a1, a2, o1, o2 = a[..., :h], a[..., h:], out[..., :h], out[..., h:]
+    torch.mul(a1, c1, out=o1).addcmul_(a2, s1, value=sign1)
+    torch.mul(a2, c2, out=o2).addcmul_(a1, s2, value=sign2)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with a hand-written backward. Forward, with ``x = [x1, x2]`` and the tables' halves
+    ``c1, c2, s1, s2``: ``y = [x1*c1 - x2*s1, x2*c2 + x1*s2]`` (= ``x*cos + rotate_half(x)*sin``).
+    Its transpose is the backward: ``dx = [g1*c1 + g2*s2, g2*c2 - g1*s1]``. Autograd of the
+    forward's slices would instead build a zero-filled full-size gradient per slice and add them
+    (about a dozen full-width kernels per tensor); this takes four half-width ones."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        h = x.shape[-1] // 2
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return _rotate_into(out, x, cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:], -1, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        h = g.shape[-1] // 2
+        dx = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        return _rotate_into(dx, g, cos[..., :h], sin[..., h:], cos[..., h:], sin[..., :h], 1, -1), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
