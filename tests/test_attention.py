@@ -264,28 +264,31 @@ def test_pinned_plans(pool2, plan):
 
 
 RANK_GRID = [
-    # ws, regather, K, B, S(global), H, nq, nkv, d, causal, bias, qk_norm, pos, dtype
-    (2, False, 1, 2, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),
-    (2, True, 1, 1, 6, 12, 4, 1, 4, True, False, False, "default", torch.float64),   # nkv < ws
-    (2, False, 1, 3, 4, 16, 4, 4, 4, False, True, False, "emb", torch.float32),     # all rows at once
-    (4, True, 1, 2, 8, 16, 8, 2, 2, True, True, True, "ids", torch.float64),
-    (4, False, 1, 1, 8, 16, 4, 1, 4, True, False, True, "default", torch.float64),
-    (2, False, 2, 3, 8, 16, 4, 2, 4, True, True, True, "ids", torch.float64),       # tiles of 2 and 1
-    (4, True, 2, 2, 8, 16, 8, 4, 2, False, False, True, "emb", torch.float64),
-    (4, False, 4, 4, 4, 8, 4, 4, 2, True, True, False, "default", torch.float32),  # MHA, 1 row per chunk
-    (2, True, 3, 3, 4, 8, 2, 1, 4, False, True, False, "default", torch.float64),
-    (2, False, 4, 2, 8, 16, 4, 2, 4, True, True, False, "ids", torch.float64),     # K=4 capped to the batch
+    # ws, regather, K, B, S(global), H, nq, nkv, d, rope, causal, bias, qk_norm, pos, dtype
+    (2, False, 1, 2, 8, 16, 4, 2, 4, True, True, True, True, "ids", torch.float64),
+    (2, True, 1, 1, 6, 12, 4, 1, 4, True, True, False, False, "default", torch.float64),   # nkv < ws
+    (2, False, 1, 3, 4, 16, 4, 4, 4, True, False, True, False, "emb", torch.float32),     # all rows at once
+    (4, True, 1, 2, 8, 16, 8, 2, 2, True, True, True, True, "ids", torch.float64),
+    (4, False, 1, 1, 8, 16, 4, 1, 4, True, True, False, True, "default", torch.float64),
+    (2, False, 2, 3, 8, 16, 4, 2, 4, True, True, True, True, "ids", torch.float64),       # tiles of 2 and 1
+    (4, True, 2, 2, 8, 16, 8, 4, 2, True, False, False, True, "emb", torch.float64),
+    (4, False, 4, 4, 4, 8, 4, 4, 2, True, True, True, False, "default", torch.float32),  # MHA, 1 row per chunk
+    (2, True, 3, 3, 4, 8, 2, 1, 4, True, False, True, False, "default", torch.float64),
+    (2, False, 4, 2, 8, 16, 4, 2, 4, True, True, True, False, "ids", torch.float64),     # K=4 capped to the batch
+    # no RoPE (no k bias: without RoPE or qk-norm a k bias shifts a query's scores alike, its gradient is 0)
+    (2, False, 1, 2, 8, 16, 4, 2, 4, False, True, False, False, "default", torch.float64),
+    (4, True, 2, 2, 8, 16, 8, 2, 2, False, False, False, False, "ids", torch.float32),
 ]
 
 
-@pytest.mark.parametrize("ws,regather,k,B,S,H,nq,nkv,d,causal,bias,qk_norm,pos,dtype", RANK_GRID)
-def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, nkv, d, causal, bias, qk_norm, pos,
-                                           dtype):
+@pytest.mark.parametrize("ws,regather,k,B,S,H,nq,nkv,d,rope,causal,bias,qk_norm,pos,dtype", RANK_GRID)
+def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, nkv, d, rope, causal, bias, qk_norm,
+                                           pos, dtype):
     """Split by source rank inside K batch tiles (over send/recv on gloo): forward, dx and every
     gradient, two calls."""
     case = make_case(ws * 31 + B * 7 + S + k, B=B, S=S, H=H, nq=nq, nkv=nkv, d=d, bias=bias, qk_norm=qk_norm,
                      pos=pos)
-    opts = dict(causal=causal)
+    opts = dict(causal=causal, rope_theta=10000.0 if rope else None)
     res = pools(ws).run(run_layer, case, opts, dtype, 2, MLPPlan(k, regather=regather, decomposition="rank"))
     for call in range(2):
         assert [(c["k"], c["decomposition"]) for r in res for c in [r["calls"][call]]] == [(min(k, B), "rank")] * ws

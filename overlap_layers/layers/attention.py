@@ -64,7 +64,7 @@ from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
-from .attention_core import attention
+from .attention_core import Heads, attention, empty_heads, heads_into, sdpa
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
@@ -101,18 +101,37 @@ class _Call:
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
         self.exchange = None  # the exchange factory of a rank-chunk plan
 
-    def core(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
-        """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1."""
+    def tables(self, b0: int, b1: int, dtype: torch.dtype):
+        """RoPE's cos, sin ``[b or 1, g*s, d]`` of batch rows b0..b1 in ``dtype``, or None."""
+        if self.cos_sin is None:
+            return None
+        return tuple((t if t.shape[0] == 1 else t[b0:b1]).to(dtype) for t in self.cos_sin)
+
+    def heads_shape(self, b0: int, b1: int) -> tuple:
+        return self.g, b1 - b0, self.s, self.nq, self.nkv, self.d
+
+    def chunk_heads(self, qkv_all: torch.Tensor, q: int, pre, tables) -> None:
+        """Fill the core's q, k, v buffers ``pre`` (:func:`empty_heads`) from one rank's rows
+        ``qkv_all[q]`` ``[b, s, C]`` of a tile, as they arrive (rank chunks, no qk-norm)."""
+        g, s, d = self.g, self.s, self.d
+        tq = None if tables is None else tuple(t[:, q * s:(q + 1) * s] for t in tables)
+        heads_into(qkv_all[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in pre), tq,
+                   self.nq, self.nkv, d)
+
+    def core(self, qkv_MC: torch.Tensor, b0: int, b1: int, pre=None) -> torch.Tensor:
+        """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1. ``pre``:
+        the core's q, k, v already filled by :meth:`chunk_heads` (only without qk-norm)."""
         g, b, s, d = self.g, b1 - b0, self.s, self.d
-        qkv = qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
-        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
-        cs = None
-        if self.cos_sin is not None:
-            cos, sin = self.cos_sin
-            cs = (cos, sin) if cos.shape[0] == 1 else (cos[b0:b1], sin[b0:b1])
-        o = attention(q.reshape(b, g * s, self.nq, d), k.reshape(b, g * s, self.nkv, d),
-                      v.reshape(b, g * s, self.nkv, d), cos_sin=cs, q_norm=self.q_norm, k_norm=self.k_norm,
-                      causal=self.causal, scale=self.scale, dropout_p=self.dropout_p)
+        if self.q_norm is None:  # RoPE and the head layout in one pass each way (attention_core.Heads)
+            q, k, v = Heads.apply(qkv_MC, self.heads_shape(b0, b1), self.tables(b0, b1, qkv_MC.dtype), pre)
+            o = sdpa(q, k, v, causal=self.causal, scale=self.scale, dropout_p=self.dropout_p).transpose(1, 2)
+        else:
+            qkv = qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
+            q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
+            o = attention(q.reshape(b, g * s, self.nq, d), k.reshape(b, g * s, self.nkv, d),
+                          v.reshape(b, g * s, self.nkv, d), cos_sin=self.tables(b0, b1, qkv_MC.dtype),
+                          q_norm=self.q_norm, k_norm=self.k_norm, causal=self.causal, scale=self.scale,
+                          dropout_p=self.dropout_p)
         # [b, g*s, nq, d] -> rank-major [g*b*s, A] in one copy (the sequence split into (g, s) is a view)
         return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * b * s, self.nq * d)
 
@@ -249,6 +268,9 @@ class _RankChunkAttention(torch.autograd.Function):
         graphs, o_ins = [], []
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
             qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
+            # without qk-norm each rank's rows are RoPE'd into the core's buffers as they arrive
+            pre = empty_heads(x_TH, call.heads_shape(b0, b1)) if call.q_norm is None else None
+            tables = call.tables(b0, b1, x_TH.dtype) if pre is not None else None
             for j in range(ws):
                 with piece(rec, "qkv", step_tag(j, i, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
                     xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
@@ -257,17 +279,19 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.mm(xin, w_qkv.t(), out=out)
                     else:
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
+                    if pre is not None:
+                        call.chunk_heads(qkv_all.view(ws, b1 - b0, call.s, -1), (r + j) % ws, pre, tables)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
             with piece(rec, "core", block_tag(i, "all", k), f"overlap::attn::core[{i}]"):
                 if call.save:
                     leaf = qkv_MC.detach().requires_grad_()
                     with recording_graph():  # [Note: per-tile graphs]
-                        o = call.core(leaf, b0, b1)
+                        o = call.core(leaf, b0, b1, pre)
                     graphs.append((leaf, o))
                     o_in = o.detach()
                 else:
-                    o_in = call.core(qkv_MC, b0, b1)
+                    o_in = call.core(qkv_MC, b0, b1, pre)
             o_ins.append(o_in)
             o_all = o_in.view(ws, b - a, -1)
             for j in _own_last(ws):

@@ -78,6 +78,89 @@ class _Rope(torch.autograd.Function):
         return _rotate_into(dx, g, cos[..., :h], sin[..., h:], cos[..., h:], sin[..., :h], 1, -1), None, None
 
 
+def _head_views(qkv_gbsC: torch.Tensor, nq: int, nkv: int, d: int):
+    """q, k, v of rank-major rows ``qkv [g, b, s, C]`` as ``[b, n, g, s, d]`` views (no copy)."""
+    def heads(lo: int, n: int) -> torch.Tensor:
+        return qkv_gbsC[..., lo * d:(lo + n) * d].unflatten(-1, (n, d)).permute(1, 3, 0, 2, 4)
+    return heads(0, nq), heads(nq, nkv), heads(nq + nkv, nkv)
+
+
+def _table_views(cos_sin, g: int, s: int):
+    """The tables ``[b or 1, g*s, d]`` as ``[b or 1, 1, g, s, d]`` (broadcast over the heads), or None."""
+    return None if cos_sin is None else tuple(t.unflatten(1, (g, s))[:, None] for t in cos_sin)
+
+
+def heads_into(qkv_gbsC: torch.Tensor, q, k, v, cos_sin, nq: int, nkv: int, d: int) -> None:
+    """The core's input from projected rows: ``q, k`` RoPE'd (``cos_sin``: tables ``[b or 1, g*s, d]``
+    of these rows' positions, in the rows' dtype, or None) and ``v``, written into ``q, k, v
+    [b, n, g, s, d]`` from rank-major ``qkv [g, b, s, C]`` (C = (nq + 2*nkv)*d; row (i, j, t) is
+    position i*s + t of sequence j). One pass over ``qkv``: no whole-tile permute, no
+    concatenation. Equals ``attention``'s RoPE of the permuted rows."""
+    g, s = qkv_gbsC.shape[0], qkv_gbsC.shape[2]
+    qi, ki, vi = _head_views(qkv_gbsC, nq, nkv, d)
+    tables = _table_views(cos_sin, g, s)
+    h = d // 2
+    for src, dst in ((qi, q), (ki, k)):
+        if tables is None:
+            dst.copy_(src)
+        else:
+            c, sn = tables
+            _rotate_into(dst, src, c[..., :h], sn[..., :h], c[..., h:], sn[..., h:], -1, 1)
+    v.copy_(vi)
+
+
+def heads_backward_into(dqkv_gbsC: torch.Tensor, dq, dk, dv, cos_sin, nq: int, nkv: int, d: int) -> None:
+    """The transpose of :func:`heads_into`: ``dq, dk, dv [b, n, g, s, d]`` to rank-major
+    ``dqkv [g, b, s, C]`` (RoPE's transpose ``[g1*c1 + g2*s2, g2*c2 - g1*s1]`` on dq, dk)."""
+    g, s = dqkv_gbsC.shape[0], dqkv_gbsC.shape[2]
+    qo, ko, vo = _head_views(dqkv_gbsC, nq, nkv, d)
+    tables = _table_views(cos_sin, g, s)
+    h = d // 2
+    for src, dst in ((dq, qo), (dk, ko)):
+        if tables is None:
+            dst.copy_(src)
+        else:
+            c, sn = tables
+            _rotate_into(dst, src, c[..., :h], sn[..., h:], c[..., h:], sn[..., :h], 1, -1)
+    vo.copy_(dv)
+
+
+class Heads(torch.autograd.Function):
+    """``(q, k, v) [b, n, g*s, d]`` (contiguous) of rank-major rows ``qkv_MC [g*b*s, C]``
+    (:func:`heads_into`), differentiable in ``qkv_MC`` (:func:`heads_backward_into` into one
+    rank-major gradient). ``pre``: buffers :func:`heads_into` has already filled from these rows
+    (chunk by chunk, as they arrived), returned as they are. No qk-norm; tables take no gradient."""
+
+    @staticmethod
+    def forward(ctx, qkv_MC, shape, cos_sin, pre):
+        g, b, s, nq, nkv, d = shape
+        ctx.shape, ctx.cos_sin = shape, cos_sin
+        q, k, v = pre if pre is not None else empty_heads(qkv_MC, shape)
+        if pre is None:
+            heads_into(qkv_MC.view(g, b, s, -1), *(t.view(b, -1, g, s, d) for t in (q, k, v)), cos_sin, nq, nkv, d)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        g, b, s, nq, nkv, d = ctx.shape
+        dqkv = torch.empty((g * b * s, (nq + 2 * nkv) * d), dtype=dq.dtype, device=dq.device)
+        heads_backward_into(dqkv.view(g, b, s, -1), *(t.unflatten(2, (g, s)) for t in (dq, dk, dv)),
+                            ctx.cos_sin, nq, nkv, d)
+        return dqkv, None, None, None
+
+
+def empty_heads(like: torch.Tensor, shape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous ``q [b, nq, g*s, d]``, ``k, v [b, nkv, g*s, d]`` for :func:`heads_into`."""
+    g, b, s, nq, nkv, d = shape
+    return tuple(like.new_empty((b, n, g * s, d)) for n in (nq, nkv, nkv))
+
+
+def sdpa(q, k, v, *, causal: bool, scale: Optional[float], dropout_p: float = 0.0) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``[b, n, S, d]`` heads, with ``enable_gqa`` when nq != nkv."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = x.float() if x.element_size() < 4 else x  # half types in float32, as Hugging Face does
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
@@ -97,7 +180,4 @@ def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, 
     if cos_sin is not None:
         cos, sin = (t.to(q.dtype) for t in cos_sin)  # once for q and k (apply_rope's cast is then a no-op)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    gqa = q.shape[1] != k.shape[1]
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
-                                       enable_gqa=gqa)
-    return o.transpose(1, 2)
+    return sdpa(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p).transpose(1, 2)
