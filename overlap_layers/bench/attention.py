@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..config import OverlapConfig
 from ..layers.attention import OverlapAttention
-from ..layers.attention_core import Heads, attention, rope_cos_sin, sdpa
+from ..layers.attention_core import attention, rope_cos_sin
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes
 
@@ -107,9 +107,8 @@ class AttentionBench(MLPBench):
 
     # ------------------------------------------------------------ references
     def compute_fn(self, backward: bool):
-        """Dense math of this rank's heads on the gathered sequence: qkv = x @ wqkv.T, the core as
-        the layer runs it (``attention_core.Heads``: RoPE and the head layout in one pass; SDPA with
-        GQA, causal), y = o @ wo.T; weights concatenated once, outside the timing."""
+        """Dense math of this rank's heads on the gathered sequence: qkv = x @ wqkv.T, SDPA
+        (GQA, causal, RoPE), y = o @ wo.T; weights concatenated once, outside the timing."""
         sh, ws, L = self.s, self.ws, self.layer
         B, s, H = self.x.shape
         g = ws if sh.sequence_parallel else 1
@@ -123,9 +122,9 @@ class AttentionBench(MLPBench):
         cs = self.cos_sin
 
         def forward():
-            qkv = torch.nn.functional.linear(xg, w_qkv).view(B * g * s, -1)  # [1, B, S, C] rank-major, g=1
-            q, k, v = Heads.apply(qkv, (1, B, g * s, nq, nkv, d), cs, None)
-            o = sdpa(q, k, v, causal=True, scale=None).transpose(1, 2)
+            q, k, v = torch.nn.functional.linear(xg, w_qkv).split([nq * d, nkv * d, nkv * d], dim=-1)
+            o = attention(q.reshape(B, g * s, nq, d), k.reshape(B, g * s, nkv, d), v.reshape(B, g * s, nkv, d),
+                          cos_sin=cs, q_norm=None, k_norm=None, causal=True, scale=None)
             return o.reshape(B, g * s, nq * d) @ w_o.t()
 
         def run():
