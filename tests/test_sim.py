@@ -299,6 +299,37 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     assert cm.rank_tiles() == (1, 2)
 
 
+def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
+    """Without qk-norm the rank-chunk forward RoPEs each pulled chunk into the core's buffers, so
+    each qkv piece carries 1/ws of the measured heads step and the core the rest (by hand): the
+    previous test's shapes with heads 1 ms a tile (0.5 a chunk), core 2 ms (1 ms left). Tile 0:
+    own qkv 0-1.5, peer qkv 3-4.5 (after its pull), core 4.5-5.5, peer proj 5.5-6.5 (push
+    6.5-9.5), own proj 6.5-7.5; tile 1: own qkv 7.5-9, peer qkv 9-10.5, core 10.5-11.5, peer proj
+    11.5-12.5 (push 12.5-15.5); exposed: 1.5 ms of the first pull, 2 ms of the last push. The
+    backward's pieces do not change."""
+    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.sim import COMM_KINDS, HardwareModel
+    hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS},
+                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0,
+                                    "heads:1x4:q1kv1d4:causal": 1.0})
+    shape = dict(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
+                 sequence_parallel=True, causal=True, model=hw)
+    cm = AttentionCostModel(chunked_heads=True, **shape)
+    tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
+    assert tl.makespan_ms == pytest.approx(15.5, abs=1e-6)
+    assert tl.exposed_comm_ms == pytest.approx(3.5, abs=1e-6)
+    spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
+    want = {("qkv", "0.own"): (0, 1.5), ("qkv", "0.1"): (3, 4.5), ("core", "0.all"): (4.5, 5.5),
+            ("push", "0.1"): (6.5, 9.5), ("qkv", "1.own"): (7.5, 9), ("qkv", "1.1"): (9, 10.5),
+            ("core", "1.all"): (10.5, 11.5), ("push", "1.1"): (12.5, 15.5)}
+    assert {k: spans[k] for k in want} == want
+    assert "heads:1x4:q1kv1d4:causal" in cm.core_ops()
+    plain = AttentionCostModel(**shape)  # qk-norm: the whole core runs after the pulls
+    assert all(not k.startswith("heads") for k in plain.core_ops())
+    assert cm.rank_pieces(backward=True, tiles=2) == plain.rank_pieces(backward=True, tiles=2)
+
+
 def test_attention_core_keys_name_everything_the_core_time_depends_on():
     """The calibration cache holds every layer's measured ops under their keys, so two layers
     whose cores differ (heads, KV heads, head dim, causal) must not share one: a llama3-70b

@@ -524,14 +524,16 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         return AttentionCostModel(batch=batch, seq_local=s, world_size=self.world_size, hidden=self.hidden_size,
                                   heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                                   head_dim=self.head_dim, elt=torch.tensor([], dtype=dtype).element_size(),
-                                  sequence_parallel=self.sequence_parallel, causal=self.causal, model=hw)
+                                  sequence_parallel=self.sequence_parallel, causal=self.causal, model=hw,
+                                  chunked_heads=not self.qk_norm)
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self, TilePlan(k, regather=regather), save, None, None, 1, 1)
         return _forward_program(call, None, None, None, []), _backward_program(call, None, None, {}, [])
 
     def _op_setups(self, cm: AttentionCostModel, dtype: torch.dtype) -> dict:
-        """The attention core (forward, and backward of a recorded graph) per tile batch size."""
+        """The attention core (forward, its heads step alone, and backward of a recorded graph) per
+        tile batch size."""
         dev, S, C = self.wq.device, cm.g * cm.s, cm.C
 
         def setup(name, b):
@@ -540,6 +542,11 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             if call.q_norm is not None:
                 call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
             qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
+            if name == "heads":  # the core's RoPE and head layout alone (rank chunks run it per chunk)
+                g, _, s, nq, nkv, d = shape = call.heads_shape(0, b)
+                bufs, tables = empty_heads(qkv, shape), call.tables(0, b, dtype)
+                return lambda: heads_into(qkv.view(g, b, s, -1), *(t.view(b, -1, g, s, d) for t in bufs), tables,
+                                          nq, nkv, d)
             if name == "core":
                 return lambda: call.core(qkv, 0, b)
             leaf = qkv.requires_grad_()

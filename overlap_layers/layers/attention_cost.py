@@ -16,6 +16,8 @@ rs / ar     collective over M*H*e
 ag_dy       collective over M*H*e                     dy gathered, M*H*e (wgrad_o)
 dgrad_o     GEMM (M, A, H)                            do, M*A*e (core_bwd)
 core_bwd    measured ("core_bwd:bxS"), else 2.5x core dqkv, M*C*e (wgrad_qkv)
+heads       measured ("heads:bxS"), else memory-bound   (part of core: RoPE and head layout; rank
+            M*C*e read and written                    chunks run 1/ws of it per pulled chunk)
 dgrad_qkv   GEMM (M, H, C)                            dx gathered, M*H*e (wait_rs_dx)
 wgrad_o     GEMM (H, A, M); wgrad_qkv GEMM (C, H, M)
 ==========  ========================================  ====================================
@@ -36,12 +38,14 @@ class AttentionCostModel(MLPCostModel):
     """Tiles are batch rows (``rows`` = batch); see the module table."""
 
     def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
-                 head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel):
+                 head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel,
+                 chunked_heads: bool = False):
         d = head_dim
         super().__init__(rows=batch, world_size=world_size, hidden=hidden, n_in=(heads + 2 * kv_heads) * d,
                          f_local=heads * d, elt=elt, sequence_parallel=sequence_parallel, model=model)
         self.s, self.nq, self.nkv, self.d, self.causal = seq_local, heads, kv_heads, d, causal
         self.g = world_size if sequence_parallel else 1
+        self.chunked_heads = chunked_heads  # rank chunks run the core's heads step chunk by chunk (no qk-norm)
 
     @property
     def C(self) -> int:
@@ -55,7 +59,7 @@ class AttentionCostModel(MLPCostModel):
         return batch_rows * self.s * self.g
 
     def core_key(self, name: str, b: int) -> str:
-        """The measured-op key of the core (``"core"`` or ``"core_bwd"``) over ``b`` sequences:
+        """The measured-op key of the core (``"core"``, ``"core_bwd"`` or its ``"heads"`` step) over ``b`` sequences:
         everything its time depends on (the calibration cache holds every layer's keys:
         ``"core:2x8192:q8kv2d128:causal"``)."""
         return f"{name}:{b}x{self.g * self.s}:q{self.nq}kv{self.nkv}d{self.d}:{'causal' if self.causal else 'full'}"
@@ -63,7 +67,8 @@ class AttentionCostModel(MLPCostModel):
     def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:
         """Key -> (name, batch rows) of every core op the candidates run (for measuring)."""
         sizes = {b - a for k in tile_choices for a, b in tile_bounds(self.rows, k)}
-        return {self.core_key(name, b): (name, b) for b in sizes for name in ("core", "core_bwd")}
+        names = ("core", "core_bwd") + (("heads",) if self.chunked_heads else ())
+        return {self.core_key(name, b): (name, b) for b in sizes for name in names}
 
     def gemms(self, m: int) -> List[Tuple[int, int, int]]:
         H, C, A = self.H, self.C, self.A
@@ -81,6 +86,8 @@ class AttentionCostModel(MLPCostModel):
             return md.op_measured.get(self.core_key("core", b), self._core_ms(b))
         if name == "core_bwd":
             return md.op_measured.get(self.core_key("core_bwd", b), 2.5 * self._core_ms(b))
+        if name == "heads":
+            return md.op_measured.get(self.core_key("heads", b), md.mem_ms(2 * m * C * self.e))
         shapes = {"qkv": (m, C, H), "proj": (m, H, A), "dgrad_o": (m, A, H), "dgrad_qkv": (m, H, C),
                   "wgrad_o": (H, A, m), "wgrad_qkv": (C, H, m)}
         return md.gemm_ms(*shapes[name])
@@ -115,7 +122,8 @@ class AttentionCostModel(MLPCostModel):
     def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
-        tail), the own rows' last (``_RankChunkAttention``)."""
+        tail), the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
+        chunk also runs 1/ws of the core's heads step, and the core the rest."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -125,14 +133,16 @@ class AttentionCostModel(MLPCostModel):
 
             def ms(ops):
                 return sum(self.op_ms(T, op) for op in ops)
+            M = self.gathered(b1 - b0)
+            heads = self.op_ms(M, "heads") if self.chunked_heads and not backward else 0.0
 
             def tag(j):
                 return step_tag(j, i, len(bounds))
             peers = range(1, ws)
             tail = ms(last[1:])
-            out += ([(first[0], tag(0), ms(first), 0, 0, i, 0.0)]
-                    + [(first[0], tag(j), ms(first), j, 0, i, 0.0) for j in peers]
-                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(self.gathered(b1 - b0), core), 0, 0, i, 0.0)]
+            out += ([(first[0], tag(0), ms(first) + heads / ws, 0, 0, i, 0.0)]
+                    + [(first[0], tag(j), ms(first) + heads / ws, j, 0, i, 0.0) for j in peers]
+                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads, 0, 0, i, 0.0)]
                     + [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
                     + [(last[0], tag(0), ms(last), 0, 0, i, 0.0)])
         return out
