@@ -33,18 +33,18 @@ transports implement it:
   it is how the rank-chunk schedule is tested.
 
 [Note: exchange signals]
-A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (pushed
-into by peers; slot r is its own). Per call and peer p, two signals on the workspace's signal
-pad: channel 0 "my sources are in my buffer" (put after the local copy; every peer's is waited
-before the first pull) and channel 1 "my partial for you is in your slot" (put after the push,
-waited before the sum). Reuse is safe without barriers: rank r overwrites its sources (next call) only after
-waiting for every peer's channel-1 signal, which each peer puts after its pull from r, and r
+A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (pushed into
+by peers; slot r is its own). Per call and peer p, two signals on the workspace's signal pad:
+channel 0 "my sources are in my buffer" (put after the local copy; every peer's is waited before
+the first pull) and channel 1 "my partial for you is in your slot" (put after the push, waited
+before the sum). Reuse is safe without barriers: rank r overwrites its sources (next call) only
+after waiting for every peer's channel-1 signal, which each peer puts after its pull from r, and r
 pushes into p's slot only after p's channel-0 signal of the same call, which p puts after summing
-its slots of the previous call (all ordered on p's current stream; a sum that ``reduce_early``
-ran on the push stream, with its signal waits, is joined into the current stream by ``finish``
-before the call returns). A signal is a flag that the wait resets, and the order above never puts
-a flag twice before it is waited. Every exchange on one workspace must run on the same current
-stream, in the same order on every rank: one layer after another, as a model runs them.
+its slots of the previous call (all ordered on p's current stream; a sum that ``reduce_early`` ran
+on the push stream, with its signal waits, is joined into the current stream by ``finish`` before
+the call returns). A signal is a flag that the wait resets, and the order above never puts a flag
+twice before it is waited. Every exchange on one workspace must run on the same current stream, in
+the same order on every rank: one layer after another, as a model runs them.
 """
 from __future__ import annotations
 
