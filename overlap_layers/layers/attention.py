@@ -44,7 +44,8 @@ tile t+1's pulls and tile t-1's pushes; with one tile only the own rows' project
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
            o = core(qkv); partial = o[q] @ wo.T pushed to each peer q, own last; y = sum
 dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do);
-           dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum
+           dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum (over the copy
+           engine on a side stream, beside the last own rows' QKV weight gradient)
 wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes
 =========  ==================================================================================
 """
@@ -351,6 +352,8 @@ class _RankChunkAttention(torch.autograd.Function):
                         ex.push(j, torch.mm(dqkv_all[q], w_qkv), i)
                     else:
                         torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
+                        if i == k - 1:  # every row written and pushed: sum beside the weight gradient
+                            ex.reduce_early()
                     accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
                     accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
                 _logged(c, i, j, k, "dgrad_qkv", "bwd")

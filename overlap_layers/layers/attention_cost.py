@@ -144,12 +144,17 @@ class AttentionCostModel(MLPCostModel):
                     + [(first[0], tag(j), ms(first) + heads / ws, j, 0, i, 0.0) for j in peers]
                     + [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads, 0, 0, i, 0.0)]
                     + [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
-                    + [(last[0], tag(0), ms(last), 0, 0, i, 0.0)])
+                    + [(last[0], tag(0), ms(last), 0, 0, i, tail)])
         return out
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
-        """None: the attention's last piece is its own rows' projection of the whole tile."""
-        return 0
+        """Backward over the copy engine, all rows: summed once the last tile's own dgrad has
+        written its rows, beside that piece's QKV weight gradient. Forward none: the last piece is
+        the own rows' projection, the sum needs it."""
+        return self.chunk_rows() if backward and transport == "copy_engine" else 0
+
+    def early_sum_waits_own(self, backward: bool) -> bool:
+        return True
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)

@@ -34,9 +34,11 @@ compute stream; the pulls (of every source) run back to back on their own stream
 each, and a piece that needs one starts at ``max(compute free, its pull done)``; pushes run on a
 third stream, each after its piece's compute but its tail (the weight gradients a backward piece
 launches after its push); the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece
-and the last push, except that over the copy engine the MLP sums rows on a second stream right
-after the last push (``early_sum_rows``): backward all of them, beside the last piece's tail;
-forward the own first half's, beside the own second half, the rest after it. A
+and the last push, except that over the copy engine rows are summed on a second stream right
+after the last push (``early_sum_rows``): the MLP's backward all of them, beside the last piece's
+tail; its forward the own first half's, beside the own second half, the rest after it; the
+attention's backward all of them once its last own piece has written its rows too (before that
+piece's tail, its weight gradients, which run beside the sum). A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds the
@@ -244,6 +246,11 @@ class MLPCostModel:
         T = self.chunk_rows()
         return T if backward else T // 2
 
+    def early_sum_waits_own(self, backward: bool) -> bool:
+        """Whether the early sum also waits for the last own piece (less its tail): no, the
+        MLP's early rows are written by its first piece."""
+        return False
+
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
         and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
@@ -270,13 +277,16 @@ class MLPCostModel:
         for i in range(len(blocks)):
             for j in range(1, ws):
                 done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
-        pushed = 0.0
+        pushed = own = 0.0
         for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles):
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
+            elif not pull:
+                own = t - tail * slow  # this own piece's rows are written
         rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), md.mem_ms((ws + 1) * chunk)
-        summed = add("sum", "early", "compute1", pushed + signal, sum_ms * early / rows) if early else pushed + signal
+        start = max(pushed + signal, own if self.early_sum_waits_own(backward) else 0.0)
+        summed = add("sum", "early", "compute1", start, sum_ms * early / rows) if early else pushed + signal
         if early < rows:
             add("sum", 0, "compute0", max(t, summed), sum_ms * (rows - early) / rows)
         return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
