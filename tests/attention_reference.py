@@ -88,4 +88,6 @@ def bad_call_input(rank, ws, name):
         kw["position_ids"] = torch.arange(4.0 * ws)[None]
     elif name == "position_embeddings":
         kw["position_embeddings"] = (torch.randn(2, 4 * ws, 3), torch.randn(2, 4 * ws, 3))  # head_dim is 4
+    elif name == "position_embeddings_grad_rank1":  # learned tables: the layer would drop their gradient
+        kw["position_embeddings"] = tuple(torch.randn(2, 4 * ws, 4, requires_grad=rank == 1) for _ in range(2))
     return x, kw

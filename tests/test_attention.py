@@ -474,6 +474,7 @@ def _call_with(rank, ws, name, sp=True):
     ("attention_mask_rank1", "attention_mask"),
     ("position_ids", "position_ids must"),
     ("position_embeddings", "position_embeddings must"),
+    ("position_embeddings_grad_rank1", "must not require grad"),
 ])
 def test_bad_input_raises_on_every_rank(pool2, name, match):
     expect_value_error_on_every_rank(pool2, _call_with, name, match=match)

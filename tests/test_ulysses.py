@@ -392,6 +392,7 @@ def _call_with(rank, ws, name):
     ("position_ids", "position_ids must"),
     ("position_ids_float", "position_ids must"),
     ("position_embeddings", "position_embeddings must"),
+    ("position_embeddings_grad_rank1", "must not require grad"),
     ("num_tiles", "plan request (0 = auto) differs"),
     ("layer_config", "layer config differs"),
 ])

@@ -24,6 +24,8 @@ INPUT_ERRORS = {
     7: "attention_mask must be None (the layer is causal with causal=True, full with causal=False) or, "
        "with causal=True, a mask equal to the standard causal one; padding, packed-sequence and sliding-"
        "window masks are not supported",
+    8: "position_embeddings must not require grad: the layer passes no gradient into the RoPE tables "
+       "(detach them; Hugging Face's rotary embedding builds them without grad)",
 }
 WHAT = "x / position_ids / position_embeddings / attention_mask"
 #: Every attention parameter, in the order the layers read them (None where a layer has none).
@@ -141,6 +143,8 @@ def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, h
             and t.shape[0] in (1, x.shape[0]) for t in position_embeddings) and head_dim % 2 == 0
         if not ok:
             return 6
+        if any(t.requires_grad for t in position_embeddings):
+            return 8
     return 0
 
 
