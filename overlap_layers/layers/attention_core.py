@@ -45,37 +45,35 @@ def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tenso
     return _Rope.apply(x_bhSd, cos, sin)
 
 
-def _rotate_into(out: torch.Tensor, a: torch.Tensor, c1, s1, c2, s2, sign1: float, sign2: float) -> torch.Tensor:
-    """``out = [a1*c1 + sign1*a2*s1, a2*c2 + sign2*a1*s2]`` for ``a = [a1, a2]`` (halves of the last
-    dimension): four half-width kernels writing ``out``'s halves in place (no concatenation, no
-    rotated copy of ``a``)."""
-    h = a.shape[-1] // 2
-    a1, a2, o1, o2 = a[..., :h], a[..., h:], out[..., :h], out[..., h:]
-    torch.mul(a1, c1, out=o1).addcmul_(a2, s1, value=sign1)
-    torch.mul(a2, c2, out=o2).addcmul_(a1, s2, value=sign2)
+def _rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               transpose: bool = False) -> torch.Tensor:
+    """RoPE of ``x`` into ``out`` per half, with ``x = [x1, x2]`` and the tables' halves ``c1, c2,
+    s1, s2``: ``[x1*c1 - x2*s1, x2*c2 + x1*s2]`` (= ``x*cos + rotate_half(x)*sin``), or with
+    ``transpose`` its transpose ``[x1*c1 + x2*s2, x2*c2 - x1*s1]`` (the backward). Four
+    half-width kernels writing ``out``'s halves in place: no concatenation, no rotated copy."""
+    h = x.shape[-1] // 2
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    torch.mul(x1, c1, out=o1).addcmul_(x2, s2 if transpose else s1, value=1 if transpose else -1)
+    torch.mul(x2, c2, out=o2).addcmul_(x1, s1 if transpose else s2, value=-1 if transpose else 1)
     return out
 
 
 class _Rope(torch.autograd.Function):
-    """RoPE with a hand-written backward. Forward, with ``x = [x1, x2]`` and the tables' halves
-    ``c1, c2, s1, s2``: ``y = [x1*c1 - x2*s1, x2*c2 + x1*s2]`` (= ``x*cos + rotate_half(x)*sin``).
-    Its transpose is the backward: ``dx = [g1*c1 + g2*s2, g2*c2 - g1*s1]``. Autograd of the
+    """RoPE with a hand-written backward, its transpose (:func:`_rope_into`). Autograd of the
     forward's slices would instead build a zero-filled full-size gradient per slice and add them
     (about a dozen full-width kernels per tensor); this takes four half-width ones."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        h = x.shape[-1] // 2
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return _rotate_into(out, x, cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:], -1, 1)
+        return _rope_into(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        dx = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        return _rotate_into(dx, g, cos[..., :h], sin[..., h:], cos[..., h:], sin[..., :h], 1, -1), None, None
+        return _rope_into(torch.empty(g.shape, dtype=g.dtype, device=g.device), g, cos, sin, transpose=True), \
+            None, None
 
 
 def _head_views(qkv_gbsC: torch.Tensor, nq: int, nkv: int, d: int):
@@ -85,9 +83,17 @@ def _head_views(qkv_gbsC: torch.Tensor, nq: int, nkv: int, d: int):
     return heads(0, nq), heads(nq, nkv), heads(nq + nkv, nkv)
 
 
-def _table_views(cos_sin, g: int, s: int):
-    """The tables ``[b or 1, g*s, d]`` as ``[b or 1, 1, g, s, d]`` (broadcast over the heads), or None."""
-    return None if cos_sin is None else tuple(t.unflatten(1, (g, s))[:, None] for t in cos_sin)
+def _move_heads(rows_gbsC: torch.Tensor, heads, cos_sin, nq: int, nkv: int, d: int, backward: bool) -> None:
+    """Rank-major rows ``[g, b, s, C]`` to the heads ``(q, k, v) [b, n, g, s, d]`` with RoPE on q
+    and k, or (``backward``) the heads' gradients back to the rows with RoPE's transpose."""
+    g, s = rows_gbsC.shape[0], rows_gbsC.shape[2]
+    tables = None if cos_sin is None else tuple(t.unflatten(1, (g, s))[:, None] for t in cos_sin)
+    for n, (rows, head) in enumerate(zip(_head_views(rows_gbsC, nq, nkv, d), heads)):
+        src, dst = (head, rows) if backward else (rows, head)
+        if n == 2 or tables is None:  # v, or no RoPE
+            dst.copy_(src)
+        else:
+            _rope_into(dst, src, *tables, transpose=backward)
 
 
 def heads_into(qkv_gbsC: torch.Tensor, q, k, v, cos_sin, nq: int, nkv: int, d: int) -> None:
@@ -96,33 +102,13 @@ def heads_into(qkv_gbsC: torch.Tensor, q, k, v, cos_sin, nq: int, nkv: int, d: i
     [b, n, g, s, d]`` from rank-major ``qkv [g, b, s, C]`` (C = (nq + 2*nkv)*d; row (i, j, t) is
     position i*s + t of sequence j). One pass over ``qkv``: no whole-tile permute, no
     concatenation. Equals ``attention``'s RoPE of the permuted rows."""
-    g, s = qkv_gbsC.shape[0], qkv_gbsC.shape[2]
-    qi, ki, vi = _head_views(qkv_gbsC, nq, nkv, d)
-    tables = _table_views(cos_sin, g, s)
-    h = d // 2
-    for src, dst in ((qi, q), (ki, k)):
-        if tables is None:
-            dst.copy_(src)
-        else:
-            c, sn = tables
-            _rotate_into(dst, src, c[..., :h], sn[..., :h], c[..., h:], sn[..., h:], -1, 1)
-    v.copy_(vi)
+    _move_heads(qkv_gbsC, (q, k, v), cos_sin, nq, nkv, d, backward=False)
 
 
 def heads_backward_into(dqkv_gbsC: torch.Tensor, dq, dk, dv, cos_sin, nq: int, nkv: int, d: int) -> None:
     """The transpose of :func:`heads_into`: ``dq, dk, dv [b, n, g, s, d]`` to rank-major
-    ``dqkv [g, b, s, C]`` (RoPE's transpose ``[g1*c1 + g2*s2, g2*c2 - g1*s1]`` on dq, dk)."""
-    g, s = dqkv_gbsC.shape[0], dqkv_gbsC.shape[2]
-    qo, ko, vo = _head_views(dqkv_gbsC, nq, nkv, d)
-    tables = _table_views(cos_sin, g, s)
-    h = d // 2
-    for src, dst in ((dq, qo), (dk, ko)):
-        if tables is None:
-            dst.copy_(src)
-        else:
-            c, sn = tables
-            _rotate_into(dst, src, c[..., :h], sn[..., h:], c[..., h:], sn[..., :h], 1, -1)
-    vo.copy_(dv)
+    ``dqkv [g, b, s, C]`` (RoPE's transpose on dq, dk)."""
+    _move_heads(dqkv_gbsC, (dq, dk, dv), cos_sin, nq, nkv, d, backward=True)
 
 
 class Heads(torch.autograd.Function):
