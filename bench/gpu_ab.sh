@@ -8,7 +8,8 @@
 #   git archive OLD_REV overlap_layers | tar x -C .ab_old    # .ab_old: a git-ignored folder
 # then on the device machine (carry .ab_old), from the repo root:
 #   bash bench/gpu_ab.sh OUTDIR .ab_old --layer mlp --preset llama3-8b --tp 4 --graphs --modes compute,rank_ce
-# ROUNDS (default 2) sets the old/new pairs.
+# ROUNDS (default 2) sets the old/new pairs. The runs' JSONs and logs end up in one OUTDIR/ab.tgz (a device
+# call brings back only a few files from $OUT; the table is printed before packing).
 set -uo pipefail
 OUT=$1; OLD=$(cd "$2" && pwd); shift 2
 ROOT=$PWD
@@ -37,3 +38,4 @@ for key, v in rows.items():
     print(f"{' '.join(map(str, key)):58s} {','.join(f'{x:.3f}' for x in v['old']):>18s} "
           f"{','.join(f'{x:.3f}' for x in v['new']):>18s} {100 * (n / o - 1):+6.1f}%")
 PY
+(cd "$OUT" && tar czf ab.tgz ab_old*.json ab_old*.log ab_new*.json ab_new*.log && rm -f ab_old*.json ab_old*.log ab_new*.json ab_new*.log)
