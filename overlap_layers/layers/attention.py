@@ -111,20 +111,28 @@ class _Call:
     def heads_shape(self, b0: int, b1: int) -> tuple:
         return self.g, b1 - b0, self.s, self.nq, self.nkv, self.d
 
-    def chunk_heads(self, qkv_all: torch.Tensor, q: int, pre, tables) -> None:
-        """Fill the core's q, k, v buffers ``pre`` (:func:`empty_heads`) from one rank's rows
-        ``qkv_all[q]`` ``[b, s, C]`` of a tile, as they arrive (rank chunks, no qk-norm)."""
+    def tile_heads(self, like: torch.Tensor, b0: int, b1: int) -> tuple:
+        """``(buffers, tables)`` for :meth:`chunk_heads` and :meth:`core`'s ``pre``: the core's
+        empty q, k, v (:func:`empty_heads`, ``like``'s dtype and device) of batch rows b0..b1 and
+        their RoPE tables."""
+        return empty_heads(like, self.heads_shape(b0, b1)), self.tables(b0, b1, like.dtype)
+
+    def chunk_heads(self, qkv_gbsC: torch.Tensor, q: int, bufs, tables) -> None:
+        """Fill the core's q, k, v buffers ``bufs`` (:meth:`tile_heads`) from one rank's rows
+        ``qkv[q]`` ``[b, s, C]`` of a tile, as they arrive (rank chunks, no qk-norm)."""
         g, s, d = self.g, self.s, self.d
         tq = None if tables is None else tuple(t[:, q * s:(q + 1) * s] for t in tables)
-        heads_into(qkv_all[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in pre), tq,
+        heads_into(qkv_gbsC[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in bufs), tq,
                    self.nq, self.nkv, d)
 
     def core(self, qkv_MC: torch.Tensor, b0: int, b1: int, pre=None) -> torch.Tensor:
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1. ``pre``:
-        the core's q, k, v already filled by :meth:`chunk_heads` (only without qk-norm)."""
+        :meth:`tile_heads`' ``(buffers, tables)``, the buffers already filled by
+        :meth:`chunk_heads` (only without qk-norm)."""
         g, b, s, d = self.g, b1 - b0, self.s, self.d
         if self.q_norm is None:  # RoPE and the head layout in one pass each way (attention_core.Heads)
-            q, k, v = Heads.apply(qkv_MC, self.heads_shape(b0, b1), self.tables(b0, b1, qkv_MC.dtype), pre)
+            bufs, tables = pre if pre is not None else (None, self.tables(b0, b1, qkv_MC.dtype))
+            q, k, v = Heads.apply(qkv_MC, self.heads_shape(b0, b1), tables, bufs)
             o = sdpa(q, k, v, causal=self.causal, scale=self.scale, dropout_p=self.dropout_p).transpose(1, 2)
         else:
             qkv = qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
@@ -269,9 +277,9 @@ class _RankChunkAttention(torch.autograd.Function):
         graphs, o_ins = [], []
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
             qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
+            qkv_gbsC = qkv_all.view(ws, b1 - b0, call.s, -1)
             # without qk-norm each rank's rows are RoPE'd into the core's buffers as they arrive
-            pre = empty_heads(x_TH, call.heads_shape(b0, b1)) if call.q_norm is None else None
-            tables = call.tables(b0, b1, x_TH.dtype) if pre is not None else None
+            pre = call.tile_heads(x_TH, b0, b1) if call.q_norm is None else None
             for j in range(ws):
                 with piece(rec, "qkv", step_tag(j, i, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
                     xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
@@ -281,7 +289,7 @@ class _RankChunkAttention(torch.autograd.Function):
                     else:
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
                     if pre is not None:
-                        call.chunk_heads(qkv_all.view(ws, b1 - b0, call.s, -1), (r + j) % ws, pre, tables)
+                        call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
             with piece(rec, "core", block_tag(i, "all", k), f"overlap::attn::core[{i}]"):

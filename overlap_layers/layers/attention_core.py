@@ -121,9 +121,10 @@ class Heads(torch.autograd.Function):
     def forward(ctx, qkv_MC, shape, cos_sin, pre):
         g, b, s, nq, nkv, d = shape
         ctx.shape, ctx.cos_sin = shape, cos_sin
-        q, k, v = pre if pre is not None else empty_heads(qkv_MC, shape)
-        if pre is None:
-            heads_into(qkv_MC.view(g, b, s, -1), *(t.view(b, -1, g, s, d) for t in (q, k, v)), cos_sin, nq, nkv, d)
+        if pre is not None:
+            return pre
+        q, k, v = empty_heads(qkv_MC, shape)
+        heads_into(qkv_MC.view(g, b, s, -1), *(t.view(b, -1, g, s, d) for t in (q, k, v)), cos_sin, nq, nkv, d)
         return q, k, v
 
     @staticmethod
