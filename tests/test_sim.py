@@ -1,5 +1,6 @@
 """Tier 1: the discrete-event simulator on synthetic programs, answers worked out by hand."""
 import ast
+import dataclasses
 import json
 
 import pytest
@@ -328,6 +329,37 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
     plain = AttentionCostModel(**shape)  # qk-norm: the whole core runs after the pulls
     assert all(not k.startswith("heads") for k in plain.core_ops())
     assert cm.rank_pieces(backward=True, tiles=2) == plain.rank_pieces(backward=True, tiles=2)
+
+
+def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_core():
+    """[Note: query-chunk core] by hand: ws=2, one sequence, GEMMs 1 ms, a chunk's copy 2 ms,
+    rank 0's query chunks 0.5 ms (its own rows) and 1.5 ms (rank 1's). Own qkv 0-1, peer qkv 2-3
+    (after its pull), peer chunk + projection 3-5.5 (push 5.5-7.5), own chunk + projection
+    5.5-7, sum at 7.5; no core piece. The whole core (2 ms) after the pulls instead: peer
+    projection 5-6, push 6-8. The backward's pieces do not change; unmeasured chunks take the
+    causal core's share (2c+1)/ws^2 of its FLOPs."""
+    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.sim import COMM_KINDS, HardwareModel
+    measured = {"peer_copy:32": 2.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0, "heads:1x4:q1kv1d4:causal": 0.0,
+                "chunk0:1x4:q1kv1d4:causal": 0.5, "chunk1:1x4:q1kv1d4:causal": 1.5}
+    hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured=measured)
+    shape = dict(batch=1, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
+                 sequence_parallel=True, causal=True, model=hw, chunked_heads=True)
+    cm = AttentionCostModel(query_chunks=True, **shape)
+    tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
+    spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
+    assert {k: spans[k] for k in [("qkv", "own"), ("qkv", "1"), ("proj", "1"), ("push", 1), ("proj", "own")]} == \
+        {("qkv", "own"): (0, 1), ("qkv", "1"): (2, 3), ("proj", "1"): (3, 5.5), ("push", 1): (5.5, 7.5),
+         ("proj", "own"): (5.5, 7)}
+    assert tl.makespan_ms == pytest.approx(7.5) and all(e.name != "core" for e in tl.events)
+    whole = AttentionCostModel(**shape).rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
+    assert whole.makespan_ms == pytest.approx(8.0)
+    assert {"chunk0:1x4:q1kv1d4:causal", "chunk1:1x4:q1kv1d4:causal"} <= set(cm.core_ops())
+    assert cm.rank_pieces(backward=True) == AttentionCostModel(**shape).rank_pieces(backward=True)
+    cm.model = dataclasses.replace(hw, op_measured={})
+    core = cm.op_ms(4, "core")
+    assert [cm.op_ms(4, f"chunk{c}") for c in (0, 1)] == pytest.approx([(core - 1) / 4 + 1, 3 * (core - 1) / 4 + 1])
 
 
 def test_attention_rank_backward_sums_beside_the_last_weight_gradient():

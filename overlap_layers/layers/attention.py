@@ -65,7 +65,8 @@ from ..schedule import TileProgram, round_robin
 from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
-from .attention_core import Heads, attention, empty_heads, heads_into, sdpa
+from . import query_chunks
+from .attention_core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .attention_cost import AttentionCostModel
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
@@ -101,6 +102,7 @@ class _Call:
         self.launch_log = layer.launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
         self.exchange = None  # the exchange factory of a rank-chunk plan
+        self.query_chunks = False  # rank chunks run the core by query chunks (set by the layer's call)
 
     def tables(self, b0: int, b1: int, dtype: torch.dtype):
         """RoPE's cos, sin ``[b or 1, g*s, d]`` of batch rows b0..b1 in ``dtype``, or None."""
@@ -124,6 +126,26 @@ class _Call:
         tq = None if tables is None else tuple(t[:, q * s:(q + 1) * s] for t in tables)
         heads_into(qkv_gbsC[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in bufs), tq,
                    self.nq, self.nkv, d)
+
+    def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor) -> None:
+        """Rank c's rows of the core (query chunk c, :func:`query_chunks.query_chunk`) from the
+        filled buffers ``bufs`` (:meth:`tile_heads`) into rank-major ``o [g, b, s, nq, d]`` and
+        ``lse [b, nq, g*s]``."""
+        s = self.s
+        query_chunks.query_chunk(*bufs, c, s, causal=self.causal, scale=self.scale,
+                                 o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s])
+
+    def core_chunks_backward(self, do_MA: torch.Tensor, o_MA: torch.Tensor, bufs, lse, tables, b: int) -> torch.Tensor:
+        """Rank-major ``dqkv [M, C]`` of the query-chunk core (:meth:`core_chunk` over every chunk)
+        given rank-major ``do``: the flash backward from the merged ``o`` and ``lse``, then the
+        heads step's transpose (:func:`heads_backward`)."""
+        g, s, nq, d = self.g, self.s, self.nq, self.d
+
+        def heads(t):  # rank-major [M, A] -> [b, nq, g*s, d] (a copy)
+            return t.view(g, b, s, nq, d).permute(1, 3, 0, 2, 4).reshape(b, nq, g * s, d)
+        dq, dk, dv = query_chunks.core_backward(heads(do_MA), *bufs, heads(o_MA), lse, causal=self.causal,
+                                                scale=self.scale)
+        return heads_backward(dq, dk, dv, (g, b, s, nq, self.nkv, d), tables)
 
     def core(self, qkv_MC: torch.Tensor, b0: int, b1: int, pre=None) -> torch.Tensor:
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1. ``pre``:
@@ -274,7 +296,7 @@ class _RankChunkAttention(torch.autograd.Function):
         blocks, k = [(b0 * call.s, b1 * call.s) for b0, b1 in bounds], len(bounds)
         ex = call.exchange([x_TH], (T, H), (keep_xg,), rec, blocks=blocks)
         ws, r = ex.ws, ex.rank
-        graphs, o_ins = [], []
+        graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
             qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
             qkv_gbsC = qkv_all.view(ws, b1 - b0, call.s, -1)
@@ -292,19 +314,28 @@ class _RankChunkAttention(torch.autograd.Function):
                         call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
-            with piece(rec, "core", block_tag(i, "all", k), f"overlap::attn::core[{i}]"):
+            if call.query_chunks:  # each projection runs after its rows' query chunk: [Note: query-chunk core]
+                o_in = x_TH.new_empty((ws * (b - a), call.nq * call.d))
+                lse = x_TH.new_empty((b1 - b0, call.nq, ws * call.s), dtype=query_chunks.lse_dtype(x_TH.dtype))
+                o_gbsnd = o_in.view(ws, b1 - b0, call.s, call.nq, call.d)
                 if call.save:
-                    leaf = qkv_MC.detach().requires_grad_()
-                    with recording_graph():  # [Note: per-tile graphs]
-                        o = call.core(leaf, b0, b1, pre)
-                    graphs.append((leaf, o))
-                    o_in = o.detach()
-                else:
-                    o_in = call.core(qkv_MC, b0, b1, pre)
+                    graphs.append((pre[0], lse, pre[1]))
+            else:
+                with piece(rec, "core", block_tag(i, "all", k), f"overlap::attn::core[{i}]"):
+                    if call.save:
+                        leaf = qkv_MC.detach().requires_grad_()
+                        with recording_graph():  # [Note: per-tile graphs]
+                            o = call.core(leaf, b0, b1, pre)
+                        graphs.append((leaf, o))
+                        o_in = o.detach()
+                    else:
+                        o_in = call.core(qkv_MC, b0, b1, pre)
             o_ins.append(o_in)
             o_all = o_in.view(ws, b - a, -1)
             for j in _own_last(ws):
                 with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
+                    if call.query_chunks:
+                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse)
                     if j:
                         ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
                     else:
@@ -345,11 +376,14 @@ class _RankChunkAttention(torch.autograd.Function):
                     accumulate(grads, "w_o", dy, o_all[q], i == 0 and j == 0)
                     xs[q] = x_TH[a:b] if j == 0 else pulled[1] if c.plan.regather else xg[0][q, a:b]
                 _logged(c, i, j, k, "dgrad_o", "bwd")
-            leaf, o = graphs[i]
-            graphs[i] = None  # this tile's graph is done: free its saved tensors after the grad
+            saved, graphs[i] = graphs[i], None  # this tile's core is done: free its saved tensors after
             with piece(rec, "core_bwd", block_tag(i, "all", k), f"overlap::attn_bwd::core[{i}]"):
-                got = torch.autograd.grad(o, [leaf, *norms], do_all.view(ws * (b - a), -1))
-            del leaf, o
+                if c.query_chunks:
+                    got = [c.core_chunks_backward(do_all.view(ws * (b - a), -1), o_ins[i], *saved,
+                                                  (b - a) // c.s)]
+                else:
+                    got = torch.autograd.grad(saved[1], [saved[0], *norms], do_all.view(ws * (b - a), -1))
+            del saved
             for n, gn in enumerate(got[1:]):
                 d_norms[n] = gn if d_norms[n] is None else d_norms[n].add_(gn)
             dqkv_all = got[0].view(ws, b - a, -1)
@@ -524,6 +558,13 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     _rank_tiles = True  # rank chunks inside batch tiles (_RankChunkAttention)
 
+    def _query_chunk_core(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether rank-chunk plans run the core by query chunks ([Note: query-chunk core]):
+        without qk-norm or dropout, where :func:`query_chunks.supported`. Not a collective
+        decision: the exchange is the same either way."""
+        return (not self.qk_norm and self.dropout_p == 0 and self.sequence_parallel
+                and query_chunks.supported(dtype, device, self.head_dim))
+
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         return (shape[0], shape[1], dtype, save)  # exact batch and local sequence
 
@@ -536,7 +577,8 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
                                   heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                                   head_dim=self.head_dim, elt=torch.tensor([], dtype=dtype).element_size(),
                                   sequence_parallel=self.sequence_parallel, causal=self.causal, model=hw,
-                                  chunked_heads=not self.qk_norm)
+                                  chunked_heads=not self.qk_norm,
+                                  query_chunks=self._query_chunk_core(dtype, self.wq.device))
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self, TilePlan(k, regather=regather), save, None, None, 1, 1)
@@ -560,6 +602,11 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
                                           nq, nkv, d)
             if name == "core":
                 return lambda: call.core(qkv, 0, b)
+            if name.startswith("chunk"):  # one rank's rows of the query-chunk core
+                bufs = tuple(torch.randn(t.shape, dtype=dtype, device=dev) for t in empty_heads(qkv, call.heads_shape(0, b)))
+                o = qkv.new_empty((cm.g, b, cm.s, call.nq, call.d))
+                lse = qkv.new_empty((b, call.nq, S), dtype=query_chunks.lse_dtype(dtype))
+                return lambda: call.core_chunk(bufs, int(name[5:]), o, lse)
             leaf = qkv.requires_grad_()
             with torch.enable_grad():
                 o = call.core(leaf, 0, b)
@@ -598,6 +645,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
                                  position_embeddings)
             call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin, B, s)
+            call.query_chunks = self._query_chunk_core(x.dtype, x.device)
             call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
             fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
             x_TH = x.reshape(B * s, H).contiguous()

@@ -111,6 +111,15 @@ def heads_backward_into(dqkv_gbsC: torch.Tensor, dq, dk, dv, cos_sin, nq: int, n
     _move_heads(dqkv_gbsC, (dq, dk, dv), cos_sin, nq, nkv, d, backward=True)
 
 
+def heads_backward(dq, dk, dv, shape, cos_sin) -> torch.Tensor:
+    """Rank-major ``dqkv [g*b*s, C]`` of the heads' gradients ``dq [b, nq, g*s, d]``, ``dk, dv
+    [b, nkv, g*s, d]`` (:func:`heads_backward_into`; ``shape`` as :class:`Heads` takes it)."""
+    g, b, s, nq, nkv, d = shape
+    dqkv = torch.empty((g * b * s, (nq + 2 * nkv) * d), dtype=dq.dtype, device=dq.device)
+    heads_backward_into(dqkv.view(g, b, s, -1), *(t.unflatten(2, (g, s)) for t in (dq, dk, dv)), cos_sin, nq, nkv, d)
+    return dqkv
+
+
 class Heads(torch.autograd.Function):
     """``(q, k, v) [b, n, g*s, d]`` (contiguous) of rank-major rows ``qkv_MC [g*b*s, C]``
     (:func:`heads_into`), differentiable in ``qkv_MC`` (:func:`heads_backward_into` into one
@@ -129,11 +138,7 @@ class Heads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        g, b, s, nq, nkv, d = ctx.shape
-        dqkv = torch.empty((g * b * s, (nq + 2 * nkv) * d), dtype=dq.dtype, device=dq.device)
-        heads_backward_into(dqkv.view(g, b, s, -1), *(t.unflatten(2, (g, s)) for t in (dq, dk, dv)),
-                            ctx.cos_sin, nq, nkv, d)
-        return dqkv, None, None, None
+        return heads_backward(dq, dk, dv, ctx.shape, ctx.cos_sin), None, None, None
 
 
 def empty_heads(like: torch.Tensor, shape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ dgrad_o     GEMM (M, A, H)                            do, M*A*e (core_bwd)
 core_bwd    measured ("core_bwd:bxS"), else 2.5x core dqkv, M*C*e (wgrad_qkv)
 heads       measured ("heads:bxS"), else memory-bound   (part of core: RoPE and head layout; rank
             M*C*e read and written                    chunks run 1/ws of it per pulled chunk)
+chunk{c}    measured ("chunk{c}:bxS"), else core's    (rank chunks with query chunks: rank c's
+            share ((2c+1)/ws^2 causal, 1/ws not)      rows of the core, before their projection)
 dgrad_qkv   GEMM (M, H, C)                            dx gathered, M*H*e (wait_rs_dx)
 wgrad_o     GEMM (H, A, M); wgrad_qkv GEMM (C, H, M)
 ==========  ========================================  ====================================
@@ -39,13 +41,14 @@ class AttentionCostModel(MLPCostModel):
 
     def __init__(self, *, batch: int, seq_local: int, world_size: int, hidden: int, heads: int, kv_heads: int,
                  head_dim: int, elt: int, sequence_parallel: bool, causal: bool, model: HardwareModel,
-                 chunked_heads: bool = False):
+                 chunked_heads: bool = False, query_chunks: bool = False):
         d = head_dim
         super().__init__(rows=batch, world_size=world_size, hidden=hidden, n_in=(heads + 2 * kv_heads) * d,
                          f_local=heads * d, elt=elt, sequence_parallel=sequence_parallel, model=model)
         self.s, self.nq, self.nkv, self.d, self.causal = seq_local, heads, kv_heads, d, causal
         self.g = world_size if sequence_parallel else 1
         self.chunked_heads = chunked_heads  # rank chunks run the core's heads step chunk by chunk (no qk-norm)
+        self.query_chunks = query_chunks  # rank chunks run the core by query chunks ([Note: query-chunk core])
 
     @property
     def C(self) -> int:
@@ -67,7 +70,8 @@ class AttentionCostModel(MLPCostModel):
     def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:
         """Key -> (name, batch rows) of every core op the candidates run (for measuring)."""
         sizes = {b - a for k in tile_choices for a, b in tile_bounds(self.rows, k)}
-        names = ("core", "core_bwd") + (("heads",) if self.chunked_heads else ())
+        names = ("core", "core_bwd") + (("heads",) if self.chunked_heads else ()) + \
+            (tuple(f"chunk{c}" for c in range(self.g)) if self.query_chunks else ())
         return {self.core_key(name, b): (name, b) for b in sizes for name in names}
 
     def gemms(self, m: int) -> List[Tuple[int, int, int]]:
@@ -88,6 +92,11 @@ class AttentionCostModel(MLPCostModel):
             return md.op_measured.get(self.core_key("core_bwd", b), 2.5 * self._core_ms(b))
         if name == "heads":
             return md.op_measured.get(self.core_key("heads", b), md.mem_ms(2 * m * C * self.e))
+        if name.startswith("chunk"):
+            c, g = int(name[5:]), self.g
+            share = (2 * c + 1) / (g * g) if self.causal else 1 / g
+            return md.op_measured.get(self.core_key(name, b), share * (self._core_ms(b) - md.gemm_fixed_ms)
+                                      + md.gemm_fixed_ms)
         shapes = {"qkv": (m, C, H), "proj": (m, H, A), "dgrad_o": (m, A, H), "dgrad_qkv": (m, H, C),
                   "wgrad_o": (H, A, m), "wgrad_qkv": (C, H, m)}
         return md.gemm_ms(*shapes[name])
@@ -123,7 +132,10 @@ class AttentionCostModel(MLPCostModel):
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
         tail), the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
-        chunk also runs 1/ws of the core's heads step, and the core the rest."""
+        chunk also runs 1/ws of the core's heads step, and the core the rest. With
+        ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
+        query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes
+        last and leaves the most of its last push exposed: the slowest rank sets the sum)."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -140,11 +152,16 @@ class AttentionCostModel(MLPCostModel):
                 return step_tag(j, i, len(bounds))
             peers = range(1, ws)
             tail = ms(last[1:])
+            split = self.query_chunks and not backward
+
+            def chunk(j):  # rank 0's step j projects rank j's rows
+                return self.op_ms(M, f"chunk{j}") if split else 0.0
             out += ([(first[0], tag(0), ms(first) + heads / ws, 0, 0, i, 0.0)]
                     + [(first[0], tag(j), ms(first) + heads / ws, j, 0, i, 0.0) for j in peers]
-                    + [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads, 0, 0, i, 0.0)]
-                    + [(last[0], tag(j), ms(last), 0, j, i, tail) for j in peers]
-                    + [(last[0], tag(0), ms(last), 0, 0, i, tail)])
+                    + ([] if split else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
+                                          0, 0, i, 0.0)])
+                    + [(last[0], tag(j), chunk(j) + ms(last), 0, j, i, tail) for j in peers]
+                    + [(last[0], tag(0), chunk(0) + ms(last), 0, 0, i, tail)])
         return out
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
