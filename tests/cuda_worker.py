@@ -306,6 +306,7 @@ def check_attention(rank, ws, dev):
                  ("wo", layer.wo.grad, leaves[4].grad[:, qh.start * d:qh.stop * d]), ("q_norm", layer.q_norm.grad,
                                                                                       leaves[5].grad)]
         fails += fell_back(rank, layer, plan) + count_fails(rank, f"attention {plan.label}", pairs, 1e-4)
+    fails += check_attention_query_chunks(rank, ws, dev, x, dy, ws_, nq, nkv, d)
     auto = OverlapAttention(512, 8, 4, group=dist.group.WORLD, device=dev, dtype=torch.bfloat16)
     xa = torch.randn(4, 256, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(64):  # verification takes 2 calls per contender and trial (25 for 4 contenders)
@@ -319,6 +320,35 @@ def check_attention(rank, ws, dev):
         print(f"rank {rank} FAIL attention auto plan: {digests}", flush=True)
     if rank == 0:
         print(f"attention auto plan on CUDA: K={auto.plan.num_tiles}; {auto.plan.reason}", flush=True)
+    return fails
+
+
+def check_attention_query_chunks(rank, ws, dev, x, dy, ws_, nq, nkv, d):
+    """bf16 rank chunks without qk-norm, where the core runs by query chunks (cuDNN pieces and the
+    Triton merge) and the own projection accumulates the peers' partials: against the float64
+    dense reference at bf16's tolerance, output and gradients, causal and not."""
+    from attention_reference import dense_attention
+    from overlap_layers import OverlapAttention
+    fails = 0
+    for causal in (True, False):
+        leaves = [t.clone().requires_grad_() for t in [x, *ws_]]
+        y_ref = dense_attention(leaves[0], *leaves[1:5], num_heads=nq, num_kv_heads=nkv, causal=causal)
+        y_ref.backward(dy)
+        for plan in (MLPPlan(1, decomposition="rank", transport="copy_engine"),
+                     MLPPlan(2, decomposition="rank", transport="copy_engine"), MLPPlan(1, decomposition="rank")):
+            layer = OverlapAttention.from_dense(*[t.bfloat16() for t in ws_], num_heads=nq, num_kv_heads=nkv,
+                                                causal=causal, group=dist.group.WORLD)
+            assert layer._query_chunk_core(torch.bfloat16, dev), "cuDNN SDPA should run the query-chunk core here"
+            layer.pin_plan(plan)
+            xl = x.chunk(ws, 1)[rank].bfloat16().requires_grad_()
+            y = layer(xl)
+            y.backward(dy.chunk(ws, 1)[rank].bfloat16())
+            qh = range(rank * (nq // ws), (rank + 1) * (nq // ws))
+            pairs = [("y", y, y_ref.chunk(ws, 1)[rank]), ("dx", xl.grad, leaves[0].grad.chunk(ws, 1)[rank]),
+                     ("wq", layer.wq.grad, leaves[1].grad[qh.start * d:qh.stop * d]),
+                     ("wo", layer.wo.grad, leaves[4].grad[:, qh.start * d:qh.stop * d])]
+            label = f"attention bf16 query chunks causal={causal} {plan.label}"
+            fails += fell_back(rank, layer, plan) + count_fails(rank, label, pairs, 3e-2)
     return fails
 
 

@@ -14,6 +14,11 @@ partials of shape ``[T, *partial]``::
                     stream while the caller computes on (the MLP backward's last weight
                     gradients, its forward's own second half); ``finish()`` joins it and sums
                     the rest
+    finish_own(own) instead of finish(), with one block: ``own(acc)`` adds the caller's own
+                    partial into ``acc`` (a GEMM's accumulator), the partials of steps
+                    1 .. ws-2 summed (on the copy engine's push stream after
+                    ``reduce_peers_early()``, which may come after the last push); the last
+                    step's partial, which arrives last, is added after it
 
 With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
 batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
@@ -33,8 +38,8 @@ transports implement it:
   it is how the rank-chunk schedule is tested.
 
 [Note: exchange signals]
-A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (pushed into
-by peers; slot r is its own). Per call and peer p, two signals on the workspace's signal pad:
+A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (slot 0 its
+own, slot j pushed into by rank r - j at step j, so the last step's partial is always the last slot). Per call and peer p, two signals on the workspace's signal pad:
 channel 0 "my sources are in my buffer" (put after the local copy; every peer's is waited before
 the first pull) and channel 1 "my partial for you is in your slot" (put after the push, waited
 before the sum). Reuse is safe without barriers: rank r overwrites its sources (next call) only
@@ -114,7 +119,7 @@ class PointToPointExchange:
         _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
         x = self.sources[0]
         self.slots = x.new_empty((self.ws, *partial_shape))
-        self.own_partial = self.slots[self.rank]
+        self.own_partial = self.slots[0]  # slot j: the partial of rank r - j (its step j)
         self.blocks = _blocks(blocks, x.shape[0])
         self._pull_works, self._push_works, self._keep = {}, [], []
         for i, (a, b) in enumerate(self.blocks):
@@ -148,7 +153,7 @@ class PointToPointExchange:
         self._pushes += 1
         q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[block]
         self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
-                                                    dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
+                                                    dist.P2POp(dist.irecv, self.slots[j, a:b], self._g[s], self.group)])
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self._pushes == len(self.blocks) * (self.ws - 1) and not self._pull_works, \
@@ -157,6 +162,17 @@ class PointToPointExchange:
             w.wait()
         self._keep.clear()
         return torch.sum(self.slots, 0, out=out)
+
+    def reduce_peers_early(self) -> None:
+        """Nothing: :meth:`finish_own` waits for the pushes and sums (see the module docstring)."""
+
+    def finish_own(self, own) -> torch.Tensor:
+        """The reduce-scatter with the caller's own partial added by ``own(acc)`` (module docstring)."""
+        assert len(self.blocks) == 1, "finish_own takes one block"
+        for w in self._push_works:
+            w.wait()
+        self._keep.clear()
+        return _sum_with_own(self.slots, own)
 
 
 class SymmetricWorkspace:
@@ -293,7 +309,7 @@ class CopyEngineExchange:
             off += _aligned(s.numel() * elt)
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
-        self.own_partial = self.slots[self.rank]
+        self.own_partial = self.slots[0]  # slot j: the partial of rank r - j (its step j)
         self.gathered = _gathered(self.sources, self.ws)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
         compute = torch.cuda.current_stream(w.device)
@@ -305,7 +321,6 @@ class CopyEngineExchange:
                 w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
             if tok is not None:
                 rec.end(tok, stream=w.pull_stream)
-            _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
             # every peer's sources first: all ranks then pull step by step together, and step j's
@@ -324,8 +339,13 @@ class CopyEngineExchange:
                     ev = torch.cuda.Event()
                     ev.record(w.pull_stream)
                     self._pulled[j, i] = ev
+            # after the pulls: a copy beside the GEMMs runs at a third of its speed (measured: 51 us for
+            # 16), and before the signals it delayed every pull by that much
+            _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
+            self._kept = torch.cuda.Event()  # finish() joins it: the caller may read every gathered row after
+            self._kept.record(w.pull_stream)
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
-        self._early: Optional[Tuple[torch.Tensor, int, torch.cuda.Event]] = None  # (sum, rows, done): reduce_early
+        self._early: Optional[Tuple[torch.Tensor, torch.cuda.Event, int]] = None  # (sum, done, rows summed)
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
@@ -337,7 +357,7 @@ class CopyEngineExchange:
         w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
-            dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
+            dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[j]
             tok = self.recorder.begin("push", block_tag(block, j, len(self.blocks)), "comm", stream=w.push_stream) \
                 if self.recorder is not None else None
             dst[a:b].copy_(partial)
@@ -350,7 +370,7 @@ class CopyEngineExchange:
     @property
     def summed_early(self) -> bool:
         """Whether :meth:`reduce_early` summed every row (``finish`` then only joins it)."""
-        return self._early is not None and self._early[1] == self.slots.shape[1]
+        return self._early is not None and self._early[2] == self.slots.shape[1]
 
     def reduce_early(self, rows: Optional[int] = None) -> None:
         """Queue the sum of the slots' rows ``[0, rows)`` (default all) on the push stream, after
@@ -358,30 +378,43 @@ class CopyEngineExchange:
         runs beside it; :meth:`finish` sums the rest. Every push must be done and those rows of
         ``own_partial`` written (both ordered before the push stream by now: each push waits for
         the current stream). Timed as ``sum[early]`` on ``compute1`` by the recorder."""
+        n = self.slots.shape[1] if rows is None else rows
+        self._early = (*self._queue_sum(self.slots[:, :n], range(1, self.ws)), n)
+
+    def reduce_peers_early(self) -> None:
+        """Queue the sum of the slots of steps 1 .. ws-2 (every row) on the push stream, after this
+        rank's pushes and those peers' PUSH signals, for :meth:`finish_own` (which sums them
+        itself without this call; with two ranks there are none)."""
+        if self.ws > 2:
+            self._early = (*self._queue_sum(self.slots[1:self.ws - 1], range(1, self.ws - 1)), 0)
+
+    def _queue_sum(self, slots: torch.Tensor, steps) -> Tuple[torch.Tensor, torch.cuda.Event]:
+        """``(sum over slots, its event)``: the sum queued on the push stream after the PUSH
+        signals of the senders of ``steps`` (rank r - j for step j)."""
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         w, compute = self.w, torch.cuda.current_stream(self.w.device)
-        n = self.slots.shape[1] if rows is None else rows
         out = torch.empty(self.slots.shape[1:], dtype=self.slots.dtype, device=w.device)  # the caller's stream owns it
         w.push_stream.wait_stream(compute)
         with torch.cuda.stream(w.push_stream):
             tok = self.recorder.begin("sum", "early", "compute1", stream=w.push_stream) if self.recorder is not None \
                 else None
-            for _, _, s in peers(self.rank, self.ws):
-                w.handle.wait_signal(s, PUSH)
-            torch.sum(self.slots[:, :n], 0, out=out[:n])
+            for j in steps:
+                w.handle.wait_signal((self.rank - j) % self.ws, PUSH)
+            torch.sum(slots, 0, out=out[:slots.shape[1]])
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
             done = torch.cuda.Event()
             done.record(w.push_stream)
-        self._early = (out, n, done)
+        return out, done
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of the slots (into ``out`` if given). After :meth:`reduce_early`: joins it and
         sums the remaining rows (the peers' signals were waited there)."""
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
+        compute.wait_event(self._kept)
         if self._early is not None:
-            summed, n, done = self._early
+            summed, done, n = self._early
             compute.wait_event(done)
             if n < summed.shape[0]:
                 torch.sum(self.slots[:, n:], 0, out=summed[n:])
@@ -390,6 +423,30 @@ class CopyEngineExchange:
         for _, _, s in peers(self.rank, self.ws):
             self.w.handle.wait_signal(s, PUSH)
         return torch.sum(self.slots, 0, out=out)
+
+    def finish_own(self, own) -> torch.Tensor:
+        """The reduce-scatter with the caller's own partial added by ``own(acc)`` (module docstring):
+        the last step's slot is added on the current stream after it, once its sender's signal is in."""
+        assert len(self.blocks) == 1, "finish_own takes one block"
+        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
+        compute = torch.cuda.current_stream(self.w.device)
+        compute.wait_event(self._kept)
+        if self._early is None:
+            self.reduce_peers_early()
+        acc = None
+        if self._early is not None:
+            acc, done, _ = self._early
+            compute.wait_event(done)
+        y = own(acc)
+        compute.wait_stream(self.w.push_stream)
+        self.w.handle.wait_signal((self.rank + 1) % self.ws, PUSH)  # step ws-1's sender: r - (ws-1)
+        return y.add_(self.slots[self.ws - 1])
+
+
+def _sum_with_own(slots: torch.Tensor, own) -> torch.Tensor:
+    """``own(sum of slots 1 .. ws-2, or None when there are none) + slots[ws-1]``."""
+    ws = slots.shape[0]
+    return own(torch.sum(slots[1:ws - 1], 0) if ws > 2 else None).add_(slots[ws - 1])
 
 
 def symmetric_memory_status(group, device: torch.device) -> str:
