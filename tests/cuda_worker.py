@@ -325,8 +325,8 @@ def check_attention(rank, ws, dev):
 
 def check_attention_query_chunks(rank, ws, dev, x, dy, ws_, nq, nkv, d):
     """bf16 rank chunks without qk-norm, where the core runs by query chunks (cuDNN pieces and the
-    Triton merge) and the own projection accumulates the peers' partials: against the float64
-    dense reference at bf16's tolerance, output and gradients, causal and not."""
+    Triton merge): against the float64 dense reference at bf16's tolerance, output and gradients,
+    causal and not."""
     from attention_reference import dense_attention
     from overlap_layers import OverlapAttention
     fails = 0

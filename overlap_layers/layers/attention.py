@@ -334,20 +334,14 @@ class _RankChunkAttention(torch.autograd.Function):
             o_all = o_in.view(ws, b - a, -1)
             for j in _own_last(ws):
                 with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
-                    if not j and k == 1:  # every push done: sum the peers' first partials beside the own rows
-                        ex.reduce_peers_early()
                     if call.query_chunks:
                         call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse)
                     if j:
                         ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
-                    elif k == 1:  # the own projection accumulates into that sum, the last partial is added after
-                        y_TH = ex.finish_own(lambda acc: torch.mm(o_all[r], w_o.t()) if acc is None
-                                             else acc.addmm_(o_all[r], w_o.t()))
                     else:
                         torch.mm(o_all[r], w_o.t(), out=ex.own_partial[a:b])
                 _logged(call, i, j, k, "proj", "fwd")
-        if k > 1:
-            y_TH = finish(ex, rec)
+        y_TH = finish(ex, rec)
         if call.save:
             ctx.graphs, ctx.blocks = graphs, blocks
             ctx.save_for_backward(x_TH, w_qkv, w_o, *o_ins, *([ex.gathered[0]] if keep_xg else []))

@@ -173,11 +173,6 @@ class AttentionCostModel(MLPCostModel):
     def early_sum_waits_own(self, backward: bool) -> bool:
         return True
 
-    def own_accumulate_ms(self, backward: bool, tiles: int) -> Optional[float]:
-        """Forward with one tile: the own projection accumulates into the sum of the partials of
-        steps 1 .. ws-2 (summed beside the own rows' core), then the last step's is added."""
-        return None if backward or tiles > 1 else self.op_ms(self.chunk_rows(), "proj")
-
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)
         that one chunk's partial replaces."""

@@ -251,11 +251,6 @@ class MLPCostModel:
         MLP's early rows are written by its first piece."""
         return False
 
-    def own_accumulate_ms(self, backward: bool, tiles: int) -> Optional[float]:
-        """The GEMM of the last own piece when it accumulates into the peers' sum (``finish_own``:
-        the attention forward's projection), else None (the MLP's write their own slot)."""
-        return None
-
     def rank_chunk_timeline(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Timeline:
         """The predicted timeline of one rank-chunk pass ([Note: rank-chunk cost]): the pieces
         and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
@@ -283,25 +278,13 @@ class MLPCostModel:
             for j in range(1, ws):
                 done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
         pushed = own = 0.0
-        arrived = {}  # step -> when its partial is in (a peer's push, taken to end with ours)
-        pieces = self.rank_pieces(backward, tiles)
-        gemm = self.own_accumulate_ms(backward, tiles)
-        sum_ms = md.mem_ms((ws + 1) * chunk)
-        for n, (name, tag_, ms, pull, push, i, tail) in enumerate(pieces):
-            start = max(t, pulled[pull, i])
-            if gemm is not None and n == len(pieces) - 1:  # own rows' core, the GEMM into the early sum, the last partial
-                early = add("sum", "early", "compute1", arrived[ws - 2] + signal, sum_ms * (ws - 1) / (ws + 1)) \
-                    if ws > 2 else 0.0
-                done = max(max(start + (ms - gemm) * slow, early) + gemm * slow, arrived[ws - 1] + signal)
-                add(name, tag_, "compute0", start, done + md.mem_ms(3 * chunk) - start)
-                return timeline_from_events(events, ["compute0", "compute1", "comm"] if ws > 2 else ["compute0", "comm"])
-            t = add(name, tag_, "compute0", start, ms * slow)
+        for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles):
+            t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
-                pushed = arrived[push] = add("push", block_tag(i, push, len(blocks)), "comm",
-                                             max(pushed, t - tail * slow), transfer(i))
+                pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
             elif not pull:
                 own = t - tail * slow  # this own piece's rows are written
-        rows, early = self.chunk_rows(), self.early_sum_rows(backward, transport)
+        rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), md.mem_ms((ws + 1) * chunk)
         start = max(pushed + signal, own if self.early_sum_waits_own(backward) else 0.0)
         summed = add("sum", "early", "compute1", start, sum_ms * early / rows) if early else pushed + signal
         if early < rows:

@@ -14,11 +14,6 @@ partials of shape ``[T, *partial]``::
                     stream while the caller computes on (the MLP backward's last weight
                     gradients, its forward's own second half); ``finish()`` joins it and sums
                     the rest
-    finish_own(own) instead of finish(), with one block: ``own(acc)`` adds the caller's own
-                    partial into ``acc`` (a GEMM's accumulator), the partials of steps
-                    1 .. ws-2 summed (on the copy engine's pull stream after
-                    ``reduce_peers_early()``, which may come after the last push); the last
-                    step's partial, which arrives last, is added after it
 
 With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
 batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
@@ -38,16 +33,16 @@ transports implement it:
   it is how the rank-chunk schedule is tested.
 
 [Note: exchange signals]
-A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (slot 0 its
-own, slot j pushed into by rank r - j at step j, so the last step's partial is always the last slot). Per call and peer p, two signals on the workspace's signal pad:
+A rank's symmetric workspace holds its sources (pulled by peers) and ws partial slots (pushed into
+by peers; slot r is its own). Per call and peer p, two signals on the workspace's signal pad:
 channel 0 "my sources are in my buffer" (put after the local copy; every peer's is waited before
 the first pull) and channel 1 "my partial for you is in your slot" (put after the push, waited
 before the sum). Reuse is safe without barriers: rank r overwrites its sources (next call) only
 after waiting for every peer's channel-1 signal, which each peer puts after its pull from r, and r
 pushes into p's slot only after p's channel-0 signal of the same call, which p puts after summing
 its slots of the previous call (all ordered on p's current stream; a sum that ``reduce_early`` ran
-on the push stream, or ``reduce_peers_early`` on the pull stream, with its signal waits, is joined
-into the current stream by ``finish`` / ``finish_own`` before the call returns). A signal is a flag that the wait resets, and the order above never puts a flag
+on the push stream, with its signal waits, is joined into the current stream by ``finish`` before
+the call returns). A signal is a flag that the wait resets, and the order above never puts a flag
 twice before it is waited. Every exchange on one workspace must run on the same current stream, in
 the same order on every rank: one layer after another, as a model runs them.
 """
@@ -119,7 +114,7 @@ class PointToPointExchange:
         _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
         x = self.sources[0]
         self.slots = x.new_empty((self.ws, *partial_shape))
-        self.own_partial = self.slots[0]  # slot j: the partial of rank r - j (its step j)
+        self.own_partial = self.slots[self.rank]
         self.blocks = _blocks(blocks, x.shape[0])
         self._pull_works, self._push_works, self._keep = {}, [], []
         for i, (a, b) in enumerate(self.blocks):
@@ -153,7 +148,7 @@ class PointToPointExchange:
         self._pushes += 1
         q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[block]
         self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
-                                                    dist.P2POp(dist.irecv, self.slots[j, a:b], self._g[s], self.group)])
+                                                    dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self._pushes == len(self.blocks) * (self.ws - 1) and not self._pull_works, \
@@ -162,17 +157,6 @@ class PointToPointExchange:
             w.wait()
         self._keep.clear()
         return torch.sum(self.slots, 0, out=out)
-
-    def reduce_peers_early(self) -> None:
-        """Nothing: :meth:`finish_own` waits for the pushes and sums (see the module docstring)."""
-
-    def finish_own(self, own) -> torch.Tensor:
-        """The reduce-scatter with the caller's own partial added by ``own(acc)`` (module docstring)."""
-        assert len(self.blocks) == 1, "finish_own takes one block"
-        for w in self._push_works:
-            w.wait()
-        self._keep.clear()
-        return _sum_with_own(self.slots, own)
 
 
 class SymmetricWorkspace:
@@ -309,7 +293,7 @@ class CopyEngineExchange:
             off += _aligned(s.numel() * elt)
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
-        self.own_partial = self.slots[0]  # slot j: the partial of rank r - j (its step j)
+        self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
         compute = torch.cuda.current_stream(w.device)
@@ -345,7 +329,7 @@ class CopyEngineExchange:
             self._kept = torch.cuda.Event()  # finish() joins it: the caller may read every gathered row after
             self._kept.record(w.pull_stream)
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
-        self._early: Optional[Tuple[torch.Tensor, torch.cuda.Event, int]] = None  # (sum, done, rows summed)
+        self._early: Optional[Tuple[torch.Tensor, int, torch.cuda.Event]] = None  # (sum, rows, done): reduce_early
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
@@ -357,7 +341,7 @@ class CopyEngineExchange:
         w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
-            dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[j]
+            dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
             tok = self.recorder.begin("push", block_tag(block, j, len(self.blocks)), "comm", stream=w.push_stream) \
                 if self.recorder is not None else None
             dst[a:b].copy_(partial)
@@ -370,7 +354,7 @@ class CopyEngineExchange:
     @property
     def summed_early(self) -> bool:
         """Whether :meth:`reduce_early` summed every row (``finish`` then only joins it)."""
-        return self._early is not None and self._early[2] == self.slots.shape[1]
+        return self._early is not None and self._early[1] == self.slots.shape[1]
 
     def reduce_early(self, rows: Optional[int] = None) -> None:
         """Queue the sum of the slots' rows ``[0, rows)`` (default all) on the push stream, after
@@ -378,34 +362,22 @@ class CopyEngineExchange:
         runs beside it; :meth:`finish` sums the rest. Every push must be done and those rows of
         ``own_partial`` written (both ordered before the push stream by now: each push waits for
         the current stream). Timed as ``sum[early]`` on ``compute1`` by the recorder."""
-        n = self.slots.shape[1] if rows is None else rows
-        self._early = (*self._queue_sum(self.slots[:, :n], range(1, self.ws), self.w.push_stream), n)
-
-    def reduce_peers_early(self) -> None:
-        """Queue the sum of the slots of steps 1 .. ws-2 (every row) on the pull stream, idle by now,
-        after those peers' PUSH signals, for :meth:`finish_own` (which sums them itself without this
-        call; with two ranks there are none). Not on the push stream: there it would wait for this
-        rank's last push (measured: +60 us on the 8b attention forward)."""
-        if self.ws > 2:
-            self._early = (*self._queue_sum(self.slots[1:self.ws - 1], range(1, self.ws - 1), self.w.pull_stream), 0)
-
-    def _queue_sum(self, slots: torch.Tensor, steps, stream) -> Tuple[torch.Tensor, torch.cuda.Event]:
-        """``(sum over slots, its event)``: the sum queued on ``stream`` (after the current stream's
-        work so far) and the PUSH signals of the senders of ``steps`` (rank r - j for step j)."""
         assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
         w, compute = self.w, torch.cuda.current_stream(self.w.device)
+        n = self.slots.shape[1] if rows is None else rows
         out = torch.empty(self.slots.shape[1:], dtype=self.slots.dtype, device=w.device)  # the caller's stream owns it
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            tok = self.recorder.begin("sum", "early", "compute1", stream=stream) if self.recorder is not None else None
-            for j in steps:
-                w.handle.wait_signal((self.rank - j) % self.ws, PUSH)
-            torch.sum(slots, 0, out=out[:slots.shape[1]])
+        w.push_stream.wait_stream(compute)
+        with torch.cuda.stream(w.push_stream):
+            tok = self.recorder.begin("sum", "early", "compute1", stream=w.push_stream) if self.recorder is not None \
+                else None
+            for _, _, s in peers(self.rank, self.ws):
+                w.handle.wait_signal(s, PUSH)
+            torch.sum(self.slots[:, :n], 0, out=out[:n])
             if tok is not None:
-                self.recorder.end(tok, stream=stream)
+                self.recorder.end(tok, stream=w.push_stream)
             done = torch.cuda.Event()
-            done.record(stream)
-        return out, done
+            done.record(w.push_stream)
+        self._early = (out, n, done)
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of the slots (into ``out`` if given). After :meth:`reduce_early`: joins it and
@@ -414,7 +386,7 @@ class CopyEngineExchange:
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_event(self._kept)
         if self._early is not None:
-            summed, done, n = self._early
+            summed, n, done = self._early
             compute.wait_event(done)
             if n < summed.shape[0]:
                 torch.sum(self.slots[:, n:], 0, out=summed[n:])
@@ -423,30 +395,6 @@ class CopyEngineExchange:
         for _, _, s in peers(self.rank, self.ws):
             self.w.handle.wait_signal(s, PUSH)
         return torch.sum(self.slots, 0, out=out)
-
-    def finish_own(self, own) -> torch.Tensor:
-        """The reduce-scatter with the caller's own partial added by ``own(acc)`` (module docstring):
-        the last step's slot is added on the current stream after it, once its sender's signal is in."""
-        assert len(self.blocks) == 1, "finish_own takes one block"
-        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
-        compute = torch.cuda.current_stream(self.w.device)
-        compute.wait_event(self._kept)
-        if self._early is None:
-            self.reduce_peers_early()
-        acc = None
-        if self._early is not None:
-            acc, done, _ = self._early
-            compute.wait_event(done)
-        y = own(acc)
-        compute.wait_stream(self.w.push_stream)
-        self.w.handle.wait_signal((self.rank + 1) % self.ws, PUSH)  # step ws-1's sender: r - (ws-1)
-        return y.add_(self.slots[self.ws - 1])
-
-
-def _sum_with_own(slots: torch.Tensor, own) -> torch.Tensor:
-    """``own(sum of slots 1 .. ws-2, or None when there are none) + slots[ws-1]``."""
-    ws = slots.shape[0]
-    return own(torch.sum(slots[1:ws - 1], 0) if ws > 2 else None).add_(slots[ws - 1])
 
 
 def symmetric_memory_status(group, device: torch.device) -> str:
