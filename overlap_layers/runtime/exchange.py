@@ -57,6 +57,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .slot_sum import sum_slots
+
 PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
 
 
@@ -156,7 +158,7 @@ class PointToPointExchange:
         for w in self._push_works:
             w.wait()
         self._keep.clear()
-        return torch.sum(self.slots, 0, out=out)
+        return sum_slots(self.slots, self.slots.new_empty(self.slots.shape[1:]) if out is None else out)
 
 
 class SymmetricWorkspace:
@@ -372,7 +374,7 @@ class CopyEngineExchange:
                 else None
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.wait_signal(s, PUSH)
-            torch.sum(self.slots[:, :n], 0, out=out[:n])
+            sum_slots(self.slots[:, :n], out[:n])
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
             done = torch.cuda.Event()
@@ -389,12 +391,12 @@ class CopyEngineExchange:
             summed, n, done = self._early
             compute.wait_event(done)
             if n < summed.shape[0]:
-                torch.sum(self.slots[:, n:], 0, out=summed[n:])
+                sum_slots(self.slots[:, n:], summed[n:])
             return summed if out is None else out.copy_(summed)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
             self.w.handle.wait_signal(s, PUSH)
-        return torch.sum(self.slots, 0, out=out)
+        return sum_slots(self.slots, self.slots.new_empty(self.slots.shape[1:]) if out is None else out)
 
 
 def symmetric_memory_status(group, device: torch.device) -> str:
