@@ -48,10 +48,14 @@ def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0):
     o, lse = run_chunks(q, k, v, chunks, causal, scale)
     torch.testing.assert_close(o.double().cpu(), o_ref.detach(), rtol=tol_o, atol=tol_o)
     torch.testing.assert_close(lse.double().cpu(), lse_ref.detach(), rtol=tol_o, atol=tol_o)
-    grads = query_chunks.core_backward(do64.to(device, dtype), q, k, v, o, lse, causal=causal, scale=scale)
-    for got, want in zip(grads, grads_ref):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got.double().cpu(), want, rtol=tol_g, atol=tol_g)
+    do = do64.to(device, dtype)
+    for layout in ("bhsd", "bshd"):  # the layer passes o and do as [b, S, nq, d] storage
+        if layout == "bshd":
+            o, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (o, do))
+        grads = query_chunks.core_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+        for got, want in zip(grads, grads_ref):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double().cpu(), want, rtol=tol_g, atol=tol_g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -135,17 +135,22 @@ class _Call:
         query_chunks.query_chunk(*bufs, c, s, causal=self.causal, scale=self.scale,
                                  o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s])
 
-    def core_chunks_backward(self, do_MA: torch.Tensor, o_MA: torch.Tensor, bufs, lse, tables, b: int) -> torch.Tensor:
-        """Rank-major ``dqkv [M, C]`` of the query-chunk core (:meth:`core_chunk` over every chunk)
-        given rank-major ``do``: the flash backward from the merged ``o`` and ``lse``, then the
-        heads step's transpose (:func:`heads_backward`)."""
-        g, s, nq, d = self.g, self.s, self.nq, self.d
+    def rows_to_heads(self, rows: torch.Tensor, out: torch.Tensor, c: Optional[int] = None) -> None:
+        """Copy rank-major rows ``[g*b*s, A]`` (or rank c's ``[b*s, A]``) into head-major ``out [b,
+        nq, g*s, d]`` (its chunk c): the layout the core's backward reads."""
+        b, nq, d = out.shape[0], self.nq, self.d
+        dst = out.unflatten(2, (self.g, self.s))
+        if c is None:
+            dst.copy_(rows.view(self.g, b, self.s, nq, d).permute(1, 3, 0, 2, 4))
+        else:
+            dst[:, :, c].copy_(rows.view(b, self.s, nq, d).permute(0, 2, 1, 3))
 
-        def heads(t):  # rank-major [M, A] -> [b, nq, g*s, d] (a copy)
-            return t.view(g, b, s, nq, d).permute(1, 3, 0, 2, 4).reshape(b, nq, g * s, d)
-        dq, dk, dv = query_chunks.core_backward(heads(do_MA), *bufs, heads(o_MA), lse, causal=self.causal,
-                                                scale=self.scale)
-        return heads_backward(dq, dk, dv, (g, b, s, nq, self.nkv, d), tables)
+    def core_chunks_backward(self, do, o, bufs, lse, tables) -> torch.Tensor:
+        """Rank-major ``dqkv [M, C]`` of the query-chunk core (:meth:`core_chunk` over every chunk)
+        given head-major ``do, o [b, nq, g*s, d]`` (:meth:`rows_to_heads`): the flash backward
+        from the merged ``o`` and ``lse``, then the heads step's transpose (:func:`heads_backward`)."""
+        dq, dk, dv = query_chunks.core_backward(do, *bufs, o, lse, causal=self.causal, scale=self.scale)
+        return heads_backward(dq, dk, dv, (self.g, do.shape[0], self.s, self.nq, self.nkv, self.d), tables)
 
     def core(self, qkv_MC: torch.Tensor, b0: int, b1: int, pre=None) -> torch.Tensor:
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1. ``pre``:
@@ -366,6 +371,9 @@ class _RankChunkAttention(torch.autograd.Function):
         for i, (a, b) in enumerate(blocks):
             o_all = o_ins[i].view(ws, b - a, -1)
             do_all = dy_TH.new_empty((ws, b - a, w_o.shape[1]))
+            if c.query_chunks:  # the core's backward reads o and do head-major: copied while peers' dy arrive
+                o_hm, do_hm = (dy_TH.new_empty(((b - a) // c.s, ws * c.s, c.nq, c.d)).transpose(1, 2)
+                               for _ in range(2))  # [b, nq, S, d] over [b, S, nq, d]: block copies from rows
             xs = {}
             for j in range(ws):
                 q = (r + j) % ws
@@ -375,12 +383,15 @@ class _RankChunkAttention(torch.autograd.Function):
                     torch.mm(dy, w_o, out=do_all[q])
                     accumulate(grads, "w_o", dy, o_all[q], i == 0 and j == 0)
                     xs[q] = x_TH[a:b] if j == 0 else pulled[1] if c.plan.regather else xg[0][q, a:b]
+                    if c.query_chunks:
+                        c.rows_to_heads(do_all[q], do_hm, q)
+                        if j == 0:  # before the first peer's dy is in
+                            c.rows_to_heads(o_ins[i], o_hm)
                 _logged(c, i, j, k, "dgrad_o", "bwd")
             saved, graphs[i] = graphs[i], None  # this tile's core is done: free its saved tensors after
             with piece(rec, "core_bwd", block_tag(i, "all", k), f"overlap::attn_bwd::core[{i}]"):
                 if c.query_chunks:
-                    got = [c.core_chunks_backward(do_all.view(ws * (b - a), -1), o_ins[i], *saved,
-                                                  (b - a) // c.s)]
+                    got = [c.core_chunks_backward(do_hm, o_hm, *saved)]
                 else:
                     got = torch.autograd.grad(saved[1], [saved[0], *norms], do_all.view(ws * (b - a), -1))
             del saved
