@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .heads_kernel import move_heads
+
 QK_NORM_EPS = 1e-6
 
 
@@ -87,7 +89,10 @@ def _move_heads(rows_gbsC: torch.Tensor, heads, cos_sin, nq: int, nkv: int, d: i
     """Rank-major rows ``[g, b, s, C]`` to the heads ``(q, k, v) [b, n, g, s, d]`` with RoPE on q
     and k, or (``backward``) the heads' gradients back to the rows with RoPE's transpose."""
     g, s = rows_gbsC.shape[0], rows_gbsC.shape[2]
-    tables = None if cos_sin is None else tuple(t.unflatten(1, (g, s))[:, None] for t in cos_sin)
+    tables = None if cos_sin is None else tuple(t.unflatten(1, (g, s)) for t in cos_sin)
+    if move_heads(rows_gbsC, heads, tables, nq, nkv, d, backward):  # one Triton kernel per head group (CUDA)
+        return
+    tables = None if tables is None else tuple(t[:, None] for t in tables)
     for n, (rows, head) in enumerate(zip(_head_views(rows_gbsC, nq, nkv, d), heads)):
         src, dst = (head, rows) if backward else (rows, head)
         if n == 2 or tables is None:  # v, or no RoPE

@@ -1,0 +1,69 @@
+"""CUDA: the heads step's Triton kernel (``layers/heads_kernel.py``, reached through
+``attention_core.heads_into`` / ``heads_backward_into``) against the RoPE formula in float64
+autograd: rank-major rows to heads (q, k RoPE'd, v copied) and the gradients back, whole tiles
+and one rank's chunk written into the tile's buffers, shared and per-sequence tables, head dims
+whose half is and is not a power of two."""
+import pytest
+import torch
+
+from overlap_layers.layers import heads_kernel
+from overlap_layers.layers.attention_core import heads_backward_into, heads_into
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or heads_kernel.triton is None,
+                                reason="needs CUDA and Triton")
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def reference_heads(rows, cos, sin, nq, nkv, d):
+    """(q, k, v) ``[b, n, g, s, d]`` of rows ``[g, b, s, C]`` with tables ``[b or 1, g, s, d]``."""
+    def group(lo, n):
+        return rows[..., lo * d:(lo + n) * d].unflatten(-1, (n, d)).permute(1, 3, 0, 2, 4)
+    q, k, v = group(0, nq), group(nq, nkv), group(nq + nkv, nkv)
+    c, s_ = cos[:, None], sin[:, None]
+    return q * c + rotate_half(q) * s_, k * c + rotate_half(k) * s_, v
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("d", [128, 80])
+@pytest.mark.parametrize("table_batch", [1, 2])
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk):
+    g_, dev = torch.Generator().manual_seed(d + table_batch), torch.device("cuda")
+    g, b, s, nq, nkv = 4, 2, 24, 4, 2
+    C = (nq + 2 * nkv) * d
+    rows64 = torch.randn(g, b, s, C, generator=g_, dtype=torch.float64)
+    cos64, sin64 = (torch.randn(table_batch, g * s, d, generator=g_, dtype=torch.float64) for _ in range(2))
+    grads64 = [torch.randn(b, n, g, s, d, generator=g_, dtype=torch.float64) for n in (nq, nkv, nkv)]
+    leaf = rows64.clone().requires_grad_()
+    tables64 = tuple(t.unflatten(1, (g, s)) for t in (cos64, sin64))
+    want = reference_heads(leaf, *tables64, nq, nkv, d)
+    want_grad = torch.autograd.grad(want, leaf, grads64)[0]
+
+    sl = slice(None) if chunk is None else slice(chunk, chunk + 1)
+    rows = rows64.to(dev, dtype)
+    bufs = [torch.full((b, n, g * s, d), float("nan"), device=dev, dtype=dtype) for n in (nq, nkv, nkv)]
+    views = [t.view(b, t.shape[1], g, s, d)[:, :, sl] for t in bufs]
+    tables = tuple(t.to(dev, dtype) for t in (cos64, sin64))
+    if chunk is not None:  # one rank's rows and their positions, as the rank-chunk forward passes them
+        tables = tuple(t[:, chunk * s:(chunk + 1) * s] for t in tables)
+    heads_into(rows[sl], *views, tables, nq, nkv, d)
+    for got, ref in zip(views, want):
+        torch.testing.assert_close(got.double().cpu(), ref.detach()[:, :, sl], rtol=tol, atol=tol)
+
+    dq, dk, dv = (t.to(dev, dtype)[:, :, sl] for t in grads64)
+    drows = torch.full_like(rows[sl], float("nan"))
+    heads_backward_into(drows, dq, dk, dv, tables, nq, nkv, d)
+    torch.testing.assert_close(drows.double().cpu(), want_grad[sl], rtol=tol, atol=tol)
+
+
+def test_heads_kernel_declines_what_it_cannot_run():
+    """CPU tensors and head dims split unevenly go to the torch path."""
+    rows = torch.zeros(1, 1, 2, 6)
+    heads = [torch.zeros(1, 1, 1, 2, 2) for _ in range(3)]
+    assert not heads_kernel.move_heads(rows, heads, None, 1, 1, 2, backward=False)
+    odd = torch.zeros(1, 1, 2, 9, device="cuda")
+    assert not heads_kernel.move_heads(odd, [torch.zeros(1, 1, 1, 2, 3, device="cuda")] * 3, None, 1, 1, 3, False)
