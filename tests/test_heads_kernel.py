@@ -27,7 +27,7 @@ def reference_heads(rows, cos, sin, nq, nkv, d):
     return q * c + rotate_half(q) * s_, k * c + rotate_half(k) * s_, v
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("d", [128, 80])
 @pytest.mark.parametrize("table_batch", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 2])
@@ -35,9 +35,11 @@ def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk):
     g_, dev = torch.Generator().manual_seed(d + table_batch), torch.device("cuda")
     g, b, s, nq, nkv = 4, 2, 24, 4, 2
     C = (nq + 2 * nkv) * d
-    rows64 = torch.randn(g, b, s, C, generator=g_, dtype=torch.float64)
-    cos64, sin64 = (torch.randn(table_batch, g * s, d, generator=g_, dtype=torch.float64) for _ in range(2))
-    grads64 = [torch.randn(b, n, g, s, d, generator=g_, dtype=torch.float64) for n in (nq, nkv, nkv)]
+    def randn(*shape):  # values the kernel's dtype holds exactly: only its rounding of the result differs
+        return torch.randn(*shape, generator=g_, dtype=torch.float64).to(dtype).double()
+    rows64 = randn(g, b, s, C)
+    cos64, sin64 = (randn(table_batch, g * s, d) for _ in range(2))
+    grads64 = [randn(b, n, g, s, d) for n in (nq, nkv, nkv)]
     leaf = rows64.clone().requires_grad_()
     tables64 = tuple(t.unflatten(1, (g, s)) for t in (cos64, sin64))
     want = reference_heads(leaf, *tables64, nq, nkv, d)
