@@ -49,7 +49,7 @@ def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0):
     torch.testing.assert_close(o.double().cpu(), o_ref.detach(), rtol=tol_o, atol=tol_o)
     torch.testing.assert_close(lse.double().cpu(), lse_ref.detach(), rtol=tol_o, atol=tol_o)
     do = do64.to(device, dtype)
-    for layout in ("bhsd", "bshd"):  # the layer passes o and do as [b, S, nq, d] storage
+    for layout in ("bhsd", "bshd"):  # any storage order (cuDNN's backward needs [b, nq, S, d]: copied)
         if layout == "bshd":
             o, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (o, do))
         grads = query_chunks.core_backward(do, q, k, v, o, lse, causal=causal, scale=scale)

@@ -372,8 +372,7 @@ class _RankChunkAttention(torch.autograd.Function):
             o_all = o_ins[i].view(ws, b - a, -1)
             do_all = dy_TH.new_empty((ws, b - a, w_o.shape[1]))
             if c.query_chunks:  # the core's backward reads o and do head-major: copied while peers' dy arrive
-                o_hm, do_hm = (dy_TH.new_empty(((b - a) // c.s, ws * c.s, c.nq, c.d)).transpose(1, 2)
-                               for _ in range(2))  # [b, nq, S, d] over [b, S, nq, d]: block copies from rows
+                o_hm, do_hm = (dy_TH.new_empty(((b - a) // c.s, c.nq, ws * c.s, c.d)) for _ in range(2))
             xs = {}
             for j in range(ws):
                 q = (r + j) % ws

@@ -99,12 +99,15 @@ def query_chunk(q, k, v, c: int, s: int, *, causal: bool, scale: Optional[float]
 
 
 def core_backward(do, q, k, v, o, lse, *, causal: bool, scale: Optional[float]):
-    """``(dq, dk, dv)`` of the core over whole sequences, ``do, o [b, nq, S, d]`` and ``lse [b,
-    nq, S]`` from :func:`query_chunk` (merged: the flash backward needs only the final output and
-    log-sum-exp per row)."""
+    """``(dq, dk, dv)`` of the core over whole sequences, ``do, o [b, nq, S, d]`` (contiguous, or
+    copied) and ``lse [b, nq, S]`` from :func:`query_chunk` (merged: the flash backward needs only
+    the final output and log-sum-exp per row)."""
     if q.is_cuda:
         S, Sk = q.shape[2], k.shape[2]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        # cuDNN's backward reads o and do as contiguous [b, nq, S, d]: other strides gave wrong
+        # gradients (a [b, S, nq, d] storage, call G), so copy them where they differ
+        do, o = do.contiguous(), o.contiguous()
         return _aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, o, lse.unsqueeze(-1), seed, seed, None, None, None, S, Sk, 0.0, causal, scale=scale)
     return _aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
