@@ -335,7 +335,8 @@ def check_attention_query_chunks(rank, ws, dev, x, dy, ws_, nq, nkv, d):
         y_ref = dense_attention(leaves[0], *leaves[1:5], num_heads=nq, num_kv_heads=nkv, causal=causal)
         y_ref.backward(dy)
         for plan in (MLPPlan(1, decomposition="rank", transport="copy_engine"),
-                     MLPPlan(2, decomposition="rank", transport="copy_engine"), MLPPlan(1, decomposition="rank")):
+                     MLPPlan(2, decomposition="rank", transport="copy_engine"), MLPPlan(1, decomposition="rank"),
+                     MLPPlan(1)):  # and the serial layer (the core's autograd graph), in bf16 too
             layer = OverlapAttention.from_dense(*[t.bfloat16() for t in ws_], num_heads=nq, num_kv_heads=nkv,
                                                 causal=causal, group=dist.group.WORLD)
             assert layer._query_chunk_core(torch.bfloat16, dev), "cuDNN SDPA should run the query-chunk core here"
