@@ -153,9 +153,30 @@ def empty_heads(like: torch.Tensor, shape) -> Tuple[torch.Tensor, torch.Tensor, 
 
 
 def sdpa(q, k, v, *, causal: bool, scale: Optional[float], dropout_p: float = 0.0) -> torch.Tensor:
-    """``scaled_dot_product_attention`` of ``[b, n, S, d]`` heads, with ``enable_gqa`` when nq != nkv."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    """``scaled_dot_product_attention`` of ``[b, n, S, d]`` heads, with ``enable_gqa`` when nq != nkv.
+    On CUDA the output's gradient reaches SDPA's backward in the output's own layout
+    (:class:`_GradLikeOutput`)."""
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return _GradLikeOutput.apply(o) if o.is_cuda and o.requires_grad else o
+
+
+class _GradLikeOutput(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on in its input's strides. cuDNN's SDPA
+    backward (torch 2.11) returned wrong gradients when the output's gradient had other strides
+    than the output: a [b, S, n, d] storage for a [b, n, S, d] output, as the transpose to rows
+    gives it (caught in bf16 by the CUDA tier, session 18)."""
+
+    @staticmethod
+    def forward(ctx, o):
+        ctx.strides = o.stride()
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.stride() == ctx.strides:
+            return g
+        return torch.empty_strided(g.shape, ctx.strides, dtype=g.dtype, device=g.device).copy_(g)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
