@@ -38,12 +38,16 @@ own saved tensors), so it costs what autograd would and is never recomputed.
 ``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``; per batch tile of
 ``plan.num_tiles``, each tile one block of the exchange; step j talks to rank q = r + j, see
 ``runtime/exchange.py``). Every tile's pulls are queued at the start, so tile t's core hides
-tile t+1's pulls and tile t-1's pushes; with one tile only the own rows' projections hide any:
+tile t+1's pulls and tile t-1's pushes; with one tile the own rows' projections hide some, and
+with query chunks each chunk's core hides the push before it:
 
 =========  ==================================================================================
 forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each pulled peer;
-           o = core(qkv); partial = o[q] @ wo.T pushed to each peer q, own last; y = sum
-dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do);
+           o = core(qkv); partial = o[q] @ wo.T pushed to each peer q, own last; y = sum.
+           Without qk-norm or dropout o[q] is the core's query chunk q, computed right before
+           its projection ([Note: query-chunk core] in query_chunks.py)
+dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do) (query chunks: one flash
+           backward from the merged o and lse, o and do copied to its layout beside the pulls);
            dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum (over the copy
            engine on a side stream, beside the last own rows' QKV weight gradient)
 wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes
@@ -613,7 +617,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             if name == "core":
                 return lambda: call.core(qkv, 0, b)
             if name.startswith("chunk"):  # one rank's rows of the query-chunk core
-                bufs = tuple(torch.randn(t.shape, dtype=dtype, device=dev) for t in empty_heads(qkv, call.heads_shape(0, b)))
+                bufs = tuple(torch.randn_like(t) for t in empty_heads(qkv, call.heads_shape(0, b)))
                 o = qkv.new_empty((cm.g, b, cm.s, call.nq, call.d))
                 lse = qkv.new_empty((b, call.nq, S), dtype=query_chunks.lse_dtype(dtype))
                 return lambda: call.core_chunk(bufs, int(name[5:]), o, lse)
