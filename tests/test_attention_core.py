@@ -50,3 +50,19 @@ def test_rope_matches_formula_forward_and_gradients(dtype, table_batch, strided,
         torch.testing.assert_close(sin.grad.double(), leaves64[2].grad, rtol=tol, atol=tol)
     else:
         assert cos.grad is None and sin.grad is None
+
+
+def test_sdpa_gradient_reaches_the_output_in_its_own_strides():
+    """``attention_core._GradLikeOutput`` (applied to SDPA's output on CUDA): a gradient that
+    arrives ``[b, S, n, d]``-strided for a ``[b, n, S, d]`` output is handed on in the output's
+    strides, with the same values (cuDNN's backward gave wrong gradients otherwise)."""
+    from overlap_layers.layers.attention_core import _GradLikeOutput
+    leaf = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    o = leaf * 2.0
+    seen = []
+    o.register_hook(lambda g: seen.append(g))
+    y = _GradLikeOutput.apply(o)
+    dy = torch.randn(2, 5, 3, 4, dtype=torch.float64)
+    (y.transpose(1, 2) * dy).sum().backward()  # the gradient of y arrives as dy.transpose(1, 2)
+    assert seen[0].stride() == o.stride() and torch.equal(seen[0], dy.transpose(1, 2))
+    torch.testing.assert_close(leaf.grad, 2.0 * dy.transpose(1, 2), rtol=0, atol=0)
