@@ -10,8 +10,8 @@ Modes as for the MLP (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
 * ``compute`` - the layer's math on the pre-gathered input without communication: fused qkv
   projection, the core, output projection; on CUDA the faster of two cores, timed once: plain
   PyTorch (:func:`~overlap_layers.layers.attention_core.attention`: permute, RoPE, SDPA) and the
-  layer's own (rank-major rows through ``Heads``, the Triton heads kernel, SDPA), so that the limit
-  never credits the layer with a kernel the baseline lacks;
+  layer's own (rank-major rows through ``Heads``, the Triton heads kernel, SDPA; the same pick on
+  every rank), so that the limit never credits the layer with a kernel the baseline lacks;
 * ``comm``    - the layer's collectives alone: all-gather of x and reduce-scatter of the output
   with sequence parallelism, an all-reduce of the output without (twice for forward+backward).
 
@@ -41,7 +41,7 @@ from ..config import OverlapConfig
 from ..layers.attention import OverlapAttention
 from ..layers.attention_core import Heads, attention, rope_cos_sin, sdpa
 from .mlp import MLPBench
-from .runner import Profile, pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes, time_fn
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
 PRESETS = {
@@ -72,20 +72,6 @@ class AttentionShape:
                     kv_heads=self.kv_heads, head_dim=self.head_dim, batch=self.batch, seq=self.seq,
                     tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None,
                     cuda_graphs=self.cuda_graphs)
-
-
-def _median_ms(fn, reps: int = 5) -> float:
-    """The median time of ``fn`` over a few calls after one warm-up (CUDA events)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
 
 
 class AttentionBench(MLPBench):
@@ -164,7 +150,10 @@ class AttentionBench(MLPBench):
         plain, own = runner(forward, xg, dyg), runner(forward_heads, xr, dyr)
         if self.device.type != "cuda":
             return plain
-        return plain if _median_ms(plain) <= _median_ms(own) else own
+
+        def ms(run):  # max over ranks: every rank picks the same core
+            return time_fn(run, self.device, self.group, warmup=1, iters=1, repeats=5)
+        return plain if ms(plain) <= ms(own) else own
 
     def asynctp_fn(self, backward: bool):
         return None  # no fused symmetric-memory attention op to compare with

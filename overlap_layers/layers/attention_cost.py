@@ -62,9 +62,9 @@ class AttentionCostModel(MLPCostModel):
         return batch_rows * self.s * self.g
 
     def core_key(self, name: str, b: int) -> str:
-        """The measured-op key of the core (``"core"``, ``"core_bwd"`` or its ``"heads"`` step) over
-        ``b`` sequences: everything its time depends on (the calibration cache holds every layer's
-        keys: ``"core:2x8192:q8kv2d128:causal"``)."""
+        """The measured-op key of the core (``"core"``, ``"core_bwd"``, its ``"heads"`` step or query
+        chunk ``"chunk{c}"``) over ``b`` sequences: everything its time depends on (the calibration
+        cache holds every layer's keys: ``"core:2x8192:q8kv2d128:causal"``)."""
         return f"{name}:{b}x{self.g * self.s}:q{self.nq}kv{self.nkv}d{self.d}:{'causal' if self.causal else 'full'}"
 
     def core_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[str, int]]:

@@ -105,7 +105,7 @@ def core_backward(do, q, k, v, o, lse, *, causal: bool, scale: Optional[float]):
     the final output and log-sum-exp per row)."""
     if q.is_cuda:
         S, Sk = q.shape[2], k.shape[2]
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unread (no fill kernel)
         # cuDNN's backward reads o and do as contiguous [b, nq, S, d]: other strides gave wrong
         # gradients (a [b, S, nq, d] storage, call G), so copy them where they differ
         do, o = do.contiguous(), o.contiguous()
