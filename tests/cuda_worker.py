@@ -398,6 +398,51 @@ def check_moe_and_ulysses(rank, ws, dev):
     return fails + count_fails(rank, "", pairs, 1e-4)
 
 
+def check_moe_rank_chunks(rank, ws, dev):
+    """OverlapMoE split by source rank (moe_ranks.py), over the copy engine and over NCCL
+    send/recv, float32 (dropless and with capacity drops) and bf16, uneven tokens per rank, two
+    calls each (the symmetric buffer reused), against the float64 dense reference."""
+    from moe_reference import dense_moe
+    from overlap_layers import OverlapMoE
+    from overlap_layers.layers.planned import TilePlan
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cpu").manual_seed(11)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    E, H, F, k = 4 * ws, 64, 32, 3
+    rw, wi, wo = r(E, H), r(E, 2 * F, H), r(E, H, F)
+    xs = [r(1, 40 + 24 * j, H) for j in range(ws)]
+    fails, El = 0, E // ws
+    for transport, dtype, cf, tol in (("copy_engine", torch.float32, None, 1e-4), ("nccl", torch.float32, None, 1e-4),
+                                      ("copy_engine", torch.float32, 0.5, 1e-4),
+                                      ("copy_engine", torch.bfloat16, None, 3e-2)):
+        leaves = [t.to(dtype).double().clone().requires_grad_() for t in (xs[rank], rw, wi, wo)]
+        y_ref, _ = dense_moe(*leaves, top_k=k, capacity_factor=cf, capacity_key="prob")
+        dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(dev).to(dtype)
+        y_ref.backward(dy.double())
+        gi, go = leaves[2].grad.clone(), leaves[3].grad.clone()
+        dist.all_reduce(gi)
+        dist.all_reduce(go)
+        layer = OverlapMoE.from_dense(rw.to(dtype), wi.to(dtype), wo.to(dtype), top_k=k, group=dist.group.WORLD,
+                                      capacity_factor=cf)
+        plan = TilePlan(1, decomposition="rank", transport=transport)
+        layer.pin_plan(plan)
+        for _ in range(2):
+            layer.zero_grad(set_to_none=True)
+            x = xs[rank].to(dtype).requires_grad_()
+            y = layer(x)
+            y.backward(dy)
+        label = f"moe rank {transport} {dtype} cf={cf}"
+        if layer.plan.decomposition != "rank":
+            print(f"rank {rank} FAIL {label}: ran {layer.plan.label}", flush=True)
+            fails += 1
+        fails += fell_back(rank, layer, plan)
+        fails += count_fails(rank, label, [("y", y, y_ref), ("dx", x.grad, leaves[0].grad),
+                                           ("router", layer.router_weight.grad, leaves[1].grad),
+                                           ("w_in", layer.w_in.grad, gi[rank * El:(rank + 1) * El]),
+                                           ("w_out", layer.w_out.grad, go[rank * El:(rank + 1) * El])], tol)
+    return fails
+
+
 def check_block(rank, ws, dev):
     """OverlapTransformerBlock (MLP and MoE, sequence parallel, K=2) on NCCL streams, float32 on
     the GPU against the float64 dense block on the CPU; norm and router gradients after
@@ -566,7 +611,7 @@ def main():
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
-        + check_moe_and_ulysses(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
+        + check_moe_and_ulysses(rank, ws, dev) + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)

@@ -20,6 +20,8 @@ from moe_reference import dense_moe, route
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapMoE
+from overlap_layers.layers.moe import grouped_gemm_ok
+from overlap_layers.layers.planned import TilePlan
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 # The capacity order ([Note: capacity order] in moe_reference.py): by the top-k router probability
@@ -111,8 +113,10 @@ def build_from_dense(case, dtype, opts):
                                  shared_w_out=cast(case["shared_w_out"]), group=dist.group.WORLD, **opts)
 
 
-def run_layer(rank, ws, case, opts, dtype, aux_only=False):
+def run_layer(rank, ws, case, opts, dtype, aux_only=False, pin=None):
     layer = build_from_dense(case, dtype, opts)
+    if pin is not None:
+        layer.pin_plan(pin)
     params = {n: p.detach().clone() for n, p in layer.named_parameters()}
     x = case["xs"][rank].to(dtype).requires_grad_()
     y = layer(x)
@@ -126,7 +130,8 @@ def run_layer(rank, ws, case, opts, dtype, aux_only=False):
         loss.backward()
     plan = getattr(layer, "plan", None)
     return dict(y=y.detach(), dx=x.grad, dtype=y.dtype, params=params, aux=None if aux is None else aux.detach(),
-                grads={n: p.grad for n, p in layer.named_parameters()}, k=getattr(plan, "num_tiles", None))
+                grads={n: p.grad for n, p in layer.named_parameters()}, k=getattr(plan, "num_tiles", None),
+                decomposition=getattr(plan, "decomposition", None))
 
 
 # ------------------------------------------------------------------ checks in the test process
@@ -227,6 +232,34 @@ def test_matches_dense_reference(pools, ws, k, top_k, normalize, activation, dty
                      activation=activation, routing=routing)
     opts = dict(num_tiles=k, normalize_topk=normalize, activation=activation, capacity_factor=cf, aux_loss_coef=aux)
     check(pools(ws).run(run_layer, case, opts, dtype), case, opts, dtype)
+
+
+@pytest.mark.parametrize("ws,k,top_k,normalize,activation,dtype,shapes,routing,cf,aux,Fs,E", GRID)
+def test_rank_chunks_match_dense_reference(pools, ws, k, top_k, normalize, activation, dtype, shapes, routing, cf,
+                                           aux, Fs, E):
+    """The exchange split by source rank (moe_ranks.py; over send/recv on gloo): the grid's cases
+    with the rank-chunk plan pinned (float32 cases run the grouped GEMMs where this torch has
+    them on CPU, float64 the per-expert loop)."""
+    case = make_case(ws * 1000 + k * 100 + top_k * 10 + E + 7, ws=ws, E=E, top_k=top_k, shapes=shapes, Fs=Fs,
+                     activation=activation, routing=routing)
+    opts = dict(normalize_topk=normalize, activation=activation, capacity_factor=cf, aux_loss_coef=aux)
+    results = pools(ws).run(run_layer, case, opts, dtype, False, TilePlan(1, decomposition="rank"))
+    assert all(r["decomposition"] == "rank" for r in results), [r["decomposition"] for r in results]
+    check(results, case, opts, dtype)
+
+
+@pytest.mark.parametrize("ws,top_k,shapes,routing,cf", [(2, 2, "uneven", "random", None), (4, 3, "zero_batch", "skewed", None),
+                                                     (4, 2, "uneven", "random", 0.5)])
+def test_rank_chunks_grouped_gemms_match_dense_reference(pools, ws, top_k, shapes, routing, cf):
+    """The rank-chunk plan on the grouped-GEMM path (float32, every row stride a multiple of 16
+    bytes: ``torch._grouped_mm`` on CPU), empty experts and dropped assignments included."""
+    if not grouped_gemm_ok(torch.empty(0, 8), torch.empty(1, 16, 8), torch.empty(1, 8, 8)):
+        pytest.skip("this torch has no CPU grouped GEMM")
+    case = make_case(ws * 31 + top_k, ws=ws, E=2 * ws, top_k=top_k, shapes=shapes, F=8, routing=routing)
+    opts = dict(capacity_factor=cf)
+    results = pools(ws).run(run_layer, case, opts, torch.float32, False, TilePlan(1, decomposition="rank"))
+    assert all(r["decomposition"] == "rank" for r in results)
+    check(results, case, opts, torch.float32)
 
 
 def test_skewed_case_is_skewed():

@@ -107,3 +107,50 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
     got = [rows[starts[t] + idx[p]] for t in range(K) for p in range(starts[t], starts[t + 1])]
     assert got == sorted(rows, key=lambda r: (r[0], r[2], r[1], r[3]))
     assert [got[starts[t] + inv[p]] for t in range(K) for p in range(starts[t], starts[t + 1])] == rows
+
+
+# ------------------------------------------------------------------ the rank-chunk plan's cost
+def _rank_moe(peer_copy_ms: float) -> MoECostModel:
+    """ws=2, 8 tokens, top-2: a source's chunk is 8 rows x 4 x 2 B = 64 B, copied in
+    ``peer_copy_ms``; every (grouped) GEMM takes 1 ms and memory passes are free."""
+    hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
+    return MoECostModel(tokens=8, world_size=2, hidden=4, n_in=8, ffn=4, experts=4, top_k=2, elt=2, model=hw,
+                        grouped=True)
+
+
+@pytest.mark.parametrize("copy_ms,fwd,fwd_exposed,bwd,bwd_exposed", [
+    # fwd: own[:h] 0-2 beside the pull, peer 2-4, its push 4-5 under own[h:] 4-6; nothing summed
+    # bwd: own halves 0-4 and 4-8 (dgrads and wgrads), peer dgrad 8-10, push 10-11 under its wgrads 10-12
+    (1.0, 6.0, 0.0, 12.0, 0.0),
+    # fwd: pull 0-5 (3 exposed), peer 5-7, push 7-12 (3 exposed past own[h:] 7-9)
+    # bwd: the pull hides under the own halves; the push 10-15 outlasts the wgrads by 3
+    (5.0, 12.0, 6.0, 15.0, 3.0),
+])
+def test_rank_chunk_recurrence_by_hand(copy_ms, fwd, fwd_exposed, bwd, bwd_exposed):
+    cm = _rank_moe(copy_ms)
+    assert cm.chunk_rows() == 8 and cm.chunk_bytes() == 64
+    for backward, makespan, exposed in ((False, fwd, fwd_exposed), (True, bwd, bwd_exposed)):
+        tl = cm.rank_chunk_timeline(backward=backward, transport="copy_engine", sources=1)
+        assert tl.makespan_ms == pytest.approx(makespan, abs=1e-6), backward
+        assert tl.exposed_comm_ms == pytest.approx(exposed, abs=1e-6), backward
+        names = {e.name for e in tl.events}
+        assert "to_symmetric" not in names  # the dispatch gathers straight into the buffer
+        assert all(e.end_ms == pytest.approx(e.start_ms) for e in tl.events if e.name == "sum")  # in place
+
+
+def test_rank_chunks_skip_the_regrouping_gathers():
+    """A rank piece costs the experts without the gathers that group a tile's received rows by
+    expert (each source's rows arrive grouped), so with free communication the rank-chunk
+    forward beats K=1's experts by exactly those gathers."""
+    hw = HardwareModel(gemm_tflops=600.0, gemm_fixed_ms=0.01, mem_gbps=3000.0, launch_ms=0.0, interference=1.0,
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:33554432": 0.0, "signal": 0.0})
+    cm = MoECostModel(tokens=8192, world_size=4, hidden=4096, n_in=2 * 2048, ffn=2048, experts=16, top_k=2, elt=2,
+                      model=hw, grouped=True)
+    a = cm.rows * cm.k
+    serial = cm.op_ms(a, "experts")
+    ranked = cm.rank_chunk_ms(backward=False, transport="copy_engine", sources=1)[0]
+    in_place = cm.model.mem_ms(2 * cm.chunk_bytes())  # the own results copied over their rows
+    assert cm.chunk_bytes() == 33554432
+    # five pieces (own halves, three peers): five GEMM pairs, each with its fixed cost, against one
+    assert ranked == pytest.approx(serial - cm.model.mem_ms(4 * a * cm.H * cm.e) + 8 * 0.01 + in_place, rel=1e-6)

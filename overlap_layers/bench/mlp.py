@@ -103,9 +103,10 @@ class MLPBench:
 
     @property
     def has_rank_chunks(self) -> bool:
-        """Whether the layer has the rank-chunk plan for this shape (sequence parallel, 2+ ranks)."""
+        """Whether the layer has the rank-chunk plan for this shape (rows split by source rank:
+        sequence parallel, or the MoE's exchange; 2+ ranks)."""
         from ..layers.rank_plans import RankChunkPlans
-        return isinstance(self.layer, RankChunkPlans) and self.layer.sequence_parallel and self.ws > 1
+        return isinstance(self.layer, RankChunkPlans) and self.layer._source_split and self.ws > 1
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from ..runtime.exchange import block_tag
+from ..runtime.exchange import block_tag, workspace_bytes
 from ..schedule import TileProgram, round_robin
 from ..sim import Costs, HardwareModel, Timeline, simulate
 from ..sim.simulator import Event, timeline_from_events
@@ -237,6 +237,14 @@ class MLPCostModel:
         out += [("fwd", str(j), ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
         return out + [("fwd", "own[h:]" if half else "own", ms(T - half), 0, 0, 0, 0.0)]
 
+    def to_symmetric_ms(self, sources: int) -> float:
+        """The copies of the sources into the symmetric buffer (copy engine)."""
+        return sources * self.model.mem_ms(2 * self.chunk_bytes())
+
+    def sum_ms(self) -> float:
+        """The sum of the partial slots (``(ws+1)*T*H*e`` bytes)."""
+        return self.model.mem_ms((self.ws + 1) * self.chunk_bytes())
+
     def early_sum_rows(self, backward: bool, transport: str) -> int:
         """Rows of the slots summed beside the compute after the last push (``reduce_early``,
         over the copy engine): backward all (beside the last piece's weight gradients), forward
@@ -272,7 +280,8 @@ class MLPCostModel:
             return self.transfer_ms(transport, chunk) * (blocks[i][1] - blocks[i][0]) / units
 
         t = md.launch_ms
-        done = (add("to_symmetric", 0, "comm", 0.0, sources * md.mem_ms(2 * chunk)) if ce else 0.0) + signal
+        copy_ms = self.to_symmetric_ms(sources) if ce else 0.0
+        done = (add("to_symmetric", 0, "comm", 0.0, copy_ms) if copy_ms else 0.0) + signal
         pulled = {(0, i): t for i in range(len(blocks))}
         for i in range(len(blocks)):
             for j in range(1, ws):
@@ -284,7 +293,7 @@ class MLPCostModel:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
             elif not pull:
                 own = t - tail * slow  # this own piece's rows are written
-        rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), md.mem_ms((ws + 1) * chunk)
+        rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), self.sum_ms()
         start = max(pushed + signal, own if self.early_sum_waits_own(backward) else 0.0)
         summed = add("sum", "early", "compute1", start, sum_ms * early / rows) if early else pushed + signal
         if early < rows:
@@ -295,6 +304,14 @@ class MLPCostModel:
         """(predicted ms, exposed communication ms) of one rank-chunk pass."""
         tl = self.rank_chunk_timeline(backward=backward, transport=transport, sources=sources, tiles=tiles)
         return tl.makespan_ms, tl.exposed_comm_ms
+
+    def rank_slot_bytes(self, transport: str, sources: int) -> int:
+        """Bytes of a rank-chunk plan's exchange buffers: over the copy engine the symmetric
+        workspace (the sources and the partial slots), else the partial slots."""
+        chunk = (self.chunk_rows(), self.H)
+        if transport == "copy_engine":
+            return workspace_bytes(self.ws, [chunk] * sources, chunk, self.e)
+        return self.ws * self.chunk_bytes()
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """Predicted peak bytes of the rank-chunk plan ([Note: rank-chunk cost])."""

@@ -63,11 +63,14 @@ from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.executor import profiler_range
+from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
-from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .moe_cost import MoECostModel
+from .moe_ranks import RankCall, RankChunkExperts, piece_offsets
+from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
+from .rank_plans import RankChunkPlans
 from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
@@ -332,7 +335,7 @@ class _ExpertExchange(torch.autograd.Function):
         return dx, grads["w_in"], grads["w_out"], None
 
 
-class OverlapMoE(PlannedLayer, nn.Module):
+class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     """Drop-in expert-parallel MoE; equals the module docstring's reference on each rank's tokens.
 
     Parameters (``group=`` the expert-parallel group): ``router_weight [E, H]`` (replicated),
@@ -349,8 +352,13 @@ class OverlapMoE(PlannedLayer, nn.Module):
     renormalisation). ``layer.aux_loss`` is set by every call (0 unless ``aux_loss_coef > 0``).
     ``num_tiles`` is K (tiles of the local tokens; every rank runs K, some tiles may be empty) or
     "auto": planned from the group's largest token count (bucketed) assuming balanced routing,
-    then verified on the first calls.
+    then verified on the first calls. The planner also weighs the exchange split by source rank
+    (``plan.decomposition == "rank"``, ``moe_ranks.py``; on CUDA over the copy engine where every
+    rank has symmetric memory, else pinned only, over send/recv).
     """
+
+    _exchanges = (CopyEngineAllToAll, PointToPointAllToAll)
+    _source_split = True  # every rank's rows for this rank's experts are a piece
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
@@ -507,7 +515,7 @@ class OverlapMoE(PlannedLayer, nn.Module):
         return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
-        return {}  # GEMMs are measured; the rest is costed by bandwidth
+        return self._copy_engine_setups(cm)  # GEMMs are measured; the rest is costed by bandwidth
 
     def _config_digest(self) -> int:
         key = (self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
@@ -555,7 +563,8 @@ class OverlapMoE(PlannedLayer, nn.Module):
         """One call under ``plan``; ``max_tokens`` is the group's largest token count this call."""
         dev = x.device.type
         B, S, H = x.shape
-        K, ws = plan.num_tiles, self.world_size
+        K, ws, k = plan.num_tiles, self.world_size, self.top_k
+        ranked = plan.decomposition == "rank"
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(dev, enabled=False):
@@ -566,11 +575,18 @@ class OverlapMoE(PlannedLayer, nn.Module):
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
             read = _read_on_host(gathered)
-            tensors = _tile_tensors(gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1),
-                                    ws * max_tokens * self.top_k)
+            mine = gathered.view(ws, K, ws, -1)[:, :, self.rank]  # [source, tile, El]
             n = order.numel()
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
-            x_perm = _Dispatch.apply(x_TH, order, pos, self.top_k)
+            if ranked:  # the rows go straight into the exchange's send buffer (moe_ranks.py)
+                plan, exchange = self._rank_run(plan, x.device)
+                capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
+                sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
+                torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
+                offsets = piece_offsets(mine[:, 0], self.rank)
+            else:
+                tensors = _tile_tensors(mine.transpose(0, 1), ws * max_tokens * k)
+                x_perm = _Dispatch.apply(x_TH, order, pos, k)
             shared = None
             if self.shared_w_in is not None:
                 sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
@@ -578,17 +594,27 @@ class OverlapMoE(PlannedLayer, nn.Module):
             with profiler_range("overlap::moe::read_counts"):
                 host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
             kept = int(host[self.rank].sum())
-            if kept < n:
-                x_perm = x_perm[:kept]
-            call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
-                         _tiles(host, self.rank, *tensors))
-            call.trial, call.trace = trial, trace
-            y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
-            with profiler_range("overlap::moe::unpermute"):
-                if kept < n:  # dropped assignments: zero rows
-                    y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])
-                rows = _PermuteRows.apply(y_perm, pos, order).view(-1, self.top_k, H)  # [T, k, H]
-                y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+            if ranked:
+                call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
+                                grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
+                                table=host[:, 0].sum(-1).tolist(), sizes=host[:, 0, self.rank].tolist(),
+                                offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
+                                exchange=exchange, sent=sent, launch_log=self.launch_log)
+                call.trial, call.trace = trial, trace
+                rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
+            else:
+                if kept < n:
+                    x_perm = x_perm[:kept]
+                call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
+                             _tiles(host, self.rank, *tensors))
+                call.trial, call.trace = trial, trace
+                y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
+                with profiler_range("overlap::moe::unpermute"):
+                    if kept < n:  # dropped assignments: zero rows
+                        y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])
+                    rows = _PermuteRows.apply(y_perm, pos, order)
+            rows = rows.view(-1, k, H)  # [T, k, H]
+            y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
             if shared is not None:
                 y = y + shared
         return y.view(B, S, H)

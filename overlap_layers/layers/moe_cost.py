@@ -23,6 +23,16 @@ combine_bwd  all-to-all of A*H*e
 
 Routing, the permutation and the weighted combine run once per call whatever K is, so they are
 left out (they do not change the choice).
+
+The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
+cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
+runs the experts on its rows with no regrouping gathers (each source's rows arrive grouped by
+expert), own pieces add the copy of their results in place, backward peer pieces push dx before
+their weight gradients (the tail), and every weight-gradient piece after the first adds its
+gradients into the accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer
+(the dispatch gathers straight into it, once per call) and nothing is summed: ``finish`` only
+waits for the last push. Its buffers: over the copy engine the symmetric send rows
+(``A*H*e``, persistent), over send/recv the returned rows.
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ from .mlp_cost import MLPCostModel
 class MoECostModel(MLPCostModel):
     """``rows`` = tokens per rank (the group's largest, bucketed)."""
 
-    has_rank_chunks = False
+    has_rank_chunks = True
 
     def __init__(self, *, tokens: int, world_size: int, hidden: int, n_in: int, ffn: int, experts: int, top_k: int,
                  elt: int, model: HardwareModel, activation: str = "swiglu", grouped: bool = False):
@@ -60,17 +70,69 @@ class MoECostModel(MLPCostModel):
         return {}  # the activation is costed by bandwidth here
 
     def op_ms(self, a: int, name: str) -> float:
-        md, H, I, F, e = self.model, self.H, self.I, self.F, self.e
-        n = 1 if self.grouped else self.El
-        g = self.gemms(a)
-        gathers = md.mem_ms(4 * a * H * e)  # grouping the received rows by expert and back
+        gathers = self.model.mem_ms(4 * a * self.H * self.e)  # grouping the received rows by expert and back
         if name == "experts":
-            return n * (md.gemm_ms(*g[0]) + md.gemm_ms(*g[1])) + md.mem_ms(a * (I + F) * e) + gathers
+            return self._forward_ms(a) + gathers
         if name == "experts_bwd":
-            wgrad = 1 if self.grouped else self.El
-            return n * (md.gemm_ms(*g[2]) + md.gemm_ms(*g[3])) + wgrad * (md.gemm_ms(*g[4]) + md.gemm_ms(*g[5])) \
-                + md.mem_ms(a * (2 * I + F) * e) + gathers
+            return self._dgrad_ms(a) + self._wgrad_ms(a) + gathers
         raise KeyError(name)
+
+    def _forward_ms(self, a: int) -> float:
+        md, g = self.model, self.gemms(a)
+        n = 1 if self.grouped else self.El
+        return n * (md.gemm_ms(*g[0]) + md.gemm_ms(*g[1])) + md.mem_ms(a * (self.I + self.F) * self.e)
+
+    def _dgrad_ms(self, a: int) -> float:
+        md, g = self.model, self.gemms(a)
+        n = 1 if self.grouped else self.El
+        return n * (md.gemm_ms(*g[2]) + md.gemm_ms(*g[3])) + md.mem_ms(a * (2 * self.I + self.F) * self.e)
+
+    def _wgrad_ms(self, a: int) -> float:
+        md, g = self.model, self.gemms(a)
+        return (1 if self.grouped else self.El) * (md.gemm_ms(*g[4]) + md.gemm_ms(*g[5]))
+
+    # ----------------------------------------------------------------- rank chunks (module docstring)
+    def chunk_rows(self) -> int:
+        """Rows from one source under balanced routing."""
+        return max(self.rows * self.k // self.ws, 1)
+
+    def piece_rows(self) -> Tuple[int, ...]:
+        T = self.chunk_rows()
+        return tuple(sorted({T, T // 2, T - T // 2} - {0})) if self.ws > 1 else ()
+
+    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
+        """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout)."""
+        md, T = self.model, self.chunk_rows()
+        half = T // 2
+        add = md.mem_ms(3 * self.grad_bytes())
+
+        def in_place(m):  # own results copied over their inputs
+            return md.mem_ms(2 * m * self.H * self.e)
+        if backward:
+            own = [("bwd", "own[:h]", self._dgrad_ms(half) + self._wgrad_ms(half) + in_place(half), 0, 0, 0, 0.0),
+                   ("bwd", "own[h:]", self._dgrad_ms(T - half) + self._wgrad_ms(T - half) + in_place(T - half) + add,
+                    0, 0, 0, 0.0)]
+            tail = self._wgrad_ms(T) + add
+            return own + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
+        out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0)] if half else []
+        out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
+        return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half) + in_place(T - half),
+                       0, 0, 0, 0.0)]
+
+    def to_symmetric_ms(self, sources: int) -> float:
+        return 0.0  # the dispatch gathers straight into the buffer
+
+    def sum_ms(self) -> float:
+        return 0.0  # results come back in place
+
+    def early_sum_rows(self, backward: bool, transport: str) -> int:
+        return 0
+
+    def rank_slot_bytes(self, transport: str, sources: int) -> int:
+        return self.rows * self.k * self.H * self.e
+
+    def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
+        return serial_peak + slot_bytes
 
     def sizes(self) -> Dict[str, int]:
         H, I, F = self.H, self.I, self.F

@@ -1,5 +1,6 @@
 """Planning, checking and running the rank-chunk decomposition, for the layers that have one
-(``OverlapMLP``, ``OverlapAttention``: sequence parallel, split by source rank).
+(``OverlapMLP``, ``OverlapAttention``: sequence parallel, split by source rank; ``OverlapMoE``:
+its expert exchange split by source rank, ``moe_ranks.py``).
 
 Reference: a mixin of :class:`~overlap_layers.layers.planned.PlannedLayer` hooks. What it decides
 is identical on every rank by construction: whether the copy engine is usable comes from the call's
@@ -20,7 +21,7 @@ from functools import partial
 import torch
 
 from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
-                                symmetric_memory_status, workspace_bytes)
+                                symmetric_memory_status)
 from ..sim import Candidate
 
 
@@ -33,13 +34,21 @@ class RankChunkPlans:
     _warned_copy_engine = False
     _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
     _workspace = None  # the group's SymmetricWorkspace, once a copy-engine plan runs or is measured
+    # the exchange classes of a rank-chunk call, copy engine and send/recv (the MoE's: all-to-alls)
+    _exchanges = (CopyEngineExchange, PointToPointExchange)
+
+    @property
+    def _source_split(self) -> bool:
+        """Whether this layer's rows can be split by source rank (the MLP's and attention's: with
+        sequence parallelism)."""
+        return self.sequence_parallel
 
     def _check_pin(self, plan) -> None:
         if plan.decomposition not in ("batch", "rank"):
             raise ValueError(f"plan.decomposition={plan.decomposition!r}; valid: 'batch', 'rank'")
         if plan.transport not in ("nccl", "copy_engine"):
             raise ValueError(f"plan.transport={plan.transport!r}; valid: 'nccl', 'copy_engine'")
-        if plan.decomposition == "rank" and not self.sequence_parallel:
+        if plan.decomposition == "rank" and not self._source_split:
             raise ValueError("plan.decomposition='rank' needs sequence_parallel=True (it splits the gathered "
                              "rows by source rank)")
         if plan.transport == "copy_engine" and plan.decomposition != "rank":
@@ -99,7 +108,7 @@ class RankChunkPlans:
         it (none without SP, with one rank, or with ``config.transport="nccl"``). Rank chunks over
         NCCL send/recv run only when pinned: on 2x H200 they never beat batch tiles or K=1
         (bench/results/mlp_rank_h200x2_2026-11-26.md)."""
-        if not self.sequence_parallel or self.world_size < 2 or self.config.transport == "nccl":
+        if not self._source_split or self.world_size < 2 or self.config.transport == "nccl":
             return ()
         return ("copy_engine",) if self._copy_engine_available() else ()
 
@@ -118,10 +127,10 @@ class RankChunkPlans:
         if plan.transport == "copy_engine" and self._copy_engine_available(asked=True):
             if self._workspace is None:
                 self._workspace = shared_workspace(self.group, device)
-            return plan, partial(CopyEngineExchange, self._workspace)
+            return plan, partial(self._exchanges[0], self._workspace)
         if plan.transport != "nccl":
             plan = self.plan = replace(plan, transport="nccl")
-        return plan, partial(PointToPointExchange, self.group)
+        return plan, partial(self._exchanges[1], self.group)
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":
@@ -163,16 +172,13 @@ class RankChunkPlans:
     def _rank_candidates(self, cm, batch: list, *, training: bool) -> list:
         """One candidate per transport and backward strategy ([Note: rank-chunk cost])."""
         out = []
-        chunk = (cm.chunk_rows(), cm.H)
         for transport in self._rank_transports():
             for regather in ((False, True) if training else (False,)):
                 base = next((c for c in batch if c.num_tiles == 1 and c.regather == regather
                              and not c.buckets_fwd and not c.buckets_bwd), None)
                 if base is None:
                     continue
-                slots = (workspace_bytes(self.world_size, [chunk] * (2 if regather else 1), chunk, cm.e)
-                         if transport == "copy_engine" else self.world_size * cm.chunk_bytes())
-                peak = cm.rank_chunk_peak(base.peak_bytes, slots)
+                peak = cm.rank_chunk_peak(base.peak_bytes, cm.rank_slot_bytes(transport, 2 if regather else 1))
                 for k in cm.rank_tiles():
                     ms, exposed = cm.rank_chunk_ms(backward=False, transport=transport, sources=1, tiles=k)
                     if training:

@@ -1,0 +1,240 @@
+"""The MoE's expert exchange split by source rank instead of by tile (``plan.decomposition ==
+"rank"``, one tile): own rows first while the peers' rows are pulled, each peer's results pushed
+back while the next source's rows run (``runtime/rank_all_to_all.py``).
+
+Reference (what it must equal): the K=1 exchange of ``moe.py``. Each expert's output row depends
+on its input row only, so the rows this rank's experts receive are a sum of independent
+per-source pieces. The send order is by destination, then local expert, so each source's rows
+arrive grouped by local expert: a piece is one grouped GEMM per projection (offsets from the
+counts), with no regrouping gather. Per rank r, pieces in launch order:
+
+=========  ==============================================================  ==================
+piece      forward                                                         results to
+=========  ==============================================================  ==================
+own, 1st   y = experts(own rows[:h])                                        own rows (in place)
+peer q     y = experts(rows pulled from q)   (later pulls run meanwhile)   rank q (push)
+own, 2nd   y = experts(own rows[h:])                                        own rows
+=========  ==============================================================  ==================
+
+``experts(rows)``: per local expert e, ``act(rows_e @ w_in[e].T) @ w_out[e].T``. Peers come in
+step order q = r+1, r+2, ... (mod ws). The own first half starts at once (no pipeline fill), the
+second half hides the last push (no drain). Backward: the same pieces, own halves first (they
+write dx in place over dy, so their weight gradients come before that write), then the peers',
+each pushing dx before its weight gradients, so those hide the push:
+
+=========  =======================================================================
+dgrad      da = dy @ w_out[e];  (dh, a) = act'(h, da);  dx = dh @ w_in[e]  -> the source
+wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dh.T @ x
+=========  =======================================================================
+
+Legend: h = own rows // 2, pre-activations ``h`` saved per piece (as the K=1 layer saves them
+for every received row). The output and dx are token-major: the results come back in send
+order and one gather puts each assignment at its token (zero where capacity dropped it).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from .mlp import _act, _act_backward
+from .planned import recorded_pass
+from .rank_chunks import piece
+
+
+class RankCall:
+    """What one rank-chunk call needs besides the differentiable tensors (host lists from the
+    count table; device index tensors).
+
+    ``table[s][d]`` rows rank s sends to d; ``sizes[s]`` rows from source s per local expert of
+    this rank; ``offsets [pieces, El]`` (int32, device) each piece's grouped-GEMM offsets, in
+    :meth:`pieces` order; ``order`` the send order of the assignments (token-major index; the
+    first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``: dropped).
+    ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
+    the forward's, made and filled (the assignment rows in send order) before the table was
+    known."""
+
+    def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
+                 offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
+        self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
+        self.table, self.sizes, self.offsets, self.order, self.pos, self.kept, self.k = \
+            table, sizes, offsets, order, pos, kept, top_k
+        self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
+        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
+
+    def pieces(self, backward: bool) -> List[Tuple[int, int, int, int, List[int]]]:
+        """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
+        step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``)."""
+        own = self.sizes[self.rank]
+        n = sum(own)
+        h = n // 2
+        halves = [(0, 0, 0, h, _clip(own, 0, h)), (1, 0, h, n, _clip(own, h, n))]
+        peers = [(1 + j, j, 0, sum(self.sizes[(self.rank + j) % self.ws]), self.sizes[(self.rank + j) % self.ws])
+                 for j in range(1, self.ws)]
+        return halves + peers if backward else halves[:1] + peers + halves[1:]
+
+
+def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
+    """Rows per group of rows ``[a, b)`` of groups of ``sizes`` rows laid back to back."""
+    out, start = [], 0
+    for s in sizes:
+        out.append(max(0, min(b, start + s) - max(a, start)))
+        start += s
+    return out
+
+
+def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[ws + 1, El]`` int32 grouped-GEMM offsets of the pieces (:meth:`RankCall.pieces` index:
+    own first half, own second half, then the peers in step order) from ``counts [ws, El]``
+    (rows from each source per local expert, on the device; no sync)."""
+    ws = counts.shape[0]
+    ends = torch.cumsum(counts, 1)
+    own = ends[rank]
+    half = own[-1:] // 2
+    peers = ends[[(rank + j) % ws for j in range(1, ws)]]
+    return torch.cat([torch.minimum(own, half)[None], (own - half).clamp(min=0)[None], peers]).to(torch.int32)
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def experts_forward(c: RankCall, x: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out):
+    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends)."""
+    if c.grouped:
+        pre = _grouped(x, w_in.transpose(-2, -1), offs)
+        return _grouped(_act(c.activation, pre), w_out.transpose(-2, -1), offs), pre
+    pre = torch.cat([rows @ w_in[e].t() for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
+        x.new_empty((0, w_in.shape[1]))
+    a = _act(c.activation, pre)
+    y = torch.cat([rows @ w_out[e].t() for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
+        x.new_empty((0, w_out.shape[1]))
+    return y, pre
+
+
+def experts_dgrad(c: RankCall, dy, pre, sizes, offs, w_in, w_out):
+    """``(dx, dh, a)``: the data gradient of :func:`experts_forward` and what its weight
+    gradients need (``dh`` = d(loss)/d(pre), ``a`` = act(pre))."""
+    if c.grouped:
+        dh, a = _act_backward(c.activation, pre, _grouped(dy, w_out, offs))
+        return _grouped(dh, w_in, offs), dh, a
+    da = torch.cat([rows @ w_out[e] for e, rows in enumerate(dy.split(sizes))])
+    dh, a = _act_backward(c.activation, pre, da)
+    return torch.cat([rows @ w_in[e] for e, rows in enumerate(dh.split(sizes))]), dh, a
+
+
+def experts_wgrad(c: RankCall, grads: dict, first: bool, x, dy, dh, a, sizes, offs) -> None:
+    """``dw_in[e] (+)= dh_e.T @ x_e``, ``dw_out[e] (+)= dy_e.T @ a_e`` (``=`` on the first piece)."""
+    if c.grouped:
+        for key, g in (("w_in", _grouped(dh.t(), x, offs)), ("w_out", _grouped(dy.t(), a, offs))):
+            if first:
+                grads[key].copy_(g)
+            else:
+                grads[key].add_(g)
+        return
+    for key, l, r in (("w_in", dh, x), ("w_out", dy, a)):
+        buf = grads[key]
+        if first:
+            buf.zero_()
+        for e, (lr, rr) in enumerate(zip(l.split(sizes), r.split(sizes))):
+            if lr.shape[0]:
+                buf[e].addmm_(lr.t(), rr)
+
+
+def gather_back(back: torch.Tensor, c: RankCall, n: int) -> torch.Tensor:
+    """``[n, H]`` token-major rows from the send-order rows ``back`` (zero where dropped)."""
+    if c.kept == 0:
+        return back.new_zeros((n, back.shape[1]))
+    if c.kept == n:
+        return back.index_select(0, c.pos)
+    rows = back.index_select(0, c.pos.clamp(max=c.kept - 1))
+    return rows.masked_fill_((c.pos >= c.kept)[:, None], 0)
+
+
+def _label(j: int, a: int, rows: int) -> str:
+    return str(j) if j else ("own[:h]" if a == 0 and rows else "own[h:]")
+
+
+def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
+    """``(rows [n, H] token-major, saved)``: the module table's forward; ``saved`` (under
+    ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`."""
+    H = x_TH.shape[1]
+    ex, c.sent = c.sent, None
+    ex.start(c.table)
+    own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
+    saved = {}
+    for i, j, a, b, sizes in c.pieces(backward=False):
+        with piece(recorder, "fwd", _label(j, a, b), f"overlap::moe::rank_chunk[{j}]"):
+            x = own_x[a:b] if j == 0 else ex.pull(j)
+            y, pre = experts_forward(c, x, sizes, c.offsets[i], w_in, w_out) if b > a else \
+                (x.new_empty((0, H)), x.new_empty((0, w_in.shape[1])))
+            if j:
+                ex.push(j, y)
+            else:
+                ex.own_back()[a:b].copy_(y)
+            if c.save:
+                saved[i] = (x, pre)
+        if c.launch_log is not None:
+            c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "fwd"))
+    with piece(recorder, "gather", 0):
+        return gather_back(ex.finish(), c, n), saved
+
+
+def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, recorder=None):
+    """``(d_rows of the assignments' input rows [n, H] token-major, dw_in, dw_out)``: the module
+    table's backward."""
+    n, H = d_rows.shape
+    ex = c.exchange(c.kept, H, d_rows.dtype, d_rows.device, c.capacity_rows)
+    torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
+    ex.start(c.table)
+    grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out)}
+    first = True
+    for i, j, a, b, sizes in c.pieces(backward=True):
+        x, pre = saved.pop(i)
+        with piece(recorder, "bwd", _label(j, a, b), f"overlap::moe_bwd::rank_chunk[{j}]"):
+            dy = ex.own()[a:b] if j == 0 else ex.pull(j)
+            if b == a:
+                if j:
+                    ex.push(j, dy)
+                continue
+            dx, dh, act = experts_dgrad(c, dy, pre, sizes, c.offsets[i], w_in, w_out)
+            if j:
+                ex.push(j, dx)
+            experts_wgrad(c, grads, first, x, dy, dh, act, sizes, c.offsets[i])
+            first = False
+            if not j:  # in place over dy: after the weight gradients read it
+                ex.own_back()[a:b].copy_(dx)
+        if c.launch_log is not None:
+            c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "bwd"))
+    if first:  # no rows reached this rank's experts
+        grads["w_in"].zero_()
+        grads["w_out"].zero_()
+    with piece(recorder, "gather", 0):
+        dx_rows = gather_back(ex.finish(), c, n)
+    return dx_rows, grads["w_in"], grads["w_out"]
+
+
+class RankChunkExperts(torch.autograd.Function):
+    """``rows [n, H]``: each assignment's expert output, token-major (zero where dropped), for
+    the assignment rows ``x_TH[i // k]`` (which ``c.sent`` holds already, in send order); the
+    module table, with ``c`` a :class:`RankCall`."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_in, w_out, c: RankCall):
+        n = x_TH.shape[0] * c.k
+        with recorded_pass(c, backward=False, device=x_TH.device) as recorder:
+            rows, saved = forward(c, x_TH, w_in, w_out, n, recorder)
+        if c.save:
+            ctx.c, ctx.saved, ctx.T = c, saved, x_TH.shape[0]
+            ctx.save_for_backward(w_in, w_out)
+        return rows
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        c: RankCall = ctx.c
+        w_in, w_out = ctx.saved_tensors
+        saved, ctx.saved = ctx.saved, None
+        with recorded_pass(c, backward=True, device=d_rows.device) as recorder:
+            dx_rows, dw_in, dw_out = backward(c, d_rows.contiguous(), saved, w_in, w_out, recorder)
+        dx = dx_rows.view(ctx.T, c.k, dx_rows.shape[1]).sum(1)
+        return dx, dw_in, dw_out, None

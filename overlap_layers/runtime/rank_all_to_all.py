@@ -1,0 +1,215 @@
+"""Rank-chunk all-to-all: rows dispatched to their destination ranks, taken one source rank at a
+time, and each destination's results returned in place, so that compute on one source's rows hides
+the transfer of the next (the MoE's expert exchange, ``layers/moe_ranks.py``).
+
+Reference, for rank r of a group of ws ranks, with the count table ``counts[s][d]`` (rows rank s
+sends to rank d; the same table on every rank) and r's send rows ``send [sum_d counts[r][d], W]``
+laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
+
+    step j = 1 .. ws-1 talks to q = (r + j) % ws
+    own()            == send's rows for r itself
+    pull(j)          == the rows q sent to r (counts[q][r] rows, in q's order)
+    push(j, rows)    gives q the results for the rows r pulled from q (same count, same order)
+    own_back()       where r writes the results for its own rows (after reading own())
+    finish()         == [rows of send, W]: for each d, the results d gave for r's rows to d
+
+An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
+before the table is known, the rows it does not send last). The caller fills ``send``, calls
+``start(counts)``, then pulls and pushes each step once, in step order; every rank issues its transfers in the same order, so matching is by
+construction (every rank knows the whole table). Two transports implement it:
+
+* :class:`CopyEngineAllToAll` (CUDA, symmetric memory): ``send`` is this rank's symmetric buffer
+  (the caller gathers its rows straight into it); peers pull their rows with device-to-device
+  copies and push the results back over them, in place ("Memcpy PtoP": the copy engines, no SMs).
+  ``own()`` and ``own_back()`` are the same rows: read them before writing the results.
+  ``finish()`` returns a view of the symmetric buffer, valid until the next exchange on this
+  workspace (read it on the current stream before then).
+* :class:`PointToPointAllToAll` (any backend with ``isend``/``irecv``: NCCL, gloo): one
+  ``batch_isend_irecv`` per step and direction; how the schedule is tested on CPU.
+
+Signals follow [Note: exchange signals] (``exchange.py``) on the shared workspace, with the send
+rows in place of the sources and the returned results in place of the partial slots: per call and
+peer, channel 0 "my send rows are in my buffer" (waited before the first pull) and channel 1 "my
+results for your rows are in your buffer" (put after the push, waited by ``finish``). A rank
+overwrites its buffer (next exchange) only after ``finish`` waited every peer's channel 1, which
+each peer puts after its pull from it; a peer pushes only after the owner's channel 0 of the same
+exchange.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .exchange import PULL, PUSH, SymmetricWorkspace, peers
+
+
+def _starts(counts: Sequence[int]) -> List[int]:
+    """Exclusive prefix sums: where each group of ``counts`` starts."""
+    out, a = [], 0
+    for c in counts:
+        out.append(a)
+        a += c
+    return out
+
+
+class _Layout:
+    """Row ranges of one exchange from the count table (host lists)."""
+
+    def __init__(self, counts: Sequence[Sequence[int]], rank: int):
+        self.ws, self.rank = len(counts), rank
+        self.counts = [[int(c) for c in row] for row in counts]
+        assert all(len(row) == self.ws for row in self.counts) and all(c >= 0 for row in self.counts for c in row)
+        self.send_rows = sum(self.counts[rank])
+        self.send_start = [_starts(row) for row in self.counts]  # [s][d]: where s's rows for d start in s's buffer
+        self.recv_counts = [self.counts[s][rank] for s in range(self.ws)]  # rows from each source
+
+    def send_range(self, d: int):
+        a = self.send_start[self.rank][d]
+        return a, a + self.counts[self.rank][d]
+
+
+class PointToPointAllToAll:
+    """The exchange over ``isend``/``irecv`` (see the module docstring)."""
+
+    transport = "nccl"
+    in_place = False  # own_back() is not own()
+
+    def __init__(self, group, rows: int, width: int, dtype: torch.dtype, device, capacity_rows: int = 0):
+        self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
+        self.send = torch.empty((rows, width), dtype=dtype, device=device)
+        self.layout: Optional[_Layout] = None
+        self._recv = {}
+        self._pull_works, self._push_works, self._keep = {}, [], []
+
+    def start(self, counts: Sequence[Sequence[int]]) -> None:
+        lay = self.layout = _Layout(counts, self.rank)
+        assert lay.send_rows <= self.send.shape[0], "the exchange was made for fewer rows than this rank sends"
+        self._back = self.send.new_empty((lay.send_rows, self.send.shape[1]))
+        for j, q, s in peers(self.rank, self.ws):
+            ops = []
+            a, b = lay.send_range(s)
+            if b > a:
+                ops.append(dist.P2POp(dist.isend, self.send[a:b], self._g[s], self.group))
+            n = lay.recv_counts[q]
+            self._recv[j] = self.send.new_empty((n, self.send.shape[1]))
+            if n:
+                ops.append(dist.P2POp(dist.irecv, self._recv[j], self._g[q], self.group))
+            self._pull_works[j] = dist.batch_isend_irecv(ops) if ops else []
+
+    def own(self) -> torch.Tensor:
+        a, b = self.layout.send_range(self.rank)
+        return self.send[a:b]
+
+    def own_back(self) -> torch.Tensor:
+        a, b = self.layout.send_range(self.rank)
+        return self._back[a:b]
+
+    def pull(self, j: int) -> torch.Tensor:
+        for w in self._pull_works.pop(j):
+            w.wait()
+        return self._recv.pop(j)
+
+    def push(self, j: int, rows: torch.Tensor) -> None:
+        q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
+        rows = rows.contiguous()
+        assert rows.shape[0] == self.layout.recv_counts[q], "push the results of the rows pulled at this step"
+        self._keep.append(rows)
+        ops = []
+        if rows.shape[0]:
+            ops.append(dist.P2POp(dist.isend, rows, self._g[q], self.group))
+        a, b = self.layout.send_range(s)
+        if b > a:
+            ops.append(dist.P2POp(dist.irecv, self._back[a:b], self._g[s], self.group))
+        if ops:
+            self._push_works += dist.batch_isend_irecv(ops)
+
+    def finish(self) -> torch.Tensor:
+        assert not self._pull_works, "every step must pull once"
+        for w in self._push_works:
+            w.wait()
+        self._keep.clear()
+        return self._back
+
+
+class CopyEngineAllToAll:
+    """The exchange over symmetric memory and the copy engines (see the module docstring).
+    ``capacity_rows`` (the same on every rank) sizes the workspace: at least every rank's send
+    rows, so that growing it, a collective, happens alike on every rank."""
+
+    transport = "copy_engine"
+    in_place = True  # own_back() is own()
+
+    def __init__(self, workspace: SymmetricWorkspace, rows: int, width: int, dtype: torch.dtype, device=None,
+                 capacity_rows: int = 0):
+        w = self.w = workspace
+        self.ws, self.rank = w.ws, w.rank
+        assert capacity_rows >= rows, f"capacity_rows={capacity_rows} < rows={rows}"
+        w.reserve(capacity_rows * width * dtype.itemsize)
+        self.width, self.dtype = width, dtype
+        self._full = w.view(self.rank, (capacity_rows, width), dtype, 0)
+        self.send = self._full[:rows]
+        self.layout: Optional[_Layout] = None
+        self._pulled = {}
+        self._recv = {}
+        self._left = self.ws - 1
+
+    def _peer_rows(self, q: int, a: int, b: int) -> torch.Tensor:
+        """Rows ``[a, b)`` of rank q's buffer (views cached per (rank, rows): one per peer)."""
+        return self.w.view(q, (self._full.shape[0], self.width), self.dtype, 0)[a:b]
+
+    def start(self, counts: Sequence[Sequence[int]]) -> None:
+        w, lay = self.w, _Layout(counts, self.rank)
+        assert max(sum(row) for row in lay.counts) <= self._full.shape[0], "a rank sends more than capacity_rows"
+        self.layout = lay
+        compute = torch.cuda.current_stream(w.device)
+        starts = _starts(lay.recv_counts)
+        recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)  # the caller's stream's
+        w.pull_stream.wait_stream(compute)  # the send rows are written
+        with torch.cuda.stream(w.pull_stream):
+            for _, _, s in peers(self.rank, self.ws):
+                w.handle.put_signal(s, PULL)
+            for _, q, _ in peers(self.rank, self.ws):  # every peer first: the pulls of a step form a permutation
+                w.handle.wait_signal(q, PULL)
+            for j, q, _ in peers(self.rank, self.ws):
+                a = lay.send_start[q][self.rank]
+                n = lay.recv_counts[q]
+                dst = self._recv[j] = recv[starts[q]:starts[q] + n]
+                if n:
+                    dst.copy_(self._peer_rows(q, a, a + n))
+                ev = torch.cuda.Event()
+                ev.record(w.pull_stream)
+                self._pulled[j] = ev
+
+    def own(self) -> torch.Tensor:
+        a, b = self.layout.send_range(self.rank)
+        return self.send[a:b]
+
+    own_back = own  # in place: the caller reads own() before writing the results
+
+    def pull(self, j: int) -> torch.Tensor:
+        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop(j))
+        return self._recv.pop(j)
+
+    def push(self, j: int, rows: torch.Tensor) -> None:
+        w, lay = self.w, self.layout
+        q = (self.rank + j) % self.ws
+        assert rows.shape[0] == lay.recv_counts[q], "push the results of the rows pulled at this step"
+        w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
+        rows.record_stream(w.push_stream)
+        with torch.cuda.stream(w.push_stream):
+            a = lay.send_start[q][self.rank]
+            if rows.shape[0]:
+                self._peer_rows(q, a, a + rows.shape[0]).copy_(rows)
+            w.handle.put_signal(q, PUSH)
+        self._left -= 1
+
+    def finish(self) -> torch.Tensor:
+        assert not self._left and not self._pulled, "every step must pull and push once"
+        compute = torch.cuda.current_stream(self.w.device)
+        compute.wait_stream(self.w.push_stream)
+        for _, _, s in peers(self.rank, self.ws):
+            self.w.handle.wait_signal(s, PUSH)
+        return self.send
