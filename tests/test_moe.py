@@ -248,14 +248,19 @@ def test_rank_chunks_match_dense_reference(pools, ws, k, top_k, normalize, activ
     check(results, case, opts, dtype)
 
 
-@pytest.mark.parametrize("ws,top_k,shapes,routing,cf", [(2, 2, "uneven", "random", None), (4, 3, "zero_batch", "skewed", None),
-                                                     (4, 2, "uneven", "random", 0.5)])
-def test_rank_chunks_grouped_gemms_match_dense_reference(pools, ws, top_k, shapes, routing, cf):
+@pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf", [(2, 4, 2, "uneven", "random", None),
+                                                       (4, 8, 3, "zero_batch", "skewed", None),
+                                                       (4, 8, 2, "uneven", "random", 0.5),
+                                                       (2, 20, 3, "uneven", "random", None),
+                                                       (2, 20, 2, "zero_seq", "skewed", 0.5)])
+def test_rank_chunks_grouped_gemms_match_dense_reference(pools, ws, E, top_k, shapes, routing, cf):
     """The rank-chunk plan on the grouped-GEMM path (float32, every row stride a multiple of 16
-    bytes: ``torch._grouped_mm`` on CPU), empty experts and dropped assignments included."""
+    bytes: ``torch._grouped_mm`` on CPU), empty experts and dropped assignments included; with
+    10 local experts the weight gradients are grouped GEMMs added per piece, with 2 an
+    accumulating GEMM per expert ([Note: MoE weight-gradient accumulation])."""
     if not grouped_gemm_ok(torch.empty(0, 8), torch.empty(1, 16, 8), torch.empty(1, 8, 8)):
         pytest.skip("this torch has no CPU grouped GEMM")
-    case = make_case(ws * 31 + top_k, ws=ws, E=2 * ws, top_k=top_k, shapes=shapes, F=8, routing=routing)
+    case = make_case(ws * 31 + top_k + E, ws=ws, E=E, top_k=top_k, shapes=shapes, F=8, routing=routing)
     opts = dict(capacity_factor=cf)
     results = pools(ws).run(run_layer, case, opts, torch.float32, False, TilePlan(1, decomposition="rank"))
     assert all(r["decomposition"] == "rank" for r in results)

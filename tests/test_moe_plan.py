@@ -110,22 +110,23 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
 
 
 # ------------------------------------------------------------------ the rank-chunk plan's cost
-def _rank_moe(peer_copy_ms: float) -> MoECostModel:
+def _rank_moe(peer_copy_ms: float, experts: int = 32) -> MoECostModel:
     """ws=2, 8 tokens, top-2: a source's chunk is 8 rows x 4 x 2 B = 64 B, copied in
-    ``peer_copy_ms``; every (grouped) GEMM takes 1 ms and memory passes are free."""
+    ``peer_copy_ms``; every (grouped) GEMM takes 1 ms and memory passes are free. 16 local
+    experts: a piece's weight gradients are one grouped GEMM per projection."""
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
-    return MoECostModel(tokens=8, world_size=2, hidden=4, n_in=8, ffn=4, experts=4, top_k=2, elt=2, model=hw,
+    return MoECostModel(tokens=8, world_size=2, hidden=4, n_in=8, ffn=4, experts=experts, top_k=2, elt=2, model=hw,
                         grouped=True)
 
 
 @pytest.mark.parametrize("copy_ms,fwd,fwd_exposed,bwd,bwd_exposed", [
     # fwd: own[:h] 0-2 beside the pull, peer 2-4, its push 4-5 under own[h:] 4-6; nothing summed
-    # bwd: own halves 0-4 and 4-8 (dgrads and wgrads), peer dgrad 8-10, push 10-11 under its wgrads 10-12
-    (1.0, 6.0, 0.0, 12.0, 0.0),
+    # bwd: own rows 0-4 (dgrads and wgrads), peer dgrad 4-6, push 6-7 under its wgrads 6-8
+    (1.0, 6.0, 0.0, 8.0, 0.0),
     # fwd: pull 0-5 (3 exposed), peer 5-7, push 7-12 (3 exposed past own[h:] 7-9)
-    # bwd: the pull hides under the own halves; the push 10-15 outlasts the wgrads by 3
-    (5.0, 12.0, 6.0, 15.0, 3.0),
+    # bwd: pull 0-5 (1 exposed), peer dgrad 5-7, push 7-12 outlasts its wgrads (7-9) by 3
+    (5.0, 12.0, 6.0, 12.0, 4.0),
 ])
 def test_rank_chunk_recurrence_by_hand(copy_ms, fwd, fwd_exposed, bwd, bwd_exposed):
     cm = _rank_moe(copy_ms)
@@ -137,6 +138,10 @@ def test_rank_chunk_recurrence_by_hand(copy_ms, fwd, fwd_exposed, bwd, bwd_expos
         names = {e.name for e in tl.events}
         assert "to_symmetric" not in names  # the dispatch gathers straight into the buffer
         assert all(e.end_ms == pytest.approx(e.start_ms) for e in tl.events if e.name == "sum")  # in place
+    # 2 local experts: weight gradients as one accumulating GEMM per expert and projection (4 ms a
+    # piece): own 0-6, peer dgrad 6-8, its push under the tail 8-12
+    assert _rank_moe(1.0, experts=4).rank_chunk_ms(backward=True, transport="copy_engine", sources=1) == \
+        pytest.approx((12.0, 0.0), abs=1e-6)
 
 
 def test_rank_chunks_skip_the_regrouping_gathers():

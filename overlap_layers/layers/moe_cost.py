@@ -27,9 +27,11 @@ left out (they do not change the choice).
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
 runs the experts on its rows with no regrouping gathers (each source's rows arrive grouped by
-expert), own pieces add the copy of their results in place, backward peer pieces push dx before
-their weight gradients (the tail), and every weight-gradient piece after the first adds its
-gradients into the accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer
+expert), own pieces add the copy of their results in place; backward runs the own rows whole,
+then the peers', which push dx before their weight gradients (the tail). Weight gradients follow
+[Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
+or one grouped GEMM per piece whose result every piece after the first adds into the
+accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer
 (the dispatch gathers straight into it, once per call) and nothing is summed: ``finish`` only
 waits for the last push. Its buffers: over the copy engine the symmetric send rows
 (``A*H*e``, persistent), over send/recv the returned rows.
@@ -91,6 +93,15 @@ class MoECostModel(MLPCostModel):
         md, g = self.model, self.gemms(a)
         return (1 if self.grouped else self.El) * (md.gemm_ms(*g[4]) + md.gemm_ms(*g[5]))
 
+    def _piece_wgrad_ms(self, a: int, first: bool) -> float:
+        """A rank piece's weight gradients ([Note: MoE weight-gradient accumulation])."""
+        from .moe_ranks import LOOP_WGRAD_EXPERTS
+        md = self.model
+        if not self.grouped or self.El <= LOOP_WGRAD_EXPERTS:
+            r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
+            return self.El * (md.gemm_ms(H, F, r) + md.gemm_ms(I, H, r))
+        return self._wgrad_ms(a) + (0.0 if first else md.mem_ms(3 * self.grad_bytes()))
+
     # ----------------------------------------------------------------- rank chunks (module docstring)
     def chunk_rows(self) -> int:
         """Rows from one source under balanced routing."""
@@ -104,16 +115,13 @@ class MoECostModel(MLPCostModel):
         """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout)."""
         md, T = self.model, self.chunk_rows()
         half = T // 2
-        add = md.mem_ms(3 * self.grad_bytes())
 
         def in_place(m):  # own results copied over their inputs
             return md.mem_ms(2 * m * self.H * self.e)
         if backward:
-            own = [("bwd", "own[:h]", self._dgrad_ms(half) + self._wgrad_ms(half) + in_place(half), 0, 0, 0, 0.0),
-                   ("bwd", "own[h:]", self._dgrad_ms(T - half) + self._wgrad_ms(T - half) + in_place(T - half) + add,
-                    0, 0, 0, 0.0)]
-            tail = self._wgrad_ms(T) + add
-            return own + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
+            tail = self._piece_wgrad_ms(T, first=False)
+            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True) + in_place(T), 0, 0, 0, 0.0)
+            return [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
         out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0)] if half else []
         out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
         return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half) + in_place(T - half),

@@ -18,18 +18,26 @@ own, 2nd   y = experts(own rows[h:])                                        own 
 
 ``experts(rows)``: per local expert e, ``act(rows_e @ w_in[e].T) @ w_out[e].T``. Peers come in
 step order q = r+1, r+2, ... (mod ws). The own first half starts at once (no pipeline fill), the
-second half hides the last push (no drain). Backward: the same pieces, own halves first (they
-write dx in place over dy, so their weight gradients come before that write), then the peers',
-each pushing dx before its weight gradients, so those hide the push:
+second half hides the last push (no drain). Backward: the own rows whole and first (they write
+dx in place over dy, so their weight gradients come before that write; halves would only add a
+weight-gradient pass), then the peers', each pushing dx before its weight gradients, so those
+hide the push:
 
 =========  =======================================================================
 dgrad      da = dy @ w_out[e];  (dh, a) = act'(h, da);  dx = dh @ w_in[e]  -> the source
 wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dh.T @ x
 =========  =======================================================================
 
-Legend: h = own rows // 2, pre-activations ``h`` saved per piece (as the K=1 layer saves them
-for every received row). The output and dx are token-major: the results come back in send
-order and one gather puts each assignment at its token (zero where capacity dropped it).
+Legend: h = own rows // 2, pre-activations saved per piece (as the K=1 layer saves them for
+every received row). The output and dx are token-major: the results come back in send order and
+one gather puts each assignment at its token (zero where capacity dropped it).
+
+[Note: MoE weight-gradient accumulation]
+Each piece's weight gradients add into the accumulators. With few local experts (at most
+``LOOP_WGRAD_EXPERTS``: mixtral's 2 at EP 4) they run as one ``addmm_`` per expert and projection,
+which accumulates in the GEMM; with many small experts (qwen3's 32) as one grouped GEMM per
+projection per piece, whose result is then added (one more pass over the gradients per piece
+after the first), since a GEMM per expert would cost ws*2*El launches of small GEMMs.
 """
 from __future__ import annotations
 
@@ -40,6 +48,8 @@ import torch
 from .mlp import _act, _act_backward
 from .planned import recorded_pass
 from .rank_chunks import piece
+
+LOOP_WGRAD_EXPERTS = 8  # [Note: MoE weight-gradient accumulation]
 
 
 class RankCall:
@@ -64,14 +74,16 @@ class RankCall:
 
     def pieces(self, backward: bool) -> List[Tuple[int, int, int, int, List[int]]]:
         """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
-        step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``)."""
+        step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``: own
+        first half, second half, whole, then the peers in step order)."""
         own = self.sizes[self.rank]
         n = sum(own)
         h = n // 2
-        halves = [(0, 0, 0, h, _clip(own, 0, h)), (1, 0, h, n, _clip(own, h, n))]
-        peers = [(1 + j, j, 0, sum(self.sizes[(self.rank + j) % self.ws]), self.sizes[(self.rank + j) % self.ws])
+        peers = [(2 + j, j, 0, sum(self.sizes[(self.rank + j) % self.ws]), self.sizes[(self.rank + j) % self.ws])
                  for j in range(1, self.ws)]
-        return halves + peers if backward else halves[:1] + peers + halves[1:]
+        if backward:
+            return [(2, 0, 0, n, list(own))] + peers
+        return [(0, 0, 0, h, _clip(own, 0, h))] + peers + [(1, 0, h, n, _clip(own, h, n))]
 
 
 def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
@@ -84,15 +96,15 @@ def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
 
 
 def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
-    """``[ws + 1, El]`` int32 grouped-GEMM offsets of the pieces (:meth:`RankCall.pieces` index:
-    own first half, own second half, then the peers in step order) from ``counts [ws, El]``
-    (rows from each source per local expert, on the device; no sync)."""
+    """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces (:meth:`RankCall.pieces` index)
+    from ``counts [ws, El]`` (rows from each source per local expert, on the device; no sync)."""
     ws = counts.shape[0]
     ends = torch.cumsum(counts, 1)
     own = ends[rank]
     half = own[-1:] // 2
     peers = ends[[(rank + j) % ws for j in range(1, ws)]]
-    return torch.cat([torch.minimum(own, half)[None], (own - half).clamp(min=0)[None], peers]).to(torch.int32)
+    return torch.cat([torch.minimum(own, half)[None], (own - half).clamp(min=0)[None], own[None], peers]
+                     ).to(torch.int32)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -123,19 +135,20 @@ def experts_dgrad(c: RankCall, dy, pre, sizes, offs, w_in, w_out):
     return torch.cat([rows @ w_in[e] for e, rows in enumerate(dh.split(sizes))]), dh, a
 
 
-def experts_wgrad(c: RankCall, grads: dict, first: bool, x, dy, dh, a, sizes, offs) -> None:
-    """``dw_in[e] (+)= dh_e.T @ x_e``, ``dw_out[e] (+)= dy_e.T @ a_e`` (``=`` on the first piece)."""
-    if c.grouped:
+def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
+    """``dw_in[e] += dh_e.T @ x_e``, ``dw_out[e] += dy_e.T @ a_e``; a None accumulator is set
+    instead ([Note: MoE weight-gradient accumulation])."""
+    if c.grouped and len(sizes) > LOOP_WGRAD_EXPERTS:
         for key, g in (("w_in", _grouped(dh.t(), x, offs)), ("w_out", _grouped(dy.t(), a, offs))):
-            if first:
-                grads[key].copy_(g)
+            if grads[key] is None:
+                grads[key] = g
             else:
                 grads[key].add_(g)
         return
-    for key, l, r in (("w_in", dh, x), ("w_out", dy, a)):
+    for key, l, r, shape in (("w_in", dh, x, (dh.shape[1], x.shape[1])), ("w_out", dy, a, (dy.shape[1], a.shape[1]))):
+        if grads[key] is None:
+            grads[key] = x.new_zeros((len(sizes), *shape))
         buf = grads[key]
-        if first:
-            buf.zero_()
         for e, (lr, rr) in enumerate(zip(l.split(sizes), r.split(sizes))):
             if lr.shape[0]:
                 buf[e].addmm_(lr.t(), rr)
@@ -162,7 +175,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     ex, c.sent = c.sent, None
     ex.start(c.table)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
-    saved = {}
+    saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
     for i, j, a, b, sizes in c.pieces(backward=False):
         with piece(recorder, "fwd", _label(j, a, b), f"overlap::moe::rank_chunk[{j}]"):
             x = own_x[a:b] if j == 0 else ex.pull(j)
@@ -172,8 +185,10 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
                 ex.push(j, y)
             else:
                 ex.own_back()[a:b].copy_(y)
-            if c.save:
+            if c.save and j:
                 saved[i] = (x, pre)
+            elif c.save:
+                saved[2][1].append(pre)
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "fwd"))
     with piece(recorder, "gather", 0):
@@ -187,10 +202,11 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     ex = c.exchange(c.kept, H, d_rows.dtype, d_rows.device, c.capacity_rows)
     torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
     ex.start(c.table)
-    grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out)}
-    first = True
+    grads = {"w_in": None, "w_out": None}
     for i, j, a, b, sizes in c.pieces(backward=True):
         x, pre = saved.pop(i)
+        if not j:
+            pre = pre[0] if len(pre) == 1 else torch.cat(pre)
         with piece(recorder, "bwd", _label(j, a, b), f"overlap::moe_bwd::rank_chunk[{j}]"):
             dy = ex.own()[a:b] if j == 0 else ex.pull(j)
             if b == a:
@@ -200,18 +216,16 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
             dx, dh, act = experts_dgrad(c, dy, pre, sizes, c.offsets[i], w_in, w_out)
             if j:
                 ex.push(j, dx)
-            experts_wgrad(c, grads, first, x, dy, dh, act, sizes, c.offsets[i])
-            first = False
+            experts_wgrad(c, grads, x, dy, dh, act, sizes, c.offsets[i])
             if not j:  # in place over dy: after the weight gradients read it
                 ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "bwd"))
-    if first:  # no rows reached this rank's experts
-        grads["w_in"].zero_()
-        grads["w_out"].zero_()
     with piece(recorder, "gather", 0):
         dx_rows = gather_back(ex.finish(), c, n)
-    return dx_rows, grads["w_in"], grads["w_out"]
+    # None: no rows reached this rank's experts
+    return dx_rows, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in),
+                                                                                         ("w_out", w_out)))
 
 
 class RankChunkExperts(torch.autograd.Function):
