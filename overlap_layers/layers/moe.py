@@ -541,8 +541,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
         probs, top_p, experts, weights = route(x_TH, self._local("router_weight"), k, self.normalize_topk)
         flat_e = experts.reshape(-1)
-        tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
-        keep = torch.ones_like(flat_e, dtype=torch.bool)
+        keep = None
         if self.capacity_factor is not None:
             cap = math.ceil(self.capacity_factor * T * k / E)
             keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
@@ -551,10 +550,15 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
         else:  # 0, still attached to the router so aux_loss.backward() works on any rank
             self.aux_loss = probs.sum() * 0.0
-        tile_of = tile_index(T, K, x_TH.device)
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
-        # once the counts are on the host ([Note: MoE host syncs]: no sync here).
-        key = torch.where(keep, tile_of[tokens] * E + flat_e, K * E)
+        # once the counts are on the host ([Note: MoE host syncs]: no sync here). One tile and no
+        # capacity: the key is the expert (fewer launches on the host's critical path).
+        key = flat_e
+        if K > 1:
+            tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+            key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
+        if keep is not None:
+            key = torch.where(keep, key, K * E)
         order = torch.sort(key, stable=True).indices
         counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return order, weights, counts
@@ -575,7 +579,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
             read = _read_on_host(gathered)
-            mine = gathered.view(ws, K, ws, -1)[:, :, self.rank]  # [source, tile, El]
             n = order.numel()
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
             if ranked:  # the rows go straight into the exchange's send buffer (moe_ranks.py)
@@ -583,9 +586,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
-                offsets = piece_offsets(mine[:, 0], self.rank)
             else:
-                tensors = _tile_tensors(mine.transpose(0, 1), ws * max_tokens * k)
+                tensors = _tile_tensors(gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1),  # [tile, src, El]
+                                        ws * max_tokens * k)
                 x_perm = _Dispatch.apply(x_TH, order, pos, k)
             shared = None
             if self.shared_w_in is not None:
@@ -595,10 +598,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
             kept = int(host[self.rank].sum())
             if ranked:
+                sizes = host[:, 0, self.rank].tolist()
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
                                 grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
-                                table=host[:, 0].sum(-1).tolist(), sizes=host[:, 0, self.rank].tolist(),
-                                offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
+                                table=host[:, 0].sum(-1).tolist(), sizes=sizes,
+                                offsets=piece_offsets(sizes, self.rank, x.device), order=order, pos=pos, kept=kept,
+                                top_k=k, capacity_rows=capacity,
                                 exchange=exchange, sent=sent, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)

@@ -41,6 +41,7 @@ after the first), since a GEMM per expert would cost ws*2*El launches of small G
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Sequence, Tuple
 
 import torch
@@ -95,16 +96,17 @@ def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
     return out
 
 
-def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
+def piece_offsets(sizes: Sequence[Sequence[int]], rank: int, device: torch.device) -> torch.Tensor:
     """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces (:meth:`RankCall.pieces` index)
-    from ``counts [ws, El]`` (rows from each source per local expert, on the device; no sync)."""
-    ws = counts.shape[0]
-    ends = torch.cumsum(counts, 1)
-    own = ends[rank]
-    half = own[-1:] // 2
-    peers = ends[[(rank + j) % ws for j in range(1, ws)]]
-    return torch.cat([torch.minimum(own, half)[None], (own - half).clamp(min=0)[None], own[None], peers]
-                     ).to(torch.int32)
+    from ``sizes[s][e]`` (rows from source s for local expert e, on the host): one copy to the
+    device, which the host does not wait for (a handful of small kernels would cost more host
+    time on the call's critical path)."""
+    ws, own = len(sizes), list(sizes[rank])
+    n = sum(own)
+    rows = [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
+    ends = [list(itertools.accumulate(r)) for r in rows]
+    host = torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
