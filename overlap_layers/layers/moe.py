@@ -559,7 +559,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
         if keep is not None:
             key = torch.where(keep, key, K * E)
-        order = torch.sort(key, stable=True).indices
+        # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
+        order = torch.sort(key.to(torch.int16) if K * E < 2 ** 15 else key, stable=True).indices
         counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return order, weights, counts
 
