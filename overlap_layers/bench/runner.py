@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.exchange import held_workspace_bytes
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -217,6 +219,9 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:
                 info.update(b.plan_info())
+                if info.get("transport") == "copy_engine" and device.type == "cuda":
+                    # persistent symmetric memory (the group's layers share it), outside the allocator's peak
+                    info["workspace_bytes"] = held_workspace_bytes(b.group, device)
             if layer_mode and plan is not None:
                 if mode == "auto":
                     info["predicted_ms"] = getattr(plan, "predicted_ms", None)
