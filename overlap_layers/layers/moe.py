@@ -587,7 +587,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
-                sent.ready()  # its signals need no sizes: issued before the host waits for them
             else:
                 tensors = _tile_tensors(gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1),  # [tile, src, El]
                                         ws * max_tokens * k)
