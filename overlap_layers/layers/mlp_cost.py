@@ -241,9 +241,10 @@ class MLPCostModel:
         """The copies of the sources into the symmetric buffer (copy engine)."""
         return sources * self.model.mem_ms(2 * self.chunk_bytes())
 
-    def sum_ms(self) -> float:
-        """The sum of the partial slots (``(ws+1)*T*H*e`` bytes)."""
-        return self.model.mem_ms((self.ws + 1) * self.chunk_bytes())
+    def final_op(self) -> Tuple[str, float]:
+        """(name, ms) of what ``finish`` computes after the last push: the sum of the partial
+        slots (``(ws+1)*T*H*e`` bytes)."""
+        return "sum", self.model.mem_ms((self.ws + 1) * self.chunk_bytes())
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
         """Rows of the slots summed beside the compute after the last push (``reduce_early``,
@@ -293,11 +294,11 @@ class MLPCostModel:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
             elif not pull:
                 own = t - tail * slow  # this own piece's rows are written
-        rows, early, sum_ms = self.chunk_rows(), self.early_sum_rows(backward, transport), self.sum_ms()
+        rows, early, (final, sum_ms) = self.chunk_rows(), self.early_sum_rows(backward, transport), self.final_op()
         start = max(pushed + signal, own if self.early_sum_waits_own(backward) else 0.0)
         summed = add("sum", "early", "compute1", start, sum_ms * early / rows) if early else pushed + signal
         if early < rows:
-            add("sum", 0, "compute0", max(t, summed), sum_ms * (rows - early) / rows)
+            add(final, 0, "compute0", max(t, summed), sum_ms * (rows - early) / rows)
         return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
 
     def rank_chunk_ms(self, *, backward: bool, transport: str, sources: int, tiles: int = 1) -> Tuple[float, float]:

@@ -27,6 +27,10 @@ backward   dyr = A2A(dy_perm tile rows);  dx_g, dw_in, dw_out = experts'(regroup
            dx_perm tile rows = A2A(ungroup(dx_g))
 =========  ==========================================================================
 
+With ``plan.decomposition == "rank"`` (one tile) the exchange is split by source rank instead
+(``moe_ranks.py``): the assignment rows go straight into a rank all-to-all's send buffer, each
+source's rows run as they arrive, and the results come back in place, in send order.
+
 Routing, capacity and the permutations stay outside, on the whole call: ``order`` sorts the
 token-major assignments into send order (by tile, then expert, dropped ones last) and ``pos`` is
 its inverse. The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient
@@ -47,7 +51,9 @@ index that groups each tile's received rows by local expert, its inverse and the
 offsets (sized by a bound the host knows: every rank's tokens times k, from the call's agreement).
 Between the counts' arrival and the first exchange the host only slices those and builds lists:
 on 4xH200 that window is the GPU's one idle gap of a call (about 0.2-0.3 ms), which is why extra
-tiles, each adding two NCCL launches to the host's path, rarely pay for the MoE over NVLink.
+tiles, each adding two NCCL launches to the host's path, rarely pay for the MoE over NVLink. The
+rank-chunk exchange takes its sizes from the same read (one tile), and its grouped-GEMM offsets
+from the host's copy of them (one copy to the device).
 """
 from __future__ import annotations
 

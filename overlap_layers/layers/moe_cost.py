@@ -32,8 +32,8 @@ then the peers', which push dx before their weight gradients (the tail). Weight 
 [Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
 or one grouped GEMM per piece whose result every piece after the first adds into the
 accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer
-(the dispatch gathers straight into it, once per call) and nothing is summed: ``finish`` only
-waits for the last push. Its buffers: over the copy engine the symmetric send rows
+(the dispatch gathers straight into it, once per call) and nothing is summed: ``finish`` (a
+zero-length event) only waits for the last push. Its buffers: over the copy engine the symmetric send rows
 (``A*H*e``, persistent), over send/recv the returned rows.
 """
 from __future__ import annotations
@@ -130,8 +130,10 @@ class MoECostModel(MLPCostModel):
     def to_symmetric_ms(self, sources: int) -> float:
         return 0.0  # the dispatch gathers straight into the buffer
 
-    def sum_ms(self) -> float:
-        return 0.0  # results come back in place
+    def final_op(self) -> Tuple[str, float]:
+        """Results come back in place: ``finish`` only waits for the last push (its gather back to
+        token order runs once per call in every plan, so it is left out like the permutations)."""
+        return "finish", 0.0
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
         return 0

@@ -166,8 +166,9 @@ def gather_back(back: torch.Tensor, c: RankCall, n: int) -> torch.Tensor:
     return rows.masked_fill_((c.pos >= c.kept)[:, None], 0)
 
 
-def _label(j: int, a: int, rows: int) -> str:
-    return str(j) if j else ("own[:h]" if a == 0 and rows else "own[h:]")
+def _label(i: int, j: int) -> str:
+    """A piece's tag in traces (piece index ``i``, step ``j``), as the cost model names it."""
+    return {0: "own[:h]", 1: "own[h:]", 2: "own"}.get(i, str(j))
 
 
 def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
@@ -179,7 +180,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
     saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
     for i, j, a, b, sizes in c.pieces(backward=False):
-        with piece(recorder, "fwd", _label(j, a, b), f"overlap::moe::rank_chunk[{j}]"):
+        with piece(recorder, "fwd", _label(i, j), f"overlap::moe::rank_chunk[{j}]"):
             x = own_x[a:b] if j == 0 else ex.pull(j)
             y, pre = experts_forward(c, x, sizes, c.offsets[i], w_in, w_out) if b > a else \
                 (x.new_empty((0, H)), x.new_empty((0, w_in.shape[1])))
@@ -192,8 +193,8 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
             elif c.save:
                 saved[2][1].append(pre)
         if c.launch_log is not None:
-            c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "fwd"))
-    with piece(recorder, "gather", 0):
+            c.launch_log.append((f"step{j}[{_label(i, j)}]", "rank_chunk", "fwd"))
+    with piece(recorder, "finish", 0):
         return gather_back(ex.finish(), c, n), saved
 
 
@@ -209,7 +210,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
         x, pre = saved.pop(i)
         if not j:
             pre = pre[0] if len(pre) == 1 else torch.cat(pre)
-        with piece(recorder, "bwd", _label(j, a, b), f"overlap::moe_bwd::rank_chunk[{j}]"):
+        with piece(recorder, "bwd", _label(i, j), f"overlap::moe_bwd::rank_chunk[{j}]"):
             dy = ex.own()[a:b] if j == 0 else ex.pull(j)
             if b == a:
                 if j:
@@ -222,8 +223,8 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
             if not j:  # in place over dy: after the weight gradients read it
                 ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
-            c.launch_log.append((f"step{j}[{_label(j, a, b)}]", "rank_chunk", "bwd"))
-    with piece(recorder, "gather", 0):
+            c.launch_log.append((f"step{j}[{_label(i, j)}]", "rank_chunk", "bwd"))
+    with piece(recorder, "finish", 0):
         dx_rows = gather_back(ex.finish(), c, n)
     # None: no rows reached this rank's experts
     return dx_rows, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in),
