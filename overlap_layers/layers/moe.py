@@ -594,8 +594,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
             else:
-                tensors = _tile_tensors(gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1),  # [tile, src, El]
-                                        ws * max_tokens * k)
+                mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
+                tensors = _tile_tensors(mine, ws * max_tokens * k)
                 x_perm = _Dispatch.apply(x_TH, order, pos, k)
             shared = None
             if self.shared_w_in is not None:

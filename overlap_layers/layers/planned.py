@@ -622,7 +622,8 @@ class PlannedLayer:
         p = self.plan
         if p is None:
             return "no plan yet: the layer plans at its first call"
-        lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport} decomposition={p.decomposition}",
+        lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport} "
+                 f"decomposition={p.decomposition}",
                  f"reason: {p.reason or 'fixed by num_tiles or pin_plan'}"]
         if p.candidates:
             lines.append(f"{'K':>3} {'regather':>8} {'pred ms':>9} {'exposed ms':>10} {'peak MiB':>9}  buckets")
