@@ -3,7 +3,7 @@
 back while the next source's rows run (``runtime/rank_all_to_all.py``).
 
 Reference (what it must equal): the K=1 exchange of ``moe.py``. Each expert's output row depends
-on its input row only, so the rows this rank's experts receive are a sum of independent
+on its input row only, so the rows this rank's experts receive split into independent
 per-source pieces. The send order is by destination, then local expert, so each source's rows
 arrive grouped by local expert: a piece is one grouped GEMM per projection (offsets from the
 counts), with no regrouping gather. Per rank r, pieces in launch order:
@@ -24,11 +24,11 @@ weight-gradient pass), then the peers', each pushing dx before its weight gradie
 hide the push:
 
 =========  =======================================================================
-dgrad      da = dy @ w_out[e];  (dh, a) = act'(h, da);  dx = dh @ w_in[e]  -> the source
-wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dh.T @ x
+dgrad      da = dy @ w_out[e];  (dpre, a) = act'(pre, da);  dx = dpre @ w_in[e]  -> the source
+wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dpre.T @ x
 =========  =======================================================================
 
-Legend: h = own rows // 2, pre-activations saved per piece (as the K=1 layer saves them for
+Legend: h = own rows // 2, pre = rows @ w_in[e].T (the pre-activations), saved per piece (as the K=1 layer saves them for
 every received row). The output and dx are token-major: the results come back in send order and
 one gather puts each assignment at its token (zero where capacity dropped it).
 

@@ -15,8 +15,9 @@ laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
 
 An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
 before the table is known, the rows it does not send last). The caller fills ``send``, calls
-``start(counts)``, then pulls and pushes each step once, in step order; every rank issues its transfers in the same order, so matching is by
-construction (every rank knows the whole table). Two transports implement it:
+``start(counts)``, then pulls and pushes each step once, in step order. Every rank issues its
+transfers in the same order, so matching is by construction (every rank knows the whole table).
+Two transports implement it:
 
 * :class:`CopyEngineAllToAll` (CUDA, symmetric memory): ``send`` is this rank's symmetric buffer
   (the caller gathers its rows straight into it); peers pull their rows with device-to-device
@@ -71,7 +72,8 @@ class _Layout:
 
 
 class PointToPointAllToAll:
-    """The exchange over ``isend``/``irecv`` (see the module docstring)."""
+    """The exchange over ``isend``/``irecv`` (see the module docstring); ``capacity_rows`` is
+    the copy engine's (unused here)."""
 
     transport = "nccl"
     in_place = False  # own_back() is not own()
@@ -83,6 +85,7 @@ class PointToPointAllToAll:
         self.layout: Optional[_Layout] = None
         self._recv = {}
         self._pull_works, self._push_works, self._keep = {}, [], []
+        self._pushed = 0
 
     def start(self, counts: Sequence[Sequence[int]]) -> None:
         lay = self.layout = _Layout(counts, self.rank)
@@ -116,6 +119,8 @@ class PointToPointAllToAll:
         q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
         rows = rows.contiguous()
         assert rows.shape[0] == self.layout.recv_counts[q], "push the results of the rows pulled at this step"
+        assert j == self._pushed + 1, "pushes go in step order (the sends and receives of a step match)"
+        self._pushed = j
         self._keep.append(rows)
         ops = []
         if rows.shape[0]:
@@ -157,7 +162,7 @@ class CopyEngineAllToAll:
         self._left = self.ws - 1
 
     def _peer_rows(self, q: int, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)`` of rank q's buffer (views cached per (rank, rows): one per peer)."""
+        """Rows ``[a, b)`` of rank q's buffer (the workspace caches one view per peer)."""
         return self.w.view(q, (self._full.shape[0], self.width), self.dtype, 0)[a:b]
 
     def start(self, counts: Sequence[Sequence[int]]) -> None:
@@ -197,6 +202,7 @@ class CopyEngineAllToAll:
         w, lay = self.w, self.layout
         q = (self.rank + j) % self.ws
         assert rows.shape[0] == lay.recv_counts[q], "push the results of the rows pulled at this step"
+        assert j == self.ws - self._left, "pushes go in step order"
         w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
         rows.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
