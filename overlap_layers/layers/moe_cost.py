@@ -31,9 +31,9 @@ expert), own pieces add the copy of their results in place; backward runs the ow
 then the peers', which push dx before their weight gradients (the tail). Weight gradients follow
 [Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
 or one grouped GEMM per piece whose result every piece after the first adds into the
-accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer
-(the dispatch gathers straight into it, once per call) and nothing is summed: ``finish`` (a
-zero-length event) only waits for the last push. Its buffers: over the copy engine the symmetric send rows
+accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer (the dispatch
+gathers straight into it, once per call) and nothing is summed: ``finish`` (a zero-length
+event) only waits for the last push. Its buffers: over the copy engine the symmetric send rows
 (``A*H*e``, persistent), over send/recv the returned rows.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..sim import HardwareModel
 from .mlp_cost import MLPCostModel
+from .moe_ranks import LOOP_WGRAD_EXPERTS
 
 
 class MoECostModel(MLPCostModel):
@@ -95,7 +96,6 @@ class MoECostModel(MLPCostModel):
 
     def _piece_wgrad_ms(self, a: int, first: bool) -> float:
         """A rank piece's weight gradients ([Note: MoE weight-gradient accumulation])."""
-        from .moe_ranks import LOOP_WGRAD_EXPERTS
         md = self.model
         if not self.grouped or self.El <= LOOP_WGRAD_EXPERTS:
             r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
