@@ -304,3 +304,73 @@ def test_mailbox_wait_times_out():
     import os
     with pytest.raises(RuntimeError, match="did not arrive within"):
         _lone_mailbox([os.getpid(), os.getpid()], 0.5).gather([1])
+
+
+# ------------------------------------------------------------------ the rank all-to-all (send/recv)
+def _a2a_table(ws, seed):
+    """counts[s][d]: rows rank s sends to d, zeros included (the same table on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4, (ws, ws), generator=g).tolist()
+
+
+def _a2a_row(s, d, i, width=3):
+    """Row i of those rank s sends to rank d: it names its source, destination and index."""
+    return torch.tensor([1000.0 * s + 100.0 * d + i] * width, dtype=torch.float64)
+
+
+def rank_all_to_all_case(rank, ws, seed):
+    """Every step's pull, then each pulled row pushed back times 2 plus its destination, and the
+    own rows written back the same way; returns what the exchange gave."""
+    from overlap_layers.runtime.rank_all_to_all import PointToPointAllToAll
+    counts = _a2a_table(ws, seed)
+    rows = sum(counts[rank]) + 2  # made for more rows than sent: the last ones are not sent
+    ex = PointToPointAllToAll(dist.group.WORLD, rows, 3, torch.float64, "cpu")
+    sent = [_a2a_row(rank, d, i) for d in range(ws) for i in range(counts[rank][d])]
+    ex.send.copy_(torch.stack(sent + [torch.full((3,), -1.0, dtype=torch.float64)] * 2))
+    ex.start(counts)
+    own = ex.own().clone()
+    ex.own_back().copy_(own * 2 + rank)
+    pulled = {}
+    for j in range(1, ws):
+        pulled[j] = ex.pull(j).clone()
+        ex.push(j, pulled[j] * 2 + rank)
+    return dict(own=own, pulled=pulled, back=ex.finish().clone())
+
+
+@pytest.mark.parametrize("ws,seed", [(2, 0), (4, 1), (4, 2)])
+def test_rank_all_to_all_against_hand_reference(pools, ws, seed):
+    """PointToPointAllToAll (the send/recv transport of moe_ranks.py): pull(j) holds the rows
+    rank r+j sent to r, in its order, and finish() each destination's results for r's rows, in
+    send order, from the table alone."""
+    counts = _a2a_table(ws, seed)
+    results = pools(ws).run(rank_all_to_all_case, seed)
+
+    def rows(s, d):
+        return [_a2a_row(s, d, i) for i in range(counts[s][d])]
+
+    def stack(rs):
+        return torch.stack(rs) if rs else torch.empty(0, 3, dtype=torch.float64)
+
+    for r, res in enumerate(results):
+        assert torch.equal(res["own"], stack(rows(r, r)))
+        for j, got in res["pulled"].items():
+            assert torch.equal(got, stack(rows((r + j) % ws, r))), (r, j)
+        want = [row * 2 + d for d in range(ws) for row in rows(r, d)]
+        assert torch.equal(res["back"], stack(want)), r
+
+
+def rank_all_to_all_out_of_order(rank, ws):
+    from overlap_layers.runtime.rank_all_to_all import PointToPointAllToAll
+    ex = PointToPointAllToAll(dist.group.WORLD, 0, 3, torch.float64, "cpu")
+    ex.start([[0] * ws for _ in range(ws)])
+    ex.pull(1), ex.pull(2)
+    ex.push(2, torch.empty(0, 3, dtype=torch.float64))
+
+
+def test_rank_all_to_all_pushes_must_go_in_step_order(pool4):
+    """A push out of step order would pair one rank's sends with another step's receives: it
+    fails on the rank that issues it (an assertion, before any transfer)."""
+    from pool import RankFailure
+    with pytest.raises(RankFailure) as info:
+        pool4.run(rank_all_to_all_out_of_order, timeout=60)
+    assert all(e is not None and e[0] == "AssertionError" for e in info.value.errors())

@@ -417,14 +417,16 @@ def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
 
 
-def _pin_rank_plan(rank, ws, kind):
+def _pin_rank_plan(rank, ws, kind, tiles):
     from overlap_layers import OverlapMoE
     from overlap_layers.layers import TilePlan
     layer = UlyssesAttention(16, 4, group=dist.group.WORLD) if kind == "ulysses" else \
         OverlapMoE(16, 32, 4, 2, group=dist.group.WORLD)
-    layer.pin_plan(TilePlan(1, decomposition="rank", transport="copy_engine"))
+    layer.pin_plan(TilePlan(tiles, decomposition="rank", transport="copy_engine"))
 
 
-@pytest.mark.parametrize("kind", ["ulysses", "moe"])
-def test_rank_chunk_plans_refused_where_absent(pool2, kind):
-    expect_value_error_on_every_rank(pool2, _pin_rank_plan, kind, match="runs batch tiles over NCCL only")
+@pytest.mark.parametrize("kind,tiles,match", [("ulysses", 1, "runs batch tiles over NCCL only"),
+                                              ("moe", 2, "plan.num_tiles=2")])
+def test_rank_chunk_plans_refused_where_absent(pool2, kind, tiles, match):
+    """Ulysses has no rank-chunk plan; the MoE's runs on all rows at once (one tile)."""
+    expect_value_error_on_every_rank(pool2, _pin_rank_plan, kind, tiles, match=match)
