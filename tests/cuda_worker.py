@@ -401,20 +401,27 @@ def check_moe_and_ulysses(rank, ws, dev):
 def check_moe_rank_chunks(rank, ws, dev):
     """OverlapMoE split by source rank (moe_ranks.py), over the copy engine and over NCCL
     send/recv, float32 (dropless and with capacity drops) and bf16, uneven tokens per rank, two
-    calls each (the symmetric buffer reused), against the float64 dense reference."""
+    calls each (the symmetric buffer reused), against the float64 dense reference; 4 local
+    experts (weight gradients by an accumulating GEMM per expert) and 10 (grouped, then added:
+    [Note: MoE weight-gradient accumulation])."""
     from moe_reference import dense_moe
     from overlap_layers import OverlapMoE
     from overlap_layers.layers.planned import TilePlan
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cpu").manual_seed(11)
     r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
-    E, H, F, k = 4 * ws, 64, 32, 3
-    rw, wi, wo = r(E, H), r(E, 2 * F, H), r(E, H, F)
+    H, F, k = 64, 32, 3
     xs = [r(1, 40 + 24 * j, H) for j in range(ws)]
-    fails, El = 0, E // ws
-    for transport, dtype, cf, tol in (("copy_engine", torch.float32, None, 1e-4), ("nccl", torch.float32, None, 1e-4),
-                                      ("copy_engine", torch.float32, 0.5, 1e-4),
-                                      ("copy_engine", torch.bfloat16, None, 3e-2)):
+    # every rank draws the same weights, before the per-rank dy draws make the generators differ
+    weights = {El: (r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F)) for El in (4, 10)}
+    fails = 0
+    for El, transport, dtype, cf, tol in ((4, "copy_engine", torch.float32, None, 1e-4),
+                                          (4, "nccl", torch.float32, None, 1e-4),
+                                          (4, "copy_engine", torch.float32, 0.5, 1e-4),
+                                          (4, "copy_engine", torch.bfloat16, None, 3e-2),
+                                          (10, "copy_engine", torch.float32, None, 1e-4),
+                                          (10, "copy_engine", torch.bfloat16, 0.5, 3e-2)):
+        rw, wi, wo = weights[El]
         leaves = [t.to(dtype).double().clone().requires_grad_() for t in (xs[rank], rw, wi, wo)]
         y_ref, _ = dense_moe(*leaves, top_k=k, capacity_factor=cf, capacity_key="prob")
         dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(dev).to(dtype)
@@ -431,7 +438,7 @@ def check_moe_rank_chunks(rank, ws, dev):
             x = xs[rank].to(dtype).requires_grad_()
             y = layer(x)
             y.backward(dy)
-        label = f"moe rank {transport} {dtype} cf={cf}"
+        label = f"moe rank {transport} {dtype} cf={cf} El={El}"
         if layer.plan.decomposition != "rank":
             print(f"rank {rank} FAIL {label}: ran {layer.plan.label}", flush=True)
             fails += 1
