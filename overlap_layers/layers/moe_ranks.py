@@ -48,7 +48,7 @@ import torch
 
 from .mlp import _act, _act_backward
 from .planned import recorded_pass
-from .rank_chunks import piece
+from .rank_chunks import piece, piece_tag
 
 LOOP_WGRAD_EXPERTS = 8  # [Note: MoE weight-gradient accumulation]
 
@@ -75,16 +75,14 @@ class RankCall:
 
     def pieces(self, backward: bool) -> List[Tuple[int, int, int, int, List[int]]]:
         """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
-        step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``: own
-        first half, second half, whole, then the peers in step order)."""
-        own = self.sizes[self.rank]
-        n = sum(own)
-        h = n // 2
-        peers = [(2 + j, j, 0, sum(self.sizes[(self.rank + j) % self.ws]), self.sizes[(self.rank + j) % self.ws])
-                 for j in range(1, self.ws)]
+        step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``, in
+        :func:`piece_sizes` order)."""
+        sizes = piece_sizes(self.sizes, self.rank)
+        n, h = sum(sizes[2]), sum(sizes[0])
+        peers = [(2 + j, j, 0, sum(sizes[2 + j]), sizes[2 + j]) for j in range(1, self.ws)]
         if backward:
-            return [(2, 0, 0, n, list(own))] + peers
-        return [(0, 0, 0, h, _clip(own, 0, h))] + peers + [(1, 0, h, n, _clip(own, h, n))]
+            return [(2, 0, 0, n, sizes[2])] + peers
+        return [(0, 0, 0, h, sizes[0])] + peers + [(1, 0, h, n, sizes[1])]
 
 
 def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
@@ -96,15 +94,20 @@ def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
     return out
 
 
-def piece_offsets(sizes: Sequence[Sequence[int]], rank: int, device: torch.device) -> torch.Tensor:
-    """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces (:meth:`RankCall.pieces` index)
-    from ``sizes[s][e]`` (rows from source s for local expert e, on the host): one copy to the
-    device, which the host does not wait for (a handful of small kernels would cost more host
-    time on the call's critical path)."""
+def piece_sizes(sizes: Sequence[Sequence[int]], rank: int) -> List[List[int]]:
+    """Rows per local expert of each piece, by piece index: own first half (``h = n // 2`` of
+    the own ``n`` rows), own second half, own whole, then the peers in step order; from
+    ``sizes[s][e]``, rows from source s for local expert e."""
     ws, own = len(sizes), list(sizes[rank])
     n = sum(own)
-    rows = [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
-    ends = [list(itertools.accumulate(r)) for r in rows]
+    return [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
+
+
+def piece_offsets(sizes: Sequence[Sequence[int]], rank: int, device: torch.device) -> torch.Tensor:
+    """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces (:func:`piece_sizes`' cumulative
+    sums): one copy to the device, which the host does not wait for (a handful of small kernels
+    would cost more host time on the call's critical path)."""
+    ends = [list(itertools.accumulate(r)) for r in piece_sizes(sizes, rank)]
     host = torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
@@ -166,11 +169,6 @@ def gather_back(back: torch.Tensor, c: RankCall, n: int) -> torch.Tensor:
     return rows.masked_fill_((c.pos >= c.kept)[:, None], 0)
 
 
-def _label(i: int, j: int) -> str:
-    """A piece's tag in traces (piece index ``i``, step ``j``), as the cost model names it."""
-    return {0: "own[:h]", 1: "own[h:]", 2: "own"}.get(i, str(j))
-
-
 def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
     """``(rows [n, H] token-major, saved)``: the module table's forward; ``saved`` (under
     ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`."""
@@ -179,8 +177,10 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     ex.start(c.table)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
     saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
+    own = sum(c.sizes[c.rank])
     for i, j, a, b, sizes in c.pieces(backward=False):
-        with piece(recorder, "fwd", _label(i, j), f"overlap::moe::rank_chunk[{j}]"):
+        tag = piece_tag(j, a, b, own)
+        with piece(recorder, "fwd", tag, f"overlap::moe::rank_chunk[{j}]"):
             x = own_x[a:b] if j == 0 else ex.pull(j)
             y, pre = experts_forward(c, x, sizes, c.offsets[i], w_in, w_out) if b > a else \
                 (x.new_empty((0, H)), x.new_empty((0, w_in.shape[1])))
@@ -193,7 +193,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
             elif c.save:
                 saved[2][1].append(pre)
         if c.launch_log is not None:
-            c.launch_log.append((f"step{j}[{_label(i, j)}]", "rank_chunk", "fwd"))
+            c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "fwd"))
     with piece(recorder, "finish", 0):
         return gather_back(ex.finish(), c, n), saved
 
@@ -206,11 +206,13 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
     ex.start(c.table)
     grads = {"w_in": None, "w_out": None}
+    own = sum(c.sizes[c.rank])
     for i, j, a, b, sizes in c.pieces(backward=True):
+        tag = piece_tag(j, a, b, own)
         x, pre = saved.pop(i)
         if not j:
             pre = pre[0] if len(pre) == 1 else torch.cat(pre)
-        with piece(recorder, "bwd", _label(i, j), f"overlap::moe_bwd::rank_chunk[{j}]"):
+        with piece(recorder, "bwd", tag, f"overlap::moe_bwd::rank_chunk[{j}]"):
             dy = ex.own()[a:b] if j == 0 else ex.pull(j)
             if b == a:
                 if j:
@@ -223,7 +225,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
             if not j:  # in place over dy: after the weight gradients read it
                 ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
-            c.launch_log.append((f"step{j}[{_label(i, j)}]", "rank_chunk", "bwd"))
+            c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "bwd"))
     with piece(recorder, "finish", 0):
         dx_rows = gather_back(ex.finish(), c, n)
     # None: no rows reached this rank's experts

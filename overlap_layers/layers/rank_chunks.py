@@ -30,7 +30,8 @@ Legend: T local rows, h = T // 2, H hidden, I local fc1 width, F local ffn width
 for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).
 
 :func:`piece`, :func:`finish`, :func:`accumulate`, :func:`accumulate_rows` and :func:`step_tag`
-serve the attention's rank-chunk path too (``attention.py``).
+serve the attention's rank-chunk path too (``attention.py``), :func:`piece` and :func:`piece_tag`
+the MoE's (``moe_ranks.py``).
 """
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ def step_tag(j: int, block: int = 0, blocks: int = 1) -> str:
     return block_tag(block, str(j) if j else "own", blocks)
 
 
-def _tag(j: int, a: int, b: int, rows: int) -> str:
+def piece_tag(j: int, a: int, b: int, rows: int) -> str:
+    """A piece's tag in traces, as the cost models name it: its step, or for the own rows
+    ``[a, b)`` of ``rows`` the first half, the second half or the whole."""
     return str(j) if j else ("own[:h]" if a == 0 and b < rows else "own[h:]" if a else "own")
 
 
@@ -111,7 +114,7 @@ def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch
     rank, ws, T = exchange.rank, exchange.ws, x_TH.shape[0]
     half = T // 2
     for j, q, a, b in pieces(rank, ws, T):
-        with piece(recorder, "fwd", _tag(j, a, b, T), f"overlap::mlp::rank_chunk[{q}]"):
+        with piece(recorder, "fwd", piece_tag(j, a, b, T), f"overlap::mlp::rank_chunk[{q}]"):
             xin = x_TH[a:b] if j == 0 else exchange.pull(j)[0]
             pre = pre_all[q, a:b]
             if b_in is None:
@@ -135,7 +138,7 @@ def backward(exchange, dy_TH, gathered_x, pre_all, w_in, w_out, act_backward, gr
     None) and returns ``dx [T, H]``."""
     rank, ws, T = exchange.rank, exchange.ws, dy_TH.shape[0]
     for i, (j, q, a, b) in enumerate(pieces(rank, ws, T, backward=True)):
-        with piece(recorder, "bwd", _tag(j, a, b, T), f"overlap::mlp_bwd::rank_chunk[{q}]"):
+        with piece(recorder, "bwd", piece_tag(j, a, b, T), f"overlap::mlp_bwd::rank_chunk[{q}]"):
             pulled = exchange.pull(j) if j else None
             dy = dy_TH[a:b] if j == 0 else pulled[0]
             x = gathered_x(j, q, a, b, pulled)

@@ -38,6 +38,7 @@ exchange.
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence
 
 import torch
@@ -48,11 +49,7 @@ from .exchange import PULL, PUSH, SymmetricWorkspace, peers
 
 def _starts(counts: Sequence[int]) -> List[int]:
     """Exclusive prefix sums: where each group of ``counts`` starts."""
-    out, a = [], 0
-    for c in counts:
-        out.append(a)
-        a += c
-    return out
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 class _Layout:
@@ -157,8 +154,7 @@ class CopyEngineAllToAll:
         self._full = w.view(self.rank, (capacity_rows, width), dtype, 0)
         self.send = self._full[:rows]
         self.layout: Optional[_Layout] = None
-        self._pulled = {}
-        self._recv = {}
+        self._pulled = {}  # step -> (rows, the event after their copy)
         self._left = self.ws - 1
 
     def _peer_rows(self, q: int, a: int, b: int) -> torch.Tensor:
@@ -181,12 +177,12 @@ class CopyEngineAllToAll:
             for j, q, _ in peers(self.rank, self.ws):
                 a = lay.send_start[q][self.rank]
                 n = lay.recv_counts[q]
-                dst = self._recv[j] = recv[starts[q]:starts[q] + n]
+                dst = recv[starts[q]:starts[q] + n]
                 if n:
                     dst.copy_(self._peer_rows(q, a, a + n))
                 ev = torch.cuda.Event()
                 ev.record(w.pull_stream)
-                self._pulled[j] = ev
+                self._pulled[j] = dst, ev
 
     def own(self) -> torch.Tensor:
         a, b = self.layout.send_range(self.rank)
@@ -195,8 +191,9 @@ class CopyEngineAllToAll:
     own_back = own  # in place: the caller reads own() before writing the results
 
     def pull(self, j: int) -> torch.Tensor:
-        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop(j))
-        return self._recv.pop(j)
+        rows, ev = self._pulled.pop(j)
+        torch.cuda.current_stream(self.w.device).wait_event(ev)
+        return rows
 
     def push(self, j: int, rows: torch.Tensor) -> None:
         w, lay = self.w, self.layout
