@@ -167,12 +167,12 @@ def test_rank_piece_offsets_by_hand():
     """The grouped-GEMM offsets of the rank pieces (moe_ranks.RankCall.pieces order): own first
     half, own second half, own whole, then the peers in step order, each cumulative per local
     expert; rank 1 of 3, own rows [3, 0, 2] (half = 2)."""
-    from overlap_layers.layers.moe_ranks import RankCall, piece_offsets
+    from overlap_layers.layers.moe_ranks import RankCall
     sizes = [[1, 4, 0], [3, 0, 2], [0, 0, 5]]  # rows from source s per local expert
-    got = piece_offsets(sizes, 1, torch.device("cpu")).tolist()
-    assert got == [[2, 2, 2], [1, 1, 3], [3, 3, 5], [0, 0, 5], [1, 5, 5]]
     call = RankCall(rank=1, world_size=3, activation="swiglu", grouped=False, save=False, table=None, sizes=sizes,
-                    offsets=None, order=None, pos=None, kept=0, top_k=1, capacity_rows=0, exchange=None, sent=None)
+                    device=torch.device("cpu"), order=None, pos=None, kept=0, top_k=1, capacity_rows=0, exchange=None,
+                    sent=None)
+    assert call.offsets.tolist() == [[2, 2, 2], [1, 1, 3], [3, 3, 5], [0, 0, 5], [1, 5, 5]]
     assert call.pieces(backward=False) == [(0, 0, 0, 2, [2, 0, 0]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0]),
                                            (1, 0, 2, 5, [1, 0, 2])]
     assert call.pieces(backward=True) == [(2, 0, 0, 5, [3, 0, 2]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0])]

@@ -74,7 +74,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_ranks import RankCall, RankChunkExperts, piece_offsets
+from .moe_ranks import RankCall, RankChunkExperts
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
 from .tp_program import Accumulator, recording_graph
@@ -605,12 +605,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
             kept = int(host[self.rank].sum())
             if ranked:
-                sizes = host[:, 0, self.rank].tolist()
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
                                 grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
-                                table=host[:, 0].sum(-1).tolist(), sizes=sizes,
-                                offsets=piece_offsets(sizes, self.rank, x.device), order=order, pos=pos, kept=kept,
-                                top_k=k, capacity_rows=capacity,
+                                table=host[:, 0].sum(-1).tolist(), sizes=host[:, 0, self.rank].tolist(),
+                                device=x.device, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
                                 exchange=exchange, sent=sent, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)

@@ -58,18 +58,19 @@ class RankCall:
     count table; device index tensors).
 
     ``table[s][d]`` rows rank s sends to d; ``sizes[s]`` rows from source s per local expert of
-    this rank; ``offsets [pieces, El]`` (int32, device) each piece's grouped-GEMM offsets, in
-    :meth:`pieces` order; ``order`` the send order of the assignments (token-major index; the
+    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call) and
+    ``offsets [pieces, El]`` (int32, on ``device``) each piece's grouped-GEMM offsets; ``order`` the send order of the assignments (token-major index; the
     first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``: dropped).
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
     the forward's, made and filled (the assignment rows in send order) before the table was
     known."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
-                 offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
+                 device, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
         self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
-        self.table, self.sizes, self.offsets, self.order, self.pos, self.kept, self.k = \
-            table, sizes, offsets, order, pos, kept, top_k
+        self.table, self.order, self.pos, self.kept, self.k = table, order, pos, kept, top_k
+        self.piece_sizes = piece_sizes(sizes, rank)
+        self.offsets = piece_offsets(self.piece_sizes, device)
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
@@ -77,7 +78,7 @@ class RankCall:
         """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
         step 0 is the own rows (rows of the source's chunk; the index selects ``offsets``, in
         :func:`piece_sizes` order)."""
-        sizes = piece_sizes(self.sizes, self.rank)
+        sizes = self.piece_sizes
         n, h = sum(sizes[2]), sum(sizes[0])
         peers = [(2 + j, j, 0, sum(sizes[2 + j]), sizes[2 + j]) for j in range(1, self.ws)]
         if backward:
@@ -103,11 +104,11 @@ def piece_sizes(sizes: Sequence[Sequence[int]], rank: int) -> List[List[int]]:
     return [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
 
 
-def piece_offsets(sizes: Sequence[Sequence[int]], rank: int, device: torch.device) -> torch.Tensor:
-    """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces (:func:`piece_sizes`' cumulative
-    sums): one copy to the device, which the host does not wait for (a handful of small kernels
-    would cost more host time on the call's critical path)."""
-    ends = [list(itertools.accumulate(r)) for r in piece_sizes(sizes, rank)]
+def piece_offsets(sizes: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces, the cumulative sums of their
+    :func:`piece_sizes`: one copy to the device, which the host does not wait for (a handful of
+    small kernels would cost more host time on the call's critical path)."""
+    ends = [list(itertools.accumulate(r)) for r in sizes]
     host = torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
@@ -177,7 +178,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     ex.start(c.table)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
     saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
-    own = sum(c.sizes[c.rank])
+    own = sum(c.piece_sizes[2])
     for i, j, a, b, sizes in c.pieces(backward=False):
         tag = piece_tag(j, a, b, own)
         with piece(recorder, "fwd", tag, f"overlap::moe::rank_chunk[{j}]"):
@@ -206,7 +207,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
     ex.start(c.table)
     grads = {"w_in": None, "w_out": None}
-    own = sum(c.sizes[c.rank])
+    own = sum(c.piece_sizes[2])
     for i, j, a, b, sizes in c.pieces(backward=True):
         tag = piece_tag(j, a, b, own)
         x, pre = saved.pop(i)
