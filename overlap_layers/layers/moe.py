@@ -49,11 +49,12 @@ memory, and everything that does not need the sizes on the host is launched befo
 gather of the assignment rows, the shared expert, and, from the gathered counts on the device, the
 index that groups each tile's received rows by local expert, its inverse and the grouped-GEMM
 offsets (sized by a bound the host knows: every rank's tokens times k, from the call's agreement).
-Between the counts' arrival and the first exchange the host only slices those and builds lists:
-on 4xH200 that window is the GPU's one idle gap of a call (about 0.2-0.3 ms), which is why extra
-tiles, each adding two NCCL launches to the host's path, rarely pay for the MoE over NVLink. The
-rank-chunk exchange takes its sizes from the same read (one tile), and its grouped-GEMM offsets
-from the host's copy of them (one copy to the device).
+Between the counts' arrival and the first exchange the host only slices those and builds lists
+(plain Python lists: host tensor ops cost more there): on 4xH200 that window is the GPU's one idle
+gap of a call (about 0.2-0.3 ms), which is why extra tiles, each adding two NCCL launches to the
+host's path, rarely pay for the MoE over NVLink. The rank-chunk exchange takes its sizes from the
+same read (one tile); its grouped-GEMM offsets (computed on the device from the gathered counts)
+and its peer signals (``ready()``) need no host sizes and are launched before the wait.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_ranks import RankCall, RankChunkExperts
+from .moe_ranks import RankCall, RankChunkExperts, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
 from .tp_program import Accumulator, recording_graph
@@ -225,16 +226,26 @@ def _tile_tensors(counts: torch.Tensor, bound: int):
             torch.cumsum(counts.sum(1), 1).to(torch.int32))
 
 
-def _tiles(host: torch.Tensor, rank: int, index, inverse, offs) -> List[_Tile]:
-    """The tiles of one call from every rank's counts on the host, ``[source, tile, destination,
-    local expert]``, and :func:`_tile_tensors` of this rank's: host lists and views only, no
-    launches (this runs between the counts' arrival and the first exchange)."""
-    mine = host[:, :, rank].transpose(0, 1)  # [tile, source, El]
-    recv, sizes = mine.sum(2).tolist(), mine.sum(1).tolist()
+def count_table(flat: List[int], ws: int, K: int) -> List[List[List[List[int]]]]:
+    """Every rank's gathered counts, read on the host as one flat list, as nested lists
+    ``[source][tile][destination][local expert]`` (plain Python: on the call's critical path,
+    where tensor ops on the host cost more than the lists)."""
+    El = len(flat) // (ws * K * ws)
+    rows = [flat[i:i + El] for i in range(0, len(flat), El)]
+    return [[rows[(s * K + t) * ws:(s * K + t + 1) * ws] for t in range(K)] for s in range(ws)]
+
+
+def _tiles(table, rank: int, index, inverse, offs) -> List[_Tile]:
+    """The tiles of one call from every rank's counts on the host (:func:`count_table`) and
+    :func:`_tile_tensors` of this rank's: host lists and views only, no launches (this runs
+    between the counts' arrival and the first exchange)."""
     out, a = [], 0
-    for t in range(host.shape[1]):
-        b = a + sum(recv[t])
-        out.append(_Tile(host[rank, t].sum(-1).tolist(), recv[t], sizes[t], index[a:b], inverse[a:b], offs[t]))
+    for t in range(len(table[0])):
+        mine = [table[s][t][rank] for s in range(len(table))]  # [source][El]
+        recv = [sum(r) for r in mine]
+        b = a + sum(recv)
+        out.append(_Tile([sum(r) for r in table[rank][t]], recv, [sum(c) for c in zip(*mine)], index[a:b],
+                         inverse[a:b], offs[t]))
         a = b
     return out
 
@@ -593,6 +604,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
+                sent.ready()  # its signals and the pieces' offsets need no host sizes: launched before the wait
+                offsets = piece_offsets(gathered.view(ws, K, ws, -1)[:, 0, self.rank], self.rank)
             else:
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
@@ -602,13 +615,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
                 shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
             with profiler_range("overlap::moe::read_counts"):
-                host = torch.tensor(read(), dtype=torch.long).view(ws, K, ws, -1)  # [src, tile, dst, El]
-            kept = int(host[self.rank].sum())
+                table = count_table(read(), ws, K)  # [src][tile][dst][El]
+            kept = sum(sum(r) for tile in table[self.rank] for r in tile)
             if ranked:
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
                                 grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
-                                table=host[:, 0].sum(-1).tolist(), sizes=host[:, 0, self.rank].tolist(),
-                                device=x.device, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
+                                table=[[sum(r) for r in row[0]] for row in table], sizes=[row[0][self.rank] for row in table],
+                                offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
                                 exchange=exchange, sent=sent, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
@@ -616,7 +629,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 if kept < n:
                     x_perm = x_perm[:kept]
                 call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
-                             _tiles(host, self.rank, *tensors))
+                             _tiles(table, self.rank, *tensors))
                 call.trial, call.trace = trial, trace
                 y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
                 with profiler_range("overlap::moe::unpermute"):

@@ -41,7 +41,6 @@ after the first), since a GEMM per expert would cost ws*2*El launches of small G
 """
 from __future__ import annotations
 
-import itertools
 from typing import List, Sequence, Tuple
 
 import torch
@@ -58,19 +57,21 @@ class RankCall:
     count table; device index tensors).
 
     ``table[s][d]`` rows rank s sends to d; ``sizes[s]`` rows from source s per local expert of
-    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call) and
-    ``offsets [pieces, El]`` (int32, on ``device``) each piece's grouped-GEMM offsets; ``order`` the send order of the assignments (token-major index; the
-    first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``: dropped).
+    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call); ``offsets``
+    the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of the same counts,
+    launched before the host had them); ``order`` the send order of the assignments (token-major
+    index; the first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``:
+    dropped).
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
     the forward's, made and filled (the assignment rows in send order) before the table was
     known."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
-                 device, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
+                 offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
         self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
         self.table, self.order, self.pos, self.kept, self.k = table, order, pos, kept, top_k
         self.piece_sizes = piece_sizes(sizes, rank)
-        self.offsets = piece_offsets(self.piece_sizes, device)
+        self.offsets = offsets
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
@@ -104,13 +105,15 @@ def piece_sizes(sizes: Sequence[Sequence[int]], rank: int) -> List[List[int]]:
     return [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
 
 
-def piece_offsets(sizes: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
     """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces, the cumulative sums of their
-    :func:`piece_sizes`: one copy to the device, which the host does not wait for (a handful of
-    small kernels would cost more host time on the call's critical path)."""
-    ends = [list(itertools.accumulate(r)) for r in sizes]
-    host = torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+    :func:`piece_sizes`, from ``counts [ws, El]`` (rows from source s per local expert of
+    ``rank``) on the counts' device, in a fixed number of kernels and without reading them: the
+    MoE launches them before its host waits for the counts, off the call's critical path."""
+    ends = torch.roll(counts.to(torch.int32), -rank, 0).cumsum(1, dtype=torch.int32)  # own, then the peers in step order
+    own = ends[:1]
+    half = own[:, -1:] // 2
+    return torch.cat([torch.minimum(own, half), (own - half).clamp_(min=0), ends])
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
     finish()         == [rows of send, W]: for each d, the results d gave for r's rows to d
 
 An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
-before the table is known, the rows it does not send last). The caller fills ``send``, calls
-``start(counts)``, then pulls and pushes each step once, in step order. Every rank issues its
+before the table is known, the rows it does not send last). The caller fills ``send``, may call
+``ready()`` (the signals, which need no sizes: the MoE issues them before its host waits for the
+counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Every rank issues its
 transfers in the same order, so matching is by construction (every rank knows the whole table).
 Two transports implement it:
 
@@ -83,6 +84,9 @@ class PointToPointAllToAll:
         self._recv = {}
         self._pull_works, self._push_works, self._keep = {}, [], []
         self._pushed = 0
+
+    def ready(self) -> None:
+        """Nothing: :meth:`start`'s receives match the sends."""
 
     def start(self, counts: Sequence[Sequence[int]]) -> None:
         lay = self.layout = _Layout(counts, self.rank)
@@ -156,24 +160,33 @@ class CopyEngineAllToAll:
         self.layout: Optional[_Layout] = None
         self._pulled = {}  # step -> (rows, the event after their copy)
         self._left = self.ws - 1
+        self._ready = False
 
     def _peer_rows(self, q: int, a: int, b: int) -> torch.Tensor:
         """Rows ``[a, b)`` of rank q's buffer (the workspace caches one view per peer)."""
         return self.w.view(q, (self._full.shape[0], self.width), self.dtype, 0)[a:b]
 
-    def start(self, counts: Sequence[Sequence[int]]) -> None:
-        w, lay = self.w, _Layout(counts, self.rank)
-        assert max(sum(row) for row in lay.counts) <= self._full.shape[0], "a rank sends more than capacity_rows"
-        self.layout = lay
-        compute = torch.cuda.current_stream(w.device)
-        starts = _starts(lay.recv_counts)
-        recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)  # the caller's stream's
-        w.pull_stream.wait_stream(compute)  # the send rows are written
+    def ready(self) -> None:
+        """Tell every peer that the send rows are in the buffer (written on the current stream by
+        now) and wait for theirs, on the pull stream; :meth:`start` does it if the caller did not."""
+        w, self._ready = self.w, True
+        w.pull_stream.wait_stream(torch.cuda.current_stream(w.device))
         with torch.cuda.stream(w.pull_stream):
             for _, _, s in peers(self.rank, self.ws):
                 w.handle.put_signal(s, PULL)
             for _, q, _ in peers(self.rank, self.ws):  # every peer first: the pulls of a step form a permutation
                 w.handle.wait_signal(q, PULL)
+
+    def start(self, counts: Sequence[Sequence[int]]) -> None:
+        w, lay = self.w, _Layout(counts, self.rank)
+        assert max(sum(row) for row in lay.counts) <= self._full.shape[0], "a rank sends more than capacity_rows"
+        self.layout = lay
+        if not self._ready:
+            self.ready()
+        starts = _starts(lay.recv_counts)
+        recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)  # the caller's stream's
+        w.pull_stream.wait_stream(torch.cuda.current_stream(w.device))  # where recv's memory was last used
+        with torch.cuda.stream(w.pull_stream):
             for j, q, _ in peers(self.rank, self.ws):
                 a = lay.send_start[q][self.rank]
                 n = lay.recv_counts[q]
