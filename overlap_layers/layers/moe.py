@@ -185,25 +185,33 @@ def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) ->
     return all(d * e % 16 == 0 for d in (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2]))
 
 
-def _read_on_host(counts: torch.Tensor) -> Callable[[], List[int]]:
-    """Starts reading ``counts`` on the host; the returned function waits for it and gives the
-    list ([Note: MoE host syncs]). On CUDA the copy runs on a side stream into pinned memory, so
-    the host waits for the counts only, not for the work queued on the current stream meanwhile."""
-    if counts.device.type != "cuda":
-        return counts.tolist
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    side, cur = torch.cuda.Stream(counts.device), torch.cuda.current_stream(counts.device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        host.copy_(counts, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    counts.record_stream(side)
+class HostReader:
+    """Reads small tensors on the host ([Note: MoE host syncs]): :meth:`start` launches the copy
+    and returns a function that waits for it and gives the flat list. On CUDA the copy goes into a
+    pinned buffer kept per size and reused call after call (each call reads its buffer before the
+    next call's copy is launched), followed by an event on the current stream: the host waits for
+    that event only, not for the work launched after the copy."""
 
-    def read() -> List[int]:
-        done.synchronize()
-        return host.tolist()
-    return read
+    def __init__(self) -> None:
+        self._buffers = {}
+
+    def start(self, t: torch.Tensor) -> Callable[[], List[int]]:
+        if t.device.type != "cuda":
+            return t.reshape(-1).tolist
+        key = (t.numel(), t.dtype)
+        host = self._buffers.get(key)
+        if host is None:
+            if len(self._buffers) >= 8:  # a few sizes (tile counts) at a time
+                self._buffers.clear()
+            host = self._buffers[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        host.copy_(t.reshape(-1), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> List[int]:
+            done.synchronize()
+            return host.tolist()
+        return read
 
 
 class _Tile:
@@ -422,6 +430,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         else:
             self.shared_w_in = self.shared_w_out = None
         self.aux_loss: Optional[torch.Tensor] = None
+        self._host_reader = HostReader()
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -596,7 +605,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             # while the assignment rows are gathered (those over capacity sort last: cut below).
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
-            read = _read_on_host(gathered)
+            read = self._host_reader.start(gathered)
             n = order.numel()
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
             if ranked:  # the rows go straight into the exchange's send buffer (moe_ranks.py)

@@ -110,26 +110,28 @@ def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
     :func:`piece_sizes`, from ``counts [ws, El]`` (rows from source s per local expert of
     ``rank``) on the counts' device, in a fixed number of kernels and without reading them: the
     MoE launches them before its host waits for the counts, off the call's critical path."""
-    ends = torch.roll(counts.to(torch.int32), -rank, 0).cumsum(1, dtype=torch.int32)  # own, then the peers in step order
-    own = ends[:1]
-    half = own[:, -1:] // 2
-    return torch.cat([torch.minimum(own, half), (own - half).clamp_(min=0), ends])
+    out = counts.new_empty((counts.shape[0] + 2, counts.shape[1]), dtype=torch.int32)
+    ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])  # own, then the peers in step order
+    torch.minimum(ends[:1], ends[:1, -1:] // 2, out=out[:1])  # the first half: rows [0, own // 2)
+    torch.sub(ends[:1], out[:1], out=out[1:2])  # the second half: the rest
+    return out
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def experts_forward(c: RankCall, x: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out):
-    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends)."""
+def experts_forward(c: RankCall, x: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in_t, w_out_t):
+    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends);
+    ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass)."""
     if c.grouped:
-        pre = _grouped(x, w_in.transpose(-2, -1), offs)
-        return _grouped(_act(c.activation, pre), w_out.transpose(-2, -1), offs), pre
-    pre = torch.cat([rows @ w_in[e].t() for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
-        x.new_empty((0, w_in.shape[1]))
+        pre = _grouped(x, w_in_t, offs)
+        return _grouped(_act(c.activation, pre), w_out_t, offs), pre
+    pre = torch.cat([rows @ w_in_t[e] for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
+        x.new_empty((0, w_in_t.shape[2]))
     a = _act(c.activation, pre)
-    y = torch.cat([rows @ w_out[e].t() for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
-        x.new_empty((0, w_out.shape[1]))
+    y = torch.cat([rows @ w_out_t[e] for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
+        x.new_empty((0, w_out_t.shape[2]))
     return y, pre
 
 
@@ -182,11 +184,12 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
     saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
     own = sum(c.piece_sizes[2])
+    w_in_t, w_out_t, offs = w_in.transpose(-2, -1), w_out.transpose(-2, -1), c.offsets.unbind(0)
     for i, j, a, b, sizes in c.pieces(backward=False):
         tag = piece_tag(j, a, b, own)
         with piece(recorder, "fwd", tag, f"overlap::moe::rank_chunk[{j}]"):
             x = own_x[a:b] if j == 0 else ex.pull(j)
-            y, pre = experts_forward(c, x, sizes, c.offsets[i], w_in, w_out) if b > a else \
+            y, pre = experts_forward(c, x, sizes, offs[i], w_in_t, w_out_t) if b > a else \
                 (x.new_empty((0, H)), x.new_empty((0, w_in.shape[1])))
             if j:
                 ex.push(j, y)
@@ -211,6 +214,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     ex.start(c.table)
     grads = {"w_in": None, "w_out": None}
     own = sum(c.piece_sizes[2])
+    offs = c.offsets.unbind(0)
     for i, j, a, b, sizes in c.pieces(backward=True):
         tag = piece_tag(j, a, b, own)
         x, pre = saved.pop(i)
@@ -222,10 +226,10 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
                 if j:
                     ex.push(j, dy)
                 continue
-            dx, dh, act = experts_dgrad(c, dy, pre, sizes, c.offsets[i], w_in, w_out)
+            dx, dh, act = experts_dgrad(c, dy, pre, sizes, offs[i], w_in, w_out)
             if j:
                 ex.push(j, dx)
-            experts_wgrad(c, grads, x, dy, dh, act, sizes, c.offsets[i])
+            experts_wgrad(c, grads, x, dy, dh, act, sizes, offs[i])
             if not j:  # in place over dy: after the weight gradients read it
                 ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
