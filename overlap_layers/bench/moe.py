@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE, _read_on_host
+from ..layers.moe import OverlapMoE
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes
@@ -143,7 +143,7 @@ class MoEBench(MLPBench):
         t0 = time.perf_counter()
         for _ in range(n):
             all_gather_rows(gathered, counts, group=self.group)
-            _read_on_host(gathered)()
+            layer._host_reader.start(gathered)()
         out["host_counts_exchange_us"] = layer._agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]
         return out
 
