@@ -5,8 +5,8 @@ launch to the next (on 4xH200 one code measured 2.7 and 4.4 ms per call in two r
 ``bench/gpu_ab.sh``), which hides changes of 5-10%. Here both versions run in the same processes,
 interleaved round by round (old, new, then new, old, ...), each round a timed loop of ``--calls``
 back-to-back calls of a layer with the same weights and inputs; the first round warms up. Prints,
-per plan and pass, the median over rounds of each side (max over ranks), and writes the per-round
-times as JSON.
+per plan and pass, the median over rounds of each side (max over ranks) and rank 0's peak memory
+of one call of each, and writes the per-round times as JSON.
 
 The old version is a copy of the package (``git archive OLD overlap_layers | tar x -C .ab_old``),
 imported under another name. From the repo root, on the GPU machine:
@@ -110,15 +110,24 @@ def main() -> None:
                     sync()
                     if r:  # round 0 warms up
                         times[side].append((time.perf_counter() - t0) / args.calls * 1e3)
+            peak = {}
+            for side in ("old", "new"):  # one call's peak above what was allocated before it
+                if cuda:
+                    sync()
+                    before = torch.cuda.memory_allocated(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+                    call(sides[side][1])
+                    sync()
+                    peak[side] = (torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20
             med = torch.tensor([statistics.median(times["old"]), statistics.median(times["new"])], dtype=torch.float64,
                                device=dev)
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
             o, n = med.tolist()
             res[f"{plan}/{pas}"] = dict(old_ms=o, new_ms=n, change=n / o - 1, rank0_old=times["old"],
-                                        rank0_new=times["new"])
+                                        rank0_new=times["new"], rank0_peak_mib=peak)
             if rank == 0:
-                print(f"{preset} {plan:9s} {pas:7s} old {o:8.3f} ms  new {n:8.3f} ms  {100 * (n / o - 1):+6.1f}%",
-                      flush=True)
+                print(f"{preset} {plan:9s} {pas:7s} old {o:8.3f} ms  new {n:8.3f} ms  {100 * (n / o - 1):+6.1f}%  "
+                      + "  ".join(f"peak {s} {m:.0f} MiB" for s, m in peak.items()), flush=True)
     if rank == 0 and args.out:
         meta = dict(preset=preset, world_size=dist.get_world_size(), rounds=args.rounds, calls=args.calls,
                     torch=torch.__version__, device=torch.cuda.get_device_name(dev) if cuda else "cpu")
