@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package, as "new"
+
 
 def load_old(path: str):
     """The package at ``path`` imported as ``ol_old`` (its imports are relative)."""
