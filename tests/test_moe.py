@@ -256,9 +256,8 @@ def test_rank_chunks_match_dense_reference(pools, ws, k, top_k, normalize, activ
 def test_rank_chunks_grouped_gemms_match_dense_reference(pools, ws, E, top_k, shapes, routing, cf):
     """The rank-chunk plan on the grouped-GEMM path (float32, every row stride a multiple of 16
     bytes: ``torch._grouped_mm`` on CPU), empty experts and dropped assignments included; with
-    10 local experts the weight gradients are one grouped GEMM per projection after the last
-    piece, from expert-major copies of the pieces' operands, with 2 an accumulating GEMM per
-    expert ([Note: MoE weight-gradient accumulation])."""
+    10 local experts the weight gradients are grouped GEMMs added per piece, with 2 an
+    accumulating GEMM per expert ([Note: MoE weight-gradient accumulation])."""
     if not grouped_gemm_ok(torch.empty(0, 8), torch.empty(1, 16, 8), torch.empty(1, 8, 8)):
         pytest.skip("this torch has no CPU grouped GEMM")
     case = make_case(ws * 31 + top_k + E, ws=ws, E=E, top_k=top_k, shapes=shapes, F=8, routing=routing)

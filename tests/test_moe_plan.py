@@ -6,8 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from overlap_layers.layers.moe import _backward_program, _Call, _forward_program, tile_index
-from overlap_layers.layers.moe_layout import regroup_index
+from overlap_layers.layers.moe import _backward_program, _Call, _forward_program, regroup_index, tile_index
 from overlap_layers.layers.tiling import tile_bounds
 from overlap_layers.layers.moe_cost import MoECostModel
 from overlap_layers.layers.candidates import plan_candidates
@@ -114,8 +113,7 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
 def _rank_moe(peer_copy_ms: float, experts: int = 32) -> MoECostModel:
     """ws=2, 8 tokens, top-2: a source's chunk is 8 rows x 4 x 2 B = 64 B, copied in
     ``peer_copy_ms``; every (grouped) GEMM takes 1 ms and memory passes are free. 16 local
-    experts: the pieces copy their weight gradients' operands (free here) and one grouped GEMM
-    per projection runs after the last piece."""
+    experts: a piece's weight gradients are one grouped GEMM per projection."""
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
     return MoECostModel(tokens=8, world_size=2, hidden=4, n_in=8, ffn=4, experts=experts, top_k=2, elt=2, model=hw,
@@ -124,11 +122,11 @@ def _rank_moe(peer_copy_ms: float, experts: int = 32) -> MoECostModel:
 
 @pytest.mark.parametrize("copy_ms,fwd,fwd_exposed,bwd,bwd_exposed", [
     # fwd: own[:h] 0-2 beside the pull, peer 2-4, its push 4-5 under own[h:] 4-6; nothing summed
-    # bwd: own dgrads 0-2, peer dgrad 2-4, its push 4-5 under the weight gradients of all rows 4-6
-    (1.0, 6.0, 0.0, 6.0, 0.0),
+    # bwd: own rows 0-4 (dgrads and wgrads), peer dgrad 4-6, push 6-7 under its wgrads 6-8
+    (1.0, 6.0, 0.0, 8.0, 0.0),
     # fwd: pull 0-5 (3 exposed), peer 5-7, push 7-12 (3 exposed past own[h:] 7-9)
-    # bwd: pull 0-5 (3 exposed past the own dgrads), peer dgrad 5-7, push 7-12 outlasts the weight gradients (7-9) by 3
-    (5.0, 12.0, 6.0, 12.0, 6.0),
+    # bwd: pull 0-5 (1 exposed), peer dgrad 5-7, push 7-12 outlasts its wgrads (7-9) by 3
+    (5.0, 12.0, 6.0, 12.0, 4.0),
 ])
 def test_rank_chunk_recurrence_by_hand(copy_ms, fwd, fwd_exposed, bwd, bwd_exposed):
     cm = _rank_moe(copy_ms)
@@ -175,7 +173,7 @@ def test_rank_piece_offsets_by_hand():
     assert offsets.dtype == torch.int32
     assert offsets.tolist() == [[2, 2, 2], [1, 1, 3], [3, 3, 5], [0, 0, 5], [1, 5, 5]]
     call = RankCall(rank=1, world_size=3, activation="swiglu", grouped=False, save=False, table=None, sizes=sizes,
-                    counts=torch.tensor(sizes), offsets=offsets, order=None, pos=None, kept=0, top_k=1, capacity_rows=0, exchange=None, sent=None)
+                    offsets=offsets, order=None, pos=None, kept=0, top_k=1, capacity_rows=0, exchange=None, sent=None)
     assert call.pieces(backward=False) == [(0, 0, 0, 2, [2, 0, 0]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0]),
                                            (1, 0, 2, 5, [1, 0, 2])]
     assert call.pieces(backward=True) == [(2, 0, 0, 5, [3, 0, 2]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0])]

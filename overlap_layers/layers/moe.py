@@ -75,7 +75,6 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_layout import regroup_index
 from .moe_ranks import RankCall, RankChunkExperts, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
@@ -114,6 +113,24 @@ def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_expe
     keep = torch.empty_like(keep_sorted)
     keep[order] = keep_sorted
     return keep
+
+
+def regroup_index(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows laid out tile by tile, each tile grouped by ``a`` then ``b`` (``counts [K, A, B]`` rows
+    per group) -> for each position of the same rows grouped by tile, then ``b``, then ``a``, the
+    row it takes, counted from its tile's first row. ``size`` is any bound on ``counts.sum()``
+    known to the host (positions past the sum hold rows in range but are meaningless), so the
+    device never syncs. The inverse is ``regroup_index(counts.transpose(1, 2), size)``."""
+    K = counts.shape[0]
+    lengths = counts.transpose(1, 2).reshape(-1)  # groups in (tile, b, a) order
+    ends = torch.cumsum(lengths, 0)
+    flat = counts.reshape(-1)
+    tile_rows = counts.sum((1, 2))
+    src_start = (torch.cumsum(flat, 0) - flat).view_as(counts) - (torch.cumsum(tile_rows, 0) - tile_rows).view(K, 1, 1)
+    shift = src_start.transpose(1, 2).reshape(-1) - (ends - lengths)
+    p = torch.arange(size, device=counts.device)
+    group = torch.searchsorted(ends, p, right=True).clamp_(max=lengths.numel() - 1)
+    return p + shift[group]
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -597,8 +614,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
                 sent.ready()  # its signals and the pieces' offsets need no host sizes: launched before the wait
-                counts = gathered.view(ws, K, ws, -1)[:, 0, self.rank]  # [source, El]: rows this rank receives
-                offsets = piece_offsets(counts, self.rank)
+                offsets = piece_offsets(gathered.view(ws, K, ws, -1)[:, 0, self.rank], self.rank)
             else:
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
@@ -614,7 +630,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
                                 grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
                                 table=[[sum(r) for r in row[0]] for row in table], sizes=[row[0][self.rank] for row in table],
-                                counts=counts, offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
+                                offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
                                 exchange=exchange, sent=sent, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)

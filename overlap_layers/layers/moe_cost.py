@@ -94,19 +94,13 @@ class MoECostModel(MLPCostModel):
         md, g = self.model, self.gemms(a)
         return (1 if self.grouped else self.El) * (md.gemm_ms(*g[4]) + md.gemm_ms(*g[5]))
 
-    def _wgrad_at_end(self) -> bool:
-        """Whether the rank pieces' weight gradients run once after the last piece
-        ([Note: MoE weight-gradient accumulation])."""
-        return self.grouped and self.El > LOOP_WGRAD_EXPERTS
-
-    def _piece_wgrad_ms(self, a: int) -> float:
-        """A rank piece's share of the weight gradients ([Note: MoE weight-gradient accumulation]):
-        its accumulating GEMMs, or the copies of its operands into the expert-major buffers."""
+    def _piece_wgrad_ms(self, a: int, first: bool) -> float:
+        """A rank piece's weight gradients ([Note: MoE weight-gradient accumulation])."""
         md = self.model
-        if self._wgrad_at_end():
-            return md.mem_ms(2 * a * (2 * self.H + self.I + self.F) * self.e)
-        r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
-        return self.El * (md.gemm_ms(H, F, r) + md.gemm_ms(I, H, r))
+        if not self.grouped or self.El <= LOOP_WGRAD_EXPERTS:
+            r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
+            return self.El * (md.gemm_ms(H, F, r) + md.gemm_ms(I, H, r))
+        return self._wgrad_ms(a) + (0.0 if first else md.mem_ms(3 * self.grad_bytes()))
 
     # ----------------------------------------------------------------- rank chunks (module docstring)
     def chunk_rows(self) -> int:
@@ -125,12 +119,9 @@ class MoECostModel(MLPCostModel):
         def in_place(m):  # own results copied over their inputs
             return md.mem_ms(2 * m * self.H * self.e)
         if backward:
-            tail = self._piece_wgrad_ms(T)
-            own = ("bwd", "own", self._dgrad_ms(T) + tail + in_place(T), 0, 0, 0, 0.0)
-            out = [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
-            if self._wgrad_at_end():  # the weight gradients of all rows, after the last piece
-                out.append(("bwd", "wgrad", self._wgrad_ms(self.ws * T), 0, 0, 0, 0.0))
-            return out
+            tail = self._piece_wgrad_ms(T, first=False)
+            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True) + in_place(T), 0, 0, 0, 0.0)
+            return [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
         out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0)] if half else []
         out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
         return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half) + in_place(T - half),

@@ -33,15 +33,11 @@ every received row). The output and dx are token-major: the results come back in
 one gather puts each assignment at its token (zero where capacity dropped it).
 
 [Note: MoE weight-gradient accumulation]
-With few local experts (at most ``LOOP_WGRAD_EXPERTS``: mixtral's 2 at EP 4) each piece's weight
-gradients run as one ``addmm_`` per expert and projection, which accumulates in the GEMM. With
-many small experts (qwen3's 32) a GEMM per expert would cost ws*2*El launches of small GEMMs, and
-a grouped GEMM per piece writes all El gradients per piece, each then added into the accumulator
-(on 4xH200, qwen3 EP 4: 0.66 ms of adds per call, and the pieces' small row groups made the
-weight-gradient GEMMs slower). Instead each piece's operands (its input rows, dy, d(pre) and
-act(pre)) are copied into expert-major buffers (:class:`ExpertMajorRows`, one scatter per operand,
-every row written once), and one grouped GEMM per projection after the last piece computes the
-gradients from all rows (it hides the last push).
+Each piece's weight gradients add into the accumulators. With few local experts (at most
+``LOOP_WGRAD_EXPERTS``: mixtral's 2 at EP 4) they run as one ``addmm_`` per expert and projection,
+which accumulates in the GEMM; with many small experts (qwen3's 32) as one grouped GEMM per
+projection per piece, whose result is then added (one more pass over the gradients per piece
+after the first), since a GEMM per expert would cost ws*2*El launches of small GEMMs.
 """
 from __future__ import annotations
 
@@ -50,7 +46,6 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .mlp import _act, _act_backward
-from .moe_layout import regroup_index
 from .planned import recorded_pass
 from .rank_chunks import piece, piece_tag
 
@@ -62,9 +57,9 @@ class RankCall:
     count table; device index tensors).
 
     ``table[s][d]`` rows rank s sends to d; ``sizes[s]`` rows from source s per local expert of
-    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call); ``counts``
-    the same sizes on the device (``[ws, El]``) and ``offsets`` the pieces' grouped-GEMM offsets
-    (:func:`piece_offsets` of them, launched before the host had them); ``order`` the send order of the assignments (token-major
+    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call); ``offsets``
+    the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of the same counts,
+    launched before the host had them); ``order`` the send order of the assignments (token-major
     index; the first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``:
     dropped).
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
@@ -72,11 +67,11 @@ class RankCall:
     known."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
-                 counts, offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
+                 offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
         self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
         self.table, self.order, self.pos, self.kept, self.k = table, order, pos, kept, top_k
         self.piece_sizes = piece_sizes(sizes, rank)
-        self.counts, self.offsets = counts, offsets
+        self.offsets = offsets
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
@@ -151,44 +146,16 @@ def experts_dgrad(c: RankCall, dy, pre, sizes, offs, w_in, w_out):
     return torch.cat([rows @ w_in[e] for e, rows in enumerate(dh.split(sizes))]), dh, a
 
 
-def wgrad_at_end(c: RankCall, experts: int) -> bool:
-    """Whether the weight gradients run once after the last piece, from expert-major copies of
-    the pieces' operands ([Note: MoE weight-gradient accumulation])."""
-    return c.grouped and experts > LOOP_WGRAD_EXPERTS
-
-
-class ExpertMajorRows:
-    """The weight gradients' operands of every backward piece, copied into expert-major buffers
-    as the pieces run ([Note: MoE weight-gradient accumulation]).
-
-    Reference: after :meth:`add` of each piece's ``(x, dy, dh, a)`` in backward piece order (own
-    rows, then the peers in step order: rows grouped by source, then local expert), buffer ``i``
-    holds the same rows grouped by local expert, then source (in that order), and :meth:`grads`
-    is ``(dw_in, dw_out)`` with ``dw_in[e] = dh_e.T @ x_e`` and ``dw_out[e] = dy_e.T @ a_e`` over
-    all of expert e's rows."""
-
-    def __init__(self, c: RankCall, rows: int, like: torch.Tensor, widths: Sequence[int]):
-        by_step = torch.roll(c.counts, -c.rank, 0)  # [source in step order, El]
-        self.dest = regroup_index(by_step.t().unsqueeze(0), rows)  # piece-order row -> expert-major row
-        self.offs = torch.cumsum(c.counts.sum(0), 0, dtype=torch.int32)
-        self.bufs = [like.new_empty((rows, w)) for w in widths]
-        self._next = 0
-
-    def add(self, *operands: torch.Tensor) -> None:
-        n = operands[0].shape[0]
-        dest = self.dest[self._next:self._next + n]
-        self._next += n
-        for buf, rows in zip(self.bufs, operands):
-            buf.index_copy_(0, dest, rows)
-
-    def grads(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        x, dy, dh, a = self.bufs
-        return _grouped(dh.t(), x, self.offs), _grouped(dy.t(), a, self.offs)
-
-
-def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes) -> None:
-    """``dw_in[e] += dh_e.T @ x_e``, ``dw_out[e] += dy_e.T @ a_e``, one ``addmm_`` per expert; a
-    None accumulator is zeroed first ([Note: MoE weight-gradient accumulation])."""
+def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
+    """``dw_in[e] += dh_e.T @ x_e``, ``dw_out[e] += dy_e.T @ a_e``; a None accumulator is set
+    instead ([Note: MoE weight-gradient accumulation])."""
+    if c.grouped and len(sizes) > LOOP_WGRAD_EXPERTS:
+        for key, g in (("w_in", _grouped(dh.t(), x, offs)), ("w_out", _grouped(dy.t(), a, offs))):
+            if grads[key] is None:
+                grads[key] = g
+            else:
+                grads[key].add_(g)
+        return
     for key, l, r, shape in (("w_in", dh, x, (dh.shape[1], x.shape[1])), ("w_out", dy, a, (dy.shape[1], a.shape[1]))):
         if grads[key] is None:
             grads[key] = x.new_zeros((len(sizes), *shape))
@@ -248,9 +215,6 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     grads = {"w_in": None, "w_out": None}
     own = sum(c.piece_sizes[2])
     offs = c.offsets.unbind(0)
-    received = sum(sum(s) for s in c.piece_sizes[2:])
-    at_end = ExpertMajorRows(c, received, d_rows, (H, H, w_in.shape[1], w_out.shape[2])) \
-        if wgrad_at_end(c, w_in.shape[0]) and received else None
     for i, j, a, b, sizes in c.pieces(backward=True):
         tag = piece_tag(j, a, b, own)
         x, pre = saved.pop(i)
@@ -265,17 +229,11 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
             dx, dh, act = experts_dgrad(c, dy, pre, sizes, offs[i], w_in, w_out)
             if j:
                 ex.push(j, dx)
-            if at_end is not None:
-                at_end.add(x, dy, dh, act)
-            else:
-                experts_wgrad(c, grads, x, dy, dh, act, sizes)
+            experts_wgrad(c, grads, x, dy, dh, act, sizes, offs[i])
             if not j:  # in place over dy: after the weight gradients read it
                 ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "bwd"))
-    if at_end is not None:
-        with piece(recorder, "bwd", "wgrad", "overlap::moe_bwd::wgrad"):
-            grads["w_in"], grads["w_out"] = at_end.grads()
     with piece(recorder, "finish", 0):
         dx_rows = gather_back(ex.finish(), c, n)
     # None: no rows reached this rank's experts
