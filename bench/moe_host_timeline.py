@@ -130,7 +130,8 @@ def main() -> None:
     def stream_switch():
         with torch.cuda.stream(side):
             pass
-    ops = {"put+wait signal": signal_pair, "peer copy_": lambda: local.copy_(peer), "local copy_": lambda: local.copy_(mine),
+    ops = {"put+wait signal": signal_pair, "peer copy_": lambda: local.copy_(peer),
+           "local copy_": lambda: local.copy_(mine),
            "wait_stream": lambda: side.wait_stream(torch.cuda.current_stream()), "stream switch": stream_switch,
            "record_stream": lambda: local.record_stream(side), "slice": lambda: mine[3:700]}
     host_ops = {}

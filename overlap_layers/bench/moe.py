@@ -206,7 +206,8 @@ class MoEBench(MLPBench):
             # backwards (plain index_select would backpropagate by atomic index_add, 2.2 ms of a 7 ms qwen3
             # EP 4 forward+backward on H200, which the layer never runs)
             x_perm = _Dispatch.apply(x, order, pos, k)
-            y = torch.bmm(weights.to(x.dtype)[:, None, :], _PermuteRows.apply(x_perm, pos, order).view(-1, k, H)).squeeze(1)
+            back = _PermuteRows.apply(x_perm, pos, order).view(-1, k, H)
+            y = torch.bmm(weights.to(x.dtype)[:, None, :], back).squeeze(1)
             return experts(xr, sizes, offs, w_in, w_out), y
 
         return pass_fn(forward, backward, [inp["dyr"], dy], (x, router, w_in, w_out, xr))

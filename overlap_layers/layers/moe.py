@@ -44,9 +44,10 @@ An uneven all-to-all needs its split sizes on the host. All K tiles' send counts
 rank and local expert, are computed at once from the routing (one count) and exchanged by one
 small device all-gather over the group: one device-to-host copy per call, before any tile is
 launched, so no tile's exchange waits on a sync and the backward reuses the same splits reversed
-(no sync at all). The host waits for that copy only: on CUDA it runs on a side stream into pinned
-memory, and everything that does not need the sizes on the host is launched before the wait - the
-gather of the assignment rows, the shared expert, and, from the gathered counts on the device, the
+(no sync at all). The host waits for that copy only (``HostReader``: into pinned memory, then an
+event on the current stream, which work launched after the copy does not delay), and everything
+that does not need the sizes on the host is launched before the wait - the gather of the
+assignment rows, the shared expert, and, from the gathered counts on the device, the
 index that groups each tile's received rows by local expert, its inverse and the grouped-GEMM
 offsets (sized by a bound the host knows: every rank's tokens times k, from the call's agreement).
 Between the counts' arrival and the first exchange the host only slices those and builds lists
@@ -629,7 +630,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             if ranked:
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
                                 grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
-                                table=[[sum(r) for r in row[0]] for row in table], sizes=[row[0][self.rank] for row in table],
+                                table=[[sum(r) for r in row[0]] for row in table],
+                                sizes=[row[0][self.rank] for row in table],
                                 offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
                                 exchange=exchange, sent=sent, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace

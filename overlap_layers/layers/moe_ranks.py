@@ -111,7 +111,8 @@ def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
     ``rank``) on the counts' device, in a fixed number of kernels and without reading them: the
     MoE launches them before its host waits for the counts, off the call's critical path."""
     out = counts.new_empty((counts.shape[0] + 2, counts.shape[1]), dtype=torch.int32)
-    ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])  # own, then the peers in step order
+    # own, then the peers in step order
+    ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])
     torch.minimum(ends[:1], ends[:1, -1:] // 2, out=out[:1])  # the first half: rows [0, own // 2)
     torch.sub(ends[:1], out[:1], out=out[1:2])  # the second half: the rest
     return out

@@ -16,9 +16,9 @@ laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
 An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
 before the table is known, the rows it does not send last). The caller fills ``send``, may call
 ``ready()`` (the signals, which need no sizes: the MoE issues them before its host waits for the
-counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Every rank issues its
-transfers in the same order, so matching is by construction (every rank knows the whole table).
-Two transports implement it:
+counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Every rank
+issues its transfers in the same order, so matching is by construction (every rank knows the
+whole table). Two transports implement it:
 
 * :class:`CopyEngineAllToAll` (CUDA, symmetric memory): ``send`` is this rank's symmetric buffer
   (the caller gathers its rows straight into it); peers pull their rows with device-to-device
