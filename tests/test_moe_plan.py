@@ -109,6 +109,19 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
     assert [got[starts[t] + inv[p]] for t in range(K) for p in range(starts[t], starts[t + 1])] == rows
 
 
+def test_count_table_by_hand():
+    """The gathered counts, flat in (source, tile, destination, local expert) order, as nested
+    lists indexed the same way: 2 ranks, 3 tiles, 2 local experts, every count distinct."""
+    from overlap_layers.layers.moe import count_table
+    ws, K, El = 2, 3, 2
+    flat = list(range(ws * K * ws * El))
+    table = count_table(flat, ws, K)
+    for s in range(ws):
+        for t in range(K):
+            for d in range(ws):
+                assert table[s][t][d] == [((s * K + t) * ws + d) * El + e for e in range(El)]
+
+
 # ------------------------------------------------------------------ the rank-chunk plan's cost
 def _rank_moe(peer_copy_ms: float, experts: int = 32) -> MoECostModel:
     """ws=2, 8 tokens, top-2: a source's chunk is 8 rows x 4 x 2 B = 64 B, copied in
