@@ -158,7 +158,7 @@ class PointToPointExchange:
         for w in self._push_works:
             w.wait()
         self._keep.clear()
-        return sum_slots(self.slots, self.slots.new_empty(self.slots.shape[1:]) if out is None else out)
+        return sum_slots(self.slots, out)
 
 
 class SymmetricWorkspace:
@@ -396,7 +396,7 @@ class CopyEngineExchange:
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
             self.w.handle.wait_signal(s, PUSH)
-        return sum_slots(self.slots, self.slots.new_empty(self.slots.shape[1:]) if out is None else out)
+        return sum_slots(self.slots, out)
 
 
 def symmetric_memory_status(group, device: torch.device) -> str:

@@ -10,6 +10,8 @@ H200, where the bytes take about 40). Elsewhere (CPU, no Triton, other layouts) 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 try:
@@ -31,8 +33,10 @@ def _fused(slots: torch.Tensor, out: torch.Tensor) -> bool:
             and 0 < n <= 16)
 
 
-def sum_slots(slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = slots.sum(0)`` (module docstring); returns ``out``."""
+def sum_slots(slots: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = slots.sum(0)`` (module docstring; a new tensor when ``out`` is None); returns ``out``."""
+    if out is None:
+        out = slots.new_empty(slots.shape[1:])
     if not _fused(slots, out):
         return torch.sum(slots, 0, out=out)
     numel = out.numel()
