@@ -398,6 +398,30 @@ def check_moe_and_ulysses(rank, ws, dev):
     return fails + count_fails(rank, "", pairs, 1e-4)
 
 
+def check_half_router_logits(rank, ws, dev):
+    """The MoE's router GEMM on half operands with float32 output (moe.router_logits) against the
+    float64 product of the same values, forward and both gradients (gradients cast to bf16 /
+    fp16, as the converted reference's), and that it takes the out_dtype path."""
+    from overlap_layers.layers.moe import router_logits
+    g = torch.Generator(device="cpu").manual_seed(21 + rank)
+    fails = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(300, 256, generator=g).to(dev, dtype).requires_grad_()
+        w = (torch.randn(40, 256, generator=g) * 0.05).to(dev, dtype).requires_grad_()
+        gy = torch.randn(300, 40, generator=g).to(dev)
+        y = router_logits(x, w)
+        if y.dtype != torch.float32 or y.grad_fn is None or "_HalfRouterLogits" not in type(y.grad_fn).__name__:
+            fails += 1
+            print(f"rank {rank} FAIL router logits {dtype}: {y.dtype}, {type(y.grad_fn).__name__}", flush=True)
+        y.backward(gy)
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        yd = xd @ wd.t()
+        yd.backward(gy.double())
+        fails += count_fails(rank, f"router logits {dtype}", [("y", y, yd)], 1e-5)
+        fails += count_fails(rank, f"router logits {dtype}", [("dx", x.grad, xd.grad), ("dw", w.grad, wd.grad)], 1e-2)
+    return fails
+
+
 def check_moe_rank_chunks(rank, ws, dev):
     """OverlapMoE split by source rank (moe_ranks.py), over the copy engine and over NCCL
     send/recv, float32 (dropless and with capacity drops) and bf16, uneven tokens per rank, two
@@ -618,7 +642,8 @@ def main():
         + check_autocast_and_no_grad(rank, ws, dev) \
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
-        + check_moe_and_ulysses(rank, ws, dev) + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
+        + check_moe_and_ulysses(rank, ws, dev) + check_half_router_logits(rank, ws, dev) \
+        + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)

@@ -11,8 +11,9 @@ presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
   the layer has a planner; else the layer's own fallback plan);
 * ``asynctp`` - not available for MoE (recorded with ms None);
 * ``compute`` - a fixed plain-PyTorch reference with no collectives: the router
-  (``x @ router_weight.T``, softmax, top-k) on the local tokens, the permutation by expert (a
-  stable sort, the gather of the assignment rows, and the combine as the layer runs it: each
+  (``x @ router_weight.T`` as the layer computes it, softmax, top-k) on the local tokens, the
+  permutation by expert (a stable sort, the gather of the assignment rows, and the combine as
+  the layer runs it: each
   token's k rows gathered back and weighed with one ``bmm``; both gathers backpropagate by
   gathers, as the layer's do), and the
   local experts on already-dispatched rows: as many as this rank's experts would receive under
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows
+from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, router_logits
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes
@@ -192,10 +193,9 @@ class MoEBench(MLPBench):
         sizes, offs = inp["sizes"], inp["offs"]
         dy = self.dy.reshape(-1, H)
         experts = self._experts
-        rdt = torch.float64 if x.dtype == torch.float64 else torch.float32
 
         def forward():
-            probs = torch.softmax(x.to(rdt) @ router.to(rdt).t(), dim=-1)
+            probs = torch.softmax(router_logits(x, router), dim=-1)  # the layer's router GEMM
             top_p, top_e = probs.topk(k, dim=-1)
             weights = top_p / top_p.sum(-1, keepdim=True) if L.normalize_topk else top_p
             order = torch.sort(top_e.reshape(-1), stable=True).indices  # assignments grouped by expert
