@@ -178,15 +178,19 @@ def test_rank_chunks_skip_the_regrouping_gathers():
 
 def test_rank_piece_offsets_by_hand():
     """The grouped-GEMM offsets of the rank pieces (moe_ranks.RankCall.pieces order): own first
-    half, own second half, own whole, then the peers in step order, each cumulative per local
-    expert; rank 1 of 3, own rows [3, 0, 2] (half = 2)."""
+    part (own rows [0, m)), own second part, own whole, then the peers in step order, each
+    cumulative per local expert; rank 1 of 3, own rows [3, 0, 2], m = 2; and m past the own rows
+    (the first part takes them all) or 0 (the second does)."""
     from overlap_layers.layers.moe_ranks import RankCall, piece_offsets
     sizes = [[1, 4, 0], [3, 0, 2], [0, 0, 5]]  # rows from source s per local expert
-    offsets = piece_offsets(torch.tensor(sizes), 1)
+    offsets = piece_offsets(torch.tensor(sizes), 1, 2)
     assert offsets.dtype == torch.int32
     assert offsets.tolist() == [[2, 2, 2], [1, 1, 3], [3, 3, 5], [0, 0, 5], [1, 5, 5]]
+    assert piece_offsets(torch.tensor(sizes), 1, 7).tolist()[:2] == [[3, 3, 5], [0, 0, 0]]
+    assert piece_offsets(torch.tensor(sizes), 1, 0).tolist()[:2] == [[0, 0, 0], [3, 3, 5]]
     call = RankCall(rank=1, world_size=3, activation="swiglu", grouped=False, save=False, table=None, sizes=sizes,
-                    offsets=offsets, order=None, pos=None, kept=0, top_k=1, capacity_rows=0, exchange=None, sent=None)
+                    first_rows=2, offsets=offsets, order=None, pos=None, kept=0, top_k=1, capacity_rows=0,
+                    exchange=None, sent=None)
     assert call.pieces(backward=False) == [(0, 0, 0, 2, [2, 0, 0]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0]),
                                            (1, 0, 2, 5, [1, 0, 2])]
     assert call.pieces(backward=True) == [(2, 0, 0, 5, [3, 0, 2]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0])]
@@ -194,11 +198,12 @@ def test_rank_piece_offsets_by_hand():
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5).flatmap(lambda ws: st.tuples(
-    st.integers(0, ws - 1), st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=ws, max_size=ws))))
+    st.integers(0, ws - 1), st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=ws, max_size=ws),
+    st.integers(0, 30))))
 def test_rank_piece_offsets_match_the_host_sizes(case):
     """The device offsets (launched before the host has the counts) are the cumulative sums of the
-    host's piece sizes, for any counts (zeros, odd own totals) and any rank."""
+    host's piece sizes, for any counts (zeros, odd own totals), any rank and any first part."""
     from overlap_layers.layers.moe_ranks import piece_offsets, piece_sizes
-    rank, sizes = case
-    want = [[sum(r[:e + 1]) for e in range(len(r))] for r in piece_sizes(sizes, rank)]
-    assert piece_offsets(torch.tensor(sizes), rank).tolist() == want
+    rank, sizes, m = case
+    want = [[sum(r[:e + 1]) for e in range(len(r))] for r in piece_sizes(sizes, rank, m)]
+    assert piece_offsets(torch.tensor(sizes), rank, m).tolist() == want

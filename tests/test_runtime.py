@@ -325,7 +325,8 @@ def rank_all_to_all_case(rank, ws, seed):
     counts = _a2a_table(ws, seed)
     rows = sum(counts[rank]) + 2  # made for more rows than sent: the last ones are not sent
     ex = PointToPointAllToAll(dist.group.WORLD, rows, 3, torch.float64, "cpu")
-    sent = [_a2a_row(rank, d, i) for d in range(ws) for i in range(counts[rank][d])]
+    steps = [(rank + j) % ws for j in range(ws)]  # the send rows in step order: own first
+    sent = [_a2a_row(rank, d, i) for d in steps for i in range(counts[rank][d])]
     ex.send.copy_(torch.stack(sent + [torch.full((3,), -1.0, dtype=torch.float64)] * 2))
     ex.start(counts)
     own = ex.own().clone()
@@ -341,7 +342,7 @@ def rank_all_to_all_case(rank, ws, seed):
 def test_rank_all_to_all_against_hand_reference(pools, ws, seed):
     """PointToPointAllToAll (the send/recv transport of moe_ranks.py): pull(j) holds the rows
     rank r+j sent to r, in its order, and finish() each destination's results for r's rows, in
-    send order, from the table alone."""
+    send order (step order: own rows first, then r+1, r+2, ...), from the table alone."""
     counts = _a2a_table(ws, seed)
     results = pools(ws).run(rank_all_to_all_case, seed)
 
@@ -355,7 +356,7 @@ def test_rank_all_to_all_against_hand_reference(pools, ws, seed):
         assert torch.equal(res["own"], stack(rows(r, r)))
         for j, got in res["pulled"].items():
             assert torch.equal(got, stack(rows((r + j) % ws, r))), (r, j)
-        want = [row * 2 + d for d in range(ws) for row in rows(r, d)]
+        want = [row * 2 + d for d in [(r + j) % ws for j in range(ws)] for row in rows(r, d)]
         assert torch.equal(res["back"], stack(want)), r
 
 

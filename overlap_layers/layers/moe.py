@@ -32,8 +32,8 @@ With ``plan.decomposition == "rank"`` (one tile) the exchange is split by source
 source's rows run as they arrive, and the results come back in place, in send order.
 
 Routing, capacity and the permutations stay outside, on the whole call: ``order`` sorts the
-token-major assignments into send order (by tile, then expert, dropped ones last) and ``pos`` is
-its inverse. The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient
+token-major assignments into send order (by tile, then expert, dropped ones last; for the rank
+exchange by expert in its step order, this rank's own experts first) and ``pos`` is its inverse. The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient
 gathers each token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
 ``y_perm`` back in token-major order with a gather (``_PermuteRows``: a permutation, whose
 gradient is the inverse gather) and weighs each token's k rows with one ``bmm``, in plain
@@ -54,8 +54,10 @@ Between the counts' arrival and the first exchange the host only slices those an
 (plain Python lists: host tensor ops cost more there): on 4xH200 that window is the GPU's one idle
 gap of a call (about 0.2-0.3 ms), which is why extra tiles, each adding two NCCL launches to the
 host's path, rarely pay for the MoE over NVLink. The rank-chunk exchange takes its sizes from the
-same read (one tile); its grouped-GEMM offsets (computed on the device from the gathered counts)
-and its peer signals (``ready()``) need no host sizes and are launched before the wait.
+same read (one tile); its grouped-GEMM offsets (computed on the device from the gathered counts),
+its peer signals (``ready()``) and, on the grouped-GEMM path, its first own piece (``launch_first``:
+rows at a fixed place, own rows first) need no host sizes and are launched before the wait, so the
+device computes while the host reads the counts and starts the exchange.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_ranks import RankCall, RankChunkExperts, piece_offsets
+from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
 from .tp_program import Accumulator, recording_graph
@@ -461,6 +463,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_in = self.shared_w_out = None
         self.aux_loss: Optional[torch.Tensor] = None
         self._host_reader = HostReader()
+        self._rotations = {}  # device -> _send_rotation's table
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -589,10 +592,23 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return self._planned_call(x, shape, dtype, save, fixed,
                                   lambda plan, trial, trace: self._run(x, plan, save, shape[1], trial, trace))
 
-    def _route_and_count(self, x_TH, K: int):
+    def _send_rotation(self, device) -> torch.Tensor:
+        """``[E + 1]`` sort keys for the rank exchange's step order (``rank_all_to_all.py``): expert
+        e -> (e - rank * El) mod E, so this rank's own experts sort first and the destinations
+        follow in step order; E (dropped) stays last. Made once per device."""
+        rot = self._rotations.get(device)
+        if rot is None:
+            E, shift = self.num_experts, self.rank * self.num_local_experts
+            keys = [(e - shift) % E for e in range(E)] + [E]
+            rot = self._rotations[device] = torch.tensor(keys, dtype=torch.int16 if E < 2 ** 15 else torch.long,
+                                                         device=device)
+        return rot
+
+    def _route_and_count(self, x_TH, K: int, step_order: bool = False):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``
-        the permutation of the token-major assignments into send order (by tile, then expert; the
-        dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
+        the permutation of the token-major assignments into send order (by tile, then expert; with
+        ``step_order``, one tile, by expert in the rank exchange's step order: own experts first;
+        the dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
         ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
         probs, top_p, experts, weights = route(x_TH, self._local("router_weight"), k, self.normalize_topk)
@@ -616,7 +632,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if keep is not None:
             key = torch.where(keep, key, K * E)
         # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
-        order = torch.sort(key.to(torch.int16) if K * E < 2 ** 15 else key, stable=True).indices
+        if step_order:
+            sort_key = self._send_rotation(x_TH.device).index_select(0, key)
+        else:
+            sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
+        order = torch.sort(sort_key, stable=True).indices
         counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return order, weights, counts
 
@@ -630,7 +650,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         x_TH = x.reshape(B * S, H)
         with torch.autocast(dev, enabled=False):
             with profiler_range("overlap::moe::route"):
-                order, weights, counts = self._route_and_count(x_TH, K)
+                order, weights, counts = self._route_and_count(x_TH, K, step_order=ranked)
             # [Note: MoE host syncs]: every rank's counts in one device gather, read on the host
             # while the assignment rows are gathered (those over capacity sort last: cut below).
             gathered = counts.new_empty(ws * counts.numel())
@@ -643,8 +663,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
-                sent.ready()  # its signals and the pieces' offsets need no host sizes: launched before the wait
-                offsets = piece_offsets(gathered.view(ws, K, ws, -1)[:, 0, self.rank], self.rank)
+                # its signals, the pieces' offsets and the first own piece need no host sizes: launched before the wait
+                sent.ready()
+                m, grouped = first_rows(n, ws), grouped_gemm_ok(x_TH, w_in, w_out)
+                offsets = piece_offsets(gathered.view(ws, K, ws, -1)[:, 0, self.rank], self.rank, m)
+                first = launch_first(sent.send, m, offsets[0], w_in, w_out, self.activation, trace) \
+                    if grouped and sent.early_ok and m else None
             else:
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
@@ -657,12 +681,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 table = count_table(read(), ws, K)  # [src][tile][dst][El]
             kept = sum(sum(r) for tile in table[self.rank] for r in tile)
             if ranked:
-                call = RankCall(rank=self.rank, world_size=ws, activation=self.activation,
-                                grouped=grouped_gemm_ok(x_TH, w_in, w_out), save=save,
+                call = RankCall(rank=self.rank, world_size=ws, activation=self.activation, grouped=grouped, save=save,
                                 table=[[sum(r) for r in row[0]] for row in table],
-                                sizes=[row[0][self.rank] for row in table],
-                                offsets=offsets, order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity,
-                                exchange=exchange, sent=sent, launch_log=self.launch_log)
+                                sizes=[row[0][self.rank] for row in table], first_rows=m, offsets=offsets,
+                                order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity, exchange=exchange,
+                                sent=sent, first=first, launch_log=self.launch_log)
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
             else:

@@ -11,14 +11,18 @@ counts), with no regrouping gather. Per rank r, pieces in launch order:
 =========  ==============================================================  ==================
 piece      forward                                                         results to
 =========  ==============================================================  ==================
-own, 1st   y = experts(own rows[:h])                                        own rows (in place)
+own, 1st   y = experts(own rows[:h])  (before the host has the counts)      own rows (in place)
 peer q     y = experts(rows pulled from q)   (later pulls run meanwhile)   rank q (push)
 own, 2nd   y = experts(own rows[h:])                                        own rows
 =========  ==============================================================  ==================
 
 ``experts(rows)``: per local expert e, ``act(rows_e @ w_in[e].T) @ w_out[e].T``. Peers come in
-step order q = r+1, r+2, ... (mod ws). The own first half starts at once (no pipeline fill), the
-second half hides the last push (no drain). Backward: the own rows whole and first (they write
+step order q = r+1, r+2, ... (mod ws). The own first part starts at once (no pipeline fill), the
+second hides the last push (no drain). The send rows are in step order, own rows first, so the
+first part, ``h = min(own rows, m)`` with ``m`` (:func:`first_rows`) fixed from the call's
+assignment count alone, is ``send[:m]`` with device offsets: on the grouped-GEMM path it is
+launched before the host waits for the counts (:func:`launch_first`), and fills what would be
+the device's idle gap while the host reads them and starts the exchange. Backward: the own rows whole and first (they write
 dx in place over dy, so their weight gradients come before that write; halves would only add a
 weight-gradient pass), then the peers', each pushing dx before its weight gradients, so those
 hide the push:
@@ -28,7 +32,7 @@ dgrad      da = dy @ w_out[e];  (dpre, a) = act'(pre, da);  dx = dpre @ w_in[e] 
 wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dpre.T @ x
 =========  =======================================================================
 
-Legend: h = own rows // 2, pre = rows @ w_in[e].T (the pre-activations), saved per piece (as the K=1 layer saves them for
+Legend: pre = rows @ w_in[e].T (the pre-activations), saved per piece (as the K=1 layer saves them for
 every received row). The output and dx are token-major: the results come back in send order and
 one gather puts each assignment at its token (zero where capacity dropped it).
 
@@ -41,7 +45,7 @@ after the first), since a GEMM per expert would cost ws*2*El launches of small G
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,9 +61,11 @@ class RankCall:
     count table; device index tensors).
 
     ``table[s][d]`` rows rank s sends to d; ``sizes[s]`` rows from source s per local expert of
-    this rank, from which come ``piece_sizes`` (:func:`piece_sizes`, once per call); ``offsets``
-    the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of the same counts,
-    launched before the host had them); ``order`` the send order of the assignments (token-major
+    this rank, from which come ``piece_sizes`` (:func:`piece_sizes` with ``first_rows``, once per
+    call); ``offsets`` the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of
+    the same counts and ``first_rows``, launched before the host had them); ``first`` the first
+    own piece's ``(y, pre)`` where :func:`launch_first` ran it before the host had the counts;
+    ``order`` the send order of the assignments (token-major
     index; the first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``:
     dropped).
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
@@ -67,11 +73,12 @@ class RankCall:
     known."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
-                 offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent, launch_log=None):
+                 first_rows: int, offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent,
+                 first=None, launch_log=None):
         self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
         self.table, self.order, self.pos, self.kept, self.k = table, order, pos, kept, top_k
-        self.piece_sizes = piece_sizes(sizes, rank)
-        self.offsets = offsets
+        self.piece_sizes = piece_sizes(sizes, rank, first_rows)
+        self.offsets, self.first = offsets, first
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
@@ -96,25 +103,33 @@ def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
     return out
 
 
-def piece_sizes(sizes: Sequence[Sequence[int]], rank: int) -> List[List[int]]:
-    """Rows per local expert of each piece, by piece index: own first half (``h = n // 2`` of
-    the own ``n`` rows), own second half, own whole, then the peers in step order; from
+def first_rows(assignments: int, world_size: int) -> int:
+    """``m``: the own rows the first own piece takes at most, half of the own rows routing would
+    give a rank's experts if balanced (``assignments`` of this rank's tokens, 1 / world_size of
+    them its own), known before the counts."""
+    return assignments // (2 * world_size)
+
+
+def piece_sizes(sizes: Sequence[Sequence[int]], rank: int, m: int) -> List[List[int]]:
+    """Rows per local expert of each piece, by piece index: own first part (rows ``[0, m)`` of
+    the own rows), own second part (the rest), own whole, then the peers in step order; from
     ``sizes[s][e]``, rows from source s for local expert e."""
     ws, own = len(sizes), list(sizes[rank])
     n = sum(own)
-    return [_clip(own, 0, n // 2), _clip(own, n // 2, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
+    return [_clip(own, 0, m), _clip(own, m, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
 
 
-def piece_offsets(counts: torch.Tensor, rank: int) -> torch.Tensor:
+def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces, the cumulative sums of their
-    :func:`piece_sizes`, from ``counts [ws, El]`` (rows from source s per local expert of
-    ``rank``) on the counts' device, in a fixed number of kernels and without reading them: the
-    MoE launches them before its host waits for the counts, off the call's critical path."""
+    :func:`piece_sizes` (same ``m``), from ``counts [ws, El]`` (rows from source s per local
+    expert of ``rank``) on the counts' device, in a fixed number of kernels and without reading
+    them: the MoE launches them before its host waits for the counts, off the call's critical
+    path."""
     out = counts.new_empty((counts.shape[0] + 2, counts.shape[1]), dtype=torch.int32)
     # own, then the peers in step order
     ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])
-    torch.minimum(ends[:1], ends[:1, -1:] // 2, out=out[:1])  # the first half: rows [0, own // 2)
-    torch.sub(ends[:1], out[:1], out=out[1:2])  # the second half: the rest
+    torch.clamp(ends[:1], max=m, out=out[:1])  # the first part: own rows [0, m)
+    torch.sub(ends[:1], out[:1], out=out[1:2])  # the second part: the rest
     return out
 
 
@@ -122,18 +137,31 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def experts_forward(c: RankCall, x: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in_t, w_out_t):
-    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends);
+def experts_forward(activation: str, grouped: bool, x: torch.Tensor, sizes: Optional[List[int]],
+                    offs: torch.Tensor, w_in_t, w_out_t):
+    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends: all
+    the grouped path needs, where rows of ``x`` past the last end give meaningless rows);
     ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass)."""
-    if c.grouped:
+    if grouped:
         pre = _grouped(x, w_in_t, offs)
-        return _grouped(_act(c.activation, pre), w_out_t, offs), pre
+        return _grouped(_act(activation, pre), w_out_t, offs), pre
     pre = torch.cat([rows @ w_in_t[e] for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
         x.new_empty((0, w_in_t.shape[2]))
-    a = _act(c.activation, pre)
+    a = _act(activation, pre)
     y = torch.cat([rows @ w_out_t[e] for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
         x.new_empty((0, w_out_t.shape[2]))
     return y, pre
+
+
+def launch_first(send: torch.Tensor, m: int, offs: torch.Tensor, w_in, w_out, activation: str, trace=None):
+    """The first own piece's ``(y, pre)`` on the grouped-GEMM path, launched before the host has
+    the counts: the experts of ``send[:m]`` (the own rows first, in step order) with the piece's
+    device offsets ``offs``; rows past its end (own rows fewer than m) come out meaningless and
+    are never read. Timed as the first forward piece under ``trace`` (export_trace)."""
+    recorder = trace.fwd if trace is not None else None
+    with torch.no_grad(), piece(recorder, "fwd", "own[:h]", "overlap::moe::rank_chunk[0]"):
+        return experts_forward(activation, True, send[:m], None, offs, w_in.transpose(-2, -1),
+                               w_out.transpose(-2, -1))
 
 
 def experts_dgrad(c: RankCall, dy, pre, sizes, offs, w_in, w_out):
@@ -183,15 +211,21 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     ex, c.sent = c.sent, None
     ex.start(c.table)
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
-    saved = {2: (own_x, [])}  # the own rows whole, their halves' pre-activations
+    saved = {2: (own_x, [])}  # the own rows whole, their two parts' pre-activations
     own = sum(c.piece_sizes[2])
     w_in_t, w_out_t, offs = w_in.transpose(-2, -1), w_out.transpose(-2, -1), c.offsets.unbind(0)
     for i, j, a, b, sizes in c.pieces(backward=False):
         tag = piece_tag(j, a, b, own)
-        with piece(recorder, "fwd", tag, f"overlap::moe::rank_chunk[{j}]"):
+        first = c.first if i == 0 else None  # launched before the counts were read, and timed then
+        with piece(None if first is not None else recorder, "fwd", tag, f"overlap::moe::rank_chunk[{j}]"):
             x = own_x[a:b] if j == 0 else ex.pull(j)
-            y, pre = experts_forward(c, x, sizes, offs[i], w_in_t, w_out_t) if b > a else \
-                (x.new_empty((0, H)), x.new_empty((0, w_in.shape[1])))
+            if first is not None:
+                y, pre = (t[:b] for t in first)
+                c.first = None
+            elif b > a:
+                y, pre = experts_forward(c.activation, c.grouped, x, sizes, offs[i], w_in_t, w_out_t)
+            else:
+                y, pre = x.new_empty((0, H)), x.new_empty((0, w_in.shape[1]))
             if j:
                 ex.push(j, y)
             else:

@@ -4,7 +4,8 @@ the transfer of the next (the MoE's expert exchange, ``layers/moe_ranks.py``).
 
 Reference, for rank r of a group of ws ranks, with the count table ``counts[s][d]`` (rows rank s
 sends to rank d; the same table on every rank) and r's send rows ``send [sum_d counts[r][d], W]``
-laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
+laid out by destination in step order: r's own rows first, then those for r+1, r+2, ... (mod ws),
+so the own rows start at row 0 whatever the counts::
 
     step j = 1 .. ws-1 talks to q = (r + j) % ws
     own()            == send's rows for r itself
@@ -16,7 +17,9 @@ laid out by destination (rows for d from ``sum_{d' < d} counts[r][d']``)::
 An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
 before the table is known, the rows it does not send last). The caller fills ``send``, may call
 ``ready()`` (the signals, which need no sizes: the MoE issues them before its host waits for the
-counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Every rank
+counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Where
+``early_ok``, work the caller launches between ``ready()`` and ``start()`` (the MoE's first own
+piece, on rows ``send[:m]`` it chose before knowing the counts) does not delay the transfers. Every rank
 issues its transfers in the same order, so matching is by construction (every rank knows the
 whole table). Two transports implement it:
 
@@ -53,6 +56,14 @@ def _starts(counts: Sequence[int]) -> List[int]:
     return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
+def _step_starts(row: Sequence[int], s: int) -> List[int]:
+    """Where rank s's rows for each destination start in its send buffer (``row[d]`` rows for d,
+    laid out in step order: s, s+1, ... mod ws)."""
+    ws = len(row)
+    rotated = _starts([row[(s + j) % ws] for j in range(ws)])
+    return [rotated[(d - s) % ws] for d in range(ws)]
+
+
 class _Layout:
     """Row ranges of one exchange from the count table (host lists)."""
 
@@ -61,7 +72,7 @@ class _Layout:
         self.counts = [[int(c) for c in row] for row in counts]
         assert all(len(row) == self.ws for row in self.counts) and all(c >= 0 for row in self.counts for c in row)
         self.send_rows = sum(self.counts[rank])
-        self.send_start = [_starts(row) for row in self.counts]  # [s][d]: where s's rows for d start in s's buffer
+        self.send_start = [_step_starts(row, s) for s, row in enumerate(self.counts)]  # [s][d], in s's buffer
         self.recv_counts = [self.counts[s][rank] for s in range(self.ws)]  # rows from each source
 
     def send_range(self, d: int):
@@ -78,6 +89,8 @@ class PointToPointAllToAll:
 
     def __init__(self, group, rows: int, width: int, dtype: torch.dtype, device, capacity_rows: int = 0):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        # NCCL's stream waits for the caller's at each call; on the CPU every op runs as issued
+        self.early_ok = torch.device(device).type != "cuda"
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
         self.send = torch.empty((rows, width), dtype=dtype, device=device)
         self.layout: Optional[_Layout] = None
@@ -147,6 +160,7 @@ class CopyEngineAllToAll:
 
     transport = "copy_engine"
     in_place = True  # own_back() is own()
+    early_ok = True  # the pulls wait for ready() only (their rows are allocated on the pull stream)
 
     def __init__(self, workspace: SymmetricWorkspace, rows: int, width: int, dtype: torch.dtype, device=None,
                  capacity_rows: int = 0):
@@ -184,8 +198,9 @@ class CopyEngineAllToAll:
         if not self._ready:
             self.ready()
         starts = _starts(lay.recv_counts)
-        recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)  # the caller's stream's
-        w.pull_stream.wait_stream(torch.cuda.current_stream(w.device))  # where recv's memory was last used
+        with torch.cuda.stream(w.pull_stream):  # so the pulls need not wait for the caller's stream
+            recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)
+        recv.record_stream(torch.cuda.current_stream(w.device))  # read there (pull), freed after that
         with torch.cuda.stream(w.pull_stream):
             for j, q, _ in peers(self.rank, self.ws):
                 a = lay.send_start[q][self.rank]

@@ -1,0 +1,73 @@
+"""Where a profiled call's time goes on the device, from a bench trace (``--profile DIR``).
+
+Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CALLS: the
+``--profile-calls`` of the bench run). Per trace, per call (us):
+
+* ``span``: first device event to last, divided by the calls;
+* ``compute``: time some kernel other than a collective runs (the union over streams);
+* ``comm only``: time only copies (copy engine, "Memcpy") or NCCL kernels run;
+* ``idle``: time nothing runs (the host, or a wait on another rank);
+* then the kernels with the most time (name, count and us per call); ``gemm`` sums every GEMM.
+
+A call whose ``compute`` is close to the compute-only reference's and whose ``idle`` is large is
+host-bound; ``comm only`` is exposed communication; ``compute`` above the reference's is
+compute that got slower (smaller GEMMs, extra passes, or memory traffic beside the copies).
+"""
+import json
+import sys
+from collections import defaultdict
+
+
+def _union(intervals):
+    total, cur = 0.0, None
+    for s, f in sorted(intervals):
+        if cur and s <= cur[1]:
+            cur[1] = max(cur[1], f)
+        else:
+            if cur:
+                total += cur[1] - cur[0]
+            cur = [s, f]
+    return total + (cur[1] - cur[0] if cur else 0.0)
+
+
+def _is_comm(e) -> bool:
+    return e.get("cat") in ("gpu_memcpy", "gpu_memset") or "nccl" in e["name"].lower()
+
+
+def _is_gemm(name: str) -> bool:
+    n = name.lower()
+    return any(s in n for s in ("gemm", "nvjet", "cutlass", "sm90_xmma", "grouped_mm", "matmul"))
+
+
+def breakdown(path: str, calls: int, top: int = 16) -> str:
+    ev = json.load(open(path))["traceEvents"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not gpu:
+        return f"{path}: no device events"
+    a = min(e["ts"] for e in gpu)
+    b = max(e["ts"] + e["dur"] for e in gpu)
+    comp = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if not _is_comm(e)]
+    every = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    c, busy = _union(comp), _union(every)
+    tot, cnt = defaultdict(float), defaultdict(int)
+    gemm = 0.0
+    for e in gpu:
+        n = e["name"][:80]
+        tot[n] += e["dur"]
+        cnt[n] += 1
+        if not _is_comm(e) and _is_gemm(n):
+            gemm += e["dur"]
+    lines = [f"== {path}",
+             f"span {(b - a) / calls:8.1f}  compute {c / calls:8.1f}  comm only {(busy - c) / calls:8.1f}  "
+             f"idle {(b - a - busy) / calls:8.1f}  gemm (sum) {gemm / calls:8.1f}  us/call"]
+    for n, t in sorted(tot.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {t / calls:8.1f} us  x{cnt[n] / calls:5.1f}  {n}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    n = int(sys.argv[1])
+    for p in sys.argv[2:]:
+        print(breakdown(p, n))
