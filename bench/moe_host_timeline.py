@@ -62,6 +62,7 @@ def main() -> None:
                             (moe_mod, "all_gather_rows", "gather_counts"), (moe_mod.HostReader, "start", "read_start"),
                             (moe_ranks.RankCall, "__init__", "RankCall"), (moe_ranks, "forward", "ranks.forward"),
                             (moe_ranks, "experts_forward", "experts"), (moe_mod, "piece_offsets", "piece_offsets"),
+                            (moe_mod, "launch_first", "launch_first"),
                             (ra.CopyEngineAllToAll, "__init__", "ce.init"), (ra.CopyEngineAllToAll, "ready", "ce.ready"),
                             (ra.CopyEngineAllToAll, "start", "ce.start"), (ra.CopyEngineAllToAll, "pull", "ce.pull"),
                             (ra.CopyEngineAllToAll, "push", "ce.push"), (ra.CopyEngineAllToAll, "finish", "ce.finish"),

@@ -5,7 +5,8 @@ Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CA
 
 * ``span``: first device event to last, divided by the calls;
 * ``compute``: time some kernel other than a collective runs (the union over streams);
-* ``comm only``: time only copies (copy engine, "Memcpy") or NCCL kernels run;
+* ``comm only``: time only copies (copy engine, "Memcpy"), NCCL kernels or symmetric-memory
+  signal kernels (a wait on a peer) run;
 * ``idle``: time nothing runs (the host, or a wait on another rank);
 * then the kernels with the most time (name, count and us per call); ``gemm`` sums every GEMM.
 
@@ -31,7 +32,8 @@ def _union(intervals):
 
 
 def _is_comm(e) -> bool:
-    return e.get("cat") in ("gpu_memcpy", "gpu_memset") or "nccl" in e["name"].lower()
+    n = e["name"].lower()
+    return e.get("cat") in ("gpu_memcpy", "gpu_memset") or "nccl" in n or "symmetric_memory" in n
 
 
 def _is_gemm(name: str) -> bool:

@@ -1,0 +1,131 @@
+"""Micro-benchmarks behind the MoE's rank pieces, on one CUDA device (a second one, if present,
+is the peer of the copies).
+
+1. Grouped-GEMM time per row of the expert projections (``torch._grouped_mm``, the shapes of a
+   preset, bf16) by groups (local experts) and rows per group, alone and beside a copy-engine
+   transfer (from the peer device into this one, as a rank piece's pull): does a piece of fewer
+   rows per expert cost more per row, and does the copy slow it?
+2. Host time per launch of the ops a rank piece issues (grouped GEMM, the fused swiglu, a gather,
+   a device-to-device copy, an event, a stream wait): where the eager MoE's host time goes.
+
+    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--out OUT.json]
+
+Prints two tables and writes them as JSON.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def device_ms(fn, reps: int = 20) -> float:
+    """Median device time of ``fn`` (ms), each timed by events on the current stream."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def host_us(fn, reps: int = 300) -> float:
+    """Host time per launch of ``fn`` (us, mean over ``reps`` back to back; small operands, so the
+    device keeps up and the launch queue never fills)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / reps * 1e6
+
+
+def main() -> None:
+    from overlap_layers.bench.moe import PRESETS
+    from overlap_layers.layers.mlp import _act
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    H, F = PRESETS[args.preset]["hidden"], PRESETS[args.preset]["ffn"]
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    peer = torch.device("cuda", 1) if torch.cuda.device_count() > 1 else dev
+    bf = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_total = 1 << 16
+    src = torch.empty((rows_total, H), dtype=bf, device=peer)
+    dst = torch.empty((rows_total, H), dtype=bf, device=dev)
+    side = torch.cuda.Stream(dev)
+    gemm_rows = []
+    for groups, per in ((64, 1024), (64, 512), (64, 256), (32, 1024), (32, 512), (128, 512), (128, 256)):
+        w_in = torch.randn((groups, 2 * F, H), dtype=bf, device=dev, generator=g) * 0.02
+        w_out = torch.randn((groups, H, F), dtype=bf, device=dev, generator=g) * 0.02
+        x = torch.randn((groups * per, H), dtype=bf, device=dev, generator=g)
+        offs = torch.arange(per, groups * per + 1, per, device=dev, dtype=torch.int32)
+
+        def experts():
+            pre = torch._grouped_mm(x, w_in.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(_act("swiglu", pre), w_out.transpose(-2, -1), offs=offs)
+
+        alone = device_ms(experts)
+
+        def beside():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+            out = experts()
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+
+        with_copy = device_ms(beside)
+        copy_ms = device_ms(lambda: dst.copy_(src, non_blocking=True))
+        gemm_rows.append({"groups": groups, "rows_per_group": per, "ms": alone, "us_per_1k_rows": alone * 1e6 / (groups * per),
+                          "ms_beside_copy": with_copy, "copy_ms": copy_ms})
+    # host cost per launch (tiny operands)
+    xs = torch.randn((64 * 8, H), dtype=bf, device=dev)
+    ws_in = torch.randn((64, 2 * F, H), dtype=bf, device=dev) * 0.02
+    offs = torch.arange(8, 64 * 8 + 1, 8, device=dev, dtype=torch.int32)
+    pre = torch._grouped_mm(xs, ws_in.transpose(-2, -1), offs=offs)
+    idx = torch.randint(0, 512, (512,), device=dev)
+    buf = torch.empty_like(xs)
+    ev = torch.cuda.Event()
+
+    def switch():
+        with torch.cuda.stream(side):
+            pass
+    host = {
+        "grouped_mm": host_us(lambda: torch._grouped_mm(xs, ws_in.transpose(-2, -1), offs=offs)),
+        "swiglu (fused)": host_us(lambda: _act("swiglu", pre)),
+        "index_select": host_us(lambda: xs.index_select(0, idx)),
+        "copy_ (device to device)": host_us(lambda: buf.copy_(xs)),
+        "add_": host_us(lambda: buf.add_(xs)),
+        "event record": host_us(lambda: ev.record()),
+        "wait_stream": host_us(lambda: side.wait_stream(torch.cuda.current_stream())),
+        "stream switch (enter, exit)": host_us(switch),
+        "empty": host_us(lambda: torch.empty((512, H), dtype=bf, device=dev)),
+    }
+    print(f"{'groups':>6} {'rows/grp':>8} {'ms':>8} {'us/1k rows':>10} {'beside copy':>11} {'copy ms':>8}")
+    for r in gemm_rows:
+        print(f"{r['groups']:6d} {r['rows_per_group']:8d} {r['ms']:8.3f} {r['us_per_1k_rows']:10.2f} "
+              f"{r['ms_beside_copy']:11.3f} {r['copy_ms']:8.3f}")
+    print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
+                                "device": torch.cuda.get_device_name(dev), "peer": str(peer)},
+                       "grouped_gemm": gemm_rows, "host_us": host}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
