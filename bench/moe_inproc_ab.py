@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--plans", default="rank_ce,serial", help="comma list of serial, rank_ce, rank_nccl")
     p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the preset's)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
@@ -67,6 +68,8 @@ def main() -> None:
     rank = dist.get_rank()
     preset = args.preset if cuda else "tiny"
     s = dict(PRESETS[preset])
+    if args.tokens and cuda:
+        s["tokens"] = args.tokens
     H, F, E, k = s["hidden"], s["ffn"], s["experts"], s["top_k"]
     dt = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -131,7 +134,7 @@ def main() -> None:
                 print(f"{preset} {plan:9s} {pas:7s} old {o:8.3f} ms  new {n:8.3f} ms  {100 * (n / o - 1):+6.1f}%  "
                       + "  ".join(f"peak {s} {m:.0f} MiB" for s, m in peak.items()), flush=True)
     if rank == 0 and args.out:
-        meta = dict(preset=preset, world_size=dist.get_world_size(), rounds=args.rounds, calls=args.calls,
+        meta = dict(preset=preset, tokens=s["tokens"], world_size=dist.get_world_size(), rounds=args.rounds, calls=args.calls,
                     torch=torch.__version__, device=torch.cuda.get_device_name(dev) if cuda else "cpu")
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=res), f, indent=1)

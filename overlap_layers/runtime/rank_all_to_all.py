@@ -198,10 +198,12 @@ class CopyEngineAllToAll:
         if not self._ready:
             self.ready()
         starts = _starts(lay.recv_counts)
-        with torch.cuda.stream(w.pull_stream):  # so the pulls need not wait for the caller's stream
-            recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)
-        recv.record_stream(torch.cuda.current_stream(w.device))  # read there (pull), freed after that
+        caller = torch.cuda.current_stream(w.device)
         with torch.cuda.stream(w.pull_stream):
+            # allocated on the pull stream, so the pulls need not wait for the caller's stream;
+            # read on the caller's (pull()), so freed only after that
+            recv = torch.empty((sum(lay.recv_counts), self.width), dtype=self.dtype, device=w.device)
+            recv.record_stream(caller)
             for j, q, _ in peers(self.rank, self.ws):
                 a = lay.send_start[q][self.rank]
                 n = lay.recv_counts[q]
