@@ -461,7 +461,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
-        self.aux_loss: Optional[torch.Tensor] = None
+        self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss)
+        self._aux_probs: Optional[torch.Tensor] = None  # or, while it is 0, the probabilities it hangs from
         self._host_reader = HostReader()
         self._rotations = {}  # device -> _send_rotation's table
         self._init_layer(self.config, mesh, axis)
@@ -548,6 +549,17 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     # ----------------------------------------------------------------- forward
     @property
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        """The last call's load-balancing loss on this rank's tokens (module docstring; a scalar,
+        None before the first call). With ``aux_loss_coef == 0`` it is 0, still attached to the
+        router so that ``aux_loss.backward()`` works on any rank, made when first read."""
+        if self._aux_probs is not None:
+            probs, self._aux_probs = self._aux_probs, None
+            with torch.set_grad_enabled(probs.requires_grad):
+                self._aux = probs.sum() * 0.0
+        return self._aux
+
+    @property
     def _weight(self) -> torch.Tensor:
         return self.w_in
 
@@ -619,9 +631,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
         if self.aux_loss_coef > 0 and T > 0:
             f = count(flat_e, E).to(probs.dtype) / (T * k)
-            self.aux_loss = self.aux_loss_coef * E * (f * probs.mean(0)).sum()
-        else:  # 0, still attached to the router so aux_loss.backward() works on any rank
-            self.aux_loss = probs.sum() * 0.0
+            self._aux, self._aux_probs = self.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
+        else:  # 0, made when read (two launches off the call's path)
+            self._aux, self._aux_probs = None, probs
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
         # once the counts are on the host ([Note: MoE host syncs]: no sync here). One tile and no
         # capacity: the key is the expert (fewer launches on the host's critical path).

@@ -94,15 +94,6 @@ class RankCall:
         return [(0, 0, 0, h, sizes[0])] + peers + [(1, 0, h, n, sizes[1])]
 
 
-def _clip(sizes: Sequence[int], a: int, b: int) -> List[int]:
-    """Rows per group of rows ``[a, b)`` of groups of ``sizes`` rows laid back to back."""
-    out, start = [], 0
-    for s in sizes:
-        out.append(max(0, min(b, start + s) - max(a, start)))
-        start += s
-    return out
-
-
 def first_rows(assignments: int, world_size: int) -> int:
     """``m``: the own rows the first own piece takes at most, half of the own rows routing would
     give a rank's experts if balanced (``assignments`` of this rank's tokens, 1 / world_size of
@@ -115,8 +106,12 @@ def piece_sizes(sizes: Sequence[Sequence[int]], rank: int, m: int) -> List[List[
     the own rows), own second part (the rest), own whole, then the peers in step order; from
     ``sizes[s][e]``, rows from source s for local expert e."""
     ws, own = len(sizes), list(sizes[rank])
-    n = sum(own)
-    return [_clip(own, 0, m), _clip(own, m, n), own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
+    first, left = [], m  # on the call's critical path: one plain pass
+    for s in own:
+        t = s if s < left else left
+        first.append(t)
+        left -= t
+    return [first, [s - f for s, f in zip(own, first)], own] + [list(sizes[(rank + j) % ws]) for j in range(1, ws)]
 
 
 def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
