@@ -413,6 +413,11 @@ def check_half_router_logits(rank, ws, dev):
         if y.dtype != torch.float32 or y.grad_fn is None or "_HalfRouterLogits" not in type(y.grad_fn).__name__:
             fails += 1
             print(f"rank {rank} FAIL router logits {dtype}: {y.dtype}, {type(y.grad_fn).__name__}", flush=True)
+        with torch.no_grad():  # the GEMM alone, no autograd function: the same product
+            y0 = router_logits(x, w)
+        if y0.grad_fn is not None or not torch.equal(y0, y.detach()):
+            fails += 1
+            print(f"rank {rank} FAIL router logits {dtype} without grad: differs from the GEMM with grad", flush=True)
         y.backward(gy)
         xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         yd = xd @ wd.t()

@@ -115,9 +115,11 @@ class _HalfRouterLogits(torch.autograd.Function):
 
 def router_logits(x_TH: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """``x @ router_weight.T`` in float32 (float64 if x is), from the operands converted to it
-    (:class:`_HalfRouterLogits` on CUDA half operands)."""
+    (:class:`_HalfRouterLogits` on CUDA half operands; its GEMM alone where no gradient is wanted)."""
     if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x_TH.dtype:
-        return _HalfRouterLogits.apply(x_TH, router_weight)
+        if torch.is_grad_enabled() and (x_TH.requires_grad or router_weight.requires_grad):
+            return _HalfRouterLogits.apply(x_TH, router_weight)
+        return torch.mm(x_TH, router_weight.t(), out_dtype=torch.float32)
     rdt = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
     return x_TH.to(rdt) @ router_weight.to(rdt).t()
 
@@ -693,8 +695,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 table = count_table(read(), ws, K)  # [src][tile][dst][El]
             kept = sum(sum(r) for tile in table[self.rank] for r in tile)
             if ranked:
+                send_table = [[sum(r) for r in row[0]] for row in table]
+                sent.start(send_table)  # the pulls first: nothing else waits on the host here
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation, grouped=grouped, save=save,
-                                table=[[sum(r) for r in row[0]] for row in table],
+                                table=send_table,
                                 sizes=[row[0][self.rank] for row in table], first_rows=m, offsets=offsets,
                                 order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity, exchange=exchange,
                                 sent=sent, first=first, launch_log=self.launch_log)

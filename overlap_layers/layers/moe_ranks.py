@@ -65,12 +65,12 @@ class RankCall:
     call); ``offsets`` the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of
     the same counts and ``first_rows``, launched before the host had them); ``first`` the first
     own piece's ``(y, pre)`` where :func:`launch_first` ran it before the host had the counts;
-    ``order`` the send order of the assignments (token-major
-    index; the first ``kept`` are sent), ``pos`` each assignment's send position (``>= kept``:
-    dropped).
+    ``order`` the send order of the assignments (token-major index; the first ``kept`` are
+    sent), ``pos`` each assignment's send position (``>= kept``: dropped).
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
     the forward's, made and filled (the assignment rows in send order) before the table was
-    known."""
+    known, and started with ``table`` as soon as it was (its pulls then run while the host builds
+    the rest of the call)."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
                  first_rows: int, offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent,
@@ -203,8 +203,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
     """``(rows [n, H] token-major, saved)``: the module table's forward; ``saved`` (under
     ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`."""
     H = x_TH.shape[1]
-    ex, c.sent = c.sent, None
-    ex.start(c.table)
+    ex, c.sent = c.sent, None  # started by the caller
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
     saved = {2: (own_x, [])}  # the own rows whole, their two parts' pre-activations
     own = sum(c.piece_sizes[2])
