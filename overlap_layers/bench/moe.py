@@ -10,12 +10,11 @@ presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
 * ``auto``    - ``num_tiles="auto"`` (planned, and run until ``layer.verifying`` is False, where
   the layer has a planner; else the layer's own fallback plan);
 * ``asynctp`` - not available for MoE (recorded with ms None);
-* ``compute`` - a fixed plain-PyTorch reference with no collectives: the router
-  (``x @ router_weight.T`` as the layer computes it, softmax, top-k) on the local tokens, the
-  permutation by expert (a stable sort, the gather of the assignment rows, and the combine as
-  the layer runs it: each
-  token's k rows gathered back and weighed with one ``bmm``; both gathers backpropagate by
-  gathers, as the layer's do), and the
+* ``compute`` - a fixed plain-PyTorch reference with no collectives: the routing as the layer
+  runs it (``moe.route``: the router GEMM, softmax, top-k, the sort keys; one kernel on CUDA) on
+  the local tokens, the permutation by expert (a stable sort of the keys, the gather of the
+  assignment rows, and the combine as the layer runs it: each token's k rows gathered back and
+  weighed with one ``bmm``; both gathers backpropagate by gathers, as the layer's do), and the
   local experts on already-dispatched rows: as many as this rank's experts would receive under
   balanced routing (``tokens*top_k/experts`` from each rank per expert; with ``--skew`` the counts
   of the benchmark's own routing instead, so the limit still bounds the skewed run). The experts
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, router_logits
+from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, route
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes
@@ -195,10 +194,8 @@ class MoEBench(MLPBench):
         experts = self._experts
 
         def forward():
-            probs = torch.softmax(router_logits(x, router), dim=-1)  # the layer's router GEMM
-            top_p, top_e = probs.topk(k, dim=-1)
-            weights = top_p / top_p.sum(-1, keepdim=True) if L.normalize_topk else top_p
-            order = torch.sort(top_e.reshape(-1), stable=True).indices  # assignments grouped by expert
+            weights, keys = route(x, router, k, L.normalize_topk)[3:5]  # the layer's routing
+            order = torch.sort(keys, stable=True).indices  # assignments grouped by expert
             pos = torch.empty_like(order)
             pos[order] = torch.arange(order.numel(), device=order.device)  # the inverse permutation
             # what the dispatch sends (its stand-in on return), and the combine as the layer does it: each

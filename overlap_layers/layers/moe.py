@@ -79,6 +79,7 @@ from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
+from .routing import route_topk
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
 from .tp_program import Accumulator, recording_graph
@@ -124,14 +125,11 @@ def router_logits(x_TH: torch.Tensor, router_weight: torch.Tensor) -> torch.Tens
     return x_TH.to(rdt) @ router_weight.to(rdt).t()
 
 
-def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
-    """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k])``;
-    probs in float32 (or x's dtype if wider), ties to the lower expert index."""
-    probs = torch.softmax(router_logits(x_TH, router_weight), dim=-1)
-    order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
-    top_p = probs.gather(1, order)
-    weights = top_p / top_p.sum(-1, keepdim=True) if normalize else top_p
-    return probs, top_p, order, weights
+def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool, shift: int = 0):
+    """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k], sort keys
+    [T*k] ((expert - shift) mod E), assignments per expert [E])``: :func:`~.routing.route_topk` of
+    the router logits; probs in float32 (or x's dtype if wider), ties to the lower expert index."""
+    return route_topk(router_logits(x_TH, router_weight), top_k, normalize, shift)
 
 
 def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int):
@@ -625,33 +623,37 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         the dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
         ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
-        probs, top_p, experts, weights = route(x_TH, self._local("router_weight"), k, self.normalize_topk)
+        probs, top_p, experts, weights, keys, per_expert = route(x_TH, self._local("router_weight"), k,
+                                                                 self.normalize_topk, El * self.rank if step_order else 0)
         flat_e = experts.reshape(-1)
         keep = None
         if self.capacity_factor is not None:
             cap = math.ceil(self.capacity_factor * T * k / E)
             keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
         if self.aux_loss_coef > 0 and T > 0:
-            f = count(flat_e, E).to(probs.dtype) / (T * k)
+            f = per_expert.to(probs.dtype) / (T * k)
             self._aux, self._aux_probs = self.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
         else:  # 0, made when read (two launches off the call's path)
             self._aux, self._aux_probs = None, probs
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
         # once the counts are on the host ([Note: MoE host syncs]: no sync here). One tile and no
-        # capacity: the key is the expert (fewer launches on the host's critical path).
-        key = flat_e
-        if K > 1:
-            tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
-            key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
-        if keep is not None:
-            key = torch.where(keep, key, K * E)
-        # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
-        if step_order:
-            sort_key = self._send_rotation(x_TH.device).index_select(0, key)
+        # capacity: the routing's own keys and counts (no more launches on the host's critical path).
+        if K == 1 and keep is None:
+            sort_key, counts = keys, per_expert.view(1, ws, El)
         else:
-            sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
+            key = flat_e
+            if K > 1:
+                tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+                key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
+            if keep is not None:
+                key = torch.where(keep, key, K * E)
+            # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
+            if step_order:
+                sort_key = self._send_rotation(x_TH.device).index_select(0, key)
+            else:
+                sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
+            counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         order = torch.sort(sort_key, stable=True).indices
-        counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         return order, weights, counts
 
     def _run(self, x, plan: TilePlan, save: bool, max_tokens: int, trial=None, trace=None) -> torch.Tensor:
