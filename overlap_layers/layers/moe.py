@@ -33,8 +33,9 @@ source's rows run as they arrive, and the results come back in place, in send or
 
 Routing, capacity and the permutations stay outside, on the whole call: ``order`` sorts the
 token-major assignments into send order (by tile, then expert, dropped ones last; for the rank
-exchange by expert in its step order, this rank's own experts first) and ``pos`` is its inverse. The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient
-gathers each token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
+exchange by expert in its step order, this rank's own experts first) and ``pos`` is its inverse.
+The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient gathers each
+token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
 ``y_perm`` back in token-major order with a gather (``_PermuteRows``: a permutation, whose
 gradient is the inverse gather) and weighs each token's k rows with one ``bmm``, in plain
 autograd, so the router gets its gradient through the weights (and the aux loss).
@@ -79,9 +80,9 @@ from .attention_common import init_linear_
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
-from .routing import route_topk
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
+from .routing import route_topk
 from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
@@ -623,8 +624,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         the dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
         ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
+        shift = El * self.rank if step_order else 0
         probs, top_p, experts, weights, keys, per_expert = route(x_TH, self._local("router_weight"), k,
-                                                                 self.normalize_topk, El * self.rank if step_order else 0)
+                                                                 self.normalize_topk, shift)
         flat_e = experts.reshape(-1)
         keep = None
         if self.capacity_factor is not None:

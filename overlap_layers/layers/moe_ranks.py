@@ -22,10 +22,11 @@ second hides the last push (no drain). The send rows are in step order, own rows
 first part, ``h = min(own rows, m)`` with ``m`` (:func:`first_rows`) fixed from the call's
 assignment count alone, is ``send[:m]`` with device offsets: on the grouped-GEMM path it is
 launched before the host waits for the counts (:func:`launch_first`), and fills what would be
-the device's idle gap while the host reads them and starts the exchange. Backward: the own rows whole and first (they write
-dx in place over dy, so their weight gradients come before that write; halves would only add a
-weight-gradient pass), then the peers', each pushing dx before its weight gradients, so those
-hide the push:
+the device's idle gap while the host reads them and starts the exchange.
+
+Backward: the own rows whole and first (they write dx in place over dy, so their weight
+gradients come before that write; two parts would only add a weight-gradient pass), then the
+peers', each pushing dx before its weight gradients, so those hide the push:
 
 =========  =======================================================================
 dgrad      da = dy @ w_out[e];  (dpre, a) = act'(pre, da);  dx = dpre @ w_in[e]  -> the source

@@ -19,9 +19,9 @@ before the table is known, the rows it does not send last). The caller fills ``s
 ``ready()`` (the signals, which need no sizes: the MoE issues them before its host waits for the
 counts), calls ``start(counts)``, then pulls and pushes each step once, in step order. Where
 ``early_ok``, work the caller launches between ``ready()`` and ``start()`` (the MoE's first own
-piece, on rows ``send[:m]`` it chose before knowing the counts) does not delay the transfers. Every rank
-issues its transfers in the same order, so matching is by construction (every rank knows the
-whole table). Two transports implement it:
+piece, on rows ``send[:m]`` it chose before knowing the counts) does not delay the transfers.
+Every rank issues its transfers in the same order, so matching is by construction (every rank
+knows the whole table). Two transports implement it:
 
 * :class:`CopyEngineAllToAll` (CUDA, symmetric memory): ``send`` is this rank's symmetric buffer
   (the caller gathers its rows straight into it); peers pull their rows with device-to-device
