@@ -1,10 +1,12 @@
-"""Micro-benchmarks behind the MoE's rank pieces, on one CUDA device (a second one, if present,
-is the peer of the copies).
+"""Micro-benchmarks behind the MoE's rank pieces, on one CUDA device.
 
 1. Grouped-GEMM time per row of the expert projections (``torch._grouped_mm``, the shapes of a
-   preset, bf16) by groups (local experts) and rows per group, alone and beside a copy-engine
-   transfer (from the peer device into this one, as a rank piece's pull): does a piece of fewer
-   rows per expert cost more per row, and does the copy slow it?
+   preset, bf16, with the fused swiglu between) by groups (local experts) and rows per group:
+   does a piece of fewer rows per expert cost more per row? (Session 21's version also timed
+   them beside a copy from a second device, issued as a cross-device ``copy_``; PyTorch orders
+   such a copy against both devices' current streams, so the two ran back to back and that
+   column said nothing about contention: removed. The layer's own pulls are same-device copies
+   from symmetric memory; profile the layer to see them beside its GEMMs.)
 2. Host time per launch of the ops a rank piece issues (grouped GEMM, the fused swiglu, a gather,
    a device-to-device copy, an event, a stream wait): where the eager MoE's host time goes.
 
@@ -60,12 +62,8 @@ def main() -> None:
     H, F = PRESETS[args.preset]["hidden"], PRESETS[args.preset]["ffn"]
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    peer = torch.device("cuda", 1) if torch.cuda.device_count() > 1 else dev
     bf = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    rows_total = 1 << 16
-    src = torch.empty((rows_total, H), dtype=bf, device=peer)
-    dst = torch.empty((rows_total, H), dtype=bf, device=dev)
     side = torch.cuda.Stream(dev)
     gemm_rows = []
     for groups, per in ((64, 1024), (64, 512), (64, 256), (32, 1024), (32, 512), (128, 512), (128, 256)):
@@ -78,20 +76,9 @@ def main() -> None:
             pre = torch._grouped_mm(x, w_in.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(_act("swiglu", pre), w_out.transpose(-2, -1), offs=offs)
 
-        alone = device_ms(experts)
-
-        def beside():
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)
-            out = experts()
-            torch.cuda.current_stream().wait_stream(side)
-            return out
-
-        with_copy = device_ms(beside)
-        copy_ms = device_ms(lambda: dst.copy_(src, non_blocking=True))
-        gemm_rows.append({"groups": groups, "rows_per_group": per, "ms": alone, "us_per_1k_rows": alone * 1e6 / (groups * per),
-                          "ms_beside_copy": with_copy, "copy_ms": copy_ms})
+        ms = device_ms(experts)
+        gemm_rows.append({"groups": groups, "rows_per_group": per, "ms": ms,
+                          "us_per_1k_rows": ms * 1e6 / (groups * per)})
     # host cost per launch (tiny operands)
     xs = torch.randn((64 * 8, H), dtype=bf, device=dev)
     ws_in = torch.randn((64, 2 * F, H), dtype=bf, device=dev) * 0.02
@@ -115,15 +102,14 @@ def main() -> None:
         "stream switch (enter, exit)": host_us(switch),
         "empty": host_us(lambda: torch.empty((512, H), dtype=bf, device=dev)),
     }
-    print(f"{'groups':>6} {'rows/grp':>8} {'ms':>8} {'us/1k rows':>10} {'beside copy':>11} {'copy ms':>8}")
+    print(f"{'groups':>6} {'rows/grp':>8} {'ms':>8} {'us/1k rows':>10}")
     for r in gemm_rows:
-        print(f"{r['groups']:6d} {r['rows_per_group']:8d} {r['ms']:8.3f} {r['us_per_1k_rows']:10.2f} "
-              f"{r['ms_beside_copy']:11.3f} {r['copy_ms']:8.3f}")
+        print(f"{r['groups']:6d} {r['rows_per_group']:8d} {r['ms']:8.3f} {r['us_per_1k_rows']:10.2f}")
     print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
-                                "device": torch.cuda.get_device_name(dev), "peer": str(peer)},
+                                "device": torch.cuda.get_device_name(dev)},
                        "grouped_gemm": gemm_rows, "host_us": host}, f, indent=1)
 
 
