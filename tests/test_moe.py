@@ -388,6 +388,33 @@ def test_aux_loss_value_and_router_grad(pool2, top_k, normalize, cf):
             assert g is None or not g.any(), f"aux loss alone must not reach {n}"
 
 
+def _zero_aux(rank, ws, case):
+    """With aux_loss_coef 0: the aux loss after a grad call (its backward alone), and after a
+    no_grad call; a rank with no tokens included."""
+    layer = build_from_dense(case, torch.float64, dict(num_tiles=1))
+    x = case["xs"][rank].double().requires_grad_()
+    layer(x)
+    aux = layer.aux_loss
+    attached = aux.requires_grad
+    aux.backward()
+    grad = layer.router_weight.grad
+    with torch.no_grad():
+        layer(x)
+    plain = layer.aux_loss
+    return dict(value=aux.item(), attached=attached, grad_zero=grad is not None and not grad.any(),
+                again=layer.aux_loss is plain, plain=(plain.item(), plain.requires_grad, plain.dtype))
+
+
+def test_zero_aux_loss_backward_works_on_every_rank(pool2):
+    """aux_loss_coef 0: aux_loss is a 0 attached to the router after a call with grad (backward
+    works, on a rank without tokens too, and leaves a zero router gradient), a plain float64 0 after
+    a no_grad call, and reading it twice gives the same tensor."""
+    case = make_case(23, ws=2, E=4, top_k=2, shapes="zero_seq")
+    for r in pool2.run(_zero_aux, case):
+        assert r["value"] == 0.0 and r["attached"] and r["grad_zero"] and r["again"]
+        assert r["plain"] == (0.0, False, torch.float64)
+
+
 # ------------------------------------------------------------------ shared expert, activations
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_shared_expert(pool2, activation):

@@ -462,8 +462,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
-        self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss)
-        self._aux_probs: Optional[torch.Tensor] = None  # or, while it is 0, the probabilities it hangs from
+        self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
+        self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
         self._host_reader = HostReader()
         self._rotations = {}  # device -> _send_rotation's table
         self._init_layer(self.config, mesh, axis)
@@ -554,10 +554,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         """The last call's load-balancing loss on this rank's tokens (module docstring; a scalar,
         None before the first call). With ``aux_loss_coef == 0`` it is 0, still attached to the
         router so that ``aux_loss.backward()`` works on any rank, made when first read."""
-        if self._aux_probs is not None:
-            probs, self._aux_probs = self._aux_probs, None
-            with torch.set_grad_enabled(probs.requires_grad):
-                self._aux = probs.sum() * 0.0
+        src, self._aux_zero_of = self._aux_zero_of, None
+        if isinstance(src, torch.Tensor):  # the combine weights: [T, k], held by the combine's graph anyway
+            with torch.enable_grad():
+                self._aux = src.sum() * 0.0
+        elif src is not None:  # no graph to hang from (no_grad): nothing held between calls
+            self._aux = torch.zeros((), device=src[0], dtype=src[1])
         return self._aux
 
     @property
@@ -634,9 +636,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
         if self.aux_loss_coef > 0 and T > 0:
             f = per_expert.to(probs.dtype) / (T * k)
-            self._aux, self._aux_probs = self.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
-        else:  # 0, made when read (two launches off the call's path)
-            self._aux, self._aux_probs = None, probs
+            self._aux, self._aux_zero_of = self.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
+        else:  # 0, made when read (launches off the call's path)
+            self._aux = None
+            self._aux_zero_of = weights if weights.requires_grad else (weights.device, weights.dtype)
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
         # once the counts are on the host ([Note: MoE host syncs]: no sync here). One tile and no
         # capacity: the routing's own keys and counts (no more launches on the host's critical path).
