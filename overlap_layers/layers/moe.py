@@ -82,16 +82,10 @@ from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
-from .routing import route_topk
+from .routing import count, route_topk
 from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
-
-
-def count(values: torch.Tensor, n: int) -> torch.Tensor:
-    """How often each of ``0..n-1`` occurs in ``values`` (``bincount`` without its device sync: on
-    CUDA ``bincount`` reads the maximum on the host)."""
-    return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
 class _HalfRouterLogits(torch.autograd.Function):
@@ -465,7 +459,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
         self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
         self._host_reader = HostReader()
-        self._rotations = {}  # device -> _send_rotation's table
         self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
@@ -607,18 +600,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return self._planned_call(x, shape, dtype, save, fixed,
                                   lambda plan, trial, trace: self._run(x, plan, save, shape[1], trial, trace))
 
-    def _send_rotation(self, device) -> torch.Tensor:
-        """``[E + 1]`` sort keys for the rank exchange's step order (``rank_all_to_all.py``): expert
-        e -> (e - rank * El) mod E, so this rank's own experts sort first and the destinations
-        follow in step order; E (dropped) stays last. Made once per device."""
-        rot = self._rotations.get(device)
-        if rot is None:
-            E, shift = self.num_experts, self.rank * self.num_local_experts
-            keys = [(e - shift) % E for e in range(E)] + [E]
-            rot = self._rotations[device] = torch.tensor(keys, dtype=torch.int16 if E < 2 ** 15 else torch.long,
-                                                         device=device)
-        return rot
-
     def _route_and_count(self, x_TH, K: int, step_order: bool = False):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``
         the permutation of the token-major assignments into send order (by tile, then expert; with
@@ -641,22 +622,20 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self._aux = None
             self._aux_zero_of = weights if weights.requires_grad else (weights.device, weights.dtype)
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
-        # once the counts are on the host ([Note: MoE host syncs]: no sync here). One tile and no
-        # capacity: the routing's own keys and counts (no more launches on the host's critical path).
-        if K == 1 and keep is None:
-            sort_key, counts = keys, per_expert.view(1, ws, El)
-        else:
-            key = flat_e
-            if K > 1:
-                tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
-                key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
+        # once the counts are on the host ([Note: MoE host syncs]: no sync here).
+        if K == 1:  # the routing's own keys (in the step order if asked) and counts
+            sort_key, counts = keys, per_expert
+            if keep is not None:
+                sort_key = torch.where(keep, keys, E)
+                counts = count(torch.where(keep, flat_e, E), E + 1)[:E]
+            counts = counts.view(1, ws, El)
+        else:  # tiles: never the step order (rank chunks run one tile)
+            tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+            key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
             if keep is not None:
                 key = torch.where(keep, key, K * E)
             # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
-            if step_order:
-                sort_key = self._send_rotation(x_TH.device).index_select(0, key)
-            else:
-                sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
+            sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
             counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         order = torch.sort(sort_key, stable=True).indices
         return order, weights, counts

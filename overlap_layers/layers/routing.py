@@ -75,6 +75,12 @@ if triton is not None:
         tl.store(weights_ptr + out, top, mask=kmask)
 
 
+def count(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of ``0..n-1`` occurs in ``values`` (``bincount`` without its device sync: on
+    CUDA ``bincount`` reads the maximum on the host)."""
+    return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def _key_dtype(E: int) -> torch.dtype:
     # int16 where it fits: CUDA's radix sort of the keys then takes 2 passes instead of 8
     return torch.int16 if E < 2 ** 15 else torch.int64
@@ -90,8 +96,7 @@ def route_topk_eager(logits: torch.Tensor, k: int, normalize: bool, shift: int):
     E = logits.shape[1]
     flat = experts.reshape(-1)
     keys = torch.remainder(flat - shift, E).to(_key_dtype(E))
-    counts = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return probs, top_p, experts, weights, keys, counts
+    return probs, top_p, experts, weights, keys, count(flat, E)
 
 
 def _fused(logits: torch.Tensor, k: int, normalize: bool, shift: int):
