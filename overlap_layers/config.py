@@ -36,6 +36,10 @@ class OverlapConfig:
     the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
     ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
     this flag; it only changes what verification measures.
+    ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
+    NCCL collectives and whose communication the model predicts to take at least as long as its
+    compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the
+    device's SMs; 0: never.
     """
 
     num_tiles: Union[int, str] = "auto"
@@ -46,6 +50,7 @@ class OverlapConfig:
     verify_first_calls: bool = True
     cache_dir: Optional[str] = None
     cuda_graphs: bool = False
+    sm_carveout: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_num_tiles(self.num_tiles, "OverlapConfig.num_tiles")
@@ -61,5 +66,9 @@ class OverlapConfig:
             raise ValueError(f"margin={self.margin!r}; must be a number in [0, 1)")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; must be True or False")
+        sc = self.sm_carveout
+        if sc is not None and (isinstance(sc, bool) or not isinstance(sc, int) or sc < 0):
+            raise ValueError(f"sm_carveout={sc!r}; must be None (an eighth of the device's SMs), 0 (never) "
+                             "or a positive number of SMs")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; valid: {TRANSPORTS}")

@@ -54,6 +54,7 @@ def check_numerics(rank, ws, dev):
             rank_plans = (MLPPlan(1, decomposition="rank"), MLPPlan(1, decomposition="rank", transport="copy_engine"),
                           MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine")) if sp else ()
             for plan in (MLPPlan(1), MLPPlan(2), MLPPlan(3), MLPPlan(4), MLPPlan(3, regather=True),
+                         MLPPlan(3, carveout=(16, 8)),
                          MLPPlan(4, buckets_fwd=(("ag" if sp else "ar", ((0, 1), (2, 3))),),
                                  buckets_bwd=(("ag_dy" if sp else "ar_dx", ((0,), (1, 2, 3))),)), *rank_plans):
                 g = torch.Generator(device="cpu").manual_seed(7)
@@ -86,6 +87,37 @@ def check_numerics(rank, ws, dev):
                          ("w_out.grad", layer.w_out.grad, leaves[2].grad[:, rank * fl:(rank + 1) * fl]),
                          ("to_dense", dense_w["w_in"], w_in)]
                 fails += fell_back(rank, layer, plan) + count_fails(rank, f"sp={sp} {act} {plan}", pairs, 1e-5)
+    return fails
+
+
+def check_sm_carveout(rank, ws, dev):
+    """[Note: SM carveout]: inside ``gemm_sm_carveout`` GEMMs run on cuBLASLt with the carveout
+    set and give the same product; after it, and after a carved layer call (forward and backward),
+    PyTorch's settings are what they were."""
+    from overlap_layers.runtime.carveout import gemm_sm_carveout
+    fails = 0
+    before = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+    a, b = torch.randn(512, 256, device=dev, dtype=torch.bfloat16), torch.randn(256, 384, device=dev, dtype=torch.bfloat16)
+    want = a.double() @ b.double()
+    with gemm_sm_carveout(16):
+        inside = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+        got = a @ b
+    fails += count_fails(rank, "carved GEMM", [("a @ b", got, want)], 1e-2)
+    if "cublaslt" not in str(inside[0]).lower() or inside[1] != 16:
+        fails += 1
+        print(f"rank {rank} FAIL carveout not set inside: {inside}", flush=True)
+    after = [("after the block", (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()))]
+    layer = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
+    layer.pin_plan(MLPPlan(3, carveout=(16, 8)))
+    x = torch.randn(2, 12, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()
+    torch.cuda.synchronize(dev)
+    after.append(("after a carved call", (torch.backends.cuda.preferred_blas_library(),
+                                          torch._C._get_sm_carveout_experimental())))
+    for where, now in after:
+        if now != before:
+            fails += 1
+            print(f"rank {rank} FAIL carveout settings {where}: {now} != {before}", flush=True)
     return fails
 
 
@@ -677,7 +709,7 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
+    fails = check_numerics(rank, ws, dev) + check_sm_carveout(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
         + check_fused_routing(rank, ws, dev) \
         + check_copy_engine_trace(rank, ws, dev) \
         + check_autocast_and_no_grad(rank, ws, dev) \

@@ -65,13 +65,14 @@ class AttentionShape:
     layer: str = "attention"  # or "ulysses", "block"
     transport: str = "auto"  # the layers' config.transport
     cuda_graphs: bool = False  # time CUDA-graph replays; the layers' config.cuda_graphs
+    sm_carveout: Optional[int] = None  # the layers' config.sm_carveout
 
     def record_fields(self) -> dict:
         """The shape's fields of every record (the MLP's fields, plus heads, kv_heads, head_dim)."""
         return dict(layer=self.layer, preset=self.preset, hidden=self.hidden, ffn=None, heads=self.heads,
                     kv_heads=self.kv_heads, head_dim=self.head_dim, batch=self.batch, seq=self.seq,
                     tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None,
-                    cuda_graphs=self.cuda_graphs)
+                    cuda_graphs=self.cuda_graphs, config_sm_carveout=self.sm_carveout)
 
 
 class AttentionBench(MLPBench):
@@ -97,7 +98,8 @@ class AttentionBench(MLPBench):
     def _make_layer(self, shape: AttentionShape, group, dtype, device):
         return OverlapAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
                                 sequence_parallel=shape.sequence_parallel, rope_theta=ROPE_THETA, num_tiles=1,
-                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs),
+                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs,
+                                                     sm_carveout=shape.sm_carveout),
                                 dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:

@@ -73,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--graphs", action="store_true",
                    help="CUDA: time every mode as CUDA-graph replays (layers built with config.cuda_graphs=True); "
                         "not moe")
+    p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
+                   help="mlp, attention, block: the layers' config.sm_carveout (default: an eighth of the SMs "
+                        "where planned; 0: never)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -163,14 +166,15 @@ def _shapes(args, presets, cuda: bool = False):
                     batch = base["batch"] if tokens % base["batch"] == 0 else 1
                     yield layer, preset, Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
                                                sequence_parallel=not args.no_sp, activation=args.activation,
-                                               transport=args.transport, cuda_graphs=args.graphs)
+                                               transport=args.transport, cuda_graphs=args.graphs,
+                                               sm_carveout=args.sm_carveout)
             else:
                 base = attn_bench.PRESETS[preset]
                 for batch in args.batch or base["batch"]:
                     yield layer, preset, attn_bench.AttentionShape(
                         preset, base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], batch,
                         args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer,
-                        transport=args.transport, cuda_graphs=args.graphs)
+                        transport=args.transport, cuda_graphs=args.graphs, sm_carveout=args.sm_carveout)
 
 
 def _write(args, cuda, world, records, out) -> None:

@@ -48,6 +48,7 @@ class Shape:
     activation: str = "swiglu"
     transport: str = "auto"  # the layer's config.transport
     cuda_graphs: bool = False  # time CUDA-graph replays; the layer's config.cuda_graphs
+    sm_carveout: Optional[int] = None  # the layer's config.sm_carveout
 
 
 class MLPBench:
@@ -62,7 +63,8 @@ class MLPBench:
         torch.manual_seed(0)
         self.layer = OverlapMLP(shape.hidden, shape.ffn, group=group, sequence_parallel=shape.sequence_parallel,
                                 activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
-                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs))
+                                config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs,
+                                                     sm_carveout=shape.sm_carveout))
         seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
         self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
         self.dy = torch.randn_like(self.x)
@@ -99,7 +101,8 @@ class MLPBench:
     def plan_info(self) -> dict:
         """The record fields of the plan the layer ran last."""
         plan = self.layer.plan
-        return dict(k=plan.num_tiles, decomposition=plan.decomposition, transport=plan.transport)
+        return dict(k=plan.num_tiles, decomposition=plan.decomposition, transport=plan.transport,
+                    sm_carveout=[plan.carved_sms(False), plan.carved_sms(True)])
 
     @property
     def has_rank_chunks(self) -> bool:
@@ -216,6 +219,7 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
                 log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
-                  activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs)
+                  activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs,
+                  config_sm_carveout=shape.sm_carveout)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
                      repeats, log, profile)

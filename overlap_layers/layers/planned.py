@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..config import OverlapConfig, check_num_tiles
 from ..runtime.group import first_disagreement
 from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
+from ..runtime.carveout import carve_passes, carveout_available, default_carveout, gemm_sm_carveout
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
 from ..runtime import StreamPool, execute, shared_agreement
 from ..runtime.timing import Stopwatch
@@ -65,6 +66,9 @@ class TilePlan:
     num_streams: int = 2
     transport: str = "nccl"  # or "copy_engine" (rank decomposition only)
     decomposition: str = "batch"  # or "rank": split by source rank (MLP, attention; rank_chunks.py)
+    # SMs the GEMMs leave free in (forward, backward) where the plan overlaps NCCL collectives with
+    # them (:attr:`carved_sms`; [Note: SM carveout]); changes no collective
+    carveout: tuple = ()
     predicted_ms: Optional[float] = field(default=None, compare=False)
     predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
     reason: str = field(default="", compare=False)
@@ -78,6 +82,12 @@ class TilePlan:
     def is_serial(self) -> bool:
         return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
                 and self.decomposition == "batch")
+
+    def carved_sms(self, backward: bool) -> int:
+        """SMs the pass's GEMMs leave free: :attr:`carveout`'s, where the plan overlaps NCCL
+        collectives with its GEMMs (batch tiles, K > 1); else 0."""
+        overlaps = self.num_tiles > 1 and self.decomposition == "batch" and self.transport == "nccl"
+        return self.carveout[int(backward)] if overlaps and self.carveout else 0
 
     @property
     def label(self) -> str:
@@ -106,7 +116,7 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     ``plan``: the same rivals, only those predicted at most :data:`VERIFY_CLOSE` slower than K=1
     (the model cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
-        return plan_of(c, reason=plan.reason, candidates=plan.candidates)
+        return plan_of(c, reason=plan.reason, candidates=plan.candidates, carveout=plan.carveout)
 
     def best(cands):
         return min(cands, key=lambda c: (c.predicted_ms, c.num_tiles))
@@ -132,11 +142,11 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     return [plan, *rivals, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
 
 
-def plan_of(c, *, reason: str, candidates: tuple) -> TilePlan:
+def plan_of(c, *, reason: str, candidates: tuple, carveout: tuple = ()) -> TilePlan:
     """The plan that runs candidate ``c`` (a :class:`~overlap_layers.sim.Candidate`)."""
     return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, transport=c.transport,
-                    decomposition=c.decomposition, predicted_ms=c.predicted_ms, predicted_peak_bytes=c.peak_bytes,
-                    reason=reason, candidates=candidates)
+                    decomposition=c.decomposition, carveout=carveout, predicted_ms=c.predicted_ms,
+                    predicted_peak_bytes=c.peak_bytes, reason=reason, candidates=candidates)
 
 
 def resolve_config(config: Optional[OverlapConfig], num_tiles):
@@ -213,7 +223,8 @@ def recorded_pass(call, *, backward: bool, device: torch.device):
 def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
     """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``)
     as a :func:`recorded_pass`."""
-    with recorded_pass(call, backward=backward, device=device) as recorder:
+    with recorded_pass(call, backward=backward, device=device) as recorder, \
+            gemm_sm_carveout(call.plan.carved_sms(backward)):
         execute(schedule, envs, call.group, streams=call.streams, label=label, trace=call.launch_log,
                 recorder=recorder)
 
@@ -590,7 +601,29 @@ class PlannedLayer:
             candidates = [c for c in candidates if c.is_serial or c.transport == "copy_engine"]
         self._plan_budget = self._budget()
         choice = choose(candidates, budget_bytes=self._plan_budget, margin=self.config.margin)
-        return plan_of(choice.candidate, reason=choice.reason, candidates=choice.candidates)
+        carveout = self._carveout(cm, save)
+        reason = choice.reason
+        if any(carveout):
+            reason += "; where batch tiles overlap NCCL, GEMMs leave " + " and ".join(
+                f"{n} SMs free in the {p}" for n, p in zip(carveout, ("forward", "backward")) if n) + \
+                " (communication-bound)"
+        return plan_of(choice.candidate, reason=reason, candidates=choice.candidates, carveout=carveout)
+
+    def _carveout(self, cm, save: bool) -> tuple:
+        """``(forward, backward)`` SMs the GEMMs leave free where a plan overlaps NCCL collectives
+        with them ([Note: SM carveout]): ``config.sm_carveout`` (None: :func:`default_carveout`) in
+        each pass whose serial timeline (the cost model's) has at least as much communication as
+        compute; 0 in the others, and everywhere off CUDA, with ``sm_carveout=0``, or where this
+        torch cannot carve SMs out. From the agreed model, so equal on every rank."""
+        dev, sms = self._weight.device, self.config.sm_carveout
+        if dev.type != "cuda" or sms == 0 or not carveout_available():
+            return ()
+        total = torch.cuda.get_device_properties(dev).multi_processor_count
+        if sms is None:
+            sms = default_carveout(dev)
+        elif sms >= total:
+            raise ValueError(f"sm_carveout={sms}: this device has {total} SMs; leave fewer free")
+        return carve_passes(cm.timelines(self._programs, 1, False, (), (), save), sms)
 
     # ----------------------------------------------------------------- explaining
     def export_trace(self, path, measured: bool = False) -> None:

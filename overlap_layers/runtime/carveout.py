@@ -1,0 +1,67 @@
+"""GEMMs that leave SMs free for the NCCL kernels beside them.
+
+[Note: SM carveout]
+NCCL collectives are kernels: beside a GEMM that fills every SM they get SMs only as the GEMM's
+blocks retire, and a collective whose kernel runs long (a slow link: NCCL over host memory with
+``NCCL_P2P_DISABLE=1``) then runs much slower than alone. On 2x H200 over host memory, the
+all-gathers of a llama3-8b MLP forward in 4 tiles ran 38% longer beside the GEMMs than alone;
+with the GEMMs leaving 16 of 132 SMs free (cuBLASLt's SM count target, which PyTorch sets from
+``torch._C._set_sm_carveout_experimental``; the plain cuBLAS path ignores it) the forward ran 16%
+faster, though each GEMM alone ran about 11% slower. Over NVLink, where NCCL's kernels are short,
+the same carveout made the forward 2-3% slower (``bench/results/session22_h200x2_2026-11-26.md``).
+
+So a planned layer carves SMs out only in a pass whose communication is predicted to take at
+least as long as its compute (the cost model's serial timeline of that pass), only while it
+overlaps NCCL collectives with its GEMMs (K > 1 batch tiles), and only for that pass's GEMMs
+(:func:`gemm_sm_carveout`: cuBLASLt and the carveout set for the pass, both restored after).
+It changes no collective. The attention core (cuDNN) and other non-GEMM kernels ignore it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import torch
+
+
+def carveout_available() -> bool:
+    """Whether this torch can make its GEMMs leave SMs free."""
+    return hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")
+
+
+def default_carveout(device: torch.device) -> int:
+    """The SMs a GEMM beside slow NCCL collectives leaves free by default: an eighth of the
+    device's (16 of 132 on H100/H200, the best of 8, 16 and 32 measured there)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count // 8
+
+
+def carve_passes(timelines: Mapping, sms: int) -> tuple:
+    """``(forward, backward)`` SMs to leave free from the serial ``timelines`` of a plan's passes
+    (``{"forward": Timeline, "backward": Timeline}``, the backward optional): ``sms`` in a pass
+    whose comm stream is busy at least as long as its compute streams, 0 in the others; ``()``
+    where no pass is."""
+    out = []
+    for name in ("forward", "backward"):
+        busy = timelines[name].stream_busy_ms if name in timelines else {}
+        comm = sum(ms for stream, ms in busy.items() if stream == "comm")
+        compute = sum(ms for stream, ms in busy.items() if stream != "comm")
+        out.append(sms if comm >= compute > 0 else 0)
+    return tuple(out) if any(out) else ()
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(sms: int):
+    """Within the block, GEMMs go through cuBLASLt and leave ``sms`` SMs free (0: no change);
+    both settings are process-wide in PyTorch and are restored on exit. (PyTorch prints a
+    one-time line calling the carveout experimental.)"""
+    if not sms:
+        yield
+        return
+    blas, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(sms)
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+        torch.backends.cuda.preferred_blas_library(blas)

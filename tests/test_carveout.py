@@ -1,0 +1,74 @@
+"""The SM carveout's decisions ([Note: SM carveout]): which passes carve SMs out, which plans apply
+it, and the config check. The carveout itself (cuBLASLt's SM target) needs CUDA: cuda_worker.py."""
+import pytest
+
+from overlap_layers import OverlapConfig
+from overlap_layers.layers.mlp import MLPPlan
+from overlap_layers.layers.planned import contenders
+from overlap_layers.runtime.carveout import carve_passes
+from overlap_layers.sim import Candidate
+from overlap_layers.sim.simulator import Timeline
+from test_planner import _Programs, hw, llama8b_tp4
+
+
+def timeline(comm_ms, *compute_ms):
+    busy = {"comm": comm_ms, **{f"compute{i}": ms for i, ms in enumerate(compute_ms)}}
+    return Timeline(makespan_ms=comm_ms + sum(compute_ms), exposed_comm_ms=0.0, peak_bytes=0, stream_busy_ms=busy,
+                    events=[])
+
+
+@pytest.mark.parametrize("fwd, bwd, want", [
+    ((5.0, 4.0), (5.0, 9.0), (16, 0)),        # forward communication-bound, backward compute-bound
+    ((5.0, 4.0), None, (16, 0)),              # inference: no backward timeline
+    ((1.0, 4.0), (5.0, 2.0, 2.0), (0, 16)),   # compute streams add up: 4 > 1, but 4 <= 5
+    ((4.0, 4.0), (0.5, 9.0), (16, 0)),        # a tie carves
+    ((1.0, 4.0), (1.0, 9.0), ()),             # compute-bound everywhere: nothing
+    ((3.0,), None, ()),                       # no compute at all: nothing to slow down
+])
+def test_carve_passes_where_communication_is_at_least_compute(fwd, bwd, want):
+    tls = {"forward": timeline(*fwd)}
+    if bwd is not None:
+        tls["backward"] = timeline(*bwd)
+    assert carve_passes(tls, 16) == want
+
+
+def test_carve_passes_on_the_mlp_cost_model():
+    # llama3-8b MLP at TP 4: a host-memory-class link (5 GB/s) makes both passes communication-bound,
+    # NVLink-class bandwidth (1000 GB/s) neither
+    for gbps, want in ((5.0, (24, 24)), (1000.0, ())):
+        cm = llama8b_tp4(hw(1.0, gbps))
+        assert carve_passes(cm.timelines(_Programs(), 1, False, (), (), True), 24) == want, gbps
+
+
+def test_carved_sms_only_where_batch_tiles_overlap_nccl():
+    assert MLPPlan(4, carveout=(16, 8)).carved_sms(False) == 16
+    assert MLPPlan(4, carveout=(16, 8)).carved_sms(True) == 8
+    assert MLPPlan(4, carveout=(0, 8)).carved_sms(False) == 0
+    assert MLPPlan(4).carved_sms(False) == 0  # no carveout planned
+    assert MLPPlan(1, carveout=(16, 8)).carved_sms(False) == 0  # nothing overlaps
+    for plan in (MLPPlan(1, decomposition="rank", carveout=(16, 8)),
+                 MLPPlan(1, decomposition="rank", transport="copy_engine", carveout=(16, 8))):
+        assert plan.carved_sms(False) == 0 and plan.carved_sms(True) == 0, plan
+
+
+def test_contenders_carry_the_plans_carveout():
+    cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
+             Candidate(4, False, (), (), 8.5, 0.4, 300))
+    plan = MLPPlan(2, predicted_ms=8.0, reason="r", candidates=cands, carveout=(16, 0))
+    got = contenders(plan)
+    assert [p.num_tiles for p in got] == [2, 4, 1]
+    assert all(p.carveout == (16, 0) for p in got)
+    assert [p.carved_sms(False) for p in got] == [16, 16, 0]  # K=1 runs as it always did
+    assert plan.digest() == MLPPlan(2).digest()  # the same collectives
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "16"])
+def test_config_rejects_a_bad_carveout(bad):
+    with pytest.raises(ValueError, match="sm_carveout"):
+        OverlapConfig(sm_carveout=bad)
+
+
+def test_config_takes_a_carveout():
+    assert OverlapConfig().sm_carveout is None
+    assert OverlapConfig(sm_carveout=0).sm_carveout == 0
+    assert OverlapConfig(sm_carveout=20).sm_carveout == 20
