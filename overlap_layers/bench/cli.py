@@ -69,13 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--skew", action="store_true",
                    help="moe: skewed routing (most tokens to expert 0) instead of balanced-ish random routing")
     p.add_argument("--transport", default="auto", choices=["auto", "nccl", "copy_engine"],
-                   help="mlp, attention, block: the layers' config.transport (nccl: never the copy engine)")
+                   help="the layers' config.transport (nccl: never the copy engine)")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA: time every mode as CUDA-graph replays (layers built with config.cuda_graphs=True); "
                         "not moe")
     p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
-                   help="mlp, attention, block: the layers' config.sm_carveout (default: an eighth of the SMs "
-                        "where planned; 0: never)")
+                   help="the layers' config.sm_carveout (default: an eighth of the SMs where planned; 0: never)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--warmup", type=int, default=None)
@@ -159,7 +158,8 @@ def _shapes(args, presets, cuda: bool = False):
         for preset in presets or ["tiny" if not cuda else "mixtral-8x7b" if layer == "moe" else "llama3-8b"]:
             if layer == "moe":
                 yield from ((layer, preset, s) for s in moe_bench.shapes(preset, args.tokens, args.skew,
-                                                                          args.activation))
+                                                                          args.activation, args.transport,
+                                                                          args.sm_carveout))
             elif layer == "mlp":
                 base = PRESETS[preset]
                 for tokens in args.tokens or [base["batch"] * base["seq"]]:

@@ -41,6 +41,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import OverlapConfig
 from ..layers.mlp import _act
 from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, route
 from ..runtime.collectives import _all_gather as all_gather_rows
@@ -68,6 +69,8 @@ class MoEShape:
     seq: int  # per rank: every rank holds batch x seq tokens of its own
     skewed: bool = False
     activation: str = "swiglu"
+    transport: str = "auto"  # the layer's config.transport
+    sm_carveout: Optional[int] = None  # the layer's config.sm_carveout
 
     @property
     def tokens(self) -> int:
@@ -78,7 +81,8 @@ class MoEShape:
         top_k, skewed; ``tokens`` per rank."""
         return dict(layer="moe", preset=self.preset, hidden=self.hidden, ffn=self.ffn, experts=self.experts,
                     top_k=self.top_k, batch=self.batch, seq=self.seq, tokens=self.tokens, sequence_parallel=None,
-                    activation=self.activation, skewed=self.skewed)
+                    activation=self.activation, skewed=self.skewed, config_transport=self.transport,
+                    config_sm_carveout=self.sm_carveout)
 
 
 class MoEBench(MLPBench):
@@ -91,7 +95,8 @@ class MoEBench(MLPBench):
             raise ValueError(f"experts={shape.experts} must divide by the group size {ws}")
         torch.manual_seed(0)
         L = self.layer = OverlapMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, group=group,
-                                    activation=shape.activation, num_tiles=1, dtype=dtype, device=device)
+                                    activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
+                                    config=OverlapConfig(transport=shape.transport, sm_carveout=shape.sm_carveout))
         torch.manual_seed(1 + dist.get_rank())  # every rank its own tokens
         x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=torch.float32)
         if shape.skewed:
@@ -226,12 +231,13 @@ class MoEBench(MLPBench):
         return None  # no fused symmetric-memory MoE op to compare with
 
 
-def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: str = "swiglu"):
+def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: str = "swiglu",
+           transport: str = "auto", sm_carveout: Optional[int] = None):
     """The MoE shapes of ``preset``: one per tokens-per-rank value (batch 1)."""
     base = PRESETS[preset]
     for t in tokens or [base["tokens"]]:
         yield MoEShape(preset, base["hidden"], base["ffn"], base["experts"], base["top_k"], 1, t, skewed=skewed,
-                       activation=activation)
+                       activation=activation, transport=transport, sm_carveout=sm_carveout)
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
