@@ -37,8 +37,8 @@ class OverlapConfig:
     ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
     this flag; it only changes what verification measures.
     ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
-    NCCL collectives and whose communication the model predicts to take at least as long as its
-    compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the
+    NCCL collectives and whose communication the model predicts to take at least half as long as
+    its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the
     device's SMs; 0: never.
     """
 

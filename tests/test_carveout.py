@@ -18,14 +18,15 @@ def timeline(comm_ms, *compute_ms):
 
 
 @pytest.mark.parametrize("fwd, bwd, want", [
-    ((5.0, 4.0), (5.0, 9.0), (16, 0)),        # forward communication-bound, backward compute-bound
-    ((5.0, 4.0), None, (16, 0)),              # inference: no backward timeline
-    ((1.0, 4.0), (5.0, 2.0, 2.0), (0, 16)),   # compute streams add up: 4 > 1, but 4 <= 5
-    ((4.0, 4.0), (0.5, 9.0), (16, 0)),        # a tie carves
+    ((5.0, 4.0), (4.0, 9.0), (16, 0)),        # forward communication-bound; backward 4 < 9 / 2
+    ((3.0, 5.0), None, (16, 0)),              # 3 >= 5 / 2; inference: no backward timeline
+    ((1.0, 4.0), (6.0, 2.0, 2.0), (0, 16)),   # 1 < 4 / 2; 6 >= (2 + 2) / 2
+    ((5.0, 4.0), (3.0, 4.0, 4.0), (16, 0)),   # compute streams add up: 3 < 8 / 2, though 3 >= 4 / 2
+    ((2.0, 4.0), (0.5, 9.0), (16, 0)),        # exactly half carves
     ((1.0, 4.0), (1.0, 9.0), ()),             # compute-bound everywhere: nothing
     ((3.0,), None, ()),                       # no compute at all: nothing to slow down
 ])
-def test_carve_passes_where_communication_is_at_least_compute(fwd, bwd, want):
+def test_carve_passes_where_communication_is_at_least_half_the_compute(fwd, bwd, want):
     tls = {"forward": timeline(*fwd)}
     if bwd is not None:
         tls["backward"] = timeline(*bwd)

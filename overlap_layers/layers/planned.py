@@ -606,14 +606,14 @@ class PlannedLayer:
         if any(carveout):
             reason += "; where batch tiles overlap NCCL, GEMMs leave " + " and ".join(
                 f"{n} SMs free in the {p}" for n, p in zip(carveout, ("forward", "backward")) if n) + \
-                " (communication-bound)"
+                " (communication at least half the compute)"
         return plan_of(choice.candidate, reason=reason, candidates=choice.candidates, carveout=carveout)
 
     def _carveout(self, cm, save: bool) -> tuple:
         """``(forward, backward)`` SMs the GEMMs leave free where a plan overlaps NCCL collectives
         with them ([Note: SM carveout]): ``config.sm_carveout`` (None: :func:`default_carveout`) in
-        each pass whose serial timeline (the cost model's) has at least as much communication as
-        compute; 0 in the others, and everywhere off CUDA, with ``sm_carveout=0``, or where this
+        each pass whose serial timeline (the cost model's) has enough communication for it
+        (:func:`carve_passes`); 0 in the others, and everywhere off CUDA, with ``sm_carveout=0``, or where this
         torch cannot carve SMs out. From the agreed model, so equal on every rank."""
         dev, sms = self._weight.device, self.config.sm_carveout
         if dev.type != "cuda" or sms == 0 or not carveout_available():

@@ -9,9 +9,11 @@ with the GEMMs leaving 16 of 132 SMs free (cuBLASLt's SM count target, which PyT
 ``torch._C._set_sm_carveout_experimental``; the plain cuBLAS path ignores it) the forward ran 16%
 faster, though each GEMM alone ran about 11% slower. Over NVLink, where NCCL's kernels are short,
 the same carveout made the forward 2-3% slower (``bench/results/session22_h200x2_2026-11-26.md``).
+Over host memory it paid wherever communication was at least about 0.6 of the compute (MLP and
+MoE forwards, -2% to -16%) and cost where it was 0.3 (a llama3-70b MLP backward, about +5%).
 
 So a planned layer carves SMs out only in a pass whose communication is predicted to take at
-least as long as its compute (the cost model's serial timeline of that pass), only while it
+least :data:`COMM_SHARE` of its compute (the cost model's serial timeline of that pass), only while it
 overlaps NCCL collectives with its GEMMs (K > 1 batch tiles), and only for that pass's GEMMs
 (:func:`gemm_sm_carveout`: cuBLASLt and the carveout set for the pass, both restored after).
 It changes no collective. The attention core (cuDNN) and other non-GEMM kernels ignore it.
@@ -22,6 +24,8 @@ import contextlib
 from typing import Mapping
 
 import torch
+
+COMM_SHARE = 0.5  # a pass carves where its communication is at least this share of its compute
 
 
 def carveout_available() -> bool:
@@ -38,14 +42,14 @@ def default_carveout(device: torch.device) -> int:
 def carve_passes(timelines: Mapping, sms: int) -> tuple:
     """``(forward, backward)`` SMs to leave free from the serial ``timelines`` of a plan's passes
     (``{"forward": Timeline, "backward": Timeline}``, the backward optional): ``sms`` in a pass
-    whose comm stream is busy at least as long as its compute streams, 0 in the others; ``()``
-    where no pass is."""
+    whose comm stream is busy at least :data:`COMM_SHARE` as long as its compute streams together,
+    0 in the others; ``()`` where no pass is."""
     out = []
     for name in ("forward", "backward"):
         busy = timelines[name].stream_busy_ms if name in timelines else {}
         comm = sum(ms for stream, ms in busy.items() if stream == "comm")
         compute = sum(ms for stream, ms in busy.items() if stream != "comm")
-        out.append(sms if comm >= compute > 0 else 0)
+        out.append(sms if comm >= COMM_SHARE * compute > 0 else 0)
     return tuple(out) if any(out) else ()
 
 
