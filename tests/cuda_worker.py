@@ -95,25 +95,28 @@ def check_sm_carveout(rank, ws, dev):
     set and give the same product; after it, and after a carved layer call (forward and backward),
     PyTorch's settings are what they were."""
     from overlap_layers.runtime.carveout import gemm_sm_carveout
-    fails = 0
-    before = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
-    a, b = torch.randn(512, 256, device=dev, dtype=torch.bfloat16), torch.randn(256, 384, device=dev, dtype=torch.bfloat16)
+
+    def settings():
+        return torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+
+    fails, before = 0, settings()
+    a = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(256, 384, device=dev, dtype=torch.bfloat16)
     want = a.double() @ b.double()
     with gemm_sm_carveout(16):
-        inside = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+        inside = settings()
         got = a @ b
     fails += count_fails(rank, "carved GEMM", [("a @ b", got, want)], 1e-2)
     if "cublaslt" not in str(inside[0]).lower() or inside[1] != 16:
         fails += 1
         print(f"rank {rank} FAIL carveout not set inside: {inside}", flush=True)
-    after = [("after the block", (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()))]
+    after = [("after the block", settings())]
     layer = OverlapMLP(64, 32 * ws, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
     layer.pin_plan(MLPPlan(3, carveout=(16, 8)))
     x = torch.randn(2, 12, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     layer(x).float().sum().backward()
     torch.cuda.synchronize(dev)
-    after.append(("after a carved call", (torch.backends.cuda.preferred_blas_library(),
-                                          torch._C._get_sm_carveout_experimental())))
+    after.append(("after a carved call", settings()))
     for where, now in after:
         if now != before:
             fails += 1
@@ -709,7 +712,8 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fails = check_numerics(rank, ws, dev) + check_sm_carveout(rank, ws, dev) + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
+    fails = check_numerics(rank, ws, dev) + check_sm_carveout(rank, ws, dev) \
+        + check_copy_engine_reuse(rank, ws, dev) + check_fused_swiglu(rank, ws, dev) \
         + check_fused_routing(rank, ws, dev) \
         + check_copy_engine_trace(rank, ws, dev) \
         + check_autocast_and_no_grad(rank, ws, dev) \

@@ -613,8 +613,8 @@ class PlannedLayer:
         """``(forward, backward)`` SMs the GEMMs leave free where a plan overlaps NCCL collectives
         with them ([Note: SM carveout]): ``config.sm_carveout`` (None: :func:`default_carveout`) in
         each pass whose serial timeline (the cost model's) has enough communication for it
-        (:func:`carve_passes`); 0 in the others, and everywhere off CUDA, with ``sm_carveout=0``, or where this
-        torch cannot carve SMs out. From the agreed model, so equal on every rank."""
+        (:func:`carve_passes`); 0 in the others. Nothing off CUDA, with ``sm_carveout=0``, or where
+        this torch cannot carve SMs out. From the agreed model, so equal on every rank."""
         dev, sms = self._weight.device, self.config.sm_carveout
         if dev.type != "cuda" or sms == 0 or not carveout_available():
             return ()
