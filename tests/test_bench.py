@@ -242,3 +242,12 @@ def test_chart_bars_and_png(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_bench_transport_and_carveout_reach_every_layer():
+    from overlap_layers.bench.cli import _shapes, parse_args
+    args = parse_args(["--layer", "mlp,attention,block,moe", "--transport", "nccl", "--sm-carveout", "0"])
+    shapes = list(_shapes(args, None, cuda=True))
+    assert {layer for layer, _, _ in shapes} == {"mlp", "attention", "block", "moe"}
+    assert all((s.transport, s.sm_carveout) == ("nccl", 0) for _, _, s in shapes)
+    assert all(s.sm_carveout is None for _, _, s in _shapes(parse_args(["--layer", "mlp,moe"]), None, cuda=True))
