@@ -315,3 +315,23 @@ def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
     assert [p.num_tiles for p in _contenders(plan)] == [4, 2, 8, 1]
     two = MLPPlan(2, predicted_ms=9.0, reason="r", candidates=cands)  # nothing between K=1 and K=2
     assert [p.num_tiles for p in _contenders(two)] == [2, 4, 1]
+
+
+def test_contenders_of_many_tiles_add_the_best_of_at_most_half():
+    """A plan of K >= 4 is also timed against the best-predicted plan of at most K/2 tiles where
+    that is not already the best-predicted K below it (with P2P disabled on 2x H200 the model put
+    K=6 and 8 ahead of K=4, which ran faster)."""
+    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.sim import Candidate
+    cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
+                  ((1, 12.0), (2, 9.4), (3, 9.6), (4, 9.0), (6, 8.2), (8, 8.0)))
+    # K=8: K=6 is the best below, K=4 the best of at most 4; K=1 last
+    assert [p.num_tiles for p in _contenders(MLPPlan(8, reason="r", candidates=cands))] == [8, 6, 4, 1]
+    # K=6: K=4 below, K=2 of at most 3; K=8 above
+    assert [p.num_tiles for p in _contenders(MLPPlan(6, reason="r", candidates=cands))] == [6, 4, 2, 8, 1]
+    # K=4: the best below (K=2) is also the best of at most 2: timed once; K=8 the best above
+    assert [p.num_tiles for p in _contenders(MLPPlan(4, reason="r", candidates=cands))] == [4, 2, 8, 1]
+    # a memory budget that K=4 exceeds leaves K=2 as the best of at most half
+    tight = tuple(Candidate(c.num_tiles, False, (), (), c.predicted_ms, 0.0, 900 if c.num_tiles == 4 else 100)
+                  for c in cands)
+    assert [p.num_tiles for p in _contenders(MLPPlan(8, reason="r", candidates=tight), budget=500)] == [8, 6, 2, 1]

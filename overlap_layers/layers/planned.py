@@ -111,8 +111,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     """What first-call verification times, the plain layer (K=1) last, each carrying ``plan``'s
     explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
     candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
-    applies it) of each other kind (batch tiles with fewer tiles than a batch-tiled ``plan`` and
-    with more, or with another K > 1; rank chunks per transport), then K=1. For a serial
+    applies it) of each other kind (batch tiles with fewer tiles than a batch-tiled ``plan``, with
+    at most half as many where the best of those is another plan, and with more; or with another
+    K > 1; rank chunks per transport), then K=1. For a serial
     ``plan``: the same rivals, only those predicted at most :data:`VERIFY_CLOSE` slower than K=1
     (the model cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
@@ -136,6 +137,14 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
         if plan.is_serial and (serial is None or c.predicted_ms > serial.predicted_ms * (1 + VERIFY_CLOSE)):
             continue
         kinds.setdefault(kind, []).append(c)
+    # The model favours many tiles (it does not see NCCL slowed beside the GEMMs, nor the host's cost
+    # per tile): with P2P disabled on 2x H200 it put K=6 and K=8 ahead of K=4, which ran 5-15% faster
+    # (bench/results/session22_h200x2_2026-11-26.md). So a plan of K >= 4 is also timed against the
+    # best plan of at most half its tiles, not only against the best-predicted K below it.
+    for kind, cands in list(kinds.items()):
+        half = [c for c in cands if 2 * c.num_tiles <= plan.num_tiles]
+        if kind[-1] == "fewer tiles" and half and best(half) is not best(cands):
+            kinds[kind[:-1] + ("half the tiles",)] = half
     rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
     if plan.is_serial:
         return [*rivals, plan] if rivals else [plan]
