@@ -1,6 +1,7 @@
 """The SM carveout's decisions ([Note: SM carveout]): which passes carve SMs out, which plans apply
 it, and the config check. The carveout itself (cuBLASLt's SM target) needs CUDA: cuda_worker.py."""
 import pytest
+import torch
 
 from overlap_layers import OverlapConfig
 from overlap_layers.layers.mlp import MLPPlan
@@ -73,3 +74,29 @@ def test_config_takes_a_carveout():
     assert OverlapConfig().sm_carveout is None
     assert OverlapConfig(sm_carveout=0).sm_carveout == 0
     assert OverlapConfig(sm_carveout=20).sm_carveout == 20
+
+
+def _carve_every_layer(rank, ws):
+    """carve_passes of each planned layer's serial timelines (what ``_carveout`` decides by) under a
+    link so slow that every pass is communication-bound, and one so fast that none is."""
+    import torch.distributed as dist
+    from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, UlyssesAttention
+    from overlap_layers.sim import COMM_KINDS, HardwareModel
+    g = dist.group.WORLD
+    layers = {"mlp": OverlapMLP(32, 16 * ws, group=g), "attention": OverlapAttention(32, 4, 2, group=g),
+              "ulysses": UlyssesAttention(32, 4, 2, group=g), "moe": OverlapMoE(32, 16, 4, 2, group=g)}
+    out = {}
+    for name, layer in layers.items():
+        got = []
+        for gbps in (1e-3, 1e6):
+            hw = HardwareModel(gemm_tflops=100.0, gemm_fixed_ms=0.01, mem_gbps=1000.0, launch_ms=0.0,
+                               interference=1.0, comm={k: (0.0, gbps) for k in COMM_KINDS})
+            cm = layer._cost_model(layer._plan_key((2, 16 * ws), torch.float32, True), hw)
+            got.append(carve_passes(layer._serial_timelines(cm, True), 16))
+        out[name] = got
+    return out
+
+
+def test_every_planned_layer_has_the_timelines_the_carveout_reads(pool2):
+    for got in pool2.run(_carve_every_layer):
+        assert got == {name: [(16, 16), ()] for name in ("mlp", "attention", "ulysses", "moe")}, got

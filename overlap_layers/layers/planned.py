@@ -632,7 +632,11 @@ class PlannedLayer:
             sms = default_carveout(dev)
         elif sms >= total:
             raise ValueError(f"sm_carveout={sms}: this device has {total} SMs; leave fewer free")
-        return carve_passes(cm.timelines(self._programs, 1, False, (), (), save), sms)
+        return carve_passes(self._serial_timelines(cm, save), sms)
+
+    def _serial_timelines(self, cm, save: bool) -> dict:
+        """The cost model's K=1 timelines of this layer's passes (forward; backward when ``save``)."""
+        return cm.timelines(self._programs, 1, False, (), (), save)
 
     # ----------------------------------------------------------------- explaining
     def export_trace(self, path, measured: bool = False) -> None:
