@@ -9,8 +9,9 @@ with the GEMMs leaving 16 of 132 SMs free (cuBLASLt's SM count target, which PyT
 ``torch._C._set_sm_carveout_experimental``; the plain cuBLAS path ignores it) the forward ran
 about 15% faster (4 tiles), though each GEMM alone ran about 11% slower. Over NVLink, where
 NCCL's kernels are short, the same carveout made the forward 2-3% slower
-(``bench/results/session22_h200x2_2026-11-26.md``). Over host memory it paid wherever communication was at least about 0.6 of the compute (MLP and
-MoE forwards, -2% to -16%) and cost where it was 0.3 (a llama3-70b MLP backward, about +3%).
+(``bench/results/session22_h200x2_2026-11-26.md``). Over host memory it paid wherever
+communication was at least about 0.6 of the compute (MLP and MoE forwards, -2% to -16%) and cost
+where it was 0.3 (a llama3-70b MLP backward, about +3%).
 
 So a planned layer carves SMs out only in a pass whose communication is predicted to take at
 least :data:`COMM_SHARE` of its compute (the cost model's serial timeline of that pass), only while it
