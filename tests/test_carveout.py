@@ -100,3 +100,11 @@ def _carve_every_layer(rank, ws):
 def test_every_planned_layer_has_the_timelines_the_carveout_reads(pool2):
     for got in pool2.run(_carve_every_layer):
         assert got == {name: [(16, 16), ()] for name in ("mlp", "attention", "ulysses", "moe")}, got
+
+
+def test_no_carveout_touches_nothing():
+    from overlap_layers.runtime.carveout import default_carveout, gemm_sm_carveout
+    before = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+    with gemm_sm_carveout(0):
+        assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
+    assert default_carveout(132) == 16

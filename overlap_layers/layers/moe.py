@@ -82,7 +82,7 @@ from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
-from .routing import count, route_topk
+from .routing import count, key_dtype, route_topk
 from .tp_program import Accumulator, recording_graph
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
@@ -634,8 +634,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
             if keep is not None:
                 key = torch.where(keep, key, K * E)
-            # as int16 where it fits: CUDA's radix sort then takes 2 passes instead of 8 (each a memset and launches)
-            sort_key = key.to(torch.int16) if K * E < 2 ** 15 else key
+            sort_key = key.to(key_dtype(K * E))
             counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
         order = torch.sort(sort_key, stable=True).indices
         return order, weights, counts

@@ -629,7 +629,7 @@ class PlannedLayer:
             return ()
         total = torch.cuda.get_device_properties(dev).multi_processor_count
         if sms is None:
-            sms = default_carveout(dev)
+            sms = default_carveout(total)
         elif sms >= total:
             raise ValueError(f"sm_carveout={sms}: this device has {total} SMs; leave fewer free")
         return carve_passes(self._serial_timelines(cm, save), sms)

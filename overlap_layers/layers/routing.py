@@ -81,9 +81,10 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
-def _key_dtype(E: int) -> torch.dtype:
-    # int16 where it fits: CUDA's radix sort of the keys then takes 2 passes instead of 8
-    return torch.int16 if E < 2 ** 15 else torch.int64
+def key_dtype(n: int) -> torch.dtype:
+    """The dtype of sort keys ``0..n``: int16 where it fits (CUDA's radix sort then takes 2 passes
+    instead of 8, each a memset and launches), else int64."""
+    return torch.int16 if n < 2 ** 15 else torch.int64
 
 
 def route_topk_eager(logits: torch.Tensor, k: int, normalize: bool, shift: int):
@@ -95,7 +96,7 @@ def route_topk_eager(logits: torch.Tensor, k: int, normalize: bool, shift: int):
     weights = top_p / top_p.sum(-1, keepdim=True) if normalize else top_p
     E = logits.shape[1]
     flat = experts.reshape(-1)
-    keys = torch.remainder(flat - shift, E).to(_key_dtype(E))
+    keys = torch.remainder(flat - shift, E).to(key_dtype(E))
     return probs, top_p, experts, weights, keys, count(flat, E)
 
 
@@ -104,7 +105,7 @@ def _fused(logits: torch.Tensor, k: int, normalize: bool, shift: int):
     probs = torch.empty_like(logits)
     top_p, weights = logits.new_empty((T, k)), logits.new_empty((T, k))
     experts = torch.empty((T, k), dtype=torch.long, device=logits.device)
-    keys = torch.empty(T * k, dtype=_key_dtype(E), device=logits.device)
+    keys = torch.empty(T * k, dtype=key_dtype(E), device=logits.device)
     counts = torch.zeros(E, dtype=torch.long, device=logits.device)
     if T:
         block_e = triton.next_power_of_2(E)

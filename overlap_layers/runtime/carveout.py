@@ -34,10 +34,10 @@ def carveout_available() -> bool:
     return hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")
 
 
-def default_carveout(device: torch.device) -> int:
-    """The SMs a GEMM beside slow NCCL collectives leaves free by default: an eighth of the
-    device's (16 of 132 on H100/H200, the best of 8, 16 and 32 measured there)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count // 8
+def default_carveout(device_sms: int) -> int:
+    """The SMs a GEMM beside slow NCCL collectives leaves free by default, of a device's
+    ``device_sms``: an eighth (16 of 132 on H100/H200, the best of 8, 16 and 32 measured there)."""
+    return device_sms // 8
 
 
 def carve_passes(timelines: Mapping, sms: int) -> tuple:
@@ -54,14 +54,15 @@ def carve_passes(timelines: Mapping, sms: int) -> tuple:
     return tuple(out) if any(out) else ()
 
 
-@contextlib.contextmanager
 def gemm_sm_carveout(sms: int):
-    """Within the block, GEMMs go through cuBLASLt and leave ``sms`` SMs free (0: no change);
-    both settings are process-wide in PyTorch and are restored on exit. (PyTorch prints a
-    one-time line calling the carveout experimental.)"""
-    if not sms:
-        yield
-        return
+    """A context within which GEMMs go through cuBLASLt and leave ``sms`` SMs free (0: no change,
+    and nothing to enter on the call's path); both settings are process-wide in PyTorch and are
+    restored on exit. (PyTorch prints a one-time line calling the carveout experimental.)"""
+    return _carved(sms) if sms else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _carved(sms: int):
     blas, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
     try:
         torch.backends.cuda.preferred_blas_library("cublaslt")
