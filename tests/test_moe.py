@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moe_reference import dense_moe, route
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
-from overlap_layers import OverlapMoE
+from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.planned import TilePlan
 
@@ -327,6 +327,42 @@ def test_auto_num_tiles(pool2):
     opts = dict(num_tiles="auto", aux_loss_coef=0.01)
     res = pool2.run(run_layer, case, opts, torch.float64)
     assert all(isinstance(r["k"], int) and r["k"] >= 1 for r in res), [r["k"] for r in res]
+    check(res, case, opts, torch.float64)
+
+
+def _planned_send_recv(rank, ws, case, opts, dtype):
+    """Which rank-chunk transports each layer offers the planner here (gloo: no copy engine),
+    then a MoE call whose planner picked rank chunks over send/recv: its rank-chunk candidates
+    predicted 100x faster, so the choice does not depend on this machine's speed."""
+    from dataclasses import replace
+    from overlap_layers import OverlapAttention, OverlapMLP
+    offered = {"moe": build_from_dense(case, dtype, opts)._rank_transports(),
+               "moe nccl": build_from_dense(case, dtype, {**opts, "config": OverlapConfig(transport="nccl")}
+                                            )._rank_transports(),
+               "mlp": OverlapMLP(8, 16, group=dist.group.WORLD)._rank_transports(),
+               "attention": OverlapAttention(8, 2, group=dist.group.WORLD)._rank_transports()}
+    orig = OverlapMoE._rank_candidates
+
+    def faster(self, cm, batch, *, training):
+        return [replace(c, predicted_ms=c.predicted_ms / 100) for c in orig(self, cm, batch, training=training)]
+    OverlapMoE._rank_candidates = faster
+    try:
+        out = run_layer(rank, ws, case, {**opts, "config": OverlapConfig(verify_first_calls=False)}, dtype)
+    finally:
+        OverlapMoE._rank_candidates = orig
+    return dict(out, offered=offered)
+
+
+def test_planner_runs_rank_chunks_over_send_recv(pool2):
+    """Without the copy engine the MoE's planner weighs rank chunks over send/recv (its all-to-all
+    is send/recv in NCCL); the MLP and attention offer none (their ring collectives are faster).
+    A planned send/recv plan equals the dense reference, forward and gradients."""
+    case = make_case(29, ws=2, E=4, top_k=2, shapes="uneven")
+    opts = dict(num_tiles="auto")
+    res = pool2.run(_planned_send_recv, case, opts, torch.float64)
+    for r in res:
+        assert r["offered"] == {"moe": ("nccl",), "moe nccl": ("nccl",), "mlp": (), "attention": ()}
+        assert (r["decomposition"], r["k"]) == ("rank", 1)
     check(res, case, opts, torch.float64)
 
 

@@ -159,6 +159,18 @@ def test_rank_chunk_recurrence_by_hand(copy_ms, fwd, fwd_exposed, bwd, bwd_expos
         pytest.approx((12.0, 0.0), abs=1e-6)
 
 
+def test_rank_chunks_over_send_recv_cost_all_to_all_steps():
+    """Over send/recv a source's rows cost one step of the all-to-all (NCCL runs it as send/recv),
+    not of the all-gather: with the all-to-all moving a 64-byte chunk per step in 1 ms and the
+    all-gather five times slower, the recurrence is the copy engine's first row above."""
+    cm = _rank_moe(99.0)  # the copy engine's time, which send/recv must not use
+    a2a_gbps, ag_gbps = 2 * 64 / 1e6, 2 * 64 / 5e6  # ws * 64 bytes in 1 ms / in 5 ms
+    cm.model = HardwareModel(**{**vars(cm.model), "comm": {**{k: (0.0, ag_gbps) for k in COMM_KINDS},
+                                                           "all_to_all": (0.0, a2a_gbps)}})
+    assert cm.rank_chunk_ms(backward=False, transport="nccl", sources=1) == pytest.approx((6.0, 0.0), abs=1e-6)
+    assert cm.rank_chunk_ms(backward=True, transport="nccl", sources=1) == pytest.approx((8.0, 0.0), abs=1e-6)
+
+
 def test_rank_chunks_skip_the_regrouping_gathers():
     """A rank piece costs the experts without the gathers that group a tile's received rows by
     expert (each source's rows arrive grouped), so with free communication the rank-chunk

@@ -405,11 +405,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     ``num_tiles`` is K (tiles of the local tokens; every rank runs K, some tiles may be empty) or
     "auto": planned from the group's largest token count (bucketed) assuming balanced routing,
     then verified on the first calls. The planner also weighs the exchange split by source rank
-    (``plan.decomposition == "rank"``, ``moe_ranks.py``; on CUDA over the copy engine where every
-    rank has symmetric memory, else pinned only, over send/recv).
+    (``plan.decomposition == "rank"``, ``moe_ranks.py``): on CUDA over the copy engine where every
+    rank has symmetric memory, else over send/recv.
     """
 
     _exchanges = (CopyEngineAllToAll, PointToPointAllToAll)
+    _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,

@@ -33,7 +33,8 @@ then the peers', which push dx before their weight gradients (the tail). Weight 
 or one grouped GEMM per piece whose result every piece after the first adds into the
 accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer (the dispatch
 gathers straight into it, once per call) and nothing is summed: ``finish`` (a zero-length
-event) only waits for the last push. Its buffers: over the copy engine the symmetric send rows
+event) only waits for the last push. A source's rows over send/recv cost one step of the
+all-to-all (:meth:`MoECostModel.transfer_ms`). Its buffers: over the copy engine the symmetric send rows
 (``A*H*e``, persistent), over send/recv the returned rows.
 """
 from __future__ import annotations
@@ -106,6 +107,13 @@ class MoECostModel(MLPCostModel):
     def chunk_rows(self) -> int:
         """Rows from one source under balanced routing."""
         return max(self.rows * self.k // self.ws, 1)
+
+    def transfer_ms(self, transport: str, nbytes: int) -> float:
+        """One source's rows over send/recv are one step of the all-to-all (the kind NCCL runs as
+        send/recv); over the copy engine, the MLP's peer copy."""
+        if transport == "copy_engine":
+            return super().transfer_ms(transport, nbytes)
+        return self.model.comm_ms("all_to_all", self.ws * nbytes) / (self.ws - 1)
 
     def piece_rows(self) -> Tuple[int, ...]:
         T = self.chunk_rows()

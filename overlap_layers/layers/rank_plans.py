@@ -30,6 +30,7 @@ class RankChunkPlans:
 
     _has_copy_engine = True
     _rank_tiles = False  # whether rank chunks run inside batch tiles (the attention's)
+    _planned_send_recv = False  # whether the planner offers rank chunks over send/recv (the MoE's)
     _copy_engine = None  # "" or why this rank cannot use the copy engine (asked once)
     _warned_copy_engine = False
     _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
@@ -104,13 +105,20 @@ class RankChunkPlans:
         return ok
 
     def _rank_transports(self) -> tuple:
-        """The transports the planner tries for rank chunks: the copy engine where every rank has
-        it (none without SP, with one rank, or with ``config.transport="nccl"``). Rank chunks over
-        NCCL send/recv run only when pinned: on 2x H200 they never beat batch tiles or K=1
-        (bench/results/mlp_rank_h200x2_2026-11-26.md)."""
-        if not self._source_split or self.world_size < 2 or self.config.transport == "nccl":
+        """The transports the planner tries for rank chunks (none without SP or with one rank):
+        the copy engine where every rank has it (not with ``config.transport="nccl"``), else
+        NCCL send/recv where ``_planned_send_recv``. The MLP's and attention's rank chunks over
+        send/recv run only when pinned: their batch tiles' all-gathers and reduce-scatters are
+        NCCL's ring kernels, faster than its send/recv (on 2x H200 rank chunks over send/recv
+        never beat batch tiles or K=1 over NVLink, bench/results/mlp_rank_h200x2_2026-11-26.md,
+        and ran the attention 17-30% slower than batch tiles with P2P disabled,
+        bench/results/session23_h200x2_2026-11-26.md). The MoE's all-to-all is send/recv in
+        NCCL, so its rank chunks move the same bytes the same way as its batch tiles."""
+        if not self._source_split or self.world_size < 2:
             return ()
-        return ("copy_engine",) if self._copy_engine_available() else ()
+        if self.config.transport != "nccl" and self._copy_engine_available():
+            return ("copy_engine",)
+        return ("nccl",) if self._planned_send_recv else ()
 
     def _function(self, plan, call, device: torch.device, tiled, ranked):
         """The autograd Function that runs ``plan``: ``tiled`` for batch tiles, else ``ranked``,
