@@ -137,37 +137,6 @@ def test_verification_keeps_serial_unless_clearly_faster(tiled_ms, want_k):
     assert plan.num_tiles == want_k
 
 
-def _verified(plans, ms, margin=0.03):
-    """The plan verification keeps when contender i (``plans``, the serial plan last) reads ``ms[i]``."""
-    cache = PlanCache(_OneRank(), trials=1, margin=margin)
-    for _ in range(2 * len(plans)):
-        plan, trial = cache.get("k", lambda key: plans[0], lambda p: list(plans), torch.device("cpu"))
-        if trial is not None:
-            trial.fwd = _Fixed(ms[trial.index])
-    return cache.get("k", None, None, torch.device("cpu"))[0]
-
-
-@pytest.mark.parametrize("ms,want", [
-    ((6.73, 6.83, 6.90, 9.0), 4),  # K=4 within 3% of the fastest: the fewest tiles within the margin
-    ((6.73, 6.83, 7.00, 9.0), 6),  # K=4 4% slower: K=6, the next fewest within it
-    ((6.73, 7.00, 7.10, 9.0), 8),  # nothing close: the fastest
-    ((9.60, 9.70, 9.80, 9.85), 1),  # serial within the margin of everything: serial
-    ((9.60, 9.90, 9.80, 10.0), 4),  # serial 4% slower than K=8, K=4 2%: K=4, though serial is close to K=4
-])
-def test_verification_prefers_fewer_tiles_within_the_margin(ms, want):
-    plans = [MLPPlan(8), MLPPlan(6), MLPPlan(4), MLPPlan(1)]
-    assert _verified(plans, ms).num_tiles == want
-
-
-def test_fewer_tiles_rule_keeps_a_faster_rank_plan():
-    """Rank chunks are not ranked against batch tiles by their tile count: a rank plan that is
-    fastest is kept unless the serial plan is within the margin."""
-    rank = MLPPlan(1, decomposition="rank", transport="copy_engine")
-    plans = [rank, MLPPlan(2), MLPPlan(1)]
-    assert _verified(plans, (9.0, 9.1, 10.0)).decomposition == "rank"
-    assert _verified(plans, (9.0, 9.1, 9.2)).is_serial
-
-
 def test_cache_does_not_verify_serial_or_when_off():
     cache = PlanCache(_OneRank())
     plan, trial = cache.get("a", lambda key: MLPPlan(1), _serial, torch.device("cpu"))

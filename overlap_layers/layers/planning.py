@@ -15,13 +15,8 @@ that of a plan that also ran the call before, as in steady state (switching plan
 allocator and stream warm-up that a settled layer does not pay). At the call after that every rank contributes its
 per-contender minimum over its trials (forward+backward if every rank timed a backward for every
 trial, else forward only), the numbers are max-reduced over the group in one host gather, and
-the fastest contender replaces P on every rank alike (ties to the earlier one), except that a
-simpler contender is kept unless the fastest beats it by more than ``margin``: the serial plan,
-as in planning, and, where the fastest runs batch tiles, the contender with the fewest tiles of
-those within the margin. Within the trials' noise fewer tiles are the safer pick: fewer launches
-per call (with P2P disabled on 2x H200 a K=8 MLP read 6.73 ms in its trial, against 6.83 for K=6,
-and ran 7.71 in the steady loop, host-bound; bench/results/session22_h200x2_2026-11-26.md) and
-less memory. The gather happens
+the fastest contender replaces P on every rank alike (ties to the earlier one), except that the
+serial plan is kept unless the fastest beats it by more than ``margin``, as in planning. The gather happens
 at the same call on every rank because the cache is a function of the call history, which every
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
 the reduced numbers.
@@ -45,21 +40,6 @@ import torch
 
 from ..runtime.group import Agreement, PlanMismatchError
 from ..runtime.timing import Stopwatch, total_ms
-
-
-def _simplest_close(contenders: Sequence[object], measured: Sequence[float], margin: float) -> int:
-    """The index of the contender to keep: the fastest, unless a simpler one is within ``margin``
-    of it (the fastest does not beat it by more than ``margin``). Simpler: the serial plan (last),
-    then, when the fastest runs batch tiles, batch tiles of the same transport with fewer tiles,
-    fewest first ([Note: first-call verification]). Ties go to the earlier contender."""
-    fast = min(range(len(measured)), key=lambda i: (measured[i], i))
-    kind = lambda p: (getattr(p, "decomposition", "batch"), getattr(p, "transport", "nccl"))  # noqa: E731
-    tiles = lambda i: getattr(contenders[i], "num_tiles", 1)  # noqa: E731
-    simpler = [len(contenders) - 1]
-    if kind(contenders[fast])[0] == "batch":
-        simpler += sorted((i for i in range(len(contenders) - 1)
-                           if kind(contenders[i]) == kind(contenders[fast]) and tiles(i) < tiles(fast)), key=tiles)
-    return next((i for i in simpler if measured[fast] > measured[i] * (1.0 - margin)), fast)
 
 
 def _label(plan) -> str:
@@ -159,7 +139,9 @@ class PlanCache:
         with_bwd = min(r[0] for r in table) == 1.0
         off = 1 + n if with_bwd else 1
         measured = [max(r[off + i] for r in table) for i in range(n)]
-        win = _simplest_close(contenders, measured, self._margin)
+        win = min(range(n), key=lambda i: (measured[i], i))
+        if win != n - 1 and measured[win] > measured[-1] * (1.0 - self._margin):
+            win = n - 1  # as in planning: a tiled plan must win by more than the margin
         what = "forward+backward" if with_bwd else "forward"
         times = ", ".join(f"{_label(p)} {ms:.3f} ms" for p, ms in zip(contenders, measured))
         verdict = (f"verified on the first calls ({what}, min of {self._trials} calls each, max over ranks): "
