@@ -163,3 +163,56 @@ def test_block_with_mesh_holds_dtensors_and_equals_group_block(pool2, moe, sp):
     for res in pool2.run(mesh_vs_group, moe, sp):
         assert res["not_dt"] == [], res["not_dt"]
         assert res["y"] and res["dx"] and res["grads"] == [], res
+
+
+# ------------------------------------------------------------------ the fused program ([Note: fused block])
+def run_fused(rank, ws, c, calls):
+    """``calls`` calls (forward and backward) of a block whose sublayers report settled K=2 plans,
+    with the block's verification over one trial each: the block times the fused program against
+    its sublayers in turn, so both run. Per call: the block's plan, y and the gradients, and the
+    launch order of the collectives when it ran fused."""
+    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.layers.planning import PlanCache
+    blk = build(c, True, "auto")
+    for sub in (blk.attention, blk.mlp):
+        sub.settled_plan = lambda *a: TilePlan(2)
+    blk._plans_agreement = blk.attention._agreement
+    blk._plans = PlanCache(blk.attention._agreement, trials=1)
+    S = c["x"].shape[1]
+    own = slice(rank * S // ws, (rank + 1) * S // ws)
+    out = []
+    for _ in range(calls):
+        blk.zero_grad()
+        log = blk.attention.launch_log = []
+        x = c["x"][:, own].clone().requires_grad_()
+        y = blk(x)
+        (y * c["dy"][:, own]).sum().backward()
+        finalize_grads(blk)
+        out.append(dict(plan=blk.plan.label, y=y.detach(), dx=x.grad, an_w=blk.attn_norm.weight.grad,
+                        mn_w=blk.mlp_norm.weight.grad,
+                        an_b=None if blk.attn_norm.bias is None else blk.attn_norm.bias.grad,
+                        mn_b=None if blk.mlp_norm.bias is None else blk.mlp_norm.bias.grad,
+                        wo=blk.attention.wo.grad, w_out=blk.mlp.w_out.grad,
+                        comms=[f"{name}[{t}]" for t, name, kind in log if kind == "comm"]))
+    blk.attention.launch_log = None
+    return out
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_fused_block_matches_dense_block(pool2, norm):
+    """The fused program (both sublayers at K=2 in one program) equals the dense block, forward and
+    gradients, and runs the seam in the interleaved order: the attention's reduce-scatter of tile 0,
+    then the MLP's all-gather of tile 0, before the attention's reduce-scatter of tile 1."""
+    c = make_case(3, norm=norm)
+    res = pool2.run(run_fused, c, 5)
+    labels = [r["plan"] for r in res[0]]  # each contender twice (the second call timed), then the faster
+    assert labels[:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2 and labels[4] in labels[:4], labels
+    for i, label in enumerate(labels):
+        check([r[i] for r in res], c, True)
+        if label == "fused K=2":
+            assert res[0][i]["comms"] == ["a.ag[0]", "a.ag[1]", "a.rs[0]", "m.ag[0]", "a.rs[1]", "m.ag[1]",
+                                          "m.rs[0]", "m.rs[1]",  # forward, then backward:
+                                          "m.ag_dy[0]", "m.ag_dy[1]", "m.rs_dx[0]", "a.ag_dy[0]", "m.rs_dx[1]",
+                                          "a.ag_dy[1]", "a.rs_dx[0]", "a.rs_dx[1]"]
+        else:
+            assert not any(n.startswith(("a.", "m.")) for n in res[0][i]["comms"])

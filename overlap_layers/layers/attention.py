@@ -636,15 +636,19 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
+        shape, dtype, save, fixed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
+        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
+            x, plan, save, position_ids, position_embeddings, trial, trace))
+
+    def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> tuple:
+        """The call's agreement on its inputs (``PlannedLayer._agree``): ``(shape, dtype, save,
+        fixed plan or None)``."""
         err = input_error(x, hidden_size=self.hidden_size, weight=self.wq,
                           seq_factor=self.world_size if self.sequence_parallel else 1, head_dim=self.head_dim,
                           position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,),
-                                                extra_names=("positions",))
-        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
-            x, plan, save, position_ids, position_embeddings, trial, trace))
+        return self._agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",))
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:

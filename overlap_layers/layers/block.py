@@ -34,12 +34,21 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from ..config import OverlapConfig
 from ..runtime import resolve_group
+from ..runtime.timing import Stopwatch
 from .attention import OverlapAttention
+from .attention import _Call as AttentionCall
+from .attention_common import PARAMS
+from .attention_common import cos_sin as cos_sin_of
+from .fused_block import BackwardStart, BackwardStop, BlockPlan, FusedBlock, FusedCall, fused_plans
 from .mlp import OverlapMLP
+from .mlp import _Call as MLPCall
 from .moe import OverlapMoE
+from .planned import X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, x_error
+from .planning import PlanCache
 from .tokens import gather_tokens, split_tokens
 
 NORMS = ("rmsnorm", "layernorm")
@@ -132,6 +141,7 @@ class OverlapTransformerBlock(nn.Module):
             self.mlp = OverlapMoE(hidden_size, ffn_hidden_size, moe.pop("num_experts"), moe.pop("top_k"), **moe, **kw)
         if mesh is not None:
             _replicate_norms(self, mesh, axis)
+        self._init_fusion()
 
     @classmethod
     def from_layers(cls, attention: OverlapAttention, mlp, *, norm: str = "rmsnorm", norm_eps: float = 1e-5,
@@ -170,7 +180,14 @@ class OverlapTransformerBlock(nn.Module):
                         p.copy_(t)
         if attention._input_mesh is not None:  # DTensor sublayers (mesh=): the norms too
             _replicate_norms(self, attention._input_mesh, None)
+        self._init_fusion()
         return self
+
+    def _init_fusion(self) -> None:
+        """The block's own plans: fused or in turn, per shape ([Note: fused block])."""
+        self._plans: Optional[PlanCache] = None  # made at the first call that may fuse
+        self._plans_agreement = None  # the attention's agreement the plans were made with
+        self.plan: Optional[BlockPlan] = None
 
     @property
     def hidden_size(self) -> int:
@@ -189,9 +206,100 @@ class OverlapTransformerBlock(nn.Module):
         return self._forward(x, position_ids, position_embeddings, attention_mask)
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), position_ids=position_ids, position_embeddings=position_embeddings,
-                               attention_mask=attention_mask)
-        return h + self._mlp(self.mlp_norm(h))
+        attn, n1 = self.attention, self.attn_norm(x)
+        if not self._may_fuse(x):
+            h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
+                         attention_mask=attention_mask)
+            return h + self._mlp(self.mlp_norm(h))
+        agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
+        plan, trial, subplans = self._block_plan(x, agreed)
+        timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
+        if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
+            trial.bwd = Stopwatch(x.device, trial.fwd.prequeue_ms)
+            n1 = BackwardStop.apply(n1, trial.bwd)
+        if trial is not None:
+            trial.fwd.start()
+        if plan is not None and plan.fused:
+            y = self._fused(x, n1, agreed, subplans, position_ids, position_embeddings)
+        else:
+            h = x + attn._planned_call(n1, *agreed, lambda p, t, tr: attn._run(
+                n1, p, agreed[2], position_ids, position_embeddings, t, tr))
+            y = h + self._mlp(self.mlp_norm(h))
+        if trial is not None:
+            trial.fwd.stop()
+        return BackwardStart.apply(y, trial.bwd) if timed_bwd else y
+
+    # ----------------------------------------------------------------- the fused program
+    def _may_fuse(self, x) -> bool:
+        """Whether this call may run the fused program (then the block makes the attention's
+        agreement itself and decides after it): sequence parallel with a dense MLP, both planned
+        (no fixed K, nothing pinned) and verified, plain tensors outside ``torch.compile`` and
+        autocast, no module hooks on the sublayers (FSDP2's unsharding: the fused program calls
+        no sublayer), not a checkpointed region or its recomputation ([Note: recompute])."""
+        attn, mlp = self.attention, self.mlp
+        if not (self.sequence_parallel and isinstance(mlp, OverlapMLP) and attn.config.verify_first_calls):
+            return False
+        if any(m.num_tiles != "auto" or m._pinned is not None or m._input_mesh is not None
+               or m._forward_hooks or m._forward_pre_hooks for m in (attn, mlp)):
+            return False
+        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks:
+            return False
+        return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or _in_backward()
+                    or (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
+
+    def _block_plan(self, x, agreed):
+        """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its
+        sublayers in turn without asking ([Note: fused block] in ``fused_block.py``). Decided from
+        agreed values and the sublayers' plan caches, so equal on every rank."""
+        attn, mlp = self.attention, self.mlp
+        shape, dtype, save, fixed = agreed
+        if fixed is not None or attn._capturing or self._mlp_saves(x) != save:
+            return None, None, None
+        plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
+        both = None if None in plans else fused_plans(*plans)
+        if both is None:
+            return None, None, None
+        key = (shape, dtype, save, both[0].digest(), both[1].digest())
+        k = both[0].num_tiles
+        if self._plans is None or self._plans_agreement is not attn._agreement:  # new sublayers: new plans
+            self._plans_agreement = attn._agreement
+            self._plans = PlanCache(attn._agreement, margin=attn.config.margin)
+        plan, trial = self._plans.get(
+            key, lambda key: BlockPlan(True, k, reason=f"the sublayers' batch tiles fused at K={k}"),
+            lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
+        self.plan = plan
+        return plan, trial, both
+
+    def _fused(self, x, n1, agreed, plans, position_ids, position_embeddings) -> torch.Tensor:
+        """One call of :class:`~overlap_layers.layers.fused_block.FusedBlock` with the sublayers'
+        ``plans`` (the attention's K for both)."""
+        attn, mlp = self.attention, self.mlp
+        shape, dtype, save, _ = agreed
+        probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
+        mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
+        _, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = attn._call_tensors(n1, PARAMS)
+        _, (w_in, b_in, w_out, b_out) = mlp._call_tensors(n1, ("w_in", "b_in", "w_out", "b_out"))
+        B, s, H = n1.shape
+        cos_sin = cos_sin_of(attn.rope_theta, attn.head_dim, s * attn.world_size, n1.device, n1.dtype, position_ids,
+                             position_embeddings)
+        pa, pm = plans
+        streams = attn._streams.get(n1.device, min(pa.num_tiles, pa.num_streams))
+        ca = AttentionCall(attn, pa, save, streams, cos_sin, B, s)
+        ca.q_norm, ca.k_norm = q_norm, k_norm
+        cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
+                     streams=streams, launch_log=mlp.launch_log)
+        call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
+        weights = (torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if attn.bias else None, wo, q_norm, k_norm, bo,
+                   _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
+        return y.view(B, s, H)
+
+    def _mlp_saves(self, x) -> bool:
+        """Whether the MLP's call saves for backward: its input ``mlp_norm(h)`` needs a gradient
+        when anything before it does (as the MLP's own agreement would find)."""
+        params = [*self.attn_norm.parameters(), *self.attention.parameters(), *self.mlp_norm.parameters(),
+                  *self.mlp.parameters()]
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
 
     def _mlp(self, z: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.mlp, OverlapMoE) or self.sequence_parallel:

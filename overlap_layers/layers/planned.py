@@ -516,6 +516,18 @@ class PlannedLayer:
                 trial.plan = plan
         return plan, trial
 
+    def settled_plan(self, shape: tuple, dtype: torch.dtype, save: bool) -> Optional[TilePlan]:
+        """The planner's verified plan for a call of ``shape`` (K capped to its tile units), or
+        None while the shape is new or being verified, or when the layer's plan is fixed or pinned.
+        Changes nothing: the fused block (``fused_block.py``) reads it before the call."""
+        if self._pinned is not None or self.num_tiles != "auto":
+            return None
+        plan = self._plans.settled(self._plan_key(shape, dtype, save))
+        if plan is None:
+            return None
+        k = effective_num_tiles(self._tile_units(shape), plan.num_tiles)
+        return plan if k == plan.num_tiles else replace(plan, num_tiles=k, buckets_fwd=(), buckets_bwd=())
+
     @property
     def verifying(self) -> bool:
         """True while the first calls of the last shape bucket still time the planned plan

@@ -83,6 +83,12 @@ class PlanCache:
         entry = self._entries.get(self.last_key if key is None else key)
         return entry is not None and entry.trials is not None
 
+    def settled(self, key: Hashable) -> Optional[object]:
+        """The plan of ``key`` once its verification is over; None while it runs or before the
+        key's first call. Changes nothing (no planning, no recency)."""
+        entry = self._entries.get(key)
+        return entry.plan if entry is not None and entry.trials is None else None
+
     def get(self, key: Hashable, make: Callable[[Hashable], object],
             contenders_of: Callable[[object], Sequence[object]], device: torch.device, *,
             call: bool = True, capturing: bool = False) -> Tuple[object, Optional[Trial]]:

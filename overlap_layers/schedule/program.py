@@ -17,7 +17,7 @@ on their slice of the batch; :mod:`overlap_layers.schedule.roundrobin` orders th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Collection, Iterator, MutableMapping, Optional, Tuple
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -90,18 +90,56 @@ class TileProgram:
         raise KeyError(handle)
 
 
-def segments(program: TileProgram) -> Tuple[Tuple[int, ...], ...]:
-    """Cut the program into segments: a new segment starts at every ``wait``.
+def segments(program: TileProgram, join: Collection[str] = ()) -> Tuple[Tuple[int, ...], ...]:
+    """Cut the program into segments: a new segment starts at every ``wait`` (except a wait on a
+    handle in ``join``, which stays in the segment of the ops before it).
 
     Waits are the only places a tile can stall, so a segment is a run of ops that can be
     launched without blocking, preceded by the wait that made it ready. Returns op indices.
     """
     segs, cur = [], []
     for i, op in enumerate(program.ops):
-        if op.kind == "wait" and cur:
+        if op.kind == "wait" and cur and op.handle not in join:
             segs.append(tuple(cur))
             cur = []
         cur.append(i)
     if cur:
         segs.append(tuple(cur))
     return tuple(segs)
+
+
+def scoped(program: TileProgram, prefix: str) -> Tuple[Op, ...]:
+    """``program``'s ops with every environment key and handle prefixed by ``prefix``: compute
+    ops see the tile's environment through :class:`Scope` (key ``k`` is ``prefix + k``), so two
+    programs' ops can run in one program on one environment per tile."""
+    def one(op: Op) -> Op:
+        if op.kind == "compute":
+            return Op("compute", prefix + op.name, fn=lambda env, fn=op.fn: fn(Scope(env, prefix)),
+                      cost_key=op.cost_key, chain=prefix + op.chain if op.chain else None)
+        name = (lambda k: prefix + k if k else k)
+        return Op(op.kind, prefix + op.name, collective=op.collective, handle=name(op.handle), src=name(op.src),
+                  dst=name(op.dst), out=name(op.out), cost_key=op.cost_key)
+    return tuple(one(op) for op in program.ops)
+
+
+class Scope(MutableMapping):
+    """The keys of ``env`` that start with ``prefix``, without it (see :func:`scoped`)."""
+
+    def __init__(self, env: dict, prefix: str) -> None:
+        self._env, self._prefix = env, prefix
+
+    def __getitem__(self, key: str) -> Any:
+        return self._env[self._prefix + key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._env[self._prefix + key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._env[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._prefix)
+        return (k[n:] for k in list(self._env) if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -1,0 +1,248 @@
+"""The sequence-parallel block's attention and MLP as one tiled program, so one sublayer's
+collectives run under the other's GEMMs ([Note: fused block]).
+
+Reference (what :class:`FusedBlock` must equal, up to rounding): the block of ``block.py`` with a
+dense MLP, per rank on its positions, given ``n1 = attn_norm(x)``::
+
+    h = x + attention(n1) (+ bo);   y = h + mlp(mlp_norm(h)) (+ b_out)
+
+Per batch tile of the attention's plan (its K, which the MLP runs too), with the two sublayers'
+own tile programs (``attention.py``, ``mlp.py``) under the prefixes ``a.`` and ``m.``::
+
+    forward   a.ag(n1) | attention | a.rs  ->  h = x + a.y; n2 = mlp_norm(h); m.ag(n2) | MLP | m.rs -> y = h + m.y
+    backward  m.ag(dy) | MLP dgrads | m.rs -> dh = dy + mlp_norm'(m.dx); a.ag(dh) | attention dgrads | a.rs -> dn1 = a.dx
+
+(weight gradients where each sublayer's program puts them). The returned gradients: ``dh`` for
+``x`` (the residual path) and ``dn1`` for ``n1`` (autograd takes it through ``attn_norm``).
+
+[Note: fused block]
+Each sublayer alone leaves its first all-gather and last reduce-scatter exposed: nothing of its
+own is left to compute under them. Run one after the other, the attention's last reduce-scatter
+and the MLP's first all-gather are both exposed at the seam. Here a tile's wait on the
+attention's reduce-scatter opens no round of the segmented round-robin (``round_robin(join=)``):
+its residual, norm and the MLP's all-gather launch right after its reduce-scatter, before the
+next tile's, so NCCL runs ``a.rs[t], m.ag[t], a.rs[t+1]`` and the MLP of tile t computes while the
+attention's later reduce-scatters run. The backward joins at the MLP's dx reduce-scatter the same
+way. With the attention communication-bound and the MLP compute-bound (NCCL over host memory,
+llama3-8b), the block's limit is far below the sum of its sublayers' limits; only a program that
+overlaps across the seam gets near it.
+
+The block decides at the first calls of a shape, once both sublayers have settled their plans,
+by timing both (:class:`~overlap_layers.layers.planning.PlanCache`): fused, with the attention's
+K, against the sublayers one after the other with their own plans; the fused program must win
+by more than ``config.margin``. It is tried only where both sublayers run batch tiles over NCCL
+(K >= 2, no re-gather): rank chunks start and end on their own rows already.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..schedule import TileProgram, compute, round_robin, scoped
+from ..runtime.timing import Stopwatch
+from .attention import _backward_program as attention_backward
+from .attention import _Call as AttentionCall
+from .attention import _forward_program as attention_forward
+from .mlp import _backward_program as mlp_backward
+from .mlp import _Call as MLPCall
+from .mlp import _forward_program as mlp_forward
+from .planned import run_tiles
+from .tiling import tile_bounds
+from .tp_program import Accumulator, recording_graph
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How a block call runs: its sublayers ``fused`` into one program of ``num_tiles`` batch
+    tiles, or one after the other with their own plans."""
+
+    fused: bool
+    num_tiles: int = 1
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"fused K={self.num_tiles}" if self.fused else "sublayers in turn"
+
+    @property
+    def is_serial(self) -> bool:
+        return not self.fused
+
+    def digest(self) -> int:
+        return zlib.crc32(repr((self.fused, self.num_tiles)).encode())
+
+
+def norm(kind: str, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The block's RMSNorm or LayerNorm over the last dim."""
+    if kind == "rmsnorm":
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+class FusedCall:
+    """What :class:`FusedBlock` needs besides tensors: the sublayers' calls at the block's K, the
+    norm's kind and eps, and the run's settings for :func:`~overlap_layers.layers.planned.run_tiles`."""
+
+    def __init__(self, attn: AttentionCall, mlp: MLPCall, norm_kind: str, eps: float) -> None:
+        self.attn, self.mlp, self.norm_kind, self.eps = attn, mlp, norm_kind, eps
+        self.group, self.streams, self.save = attn.group, attn.streams, attn.save
+        self.launch_log, self.trial, self.trace = attn.launch_log, None, None
+        self.plan = _Carved(attn.plan, mlp.plan)
+
+
+@dataclass(frozen=True)
+class _Carved:
+    """The fused pass's SM carveout: the larger of its sublayers' (their plans at the block's K)."""
+
+    attn: object
+    mlp: object
+
+    def carved_sms(self, backward: bool) -> int:
+        return max(self.attn.carved_sms(backward), self.mlp.carved_sms(backward))
+
+
+def _forward_program(c: FusedCall, w: dict, bounds) -> TileProgram:
+    def residual_norm(env):
+        y = env.pop("a.y")
+        h = env["x"] + (y if w["bo"] is None else y + w["bo"])
+        if c.save:  # the norm's graph per tile, for the backward
+            leaf = h.detach().requires_grad_()
+            with recording_graph():
+                n2 = norm(c.norm_kind, leaf, w["n2w"], w["n2b"], c.eps)
+            env["n2_leaf"], env["n2"] = leaf, n2
+            env["m.x"] = n2.detach()
+        else:
+            env["m.x"] = norm(c.norm_kind, h, w["n2w"], w["n2b"], c.eps)
+        env["h"] = h
+
+    def residual(env):
+        m = env.pop("m.y")
+        torch.add(env.pop("h"), m if w["b_out"] is None else m + w["b_out"], out=env.pop("y_out"))
+
+    attn = attention_forward(c.attn, w["w_qkv"], w["b_qkv"], w["w_o"], bounds)
+    mlp = mlp_forward(c.mlp, w["w_in"], w["b_in"], w["w_out"])
+    return TileProgram("block", (*scoped(attn, "a."), compute("residual_norm", residual_norm), *scoped(mlp, "m."),
+                                 compute("residual", residual)))
+
+
+def _backward_program(c: FusedCall, w: dict, grads: dict) -> TileProgram:
+    accumulate = Accumulator(grads)
+    norm_params = [p for p in (w["n2w"], w["n2b"]) if p is not None]
+
+    def norm_backward(env):
+        dm, dy = env.pop("m.dx"), env["dy"]
+        got = torch.autograd.grad(env.pop("n2"), [env.pop("n2_leaf"), *norm_params], dm)
+        dh = dy + got[0]
+        for key, g in zip(("n2w", "n2b"), got[1:]):
+            accumulate(key, lambda buf, g=g: buf.copy_(g), lambda buf, g=g: buf.add_(g))
+        if w["b_out"] is not None:
+            accumulate("b_out", lambda buf: torch.sum(dy, 0, out=buf), lambda buf: buf.add_(dy.sum(0)))
+        if w["bo"] is not None:
+            accumulate("bo", lambda buf: torch.sum(dh, 0, out=buf), lambda buf: buf.add_(dh.sum(0)))
+        env["a.dy"] = env.pop("dh_out").copy_(dh)
+
+    mlp = mlp_backward(c.mlp, w["w_in"], w["w_out"], grads["mlp"], w["b_in"] is not None)
+    norms = [p for p in (w["q_norm"], w["k_norm"]) if p is not None]
+    attn = attention_backward(c.attn, w["w_qkv"], w["w_o"], grads["attn"], norms)
+    return TileProgram("block_bwd", (*scoped(mlp, "m."), compute("norm_backward", norm_backward, chain="block"),
+                                     *scoped(attn, "a.")))
+
+
+class FusedBlock(torch.autograd.Function):
+    """The fused program (module docstring). Inputs: ``x`` and ``n1`` as rows ``[B*s, H]``
+    (batch-major), then the weights in the order of :data:`WEIGHTS` (None where absent), then
+    the :class:`FusedCall`. Returns ``y [B*s, H]``."""
+
+    @staticmethod
+    def forward(ctx, x_TH, n1_TH, *args):
+        *ws, call = args
+        w = dict(zip(WEIGHTS, ws))
+        c, s = call, call.attn.s
+        T, H = x_TH.shape
+        bounds = tile_bounds(c.attn.batch, c.attn.plan.num_tiles)
+        attn_out, mlp_out, out = (x_TH.new_empty((T, H)) for _ in range(3))
+        envs = [{"a.tile": i, "a.x": n1_TH[b0 * s:b1 * s], "a.y_out": attn_out[b0 * s:b1 * s], "x": x_TH[b0 * s:b1 * s],
+                 "m.y_out": mlp_out[b0 * s:b1 * s], "y_out": out[b0 * s:b1 * s]} for i, (b0, b1) in enumerate(bounds)]
+        sched = round_robin(_forward_program(c, w, bounds), len(bounds), join=("a.rs",))
+        run_tiles(c, sched, envs, "block", backward=False, device=x_TH.device)
+        if c.save:
+            ctx.envs = [{k: e[k] for k in ("a.o_in", "a.leaf", "a.o", "a.xg", "m.pre", "m.xg", "n2", "n2_leaf")}
+                        for e in envs]
+            ctx.w, ctx.call, ctx.bounds = w, c, bounds
+        return out
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        c, w, bounds, saved = ctx.call, ctx.w, ctx.bounds, ctx.envs
+        ctx.envs = None
+        s = c.attn.s
+        dy_TH = dy_TH.contiguous()
+        T, H = dy_TH.shape
+        dh_TH, dn1_TH = dy_TH.new_empty((T, H)), dy_TH.new_empty((T, H))
+        like = lambda key: torch.empty_like(w[key]) if w[key] is not None else None  # noqa: E731
+        grads = {"attn": {"w_qkv": like("w_qkv"), "w_o": like("w_o"), "b_qkv": like("b_qkv")},
+                 "mlp": {"w_in": like("w_in"), "w_out": like("w_out"), "b_in": like("b_in")},
+                 **{k: like(k) for k in ("n2w", "n2b", "bo", "b_out")}}
+        for i, key in enumerate(("q_norm", "k_norm")):
+            if w[key] is not None:
+                grads["attn"][f"norm{i}"] = like(key)
+        envs = []
+        for (b0, b1), e in zip(bounds, saved):
+            rows = slice(b0 * s, b1 * s)
+            envs.append({**e, "dy": dy_TH[rows], "m.dy": dy_TH[rows], "m.dx_out": dy_TH.new_empty((rows.stop - rows.start, H)),
+                         "dh_out": dh_TH[rows], "a.dx_out": dn1_TH[rows]})
+        del saved
+        sched = round_robin(_backward_program(c, w, grads), len(bounds), join=("m.rs_dx",))
+        run_tiles(c, sched, envs, "block_bwd", backward=True, device=dy_TH.device)
+        ga, gm = grads["attn"], grads["mlp"]
+        out = {"w_qkv": ga["w_qkv"], "b_qkv": ga["b_qkv"], "w_o": ga["w_o"], "q_norm": ga.get("norm0"),
+               "k_norm": ga.get("norm1") if w["q_norm"] is not None else ga.get("norm0"),
+               "w_in": gm["w_in"], "b_in": gm["b_in"], "w_out": gm["w_out"],
+               **{k: grads[k] for k in ("n2w", "n2b", "bo", "b_out")}}
+        return (dh_TH, dn1_TH, *[out[k] if w[k] is not None else None for k in WEIGHTS], None)
+
+
+#: The weights :class:`FusedBlock` takes, in order.
+WEIGHTS = ("w_qkv", "b_qkv", "w_o", "q_norm", "k_norm", "bo", "n2w", "n2b", "w_in", "b_in", "w_out", "b_out")
+
+
+class BackwardStart(torch.autograd.Function):
+    """The identity, whose backward starts ``watch`` (the block's backward begins at its output)."""
+
+    @staticmethod
+    def forward(ctx, y, watch: Stopwatch):
+        ctx.watch = watch
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.watch.start()
+        return g, None
+
+
+class BackwardStop(torch.autograd.Function):
+    """The identity, whose backward stops ``watch`` (the block's backward ends at its input)."""
+
+    @staticmethod
+    def forward(ctx, x, watch: Stopwatch):
+        ctx.watch = watch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.watch.stop()
+        return g, None
+
+
+def fused_plans(attn_plan, mlp_plan):
+    """``(attention plan, MLP plan)`` at the attention's K for the fused program, or None where
+    the sublayers' plans do not fuse (module docstring)."""
+    k = attn_plan.num_tiles
+    if k < 2 or any(p.decomposition != "batch" or p.regather for p in (attn_plan, mlp_plan)):
+        return None
+    return (replace(attn_plan, buckets_fwd=(), buckets_bwd=()),
+            replace(mlp_plan, num_tiles=k, buckets_fwd=(), buckets_bwd=()))
