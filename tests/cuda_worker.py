@@ -596,6 +596,44 @@ def check_block(rank, ws, dev):
     return fails
 
 
+def check_fused_block(rank, ws, dev):
+    """The fused block program (``fused_block.py``: attention and MLP at K=2 in one program, on the
+    layers' streams and NCCL) in float32 against the float64 dense block, forward and gradients,
+    for every call of the block's verification (fused and in turn) and the call after it."""
+    from block_reference import EPS, NKV, NQ, THETA, make_case, reference
+    from overlap_layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock, finalize_grads
+    from overlap_layers.layers.planned import TilePlan
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails, group = 0, dist.group.WORLD
+    c = make_case(8, S=4 * ws, norm="layernorm")
+    y_ref, g = reference(c)
+    f = lambda t: t.to(dev, torch.float32)  # noqa: E731
+    attn = OverlapAttention.from_dense(f(c["wq"]), f(c["wk"]), f(c["wv"]), f(c["wo"]), num_heads=NQ,
+                                       num_kv_heads=NKV, group=group, rope_theta=THETA, num_tiles="auto")
+    mlp = OverlapMLP.from_dense(f(c["w_in"]), f(c["w_out"]), group=group, activation="swiglu", num_tiles="auto")
+    blk = OverlapTransformerBlock.from_layers(attn, mlp, norm=c["norm"], norm_eps=EPS, attn_norm_weight=f(c["an_w"]),
+                                              mlp_norm_weight=f(c["mn_w"]), attn_norm_bias=f(c["an_b"]),
+                                              mlp_norm_bias=f(c["mn_b"]))
+    for sub in (attn, mlp):
+        sub.settled_plan = lambda *a: TilePlan(2)
+    own = slice(rank * 4, (rank + 1) * 4)
+    seen = set()
+    for _ in range(2 * 2 * 3 + 1):
+        blk.zero_grad(set_to_none=True)
+        x = f(c["x"][:, own]).requires_grad_()
+        y = blk(x)
+        y.backward(f(c["dy"][:, own]))
+        finalize_grads(blk)
+        seen.add(blk.plan.label)
+        pairs = [("y", y, y_ref[:, own]), ("dx", x.grad, g["x"][:, own]),
+                 ("attn_norm", blk.attn_norm.weight.grad, g["an_w"]), ("mlp_norm", blk.mlp_norm.bias.grad, g["mn_b"])]
+        fails += count_fails(rank, f"fused block ({blk.plan.label})", pairs, 1e-4)
+    if "fused K=2" not in seen:
+        fails += 1
+        print(f"rank {rank} FAIL the fused block never ran fused: {seen}", flush=True)
+    return fails
+
+
 def _graphed_step(layer, x, dy):
     """A CUDA graph of one forward+backward of ``layer`` on static ``x`` / ``dy`` (after two eager
     warm-up steps on a side stream); returns (graph, y, grads of x and the parameters)."""
@@ -720,7 +758,7 @@ def main():
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
         + check_moe_and_ulysses(rank, ws, dev) + check_half_router_logits(rank, ws, dev) \
-        + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
+        + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)

@@ -52,7 +52,7 @@ class BlockBench:
         if k == "auto":
             for _ in range(64):
                 run()
-                if not any(sub.verifying for sub in self._sublayers()):
+                if not self.layer.verifying:  # the sublayers' plans, then the block's (fused or in turn)
                     break
         return run
 
@@ -64,7 +64,10 @@ class BlockBench:
 
     def plan_info(self) -> dict:
         a, m = (sub.plan for sub in self._sublayers())
-        return dict(k=f"{a.label} + {m.label}", attention_plan=a.label, mlp_plan=m.label,
+        fused = self.layer.plan is not None and self.layer.plan.fused
+        return dict(k=self.layer.plan.label if fused else f"{a.label} + {m.label}", attention_plan=a.label,
+                    mlp_plan=m.label, block_plan=self.layer.plan.label if self.layer.plan else None,
+                    block_reason=self.layer.plan.reason if self.layer.plan else None,
                     decomposition="rank" if a.decomposition == m.decomposition == "rank" else "batch",
                     transport=a.transport if a.transport == m.transport else "mixed")
 

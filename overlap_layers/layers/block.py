@@ -187,7 +187,8 @@ class OverlapTransformerBlock(nn.Module):
         """The block's own plans: fused or in turn, per shape ([Note: fused block])."""
         self._plans: Optional[PlanCache] = None  # made at the first call that may fuse
         self._plans_agreement = None  # the attention's agreement the plans were made with
-        self.plan: Optional[BlockPlan] = None
+        self.plan: Optional[BlockPlan] = None  # the last call's, where it asked (None: sublayers in turn)
+        self._verifying = False  # whether the block's own verification is pending after the last call
 
     @property
     def hidden_size(self) -> int:
@@ -207,6 +208,7 @@ class OverlapTransformerBlock(nn.Module):
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
         attn, n1 = self.attention, self.attn_norm(x)
+        self.plan, self._verifying = None, False
         if not self._may_fuse(x):
             h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
                          attention_mask=attention_mask)
@@ -227,7 +229,15 @@ class OverlapTransformerBlock(nn.Module):
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()
+        fusable = self._fusable(x, agreed)  # the sublayers may have settled in this call
+        self._verifying = fusable is not None and (self._plans is None or self._plans.settled(fusable[0]) is None)
         return BackwardStart.apply(y, trial.bwd) if timed_bwd else y
+
+    @property
+    def verifying(self) -> bool:
+        """Whether the next call of the last call's shape may still run another plan: a sublayer
+        verifies its plan, or the block times the fused program against the sublayers in turn."""
+        return self.attention.verifying or self.mlp.verifying or self._verifying
 
     # ----------------------------------------------------------------- the fused program
     def _may_fuse(self, x) -> bool:
@@ -251,15 +261,10 @@ class OverlapTransformerBlock(nn.Module):
         """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its
         sublayers in turn without asking ([Note: fused block] in ``fused_block.py``). Decided from
         agreed values and the sublayers' plan caches, so equal on every rank."""
-        attn, mlp = self.attention, self.mlp
-        shape, dtype, save, fixed = agreed
-        if fixed is not None or attn._capturing or self._mlp_saves(x) != save:
+        fusable = self._fusable(x, agreed)
+        if fusable is None:
             return None, None, None
-        plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
-        both = None if None in plans else fused_plans(*plans)
-        if both is None:
-            return None, None, None
-        key = (shape, dtype, save, both[0].digest(), both[1].digest())
+        attn, (key, both) = self.attention, fusable
         k = both[0].num_tiles
         if self._plans is None or self._plans_agreement is not attn._agreement:  # new sublayers: new plans
             self._plans_agreement = attn._agreement
@@ -269,6 +274,17 @@ class OverlapTransformerBlock(nn.Module):
             lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
         self.plan = plan
         return plan, trial, both
+
+    def _fusable(self, x, agreed):
+        """``(the block's plan key, the sublayers' plans at the attention's K)`` where the
+        sublayers have settled plans that fuse for this call, else None."""
+        attn, mlp = self.attention, self.mlp
+        shape, dtype, save, fixed = agreed
+        if fixed is not None or attn._capturing or self._mlp_saves(x) != save:  # else: one trains, one not
+            return None
+        plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
+        both = None if None in plans else fused_plans(*plans)
+        return None if both is None else ((shape, dtype, save, both[0].digest(), both[1].digest()), both)
 
     def _fused(self, x, n1, agreed, plans, position_ids, position_embeddings) -> torch.Tensor:
         """One call of :class:`~overlap_layers.layers.fused_block.FusedBlock` with the sublayers'
