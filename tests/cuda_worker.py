@@ -597,8 +597,8 @@ def check_block(rank, ws, dev):
 
 
 def check_fused_block(rank, ws, dev):
-    """The fused block program (``fused_block.py``: attention and MLP at K=2 in one program, on the
-    layers' streams and NCCL) in float32 against the float64 dense block, forward and gradients,
+    """The fused block program (``fused_block.py``: the attention at K=2, each tile two MLP tiles, in
+    one program on the layers' streams and NCCL) in float32 against the float64 dense block, forward and gradients,
     for every call of the block's verification (fused and in turn) and the call after it."""
     from block_reference import EPS, NKV, NQ, THETA, make_case, reference
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock, finalize_grads
@@ -614,8 +614,8 @@ def check_fused_block(rank, ws, dev):
     blk = OverlapTransformerBlock.from_layers(attn, mlp, norm=c["norm"], norm_eps=EPS, attn_norm_weight=f(c["an_w"]),
                                               mlp_norm_weight=f(c["mn_w"]), attn_norm_bias=f(c["an_b"]),
                                               mlp_norm_bias=f(c["mn_b"]))
-    for sub in (attn, mlp):
-        sub.settled_plan = lambda *a: TilePlan(2)
+    attn.settled_plan = lambda *a: TilePlan(2)
+    mlp.settled_plan = lambda *a: TilePlan(4)  # two MLP tiles in each of the attention's
     own = slice(rank * 4, (rank + 1) * 4)
     seen = set()
     for _ in range(2 * 2 * 3 + 1):

@@ -166,7 +166,7 @@ def test_block_with_mesh_holds_dtensors_and_equals_group_block(pool2, moe, sp):
 
 
 # ------------------------------------------------------------------ the fused program ([Note: fused block])
-def run_fused(rank, ws, c, calls):
+def run_fused(rank, ws, c, calls, mlp_k=2):
     """``calls`` calls (forward and backward) of a block whose sublayers report settled K=2 plans,
     with the block's verification over one trial each: the block times the fused program against
     its sublayers in turn, so both run. Per call: the block's plan, y and the gradients, and the
@@ -174,8 +174,8 @@ def run_fused(rank, ws, c, calls):
     from overlap_layers.layers.planned import TilePlan
     from overlap_layers.layers.planning import PlanCache
     blk = build(c, True, "auto")
-    for sub in (blk.attention, blk.mlp):
-        sub.settled_plan = lambda *a: TilePlan(2)
+    blk.attention.settled_plan = lambda *a: TilePlan(2)
+    blk.mlp.settled_plan = lambda *a: TilePlan(mlp_k)
     blk._plans_agreement = blk.attention._agreement
     blk._plans = PlanCache(blk.attention._agreement, trials=1)
     S = c["x"].shape[1]
@@ -198,21 +198,30 @@ def run_fused(rank, ws, c, calls):
     return out
 
 
-@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
-def test_fused_block_matches_dense_block(pool2, norm):
-    """The fused program (both sublayers at K=2 in one program) equals the dense block, forward and
-    gradients, and runs the seam in the interleaved order: the attention's reduce-scatter of tile 0,
-    then the MLP's all-gather of tile 0, before the attention's reduce-scatter of tile 1."""
+FUSED_ORDER = {  # the collectives of a fused call in launch order, forward then backward
+    2: ["a.ag[0]", "a.ag[1]", "a.rs[0]", "m0.ag[0]", "a.rs[1]", "m0.ag[1]", "m0.rs[0]", "m0.rs[1]",
+        "m0.ag_dy[0]", "m0.ag_dy[1]", "m0.rs_dx[0]", "a.ag_dy[0]", "m0.rs_dx[1]", "a.ag_dy[1]", "a.rs_dx[0]",
+        "a.rs_dx[1]"],
+    4: ["a.ag[0]", "a.ag[1]", "a.rs[0]", "m0.ag[0]", "m1.ag[0]", "a.rs[1]", "m0.ag[1]", "m1.ag[1]",
+        "m0.rs[0]", "m0.rs[1]", "m1.rs[0]", "m1.rs[1]",
+        "m0.ag_dy[0]", "m1.ag_dy[0]", "m0.ag_dy[1]", "m1.ag_dy[1]", "m0.rs_dx[0]", "m0.rs_dx[1]",
+        "m1.rs_dx[0]", "a.ag_dy[0]", "m1.rs_dx[1]", "a.ag_dy[1]", "a.rs_dx[0]", "a.rs_dx[1]"]}
+
+
+@pytest.mark.parametrize("norm,mlp_k", [("rmsnorm", 2), ("layernorm", 2), ("rmsnorm", 4)])
+def test_fused_block_matches_dense_block(pool2, norm, mlp_k):
+    """The fused program (the attention at K=2, each of its tiles one or two MLP tiles) equals the
+    dense block, forward and gradients, and runs the seam in the interleaved order: the
+    attention's reduce-scatter of tile 0, then the MLP's all-gathers of tile 0, before the
+    attention's reduce-scatter of tile 1 (backward: the MLP's last dx reduce-scatter of a tile,
+    then the attention's all-gather of that tile's dy)."""
     c = make_case(3, norm=norm)
-    res = pool2.run(run_fused, c, 5)
+    res = pool2.run(run_fused, c, 5, mlp_k)
     labels = [r["plan"] for r in res[0]]  # each contender twice (the second call timed), then the faster
     assert labels[:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2 and labels[4] in labels[:4], labels
     for i, label in enumerate(labels):
         check([r[i] for r in res], c, True)
         if label == "fused K=2":
-            assert res[0][i]["comms"] == ["a.ag[0]", "a.ag[1]", "a.rs[0]", "m.ag[0]", "a.rs[1]", "m.ag[1]",
-                                          "m.rs[0]", "m.rs[1]",  # forward, then backward:
-                                          "m.ag_dy[0]", "m.ag_dy[1]", "m.rs_dx[0]", "a.ag_dy[0]", "m.rs_dx[1]",
-                                          "a.ag_dy[1]", "a.rs_dx[0]", "a.rs_dx[1]"]
+            assert res[0][i]["comms"] == FUSED_ORDER[mlp_k]
         else:
             assert not any(n.startswith(("a.", "m.")) for n in res[0][i]["comms"])

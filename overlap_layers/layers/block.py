@@ -283,7 +283,7 @@ class OverlapTransformerBlock(nn.Module):
         if fixed is not None or attn._capturing or self._mlp_saves(x) != save:  # else: one trains, one not
             return None
         plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
-        both = None if None in plans else fused_plans(*plans)
+        both = None if None in plans else fused_plans(*plans, tile_rows=shape[0] // plans[0].num_tiles * shape[1])
         return None if both is None else ((shape, dtype, save, both[0].digest(), both[1].digest()), both)
 
     def _fused(self, x, n1, agreed, plans, position_ids, position_embeddings) -> torch.Tensor:

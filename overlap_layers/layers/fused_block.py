@@ -89,6 +89,7 @@ class FusedCall:
 
     def __init__(self, attn: AttentionCall, mlp: MLPCall, norm_kind: str, eps: float) -> None:
         self.attn, self.mlp, self.norm_kind, self.eps = attn, mlp, norm_kind, eps
+        self.sub = mlp.plan.num_tiles // attn.plan.num_tiles  # MLP tiles per block tile
         self.group, self.streams, self.save = attn.group, attn.streams, attn.save
         self.launch_log, self.trial, self.trace = attn.launch_log, None, None
         self.plan = _Carved(attn.plan, mlp.plan)
@@ -105,6 +106,15 @@ class _Carved:
         return max(self.attn.carved_sms(backward), self.mlp.carved_sms(backward))
 
 
+def _split(program: TileProgram, sub: int) -> tuple:
+    """``sub`` copies of the MLP's SP ``program`` (scoped ``m0.``, ``m1.``, ...) in one block
+    tile: every copy's opening all-gather, then each copy's ops up to its closing wait, then the
+    closing waits, so the copies pipeline inside the tile as the MLP's own tiles would."""
+    assert program.ops[0].kind == "comm" and program.ops[-1].kind == "wait", program.name
+    copies = [scoped(program, f"m{j}.") for j in range(sub)]
+    return (*(c[0] for c in copies), *(op for c in copies for op in c[1:-1]), *(c[-1] for c in copies))
+
+
 def _forward_program(c: FusedCall, w: dict, bounds) -> TileProgram:
     def residual_norm(env):
         y = env.pop("a.y")
@@ -114,18 +124,22 @@ def _forward_program(c: FusedCall, w: dict, bounds) -> TileProgram:
             with recording_graph():
                 n2 = norm(c.norm_kind, leaf, w["n2w"], w["n2b"], c.eps)
             env["n2_leaf"], env["n2"] = leaf, n2
-            env["m.x"] = n2.detach()
+            n2 = n2.detach()
         else:
-            env["m.x"] = norm(c.norm_kind, h, w["n2w"], w["n2b"], c.eps)
+            n2 = norm(c.norm_kind, h, w["n2w"], w["n2b"], c.eps)
+        for j, (a, b) in enumerate(env["m.rows"]):
+            env[f"m{j}.x"] = n2[a:b]
         env["h"] = h
 
     def residual(env):
-        m = env.pop("m.y")
+        for j in range(c.sub):
+            env.pop(f"m{j}.y")  # written into m.out by the reduce-scatters
+        m = env.pop("m.out")
         torch.add(env.pop("h"), m if w["b_out"] is None else m + w["b_out"], out=env.pop("y_out"))
 
     attn = attention_forward(c.attn, w["w_qkv"], w["b_qkv"], w["w_o"], bounds)
-    mlp = mlp_forward(c.mlp, w["w_in"], w["b_in"], w["w_out"])
-    return TileProgram("block", (*scoped(attn, "a."), compute("residual_norm", residual_norm), *scoped(mlp, "m."),
+    mlp = _split(mlp_forward(c.mlp, w["w_in"], w["b_in"], w["w_out"]), c.sub)
+    return TileProgram("block", (*scoped(attn, "a."), compute("residual_norm", residual_norm), *mlp,
                                  compute("residual", residual)))
 
 
@@ -134,6 +148,8 @@ def _backward_program(c: FusedCall, w: dict, grads: dict) -> TileProgram:
     norm_params = [p for p in (w["n2w"], w["n2b"]) if p is not None]
 
     def norm_backward(env):
+        for j in range(c.sub):
+            env.pop(f"m{j}.dx")  # written into m.dx by the reduce-scatters
         dm, dy = env.pop("m.dx"), env["dy"]
         got = torch.autograd.grad(env.pop("n2"), [env.pop("n2_leaf"), *norm_params], dm)
         dh = dy + got[0]
@@ -148,7 +164,7 @@ def _backward_program(c: FusedCall, w: dict, grads: dict) -> TileProgram:
     mlp = mlp_backward(c.mlp, w["w_in"], w["w_out"], grads["mlp"], w["b_in"] is not None)
     norms = [p for p in (w["q_norm"], w["k_norm"]) if p is not None]
     attn = attention_backward(c.attn, w["w_qkv"], w["w_o"], grads["attn"], norms)
-    return TileProgram("block_bwd", (*scoped(mlp, "m."), compute("norm_backward", norm_backward, chain="block"),
+    return TileProgram("block_bwd", (*_split(mlp, c.sub), compute("norm_backward", norm_backward, chain="block"),
                                      *scoped(attn, "a.")))
 
 
@@ -165,13 +181,22 @@ class FusedBlock(torch.autograd.Function):
         T, H = x_TH.shape
         bounds = tile_bounds(c.attn.batch, c.attn.plan.num_tiles)
         attn_out, mlp_out, out = (x_TH.new_empty((T, H)) for _ in range(3))
-        envs = [{"a.tile": i, "a.x": n1_TH[b0 * s:b1 * s], "a.y_out": attn_out[b0 * s:b1 * s], "x": x_TH[b0 * s:b1 * s],
-                 "m.y_out": mlp_out[b0 * s:b1 * s], "y_out": out[b0 * s:b1 * s]} for i, (b0, b1) in enumerate(bounds)]
+        # the MLP's rows in each block tile (every tile has at least c.sub rows: fused_plans)
+        rows = [tile_bounds((b1 - b0) * s, c.sub) for b0, b1 in bounds]
+        envs = []
+        for i, (b0, b1) in enumerate(bounds):
+            r = slice(b0 * s, b1 * s)
+            env = {"a.tile": i, "a.x": n1_TH[r], "a.y_out": attn_out[r], "x": x_TH[r], "y_out": out[r],
+                   "m.out": mlp_out[r], "m.rows": rows[i]}
+            env.update((f"m{j}.y_out", mlp_out[r][a:b]) for j, (a, b) in enumerate(rows[i]))
+            envs.append(env)
         sched = round_robin(_forward_program(c, w, bounds), len(bounds), join=("a.rs",))
         run_tiles(c, sched, envs, "block", backward=False, device=x_TH.device)
         if c.save:
-            ctx.envs = [{k: e[k] for k in ("a.o_in", "a.leaf", "a.o", "a.xg", "m.pre", "m.xg", "n2", "n2_leaf")}
-                        for e in envs]
+            keys = ("a.o_in", "a.leaf", "a.o", "a.xg", "n2", "n2_leaf",
+                    *(f"m{j}.{k}" for j in range(c.sub) for k in ("pre", "xg")))
+            ctx.envs = [{k: e[k] for k in keys} for e in envs]
+            ctx.rows = rows
             ctx.w, ctx.call, ctx.bounds = w, c, bounds
         return out
 
@@ -191,12 +216,16 @@ class FusedBlock(torch.autograd.Function):
             if w[key] is not None:
                 grads["attn"][f"norm{i}"] = like(key)
         envs = []
-        for (b0, b1), e in zip(bounds, saved):
-            rows = slice(b0 * s, b1 * s)
-            envs.append({**e, "dy": dy_TH[rows], "m.dy": dy_TH[rows], "m.dx_out": dy_TH.new_empty((rows.stop - rows.start, H)),
-                         "dh_out": dh_TH[rows], "a.dx_out": dn1_TH[rows]})
+        for (b0, b1), e, rows in zip(bounds, saved, ctx.rows):
+            r = slice(b0 * s, b1 * s)
+            dm = dy_TH.new_empty((r.stop - r.start, H))
+            env = {**e, "dy": dy_TH[r], "m.dx": dm, "dh_out": dh_TH[r], "a.dx_out": dn1_TH[r]}
+            for j, (a, b) in enumerate(rows):
+                env[f"m{j}.dy"], env[f"m{j}.dx_out"] = dy_TH[r][a:b], dm[a:b]
+            envs.append(env)
         del saved
-        sched = round_robin(_backward_program(c, w, grads), len(bounds), join=("m.rs_dx",))
+        sched = round_robin(_backward_program(c, w, grads), len(bounds),
+                            join=tuple(f"m{j}.rs_dx" for j in range(c.sub)))
         run_tiles(c, sched, envs, "block_bwd", backward=True, device=dy_TH.device)
         ga, gm = grads["attn"], grads["mlp"]
         out = {"w_qkv": ga["w_qkv"], "b_qkv": ga["b_qkv"], "w_o": ga["w_o"], "q_norm": ga.get("norm0"),
@@ -238,11 +267,13 @@ class BackwardStop(torch.autograd.Function):
         return g, None
 
 
-def fused_plans(attn_plan, mlp_plan):
-    """``(attention plan, MLP plan)`` at the attention's K for the fused program, or None where
-    the sublayers' plans do not fuse (module docstring)."""
+def fused_plans(attn_plan, mlp_plan, tile_rows: int):
+    """``(attention plan, MLP plan)`` for the fused program, or None where the sublayers' plans do
+    not fuse (module docstring): the attention's K block tiles, each of ``K_mlp // K`` MLP tiles
+    (at least 1, at most ``tile_rows``, the smallest block tile's rows)."""
     k = attn_plan.num_tiles
     if k < 2 or any(p.decomposition != "batch" or p.regather for p in (attn_plan, mlp_plan)):
         return None
+    sub = max(1, min(mlp_plan.num_tiles // k, tile_rows))
     return (replace(attn_plan, buckets_fwd=(), buckets_bwd=()),
-            replace(mlp_plan, num_tiles=k, buckets_fwd=(), buckets_bwd=()))
+            replace(mlp_plan, num_tiles=k * sub, buckets_fwd=(), buckets_bwd=()))

@@ -111,11 +111,12 @@ def segments(program: TileProgram, join: Collection[str] = ()) -> Tuple[Tuple[in
 def scoped(program: TileProgram, prefix: str) -> Tuple[Op, ...]:
     """``program``'s ops with every environment key and handle prefixed by ``prefix``: compute
     ops see the tile's environment through :class:`Scope` (key ``k`` is ``prefix + k``), so two
-    programs' ops can run in one program on one environment per tile."""
+    programs' ops can run in one program on one environment per tile. Chains keep their names:
+    copies of one program share its accumulators, whose order the chain keeps across streams."""
     def one(op: Op) -> Op:
         if op.kind == "compute":
             return Op("compute", prefix + op.name, fn=lambda env, fn=op.fn: fn(Scope(env, prefix)),
-                      cost_key=op.cost_key, chain=prefix + op.chain if op.chain else None)
+                      cost_key=op.cost_key, chain=op.chain)
         name = (lambda k: prefix + k if k else k)
         return Op(op.kind, prefix + op.name, collective=op.collective, handle=name(op.handle), src=name(op.src),
                   dst=name(op.dst), out=name(op.out), cost_key=op.cost_key)
