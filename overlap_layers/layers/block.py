@@ -17,10 +17,13 @@ slice is its own tokens; without it the replicated tokens are split across the g
 dispatch and gathered after (:mod:`overlap_layers.layers.tokens`).
 
 Each sublayer plans and overlaps its own collectives (its tiles, its K, or its rank chunks).
-Scheduling the two sublayers as one tiled program, so the attention's last reduce-scatter hides
-under the MLP's first tile, is not done: the block runs them one after the other. With rank
-chunks (sequence parallel, copy engine) each sublayer starts and ends on its own rows, which
-hides most of that fill and drain inside the sublayer.
+Where both run batch tiles over NCCL (sequence parallel, dense MLP), the block also times the two
+as one tiled program (``fused_block.py``, [Note: fused block]): the attention's tiles, each with
+its share of the MLP's tiles, so the attention's last reduce-scatter runs under the MLP's first
+tiles and, backward, the MLP's last dx reduce-scatter under the attention's first; it keeps that
+program where it wins by more than ``config.margin``. With rank chunks (sequence parallel, copy
+engine) each sublayer starts and ends on its own rows, which hides most of that fill and drain
+inside the sublayer.
 
 Gradients: the norms' weights (and LayerNorm biases) are replicated. Under sequence parallelism
 each rank's gradient covers its own positions only, a tensor-parallel partial; the MoE router and
