@@ -225,3 +225,70 @@ def test_fused_block_matches_dense_block(pool2, norm, mlp_k):
             assert res[0][i]["comms"] == FUSED_ORDER[mlp_k]
         else:
             assert not any(n.startswith(("a.", "m.")) for n in res[0][i]["comms"])
+
+
+def run_fused_biases(rank, ws, calls):
+    """A block whose attention and MLP have biases (randomly drawn, the same on every rank), the
+    sublayers reporting settled K=2 plans: per call, the plan, y and every gradient."""
+    from overlap_layers.layers.planned import TilePlan
+    torch.manual_seed(5)
+    group = dist.group.WORLD
+    attn = OverlapAttention(H, NQ, NKV, group=group, rope_theta=THETA, bias=True, dtype=torch.float64)
+    mlp = OverlapMLP(H, F, group=group, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        for p in (*attn.parameters(), *mlp.parameters()):
+            p.normal_(0, 0.3)  # biases of 0 would hide a missing bias
+    blk = OverlapTransformerBlock.from_layers(attn, mlp, norm="layernorm")
+    attn.settled_plan = mlp.settled_plan = lambda *a: TilePlan(2)
+    gen = torch.Generator().manual_seed(6)
+    x0 = torch.randn(2, 8 // ws, H, generator=gen, dtype=torch.float64)
+    dy = torch.randn(2, 8 // ws, H, generator=gen, dtype=torch.float64)
+    out = []
+    for _ in range(calls):
+        blk.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = blk(x)
+        y.backward(dy)
+        out.append(dict(plan=blk.plan.label, y=y.detach(), dx=x.grad,
+                        grads={n: p.grad.clone() for n, p in blk.named_parameters()}))
+    return out
+
+
+def test_fused_block_biases_equal_the_sublayers_in_turn(pool2):
+    """With every bias (q, k, v, o, the MLP's in and out, LayerNorm's), the fused calls give the
+    y and gradients of the calls that ran the sublayers in turn (checked against dense blocks
+    above and, with biases, per sublayer in their own tests)."""
+    res = pool2.run(run_fused_biases, 5)
+    for r in res:
+        fused = [c for c in r if c["plan"] == "fused K=2"]
+        turn = [c for c in r if c["plan"] == "sublayers in turn"]
+        assert fused and turn
+        ref = turn[0]
+        for c in fused:
+            assert torch.allclose(c["y"], ref["y"], rtol=1e-10, atol=1e-12)
+            assert torch.allclose(c["dx"], ref["dx"], rtol=1e-10, atol=1e-12)
+            assert ref["grads"].keys() == c["grads"].keys()
+            for n, g in ref["grads"].items():
+                assert torch.allclose(c["grads"][n], g, rtol=1e-10, atol=1e-12), n
+
+
+def run_hooked(rank, ws):
+    """A block whose attention carries a forward pre-hook (as FSDP2's unsharding does), with the
+    sublayers reporting settled K=2 plans: the block's plan per call and the hook's call count."""
+    from overlap_layers.layers.planned import TilePlan
+    blk = build(make_case(1), True, "auto")
+    blk.attention.settled_plan = blk.mlp.settled_plan = lambda *a: TilePlan(2)
+    seen = []
+    blk.attention.register_forward_pre_hook(lambda m, args: seen.append(1))
+    plans = []
+    for _ in range(5):
+        x = torch.randn(2, 8 // ws, H, dtype=torch.float64, requires_grad=True)
+        blk(x).sum().backward()
+        plans.append(blk.plan)
+    return plans, len(seen)
+
+
+def test_block_with_hooked_sublayer_runs_them_in_turn(pool2):
+    """A sublayer with module hooks is always called as a module: the block never fuses it."""
+    for plans, hooked in pool2.run(run_hooked):
+        assert plans == [None] * 5 and hooked == 5

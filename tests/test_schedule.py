@@ -25,6 +25,37 @@ def test_round_robin_k2_by_hand():
                      "wait_rs[0]", "wait_rs[1]")
 
 
+def test_join_launches_past_a_wait_within_the_round():
+    """A wait on a joined handle opens no round: tile 0's ops after its reduce-scatter's wait
+    launch before tile 1's reduce-scatter (the fused block's seam)."""
+    assert segments(mlp_like(), join=("rs",)) == ((0,), (1, 2, 3, 4, 5))
+    order = round_robin(mlp_like(), 2, join=("rs",)).describe()
+    assert order == ("ag[0]", "ag[1]",
+                     "wait_ag[0]", "fc1[0]", "fc2[0]", "rs[0]", "wait_rs[0]",
+                     "wait_ag[1]", "fc1[1]", "fc2[1]", "rs[1]", "wait_rs[1]")
+    with pytest.raises(ValueError, match="joined"):
+        round_robin(mlp_like(), 2, join=("rs",), buckets={"rs": ((0, 1),)})
+
+
+def test_scoped_programs_share_one_environment():
+    """Two scoped copies of a program run on one environment without touching each other's keys:
+    compute ops see their prefix's keys, comm and wait ops name prefixed handles and keys."""
+    from overlap_layers.schedule import Scope, scoped
+
+    def double(env):
+        env["y"] = 2 * env.pop("x")
+    prog = TileProgram("p", (comm("ag", "all_gather", src="x"), wait("ag", dst="x"), compute("double", double)))
+    a, b = scoped(prog, "a."), scoped(prog, "b.")
+    assert (a[0].handle, a[0].src, a[1].handle, a[1].dst, a[2].name) == ("a.ag", "a.x", "a.ag", "a.x", "a.double")
+    env = {"a.x": 1, "b.x": 10, "other": 0}
+    a[2].fn(env)
+    b[2].fn(env)
+    assert env == {"a.y": 2, "b.y": 20, "other": 0}
+    view = Scope(env, "a.")
+    assert list(view) == ["y"] and len(view) == 1 and "y" in view and "other" not in view
+    TileProgram("both", (*a, *b))  # handles stay distinct
+
+
 def test_round_robin_k3_custom_order():
     order = round_robin(mlp_like(), 3, order=[2, 0, 1]).describe()
     assert order[:3] == ("ag[2]", "ag[0]", "ag[1]")
