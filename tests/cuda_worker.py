@@ -758,7 +758,8 @@ def main():
         + check_mismatch_raises(rank, ws, dev) + check_peak_memory(rank, ws, dev) \
         + check_auto_plan_cache_and_trace(rank, ws, dev) + check_attention(rank, ws, dev) \
         + check_moe_and_ulysses(rank, ws, dev) + check_half_router_logits(rank, ws, dev) \
-        + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
+        + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) \
+        + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)

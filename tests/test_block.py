@@ -188,7 +188,8 @@ def run_fused(rank, ws, c, calls, mlp_k=2):
         y = blk(x)
         (y * c["dy"][:, own]).sum().backward()
         finalize_grads(blk)
-        out.append(dict(plan=blk.plan.label, y=y.detach(), dx=x.grad, an_w=blk.attn_norm.weight.grad,
+        out.append(dict(plan=blk.plan.label, reason=blk.plan.reason, y=y.detach(), dx=x.grad,
+                        an_w=blk.attn_norm.weight.grad,
                         mn_w=blk.mlp_norm.weight.grad,
                         an_b=None if blk.attn_norm.bias is None else blk.attn_norm.bias.grad,
                         mn_b=None if blk.mlp_norm.bias is None else blk.mlp_norm.bias.grad,
@@ -219,6 +220,7 @@ def test_fused_block_matches_dense_block(pool2, norm, mlp_k):
     res = pool2.run(run_fused, c, 5, mlp_k)
     labels = [r["plan"] for r in res[0]]  # each contender twice (the second call timed), then the faster
     assert labels[:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2 and labels[4] in labels[:4], labels
+    assert "verified on the first calls (forward+backward" in res[0][4]["reason"]  # the backward was timed too
     for i, label in enumerate(labels):
         check([r[i] for r in res], c, True)
         if label == "fused K=2":

@@ -217,7 +217,8 @@ class OverlapTransformerBlock(nn.Module):
                          attention_mask=attention_mask)
             return h + self._mlp(self.mlp_norm(h))
         agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
-        plan, trial, subplans = self._block_plan(x, agreed)
+        mlp_saves = self._mlp_saves(x)
+        plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
             trial.bwd = Stopwatch(x.device, trial.fwd.prequeue_ms)
@@ -225,14 +226,14 @@ class OverlapTransformerBlock(nn.Module):
         if trial is not None:
             trial.fwd.start()
         if plan is not None and plan.fused:
-            y = self._fused(x, n1, agreed, subplans, position_ids, position_embeddings)
+            y = self._fused(x, n1, agreed[2], subplans, position_ids, position_embeddings)
         else:
             h = x + attn._planned_call(n1, *agreed, lambda p, t, tr: attn._run(
                 n1, p, agreed[2], position_ids, position_embeddings, t, tr))
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()
-        fusable = self._fusable(x, agreed)  # the sublayers may have settled in this call
+        fusable = self._fusable(agreed, mlp_saves)  # the sublayers may have settled in this call
         self._verifying = fusable is not None and (self._plans is None or self._plans.settled(fusable[0]) is None)
         return BackwardStart.apply(y, trial.bwd) if timed_bwd else y
 
@@ -260,11 +261,11 @@ class OverlapTransformerBlock(nn.Module):
         return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or _in_backward()
                     or (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
 
-    def _block_plan(self, x, agreed):
+    def _block_plan(self, x, agreed, mlp_saves: bool):
         """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its
         sublayers in turn without asking ([Note: fused block] in ``fused_block.py``). Decided from
         agreed values and the sublayers' plan caches, so equal on every rank."""
-        fusable = self._fusable(x, agreed)
+        fusable = self._fusable(agreed, mlp_saves)
         if fusable is None:
             return None, None, None
         attn, (key, both) = self.attention, fusable
@@ -278,22 +279,21 @@ class OverlapTransformerBlock(nn.Module):
         self.plan = plan
         return plan, trial, both
 
-    def _fusable(self, x, agreed):
-        """``(the block's plan key, the sublayers' plans at the attention's K)`` where the
+    def _fusable(self, agreed, mlp_saves: bool):
+        """``(the block's plan key, the sublayers' plans for the fused program)`` where the
         sublayers have settled plans that fuse for this call, else None."""
         attn, mlp = self.attention, self.mlp
         shape, dtype, save, fixed = agreed
-        if fixed is not None or attn._capturing or self._mlp_saves(x) != save:  # else: one trains, one not
+        if fixed is not None or attn._capturing or mlp_saves != save:  # else: one sublayer trains, one not
             return None
         plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
         both = None if None in plans else fused_plans(*plans, tile_rows=shape[0] // plans[0].num_tiles * shape[1])
         return None if both is None else ((shape, dtype, save, both[0].digest(), both[1].digest()), both)
 
-    def _fused(self, x, n1, agreed, plans, position_ids, position_embeddings) -> torch.Tensor:
+    def _fused(self, x, n1, save: bool, plans, position_ids, position_embeddings) -> torch.Tensor:
         """One call of :class:`~overlap_layers.layers.fused_block.FusedBlock` with the sublayers'
-        ``plans`` (the attention's K for both)."""
+        ``plans`` (:func:`~overlap_layers.layers.fused_block.fused_plans`)."""
         attn, mlp = self.attention, self.mlp
-        shape, dtype, save, _ = agreed
         probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
         mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
         _, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = attn._call_tensors(n1, PARAMS)

@@ -6,13 +6,19 @@ dense MLP, per rank on its positions, given ``n1 = attn_norm(x)``::
 
     h = x + attention(n1) (+ bo);   y = h + mlp(mlp_norm(h)) (+ b_out)
 
-Per batch tile of the attention's plan (its K, which the MLP runs too), with the two sublayers'
-own tile programs (``attention.py``, ``mlp.py``) under the prefixes ``a.`` and ``m.``::
+Per batch tile of the attention's plan (its K), with the two sublayers' own tile programs
+(``attention.py``, ``mlp.py``): the attention's under the prefix ``a.``, and the MLP's once per
+MLP tile of the block tile (``K_mlp // K`` of them, :func:`fused_plans`) under ``m0.``, ``m1.``,
+... (their all-gathers first, then each one's body, then their closing waits: the MLP's own
+pipeline inside the block tile)::
 
-    forward   a.ag(n1) | attention | a.rs  ->  h = x + a.y; n2 = mlp_norm(h); m.ag(n2) | MLP | m.rs -> y = h + m.y
-    backward  m.ag(dy) | MLP dgrads | m.rs -> dh = dy + mlp_norm'(m.dx); a.ag(dh) | attention dgrads | a.rs -> dn1 = a.dx
+    forward   a.ag(n1) | attention | a.rs -> h = x + a.y; n2 = mlp_norm(h);
+              m_j.ag(n2 rows j) | MLP | m_j.rs -> y = h + m.y
+    backward  m_j.ag(dy rows j) | MLP dgrads | m_j.rs -> dh = dy + mlp_norm'(m.dx);
+              a.ag(dh) | attention dgrads | a.rs -> dn1 = a.dx
 
-(weight gradients where each sublayer's program puts them). The returned gradients: ``dh`` for
+(weight gradients where each sublayer's program puts them; the MLP copies share its
+accumulators, ordered by their chains). The returned gradients: ``dh`` for
 ``x`` (the residual path) and ``dn1`` for ``n1`` (autograd takes it through ``attn_norm``).
 
 [Note: fused block]
@@ -22,14 +28,18 @@ and the MLP's first all-gather are both exposed at the seam. Here a tile's wait 
 attention's reduce-scatter opens no round of the segmented round-robin (``round_robin(join=)``):
 its residual, norm and the MLP's all-gather launch right after its reduce-scatter, before the
 next tile's, so NCCL runs ``a.rs[t], m.ag[t], a.rs[t+1]`` and the MLP of tile t computes while the
-attention's later reduce-scatters run. The backward joins at the MLP's dx reduce-scatter the same
-way. With the attention communication-bound and the MLP compute-bound (NCCL over host memory,
-llama3-8b), the block's limit is far below the sum of its sublayers' limits; only a program that
-overlaps across the seam gets near it.
+attention's later reduce-scatters run. The backward joins at the MLP's dx reduce-scatters the
+same way. With the attention communication-bound and the MLP compute-bound (NCCL over host
+memory), the block's limit is well below the sum of its sublayers' limits; only a program that
+overlaps across the seam can get near it. Measured with P2P disabled on 2x H200 (TP 2,
+bench/results/session23_h200x2_2026-11-26.md): llama3-70b forward 6.3% and fwd+bwd 3.6% faster
+than the sublayers in turn; at 8b (communication-bound in both passes) a tie, so the block keeps
+them in turn. With the MLP at the attention's K (no MLP tiles inside the block tiles) the fused
+program only tied: the MLP lost its own overlap.
 
 The block decides at the first calls of a shape, once both sublayers have settled their plans,
-by timing both (:class:`~overlap_layers.layers.planning.PlanCache`): fused, with the attention's
-K, against the sublayers one after the other with their own plans; the fused program must win
+by timing both (:class:`~overlap_layers.layers.planning.PlanCache`): fused against the
+sublayers one after the other with their own plans; the fused program must win
 by more than ``config.margin``. It is tried only where both sublayers run batch tiles over NCCL
 (K >= 2, no re-gather): rank chunks start and end on their own rows already.
 """
