@@ -46,7 +46,7 @@ from .attention import OverlapAttention
 from .attention import _Call as AttentionCall
 from .attention_common import PARAMS
 from .attention_common import cos_sin as cos_sin_of
-from .fused_block import BackwardStart, BackwardStop, BlockPlan, FusedBlock, FusedCall, fused_plans
+from .fused_block import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans
 from .mlp import OverlapMLP
 from .mlp import _Call as MLPCall
 from .moe import OverlapMoE
@@ -222,7 +222,7 @@ class OverlapTransformerBlock(nn.Module):
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
             trial.bwd = Stopwatch(x.device, trial.fwd.prequeue_ms)
-            n1 = BackwardStop.apply(n1, trial.bwd)
+            n1 = OnBackward.apply(n1, trial.bwd.stop)
         if trial is not None:
             trial.fwd.start()
         if plan is not None and plan.fused:
@@ -235,7 +235,7 @@ class OverlapTransformerBlock(nn.Module):
             trial.fwd.stop()
         fusable = self._fusable(agreed, mlp_saves)  # the sublayers may have settled in this call
         self._verifying = fusable is not None and (self._plans is None or self._plans.settled(fusable[0]) is None)
-        return BackwardStart.apply(y, trial.bwd) if timed_bwd else y
+        return OnBackward.apply(y, trial.bwd.start) if timed_bwd else y
 
     @property
     def verifying(self) -> bool:

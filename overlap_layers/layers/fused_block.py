@@ -47,13 +47,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..schedule import TileProgram, compute, round_robin, scoped
-from ..runtime.timing import Stopwatch
 from .attention import _backward_program as attention_backward
 from .attention import _Call as AttentionCall
 from .attention import _forward_program as attention_forward
@@ -249,31 +248,18 @@ class FusedBlock(torch.autograd.Function):
 WEIGHTS = ("w_qkv", "b_qkv", "w_o", "q_norm", "k_norm", "bo", "n2w", "n2b", "w_in", "b_in", "w_out", "b_out")
 
 
-class BackwardStart(torch.autograd.Function):
-    """The identity, whose backward starts ``watch`` (the block's backward begins at its output)."""
+class OnBackward(torch.autograd.Function):
+    """The identity, whose backward calls ``hook()`` when the gradient reaches it (the block times
+    its backward from its output's gradient to its input's with a stopwatch's start and stop)."""
 
     @staticmethod
-    def forward(ctx, y, watch: Stopwatch):
-        ctx.watch = watch
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.watch.start()
-        return g, None
-
-
-class BackwardStop(torch.autograd.Function):
-    """The identity, whose backward stops ``watch`` (the block's backward ends at its input)."""
-
-    @staticmethod
-    def forward(ctx, x, watch: Stopwatch):
-        ctx.watch = watch
-        return x.view_as(x)
+    def forward(ctx, t, hook: Callable[[], None]):
+        ctx.hook = hook
+        return t.view_as(t)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.watch.stop()
+        ctx.hook()
         return g, None
 
 
