@@ -122,8 +122,9 @@ def round_robin(program: TileProgram, num_tiles: int, *,
                     else:
                         launches.append(Launch(t, i, ()))
                 elif op.kind == "wait":
-                    # A wait opens a later segment than its comm, and every tile finishes a
-                    # round before the next starts, so the bucket is always out by now.
+                    # A wait opens a later segment than its comm (a joined one follows it in the
+                    # same segment, unbucketed), and every tile finishes a round before the next
+                    # starts, so the bucket is always out by now.
                     assert (op.handle, t) in issued, (op.handle, t)
                     launches.append(Launch(t, i))
                 else:
