@@ -166,7 +166,7 @@ def test_block_with_mesh_holds_dtensors_and_equals_group_block(pool2, moe, sp):
 
 
 # ------------------------------------------------------------------ the fused program ([Note: fused block])
-def run_fused(rank, ws, c, calls, mlp_k=2):
+def run_fused(rank, ws, c, calls, mlp_k=2, grad=True):
     """``calls`` calls (forward and backward) of a block whose sublayers report settled K=2 plans,
     with the block's verification over one trial each: the block times the fused program against
     its sublayers in turn, so both run. Per call: the block's plan, y and the gradients, and the
@@ -184,10 +184,12 @@ def run_fused(rank, ws, c, calls, mlp_k=2):
     for _ in range(calls):
         blk.zero_grad()
         log = blk.attention.launch_log = []
-        x = c["x"][:, own].clone().requires_grad_()
-        y = blk(x)
-        (y * c["dy"][:, own]).sum().backward()
-        finalize_grads(blk)
+        x = c["x"][:, own].clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = blk(x)
+        if grad:
+            (y * c["dy"][:, own]).sum().backward()
+            finalize_grads(blk)
         out.append(dict(plan=blk.plan.label, reason=blk.plan.reason, y=y.detach(), dx=x.grad,
                         an_w=blk.attn_norm.weight.grad,
                         mn_w=blk.mlp_norm.weight.grad,
@@ -209,14 +211,15 @@ FUSED_ORDER = {  # the collectives of a fused call in launch order, forward then
         "m1.rs_dx[0]", "a.ag_dy[0]", "m1.rs_dx[1]", "a.ag_dy[1]", "a.rs_dx[0]", "a.rs_dx[1]"]}
 
 
-@pytest.mark.parametrize("norm,mlp_k", [("rmsnorm", 2), ("layernorm", 2), ("rmsnorm", 4)])
-def test_fused_block_matches_dense_block(pool2, norm, mlp_k):
+@pytest.mark.parametrize("norm,mlp_k,batch", [("rmsnorm", 2, 2), ("layernorm", 2, 2), ("rmsnorm", 4, 2),
+                                              ("layernorm", 4, 3)])
+def test_fused_block_matches_dense_block(pool2, norm, mlp_k, batch):
     """The fused program (the attention at K=2, each of its tiles one or two MLP tiles) equals the
     dense block, forward and gradients, and runs the seam in the interleaved order: the
     attention's reduce-scatter of tile 0, then the MLP's all-gathers of tile 0, before the
     attention's reduce-scatter of tile 1 (backward: the MLP's last dx reduce-scatter of a tile,
-    then the attention's all-gather of that tile's dy)."""
-    c = make_case(3, norm=norm)
+    then the attention's all-gather of that tile's dy). Batch 3: tiles of 2 and 1 sequences."""
+    c = make_case(3, norm=norm, B=batch)
     res = pool2.run(run_fused, c, 5, mlp_k)
     labels = [r["plan"] for r in res[0]]  # each contender twice (the second call timed), then the faster
     assert labels[:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2 and labels[4] in labels[:4], labels
@@ -229,13 +232,27 @@ def test_fused_block_matches_dense_block(pool2, norm, mlp_k):
             assert not any(n.startswith(("a.", "m.")) for n in res[0][i]["comms"])
 
 
+def test_fused_block_without_grad_matches_dense_block(pool2):
+    """Under no_grad (inference) the fused calls give the dense block's y."""
+    c = make_case(4, norm="rmsnorm")
+    y_ref, _ = reference(c)
+    res = pool2.run(run_fused, c, 5, 4, False)
+    S = c["x"].shape[1]
+    for rank, calls in enumerate(res):
+        assert [r["plan"] for r in calls][:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2
+        assert "(forward," in calls[4]["reason"]  # nothing to time backward
+        for r in calls:
+            want = y_ref[:, rank * S // 2:(rank + 1) * S // 2]
+            assert ((r["y"] - want).norm() / want.norm()).item() < 1e-9
+
+
 def run_fused_biases(rank, ws, calls):
     """A block whose attention and MLP have biases (randomly drawn, the same on every rank), the
     sublayers reporting settled K=2 plans: per call, the plan, y and every gradient."""
     from overlap_layers.layers.planned import TilePlan
     torch.manual_seed(5)
     group = dist.group.WORLD
-    attn = OverlapAttention(H, NQ, NKV, group=group, rope_theta=THETA, bias=True, dtype=torch.float64)
+    attn = OverlapAttention(H, NQ, NKV, group=group, rope_theta=THETA, bias=True, qk_norm=True, dtype=torch.float64)
     mlp = OverlapMLP(H, F, group=group, bias=True, dtype=torch.float64)
     with torch.no_grad():
         for p in (*attn.parameters(), *mlp.parameters()):
@@ -257,7 +274,7 @@ def run_fused_biases(rank, ws, calls):
 
 
 def test_fused_block_biases_equal_the_sublayers_in_turn(pool2):
-    """With every bias (q, k, v, o, the MLP's in and out, LayerNorm's), the fused calls give the
+    """With every bias (q, k, v, o, the MLP's in and out, LayerNorm's) and qk-norm, the fused calls give the
     y and gradients of the calls that ran the sublayers in turn (checked against dense blocks
     above and, with biases, per sublayer in their own tests)."""
     res = pool2.run(run_fused_biases, 5)
