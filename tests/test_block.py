@@ -311,3 +311,46 @@ def test_block_with_hooked_sublayer_runs_them_in_turn(pool2):
     """A sublayer with module hooks is always called as a module: the block never fuses it."""
     for plans, hooked in pool2.run(run_hooked):
         assert plans == [None] * 5 and hooked == 5
+
+
+def run_fused_fsdp(rank, ws, calls):
+    """A ``group=`` block on tp (2 ranks), under ``fully_shard`` over dp (2): FSDP2's hooks sit on
+    the block, so its sublayers may fuse (settled K=2 plans reported). Per call: the block's plan,
+    y, and every parameter's gradient in full (reduced over dp by FSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from overlap_layers.layers.planned import TilePlan
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_group("tp")
+    torch.manual_seed(7)
+    blk = OverlapTransformerBlock(H, NQ, F, num_kv_heads=NKV, group=tp, rope_theta=THETA, num_tiles="auto",
+                                  dtype=torch.float64)
+    blk.attention.settled_plan = blk.mlp.settled_plan = lambda *a: TilePlan(2)
+    fully_shard(blk, mesh=mesh["dp"])
+    dp_i, tp_i = mesh.get_coordinate()
+    gen = torch.Generator().manual_seed(8 + dp_i)
+    x0 = torch.randn(2, 8, H, generator=gen, dtype=torch.float64)[:, tp_i * 4:(tp_i + 1) * 4]
+    out = []
+    for _ in range(calls):
+        blk.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = blk(x)
+        (y ** 2).sum().backward()
+        out.append(dict(plan=blk.plan.label, y=y.detach(), dx=x.grad,
+                        grads={n: p.grad.full_tensor() for n, p in blk.named_parameters()}))
+    return out
+
+
+def test_fused_block_under_fsdp2_equals_the_sublayers_in_turn(pool4):
+    """FSDP2 (``fully_shard`` on the block, over dp) with the block's sublayers on tp: the fused
+    calls give the y, dx and (dp-reduced) gradients of the calls that ran the sublayers in turn."""
+    for calls in pool4.run(run_fused_fsdp, 5):
+        fused = [c for c in calls if c["plan"] == "fused K=2"]
+        turn = [c for c in calls if c["plan"] == "sublayers in turn"]
+        assert len(fused) >= 2 and len(turn) >= 2
+        ref = turn[0]
+        for c in fused:
+            assert torch.allclose(c["y"], ref["y"], rtol=1e-10, atol=1e-12)
+            assert torch.allclose(c["dx"], ref["dx"], rtol=1e-10, atol=1e-12)
+            for n, g in ref["grads"].items():
+                assert torch.allclose(c["grads"][n], g, rtol=1e-10, atol=1e-12), n
