@@ -354,3 +354,19 @@ def test_fused_block_under_fsdp2_equals_the_sublayers_in_turn(pool4):
             assert torch.allclose(c["dx"], ref["dx"], rtol=1e-10, atol=1e-12)
             for n, g in ref["grads"].items():
                 assert torch.allclose(c["grads"][n], g, rtol=1e-10, atol=1e-12), n
+
+
+def test_fused_plans_by_hand():
+    """Which sublayer plans fuse, and how many MLP tiles each attention tile carries."""
+    from overlap_layers.layers.fused_block import fused_plans
+    from overlap_layers.layers.planned import TilePlan
+    a2, m8 = TilePlan(2, buckets_fwd=(("ag", ((0, 1),)),)), TilePlan(8, buckets_bwd=(("rs_dx", ((0, 1), (2, 3))),))
+    pa, pm = fused_plans(a2, m8, tile_rows=100)
+    assert (pa.num_tiles, pm.num_tiles) == (2, 8) and not pa.buckets_fwd and not pm.buckets_bwd  # 4 per tile
+    assert fused_plans(a2, TilePlan(3), tile_rows=100)[1].num_tiles == 2  # 3 // 2 = 1 per tile
+    assert fused_plans(a2, TilePlan(1), tile_rows=100)[1].num_tiles == 2  # at least 1 per tile
+    assert fused_plans(a2, m8, tile_rows=3)[1].num_tiles == 6  # no MLP tile without rows
+    for a, m in ((TilePlan(1), m8), (a2, TilePlan(2, regather=True)), (TilePlan(2, regather=True), m8),
+                 (TilePlan(2, decomposition="rank", transport="copy_engine"), m8),
+                 (a2, TilePlan(1, decomposition="rank", transport="nccl"))):
+        assert fused_plans(a, m, tile_rows=100) is None
