@@ -248,15 +248,17 @@ class OverlapTransformerBlock(nn.Module):
         """Whether this call may run the fused program (then the block makes the attention's
         agreement itself and decides after it): sequence parallel with a dense MLP, both planned
         (no fixed K, nothing pinned) and verified, plain tensors outside ``torch.compile`` and
-        autocast, no module hooks on the sublayers (FSDP2's unsharding: the fused program calls
-        no sublayer), not a checkpointed region or its recomputation ([Note: recompute])."""
+        autocast, no module hooks on the sublayers or global ones (FSDP2's unsharding: the fused
+        program calls no sublayer as a module), not a checkpointed region or its recomputation ([Note: recompute])."""
         attn, mlp = self.attention, self.mlp
         if not (self.sequence_parallel and isinstance(mlp, OverlapMLP) and attn.config.verify_first_calls):
             return False
         if any(m.num_tiles != "auto" or m._pinned is not None or m._input_mesh is not None
-               or m._forward_hooks or m._forward_pre_hooks for m in (attn, mlp)):
+               or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in (attn, mlp)):
             return False
-        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks:
+        if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+                or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
             return False
         return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or _in_backward()
                     or (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
