@@ -191,7 +191,7 @@ class OverlapTransformerBlock(nn.Module):
         self._plans: Optional[PlanCache] = None  # made at the first call that may fuse
         self._plans_agreement = None  # the attention's agreement the plans were made with
         self.plan: Optional[BlockPlan] = None  # the last call's, where it asked (None: sublayers in turn)
-        self._verifying = False  # whether the block's own verification is pending after the last call
+        self._last_fusing = None  # (agreed, MLP's save) of the last call that may fuse, for verifying
 
     @property
     def hidden_size(self) -> int:
@@ -211,13 +211,13 @@ class OverlapTransformerBlock(nn.Module):
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
         attn, n1 = self.attention, self.attn_norm(x)
-        self.plan, self._verifying = None, False
+        self.plan, self._last_fusing = None, None
         if not self._may_fuse(x):
             h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
                          attention_mask=attention_mask)
             return h + self._mlp(self.mlp_norm(h))
         agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
-        mlp_saves = self._mlp_saves(x)
+        mlp_saves = self._mlp_saves(agreed[2])
         plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
@@ -233,15 +233,17 @@ class OverlapTransformerBlock(nn.Module):
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()
-        fusable = self._fusable(agreed, mlp_saves)  # the sublayers may have settled in this call
-        self._verifying = fusable is not None and (self._plans is None or self._plans.settled(fusable[0]) is None)
+        self._last_fusing = (agreed, mlp_saves)
         return OnBackward.apply(y, trial.bwd.start) if timed_bwd else y
 
     @property
     def verifying(self) -> bool:
         """Whether the next call of the last call's shape may still run another plan: a sublayer
         verifies its plan, or the block times the fused program against the sublayers in turn."""
-        return self.attention.verifying or self.mlp.verifying or self._verifying
+        if self.attention.verifying or self.mlp.verifying:
+            return True
+        fusable = self._last_fusing and self._fusable(*self._last_fusing)  # sublayers settled since?
+        return bool(fusable) and (self._plans is None or self._plans.settled(fusable[0]) is None)
 
     # ----------------------------------------------------------------- the fused program
     def _may_fuse(self, x) -> bool:
@@ -315,12 +317,12 @@ class OverlapTransformerBlock(nn.Module):
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
         return y.view(B, s, H)
 
-    def _mlp_saves(self, x) -> bool:
-        """Whether the MLP's call saves for backward: its input ``mlp_norm(h)`` needs a gradient
-        when anything before it does (as the MLP's own agreement would find)."""
-        params = [*self.attn_norm.parameters(), *self.attention.parameters(), *self.mlp_norm.parameters(),
-                  *self.mlp.parameters()]
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    def _mlp_saves(self, attention_saves: bool) -> bool:
+        """Whether the MLP's call saves for backward (as its own agreement would find): its input
+        ``mlp_norm(h)`` needs a gradient where the attention's call saves (its input or weights
+        need one) or the norm's or the MLP's weights do."""
+        return attention_saves or torch.is_grad_enabled() and any(
+            p.requires_grad for m in (self.mlp_norm, self.mlp) for p in m.parameters())
 
     def _mlp(self, z: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.mlp, OverlapMoE) or self.sequence_parallel:

@@ -679,10 +679,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
             with profiler_range("overlap::moe::read_counts"):
                 table = count_table(read(), ws, K)  # [src][tile][dst][El]
-            kept = sum(sum(r) for tile in table[self.rank] for r in tile)
             if ranked:
                 send_table = [[sum(r) for r in row[0]] for row in table]
                 sent.start(send_table)  # the pulls first: nothing else waits on the host here
+                kept = sum(send_table[self.rank])
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation, grouped=grouped, save=save,
                                 table=send_table,
                                 sizes=[row[0][self.rank] for row in table], first_rows=m, offsets=offsets,
@@ -691,6 +691,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
             else:
+                kept = sum(sum(r) for tile in table[self.rank] for r in tile)
                 if kept < n:
                     x_perm = x_perm[:kept]
                 call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
