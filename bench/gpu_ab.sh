@@ -26,16 +26,20 @@ done
 python3 - "$OUT" "${ROUNDS:-2}" <<'PY'
 import json, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-rows = {}
+rows, plans = {}, {}
 for side in ("old", "new"):
     for i in range(1, rounds + 1):
         for r in json.load(open(f"{out}/ab_{side}{i}.json"))["records"]:
             key = (r.get("layer", "mlp"), r["preset"], r.get("batch"), r["tokens"], r["pass"], r["mode"])
             rows.setdefault(key, {"old": [], "new": []})[side].append(r["ms"])
+            if r["mode"] == "auto":  # what the planner ran: K, or "rank" for rank chunks
+                plans.setdefault(key, {"old": [], "new": []})[side].append(
+                    "rank" if r.get("decomposition") == "rank" else str(r.get("k")))
 print(f"{'shape':58s} {'old ms':>18s} {'new ms':>18s} {'change':>7s}")
 for key, v in rows.items():
     o, n = sum(v["old"]) / len(v["old"]), sum(v["new"]) / len(v["new"])
     print(f"{' '.join(map(str, key)):58s} {','.join(f'{x:.3f}' for x in v['old']):>18s} "
-          f"{','.join(f'{x:.3f}' for x in v['new']):>18s} {100 * (n / o - 1):+6.1f}%")
+          f"{','.join(f'{x:.3f}' for x in v['new']):>18s} {100 * (n / o - 1):+6.1f}%"
+          + (f"  plans {','.join(plans[key]['old'])} -> {','.join(plans[key]['new'])}" if key in plans else ""))
 PY
 (cd "$OUT" && tar czf ab.tgz ab_old*.json ab_old*.log ab_new*.json ab_new*.log && rm -f ab_old*.json ab_old*.log ab_new*.json ab_new*.log)

@@ -1,7 +1,8 @@
 """Where a profiled call's time goes on the device, from a bench trace (``--profile DIR``).
 
 Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CALLS: the
-``--profile-calls`` of the bench run). Per trace, per call (us):
+``--profile-calls`` of the bench run), or ``python bench/trace_breakdown.py --timeline
+TRACE.json`` (a trace of one call) for the order of its kernels. Per trace, per call (us):
 
 * ``span``: first device event to last, divided by the calls;
 * ``compute``: time some kernel other than a collective runs (the union over streams);
@@ -9,6 +10,10 @@ Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CA
   signal kernels (a wait on a peer) run;
 * ``idle``: time nothing runs (the host, or a wait on another rank);
 * then the kernels with the most time (name, count and us per call); ``gemm`` sums every GEMM.
+
+``--timeline`` lists every device event of at least 20 us (start and end from the first event,
+stream, name), and then the gaps in communication: where no NCCL kernel or copy runs, with the
+compute that ran meanwhile. In a communication-bound call those gaps are what it loses.
 
 A call whose ``compute`` is close to the compute-only reference's and whose ``idle`` is large is
 host-bound; ``comm only`` is exposed communication; ``compute`` above the reference's is
@@ -67,7 +72,42 @@ def breakdown(path: str, calls: int, top: int = 16) -> str:
     return "\n".join(lines)
 
 
+def timeline(path: str, min_us: float = 20.0, min_gap: float = 30.0) -> str:
+    ev = json.load(open(path))["traceEvents"]
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        return f"{path}: no device events"
+    a = gpu[0]["ts"]
+    lines = [f"== {path}", "   start      end     dur  stream  name"]
+    small = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        if e["dur"] < min_us:
+            small[e.get("args", {}).get("stream")][0] += 1
+            small[e.get("args", {}).get("stream")][1] += e["dur"]
+            continue
+        lines.append(f"{e['ts'] - a:8.0f} {e['ts'] + e['dur'] - a:8.0f} {e['dur']:7.0f}  "
+                     f"{str(e.get('args', {}).get('stream')):>6}  {e['name'][:70]}")
+    for st, (n, t) in sorted(small.items(), key=lambda kv: str(kv[0])):
+        lines.append(f"  stream {st}: {n} events under {min_us:.0f} us, {t:.0f} us in all")
+    comm = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if _is_comm(e))
+    lines.append(f"gaps in communication of at least {min_gap:.0f} us (start, length, compute meanwhile):")
+    end = a
+    for s, f in comm + [(gpu[-1]["ts"] + gpu[-1]["dur"], None)]:
+        if s - end >= min_gap:
+            busy = _union([(max(e["ts"], end), min(e["ts"] + e["dur"], s)) for e in gpu
+                           if not _is_comm(e) and e["ts"] < s and e["ts"] + e["dur"] > end])
+            lines.append(f"  {end - a:8.0f} {s - end:7.0f}  compute {busy:7.0f}")
+        if f is not None:
+            end = max(end, f)
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--timeline":
+        for p in sys.argv[2:]:
+            print(timeline(p))
+        sys.exit(0)
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     n = int(sys.argv[1])

@@ -8,11 +8,18 @@ while the key's first calls are verified (below), when it cycles through the con
 [Note: first-call verification]
 The planner's model can be wrong (on 4xH200 one shape was predicted 10% faster tiled and measured
 10% slower). With ``verify=True``, a key whose plan P is not serial runs its next
-``2 * trials * n`` calls cycling through n contenders (P, the layer's runner-up with another K if
-it has one, and the serial plan S), each twice in a row with the second call timed by a
+``n + 2 * trials * n`` calls on n contenders (P, the layer's runner-up with another K if it has
+one, and the serial plan S): first one untimed call of each (the warm-up cycle), then ``trials``
+cycles through them, each contender twice in a row with the second call timed by a
 :class:`Stopwatch` (forward, and backward when it runs before the decision), so the time is
 that of a plan that also ran the call before, as in steady state (switching plans costs
-allocator and stream warm-up that a settled layer does not pay). At the call after that every rank contributes its
+allocator and stream warm-up that a settled layer does not pay). Every other cycle runs the
+contenders in reverse order. Both are for the clocks: a GPU that was idle runs its first calls
+at boost clocks and slows over the next ~100 ms of load, to the power cap (on 4xH200, 18% from
+the first calls of the llama3-70b MLP to its steady state). Without the warm-up cycle the
+contenders of the first cycle, P first, were timed faster than they run in steady state, and
+unevenly: on 2xH200 the MLP 70b fwd+bwd kept K=4 on trials (52.20 ms against rank chunks'
+52.36), and then ran 56.5 ms against rank chunks' 54.1 in steady state. At the call after that every rank contributes its
 per-contender minimum over its trials (forward+backward if every rank timed a backward for every
 trial, else forward only), the numbers are max-reduced over the group in one host gather, and
 the fastest contender replaces P on every rank alike (ties to the earlier one), except that the
@@ -119,10 +126,13 @@ class PlanCache:
         if not call or entry.trials is None or capturing:
             return entry.plan, None
         n = len(entry.contenders)
-        if entry.step < 2 * n * self._trials:  # each contender runs twice in a row; the second call is timed
-            i, timed = (entry.step // 2) % n, entry.step % 2 == 1
-            entry.step += 1
-            if not timed:
+        if entry.step < n * (1 + 2 * self._trials):
+            step, entry.step = entry.step, entry.step + 1
+            if step < n:  # the warm-up cycle
+                return entry.contenders[step], None
+            cycle, pos = divmod(step - n, 2 * n)  # each contender twice in a row; the second call is timed
+            i = pos // 2 if cycle % 2 == 0 else n - 1 - pos // 2
+            if pos % 2 == 0:
                 return entry.contenders[i], None
             trial = Trial(entry.contenders[i], i, Stopwatch(device, self.prequeue_ms))
             entry.trials.append(trial)
