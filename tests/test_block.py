@@ -211,6 +211,9 @@ FUSED_ORDER = {  # the collectives of a fused call in launch order, forward then
         "m1.rs_dx[0]", "a.ag_dy[0]", "m1.rs_dx[1]", "a.ag_dy[1]", "a.rs_dx[0]", "a.rs_dx[1]"]}
 
 
+VERIFYING = ["fused K=2", "sublayers in turn"] + ["fused K=2"] * 2 + ["sublayers in turn"] * 2  # one trial each
+
+
 @pytest.mark.parametrize("norm,mlp_k,batch", [("rmsnorm", 2, 2), ("layernorm", 2, 2), ("rmsnorm", 4, 2),
                                               ("layernorm", 4, 3)])
 def test_fused_block_matches_dense_block(pool2, norm, mlp_k, batch):
@@ -220,10 +223,10 @@ def test_fused_block_matches_dense_block(pool2, norm, mlp_k, batch):
     attention's reduce-scatter of tile 1 (backward: the MLP's last dx reduce-scatter of a tile,
     then the attention's all-gather of that tile's dy). Batch 3: tiles of 2 and 1 sequences."""
     c = make_case(3, norm=norm, B=batch)
-    res = pool2.run(run_fused, c, 5, mlp_k)
-    labels = [r["plan"] for r in res[0]]  # each contender twice (the second call timed), then the faster
-    assert labels[:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2 and labels[4] in labels[:4], labels
-    assert "verified on the first calls (forward+backward" in res[0][4]["reason"]  # the backward was timed too
+    res = pool2.run(run_fused, c, 7, mlp_k)
+    labels = [r["plan"] for r in res[0]]  # each contender once, then twice (the second call timed), then the faster
+    assert labels[:6] == VERIFYING and labels[6] in VERIFYING, labels
+    assert "verified on the first calls (forward+backward" in res[0][6]["reason"]  # the backward was timed too
     for i, label in enumerate(labels):
         check([r[i] for r in res], c, True)
         if label == "fused K=2":
@@ -236,14 +239,41 @@ def test_fused_block_without_grad_matches_dense_block(pool2):
     """Under no_grad (inference) the fused calls give the dense block's y."""
     c = make_case(4, norm="rmsnorm")
     y_ref, _ = reference(c)
-    res = pool2.run(run_fused, c, 5, 4, False)
+    res = pool2.run(run_fused, c, 7, 4, False)
     S = c["x"].shape[1]
     for rank, calls in enumerate(res):
-        assert [r["plan"] for r in calls][:4] == ["fused K=2"] * 2 + ["sublayers in turn"] * 2
-        assert "(forward," in calls[4]["reason"]  # nothing to time backward
+        assert [r["plan"] for r in calls][:6] == VERIFYING
+        assert "(forward," in calls[6]["reason"]  # nothing to time backward
         for r in calls:
             want = y_ref[:, rank * S // 2:(rank + 1) * S // 2]
             assert ((r["y"] - want).norm() / want.norm()).item() < 1e-9
+
+
+def run_traced(rank, ws, c, tmp):
+    """One fused call (the block's first verification call) after ``export_trace(measured=True)``
+    on both sublayers: the traces each file holds, and the requests left pending."""
+    import json
+    from overlap_layers.layers.planned import TilePlan
+    blk = build(c, True, "auto")
+    blk.attention.settled_plan = blk.mlp.settled_plan = lambda *a: TilePlan(2)
+    paths = [f"{tmp}/attn{rank}.json", f"{tmp}/mlp{rank}.json"]
+    blk.attention.export_trace(paths[0], measured=True)
+    blk.mlp.export_trace(paths[1], measured=True)
+    S = c["x"].shape[1]
+    x = c["x"][:, rank * S // ws:(rank + 1) * S // ws].clone().requires_grad_()
+    blk(x).sum().backward()
+    names = [sorted({e["name"] for e in json.load(open(p))["traceEvents"] if e.get("ph") == "X"}) for p in paths]
+    return blk.plan.label, names, blk.attention._trace_to, blk.mlp._trace_to
+
+
+def test_fused_call_writes_the_sublayers_measured_traces(pool2, tmp_path):
+    """export_trace(measured=True) asked of a sublayer is answered by a fused call too: its file
+    holds the fused program's measured ops, both sublayers' (scoped a. and m0.), forward and backward."""
+    for label, names, *pending in pool2.run(run_traced, make_case(9, norm="rmsnorm"), str(tmp_path)):
+        assert label == "fused K=2" and pending == [None, None]
+        assert names[0] == names[1]
+        for op in ("a.qkv", "a.proj", "residual_norm", "m0.fc1", "a.dgrad_o", "norm_backward", "m0.wgrad1"):
+            assert any(n.startswith(op) for n in names[0]), (op, names[0])
 
 
 def run_fused_biases(rank, ws, calls):

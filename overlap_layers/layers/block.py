@@ -42,6 +42,7 @@ from torch.nn.modules import module as _module_hooks
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.timing import Stopwatch
+from ..runtime.trace import TraceJob
 from .attention import OverlapAttention
 from .attention import _Call as AttentionCall
 from .attention_common import PARAMS
@@ -312,9 +313,14 @@ class OverlapTransformerBlock(nn.Module):
         cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
                      streams=streams, launch_log=mlp.launch_log)
         call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
+        asked = [p for p in (attn._trace_to, mlp._trace_to) if p]  # export_trace(measured=True) of a sublayer
+        if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
+            call.trace, attn._trace_to, mlp._trace_to = TraceJob(asked, n1.device), None, None
         weights = (torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if attn.bias else None, wo, q_norm, k_norm, bo,
                    _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
+        if call.trace is not None:
+            call.trace.write()  # the forward's; the backward writes again with both passes
         return y.view(B, s, H)
 
     def _mlp_saves(self, attention_saves: bool) -> bool:

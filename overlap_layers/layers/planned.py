@@ -660,7 +660,9 @@ class PlannedLayer:
         rank-local, no collectives. ``measured=True``: the next call records every op (CUDA
         events, or the host clock on CPU) and writes the measured timeline in the same format after
         its forward, and again after its backward; open both side by side, or draw either with
-        :func:`overlap_layers.plot_timeline`."""
+        :func:`overlap_layers.plot_timeline`. A sublayer of an ``OverlapTransformerBlock`` whose
+        next call runs fused writes the fused program's timeline: both sublayers' ops, named
+        ``a.*`` (attention) and ``m0.*``, ``m1.*`` (the MLP's tiles in each block tile)."""
         if measured:
             self._trace_to = path
             return

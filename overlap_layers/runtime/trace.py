@@ -115,10 +115,12 @@ def write_chrome_trace(path, timelines: Mapping[str, Timeline]) -> None:
 
 class TraceJob:
     """One layer call recorded for ``layer.export_trace(path, measured=True)``: the forward's ops in
-    ``fwd``, the backward's in ``bwd`` once it runs; :meth:`write` (re)writes ``path``."""
+    ``fwd``, the backward's in ``bwd`` once it runs; :meth:`write` (re)writes ``path`` (or each of
+    several paths: a fused block's call answers both of its sublayers' requests)."""
 
     def __init__(self, path, device) -> None:
-        self.path, self.device = path, device
+        self.paths = tuple(path) if isinstance(path, (list, tuple)) else (path,)
+        self.device = device
         self.fwd = OpRecorder(device)
         self.bwd: Optional[OpRecorder] = None
 
@@ -130,4 +132,5 @@ class TraceJob:
         timelines = {"forward": self.fwd.timeline()}
         if self.bwd is not None:
             timelines["backward"] = self.bwd.timeline()
-        write_chrome_trace(self.path, timelines)
+        for path in self.paths:
+            write_chrome_trace(path, timelines)
