@@ -319,6 +319,26 @@ def test_rank_chunks_launch_order(pools, ws, k):
     assert pools(ws).run(_rank_log, k) == [out] * ws
 
 
+def _tiled_log(rank, ws):
+    from overlap_layers import OverlapAttention
+    layer = OverlapAttention(16, 4, group=dist.group.WORLD, dtype=torch.float64, num_tiles=2)
+    layer.launch_log = []
+    layer(torch.randn(2, 4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
+    planned = OverlapAttention(16, 4, group=dist.group.WORLD, dtype=torch.float64)
+    planned(torch.randn(2, 4, 16, dtype=torch.float64))
+    return [(t, name) for t, name, kind in layer.launch_log if kind == "compute"], planned.plan.num_streams
+
+
+def test_tiled_backward_runs_weight_gradients_last(pool2):
+    """[Note: attention weight gradients last]: the backward launches every tile's data gradients
+    (and dx reduce-scatter) before any tile's weight gradients; the planner's plans run on one stream."""
+    for log, streams in pool2.run(_tiled_log):
+        bwd = log[log.index((0, "dgrad_o")):]
+        assert bwd == [(0, "dgrad_o"), (0, "core_bwd"), (0, "dgrad_qkv"), (1, "dgrad_o"), (1, "core_bwd"),
+                       (1, "dgrad_qkv"), (0, "wgrad_o"), (0, "wgrad_qkv"), (1, "wgrad_o"), (1, "wgrad_qkv")], bwd
+        assert streams == 1
+
+
 def _no_grad_run(rank, ws, case, sp):
     layer = build_from_dense(case, torch.float64, dict(num_tiles=2, sequence_parallel=sp))
     x = local_seq(case["x"], rank, ws, sp)

@@ -307,7 +307,8 @@ class OverlapTransformerBlock(nn.Module):
         cos_sin = cos_sin_of(attn.rope_theta, attn.head_dim, s * attn.world_size, n1.device, n1.dtype, position_ids,
                              position_embeddings)
         pa, pm = plans
-        streams = attn._streams.get(n1.device, min(pa.num_tiles, pa.num_streams))
+        # the MLP's streams (two), as measured (session 23): the attention's planned plans run on one
+        streams = attn._streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
         ca = AttentionCall(attn, pa, save, streams, cos_sin, B, s)
         ca.q_norm, ca.k_norm = q_norm, k_norm
         cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,

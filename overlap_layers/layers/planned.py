@@ -117,7 +117,8 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     ``plan``: the same rivals, only those predicted at most :data:`VERIFY_CLOSE` slower than K=1
     (the model cannot tell them apart), then K=1; or ``[plan]`` alone."""
     def as_plan(c):
-        return plan_of(c, reason=plan.reason, candidates=plan.candidates, carveout=plan.carveout)
+        return plan_of(c, reason=plan.reason, candidates=plan.candidates, carveout=plan.carveout,
+                       num_streams=plan.num_streams)
 
     def best(cands):
         return min(cands, key=lambda c: (c.predicted_ms, c.num_tiles))
@@ -151,9 +152,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     return [plan, *rivals, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
 
 
-def plan_of(c, *, reason: str, candidates: tuple, carveout: tuple = ()) -> TilePlan:
+def plan_of(c, *, reason: str, candidates: tuple, carveout: tuple = (), num_streams: int = 2) -> TilePlan:
     """The plan that runs candidate ``c`` (a :class:`~overlap_layers.sim.Candidate`)."""
-    return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, transport=c.transport,
+    return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, num_streams, transport=c.transport,
                     decomposition=c.decomposition, carveout=carveout, predicted_ms=c.predicted_ms,
                     predicted_peak_bytes=c.peak_bytes, reason=reason, candidates=candidates)
 
@@ -274,6 +275,7 @@ class PlannedLayer:
     """
 
     _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
+    _plan_streams = 2  # the compute streams of the planner's plans (TilePlan.num_streams)
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
     _local_views: dict = {}  # name -> view of a DTensor parameter; empty (plain parameters) with group=
@@ -391,7 +393,7 @@ class PlannedLayer:
             return replace(self._pinned, num_tiles=k, buckets_fwd=(), buckets_bwd=())  # buckets name tiles
         if self.num_tiles == "auto":
             return None
-        return TilePlan(effective_num_tiles(units, self.num_tiles))
+        return TilePlan(effective_num_tiles(units, self.num_tiles), num_streams=self._plan_streams)
 
     def _agree(self, x, err: int, errors: Mapping[int, str], what: str, *, extra: Sequence[int] = (),
                extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden")):
@@ -628,7 +630,8 @@ class PlannedLayer:
             reason += "; where batch tiles overlap NCCL, GEMMs leave " + " and ".join(
                 f"{n} SMs free in the {p}" for n, p in zip(carveout, ("forward", "backward")) if n) + \
                 " (communication at least half the compute)"
-        return plan_of(choice.candidate, reason=reason, candidates=choice.candidates, carveout=carveout)
+        return plan_of(choice.candidate, reason=reason, candidates=choice.candidates, carveout=carveout,
+                       num_streams=self._plan_streams)
 
     def _carveout(self, cm, save: bool) -> tuple:
         """``(forward, backward)`` SMs the GEMMs leave free where a plan overlaps NCCL collectives
