@@ -38,16 +38,16 @@ def test_join_launches_past_a_wait_within_the_round():
 
 
 def test_cut_gives_an_op_a_round_of_its_own():
-    """A compute op named in ``cut`` opens a segment: every tile's ops before it launch first (the
-    attention's backward: every tile's dx reduce-scatter before any tile's weight gradients)."""
-    prog = TileProgram("bwd", (comm("ag", "all_gather", src="dy"), wait("ag", dst="dyg"), compute("dgrad", _noop),
-                               comm("rs", "reduce_scatter", src="dx"), compute("wgrad", _noop),
-                               wait("rs", dst="out")))
-    assert segments(prog, cut=("wgrad",)) == ((0,), (1, 2, 3), (4,), (5,))
-    assert round_robin(prog, 2, cut=("wgrad",)).describe() == (
+    """A compute op named in the program's ``cut`` opens a segment: every tile's ops before it launch
+    first (the attention's backward: every tile's dx reduce-scatter before any tile's weight gradients)."""
+    ops = (comm("ag", "all_gather", src="dy"), wait("ag", dst="dyg"), compute("dgrad", _noop),
+           comm("rs", "reduce_scatter", src="dx"), compute("wgrad", _noop), wait("rs", dst="out"))
+    prog = TileProgram("bwd", ops, cut=("wgrad",))
+    assert segments(prog) == ((0,), (1, 2, 3), (4,), (5,))
+    assert round_robin(prog, 2).describe() == (
         "ag[0]", "ag[1]", "wait_ag[0]", "dgrad[0]", "rs[0]", "wait_ag[1]", "dgrad[1]", "rs[1]",
         "wgrad[0]", "wgrad[1]", "wait_rs[0]", "wait_rs[1]")
-    assert round_robin(prog, 2).describe()[5:9] == ("wgrad[0]", "wait_ag[1]", "dgrad[1]", "rs[1]")
+    assert round_robin(TileProgram("bwd", ops), 2).describe()[5:9] == ("wgrad[0]", "wait_ag[1]", "dgrad[1]", "rs[1]")
 
 
 def test_scoped_programs_share_one_environment():

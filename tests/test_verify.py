@@ -70,6 +70,21 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
     assert again is plan and trial is None and len(made) == 1
 
 
+def test_boost_clocks_of_the_first_calls_do_not_pick_the_plan():
+    """A GPU that was idle runs its first calls fast (boost clocks), then slows to its steady
+    speed. Here the first two calls run at 0.85x; the tiled plan is 5% slower than K=1 in steady
+    state. The warm-up cycle takes those calls, so the trials see steady speeds and K=1 stays
+    (timing the tiled plan's first call would have read 0.89 against K=1's 1.0)."""
+    cache = PlanCache(_OneRank(), trials=2)
+    steady = {2: 1.05, 1: 1.0}
+    for call in range(10):
+        plan, trial = cache.get("k", lambda key: MLPPlan(2, reason="planned"), _serial, torch.device("cpu"))
+        if trial is not None:
+            trial.fwd = _Fixed(steady[plan.num_tiles] * (0.85 if call < 2 else 1.0))
+    plan, trial = cache.get("k", None, _serial, torch.device("cpu"))
+    assert trial is None and plan.num_tiles == 1 and "K=2 1.050 ms, K=1 1.000 ms" in plan.reason
+
+
 def test_cache_times_every_contender_and_keeps_the_fastest():
     cache = PlanCache(_OneRank(), trials=2)
     three = lambda plan: [plan, MLPPlan(4, reason=plan.reason), MLPPlan(1, reason=plan.reason)]  # noqa: E731

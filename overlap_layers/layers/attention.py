@@ -37,7 +37,7 @@ own saved tensors), so it costs what autograd would and is never recomputed.
 
 [Note: attention weight gradients last]
 A tile's weight gradients open a round of their own in the backward's segmented round-robin
-(``round_robin(cut=("wgrad_o",))``): every tile's data gradients, and so its dx reduce-scatter,
+(``TileProgram.cut``): every tile's data gradients, and so its dx reduce-scatter,
 launch before any tile's weight gradients, which then run under the last reduce-scatters. The
 planner's plans and a fixed ``num_tiles`` run on one compute stream (``num_streams=1``, as the
 planner simulates them; a pinned plan keeps its own), so the device keeps that order. On two
@@ -225,7 +225,8 @@ def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TilePro
                             ("dgrad_qkv", column_dgrad(sp, "dqkv", w_qkv)),
                             ("wgrad_o", weight_grad(accumulate, "w_o", "dyg" if sp else "dy", "o_in"), "w_o"),
                             ("wgrad_qkv", weight_grad(accumulate, "w_qkv", "dqkv", xin,
-                                                      "b_qkv" if grads.get("b_qkv") is not None else None), "w_qkv"))
+                                                      "b_qkv" if grads.get("b_qkv") is not None else None), "w_qkv"),
+                            wgrad_last=True)  # [Note: attention weight gradients last]
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -278,7 +279,7 @@ class _TiledAttention(torch.autograd.Function):
             envs.append(env)
         del graphs, o_ins, xgs, rest
         program = _backward_program(c, w_qkv, w_o, grads, norms)
-        sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd), cut=("wgrad_o",))  # [Note: attention weight gradients last]
+        sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
         run_tiles(c, sched, envs, "attn_bwd", backward=True, device=dy_TH.device)
         d_norms = [grads.get("norm0"), grads.get("norm1")] if norms else [None, None]
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None

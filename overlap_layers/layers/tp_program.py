@@ -38,9 +38,11 @@ def forward_program(name: str, sequence_parallel: bool, column: Step, core: Step
 
 def backward_program(name: str, sequence_parallel: bool, regather: bool, dgrad_row: Step, core_bwd: Step,
                      dgrad_column: Step, wgrad_row: Tuple[str, Callable, str],
-                     wgrad_column: Tuple[str, Callable, str]) -> TileProgram:
+                     wgrad_column: Tuple[str, Callable, str], wgrad_last: bool = False) -> TileProgram:
     """``dgrad_column`` writes ``env["dxg"]`` (SP) or into ``env["dx_out"]`` (no SP); the wgrad
-    steps carry the chain name of their accumulator (ordered across streams)."""
+    steps carry the chain name of their accumulator (ordered across streams). ``wgrad_last``: the
+    weight gradients open a round of their own (``TileProgram.cut``), after every tile's dx
+    reduction has launched."""
     head, regathered = [], ()
     if sequence_parallel:
         head = [comm("ag_dy", "all_gather", src="dy")]
@@ -54,7 +56,7 @@ def backward_program(name: str, sequence_parallel: bool, regather: bool, dgrad_r
     ops = (*head, compute(*dgrad_row), compute(*core_bwd), compute(*dgrad_column), red,
            compute(wgrad_row[0], wgrad_row[1], chain=wgrad_row[2]), *regathered,
            compute(wgrad_column[0], wgrad_column[1], chain=wgrad_column[2]), tail)
-    return TileProgram(name, ops)
+    return TileProgram(name, ops, cut=(wgrad_row[0],) if wgrad_last else ())
 
 
 class Accumulator:

@@ -60,10 +60,13 @@ def wait(handle: str, *, dst: str) -> Op:
 
 @dataclass(frozen=True)
 class TileProgram:
-    """The ops of one tile, in order; ``name`` prefixes profiler ranges (``overlap::<name>::``)."""
+    """The ops of one tile, in order; ``name`` prefixes profiler ranges (``overlap::<name>::``).
+    ``cut`` names compute ops that open a segment of their own (:func:`segments`): work that may
+    wait for the next tile's, such as a backward's weight gradients."""
 
     name: str
     ops: Tuple[Op, ...]
+    cut: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         started, waited = {}, set()
@@ -90,17 +93,17 @@ class TileProgram:
         raise KeyError(handle)
 
 
-def segments(program: TileProgram, join: Collection[str] = (), cut: Collection[str] = ()) -> Tuple[Tuple[int, ...], ...]:
+def segments(program: TileProgram, join: Collection[str] = ()) -> Tuple[Tuple[int, ...], ...]:
     """Cut the program into segments: a new segment starts at every ``wait`` (except a wait on a
     handle in ``join``, which stays in the segment of the ops before it) and at every compute op
-    named in ``cut`` (work that may wait for the next tile's: a backward's weight gradients).
+    named in ``program.cut``.
 
     Waits are the only places a tile can stall, so a segment is a run of ops that can be
     launched without blocking, preceded by the wait that made it ready. Returns op indices.
     """
     segs, cur = [], []
     for i, op in enumerate(program.ops):
-        if cur and (op.kind == "wait" and op.handle not in join or op.kind == "compute" and op.name in cut):
+        if cur and (op.kind == "wait" and op.handle not in join or op.kind == "compute" and op.name in program.cut):
             segs.append(tuple(cur))
             cur = []
         cur.append(i)

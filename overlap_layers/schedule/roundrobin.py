@@ -81,14 +81,14 @@ def validate_buckets(groups: Sequence[Sequence[int]], num_tiles: int, handle: st
 
 def round_robin(program: TileProgram, num_tiles: int, *,
                 buckets: Optional[Mapping[str, Sequence[Sequence[int]]]] = None,
-                order: Optional[Sequence[int]] = None, join: Sequence[str] = (), cut: Sequence[str] = ()) -> Schedule:
+                order: Optional[Sequence[int]] = None, join: Sequence[str] = ()) -> Schedule:
     """Order ``num_tiles`` copies of ``program`` by segmented round-robin.
 
     ``order`` is the tile order inside every round (default ``0..K-1``); ``buckets`` maps a comm
     handle to a partition of the tiles into adjacent runs; a wait on a handle in ``join`` opens no
     round (:func:`~overlap_layers.schedule.program.segments`): what follows it launches right
     after the tile's own collective, before the next tile's (the fused block's seam between its
-    sublayers); a compute op named in ``cut`` opens a segment of its own (:func:`segments`).
+    sublayers); a compute op named in ``program.cut`` opens a round of its own (:func:`segments`).
     """
     if not isinstance(num_tiles, int) or num_tiles < 1:
         raise ValueError(f"num_tiles={num_tiles!r}; must be a positive int")
@@ -105,7 +105,7 @@ def round_robin(program: TileProgram, num_tiles: int, *,
             bmap[h] = g
     if set(join) & set(buckets or {}):
         raise ValueError(f"join={tuple(join)} and buckets={dict(buckets)}: a joined handle cannot be bucketed")
-    segs = segments(program, join, cut)
+    segs = segments(program, join)
     launches = []
     issued = set()  # (handle, tile) whose collective has been launched
     for seg in segs:
