@@ -93,7 +93,7 @@ def timeline(path: str, min_us: float = 20.0, min_gap: float = 30.0) -> str:
     comm = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if _is_comm(e))
     lines.append(f"gaps in communication of at least {min_gap:.0f} us (start, length, compute meanwhile):")
     end = a
-    for s, f in comm + [(gpu[-1]["ts"] + gpu[-1]["dur"], None)]:
+    for s, f in comm + [(max(e["ts"] + e["dur"] for e in gpu), None)]:
         if s - end >= min_gap:
             busy = _union([(max(e["ts"], end), min(e["ts"] + e["dur"], s)) for e in gpu
                            if not _is_comm(e) and e["ts"] < s and e["ts"] + e["dur"] > end])

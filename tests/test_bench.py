@@ -251,3 +251,29 @@ def test_bench_transport_and_carveout_reach_every_layer():
     assert {layer for layer, _, _ in shapes} == {"mlp", "attention", "block", "moe"}
     assert all((s.transport, s.sm_carveout) == ("nccl", 0) for _, _, s in shapes)
     assert all(s.sm_carveout is None for _, _, s in _shapes(parse_args(["--layer", "mlp,moe"]), None, cuda=True))
+
+
+def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
+    """``bench/trace_breakdown.py --timeline``: kernels of 20 us or more by start, the shorter ones
+    counted per stream, and the spans where no collective or copy runs with the compute inside."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "trace_breakdown", os.path.join(os.path.dirname(__file__), "..", "bench", "trace_breakdown.py"))
+    tb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tb)
+    ev = [dict(cat="kernel", name="ncclDevKernel_AllGather", ts=100, dur=100, args={"stream": 20}),
+          dict(cat="kernel", name="nvjet_gemm", ts=200, dur=300, args={"stream": 7}),
+          dict(cat="kernel", name="tiny", ts=210, dur=5, args={"stream": 7}),
+          dict(cat="kernel", name="ncclDevKernel_ReduceScatter", ts=400, dur=100, args={"stream": 20}),
+          dict(cat="gpu_memcpy", name="Memcpy PtoP", ts=600, dur=50, args={"stream": 30}),
+          dict(cat="kernel", name="sdpa", ts=560, dur=200, args={"stream": 7})]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    lines = tb.timeline(str(path)).splitlines()
+    assert [ln.split()[-1] for ln in lines[2:7]] == ["ncclDevKernel_AllGather", "nvjet_gemm",
+                                                     "ncclDevKernel_ReduceScatter", "sdpa", "PtoP"]
+    assert "stream 7: 1 events under 20 us, 5 us in all" in lines[7]
+    # no communication 200-400 (GEMM all of it), 500-600 (sdpa 560-600) and 650-760 (sdpa to the end)
+    gaps = [tuple(map(float, ln.replace("compute", "").split())) for ln in lines[lines.index(next(
+        ln for ln in lines if ln.startswith("gaps"))) + 1:]]
+    assert gaps == [(100.0, 200.0, 200.0), (400.0, 100.0, 40.0), (550.0, 110.0, 110.0)]
