@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
 
 from overlap_layers import OverlapConfig, OverlapMLP
 from overlap_layers.layers.mlp import MLPPlan
@@ -83,6 +84,29 @@ def test_boost_clocks_of_the_first_calls_do_not_pick_the_plan():
             trial.fwd = _Fixed(steady[plan.num_tiles] * (0.85 if call < 2 else 1.0))
     plan, trial = cache.get("k", None, _serial, torch.device("cpu"))
     assert trial is None and plan.num_tiles == 1 and "K=2 1.050 ms, K=1 1.000 ms" in plan.reason
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(2, 4), trials=st.integers(1, 3))
+def test_verification_calls_warm_up_each_then_time_each_trials_times(n, trials):
+    """For n contenders: one untimed call each, then ``trials`` cycles in alternating order, each
+    contender twice in a row with the second timed; the decision comes at the next call."""
+    cache = PlanCache(_OneRank(), trials=trials)
+    rivals = lambda plan: [plan] + [MLPPlan(k, reason="r") for k in range(3, n + 1)] + [MLPPlan(1, reason="r")]  # noqa: E731
+    seen = []
+    for _ in range(n * (1 + 2 * trials)):
+        plan, trial = cache.get("k", lambda key: MLPPlan(2, reason="planned"), rivals, torch.device("cpu"))
+        seen.append((plan.num_tiles, trial is not None))
+        if trial is not None:
+            trial.fwd = _Fixed(1.0)
+        assert cache.verifying()
+    order = [2] + list(range(3, n + 1)) + [1]
+    assert seen[:n] == [(k, False) for k in order]
+    for c in range(trials):
+        cycle = seen[n + 2 * n * c:n + 2 * n * (c + 1)]
+        assert cycle == [(k, t) for k in (order if c % 2 == 0 else order[::-1]) for t in (False, True)]
+    plan, trial = cache.get("k", None, rivals, torch.device("cpu"))
+    assert trial is None and not cache.verifying()
 
 
 def test_cache_times_every_contender_and_keeps_the_fastest():

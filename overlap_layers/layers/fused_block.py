@@ -17,8 +17,10 @@ pipeline inside the block tile)::
     backward  m_j.ag(dy rows j) | MLP dgrads | m_j.rs -> dh = dy + mlp_norm'(m.dx);
               a.ag(dh) | attention dgrads | a.rs -> dn1 = a.dx
 
-(weight gradients where each sublayer's program puts them; the MLP copies share its
-accumulators, ordered by their chains). The returned gradients: ``dh`` for
+(weight gradients where each sublayer's program puts them, except that the attention's do not
+take a round of their own here ([Note: attention weight gradients last]): the fused program runs
+on the MLP's two streams, as measured in session 23; the MLP copies share its accumulators,
+ordered by their chains). The returned gradients: ``dh`` for
 ``x`` (the residual path) and ``dn1`` for ``n1`` (autograd takes it through ``attn_norm``).
 
 [Note: fused block]

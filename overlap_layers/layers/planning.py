@@ -19,12 +19,13 @@ at boost clocks and slows over the next ~100 ms of load, to the power cap (on 4x
 the first calls of the llama3-70b MLP to its steady state). Without the warm-up cycle the
 contenders of the first cycle, P first, were timed faster than they run in steady state, and
 unevenly: on 2xH200 the MLP 70b fwd+bwd kept K=4 on trials (52.20 ms against rank chunks'
-52.36), and then ran 56.5 ms against rank chunks' 54.1 in steady state. At the call after that every rank contributes its
-per-contender minimum over its trials (forward+backward if every rank timed a backward for every
-trial, else forward only), the numbers are max-reduced over the group in one host gather, and
-the fastest contender replaces P on every rank alike (ties to the earlier one), except that the
-serial plan is kept unless the fastest beats it by more than ``margin``, as in planning. The gather happens
-at the same call on every rank because the cache is a function of the call history, which every
+52.36), and then ran 56.5 ms against rank chunks' 54.1 in steady state.
+At the call after that every rank contributes its per-contender minimum over its trials
+(forward+backward if every rank timed a backward for every trial, else forward only), the
+numbers are max-reduced over the group in one host gather, and the fastest contender replaces P
+on every rank alike (ties to the earlier one), except that the serial plan is kept unless the
+fastest beats it by more than ``margin``, as in planning. The gather happens at the same call on
+every rank because the cache is a function of the call history, which every
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
 the reduced numbers.
 

@@ -103,7 +103,8 @@ def segments(program: TileProgram, join: Collection[str] = ()) -> Tuple[Tuple[in
     """
     segs, cur = [], []
     for i, op in enumerate(program.ops):
-        if cur and (op.kind == "wait" and op.handle not in join or op.kind == "compute" and op.name in program.cut):
+        opens = op.kind == "wait" and op.handle not in join or op.kind == "compute" and op.name in program.cut
+        if cur and opens:
             segs.append(tuple(cur))
             cur = []
         cur.append(i)
