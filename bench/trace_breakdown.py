@@ -1,8 +1,10 @@
 """Where a profiled call's time goes on the device, from a bench trace (``--profile DIR``).
 
 Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CALLS: the
-``--profile-calls`` of the bench run), or ``python bench/trace_breakdown.py --timeline
-TRACE.json`` (a trace of one call) for the order of its kernels. Per trace, per call (us):
+``--profile-calls`` of the bench run), ``python bench/trace_breakdown.py --timeline
+TRACE.json`` (a trace of one call) for the order of its kernels, or ``python
+bench/trace_breakdown.py --host CALLS TRACE.json`` for where the host's time goes. Per trace, per
+call (us):
 
 * ``span``: first device event to last, divided by the calls;
 * ``compute``: time some kernel other than a collective runs (the union over streams);
@@ -14,6 +16,13 @@ TRACE.json`` (a trace of one call) for the order of its kernels. Per trace, per 
 ``--timeline`` lists every device event of at least 20 us (start and end from the first event,
 stream, name), and then the gaps in communication: where no NCCL kernel or copy runs, with the
 compute that ran meanwhile. In a communication-bound call those gaps are what it loses.
+
+``--host`` sums, per call, the host time of each ``bench::call`` range, of the executor's
+``overlap::<program>::<op>`` ranges by op (the time to launch that op: its Python, its torch ops'
+dispatch and its kernel launches), the rest of the call outside them (agreement, planning lookup,
+building programs, autograd), and lists the torch ops with the most host time (inclusive, so
+nested ops count in their callers too). An eager call whose host time reaches its device time is
+host-bound, and this says which ops cost it.
 
 A call whose ``compute`` is close to the compute-only reference's and whose ``idle`` is large is
 host-bound; ``comm only`` is exposed communication; ``compute`` above the reference's is
@@ -103,7 +112,35 @@ def timeline(path: str, min_us: float = 20.0, min_gap: float = 30.0) -> str:
     return "\n".join(lines)
 
 
+def host(path: str, calls: int, top: int = 12) -> str:
+    ev = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    per_call = sum(e["dur"] for e in ev if e["name"] == "bench::call") / calls
+    ranges, ops = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+    for e in ev:
+        if e.get("cat") == "user_annotation" and e["name"].startswith("overlap::"):
+            r = ranges[e["name"].split("[")[0]]
+        elif e.get("cat") == "cpu_op":
+            r = ops[e["name"]]
+        else:
+            continue
+        r[0] += e["dur"]
+        r[1] += 1
+    inside = sum(t for t, _ in ranges.values()) / calls
+    lines = [f"== {path}", f"host per call {per_call:8.1f} us: in the executor's ops {inside:8.1f}, "
+             f"outside them {per_call - inside:8.1f}", "  executor ops (us per call, count per call):"]
+    for name, (t, n) in sorted(ranges.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {t / calls:8.1f} us  x{n / calls:5.1f}  {name}")
+    lines.append(f"  torch ops with the most host time (inclusive), top {top}:")
+    for name, (t, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {t / calls:8.1f} us  x{n / calls:5.1f}  {name}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--host":
+        for p in sys.argv[3:]:
+            print(host(p, int(sys.argv[2])))
+        sys.exit(0)
     if len(sys.argv) >= 3 and sys.argv[1] == "--timeline":
         for p in sys.argv[2:]:
             print(timeline(p))

@@ -253,14 +253,41 @@ def test_bench_transport_and_carveout_reach_every_layer():
     assert all(s.sm_carveout is None for _, _, s in _shapes(parse_args(["--layer", "mlp,moe"]), None, cuda=True))
 
 
-def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
-    """``bench/trace_breakdown.py --timeline``: kernels of 20 us or more by start, the shorter ones
-    counted per stream, and the spans where no collective or copy runs with the compute inside."""
+def _trace_breakdown():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
         "trace_breakdown", os.path.join(os.path.dirname(__file__), "..", "bench", "trace_breakdown.py"))
     tb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tb)
+    return tb
+
+
+def test_trace_host_sums_the_executor_ops_per_call(tmp_path):
+    """``--host``: per call, the host time of the calls, of each executor op (tiles summed) and
+    what lies outside them, and the torch ops with the most host time."""
+    ev = []
+    for c in range(2):  # two calls of 1000 us: ops qkv[0], qkv[1] (100 us each), core[0] (300 us)
+        t = 10_000 * c
+        ev += [dict(ph="X", cat="user_annotation", name="bench::call", ts=t, dur=1000),
+               dict(ph="X", cat="user_annotation", name="overlap::attn::qkv[0]", ts=t + 10, dur=100),
+               dict(ph="X", cat="user_annotation", name="overlap::attn::qkv[1]", ts=t + 120, dur=100),
+               dict(ph="X", cat="user_annotation", name="overlap::attn::core[0]", ts=t + 300, dur=300),
+               dict(ph="X", cat="cpu_op", name="aten::mm", ts=t + 20, dur=60),
+               dict(ph="X", cat="kernel", name="nvjet", ts=t + 50, dur=500)]
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    lines = _trace_breakdown().host(str(path), 2).splitlines()
+    assert lines[1].split() == ["host", "per", "call", "1000.0", "us:", "in", "the", "executor's", "ops",
+                                "500.0,", "outside", "them", "500.0"]
+    assert lines[3].split() == ["300.0", "us", "x", "1.0", "overlap::attn::core"]
+    assert lines[4].split() == ["200.0", "us", "x", "2.0", "overlap::attn::qkv"]
+    assert lines[6].split() == ["60.0", "us", "x", "1.0", "aten::mm"] and len(lines) == 7
+
+
+def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
+    """``bench/trace_breakdown.py --timeline``: kernels of 20 us or more by start, the shorter ones
+    counted per stream, and the spans where no collective or copy runs with the compute inside."""
+    tb = _trace_breakdown()
     ev = [dict(cat="kernel", name="ncclDevKernel_AllGather", ts=100, dur=100, args={"stream": 20}),
           dict(cat="kernel", name="nvjet_gemm", ts=200, dur=300, args={"stream": 7}),
           dict(cat="kernel", name="tiny", ts=210, dur=5, args={"stream": 7}),
