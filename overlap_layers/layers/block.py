@@ -314,9 +314,9 @@ class OverlapTransformerBlock(nn.Module):
         cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
                      streams=streams, launch_log=mlp.launch_log)
         call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
-        asked = [p for p in (attn._trace_to, mlp._trace_to) if p]  # export_trace(measured=True) of a sublayer
+        asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
-            call.trace, attn._trace_to, mlp._trace_to = TraceJob(asked, n1.device), None, None
+            call.trace = TraceJob(asked, n1.device)
         weights = (torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if attn.bias else None, wo, q_norm, k_norm, bo,
                    _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)

@@ -493,7 +493,8 @@ class PlannedLayer:
             if hooked and not in_backward:
                 queue.append((self.plan, weakref.ref(key)))
         self._last_call = (pkey, self._tile_units(shape))
-        trace, self._trace_to = (TraceJob(self._trace_to, x.device) if self._trace_to else None), None
+        asked = self._take_trace_request()
+        trace = TraceJob(asked, x.device) if asked else None
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace)
@@ -654,6 +655,12 @@ class PlannedLayer:
         return cm.timelines(self._programs, 1, False, (), (), save)
 
     # ----------------------------------------------------------------- explaining
+    def _take_trace_request(self):
+        """The path of a pending ``export_trace(measured=True)``, now answered by the caller's
+        call (None if none is pending)."""
+        path, self._trace_to = self._trace_to, None
+        return path
+
     def export_trace(self, path, measured: bool = False) -> None:
         """Write a Chrome/Perfetto trace JSON of this layer's plan to ``path``.
 
