@@ -1,8 +1,9 @@
 """CUDA: the heads step's Triton kernel (``layers/heads_kernel.py``, reached through
 ``attention_core.heads_into`` / ``heads_backward_into``) against the RoPE formula in float64
 autograd: rank-major rows to heads (q, k RoPE'd, v copied) and the gradients back, whole tiles
-and one rank's chunk written into the tile's buffers, shared and per-sequence tables, head dims
-whose half is and is not a power of two."""
+and one rank's chunk written into the tile's buffers, shared and per-sequence tables or none, head
+dims whose half is and is not a power of two, and a v whose strides differ from k's (one launch
+serves q, k and v, each with its own strides)."""
 import pytest
 import torch
 
@@ -19,10 +20,13 @@ def rotate_half(x):
 
 
 def reference_heads(rows, cos, sin, nq, nkv, d):
-    """(q, k, v) ``[b, n, g, s, d]`` of rows ``[g, b, s, C]`` with tables ``[b or 1, g, s, d]``."""
+    """(q, k, v) ``[b, n, g, s, d]`` of rows ``[g, b, s, C]`` with tables ``[b or 1, g, s, d]``
+    (None: no RoPE)."""
     def group(lo, n):
         return rows[..., lo * d:(lo + n) * d].unflatten(-1, (n, d)).permute(1, 3, 0, 2, 4)
     q, k, v = group(0, nq), group(nq, nkv), group(nq + nkv, nkv)
+    if cos is None:
+        return q, k, v
     c, s_ = cos[:, None], sin[:, None]
     return q * c + rotate_half(q) * s_, k * c + rotate_half(k) * s_, v
 
@@ -31,7 +35,8 @@ def reference_heads(rows, cos, sin, nq, nkv, d):
 @pytest.mark.parametrize("d", [128, 80])
 @pytest.mark.parametrize("table_batch", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk):
+@pytest.mark.parametrize("variant", ["plain", "no_rope", "v_strided"])
+def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk, variant):
     g_, dev = torch.Generator().manual_seed(d + table_batch), torch.device("cuda")
     g, b, s, nq, nkv = 4, 2, 24, 4, 2
     C = (nq + 2 * nkv) * d
@@ -41,22 +46,26 @@ def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk):
     cos64, sin64 = (randn(table_batch, g * s, d) for _ in range(2))
     grads64 = [randn(b, n, g, s, d) for n in (nq, nkv, nkv)]
     leaf = rows64.clone().requires_grad_()
-    tables64 = tuple(t.unflatten(1, (g, s)) for t in (cos64, sin64))
+    tables64 = tuple(t.unflatten(1, (g, s)) for t in (cos64, sin64)) if variant != "no_rope" else (None, None)
     want = reference_heads(leaf, *tables64, nq, nkv, d)
     want_grad = torch.autograd.grad(want, leaf, grads64)[0]
 
     sl = slice(None) if chunk is None else slice(chunk, chunk + 1)
     rows = rows64.to(dev, dtype)
     bufs = [torch.full((b, n, g * s, d), float("nan"), device=dev, dtype=dtype) for n in (nq, nkv, nkv)]
-    views = [t.view(b, t.shape[1], g, s, d)[:, :, sl] for t in bufs]
-    tables = tuple(t.to(dev, dtype) for t in (cos64, sin64))
-    if chunk is not None:  # one rank's rows and their positions, as the rank-chunk forward passes them
+    if variant == "v_strided":  # v's storage [b, g*s, nkv, d]: other strides than k's
+        bufs[2] = torch.full((b, g * s, nkv, d), float("nan"), device=dev, dtype=dtype).transpose(1, 2)
+    views = [t.unflatten(2, (g, s))[:, :, sl] for t in bufs]
+    tables = tuple(t.to(dev, dtype) for t in (cos64, sin64)) if variant != "no_rope" else None
+    if chunk is not None and tables is not None:  # one rank's rows and their positions, as the rank-chunk forward passes them
         tables = tuple(t[:, chunk * s:(chunk + 1) * s] for t in tables)
     heads_into(rows[sl], *views, tables, nq, nkv, d)
     for got, ref in zip(views, want):
         torch.testing.assert_close(got.double().cpu(), ref.detach()[:, :, sl], rtol=tol, atol=tol)
 
     dq, dk, dv = (t.to(dev, dtype)[:, :, sl] for t in grads64)
+    if variant == "v_strided":
+        dv = grads64[2].to(dev, dtype).permute(0, 2, 3, 1, 4).contiguous().permute(0, 3, 1, 2, 4)[:, :, sl]
     drows = torch.full_like(rows[sl], float("nan"))
     heads_backward_into(drows, dq, dk, dv, tables, nq, nkv, d)
     torch.testing.assert_close(drows.double().cpu(), want_grad[sl], rtol=tol, atol=tol)

@@ -90,7 +90,7 @@ def _move_heads(rows_gbsC: torch.Tensor, heads, cos_sin, nq: int, nkv: int, d: i
     and k, or (``backward``) the heads' gradients back to the rows with RoPE's transpose."""
     g, s = rows_gbsC.shape[0], rows_gbsC.shape[2]
     tables = None if cos_sin is None else tuple(t.unflatten(1, (g, s)) for t in cos_sin)
-    if move_heads(rows_gbsC, heads, tables, nq, nkv, d, backward):  # one Triton kernel per head group (CUDA)
+    if move_heads(rows_gbsC, heads, tables, nq, nkv, d, backward):  # one Triton kernel for q, k and v (CUDA)
         return
     tables = None if tables is None else tuple(t[:, None] for t in tables)
     for n, (rows, head) in enumerate(zip(_head_views(rows_gbsC, nq, nkv, d), heads)):

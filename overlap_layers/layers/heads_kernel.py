@@ -1,4 +1,4 @@
-"""The attention core's heads step as one Triton kernel per head group (CUDA): rank-major
+"""The attention core's heads step as one Triton kernel for q, k and v (CUDA): rank-major
 projected rows to the core's head layout with RoPE, and its transpose for the backward.
 
 Reference (what :func:`move_heads` must equal, up to one rounding): ``attention_core._move_heads``'
@@ -33,7 +33,9 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
                tables: Optional[Tuple[torch.Tensor, torch.Tensor]], nq: int, nkv: int, d: int,
                backward: bool) -> bool:
     """The module reference with ``tables`` ``(cos, sin) [b or 1, g, s, d]`` (None: no RoPE), when
-    it can run here (CUDA, Triton, unit strides along d, even d); returns whether it ran."""
+    it can run here (CUDA, Triton, unit strides along d, even d); returns whether it ran. One
+    launch for q, k and v: on a slow host each Triton launch costs 60-100 us, more than the
+    kernel of one rank's chunk (measured on the H200 machine)."""
     if triton is None or not rows_gbsC.is_cuda or d % 2 or rows_gbsC.stride(-1) != 1:
         return False
     if any(h.stride(-1) != 1 for h in heads):
@@ -45,30 +47,42 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     if R == 0:
         return True
     half = d // 2
-    for lo, n, head, rope in ((0, nq, heads[0], tables is not None), (nq, nkv, heads[1], tables is not None),
-                              (nq + nkv, nkv, heads[2], False)):
-        cos, sin = tables if rope else (rows_gbsC, rows_gbsC)  # unread without RoPE
-        t_b = 0 if cos.shape[0] == 1 else cos.stride(0)
-        _heads_kernel[(triton.cdiv(R, _ROWS), n)](
-            rows_gbsC[..., lo * d:], head, cos, sin, R, b, s, *rows_gbsC.stride()[:3], *head.stride()[:4], t_b,
-            cos.stride(-3), cos.stride(-2), HALF=half, HP=triton.next_power_of_2(half), ROWS=_ROWS, ROPE=rope,
-            BACKWARD=backward)
+    cos, sin = tables if tables is not None else (rows_gbsC, rows_gbsC)  # unread without RoPE
+    t_b = 0 if cos.shape[0] == 1 else cos.stride(0)
+    q, k, v = heads
+    _heads_kernel[(triton.cdiv(R, _ROWS), nq + 2 * nkv)](
+        rows_gbsC, q, k, v, cos, sin, R, b, s, *rows_gbsC.stride()[:3], *q.stride()[:4], *k.stride()[:4],
+        *v.stride()[:4], t_b, cos.stride(-3), cos.stride(-2), NQ=nq, NKV=nkv, HALF=half,
+        HP=triton.next_power_of_2(half), ROWS=_ROWS, ROPE=tables is not None, BACKWARD=backward)
     return True
 
 
 if triton is not None:
-    @triton.jit
-    def _heads_kernel(rows, heads, cos, sin, R, b, s, r_g, r_b, r_s, h_b, h_n, h_g, h_s, t_b, t_g, t_s,
+    # the heads' strides are never specialized (a stride of 1 would become a constant in one
+    # branch of the head-group choice and a value in another)
+    @triton.jit(do_not_specialize=["q_b", "q_n", "q_g", "q_s", "k_b", "k_n", "k_g", "k_s",
+                                   "v_b", "v_n", "v_g", "v_s"])
+    def _heads_kernel(rows, q, k, v, cos, sin, R, b, s, r_g, r_b, r_s, q_b, q_n, q_g, q_s, k_b, k_n, k_g, k_s,
+                      v_b, v_n, v_g, v_s, t_b, t_g, t_s, NQ: tl.constexpr, NKV: tl.constexpr,
                       HALF: tl.constexpr, HP: tl.constexpr, ROWS: tl.constexpr, ROPE: tl.constexpr,
                       BACKWARD: tl.constexpr):
-        head = tl.program_id(1)
+        col = tl.program_id(1)  # the head's place in the rows: q heads, then k, then v
+        if col < NQ:
+            heads, head, h_b, h_n, h_g, h_s = q, col, q_b.to(tl.int64), q_n.to(tl.int64), q_g.to(tl.int64), \
+                q_s.to(tl.int64)
+        elif col < NQ + NKV:
+            heads, head, h_b, h_n, h_g, h_s = k, col - NQ, k_b.to(tl.int64), k_n.to(tl.int64), k_g.to(tl.int64), \
+                k_s.to(tl.int64)
+        else:
+            heads, head, h_b, h_n, h_g, h_s = v, col - NQ - NKV, v_b.to(tl.int64), v_n.to(tl.int64), \
+                v_g.to(tl.int64), v_s.to(tl.int64)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         t = (r % s).to(tl.int64)
         bi = ((r // s) % b).to(tl.int64)
         gi = (r // (s * b)).to(tl.int64)
         cols = tl.arange(0, HP)
         m = (r < R)[:, None] & (cols < HALF)[None, :]
-        row = (gi * r_g + bi * r_b + t * r_s + head * (2 * HALF))[:, None] + cols[None, :]
+        row = (gi * r_g + bi * r_b + t * r_s + col * (2 * HALF))[:, None] + cols[None, :]
         hd = (bi * h_b + head * h_n + gi * h_g + t * h_s)[:, None] + cols[None, :]
         if BACKWARD:
             x1 = tl.load(heads + hd, mask=m, other=0.0).to(tl.float32)
@@ -76,21 +90,21 @@ if triton is not None:
         else:
             x1 = tl.load(rows + row, mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(rows + row + HALF, mask=m, other=0.0).to(tl.float32)
+        y1 = x1
+        y2 = x2
         if ROPE:
-            tb = (bi * t_b + gi * t_g + t * t_s)[:, None] + cols[None, :]
-            c1 = tl.load(cos + tb, mask=m, other=0.0).to(tl.float32)
-            c2 = tl.load(cos + tb + HALF, mask=m, other=0.0).to(tl.float32)
-            s1 = tl.load(sin + tb, mask=m, other=0.0).to(tl.float32)
-            s2 = tl.load(sin + tb + HALF, mask=m, other=0.0).to(tl.float32)
-            if BACKWARD:
-                y1 = x1 * c1 + x2 * s2
-                y2 = x2 * c2 - x1 * s1
-            else:
-                y1 = x1 * c1 - x2 * s1
-                y2 = x2 * c2 + x1 * s2
-        else:
-            y1 = x1
-            y2 = x2
+            if col < NQ + NKV:  # v is copied
+                tb = (bi * t_b + gi * t_g + t * t_s)[:, None] + cols[None, :]
+                c1 = tl.load(cos + tb, mask=m, other=0.0).to(tl.float32)
+                c2 = tl.load(cos + tb + HALF, mask=m, other=0.0).to(tl.float32)
+                s1 = tl.load(sin + tb, mask=m, other=0.0).to(tl.float32)
+                s2 = tl.load(sin + tb + HALF, mask=m, other=0.0).to(tl.float32)
+                if BACKWARD:
+                    y1 = x1 * c1 + x2 * s2
+                    y2 = x2 * c2 - x1 * s1
+                else:
+                    y1 = x1 * c1 - x2 * s1
+                    y2 = x2 * c2 + x1 * s2
         if BACKWARD:
             tl.store(rows + row, y1.to(rows.dtype.element_ty), mask=m)
             tl.store(rows + row + HALF, y2.to(rows.dtype.element_ty), mask=m)
