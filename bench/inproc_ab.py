@@ -95,7 +95,8 @@ def main() -> None:
     p.add_argument("old", help="the old package folder")
     p.add_argument("--layer", choices=("moe", "attention", "mlp"), default="moe")
     p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b (moe), llama3-8b (attention, mlp)")
-    p.add_argument("--plans", default="rank_ce,serial", help="comma list of serial, rank_ce, rank_nccl")
+    p.add_argument("--plans", default="rank_ce,serial",
+                   help="comma list of serial, rank_ce, rank_nccl, kN (N batch tiles over NCCL)")
     p.add_argument("--passes", default="fwd,fwdbwd")
     p.add_argument("--tokens", type=int, default=None, help="moe: tokens per rank (default: the preset's)")
     p.add_argument("--batch", type=int, default=None, help="attention: sequences (default: the preset's first)")
@@ -127,6 +128,8 @@ def main() -> None:
         TilePlan = pk.layers.planned.TilePlan
         if name == "serial":
             return TilePlan(1)
+        if name[0] == "k" and name[1:].isdigit():
+            return TilePlan(int(name[1:]))
         return TilePlan(1, decomposition="rank", transport=name.split("_")[1].replace("ce", "copy_engine"))
 
     res = {}

@@ -709,6 +709,40 @@ def _capture_raises(rank, what: str, layer, x, match: str) -> int:
     return 1
 
 
+def check_caller_stream_kept(rank, ws, dev):
+    """The executor leaves the caller's stream current ([Note: executor streams]): after a layer
+    call on two compute streams issued from a side stream (forward and backward), and after an op
+    that raises on a tile stream."""
+    from overlap_layers.runtime.executor import execute
+    from overlap_layers.schedule import TileProgram, compute, round_robin
+    fails = 0
+    layer = OverlapMLP(64, 128, group=dist.group.WORLD, num_tiles=2, device=dev)
+    x = torch.randn(2, 8, 64, device=dev, requires_grad=True)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = layer(x)
+        fails += torch.cuda.current_stream() != side
+        y.sum().backward()
+        fails += torch.cuda.current_stream() != side
+    torch.cuda.current_stream().wait_stream(side)
+
+    def boom(env):
+        raise RuntimeError("boom")
+    prog = TileProgram("t", (compute("ok", lambda env: None), compute("boom", boom)))
+    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    before = torch.cuda.current_stream()
+    try:
+        execute(round_robin(prog, 2), [{}, {}], dist.group.WORLD, streams=streams)
+        fails += 1  # it must raise
+    except RuntimeError:
+        pass
+    fails += torch.cuda.current_stream() != before
+    if fails:
+        print(f"rank {rank}: the caller's stream was not current after a layer call or a raising op", flush=True)
+    return fails
+
+
 def check_workspace_kept_on_some_ranks(rank, ws, dev):
     """Layers freed on every rank while rank 1 still holds their symmetric workspace (as a late
     garbage collection would): the next copy-engine layer's agreement makes every rank release
@@ -760,7 +794,7 @@ def main():
         + check_moe_and_ulysses(rank, ws, dev) + check_half_router_logits(rank, ws, dev) \
         + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) \
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
-        + check_workspace_kept_on_some_ranks(rank, ws, dev)
+        + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -315,12 +315,13 @@ def test_inproc_ab_dry_run(tmp_path, layer):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "bench/inproc_ab.py", os.path.join(root, "overlap_layers"), "--layer", layer,
-                           "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial", "--passes", "fwd,fwdbwd",
+                           "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial,k2", "--passes", "fwd,fwdbwd",
                            "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["layer"] == layer and data["meta"]["world_size"] == 2
-    assert sorted(data["results"]) == ["rank_nccl/fwd", "rank_nccl/fwdbwd", "serial/fwd", "serial/fwdbwd"]
+    assert sorted(data["results"]) == ["k2/fwd", "k2/fwdbwd", "rank_nccl/fwd", "rank_nccl/fwdbwd", "serial/fwd",
+                                       "serial/fwdbwd"]
     for r in data["results"].values():
         assert len(r["rank0_old"]) == len(r["rank0_new"]) == 1
         assert 0 < r["old_host_ms"] <= r["old_ms"] * 1.001 and 0 < r["new_host_ms"] <= r["new_ms"] * 1.001
