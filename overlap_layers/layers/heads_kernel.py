@@ -33,12 +33,13 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
                tables: Optional[Tuple[torch.Tensor, torch.Tensor]], nq: int, nkv: int, d: int,
                backward: bool) -> bool:
     """The module reference with ``tables`` ``(cos, sin) [b or 1, g, s, d]`` (None: no RoPE), when
-    it can run here (CUDA, Triton, unit strides along d, even d); returns whether it ran. One
-    launch for q, k and v: on a slow host each Triton launch costs 60-100 us, more than the
-    kernel of one rank's chunk (measured on the H200 machine)."""
+    it can run here (CUDA, Triton, unit strides along d, even d, one dtype for q, k and v);
+    returns whether it ran. One launch for q, k and v ([Note: one heads launch]): on a slow host
+    each Triton launch costs 60-100 us, more than the kernel of one rank's chunk (measured on the
+    H200 machine)."""
     if triton is None or not rows_gbsC.is_cuda or d % 2 or rows_gbsC.stride(-1) != 1:
         return False
-    if any(h.stride(-1) != 1 for h in heads):
+    if any(h.stride(-1) != 1 or h.dtype != heads[0].dtype for h in heads):
         return False
     if tables is not None and (tables[0].stride() != tables[1].stride() or tables[0].stride(-1) != 1):
         return False
@@ -50,32 +51,34 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     cos, sin = tables if tables is not None else (rows_gbsC, rows_gbsC)  # unread without RoPE
     t_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     q, k, v = heads
+    elt = q.element_size()
     _heads_kernel[(triton.cdiv(R, _ROWS), nq + 2 * nkv)](
-        rows_gbsC, q, k, v, cos, sin, R, b, s, *rows_gbsC.stride()[:3], *q.stride()[:4], *k.stride()[:4],
-        *v.stride()[:4], t_b, cos.stride(-3), cos.stride(-2), NQ=nq, NKV=nkv, HALF=half,
-        HP=triton.next_power_of_2(half), ROWS=_ROWS, ROPE=tables is not None, BACKWARD=backward)
+        rows_gbsC, q, (k.data_ptr() - q.data_ptr()) // elt, (v.data_ptr() - q.data_ptr()) // elt, cos, sin, R, b, s,
+        *rows_gbsC.stride()[:3], *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], t_b, cos.stride(-3),
+        cos.stride(-2), NQ=nq, NKV=nkv, HALF=half, HP=triton.next_power_of_2(half), ROWS=_ROWS,
+        ROPE=tables is not None, BACKWARD=backward)
     return True
 
 
 if triton is not None:
-    # the heads' strides are never specialized (a stride of 1 would become a constant in one
-    # branch of the head-group choice and a value in another)
-    @triton.jit(do_not_specialize=["q_b", "q_n", "q_g", "q_s", "k_b", "k_n", "k_g", "k_s",
-                                   "v_b", "v_n", "v_g", "v_s"])
-    def _heads_kernel(rows, q, k, v, cos, sin, R, b, s, r_g, r_b, r_s, q_b, q_n, q_g, q_s, k_b, k_n, k_g, k_s,
-                      v_b, v_n, v_g, v_s, t_b, t_g, t_s, NQ: tl.constexpr, NKV: tl.constexpr,
+    @triton.jit
+    def _heads_kernel(rows, q, k_off, v_off, cos, sin, R, b, s, r_g, r_b, r_s, q_b, q_n, q_g, q_s, k_b, k_n, k_g,
+                      k_s, v_b, v_n, v_g, v_s, t_b, t_g, t_s, NQ: tl.constexpr, NKV: tl.constexpr,
                       HALF: tl.constexpr, HP: tl.constexpr, ROWS: tl.constexpr, ROPE: tl.constexpr,
                       BACKWARD: tl.constexpr):
+        # [Note: one heads launch]: the program's head is q's, k's or v's by its column; k and v
+        # are reached from q's pointer by their element offsets, and every choice is a select of
+        # values, not a branch, so the compiler keeps what it knows of each stride's divisibility
+        # (a branch lost it: the stores ran unvectorized, 33% slower than three launches)
         col = tl.program_id(1)  # the head's place in the rows: q heads, then k, then v
-        if col < NQ:
-            heads, head, h_b, h_n, h_g, h_s = q, col, q_b.to(tl.int64), q_n.to(tl.int64), q_g.to(tl.int64), \
-                q_s.to(tl.int64)
-        elif col < NQ + NKV:
-            heads, head, h_b, h_n, h_g, h_s = k, col - NQ, k_b.to(tl.int64), k_n.to(tl.int64), k_g.to(tl.int64), \
-                k_s.to(tl.int64)
-        else:
-            heads, head, h_b, h_n, h_g, h_s = v, col - NQ - NKV, v_b.to(tl.int64), v_n.to(tl.int64), \
-                v_g.to(tl.int64), v_s.to(tl.int64)
+        is_q = col < NQ
+        is_k = (col >= NQ) & (col < NQ + NKV)
+        head = tl.where(is_q, col, tl.where(is_k, col - NQ, col - NQ - NKV)).to(tl.int64)
+        base = tl.where(is_q, 0, tl.where(is_k, k_off, v_off)).to(tl.int64)
+        h_b = tl.where(is_q, q_b, tl.where(is_k, k_b, v_b)).to(tl.int64)
+        h_n = tl.where(is_q, q_n, tl.where(is_k, k_n, v_n)).to(tl.int64)
+        h_g = tl.where(is_q, q_g, tl.where(is_k, k_g, v_g)).to(tl.int64)
+        h_s = tl.where(is_q, q_s, tl.where(is_k, k_s, v_s)).to(tl.int64)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         t = (r % s).to(tl.int64)
         bi = ((r // s) % b).to(tl.int64)
@@ -83,10 +86,10 @@ if triton is not None:
         cols = tl.arange(0, HP)
         m = (r < R)[:, None] & (cols < HALF)[None, :]
         row = (gi * r_g + bi * r_b + t * r_s + col * (2 * HALF))[:, None] + cols[None, :]
-        hd = (bi * h_b + head * h_n + gi * h_g + t * h_s)[:, None] + cols[None, :]
+        hd = (base + bi * h_b + head * h_n + gi * h_g + t * h_s)[:, None] + cols[None, :]
         if BACKWARD:
-            x1 = tl.load(heads + hd, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(heads + hd + HALF, mask=m, other=0.0).to(tl.float32)
+            x1 = tl.load(q + hd, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(q + hd + HALF, mask=m, other=0.0).to(tl.float32)
         else:
             x1 = tl.load(rows + row, mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(rows + row + HALF, mask=m, other=0.0).to(tl.float32)
@@ -109,5 +112,5 @@ if triton is not None:
             tl.store(rows + row, y1.to(rows.dtype.element_ty), mask=m)
             tl.store(rows + row + HALF, y2.to(rows.dtype.element_ty), mask=m)
         else:
-            tl.store(heads + hd, y1.to(heads.dtype.element_ty), mask=m)
-            tl.store(heads + hd + HALF, y2.to(heads.dtype.element_ty), mask=m)
+            tl.store(q + hd, y1.to(q.dtype.element_ty), mask=m)
+            tl.store(q + hd + HALF, y2.to(q.dtype.element_ty), mask=m)
