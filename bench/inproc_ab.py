@@ -187,6 +187,7 @@ def main() -> None:
                     torch=torch.__version__, device=torch.cuda.get_device_name(dev) if cuda else "cpu")
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=res), f, indent=1)
+    dist.barrier()  # the ranks tear down together (bench/host_phases.py)
     dist.destroy_process_group()
 
 

@@ -325,3 +325,59 @@ def test_inproc_ab_dry_run(tmp_path, layer):
     for r in data["results"].values():
         assert len(r["rank0_old"]) == len(r["rank0_new"]) == 1
         assert 0 < r["old_host_ms"] <= r["old_ms"] * 1.001 and 0 < r["new_host_ms"] <= r["new_ms"] * 1.001
+
+
+def _host_phases():
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("host_phases", os.path.join(root, "bench", "host_phases.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_host_phases_wraps_functions_methods_and_staticmethods():
+    """``bench/host_phases.py``'s wrapper: inclusive time and call count per wrapped name, the
+    function's result and exceptions unchanged, static methods still static."""
+    import types
+    hp = _host_phases()
+    mod = types.ModuleType("hp_target")
+
+    class K:
+        @staticmethod
+        def twice(v):
+            return 2 * v
+
+        def boom(self):
+            raise KeyError("x")
+    mod.K, mod.f = K, lambda v: v + 1
+    sys.modules["hp_target"] = mod
+    try:
+        acc = {}
+        for p in ("hp_target:f", "hp_target:K.twice", "hp_target:K.boom"):
+            hp.wrap(p, acc)
+        assert mod.f(1) == 2 and K.twice(3) == 6 and K().twice(4) == 8
+        with pytest.raises(KeyError):
+            K().boom()
+        assert {k: v[1] for k, v in acc.items()} == {"hp_target:f": 1, "hp_target:K.twice": 2, "hp_target:K.boom": 1}
+        assert all(v[0] > 0 for v in acc.values())
+    finally:
+        del sys.modules["hp_target"]
+
+
+def test_host_phases_dry_run():
+    """``bench/host_phases.py`` on 2 gloo ranks (tiny attention): every rank's host and wall time,
+    then the wrapped functions, each called once per layer call."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "bench/host_phases.py", "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
+                          cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
+    calls = {ln.split()[-1]: float(ln.split()[3]) for ln in lines[1:]}
+    for name in ("overlap_layers.layers.attention:OverlapAttention.forward",
+                 "overlap_layers.layers.attention:_RankChunkAttention._forward",
+                 "overlap_layers.layers.planned:PlannedLayer._agree"):
+        assert calls[name] == 1.0

@@ -1,0 +1,153 @@
+"""Host time of an eager layer call, per function: inclusive microseconds per call of each wrapped
+function, timed with ``time.perf_counter_ns`` (no profiler).
+
+The torch profiler slows every op's host side 2-5x (``trace_breakdown.py --host`` reads such
+traces), and cProfile does not see where a C call blocks. Here each function named in ``--wrap``
+(and a default set along the layers' call paths) is replaced by a timing wrapper, about 1-3 us
+each on a slow host, and the layer runs ``--calls`` back-to-back calls after warm-up; rank 0
+prints the time per call until the loop returns (host) and until the device is done (wall), for
+every rank, then the wrapped functions by inclusive time. Run it once plain (``--wrap none``) to
+see whether the wrappers moved the call's host time.
+
+Where a rank waits for another (the agreement's host gather, ``HostMailbox.gather``), the time is
+the other rank's lag, not work; a device-bound loop that fills the launch queue shows its wait in
+whatever launch blocks.
+
+    torchrun --nproc-per-node 2 bench/host_phases.py --layer attention --preset llama3-8b --plan rank_ce
+
+Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.exchange:CopyEngineExchange.push``
+or ``torch:mm``; a function imported by name into another module must be named where it is called.
+Shapes are those of ``bench/inproc_ab.py`` (off CUDA: 2 gloo ranks, tiny presets).
+"""
+import argparse
+import functools
+import importlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # inproc_ab's shapes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package
+from inproc_ab import make_case  # noqa: E402
+
+COMMON = ("overlap_layers.layers.planned:PlannedLayer._agree", "overlap_layers.layers.planned:PlannedLayer._planned_call",
+          "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
+          "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
+          "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",
+          "overlap_layers.runtime.exchange:CopyEngineExchange.push",
+          "overlap_layers.runtime.exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
+PER_LAYER = {
+    "attention": ("overlap_layers.layers.attention:OverlapAttention.forward",
+                  "overlap_layers.layers.attention:OverlapAttention._run",
+                  "overlap_layers.layers.attention:_RankChunkAttention._forward",
+                  "overlap_layers.layers.attention:_TiledAttention.forward",
+                  "overlap_layers.layers.attention:_Call.chunk_heads", "overlap_layers.layers.attention:_Call.core_chunk",
+                  "overlap_layers.layers.attention:_Call.core", "overlap_layers.layers.query_chunks:_piece",
+                  "overlap_layers.layers.query_chunks:_merge_triton", "overlap_layers.layers.attention_core:move_heads"),
+    "mlp": ("overlap_layers.layers.mlp:OverlapMLP.forward", "overlap_layers.layers.mlp:OverlapMLP._run"),
+    "moe": ("overlap_layers.layers.moe:OverlapMoE.forward", "overlap_layers.layers.moe:OverlapMoE._run",
+            "overlap_layers.layers.moe:OverlapMoE._route_and_count", "overlap_layers.layers.moe:route",
+            "overlap_layers.layers.moe:all_gather_rows", "overlap_layers.layers.moe:HostReader.start",
+            "overlap_layers.layers.moe:piece_offsets", "overlap_layers.layers.moe:launch_first",
+            "overlap_layers.layers.moe_ranks:forward", "overlap_layers.layers.moe_ranks:experts_forward",
+            "overlap_layers.runtime.rank_all_to_all:CopyEngineAllToAll.start"),
+}
+
+
+def wrap(path: str, acc: dict) -> None:
+    """Replace the function at ``path`` (``module:attribute.path``) by one that adds its inclusive
+    nanoseconds and calls to ``acc[path]``."""
+    mod, _, attr = path.partition(":")
+    owner = importlib.import_module(mod)
+    *parents, name = attr.split(".")
+    for p in parents:
+        owner = getattr(owner, p)
+    raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    fn = raw.__func__ if kind is not None else raw
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            e = acc.setdefault(path, [0, 0])
+            e[0] += time.perf_counter_ns() - t
+            e[1] += 1
+    setattr(owner, name, kind(timed) if kind is not None else timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layer", choices=("moe", "attention", "mlp"), default="attention")
+    p.add_argument("--preset", default=None, help="as bench/inproc_ab.py")
+    p.add_argument("--plan", default="rank_ce", help="serial, rank_ce, rank_nccl or kN")
+    p.add_argument("--backward", action="store_true", help="forward and backward (default: forward, no_grad)")
+    p.add_argument("--wrap", default="", help="comma list of more functions; 'none': wrap nothing")
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+        sync = torch.cuda.synchronize
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+        sync = lambda: None  # noqa: E731
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    preset = (args.preset or ("qwen3-30b-a3b" if args.layer == "moe" else "llama3-8b")) if cuda else "tiny"
+    make, x, kwargs, _ = make_case(args.layer, preset, args, dev, torch.bfloat16 if cuda else torch.float32, rank, ws)
+    import overlap_layers
+    from overlap_layers.layers import TilePlan
+    layer = make(overlap_layers)
+    plan = args.plan
+    layer.pin_plan(TilePlan(1) if plan == "serial" else TilePlan(int(plan[1:])) if plan[0] == "k" else
+                   TilePlan(1, decomposition="rank", transport=plan.split("_")[1].replace("ce", "copy_engine")))
+    acc: dict = {}
+    if args.wrap != "none":
+        for path in COMMON + PER_LAYER[args.layer] + tuple(w for w in args.wrap.split(",") if w):
+            wrap(path, acc)
+    xx = x.detach().requires_grad_(args.backward)
+    dy = torch.randn_like(x)
+
+    def call():
+        if args.backward:
+            layer(xx, **kwargs).backward(dy)
+        else:
+            with torch.no_grad():
+                layer(xx, **kwargs)
+    for _ in range(5):
+        call()
+    sync()
+    dist.barrier()
+    acc.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        call()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    mine = torch.tensor([(t1 - t0) / args.calls * 1e3, (t2 - t0) / args.calls * 1e3], dtype=torch.float64,
+                        device=dev)
+    every = torch.empty(ws * 2, dtype=torch.float64, device=dev)
+    dist.all_gather_into_tensor(every, mine)
+    every = every.view(ws, 2).tolist()
+    if rank == 0:
+        print(f"{args.layer} {preset} {plan} {'fwd+bwd' if args.backward else 'fwd'}: ms per call (host, wall) by rank: "
+              + "  ".join(f"({h:.3f}, {w:.3f})" for h, w in every))
+        for path, (ns, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {ns / args.calls / 1e3:9.1f} us  x {n / args.calls:5.1f}  {path}")
+    dist.barrier()  # the ranks tear down together: on gloo, one leaving early aborted the other in 2 of 12 runs
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
