@@ -52,8 +52,11 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     t_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     q, k, v = heads
     elt = q.element_size()
+    k_off, v_off = k.data_ptr() - q.data_ptr(), v.data_ptr() - q.data_ptr()
+    if k_off % elt or v_off % elt:  # k and v are reached from q by element offsets
+        return False
     _heads_kernel[(triton.cdiv(R, _ROWS), nq + 2 * nkv)](
-        rows_gbsC, q, (k.data_ptr() - q.data_ptr()) // elt, (v.data_ptr() - q.data_ptr()) // elt, cos, sin, R, b, s,
+        rows_gbsC, q, k_off // elt, v_off // elt, cos, sin, R, b, s,
         *rows_gbsC.stride()[:3], *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], t_b, cos.stride(-3),
         cos.stride(-2), NQ=nq, NKV=nkv, HALF=half, HP=triton.next_power_of_2(half), ROWS=_ROWS,
         ROPE=tables is not None, BACKWARD=backward)
@@ -67,9 +70,10 @@ if triton is not None:
                       HALF: tl.constexpr, HP: tl.constexpr, ROWS: tl.constexpr, ROPE: tl.constexpr,
                       BACKWARD: tl.constexpr):
         # [Note: one heads launch]: the program's head is q's, k's or v's by its column; k and v
-        # are reached from q's pointer by their element offsets, and every choice is a select of
-        # values, not a branch, so the compiler keeps what it knows of each stride's divisibility
-        # (a branch lost it: the stores ran unvectorized, 33% slower than three launches)
+        # are reached from q's pointer by their element offsets, and every address is chosen by
+        # selects of values, not by a branch, so the compiler keeps what it knows of each stride's
+        # divisibility (a branch lost it: the stores ran unvectorized, the forward 33% slower than
+        # three launches; H100). Only RoPE or the copy (v) is a branch.
         col = tl.program_id(1)  # the head's place in the rows: q heads, then k, then v
         is_q = col < NQ
         is_k = (col >= NQ) & (col < NQ + NKV)

@@ -29,7 +29,8 @@ from .trace import OpRecorder
 
 def profiler_range(name: str):
     """The profiler range ``name`` while a profiler runs, else nothing (a range costs a few
-    microseconds of host time even when nobody records it, and the executor opens one per op)."""
+    microseconds of host time even when nobody records it; :func:`execute` asks once per call and
+    names its ops' ranges only while profiling)."""
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
@@ -122,10 +123,10 @@ def execute(schedule: Schedule, envs: Sequence[dict], group, *,
                     envs[t][op.dst] = waited.result(j)
                     del waited
                     if recorder is not None:
-                        tok, members = comm_open.pop((op.handle, t), (None, ()))
+                        tok, bucket = comm_open.pop((op.handle, t), (None, ()))
                         if tok is not None:  # the first wait on a collective ends it
                             recorder.end(tok, stream)
-                            for m in members:
+                            for m in bucket:
                                 comm_open.pop((op.handle, m), None)
                         recorder.mark(op.name, t, row_of(t), stream)
             if trace is not None:
