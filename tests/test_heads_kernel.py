@@ -1,4 +1,4 @@
-"""CUDA: the heads step's Triton kernel (``layers/heads_kernel.py``, reached through
+"""The heads step's Triton kernel (CUDA, or Triton's interpreter on the CPU) (``layers/heads_kernel.py``, reached through
 ``attention_core.heads_into`` / ``heads_backward_into``) against the RoPE formula in float64
 autograd: rank-major rows to heads (q, k RoPE'd, v copied) and the gradients back, whole tiles
 and one rank's chunk written into the tile's buffers, shared and per-sequence tables or none, head
@@ -7,11 +7,12 @@ serves q, k and v, each with its own strides)."""
 import pytest
 import torch
 
-from overlap_layers.layers import heads_kernel
+from kernel_device import DEVICE, needs_triton
+from overlap_layers.layers import attention_core, heads_kernel
 from overlap_layers.layers.attention_core import heads_backward_into, heads_into
+from overlap_layers.runtime import triton_gate
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or heads_kernel.triton is None,
-                                reason="needs CUDA and Triton")
+pytestmark = needs_triton
 
 
 def rotate_half(x):
@@ -36,8 +37,14 @@ def reference_heads(rows, cos, sin, nq, nkv, d):
 @pytest.mark.parametrize("table_batch", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 2])
 @pytest.mark.parametrize("variant", ["plain", "no_rope", "v_strided"])
-def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk, variant):
-    g_, dev = torch.Generator().manual_seed(d + table_batch), torch.device("cuda")
+def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk, variant, monkeypatch):
+    ran = []  # the kernel, not the torch path, must run each direction
+
+    def kernel(*args):
+        ran.append(heads_kernel.move_heads(*args))
+        return ran[-1]
+    monkeypatch.setattr(attention_core, "move_heads", kernel)
+    g_, dev = torch.Generator().manual_seed(d + table_batch), DEVICE
     g, b, s, nq, nkv = 4, 2, 24, 4, 2
     C = (nq + 2 * nkv) * d
     def randn(*shape):  # values the kernel's dtype holds exactly: only its rounding of the result differs
@@ -69,12 +76,17 @@ def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk, variant
     drows = torch.full_like(rows[sl], float("nan"))
     heads_backward_into(drows, dq, dk, dv, tables, nq, nkv, d)
     torch.testing.assert_close(drows.double().cpu(), want_grad[sl], rtol=tol, atol=tol)
+    assert ran == [True, True]
 
 
 def test_heads_kernel_declines_what_it_cannot_run():
-    """CPU tensors and head dims split unevenly go to the torch path."""
-    rows = torch.zeros(1, 1, 2, 6)
-    heads = [torch.zeros(1, 1, 1, 2, 2) for _ in range(3)]
-    assert not heads_kernel.move_heads(rows, heads, None, 1, 1, 2, backward=False)
-    odd = torch.zeros(1, 1, 2, 9, device="cuda")
-    assert not heads_kernel.move_heads(odd, [torch.zeros(1, 1, 1, 2, 3, device="cuda")] * 3, None, 1, 1, 3, False)
+    """Head dims split unevenly and heads of mixed dtypes go to the torch path, and so do CPU
+    tensors unless Triton interprets."""
+    odd = torch.zeros(1, 1, 2, 9, device=DEVICE)
+    assert not heads_kernel.move_heads(odd, [torch.zeros(1, 1, 1, 2, 3, device=DEVICE)] * 3, None, 1, 1, 3, False)
+    rows = torch.zeros(1, 1, 2, 6, device=DEVICE)
+    mixed = [torch.zeros(1, 1, 1, 2, 2, device=DEVICE, dtype=t) for t in (torch.float32, torch.float32, torch.float64)]
+    assert not heads_kernel.move_heads(rows, mixed, None, 1, 1, 2, backward=False)
+    if not triton_gate.INTERPRETED:
+        heads = [torch.zeros(1, 1, 1, 2, 2) for _ in range(3)]
+        assert not heads_kernel.move_heads(rows.cpu(), heads, None, 1, 1, 2, backward=False)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kernel_device import DEVICE, needs_triton
 from overlap_layers.layers import query_chunks
 
 
@@ -94,12 +95,13 @@ def test_query_chunks_match_formula_cuda(dtype, causal, chunks, nq, nkv):
     check(dev, dtype, causal, chunks, nq, nkv, 2e-2, 5e-2, seed=chunks + nq + causal)
 
 
-@cuda
-def test_triton_merge_equals_torch_merge_cuda():
-    """The Triton merge against the torch formulas on the same half-type pieces, into a strided
-    output, head_dim not a power of two (masked columns)."""
+@needs_triton
+def test_triton_merge_equals_torch_merge():
+    """The Triton merge (CUDA, or Triton's interpreter on the CPU) against the torch formulas on
+    the same half-type pieces, into a strided output, head_dim not a power of two (masked
+    columns)."""
     g = torch.Generator().manual_seed(11)
-    dev = torch.device("cuda")
+    dev = DEVICE
     b, n, s, d = 2, 3, 70, 24
     o1, o2 = (torch.randn(b, n, s, d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
     l1, l2 = (torch.randn(b, n, s, generator=g).to(dev) * 4 for _ in range(2))
@@ -107,6 +109,7 @@ def test_triton_merge_equals_torch_merge_cuda():
               + o2.double() * (l2 - torch.logaddexp(l1, l2)).exp().double()[..., None])
     out = torch.empty(b, s, n, d, device=dev, dtype=torch.bfloat16).permute(0, 2, 1, 3)
     lse = torch.empty(b, n, s, device=dev)
+    assert query_chunks.runs_triton(o1)  # the Triton merge, not the torch formulas
     query_chunks.merge_into(out, lse, o1, l1, o2, l2)
     torch.testing.assert_close(out.double(), want_o, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, torch.logaddexp(l1, l2), rtol=1e-5, atol=1e-5)

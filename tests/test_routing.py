@@ -1,12 +1,14 @@
 """The MoE's routing (``layers/routing.py``) on the CPU, its eager path: against the independent
 routing of ``moe_reference.py`` (the logits given as tokens through an identity router), and its
-sort keys and counts against their definitions. The Triton kernel is checked against this path on
-CUDA (``cuda_worker.check_fused_routing``)."""
+sort keys and counts against their definitions; and the Triton kernel against this path (CUDA, or
+Triton's interpreter on the CPU)."""
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from kernel_device import DEVICE, needs_triton
 from moe_reference import route as reference_route
-from overlap_layers.layers.routing import route_topk
+from overlap_layers.layers.routing import fused_available, route_topk, route_topk_eager
 
 
 @settings(max_examples=60, deadline=None)
@@ -37,3 +39,33 @@ def test_routing_matches_the_reference(T, E, data, normalize, ties):
     ((probs * gp).sum() + (weights * gw).sum()).backward()
     ((ref["probs"] * gp).sum() + (ref["weights"] * gw).sum()).backward()
     torch.testing.assert_close(leaf.grad, ref_x.grad, rtol=1e-10, atol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("T,E,k,normalize,ties", [(300, 128, 8, True, False), (37, 60, 2, False, False),
+                                                  (513, 8, 2, True, True), (64, 128, 8, True, True),
+                                                  (1, 16, 1, True, False), (0, 8, 2, True, False)])
+def test_fused_routing_matches_the_eager_path(T, E, k, normalize, ties):
+    """The Triton routing kernel (CUDA, or Triton's interpreter on the CPU) against the eager
+    path on the same float32 logits: the same experts, keys and counts exactly (ties included:
+    integer logits), probabilities and weights to rounding; its gradient through probs and
+    weights against the eager path's autograd in float64. Empty, partial-block and
+    non-power-of-two shapes."""
+    g = torch.Generator().manual_seed(5 + T + E)
+    shift = E // 2
+    logits = (torch.randint(0, 3, (T, E), generator=g).float() if ties else torch.randn(T, E, generator=g) * 3).to(DEVICE)
+    assert fused_available(logits)
+    leaf = logits.clone().requires_grad_()
+    got = route_topk(leaf, k, normalize, shift)
+    lg = logits.double().requires_grad_()
+    ref = route_topk_eager(lg, k, normalize, shift)
+    for a, b in ((got[2], ref[2]), (got[4], ref[4]), (got[5], ref[5])):  # experts, keys, counts
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if T == 0:
+        return
+    for a, b in ((got[0], ref[0]), (got[1], ref[1]), (got[3], ref[3])):  # probs, top_p, weights
+        torch.testing.assert_close(a.double().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-5)
+    gp, gw = torch.randn(T, E, generator=g).to(DEVICE), torch.randn(T, k, generator=g).to(DEVICE)
+    ((got[0] * gp).sum() + (got[3] * gw).sum()).backward()
+    ((ref[0] * gp.double()).sum() + (ref[3] * gw.double()).sum()).backward()
+    torch.testing.assert_close(leaf.grad.double().cpu(), lg.grad.cpu(), rtol=1e-5, atol=1e-5)

@@ -1,8 +1,11 @@
 """Tier 1 (CUDA where present): ``runtime.slot_sum.sum_slots`` against the float64 sum of the
-slots, whole and as row blocks (the exchange's early and late sums), in half and float types."""
+slots, whole and as row blocks (the exchange's early and late sums), in half and float types; on
+the CPU its torch path, or its kernel under Triton's interpreter."""
 import pytest
 import torch
 
+from kernel_device import DEVICE, needs_triton
+from overlap_layers.runtime import slot_sum
 from overlap_layers.runtime.slot_sum import sum_slots
 
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -25,3 +28,14 @@ def test_sum_slots_matches_float64_sum(device, dtype, tol, n):
     sum_slots(slots[:, :h], out2[:h])
     sum_slots(slots[:, h:], out2[h:])
     torch.testing.assert_close(out2.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sum_slots_takes_the_kernel_for_half_and_float_types(dtype):
+    """Where Triton runs, the sums above of these types go through the kernel (float64 keeps
+    torch's sum), also for row blocks of a slot buffer."""
+    slots = torch.zeros(3, 6, 5, device=DEVICE, dtype=dtype)
+    assert slot_sum._fused(slots, torch.empty(6, 5, device=DEVICE, dtype=dtype))
+    assert slot_sum._fused(slots[:, 2:], torch.empty(4, 5, device=DEVICE, dtype=dtype))
+    assert not slot_sum._fused(slots.double(), torch.empty(6, 5, device=DEVICE, dtype=torch.float64))

@@ -20,6 +20,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..runtime.triton_gate import runs_triton
+
 try:
     import triton
     import triton.language as tl
@@ -37,7 +39,7 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     returns whether it ran. One launch for q, k and v ([Note: one heads launch]): on a slow host
     each Triton launch costs 60-100 us, more than the kernel of one rank's chunk (measured on the
     H200 machine)."""
-    if triton is None or not rows_gbsC.is_cuda or d % 2 or rows_gbsC.stride(-1) != 1:
+    if not runs_triton(rows_gbsC) or d % 2 or rows_gbsC.stride(-1) != 1:
         return False
     if any(h.stride(-1) != 1 or h.dtype != heads[0].dtype for h in heads):
         return False

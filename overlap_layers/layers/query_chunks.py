@@ -36,6 +36,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..runtime.triton_gate import runs_triton
+
 try:
     import triton
     import triton.language as tl
@@ -74,7 +76,7 @@ def _piece(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[torch.Tensor,
 def merge_into(o_out, lse_out, o1, l1, o2=None, l2=None) -> None:
     """Write ``(o, lse)`` of one piece, or of two merged (module docstring), into ``o_out [b, n,
     s, d]`` and ``lse_out [b, n, s]`` (any strides)."""
-    if triton is not None and o1.is_cuda:
+    if runs_triton(o1):
         _merge_triton(o_out, lse_out, o1, l1, o2, l2)
         return
     if o2 is None:

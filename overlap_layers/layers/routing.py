@@ -28,6 +28,8 @@ from typing import Tuple
 
 import torch
 
+from ..runtime.triton_gate import runs_triton
+
 try:
     import triton
     import triton.language as tl
@@ -38,7 +40,7 @@ _ELEMENTS = 4096  # logits per program (rows of next_power_of_2(E))
 
 
 def fused_available(logits: torch.Tensor) -> bool:
-    return triton is not None and logits.is_cuda and logits.dtype == torch.float32 and logits.is_contiguous()
+    return runs_triton(logits) and logits.dtype == torch.float32 and logits.is_contiguous()
 
 
 if triton is not None:

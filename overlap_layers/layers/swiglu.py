@@ -18,6 +18,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from ..runtime.triton_gate import runs_triton
+
 try:
     import triton
     import triton.language as tl
@@ -28,7 +30,7 @@ _BLOCK = 1024
 
 
 def fused_available(pre: torch.Tensor) -> bool:
-    return triton is not None and pre.is_cuda and pre.is_contiguous()
+    return runs_triton(pre) and pre.is_contiguous()
 
 
 if triton is not None:

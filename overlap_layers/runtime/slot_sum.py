@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .triton_gate import runs_triton
+
 try:
     import triton
     import triton.language as tl
@@ -24,7 +26,7 @@ _BLOCK = 4096  # elements of one program
 
 
 def _fused(slots: torch.Tensor, out: torch.Tensor) -> bool:
-    if triton is None or not slots.is_cuda or slots.dim() != 3 or out.dtype != slots.dtype:
+    if not runs_triton(slots) or slots.dim() != 3 or out.dtype != slots.dtype:
         return False
     if slots.dtype not in (torch.float16, torch.bfloat16, torch.float32):  # float64 keeps its precision
         return False
