@@ -375,3 +375,73 @@ def test_rank_all_to_all_pushes_must_go_in_step_order(pool4):
     with pytest.raises(RankFailure) as info:
         pool4.run(rank_all_to_all_out_of_order, timeout=60)
     assert all(e is not None and e[0] == "AssertionError" for e in info.value.errors())
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, ev):
+        pass
+
+    def __repr__(self):
+        return self.name
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+
+def _fake_cuda(monkeypatch):
+    """torch.cuda's stream calls on the CPU: a current stream that ``set_stream`` changes, and the
+    log of every ``set_stream``."""
+    state = {"current": _FakeStream("main"), "sets": []}
+    main = state["current"]
+
+    def set_stream(s):
+        state["sets"].append(s.name)
+        state["current"] = s
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: state["current"])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    return state, main
+
+
+def test_executor_sets_each_ops_stream_only_when_it_changes(monkeypatch):
+    """[Note: executor streams] on a fake torch.cuda: every op runs with its tile's stream
+    current; ``set_stream`` only where the stream changes (the round-robin alternates tiles, a
+    tile's consecutive ops share one); the caller's stream current again at the end, and after an
+    op that raised."""
+    from overlap_layers.runtime.executor import execute
+    from overlap_layers.schedule import TileProgram, compute, round_robin
+    state, main = _fake_cuda(monkeypatch)
+    seen = []
+
+    def op(name):
+        def fn(env):
+            seen.append((env["tile"], name, state["current"].name))
+        return fn
+    prog = TileProgram("t", (compute("a", op("a")), compute("b", op("b"))))
+    sched = round_robin(prog, 3)
+    streams = [_FakeStream("s0"), _FakeStream("s1")]
+    execute(sched, [{"tile": t} for t in range(3)], None, streams=streams)
+    assert len(seen) == 6 and all(cur == f"s{t % 2}" for t, _, cur in seen)
+    changes, last = [], "main"  # the stream of each op whose stream differs from the op before
+    for _, _, cur in seen:
+        if cur != last:
+            changes.append(cur)
+            last = cur
+    assert state["sets"] == changes + ["main"] and len(changes) < len(seen)  # some neighbours share one
+    assert state["current"] is main
+
+    def boom(env):
+        raise RuntimeError("boom")
+    state["sets"].clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        execute(round_robin(TileProgram("t", (compute("a", op("a")), compute("boom", boom))), 2),
+                [{"tile": t} for t in range(2)], None, streams=streams)
+    assert state["current"] is main and state["sets"][-1] == "main"
