@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # inproc_ab's shapes
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package
-from inproc_ab import make_case  # noqa: E402
+from inproc_ab import init_ranks, make_case, plan_of, preset_of  # noqa: E402
 
 COMMON = ("overlap_layers.layers.planned:PlannedLayer._agree", "overlap_layers.layers.planned:PlannedLayer._planned_call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
@@ -92,25 +92,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-        sync = torch.cuda.synchronize
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-        sync = lambda: None  # noqa: E731
+    dev, sync, cuda = init_ranks()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    preset = (args.preset or ("qwen3-30b-a3b" if args.layer == "moe" else "llama3-8b")) if cuda else "tiny"
+    preset = preset_of(args.layer, args.preset, cuda)
     make, x, kwargs, _ = make_case(args.layer, preset, args, dev, torch.bfloat16 if cuda else torch.float32, rank, ws)
     import overlap_layers
-    from overlap_layers.layers import TilePlan
     layer = make(overlap_layers)
     plan = args.plan
-    layer.pin_plan(TilePlan(1) if plan == "serial" else TilePlan(int(plan[1:])) if plan[0] == "k" else
-                   TilePlan(1, decomposition="rank", transport=plan.split("_")[1].replace("ce", "copy_engine")))
+    layer.pin_plan(plan_of(overlap_layers, plan))
     acc: dict = {}
     if args.wrap != "none":
         for path in COMMON + PER_LAYER[args.layer] + tuple(w for w in args.wrap.split(",") if w):

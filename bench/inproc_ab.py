@@ -90,6 +90,33 @@ def make_case(layer: str, preset: str, args, dev, dt, rank: int, ws: int):
     return make, x, {}, s
 
 
+def init_ranks():
+    """``(device, sync, cuda)``: this process's rank on NCCL and its GPU (under torchrun), or on
+    gloo and the CPU without CUDA; ``sync`` waits for the device."""
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev, torch.cuda.synchronize, True
+    dist.init_process_group("gloo")
+    return torch.device("cpu"), lambda: None, False
+
+
+def preset_of(layer: str, preset, cuda: bool) -> str:
+    """The preset to run: ``preset`` or the layer's default on CUDA, ``tiny`` off it."""
+    return (preset or ("qwen3-30b-a3b" if layer == "moe" else "llama3-8b")) if cuda else "tiny"
+
+
+def plan_of(pk, name: str):
+    """The TilePlan of package ``pk`` named ``serial``, ``rank_ce``, ``rank_nccl`` or ``kN``."""
+    TilePlan = pk.layers.planned.TilePlan
+    if name == "serial":
+        return TilePlan(1)
+    if name[0] == "k" and name[1:].isdigit():
+        return TilePlan(int(name[1:]))
+    return TilePlan(1, decomposition="rank", transport=name.split("_")[1].replace("ce", "copy_engine"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", help="the old package folder")
@@ -107,30 +134,13 @@ def main() -> None:
     old = load_old(os.path.abspath(args.old))
     import overlap_layers as new
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-        sync = torch.cuda.synchronize
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-        sync = lambda: None  # noqa: E731
+    dev, sync, cuda = init_ranks()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    preset = (args.preset or ("qwen3-30b-a3b" if args.layer == "moe" else "llama3-8b")) if cuda else "tiny"
+    preset = preset_of(args.layer, args.preset, cuda)
     dt = torch.bfloat16 if cuda else torch.float32
     make, x, kwargs, shape = make_case(args.layer, preset, args, dev, dt, rank, ws)
     dy = torch.randn_like(x)
     sides = {name: (pk, make(pk)) for name, pk in (("old", old), ("new", new))}
-
-    def plan_of(pk, name):
-        TilePlan = pk.layers.planned.TilePlan
-        if name == "serial":
-            return TilePlan(1)
-        if name[0] == "k" and name[1:].isdigit():
-            return TilePlan(int(name[1:]))
-        return TilePlan(1, decomposition="rank", transport=name.split("_")[1].replace("ce", "copy_engine"))
 
     res = {}
     for plan in args.plans.split(","):
