@@ -1,5 +1,6 @@
-"""The heads step's Triton kernel (CUDA, or Triton's interpreter on the CPU) (``layers/heads_kernel.py``, reached through
-``attention_core.heads_into`` / ``heads_backward_into``) against the RoPE formula in float64
+"""The heads step's Triton kernel (``layers/heads_kernel.py``, reached through
+``attention_core.heads_into`` / ``heads_backward_into``; on CUDA, or on the CPU under Triton's
+interpreter) against the RoPE formula in float64
 autograd: rank-major rows to heads (q, k RoPE'd, v copied) and the gradients back, whole tiles
 and one rank's chunk written into the tile's buffers, shared and per-sequence tables or none, head
 dims whose half is and is not a power of two, and a v whose strides differ from k's (one launch
