@@ -4,7 +4,8 @@
 # over NCCL and the copy engine, and auto) at the group sizes TPS, over NVLink ("nvlink") and/or
 # with NCCL_P2P_DISABLE=1 ("p2p": a PCIe-class path; asynctp and the copy engine left out, since
 # symmetric memory would still use NVLink), then the planner fidelity report. "nvlink" also runs
-# the test suite (the CUDA tier first), since this machine is the only place the CUDA paths are tested.
+# the test suite after its grid (bench/gpu_tests.sh: four shards, about 3 min), since this machine
+# is the only place the CUDA paths are tested.
 # Usage, from the repo root: bash bench/gpu_mlp.sh OUTDIR [nvlink|p2p|all]
 set -uo pipefail
 NPROC=${NPROC:-4}       # ranks; TPS: the group sizes of the grid (NPROC=8 TPS=8 on an 8-GPU machine)
@@ -18,12 +19,11 @@ GRID="--layer $LAYERS --preset llama3-8b llama3-70b --tp $TPS --naive-k $NAIVE"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "$PART" != p2p ]; then
-  python3 -m pytest -q tests/test_cuda.py 2>&1 | tail -30 > "$OUT/pytest_cuda.log"; tail -3 "$OUT/pytest_cuda.log"
   torchrun --nproc-per-node $NPROC -m overlap_layers.bench $GRID --out "$OUT/mlp_nvlink.json" 2>&1 \
     | grep -v "^W1\|Warning\|warn" > "$OUT/bench_nvlink.log"
   grep -A100 "^layer" "$OUT/bench_nvlink.log" || tail -30 "$OUT/bench_nvlink.log"
   python3 -m overlap_layers.bench.report "$OUT/mlp_nvlink.json" > "$OUT/report_nvlink.md"; tail -5 "$OUT/report_nvlink.md"
-  python3 -m pytest -q tests --deselect tests/test_cuda.py 2>&1 | tail -30 > "$OUT/pytest.log"; tail -3 "$OUT/pytest.log"
+  bash bench/gpu_tests.sh "$OUT"
 fi
 if [ "$PART" != nvlink ]; then
   NCCL_P2P_DISABLE=1 torchrun --nproc-per-node $NPROC -m overlap_layers.bench $GRID \

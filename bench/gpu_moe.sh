@@ -14,7 +14,7 @@ MOE="--layer moe --preset mixtral-8x7b qwen3-30b-a3b --naive-k 2 4 --modes seria
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "$TESTS" = tests ]; then
-  python3 -m pytest -q -x tests 2>&1 | tail -40 > "$OUT/pytest.log"; tail -3 "$OUT/pytest.log"
+  bash bench/gpu_tests.sh "$OUT"
 fi
 bench() {  # name, extra args
   local name=$1; shift
