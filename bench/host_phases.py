@@ -3,11 +3,12 @@ function, timed with ``time.perf_counter_ns`` (no profiler).
 
 The torch profiler slows every op's host side 2-5x (``trace_breakdown.py --host`` reads such
 traces), and cProfile does not see where a C call blocks. Here each function named in ``--wrap``
-(and a default set along the layers' call paths) is replaced by a timing wrapper, about 3 us
-each on the H200 machine's host (33 wrappers added 0.1 ms to a 1.3 ms call), and the layer runs ``--calls`` back-to-back calls after warm-up; rank 0
-prints the time per call until the loop returns (host) and until the device is done (wall), for
-every rank, then the wrapped functions by inclusive time. Run it once plain (``--wrap none``) to
-see whether the wrappers moved the call's host time.
+(and a default set along the layers' call paths) is replaced by a timing wrapper (about 3 us
+each on the H200 machine's host: 33 of them added 0.1 ms to a 1.3 ms call), and the layer runs
+``--calls`` back-to-back calls after warm-up; rank 0 prints the time per call until the loop
+returns (host) and until the device is done (wall), for every rank, then the wrapped functions
+by inclusive time. Run it once plain (``--wrap none``) to see whether the wrappers moved the
+call's host time.
 
 Where a rank waits for another (the agreement's host gather, ``HostMailbox.gather``), the time is
 the other rank's lag, not work; a device-bound loop that fills the launch queue shows its wait in
