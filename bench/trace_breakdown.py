@@ -22,7 +22,9 @@ compute that ran meanwhile. In a communication-bound call those gaps are what it
 dispatch and its kernel launches), the rest of the call outside them (agreement, planning lookup,
 building programs, autograd), and lists the torch ops with the most host time (inclusive, so
 nested ops count in their callers too). An eager call whose host time reaches its device time is
-host-bound, and this says which ops cost it.
+host-bound, and this says which ops cost it. The profiler's own cost per op inflates these host
+times 2-5x (H200 machine, session 25): they rank the ops, but ``bench/host_phases.py`` times the
+host without a profiler.
 
 A call whose ``compute`` is close to the compute-only reference's and whose ``idle`` is large is
 host-bound; ``comm only`` is exposed communication; ``compute`` above the reference's is
