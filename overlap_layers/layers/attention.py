@@ -668,25 +668,36 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
-        dev = x.device.type
-        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        x, call, w_qkv, b_qkv, wo, bo = self._prepare(
+            x, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)), position_ids,
+            position_embeddings)
         B, s, H = x.shape
+        call.query_chunks = self._query_chunk_core(x.dtype, x.device)
+        call.trial, call.trace = trial, trace
+        with torch.autocast(x.device.type, enabled=False):
+            fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
+            x_TH = x.reshape(B * s, H).contiguous()
+            y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, call.q_norm, call.k_norm, call)
+            if bo is not None:
+                y_TH = y_TH + bo
+        return y_TH.view(B, s, H)
+
+    def _prepare(self, x, plan: TilePlan, save: bool, streams, position_ids, position_embeddings) -> tuple:
+        """``(x, call, w_qkv, b_qkv, wo, bo)`` of one call under ``plan`` on ``streams``: ``x`` and
+        the weights in the call's dtype (autocast's, :meth:`_call_tensors`), the q, k and v
+        projections concatenated, and its :class:`_Call` (RoPE tables, qk-norm weights). The
+        layer's own call and the fused block's (``block.py``) share it."""
+        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        B, s, _ = x.shape
         S = s * (self.world_size if self.sequence_parallel else 1)
-        with torch.autocast(dev, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             w_qkv = torch.cat([wq, wk, wv])
             b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
             cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids,
                                  position_embeddings)
-            call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
-                         cos_sin, B, s)
-            call.query_chunks = self._query_chunk_core(x.dtype, x.device)
-            call.q_norm, call.k_norm, call.trial, call.trace = q_norm, k_norm, trial, trace
-            fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
-            x_TH = x.reshape(B * s, H).contiguous()
-            y_TH = apply_saving(fn, save, x_TH, w_qkv, b_qkv, wo, q_norm, k_norm, call)
-            if bo is not None:
-                y_TH = y_TH + bo
-        return y_TH.view(B, s, H)
+        call = _Call(self, plan, save, streams, cos_sin, B, s)
+        call.q_norm, call.k_norm = q_norm, k_norm
+        return x, call, w_qkv, b_qkv, wo, bo
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

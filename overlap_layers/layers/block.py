@@ -44,9 +44,6 @@ from ..runtime import resolve_group
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from .attention import OverlapAttention
-from .attention import _Call as AttentionCall
-from .attention_common import PARAMS
-from .attention_common import cos_sin as cos_sin_of
 from .fused_block import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans
 from .mlp import OverlapMLP
 from .mlp import _Call as MLPCall
@@ -301,24 +298,19 @@ class OverlapTransformerBlock(nn.Module):
         attn, mlp = self.attention, self.mlp
         probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
         mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
-        _, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = attn._call_tensors(n1, PARAMS)
         _, (w_in, b_in, w_out, b_out) = mlp._call_tensors(n1, ("w_in", "b_in", "w_out", "b_out"))
         B, s, H = n1.shape
-        cos_sin = cos_sin_of(attn.rope_theta, attn.head_dim, s * attn.world_size, n1.device, n1.dtype, position_ids,
-                             position_embeddings)
         pa, pm = plans
         # the MLP's streams (two), as measured (session 23): the attention's planned plans run on one
         streams = attn._streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
-        ca = AttentionCall(attn, pa, save, streams, cos_sin, B, s)
-        ca.q_norm, ca.k_norm = q_norm, k_norm
+        _, ca, w_qkv, b_qkv, wo, bo = attn._prepare(n1, pa, save, streams, position_ids, position_embeddings)
         cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
                      streams=streams, launch_log=mlp.launch_log)
         call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
         asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
             call.trace = TraceJob(asked, n1.device)
-        weights = (torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if attn.bias else None, wo, q_norm, k_norm, bo,
-                   _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
         if call.trace is not None:
             call.trace.write()  # the forward's; the backward writes again with both passes
