@@ -22,30 +22,20 @@ def reference(q, k, v, causal, scale):
     return scores.softmax(-1) @ v, scores.logsumexp(-1)
 
 
-def run_chunks(q, k, v, chunks, causal, scale, diagonal_first=False):
+def run_chunks(q, k, v, chunks, causal, scale):
     """Every query chunk into a rank-major output ``[g, b, s, nq, d]`` (as the layer writes it),
-    returned as ``[b, nq, S, d]``, and the log-sum-exp ``[b, nq, S]``. ``diagonal_first``: each
-    chunk's diagonal piece runs first, from a copy of q, k, v holding only that chunk's rows (the
-    rest NaN: it must read nothing else), and is passed in, as the rank-chunk forward does."""
+    returned as ``[b, nq, S, d]``, and the log-sum-exp ``[b, nq, S]``."""
     b, nq, S, d = q.shape
     s = S // chunks
     o_gbsnd = q.new_empty((chunks, b, s, nq, d))
     lse = q.new_empty((b, nq, S), dtype=query_chunks.lse_dtype(q.dtype))
-    diags = {}
-    if diagonal_first:
-        for c in range(chunks):
-            own = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-            for t, src in zip(own, (q, k, v)):
-                t[:, :, c * s:(c + 1) * s] = src[:, :, c * s:(c + 1) * s]
-            diags[c] = query_chunks.diagonal(*own, c, s, causal=causal, scale=scale)
-            assert (diags[c] is None) == (not causal)
     for c in reversed(range(chunks)):  # any order: each chunk stands alone
         query_chunks.query_chunk(q, k, v, c, s, causal=causal, scale=scale, o_out=o_gbsnd[c].permute(0, 2, 1, 3),
-                                 lse_out=lse[:, :, c * s:(c + 1) * s], diag=diags.get(c))
+                                 lse_out=lse[:, :, c * s:(c + 1) * s])
     return o_gbsnd.permute(1, 3, 0, 2, 4).reshape(b, nq, S, d), lse
 
 
-def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0, diagonal_first=False):
+def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0):
     g = torch.Generator().manual_seed(seed)
     b, S, d = 2, 8 * chunks, 16
     scale = 0.7 / math.sqrt(d)
@@ -56,7 +46,7 @@ def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0, diagonal
     grads_ref = torch.autograd.grad(o_ref, leaves, do64)
 
     q, k, v = (t.to(device, dtype) for t in (q64, k64, v64))
-    o, lse = run_chunks(q, k, v, chunks, causal, scale, diagonal_first)
+    o, lse = run_chunks(q, k, v, chunks, causal, scale)
     torch.testing.assert_close(o.double().cpu(), o_ref.detach(), rtol=tol_o, atol=tol_o)
     torch.testing.assert_close(lse.double().cpu(), lse_ref.detach(), rtol=tol_o, atol=tol_o)
     do = do64.to(device, dtype)
@@ -72,10 +62,9 @@ def check(device, dtype, causal, chunks, nq, nkv, tol_o, tol_g, seed=0, diagonal
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("chunks,nq,nkv", [(4, 4, 2), (2, 2, 2), (3, 6, 1)])
-@pytest.mark.parametrize("diagonal_first", [False, True])
-def test_query_chunks_match_formula_cpu(dtype, causal, chunks, nq, nkv, diagonal_first):
+def test_query_chunks_match_formula_cpu(dtype, causal, chunks, nq, nkv):
     tol = 1e-10 if dtype == torch.float64 else 2e-5
-    check("cpu", dtype, causal, chunks, nq, nkv, tol, tol, seed=chunks + 3 * nq + causal, diagonal_first=diagonal_first)
+    check("cpu", dtype, causal, chunks, nq, nkv, tol, tol, seed=chunks + 3 * nq + causal)
 
 
 def test_merge_of_two_pieces_is_exact_cpu():
@@ -98,13 +87,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("chunks,nq,nkv", [(4, 8, 2), (2, 4, 4)])
-@pytest.mark.parametrize("diagonal_first", [False, True])
-def test_query_chunks_match_formula_cuda(dtype, causal, chunks, nq, nkv, diagonal_first):
+def test_query_chunks_match_formula_cuda(dtype, causal, chunks, nq, nkv):
     """cuDNN's pieces and the Triton merge; tolerances of half types over 8-32 keys."""
     dev = torch.device("cuda")
     if not query_chunks.supported(dtype, dev, 16):
         pytest.skip("cuDNN SDPA is not available here")
-    check(dev, dtype, causal, chunks, nq, nkv, 2e-2, 5e-2, seed=chunks + nq + causal, diagonal_first=diagonal_first)
+    check(dev, dtype, causal, chunks, nq, nkv, 2e-2, 5e-2, seed=chunks + nq + causal)
 
 
 @needs_triton

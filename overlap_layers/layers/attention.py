@@ -144,19 +144,13 @@ class _Call:
         heads_into(qkv_gbsC[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in bufs), tq,
                    self.nq, self.nkv, d)
 
-    def diagonal_chunk(self, bufs, c: int):
-        """Rank c's diagonal piece of the core (:func:`query_chunks.diagonal`; None when not
-        causal): it reads only rank c's rows of the buffers, so it can run once they are filled."""
-        return query_chunks.diagonal(*bufs, c, self.s, causal=self.causal, scale=self.scale)
-
-    def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor, diag=None) -> None:
+    def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor) -> None:
         """Rank c's rows of the core (query chunk c, :func:`query_chunks.query_chunk`) from the
         filled buffers ``bufs`` (:meth:`tile_heads`) into rank-major ``o [g, b, s, nq, d]`` and
-        ``lse [b, nq, g*s]``; ``diag``: its :meth:`diagonal_chunk` if that ran already."""
+        ``lse [b, nq, g*s]``."""
         s = self.s
         query_chunks.query_chunk(*bufs, c, s, causal=self.causal, scale=self.scale,
-                                 o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s],
-                                 diag=diag)
+                                 o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s])
 
     def rows_to_heads(self, rows: torch.Tensor, out: torch.Tensor, c: Optional[int] = None) -> None:
         """Copy rank-major rows ``[g*b*s, A]`` (or rank c's ``[b*s, A]``) into head-major ``out [b,
@@ -331,7 +325,6 @@ class _RankChunkAttention(torch.autograd.Function):
             qkv_gbsC = qkv_all.view(ws, b1 - b0, call.s, -1)
             # without qk-norm each rank's rows are RoPE'd into the core's buffers as they arrive
             pre = call.tile_heads(x_TH, b0, b1) if call.q_norm is None else None
-            diags = {}  # rank -> its diagonal piece of the query-chunk core ([Note: diagonal first])
             for j in range(ws):
                 with piece(rec, "qkv", step_tag(j, i, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
                     xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
@@ -342,8 +335,6 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
                     if pre is not None:
                         call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
-                    if call.query_chunks:
-                        diags[(r + j) % ws] = call.diagonal_chunk(pre[0], (r + j) % ws)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
             if call.query_chunks:  # each projection runs after its rows' query chunk: [Note: query-chunk core]
@@ -367,7 +358,7 @@ class _RankChunkAttention(torch.autograd.Function):
             for j in _own_last(ws):
                 with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
                     if call.query_chunks:
-                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse, diags.pop((r + j) % ws))
+                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse)
                     if j:
                         ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
                     else:

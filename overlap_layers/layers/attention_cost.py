@@ -135,9 +135,7 @@ class AttentionCostModel(MLPCostModel):
         chunk also runs 1/ws of the core's heads step, and the core the rest. With
         ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
         query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes
-        last and leaves the most of its last push exposed: the slowest rank sets the sum); causal,
-        each chunk's diagonal piece runs in its QKV piece instead ([Note: diagonal first] in
-        ``query_chunks.py``), costed as chunk 0 (the diagonal alone)."""
+        last and leaves the most of its last push exposed: the slowest rank sets the sum)."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -156,12 +154,10 @@ class AttentionCostModel(MLPCostModel):
             tail = ms(last[1:])
             split = self.query_chunks and not backward
 
-            diag = self.op_ms(M, "chunk0") if split and self.causal else 0.0
-
-            def chunk(j):  # rank 0's step j projects rank j's rows; its diagonal ran with its QKV
-                return max(self.op_ms(M, f"chunk{j}") - diag, 0.0) if split else 0.0
-            out += ([(first[0], tag(0), ms(first) + heads / ws + diag, 0, 0, i, 0.0)]
-                    + [(first[0], tag(j), ms(first) + heads / ws + diag, j, 0, i, 0.0) for j in peers]
+            def chunk(j):  # rank 0's step j projects rank j's rows
+                return self.op_ms(M, f"chunk{j}") if split else 0.0
+            out += ([(first[0], tag(0), ms(first) + heads / ws, 0, 0, i, 0.0)]
+                    + [(first[0], tag(j), ms(first) + heads / ws, j, 0, i, 0.0) for j in peers]
                     + ([] if split else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
                                           0, 0, i, 0.0)])
                     + [(last[0], tag(j), chunk(j) + ms(last), 0, j, i, tail) for j in peers]
@@ -179,11 +175,8 @@ class AttentionCostModel(MLPCostModel):
 
     def rank_chunk_peak(self, serial_peak: int, slot_bytes: int) -> int:
         """The serial plan's peak plus the slots, minus the serial gathered partial (``[ws*T, H]``)
-        that one chunk's partial replaces; causal query chunks add the diagonal pieces held until
-        their merge (``ws - 1`` of them, o and a float32 lse: bounded by one tile of all rows)."""
-        held = (self.ws - 1) * self.chunk_rows() * (self.A * self.e + 4 * self.nq) \
-            if self.query_chunks and self.causal else 0
-        return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.H * self.e + held
+        that one chunk's partial replaces."""
+        return serial_peak + slot_bytes - (self.ws - 1) * self.chunk_rows() * self.H * self.e
 
     def saved_bytes(self, m: int, keep_xg: bool) -> int:
         return (m * (2 * self.C + self.A) + (m * self.H if keep_xg else 0)) * self.e

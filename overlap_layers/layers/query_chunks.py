@@ -26,16 +26,6 @@ measured); the two pieces each use the cuDNN kernel: 560 us for the four chunks 
 into rank-major rows, against 528 for the whole core and its copy to those rows (H200, 8b shape;
 1018 against 976 for 70b; bench/results/session18_*).
 
-[Note: diagonal first]
-The diagonal piece needs only chunk c's own q, k and v, so the rank-chunk forward runs it as
-soon as rank c's rows are projected and in the core's buffers (:func:`diagonal`), and passes it
-to :func:`query_chunk` with the projections later. At TP 4 the QKV phase was
-communication-bound: each pulled chunk of x took about 100 us on the copy engine against a 65 us
-QKV GEMM (8b shape, H200, CUDA-graph replay: 270 us of the 1.43 ms forward had only copies
-running). The diagonal pieces, 1/ws^2 of the causal core each, now run there instead of in the
-projection phase, which hid its pushes already. They are held until their chunk's merge: up to
-ws - 1 pieces, o and lse of s rows each, on top of the tile's buffers.
-
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton
 kernel on CUDA (reads both pieces, writes the output in any layout), else torch formulas.
@@ -98,26 +88,15 @@ def merge_into(o_out, lse_out, o1, l1, o2=None, l2=None) -> None:
     lse_out.copy_(lse)
 
 
-def diagonal(q, k, v, c: int, s: int, *, causal: bool, scale: Optional[float]):
-    """Chunk c's diagonal piece ``(o, lse)`` (module docstring), which reads only rows ``c*s ..
-    (c+1)*s`` of q, k and v; None when not causal (a chunk is then one piece over every key)."""
-    if not causal:
-        return None
-    sl = slice(c * s, (c + 1) * s)
-    return _piece(q[:, :, sl], k[:, :, sl], v[:, :, sl], True, scale)
-
-
 def query_chunk(q, k, v, c: int, s: int, *, causal: bool, scale: Optional[float], o_out: torch.Tensor,
-                lse_out: torch.Tensor, diag=None) -> None:
+                lse_out: torch.Tensor) -> None:
     """Rows ``c*s .. (c+1)*s`` of the core (module docstring) into ``o_out [b, nq, s, d]`` (any
-    strides: the rank-major rows' view) and ``lse_out [b, nq, s]`` (:func:`lse_dtype`). ``diag``:
-    the chunk's :func:`diagonal` piece if it already ran (else it runs here)."""
+    strides: the rank-major rows' view) and ``lse_out [b, nq, s]`` (:func:`lse_dtype`)."""
     qc = q[:, :, c * s:(c + 1) * s]
     if not causal:
         merge_into(o_out, lse_out, *_piece(qc, k, v, False, scale))
         return
-    if diag is None:
-        diag = diagonal(q, k, v, c, s, causal=True, scale=scale)
+    diag = _piece(qc, k[:, :, c * s:(c + 1) * s], v[:, :, c * s:(c + 1) * s], True, scale)
     rect = _piece(qc, k[:, :, :c * s], v[:, :, :c * s], False, scale) if c else (None, None)
     merge_into(o_out, lse_out, *diag, *rect)
 
