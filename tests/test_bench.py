@@ -21,6 +21,14 @@ def test_bench_cpu_default(tmp_path):
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]
     assert all(r["host_plan_lookup_us"] > 0 and r["host_agreement_us"] > 0 and r["planning_ms"] > 0 for r in auto)
+    for r in auto:  # the verification's numbers: this rank's trials, and what the decision compared
+        if "verified on the first calls" not in r["reason"]:
+            assert r["verification"] is None
+            continue
+        assert [v["plan"] for v in r["verification"]][-1] == "K=1"
+        for v in r["verification"]:
+            assert f"{v['plan']} {v['ms']:.3f} ms" in r["reason"] and v["trials"]
+            assert min(max(t["device_ms"], t["host_ms"]) for t in v["trials"]) <= v["ms"] * (1 + 1e-9)
     # The report reads the run back (fixed K=1 and K=2 rows and auto for both passes).
     from overlap_layers.bench.report import report
     text = report(recs)

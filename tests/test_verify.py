@@ -67,8 +67,37 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
     assert trial is None and not cache.verifying() and plan.num_tiles == want_k
     assert ("kept K=2" if want_k == 2 else "switched to K=1") in plan.reason
     assert ("forward+backward" if bwd else "(forward,") in plan.reason
+    # the numbers behind it: per contender the compared time and each trial's (device, host) ms
+    tiled, serial = (tiled_ms + bwd[0], serial_ms + bwd[1]) if bwd else (tiled_ms, serial_ms)
+    assert plan.verification == (("K=2", tiled, ((tiled, 0.0),) * 2), ("K=1", serial, ((serial, 0.0),) * 2))
     again, trial = cache.get("k", make, _serial, torch.device("cpu"))
     assert again is plan and trial is None and len(made) == 1
+
+
+class _HostBound(_Fixed):
+    """A finished stopwatch whose host time exceeds its device time."""
+
+    def __init__(self, ms, host):
+        super().__init__(ms)
+        self.host = host
+
+    def host_ms(self):
+        return self.host
+
+
+def test_verification_compares_host_time_where_it_exceeds_the_device_time():
+    """An eager call costs the larger of its device and host time: the tiled plan runs 1.0 ms on
+    the device but 1.6-1.8 ms on the host against K=1's 1.2 / 1.1, so K=1 is kept, and the record
+    shows each trial's two times (the decision's number is the minimum over trials of the larger)."""
+    cache = PlanCache(_OneRank(), trials=2)
+    host = {2: iter([1.8, 1.6]), 1: iter([1.1, 1.1])}
+    for _ in range(10):
+        plan, trial = cache.get("k", lambda key: MLPPlan(2, reason="planned"), _serial, torch.device("cpu"))
+        if trial is not None:
+            trial.fwd = _HostBound(1.0 if plan.num_tiles == 2 else 1.2, next(host[plan.num_tiles]))
+    plan, _ = cache.get("k", None, _serial, torch.device("cpu"))
+    assert plan.num_tiles == 1 and "K=2 1.600 ms, K=1 1.200 ms" in plan.reason
+    assert plan.verification == (("K=2", 1.6, ((1.0, 1.8), (1.0, 1.6))), ("K=1", 1.2, ((1.2, 1.1), (1.2, 1.1))))
 
 
 def test_boost_clocks_of_the_first_calls_do_not_pick_the_plan():

@@ -16,7 +16,7 @@ from ..layers.block import OverlapTransformerBlock
 from ..layers.planned import TilePlan
 from .attention import AttentionBench, AttentionShape
 from .mlp import PRESETS, MLPBench, Shape
-from .runner import Profile, pass_fn, run_modes
+from .runner import Profile, pass_fn, run_modes, verification_info
 
 
 class BlockBench:
@@ -68,6 +68,8 @@ class BlockBench:
         return dict(k=self.layer.plan.label if fused else f"{a.label} + {m.label}", attention_plan=a.label,
                     mlp_plan=m.label, block_plan=self.layer.plan.label if self.layer.plan else None,
                     block_reason=self.layer.plan.reason if self.layer.plan else None,
+                    block_verification=verification_info(self.layer.plan), attention_verification=verification_info(a),
+                    mlp_verification=verification_info(m),
                     decomposition="rank" if a.decomposition == m.decomposition == "rank" else "batch",
                     transport=a.transport if a.transport == m.transport else "mixed")
 

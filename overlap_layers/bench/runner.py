@@ -120,6 +120,17 @@ class Profile:
     calls: int = 3
 
 
+def verification_info(plan) -> Optional[List[dict]]:
+    """A plan's first-call verification as JSON (``plan.verification``, see
+    :func:`~overlap_layers.layers.planning.verification_record`): per contender its label, the
+    time the decision compared and this rank's trials; None if it was not verified."""
+    record = getattr(plan, "verification", ()) if plan is not None else ()
+    if not record:
+        return None
+    return [dict(plan=label, ms=ms, trials=[dict(device_ms=d, host_ms=h) for d, h in trials])
+            for label, ms, trials in record]
+
+
 def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> None:
     """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0,
     which writes ``path.json`` (a Chrome trace: kernels, streams, the executor's
@@ -227,6 +238,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                     info["predicted_ms"] = getattr(plan, "predicted_ms", None)
                     info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
                     info["reason"] = getattr(plan, "reason", "")
+                    info["verification"] = verification_info(plan)
                     predicted.update(_candidate_predictions(plan))
                     info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
                                                decomposition=c.decomposition, transport=c.transport,

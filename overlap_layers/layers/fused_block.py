@@ -48,7 +48,7 @@ by more than ``config.margin``. It is tried only where both sublayers run batch 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -74,6 +74,7 @@ class BlockPlan:
     fused: bool
     num_tiles: int = 1
     reason: str = ""
+    verification: tuple = field(default=(), compare=False, repr=False)  # as TilePlan's
 
     @property
     def label(self) -> str:

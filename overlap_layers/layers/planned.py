@@ -57,7 +57,9 @@ class TilePlan:
     """What one call of a layer runs: tiles, buckets per collective, backward strategy.
 
     ``predicted_ms`` / ``predicted_peak_bytes`` / ``reason`` / ``candidates`` explain a planner's
-    choice (None / empty for a fixed or pinned plan) and do not change what runs."""
+    choice (None / empty for a fixed or pinned plan), and ``verification`` the first-call
+    verification's numbers (:class:`~overlap_layers.layers.planning.PlanCache`); none of them
+    changes what runs."""
 
     num_tiles: int
     buckets_fwd: tuple = ()
@@ -73,6 +75,7 @@ class TilePlan:
     predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
     reason: str = field(default="", compare=False)
     candidates: tuple = field(default=(), compare=False, repr=False)
+    verification: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def buckets(self) -> dict:

@@ -24,7 +24,8 @@ At the call after that every rank contributes its per-contender minimum over its
 (forward+backward if every rank timed a backward for every trial, else forward only), the
 numbers are max-reduced over the group in one host gather, and the fastest contender replaces P
 on every rank alike (ties to the earlier one), except that the serial plan is kept unless the
-fastest beats it by more than ``margin``, as in planning. The gather happens at the same call on
+fastest beats it by more than ``margin``, as in planning. The kept plan carries the numbers in
+``verification`` (:func:`verification_record`); its ``reason`` says the decision in words. The gather happens at the same call on
 every rank because the cache is a function of the call history, which every
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
 the reduced numbers.
@@ -70,6 +71,20 @@ class _Entry:
     contenders: Optional[List[object]]  # None once settled
     trials: Optional[List[Trial]]  # None once settled
     step: int = 0  # verification calls so far
+
+
+def verification_record(contenders: Sequence[object], measured: Sequence[float], trials: Sequence[Trial],
+                        with_bwd: bool) -> tuple:
+    """Per contender, in order: ``(label, ms, ((device ms, host ms), ...))``: the number the
+    decision compared (the minimum over this pass's trials, max over ranks) and this rank's trials
+    of that pass (forward, or forward+backward summed), each's device and host time, which
+    :func:`~overlap_layers.runtime.timing.total_ms` takes the larger of. A trial whose host time
+    is the larger ran host-bound."""
+    def times(t: Trial) -> Tuple[float, float]:
+        watches = (t.fwd, t.bwd) if with_bwd else (t.fwd,)
+        return sum(w.elapsed_ms() for w in watches), sum(w.host_ms() for w in watches)
+    return tuple((_label(p), ms, tuple(times(t) for t in trials if t.index == i))
+                 for i, (p, ms) in enumerate(zip(contenders, measured)))
 
 
 class PlanCache:
@@ -163,4 +178,5 @@ class PlanCache:
         times = ", ".join(f"{_label(p)} {ms:.3f} ms" for p, ms in zip(contenders, measured))
         verdict = (f"verified on the first calls ({what}, min of {self._trials} calls each, max over ranks): "
                    f"{times}: {'kept' if contenders[win] is entry.plan else 'switched to'} {_label(contenders[win])}")
-        return replace(contenders[win], reason=f"{entry.plan.reason}; {verdict}")
+        return replace(contenders[win], reason=f"{entry.plan.reason}; {verdict}",
+                       verification=verification_record(contenders, measured, trials, with_bwd))
