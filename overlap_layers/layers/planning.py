@@ -25,10 +25,10 @@ At the call after that every rank contributes its per-contender minimum over its
 numbers are max-reduced over the group in one host gather, and the fastest contender replaces P
 on every rank alike (ties to the earlier one), except that the serial plan is kept unless the
 fastest beats it by more than ``margin``, as in planning. The kept plan carries the numbers in
-``verification`` (:func:`verification_record`); its ``reason`` says the decision in words. The gather happens at the same call on
-every rank because the cache is a function of the call history, which every
-rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only
-the reduced numbers.
+``verification`` (:func:`verification_record`); its ``reason`` says the decision in words. The
+gather happens at the same call on every rank because the cache is a function of the call
+history, which every rank shares (each call already agreed on its key, [Note: agreement]); the
+decision uses only the reduced numbers.
 
 A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
 it runs the key's current plan (the planned plan while verification is pending), takes no trial
