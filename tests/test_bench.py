@@ -1,4 +1,6 @@
 """The benchmark's CPU default runs end to end (so the README's main job cannot rot)."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -389,3 +391,50 @@ def test_host_phases_dry_run():
                  "overlap_layers.layers.attention:_RankChunkAttention._forward",
                  "overlap_layers.layers.planned:PlannedLayer._agree"):
         assert calls[name] == 1.0
+
+
+def _row(layer, mode, ms, limit=10.0, **kw):
+    return dict(layer=layer, preset="p", world_size=4, batch=2, tokens=64, pass_="fwd", mode=mode, ms=ms,
+                limit_ms=limit, **kw)
+
+
+def _fix(recs):
+    return [dict({k: v for k, v in r.items() if k != "pass_"}, **{"pass": r["pass_"]}) for r in recs]
+
+
+def test_targets_judge_each_row_against_its_link_and_layer():
+    """By hand: the limit target is 1.10 for dense layers over NVLink, 1.15 with P2P off and for
+    MoE; auto <= 1.02 x serial; auto faster than AsyncTP (MLP only); '-' where a number is missing."""
+    from overlap_layers.bench.targets import judge, targets
+    modes = {"auto": _row("mlp", "auto", 11.2), "serial": _row("mlp", "serial", 11.0),
+             "asynctp": _row("mlp", "asynctp", 11.5)}
+    assert judge("mlp", False, modes) == {"limit": (False, pytest.approx(1.12)), "serial": (True, pytest.approx(11.2 / 11)),
+                                          "asynctp": (True, pytest.approx(11.2 / 11.5))}
+    assert judge("mlp", True, modes)["limit"] == (True, pytest.approx(1.12))  # P2P off: 1.15
+    assert judge("moe", False, {"auto": _row("moe", "auto", 11.6)}) == \
+        {"limit": (False, pytest.approx(1.16)), "serial": None, "asynctp": None}
+    assert judge("attention", False, {"auto": _row("attention", "auto", 10.5), "serial": _row("attention", "serial", 10.2),
+                                      "asynctp": _row("attention", "asynctp", 9.0)}) == \
+        {"limit": (True, pytest.approx(1.05)), "serial": (False, pytest.approx(10.5 / 10.2)), "asynctp": None}
+    assert judge("mlp", False, {"serial": _row("mlp", "serial", 1.0)}) == dict.fromkeys(("limit", "serial", "asynctp"))
+    nvlink = _fix([_row("mlp", "auto", 10.9, peak_bytes=3 << 20, decomposition="rank", transport="copy_engine"),
+                   _row("mlp", "serial", 12.0, peak_bytes=1 << 20), _row("mlp", "asynctp", 10.8)])
+    text = targets([(nvlink, False), (nvlink, True)])
+    lines = [ln for ln in text.splitlines() if ln.startswith("| mlp")]
+    assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | +2 |")
+    assert lines[1].endswith("| P2P off | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | +2 |")
+    assert "limit: 0 of 2 rows miss" in text and "asynctp: 2 of 2 rows miss" in text
+
+
+def test_targets_cli_reads_the_link_from_the_run(tmp_path):
+    from overlap_layers.bench import targets
+    recs = _fix([_row("attention", "auto", 11.2, k=1), _row("attention", "serial", 12.0, k=1)])
+    for name, p2p in (("a.json", None), ("b.json", "1")):
+        (tmp_path / name).write_text(json.dumps(dict(meta=dict(nccl_p2p_disable=p2p), records=recs)))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        targets.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert "| NVLink | no | 1 (11.200) | MISS 1.120 |" in buf.getvalue()
+    assert "| P2P off | no | 1 (11.200) | ok 1.120 |" in buf.getvalue()
+    with pytest.raises(SystemExit, match="usage"):
+        targets.main([])

@@ -1,0 +1,120 @@
+"""Each benchmark row against the performance targets: ``python -m overlap_layers.bench.targets FILE...``.
+
+Per (layer, preset, TP, batch, tokens, pass) row of a run that timed ``auto`` with its compute-
+and comm-only references (the limit, ``limit_ms``), the targets the project holds every layer to:
+
+=========  ==============================================================================
+limit      ``auto / limit`` <= 1.10 for the dense layers (mlp, attention, ulysses, block)
+           over NVLink, <= 1.15 with ``NCCL_P2P_DISABLE=1`` (a PCIe-class link, read from the
+           run's ``meta``); <= 1.15 for moe on either
+serial     ``auto / serial`` <= 1.02 (every layer; needs the serial row)
+asynctp    ``auto`` faster than ``asynctp`` (mlp rows where AsyncTP ran)
+=========  ==============================================================================
+
+A cell reads ``ok`` or ``MISS`` with the ratio, or ``-`` where the target does not apply or a
+number is missing. Rows are told apart by link (NVLink or P2P off) and by CUDA-graph replay
+(``cuda_graphs``), the targets being the same for both. The memory target (peak <= serial + one
+tile of activations) is not judged here: the table shows auto's peak minus serial's, in MiB.
+Prints one markdown table for all files and the misses per target.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Dict, List, Optional, Tuple
+
+DENSE_LIMIT, P2P_OFF_LIMIT, MOE_LIMIT, SERIAL_LIMIT = 1.10, 1.15, 1.15, 1.02
+TARGETS = ("limit", "serial", "asynctp")
+
+
+def limit_target(layer: str, p2p_off: bool) -> float:
+    """The largest ``auto / limit`` the row may have (module docstring)."""
+    if layer.startswith("moe"):
+        return MOE_LIMIT
+    return P2P_OFF_LIMIT if p2p_off else DENSE_LIMIT
+
+
+def judge(layer: str, p2p_off: bool, modes: Dict[str, dict]) -> Dict[str, Optional[Tuple[bool, float]]]:
+    """Target -> ``(met, ratio)`` for one row's records by mode, or None where it does not apply."""
+    auto = modes.get("auto")
+    out: Dict[str, Optional[Tuple[bool, float]]] = dict.fromkeys(TARGETS)
+    if auto is None or not auto.get("ms"):
+        return out
+    ms = auto["ms"]
+    if auto.get("limit_ms"):
+        ratio = ms / auto["limit_ms"]
+        out["limit"] = (ratio <= limit_target(layer, p2p_off), ratio)
+    serial = modes.get("serial", {}).get("ms")
+    if serial:
+        out["serial"] = (ms / serial <= SERIAL_LIMIT, ms / serial)
+    asynctp = modes.get("asynctp", {}).get("ms")
+    if layer == "mlp" and asynctp:
+        out["asynctp"] = (ms < asynctp, ms / asynctp)
+    return out
+
+
+def rows(records: List[dict], p2p_off: bool) -> Dict[tuple, Dict[str, dict]]:
+    """(layer, preset, TP, batch, tokens, pass, link, graphs) -> {mode: record} for one run."""
+    out: Dict[tuple, Dict[str, dict]] = {}
+    for r in records:
+        layer = r.get("layer", "mlp") + (" skewed" if r.get("skewed") else "")
+        key = (layer, r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"],
+               "P2P off" if p2p_off else "NVLink", bool(r.get("cuda_graphs")))
+        out.setdefault(key, {})[r["mode"]] = r
+    return out
+
+
+def _cell(verdict: Optional[Tuple[bool, float]]) -> str:
+    if verdict is None:
+        return "-"
+    met, ratio = verdict
+    return f"{'ok' if met else 'MISS'} {ratio:.3f}"
+
+
+def _plan(auto: dict) -> str:
+    if auto.get("decomposition") == "rank":
+        return "r-ce" if auto.get("transport") == "copy_engine" else "rank"
+    return str(auto.get("k", "?"))
+
+
+def targets(runs: List[Tuple[List[dict], bool]]) -> str:
+    """The markdown table and the misses per target for ``runs``: (records, P2P off) per file."""
+    head = ["layer", "preset", "TP", "batch", "tokens", "pass", "link", "replayed", "auto plan (ms)",
+            "auto / limit", "auto / serial", "auto / asynctp", "peak auto - serial MiB"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses = dict.fromkeys(TARGETS, 0)
+    judged = dict.fromkeys(TARGETS, 0)
+    for records, p2p_off in runs:
+        for (layer, preset, ws, batch, tokens, pass_, link, graphs), modes in rows(records, p2p_off).items():
+            auto = modes.get("auto")
+            if auto is None or not auto.get("ms"):
+                continue
+            verdicts = judge(layer.split()[0], p2p_off, modes)
+            for t, v in verdicts.items():
+                if v is not None:
+                    judged[t] += 1
+                    misses[t] += not v[0]
+            peaks = [modes.get(m, {}).get("peak_bytes") for m in ("auto", "serial")]
+            peak = f"{(peaks[0] - peaks[1]) / 2**20:+.0f}" if None not in peaks else "-"
+            out.append("| " + " | ".join([layer, preset, str(ws), "-" if batch is None else str(batch), str(tokens),
+                                          pass_, link, "yes" if graphs else "no", f"{_plan(auto)} ({auto['ms']:.3f})"]
+                                         + [_cell(verdicts[t]) for t in TARGETS] + [peak]) + " |")
+    out.append("")
+    out += [f"{t}: {misses[t]} of {judged[t]} rows miss" for t in TARGETS if judged[t]]
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths:
+        raise SystemExit("usage: python -m overlap_layers.bench.targets RESULT.json [...]")
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        runs.append((data["records"], bool(data.get("meta", {}).get("nccl_p2p_disable"))))
+    print(targets(runs))
+
+
+if __name__ == "__main__":
+    main()
