@@ -3,7 +3,8 @@
 # fwd+bwd; K=1, the naive Ks, the rank-chunk plans
 # over NCCL and the copy engine, and auto) at the group sizes TPS, over NVLink ("nvlink") and/or
 # with NCCL_P2P_DISABLE=1 ("p2p": a PCIe-class path; asynctp and the copy engine left out, since
-# symmetric memory would still use NVLink), then the planner fidelity report. "nvlink" also runs
+# symmetric memory would still use NVLink), then the planner fidelity report and the rows against
+# the targets (bench.targets). "nvlink" also runs
 # the test suite after its grid (bench/gpu_tests.sh: four shards, about 3 min), since this machine
 # is the only place the CUDA paths are tested.
 # Usage, from the repo root: bash bench/gpu_mlp.sh OUTDIR [nvlink|p2p|all]
@@ -23,6 +24,7 @@ if [ "$PART" != p2p ]; then
     | grep -v "^W1\|Warning\|warn" > "$OUT/bench_nvlink.log"
   grep -A100 "^layer" "$OUT/bench_nvlink.log" || tail -30 "$OUT/bench_nvlink.log"
   python3 -m overlap_layers.bench.report "$OUT/mlp_nvlink.json" > "$OUT/report_nvlink.md"; tail -5 "$OUT/report_nvlink.md"
+  python3 -m overlap_layers.bench.targets "$OUT/mlp_nvlink.json" > "$OUT/targets_nvlink.md"; tail -3 "$OUT/targets_nvlink.md"
   bash bench/gpu_tests.sh "$OUT"
 fi
 if [ "$PART" != nvlink ]; then
@@ -31,4 +33,5 @@ if [ "$PART" != nvlink ]; then
     | grep -v "^W1\|Warning\|warn" > "$OUT/bench_p2p_disabled.log"
   grep -A100 "^layer" "$OUT/bench_p2p_disabled.log" || tail -30 "$OUT/bench_p2p_disabled.log"
   python3 -m overlap_layers.bench.report "$OUT/mlp_p2p_disabled.json" > "$OUT/report_p2p.md"; tail -5 "$OUT/report_p2p.md"
+  python3 -m overlap_layers.bench.targets "$OUT/mlp_p2p_disabled.json" > "$OUT/targets_p2p.md"; tail -3 "$OUT/targets_p2p.md"
 fi

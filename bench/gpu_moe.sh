@@ -26,4 +26,5 @@ bench moe_nvlink $MOE --tp $TPS
 bench moe_skew_nvlink $MOE --tp ${TPS%% *} --skew
 for f in moe_nvlink moe_skew_nvlink; do
   python3 -m overlap_layers.bench.report "$OUT/$f.json" > "$OUT/report_$f.md" 2>&1; tail -4 "$OUT/report_$f.md"
+  python3 -m overlap_layers.bench.targets "$OUT/$f.json" > "$OUT/targets_$f.md" 2>&1; tail -3 "$OUT/targets_$f.md"
 done
