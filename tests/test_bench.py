@@ -13,12 +13,15 @@ def test_bench_cpu_default(tmp_path):
     out = tmp_path / "mlp.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "overlap_layers.bench", "--out", str(out), "--iters", "1",
-                           "--repeats", "1", "--warmup", "1"], cwd=root, capture_output=True, text=True,
+                           "--repeats", "3", "--warmup", "1"], cwd=root, capture_output=True, text=True,
                           timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     recs = data["records"]
     _check_modes_and_limits(recs, ("fwd", "fwdbwd"))
+    for r in recs:  # each repeat's time is kept; the row's time is their median
+        if r["ms"] is not None:
+            assert len(r["repeat_ms"]) == 3 and r["ms"] == sorted(r["repeat_ms"])[1]
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]

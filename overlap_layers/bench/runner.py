@@ -43,6 +43,12 @@ def pass_fn(forward: Callable, backward: bool, grads: Sequence[torch.Tensor],
 
 def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
     """Median over ``repeats`` of (max over ranks of the mean time of ``iters`` calls), in ms."""
+    return statistics.median(time_samples(fn, device, group, warmup, iters, repeats))
+
+
+def time_samples(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> List[float]:
+    """Each repeat's max over ranks of the mean time of ``iters`` calls, in ms (:func:`time_fn`'s
+    samples: a spread between them tells a passing stall from a steady state)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -65,7 +71,7 @@ def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repe
         t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(t))
-    return statistics.median(samples)
+    return samples
 
 
 def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
@@ -212,7 +218,8 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             try:
                 if graphs:
                     fn = graph_replay(eager, device)
-                times[mode] = time_fn(fn, device, group, warmup, iters, repeats)
+                samples = time_samples(fn, device, group, warmup, iters, repeats)
+                times[mode] = statistics.median(samples)
             except Exception as e:  # noqa: BLE001
                 if mode != "asynctp":
                     raise
@@ -220,6 +227,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 continue
             info = extra.setdefault(mode, {})
+            info["repeat_ms"] = samples
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
