@@ -310,7 +310,8 @@ class OverlapTransformerBlock(nn.Module):
         asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
             call.trace = TraceJob(asked, n1.device)
-        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, _local(self.mlp_norm.weight), _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, _local(self.mlp_norm.weight),
+                   _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
         if call.trace is not None:
             call.trace.write()  # the forward's; the backward writes again with both passes
