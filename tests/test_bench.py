@@ -396,13 +396,9 @@ def test_host_phases_dry_run():
         assert calls[name] == 1.0
 
 
-def _row(layer, mode, ms, limit=10.0, **kw):
-    return dict(layer=layer, preset="p", world_size=4, batch=2, tokens=64, pass_="fwd", mode=mode, ms=ms,
-                limit_ms=limit, **kw)
-
-
-def _fix(recs):
-    return [dict({k: v for k, v in r.items() if k != "pass_"}, **{"pass": r["pass_"]}) for r in recs]
+def _row(layer, mode, ms, k=None, **kw):
+    """A forward record of ``layer`` whose limit is 10 ms."""
+    return dict(_rec("fwd", mode, k, ms, None), layer=layer, batch=2, limit_ms=10.0, **kw)
 
 
 def test_targets_judge_each_row_against_its_link_and_layer():
@@ -420,8 +416,8 @@ def test_targets_judge_each_row_against_its_link_and_layer():
                                       "asynctp": _row("attention", "asynctp", 9.0)}) == \
         {"limit": (True, pytest.approx(1.05)), "serial": (False, pytest.approx(10.5 / 10.2)), "asynctp": None}
     assert judge("mlp", False, {"serial": _row("mlp", "serial", 1.0)}) == dict.fromkeys(("limit", "serial", "asynctp"))
-    nvlink = _fix([_row("mlp", "auto", 10.9, peak_bytes=3 << 20, decomposition="rank", transport="copy_engine"),
-                   _row("mlp", "serial", 12.0, peak_bytes=1 << 20), _row("mlp", "asynctp", 10.8)])
+    nvlink = [_row("mlp", "auto", 10.9, peak_bytes=3 << 20, decomposition="rank", transport="copy_engine"),
+              _row("mlp", "serial", 12.0, peak_bytes=1 << 20), _row("mlp", "asynctp", 10.8)]
     text = targets([(nvlink, False), (nvlink, True)])
     lines = [ln for ln in text.splitlines() if ln.startswith("| mlp")]
     assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | +2 |")
@@ -431,7 +427,7 @@ def test_targets_judge_each_row_against_its_link_and_layer():
 
 def test_targets_cli_reads_the_link_from_the_run(tmp_path):
     from overlap_layers.bench import targets
-    recs = _fix([_row("attention", "auto", 11.2, k=1), _row("attention", "serial", 12.0, k=1)])
+    recs = [_row("attention", "auto", 11.2, k=1), _row("attention", "serial", 12.0, k=1)]
     for name, p2p in (("a.json", None), ("b.json", "1")):
         (tmp_path / name).write_text(json.dumps(dict(meta=dict(nccl_p2p_disable=p2p), records=recs)))
     buf = io.StringIO()
