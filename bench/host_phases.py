@@ -32,7 +32,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # inproc_ab's shapes
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package
-from inproc_ab import init_ranks, make_case, plan_of, preset_of  # noqa: E402
+from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
+
+from overlap_layers.launch import run_ranks  # noqa: E402
 
 COMMON = ("overlap_layers.layers.planned:PlannedLayer._agree", "overlap_layers.layers.planned:PlannedLayer._planned_call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
@@ -92,8 +94,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    args = p.parse_args()
-    dev, sync, cuda = init_ranks()
+    run_ranks(run, p.parse_args())
+
+
+def run(dev: torch.device, args) -> None:
+    """The timed calls on this rank (under ``run_ranks``)."""
+    sync, cuda = sync_of(dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
     preset = preset_of(args.layer, args.preset, cuda)
     make, x, kwargs, _ = make_case(args.layer, preset, args, dev, torch.bfloat16 if cuda else torch.float32, rank, ws)
@@ -135,8 +141,6 @@ def main() -> None:
               + "  ".join(f"({h:.3f}, {w:.3f})" for h, w in every))
         for path, (ns, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
             print(f"  {ns / args.calls / 1e3:9.1f} us  x {n / args.calls:5.1f}  {path}")
-    dist.barrier()  # the ranks tear down together: on gloo, one leaving early aborted the other in 2 of 12 runs
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

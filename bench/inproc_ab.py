@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package, as "new"
+from overlap_layers.launch import run_ranks  # noqa: E402
 
 
 def load_old(path: str):
@@ -90,16 +91,10 @@ def make_case(layer: str, preset: str, args, dev, dt, rank: int, ws: int):
     return make, x, {}, s
 
 
-def init_ranks():
-    """``(device, sync, cuda)``: this process's rank on NCCL and its GPU (under torchrun), or on
-    gloo and the CPU without CUDA; ``sync`` waits for the device."""
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-        return dev, torch.cuda.synchronize, True
-    dist.init_process_group("gloo")
-    return torch.device("cpu"), lambda: None, False
+def sync_of(dev: torch.device):
+    """``(sync, cuda)``: a function that waits for ``dev``, and whether it is a GPU."""
+    cuda = dev.type == "cuda"
+    return (torch.cuda.synchronize if cuda else lambda: None), cuda
 
 
 def preset_of(layer: str, preset, cuda: bool) -> str:
@@ -117,7 +112,7 @@ def plan_of(pk, name: str):
     return TilePlan(1, decomposition="rank", transport=name.split("_")[1].replace("ce", "copy_engine"))
 
 
-def main() -> None:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", help="the old package folder")
     p.add_argument("--layer", choices=("moe", "attention", "mlp"), default="moe")
@@ -130,11 +125,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    old = load_old(os.path.abspath(args.old))
-    import overlap_layers as new
+    return p.parse_args()
 
-    dev, sync, cuda = init_ranks()
+
+def main() -> None:
+    args = parse_args()
+    load_old(os.path.abspath(args.old))
+    run_ranks(run, args)
+
+
+def run(dev: torch.device, args) -> None:
+    """The A/B on this rank (under ``run_ranks``, which destroys the group once the layers are
+    gone)."""
+    old = sys.modules["ol_old"]
+    import overlap_layers as new
+    sync, cuda = sync_of(dev)
     rank, ws = dist.get_rank(), dist.get_world_size()
     preset = preset_of(args.layer, args.preset, cuda)
     dt = torch.bfloat16 if cuda else torch.float32
@@ -197,8 +202,6 @@ def main() -> None:
                     torch=torch.__version__, device=torch.cuda.get_device_name(dev) if cuda else "cpu")
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=res), f, indent=1)
-    dist.barrier()  # the ranks tear down together (bench/host_phases.py)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

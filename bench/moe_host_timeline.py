@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from overlap_layers import OverlapMoE  # noqa: E402
 from overlap_layers.bench.moe import PRESETS  # noqa: E402
 from overlap_layers.layers import moe as moe_mod, moe_ranks  # noqa: E402
+from overlap_layers.launch import run_ranks  # noqa: E402
 from overlap_layers.layers.planned import TilePlan  # noqa: E402
 from overlap_layers.runtime import exchange, rank_all_to_all as ra  # noqa: E402
 
@@ -34,10 +35,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
+    run_ranks(run, p.parse_args())
+
+
+def run(dev: torch.device, args) -> None:
+    """The timeline on this rank (under torchrun, through ``run_ranks``)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     s = PRESETS[args.preset]
     layer = OverlapMoE(s["hidden"], s["ffn"], s["experts"], s["top_k"], group=dist.group.WORLD, num_tiles=1,
@@ -154,7 +156,6 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(dict(meta=dict(preset=args.preset, world_size=ws, torch=torch.__version__,
                                          device=torch.cuda.get_device_name(dev)), results=res), f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run a function on every rank: under torchrun, or by starting local gloo ranks (CPU).
 
 Reference: ``run_ranks(fn, *args, nprocs=2)`` calls ``fn(device, *args)`` once on every rank with
-the default process group initialised, then destroys it:
+the default process group initialised, then collects fn's garbage and destroys the group:
 
 * under torchrun (``RANK`` and ``WORLD_SIZE`` set): NCCL with one GPU per local rank when CUDA is
   available, else gloo on the CPU;
@@ -12,6 +12,7 @@ A failing rank makes the parent exit with the rank's error. Used by the benchmar
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -41,6 +42,10 @@ def _rank_main(rank: int, world: int, store_path, fn: Callable, args: tuple) -> 
     try:
         fn(device, *args)
     finally:
+        # fn's objects (layers hold the group) are collected first, so that destroying the group
+        # frees it and joins gloo's worker threads now. Left to interpreter exit, a worker that
+        # releases a finished collective's tensors there needs the GIL and aborts the process.
+        gc.collect()
         dist.destroy_process_group()
 
 

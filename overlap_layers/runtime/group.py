@@ -19,14 +19,20 @@ mailbox per group, not per layer (a deep model would otherwise create a gloo gro
 /dev/shm file for every layer). Sharing is safe because every rank calls the group's layers in
 the same order, as their collectives already require; a rank that calls another layer than its
 peers then gathers a row of another shape or content, which raises on every rank instead of
-mixing calls. The share lives as long as the process (not as long as some layer), so whether a
-layer finds it never depends on when each rank's garbage collector freed the layers before it:
+mixing calls. The share lives as long as the group object (not as long as some layer), so whether
+a layer finds it never depends on when each rank's garbage collector freed the layers before it:
 a rank that made a new Agreement would set up a mailbox with gloo gathers while a rank that
-reused one gathered through the mailbox. Gathers of one group must come from one thread at a time.
+reused one gathered through the mailbox. torch's process-group registry holds every group until
+``destroy_process_group``, on every rank alike. The share holds its group only weakly, so once
+the group is destroyed and its layers are gone, the group, its gloo twin and the mailbox are
+freed then, not at interpreter exit, where a gloo worker thread that releases a finished
+collective's tensors needs the GIL and aborts the process. Gathers of one group must come from
+one thread at a time.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,23 +71,33 @@ class Agreement:
     [Note: agreement]."""
 
     def __init__(self, group, shared_memory: bool = True) -> None:
-        """``shared_memory=False``: always gloo, never the same-host mailbox."""
-        self.group = group
-        self._host_group = None
+        """``shared_memory=False``: always gloo, never the same-host mailbox. Holds ``group``
+        weakly: its caller (a layer) holds it."""
+        self._group = weakref.ref(group)
+        self._twin = None  # the gloo twin of a group without a gloo backend
+        self._ready = False
         self._shared_memory = shared_memory
         self.mailbox: Optional[HostMailbox] = None
 
+    @property
+    def group(self):
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the Agreement's process group was destroyed")
+        return group
+
     def _host(self):
-        if self._host_group is None:
-            if "gloo" in str(dist.get_backend(self.group)):
-                self._host_group = self.group
-            else:
-                self._host_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
-                                                  use_local_synchronization=True)
+        if not self._ready:
+            if "gloo" not in str(dist.get_backend(self.group)):
+                self._twin = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
+                                            use_local_synchronization=True)
+            self._ready = True
             if self._shared_memory and dist.get_world_size(self.group) > 1:
                 self.mailbox = HostMailbox.open(self._gloo_gather, dist.get_world_size(self.group),
                                                 dist.get_rank(self.group), dist.default_pg_timeout.total_seconds())
-        return self._host_group
+
+    def _gloo_group(self):
+        return self._twin if self._twin is not None else self.group
 
     def gather(self, values: Sequence, dtype=torch.int64) -> List[Tuple]:
         """One tuple per rank of the group (group-rank order) of everyone's ``values``."""
@@ -91,7 +107,7 @@ class Agreement:
         return self._gloo_gather(values, dtype)
 
     def _gloo_gather(self, values: Sequence, dtype=torch.int64) -> List[Tuple]:
-        group = self._host_group
+        group = self._gloo_group()
         ws = dist.get_world_size(group)
         mine = torch.tensor(list(values), dtype=dtype)
         out = mine.new_empty(ws * len(values))
@@ -110,15 +126,15 @@ class Agreement:
         return [min(col) for col in zip(*self.gather(values, dtype=torch.float64))]
 
 
-_AGREEMENTS: Dict[int, Agreement] = {}  # id(group) -> its Agreement, which holds the group (so the id stays its)
+_AGREEMENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its Agreement
 
 
 def shared_agreement(group) -> Agreement:
     """The :class:`Agreement` of ``group``, the same object for every layer of the process that
     asks (see the module docstring)."""
-    a = _AGREEMENTS.get(id(group))
+    a = _AGREEMENTS.get(group)
     if a is None:
-        a = _AGREEMENTS[id(group)] = Agreement(group)
+        a = _AGREEMENTS[group] = Agreement(group)
     return a
 
 
