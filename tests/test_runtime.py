@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -158,6 +159,32 @@ def gathered_lifetime(rank, ws):
 
 def test_executor_keeps_no_collective_buffer_alive(pool2):
     assert pool2.run(gathered_lifetime) == [[False, False]] * 2
+
+
+def test_workspaces_are_shared_per_group_object_not_per_group_name(monkeypatch):
+    """Group names repeat after ``destroy_process_group`` and a new ``init_process_group``: a
+    group of the new world must not find the workspace (the symmetric buffers) of an old group
+    that old layers still hold, though both are named "0"."""
+    from overlap_layers.runtime import exchange
+
+    class Workspace:  # the real one needs CUDA; like it, this holds its group
+        def __init__(self, group, device):
+            self.group, self.device, self.nbytes = group, device, 0
+
+    class Group:
+        group_name = "0"
+
+    monkeypatch.setattr(exchange, "SymmetricWorkspace", Workspace)
+    monkeypatch.setattr(exchange, "_WORKSPACES", weakref.WeakValueDictionary())
+    old, new = Group(), Group()
+    dev = torch.device("cuda", 1)
+    held = exchange.shared_workspace(old, dev)
+    held.nbytes = 4096
+    assert exchange.shared_workspace(old, dev) is held
+    fresh = exchange.shared_workspace(new, dev)
+    assert fresh is not held and fresh.group is new and fresh.device == dev
+    assert (exchange.held_workspace_bytes(old, dev), exchange.held_workspace_bytes(new, dev)) == (4096, 0)
+    assert exchange.shared_workspace(old, torch.device("cuda", 0)) is not held  # one per device
 
 
 def test_workspace_bytes_aligns_each_source_and_counts_every_slot():

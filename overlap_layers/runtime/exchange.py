@@ -241,14 +241,20 @@ class SymmetricWorkspace:
 _WORKSPACES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
+def _workspace_key(group, device: torch.device) -> tuple:
+    """``(id(group), device index)``: a workspace holds its group, so the id is that group's for
+    as long as the entry lives. Not the group's name: names repeat after ``destroy_process_group``
+    and a new ``init_process_group``, while layers of the old group may still hold its workspace."""
+    return id(group), device.index if device.index is not None else torch.cuda.current_device()
+
+
 def shared_workspace(group, device: torch.device) -> SymmetricWorkspace:
     """The workspace of ``group`` on ``device``, shared by the layers that hold it (a weak cache:
     no layer holding it, no buffer)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (group.group_name, idx)
+    key = _workspace_key(group, device)
     w = _WORKSPACES.get(key)
     if w is None:
-        w = _WORKSPACES[key] = SymmetricWorkspace(group, torch.device("cuda", idx))
+        w = _WORKSPACES[key] = SymmetricWorkspace(group, torch.device("cuda", key[1]))
     return w
 
 
@@ -258,8 +264,7 @@ def held_workspace_bytes(group, device: torch.device) -> int:
     workspace of layers that others have freed (garbage collection runs at different times)."""
     if device.type != "cuda":
         return 0
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    w = _WORKSPACES.get((group.group_name, idx))
+    w = _WORKSPACES.get(_workspace_key(group, device))
     return w.nbytes if w is not None else 0
 
 
