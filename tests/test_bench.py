@@ -119,13 +119,15 @@ def test_bench_cpu_attention(tmp_path):
 
 
 def test_bench_cpu_block(tmp_path):
-    """The block: both sublayers' plans per record, the limit from both sublayers' references."""
+    """The block: both sublayers' plans per record, the most tiles either cuts a call into (2
+    batch tiles; rank chunks at 2 ranks: 2), the limit from both sublayers' references."""
     proc, recs = _run_bench(tmp_path, "--layer", "block", "--modes", "serial,naive,auto,rank,compute,comm")
     by = {(r["pass"], r["mode"]): r for r in recs}
     for p in ("fwd", "fwdbwd"):
         lim = max(by[(p, "compute")]["ms"], by[(p, "comm")]["ms"])
         assert by[(p, "serial")]["k"] == "K=1 + K=1" and by[(p, "naive")]["k"] == "K=2 + K=2"
         assert by[(p, "rank")]["attention_plan"] == by[(p, "rank")]["mlp_plan"] == "rank chunks over nccl"
+        assert (by[(p, "serial")]["tiles"], by[(p, "naive")]["tiles"], by[(p, "rank")]["tiles"]) == (1, 2, 2)
         assert all(by[(p, m)]["limit_ms"] == lim and by[(p, m)]["ffn"] == 256 for m in ("serial", "auto", "rank"))
     assert {r["layer"] for r in recs} == {"block"} and "K=1 + K=1" in proc.stdout
 
@@ -408,21 +410,42 @@ def test_targets_judge_each_row_against_its_link_and_layer():
     modes = {"auto": _row("mlp", "auto", 11.2), "serial": _row("mlp", "serial", 11.0),
              "asynctp": _row("mlp", "asynctp", 11.5)}
     assert judge("mlp", False, modes) == {"limit": (False, pytest.approx(1.12)), "serial": (True, pytest.approx(11.2 / 11)),
-                                          "asynctp": (True, pytest.approx(11.2 / 11.5))}
+                                          "asynctp": (True, pytest.approx(11.2 / 11.5)), "memory": None}
     assert judge("mlp", True, modes)["limit"] == (True, pytest.approx(1.12))  # P2P off: 1.15
     assert judge("moe", False, {"auto": _row("moe", "auto", 11.6)}) == \
-        {"limit": (False, pytest.approx(1.16)), "serial": None, "asynctp": None}
+        {"limit": (False, pytest.approx(1.16)), "serial": None, "asynctp": None, "memory": None}
     assert judge("attention", False, {"auto": _row("attention", "auto", 10.5), "serial": _row("attention", "serial", 10.2),
                                       "asynctp": _row("attention", "asynctp", 9.0)}) == \
-        {"limit": (True, pytest.approx(1.05)), "serial": (False, pytest.approx(10.5 / 10.2)), "asynctp": None}
-    assert judge("mlp", False, {"serial": _row("mlp", "serial", 1.0)}) == dict.fromkeys(("limit", "serial", "asynctp"))
+        {"limit": (True, pytest.approx(1.05)), "serial": (False, pytest.approx(10.5 / 10.2)), "asynctp": None,
+         "memory": None}
+    assert judge("mlp", False, {"serial": _row("mlp", "serial", 1.0)}) == dict.fromkeys(("limit", "serial", "asynctp",
+                                                                                         "memory"))
     nvlink = [_row("mlp", "auto", 10.9, peak_bytes=3 << 20, decomposition="rank", transport="copy_engine"),
               _row("mlp", "serial", 12.0, peak_bytes=1 << 20), _row("mlp", "asynctp", 10.8)]
     text = targets([(nvlink, False), (nvlink, True)])
     lines = [ln for ln in text.splitlines() if ln.startswith("| mlp")]
-    assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | +2 |")
-    assert lines[1].endswith("| P2P off | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | +2 |")
+    assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 |")
+    assert lines[1].endswith("| P2P off | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 |")
     assert "limit: 0 of 2 rows miss" in text and "asynctp: 2 of 2 rows miss" in text
+
+
+def test_targets_memory_allows_one_tile_of_serials_peak_and_counts_the_workspace():
+    """By hand, serial's peak 200 MiB at TP 4: K=2 batch tiles may add 100 MiB, K=4 50; rank
+    chunks at K=1 are 4 tiles (50 MiB), with the workspace counted; the block's ``tiles`` wins."""
+    from overlap_layers.bench.targets import judge
+    mib = 2 ** 20
+    serial = _row("mlp", "serial", 12.0, k=1, peak_bytes=200 * mib)
+
+    def memory(**auto):
+        return judge("mlp", False, {"auto": _row("mlp", "auto", 10.0, **auto), "serial": serial})["memory"]
+    assert memory(k=2, peak_bytes=300 * mib, decomposition="batch") == (True, pytest.approx(1.0))
+    assert memory(k=4, peak_bytes=300 * mib, decomposition="batch") == (False, pytest.approx(2.0))
+    assert memory(k=1, peak_bytes=210 * mib, decomposition="rank") == (True, pytest.approx(0.2))
+    assert memory(k=1, peak_bytes=210 * mib, decomposition="rank", workspace_bytes=60 * mib) == \
+        (False, pytest.approx(1.4))
+    assert memory(k="K=1 + K=2", tiles=8, peak_bytes=225 * mib) == (True, pytest.approx(1.0))
+    assert memory(k="K=1 + K=2", peak_bytes=225 * mib) is None  # no tile count
+    assert memory(k=2, decomposition="batch") is None  # no peak
 
 
 def test_targets_cli_reads_the_link_from_the_run(tmp_path):

@@ -6,7 +6,8 @@ both sublayers, ``rank`` / ``rank_ce`` pin the rank-chunk plan on both; ``comput
 attention's and the MLP's compute-only references run back to back and ``comm`` their
 collectives back to back, so the limit is max(compute, comm) of the two sublayers together (the
 norms and residual adds, a few memory passes, are left out of the reference). No ``asynctp``.
-Records carry each sublayer's plan (``attention_plan``, ``mlp_plan``).
+Records carry each sublayer's plan (``attention_plan``, ``mlp_plan``) and the most tiles either
+cuts a call into (``tiles``: batch tiles, times the ranks for rank chunks).
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class BlockBench:
                     block_verification=verification_info(self.layer.plan), attention_verification=verification_info(a),
                     mlp_verification=verification_info(m),
                     decomposition="rank" if a.decomposition == m.decomposition == "rank" else "batch",
-                    transport=a.transport if a.transport == m.transport else "mixed")
+                    transport=a.transport if a.transport == m.transport else "mixed",
+                    tiles=max(p.num_tiles * (self.ws if p.decomposition == "rank" else 1) for p in (a, m)))
 
     def host_overhead_us(self, backward: bool) -> dict:
         return {}

@@ -238,7 +238,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:
                 info.update(b.plan_info())
-                if info.get("transport") == "copy_engine" and device.type == "cuda":
+                if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":
                     # persistent symmetric memory (the group's layers share it), outside the allocator's peak
                     info["workspace_bytes"] = held_workspace_bytes(b.group, device)
             if layer_mode and plan is not None:

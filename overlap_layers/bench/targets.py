@@ -9,13 +9,21 @@ limit      ``auto / limit`` <= 1.10 for the dense layers (mlp, attention, ulysse
            run's ``meta``); <= 1.15 for moe on either
 serial     ``auto / serial`` <= 1.02 (every layer; needs the serial row)
 asynctp    ``auto`` faster than ``asynctp`` (mlp rows where AsyncTP ran)
+memory     auto's peak plus its symmetric workspace at most serial's peak plus one tile of
+           activations: ``(auto + workspace - serial) / tile`` <= 1
 =========  ==============================================================================
+
+One tile of activations is serial's peak (one call's, above what was allocated before it)
+divided by the tiles auto's plan cuts a call into: its batch tiles ``k``, times the ranks for
+rank chunks (each batch tile is split by source rank), or the record's ``tiles`` (the block's:
+the more of its sublayers'). The workspace (``workspace_bytes``, persistent symmetric memory of
+copy-engine plans) counts in full, though the layers of a group share one.
 
 A cell reads ``ok`` or ``MISS`` with the ratio, or ``-`` where the target does not apply or a
 number is missing. Rows are told apart by link (NVLink or P2P off) and by CUDA-graph replay
-(``cuda_graphs``), the targets being the same for both. The memory target (peak <= serial + one
-tile of activations) is not judged here: the table shows auto's peak minus serial's, in MiB.
-Prints one markdown table for all files and the misses per target.
+(``cuda_graphs``), the targets being the same for both. The last column is auto's peak plus
+workspace minus serial's peak, in MiB. Prints one markdown table for all files and the misses
+per target.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 DENSE_LIMIT, P2P_OFF_LIMIT, MOE_LIMIT, SERIAL_LIMIT = 1.10, 1.15, 1.15, 1.02
-TARGETS = ("limit", "serial", "asynctp")
+TARGETS = ("limit", "serial", "asynctp", "memory")
 
 
 def limit_target(layer: str, p2p_off: bool) -> float:
@@ -32,6 +40,23 @@ def limit_target(layer: str, p2p_off: bool) -> float:
     if layer.startswith("moe"):
         return MOE_LIMIT
     return P2P_OFF_LIMIT if p2p_off else DENSE_LIMIT
+
+
+def tiles(rec: dict) -> Optional[int]:
+    """How many tiles ``rec``'s plan cuts one call into (module docstring), or None."""
+    if rec.get("tiles"):
+        return int(rec["tiles"])
+    k = rec.get("k")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        return None
+    return k * rec["world_size"] if rec.get("decomposition") == "rank" else k
+
+
+def _over_serial(auto: dict, serial: dict) -> Optional[int]:
+    """Bytes auto's peak and workspace take above serial's peak, or None."""
+    if auto.get("peak_bytes") is None or serial.get("peak_bytes") is None:
+        return None
+    return auto["peak_bytes"] + (auto.get("workspace_bytes") or 0) - serial["peak_bytes"]
 
 
 def judge(layer: str, p2p_off: bool, modes: Dict[str, dict]) -> Dict[str, Optional[Tuple[bool, float]]]:
@@ -50,6 +75,10 @@ def judge(layer: str, p2p_off: bool, modes: Dict[str, dict]) -> Dict[str, Option
     asynctp = modes.get("asynctp", {}).get("ms")
     if layer == "mlp" and asynctp:
         out["asynctp"] = (ms < asynctp, ms / asynctp)
+    over, n = _over_serial(auto, modes.get("serial", {})), tiles(auto)
+    if over is not None and n and modes["serial"]["peak_bytes"] > 0:
+        ratio = over / (modes["serial"]["peak_bytes"] / n)
+        out["memory"] = (ratio <= 1.0, ratio)
     return out
 
 
@@ -80,7 +109,8 @@ def _plan(auto: dict) -> str:
 def targets(runs: List[Tuple[List[dict], bool]]) -> str:
     """The markdown table and the misses per target for ``runs``: (records, P2P off) per file."""
     head = ["layer", "preset", "TP", "batch", "tokens", "pass", "link", "replayed", "auto plan (ms)",
-            "auto / limit", "auto / serial", "auto / asynctp", "peak auto - serial MiB"]
+            "auto / limit", "auto / serial", "auto / asynctp", "(auto + workspace - serial) / tile",
+            "auto + workspace - serial MiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     misses = dict.fromkeys(TARGETS, 0)
     judged = dict.fromkeys(TARGETS, 0)
@@ -94,8 +124,8 @@ def targets(runs: List[Tuple[List[dict], bool]]) -> str:
                 if v is not None:
                     judged[t] += 1
                     misses[t] += not v[0]
-            peaks = [modes.get(m, {}).get("peak_bytes") for m in ("auto", "serial")]
-            peak = f"{(peaks[0] - peaks[1]) / 2**20:+.0f}" if None not in peaks else "-"
+            over = _over_serial(auto, modes.get("serial", {}))
+            peak = "-" if over is None else f"{over / 2**20:+.0f}"
             out.append("| " + " | ".join([layer, preset, str(ws), "-" if batch is None else str(batch), str(tokens),
                                           pass_, link, "yes" if graphs else "no", f"{_plan(auto)} ({auto['ms']:.3f})"]
                                          + [_cell(verdicts[t]) for t in TARGETS] + [peak]) + " |")
