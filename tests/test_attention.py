@@ -357,6 +357,43 @@ def test_no_grad_forward(pool2, sp):
         assert err < TOL[torch.float64], err
 
 
+def _empty_then_full(rank, ws, case, empty, opts):
+    """A call of ``empty`` (no batch rows or no positions) then one of ``case``, same layer."""
+    sp = opts.get("sequence_parallel", True)
+    layer = build_from_dense(case, torch.float64, opts)
+    params = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    calls = []
+    for c in (empty, case):
+        layer.zero_grad(set_to_none=True)
+        x = local_seq(c["x"], rank, ws, sp).requires_grad_()
+        y = layer(x, **forward_kwargs(c, torch.float64))
+        y.backward(local_seq(c["dy"], rank, ws, sp))
+        calls.append(dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()},
+                          k=layer.plan.num_tiles if layer.plan else None, dtype=y.dtype))
+    return dict(params=params, calls=calls)
+
+
+@pytest.mark.parametrize("ws,sp,empty_dim", [(2, True, 0), (2, True, 1), (2, False, 1), (4, True, 0)])
+def test_empty_batch_or_sequence_matches_dense_reference(pools, ws, sp, empty_dim):
+    """No batch rows or no positions: the dense reference's empty output, an empty dx and zero
+    (not missing) parameter gradients on every rank; the next call of a real shape is unaffected."""
+    case = make_case(43, B=2, S=8, H=16, nq=4, nkv=2, d=4, bias=True, qk_norm=True)
+    empty = dict(case, x=case["x"].narrow(empty_dim, 0, 0), dy=case["dy"].narrow(empty_dim, 0, 0))
+    opts = dict(sequence_parallel=sp, num_tiles=2)
+    y_ref, g_ref = reference(empty, opts)
+    results = pools(ws).run(_empty_then_full, case, empty, opts)
+    for rank, res in enumerate(results):
+        c = res["calls"][0]
+        assert c["dtype"] == torch.float64
+        assert tuple(c["y"].shape) == tuple(local_seq(y_ref, rank, ws, sp).shape) and c["y"].numel() == 0
+        assert tuple(c["dx"].shape) == tuple(local_seq(g_ref["x"], rank, ws, sp).shape)
+        assert c["k"] is None  # no plan ran
+        for name, grad in c["grads"].items():
+            assert grad is not None and torch.equal(grad, torch.zeros_like(res["params"][name])), name
+    assert all(torch.equal(g_ref[n], torch.zeros_like(g_ref[n])) for n in PARAMS if g_ref[n] is not None)
+    check(results, case, opts, torch.float64, call=1)
+
+
 def test_exported_from_package():
     assert overlap_layers.OverlapAttention is OverlapAttention
     assert "OverlapAttention" in overlap_layers.__all__

@@ -96,6 +96,15 @@ def test_block_four_ranks(pool4, moe):
     check(pool4.run(run_block, c, True, 2), c, True)
 
 
+@pytest.mark.parametrize("moe,k,empty", [(False, "auto", "batch"), (False, "auto", "seq"), (True, "auto", "batch"),
+                                         (False, 2, "seq")])
+def test_block_without_tokens_matches_dense_block(pool2, moe, k, empty):
+    """No batch rows or no positions, with the fused program allowed (K "auto") or not: the
+    reference's empty y and dx, and its zero gradients (a missing one fails)."""
+    c = make_case(3, moe=moe, B=0 if empty == "batch" else 2, S=0 if empty == "seq" else 8)
+    check(pool2.run(run_block, c, True, k), c, True)
+
+
 def bad_args(rank, ws):
     msgs = []
     for kw in (dict(norm="batchnorm"), dict(norm_eps=0), dict(moe=dict(num_experts=4)),

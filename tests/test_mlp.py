@@ -132,6 +132,15 @@ def test_matches_dense_reference(pools, ws, sp, activation, bias, k, dtype, B, S
     check(results, case, opts, dtype)
 
 
+@pytest.mark.parametrize("ws,sp,k,B,S", [(2, True, 2, 0, 8), (2, True, "auto", 2, 0), (4, False, 3, 0, 4)])
+def test_no_tokens_match_dense_reference(pools, ws, sp, k, B, S):
+    """No batch rows or no positions: the reference's empty y and dx, and its zero gradients
+    (a missing one fails)."""
+    case = make_case(45, B, S, 12, 8 * ws, "swiglu", True)
+    opts = dict(sequence_parallel=sp, activation="swiglu", num_tiles=k)
+    check(pools(ws).run(run_layer, case, opts, torch.float64), case, opts, torch.float64)
+
+
 @pytest.mark.parametrize("plan", [MLPPlan(3, regather=True),
                                   MLPPlan(4, buckets_fwd=(("ag", ((0, 1), (2, 3))), ("rs", ((0,), (1, 2, 3)))),
                                           buckets_bwd=(("ag_dy", ((0, 1, 2), (3,))), ("rs_dx", ((0, 1), (2, 3))))),

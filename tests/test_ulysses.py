@@ -193,6 +193,27 @@ def test_exported_from_package():
     assert "UlyssesAttention" in overlap_layers.__all__
 
 
+def _empty_run(rank, ws, case, opts):
+    layer = build_from_dense(case, torch.float64, opts)
+    x = local_seq(case["x"], rank, ws).requires_grad_()
+    y = layer(x, **forward_kwargs(case, torch.float64))
+    y.backward(local_seq(case["dy"], rank, ws))
+    return dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()},
+                names=sorted(n for n, _ in layer.named_parameters()), dtype=y.dtype, planned=layer.plan is not None)
+
+
+@pytest.mark.parametrize("ws,empty_dim", [(2, 0), (2, 1), (4, 0)])
+def test_empty_batch_or_sequence_matches_dense_reference(pools, ws, empty_dim):
+    """No batch rows or no positions: the reference's empty output and dx, and zero (not
+    missing) parameter gradients; no plan runs."""
+    case = make_case(44, B=2, S=8, H=16, nq=4, nkv=2, d=4, bias="all", qk_norm=True)
+    case.update(x=case["x"].narrow(empty_dim, 0, 0), dy=case["dy"].narrow(empty_dim, 0, 0))
+    results = pools(ws).run(_empty_run, case, dict(num_tiles=2))
+    assert not any(r["planned"] for r in results)
+    assert all(r["y"].numel() == 0 for r in results)
+    check(results, case, {}, torch.float64)  # the gradients must be exact zeros: the reference's are
+
+
 # ------------------------------------------------------------------ grad modes, dropout, autocast
 def _no_grad_run(rank, ws, case):
     layer = build_from_dense(case, torch.float64, dict(num_tiles=2))

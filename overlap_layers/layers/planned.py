@@ -443,6 +443,18 @@ class PlannedLayer:
         self._after_agreement(capturing)
         return self._agreed_shape(shape, table), dtype, save, fixed
 
+    def _empty_output(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The output of a call without tokens (its agreed batch or sequence is 0, so on every
+        rank), as the dense layer's: an ``x``-shaped empty tensor in the call's ``dtype`` whose
+        backward gives ``x`` an empty gradient and each parameter that needs one a zero gradient.
+        No plan runs (``plan`` keeps the last call's) and no collective: nothing is exchanged."""
+        y = x.to(dtype) * 0
+        if torch.is_grad_enabled():
+            for name, p in self._parameters.items():
+                if p is not None and p.requires_grad:
+                    y = y + self._local(name).sum().to(dtype) * 0
+        return y
+
     _agreed_floor: tuple = ()
     _capturing: bool = False  # whether the current call is being captured into a CUDA graph (agreed)
     _plan_budget: Optional[int] = None  # the memory budget the last plan was made under

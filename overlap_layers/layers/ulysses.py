@@ -470,6 +470,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
                                                 extra_names=("layer config",),
                                                 shape_names=("batch", "seq_local", "hidden"))
+        if 0 in shape:
+            return self._empty_output(x, dtype)
         return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
             x, plan, save, position_ids, position_embeddings, trial, trace))
 
