@@ -412,3 +412,37 @@ def test_checkpoint_around_a_module_holding_the_layer_during_verification(pool2,
         assert same
         if per_step == 1:
             assert ks_c[:14] == ks_p[:14] == VERIFY_KS, (ks_c, ks_p)
+
+
+# ------------------------------------------------------------------ higher-order gradients
+def _create_graph_run(rank, ws, kind):
+    """A few calls with plain backward (the block reaches its fused program), then one with
+    ``create_graph=True``: its error, and whether a plain backward still matches afterwards."""
+    from overlap_layers import OverlapTransformerBlock
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    layer = {"mlp": lambda: OverlapMLP(8, 8, group=g), "attention": lambda: OverlapAttention(8, 2, group=g),
+             "ulysses": lambda: UlyssesAttention(8, 2, group=g), "moe": lambda: OverlapMoE(8, 8, 4, 2, group=g),
+             "block": lambda: OverlapTransformerBlock(8, 2, 16, group=g)}[kind]().double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    for _ in range(6):
+        x.grad = None
+        layer(x).sum().backward()
+    before = x.grad.clone()
+    try:
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    x.grad = None
+    layer(x).sum().backward()
+    return error, torch.allclose(x.grad, before, rtol=1e-10, atol=1e-12)  # plans may differ while verifying
+
+
+@pytest.mark.parametrize("kind", ["mlp", "attention", "ulysses", "moe", "block"])
+def test_create_graph_raises_instead_of_gradients_without_a_graph(pool2, kind):
+    """Double backward through a layer ([Note: first-order backward]): a RuntimeError on every
+    rank, never first-order gradients that silently carry no graph; the layer works on after."""
+    for error, same in pool2.run(_create_graph_run, kind):
+        assert error is not None and "first-order gradients only" in error and "create_graph=True" in error
+        assert same

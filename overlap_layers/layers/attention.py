@@ -85,6 +85,7 @@ from .attention_common import cos_sin as cos_sin_of
 from . import query_chunks
 from .attention_core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .attention_cost import AttentionCostModel
+from .first_order import first_order
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from .rank_plans import RankChunkPlans
@@ -254,6 +255,7 @@ class _TiledAttention(torch.autograd.Function):
         return out_TH
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
         c: _Call = ctx.call
         x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
@@ -307,6 +309,7 @@ class _RankChunkAttention(torch.autograd.Function):
             return _RankChunkAttention._forward(ctx, x_TH, w_qkv, b_qkv, w_o, call, rec)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
         with recorded_pass(ctx.call, backward=True, device=dy_TH.device) as rec:
             return _RankChunkAttention._backward(ctx, dy_TH, rec)

@@ -46,6 +46,7 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from . import rank_chunks
+from .first_order import first_order
 from .rank_plans import RankChunkPlans
 from .mlp_cost import MLPCostModel
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles,
@@ -148,6 +149,7 @@ class _TiledMLP(torch.autograd.Function):
         return out_TH
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
         c: _Call = ctx.call
         x_TH, w_in, w_out, *rest = ctx.saved_tensors
@@ -192,6 +194,7 @@ class _RankChunkMLP(torch.autograd.Function):
         return y_TH
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
         c: _Call = ctx.call
         x_TH, w_in, w_out, pre_all, *xg = ctx.saved_tensors

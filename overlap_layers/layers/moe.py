@@ -77,6 +77,7 @@ from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
+from .first_order import first_order
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
@@ -372,6 +373,7 @@ class _ExpertExchange(torch.autograd.Function):
         return _rows([e["y"] for e in envs], x_perm.new_zeros((0, w_out.shape[1])))
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_perm):
         c: _Call = ctx.call
         w_in, w_out = ctx.saved_tensors

@@ -50,6 +50,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .first_order import first_order
 from .mlp import _act, _act_backward
 from .planned import recorded_pass
 from .rank_chunks import piece, piece_tag
@@ -287,6 +288,7 @@ class RankChunkExperts(torch.autograd.Function):
         return rows
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, d_rows):
         c: RankCall = ctx.c
         w_in, w_out = ctx.saved_tensors

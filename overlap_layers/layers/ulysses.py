@@ -60,6 +60,7 @@ from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_den
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
+from .first_order import first_order
 from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import recording_graph
@@ -277,6 +278,7 @@ class _UlyssesTiles(torch.autograd.Function):
         return out_TH
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
         c: _Call = ctx.call
         x_TH, *rest = ctx.saved_tensors
