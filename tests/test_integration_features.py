@@ -446,3 +446,57 @@ def test_create_graph_raises_instead_of_gradients_without_a_graph(pool2, kind):
     for error, same in pool2.run(_create_graph_run, kind):
         assert error is not None and "first-order gradients only" in error and "create_graph=True" in error
         assert same
+
+
+def _retain_graph_run(rank, ws, kind, plan):
+    """One call, backward with ``retain_graph=True`` and again: the second's error (None if it
+    ran) and whether x's and the parameters' gradients are then twice one backward's; then a
+    fresh call's backward, which must match one backward's."""
+    from overlap_layers import OverlapTransformerBlock
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    layer = {"mlp": lambda: OverlapMLP(8, 8, group=g), "attention": lambda: OverlapAttention(8, 2, group=g),
+             "ulysses": lambda: UlyssesAttention(8, 2, group=g), "moe": lambda: OverlapMoE(8, 8, 4, 2, group=g),
+             "block": lambda: OverlapTransformerBlock(8, 2, 16, group=g)}[kind]().double()
+    if plan is not None:
+        for m in layer.modules():
+            if hasattr(m, "pin_plan"):
+                m.pin_plan(plan)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads():
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    def one_backward(**kw):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        y = layer(x)
+        y.sum().backward(**kw)
+        return y
+    y = one_backward()
+    one = grads()
+    y = one_backward(retain_graph=True)
+    try:
+        y.sum().backward()
+        error, doubled = None, all(torch.allclose(a, 2 * b, rtol=1e-10, atol=1e-12) for a, b in zip(grads(), one))
+    except RuntimeError as e:
+        error, doubled = str(e), None
+    one_backward()
+    return error, doubled, all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(grads(), one))
+
+
+@pytest.mark.parametrize("kind,plan", [("mlp", TilePlan(2)), ("mlp", TilePlan(1, decomposition="rank")),
+                                       ("attention", TilePlan(2)), ("attention", TilePlan(1, decomposition="rank")),
+                                       ("ulysses", TilePlan(2)), ("moe", TilePlan(2)),
+                                       ("moe", TilePlan(1, decomposition="rank")), ("block", None)])
+def test_second_backward_through_a_call_raises_or_doubles(pool2, kind, plan):
+    """``retain_graph=True`` then a second backward ([Note: first-order backward]): layers that
+    keep only saved tensors (the MLP) give twice one backward's gradients; the others raise the
+    same RuntimeError on every rank, never a TypeError or wrong gradients; the layer works on."""
+    res = pool2.run(_retain_graph_run, kind, plan)
+    for error, doubled, fresh in res:
+        assert fresh
+        if kind == "mlp":
+            assert error is None and doubled
+        else:
+            assert error is not None and "second backward through the same layer call" in error

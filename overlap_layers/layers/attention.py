@@ -85,7 +85,7 @@ from .attention_common import cos_sin as cos_sin_of
 from . import query_chunks
 from .attention_core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .attention_cost import AttentionCostModel
-from .first_order import first_order
+from .first_order import first_order, take
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from .rank_plans import RankChunkPlans
@@ -261,7 +261,7 @@ class _TiledAttention(torch.autograd.Function):
         x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
         n, s, bounds = ctx.n, c.s, ctx.bounds
         o_ins, xgs = rest[:n], rest[n:]
-        graphs, ctx.graphs = ctx.graphs, None
+        graphs = take(ctx, "graphs")
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
         dx_TH = x_TH.new_empty((T, H))
@@ -378,7 +378,7 @@ class _RankChunkAttention(torch.autograd.Function):
     def _backward(ctx, dy_TH, rec):
         c: _Call = ctx.call
         x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
-        graphs, ctx.graphs, blocks = ctx.graphs, None, ctx.blocks
+        graphs, blocks = take(ctx, "graphs"), ctx.blocks
         k = len(blocks)
         o_ins, xg = rest[:k], rest[k:]
         dy_TH = dy_TH.contiguous()

@@ -58,7 +58,7 @@ from ..schedule import TileProgram, compute, round_robin, scoped
 from .attention import _backward_program as attention_backward
 from .attention import _Call as AttentionCall
 from .attention import _forward_program as attention_forward
-from .first_order import first_order
+from .first_order import first_order, take
 from .mlp import _backward_program as mlp_backward
 from .mlp import _Call as MLPCall
 from .mlp import _forward_program as mlp_forward
@@ -216,8 +216,7 @@ class FusedBlock(torch.autograd.Function):
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
-        c, w, bounds, saved = ctx.call, ctx.w, ctx.bounds, ctx.envs
-        ctx.envs = None
+        c, w, bounds, saved = ctx.call, ctx.w, ctx.bounds, take(ctx, "envs")
         s = c.attn.s
         dy_TH = dy_TH.contiguous()
         T, H = dy_TH.shape

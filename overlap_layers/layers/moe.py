@@ -77,7 +77,7 @@ from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
-from .first_order import first_order
+from .first_order import first_order, take
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
@@ -377,7 +377,7 @@ class _ExpertExchange(torch.autograd.Function):
     def backward(ctx, dy_perm):
         c: _Call = ctx.call
         w_in, w_out = ctx.saved_tensors
-        graphs, ctx.graphs, offs = ctx.graphs, None, ctx.offsets
+        graphs, offs = take(ctx, "graphs"), ctx.offsets
         dy_perm = dy_perm.contiguous()
         grads = {"w_in": torch.zeros_like(w_in), "w_out": torch.zeros_like(w_out)}
         envs = [{"tile": t, "graph": graphs[t], "dys": (dy_perm[offs[t]:offs[t + 1]], c.tiles[t].send, c.tiles[t].recv)}

@@ -50,7 +50,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .first_order import first_order
+from .first_order import first_order, take
 from .mlp import _act, _act_backward
 from .planned import recorded_pass
 from .rank_chunks import piece, piece_tag
@@ -292,7 +292,7 @@ class RankChunkExperts(torch.autograd.Function):
     def backward(ctx, d_rows):
         c: RankCall = ctx.c
         w_in, w_out = ctx.saved_tensors
-        saved, ctx.saved = ctx.saved, None
+        saved = take(ctx, "saved")
         with recorded_pass(c, backward=True, device=d_rows.device) as recorder:
             dx_rows, dw_in, dw_out = backward(c, d_rows.contiguous(), saved, w_in, w_out, recorder)
         dx = dx_rows.view(ctx.T, c.k, dx_rows.shape[1]).sum(1)

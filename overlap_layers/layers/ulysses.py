@@ -60,7 +60,7 @@ from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_den
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
-from .first_order import first_order
+from .first_order import first_order, take
 from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import recording_graph
@@ -284,7 +284,7 @@ class _UlyssesTiles(torch.autograd.Function):
         x_TH, *rest = ctx.saved_tensors
         n_r, s = len(c.routes), c.s
         w_send, w_o, oTs = rest[:n_r], rest[n_r:2 * n_r], rest[2 * n_r:]
-        graphs, ctx.graphs = ctx.graphs, None
+        graphs = take(ctx, "graphs")
         dy_TH = dy_TH.contiguous()
         dx_TH = torch.empty_like(x_TH)
         grads = {"w": [torch.empty_like(w) for w in w_send], "wo": [torch.empty_like(w) for w in w_o],
