@@ -500,3 +500,57 @@ def test_second_backward_through_a_call_raises_or_doubles(pool2, kind, plan):
             assert error is None and doubled
         else:
             assert error is not None and "second backward through the same layer call" in error
+
+
+# ------------------------------------------------------------------ copy.deepcopy
+def _deepcopy_run(rank, ws, kind, with_mesh):
+    """A layer after a few calls, its deep copy, then one call of each on the same input:
+    outputs, x's and the parameters' gradients side by side, and what the copy shares."""
+    import copy
+    from torch.distributed.tensor import DTensor
+    from overlap_layers import OverlapTransformerBlock
+    kw = dict(group=dist.group.WORLD)
+    if with_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        kw = dict(mesh=init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
+    torch.manual_seed(0)
+    layer = {"mlp": lambda: OverlapMLP(8, 8, **kw), "attention": lambda: OverlapAttention(8, 2, **kw),
+             "ulysses": lambda: UlyssesAttention(8, 2, **kw),
+             "moe": lambda: OverlapMoE(8, 8, 4, 2, aux_loss_coef=0.01, **kw),
+             "block": lambda: OverlapTransformerBlock(8, 2, 16, **kw)}[kind]().double()
+    if kind == "mlp":
+        layer.pin_plan(TilePlan(2))
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        layer(x).sum().backward()
+    twin = copy.deepcopy(layer)
+    out = []
+    for m in (layer, twin):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = m(x)
+        y.sum().backward()
+        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in (p.grad for p in m.parameters())]
+        out.append((y.detach(), x.grad.clone(), local))
+    (y0, dx0, g0), (y1, dx1, g1) = out
+    same = all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip([y0, dx0, *g0], [y1, dx1, *g1]))
+    own = all(p is not q for p, q in zip(layer.parameters(), twin.parameters()))
+    first = next(layer.parameters())
+    before = (first.to_local() if isinstance(first, DTensor) else first).clone()
+    with torch.no_grad():
+        next(twin.parameters()).mul_(2)  # the original's parameters stay as they were
+    untouched = torch.equal(first.to_local() if isinstance(first, DTensor) else first, before)
+    subs = [(a, b) for a, b in zip(layer.modules(), twin.modules()) if hasattr(a, "pin_plan")]
+    return dict(same=same, own=own, untouched=untouched, group=all(b.group is a.group for a, b in subs),
+                pinned=[str(b._pinned) == str(a._pinned) for a, b in subs],
+                replanned=[b.plan is not None for _, b in subs])
+
+
+@pytest.mark.parametrize("kind,with_mesh", [("mlp", False), ("attention", False), ("ulysses", False), ("moe", False),
+                                            ("block", False), ("mlp", True), ("block", True)])
+def test_deepcopy_is_an_independent_layer_on_the_same_group(pool2, kind, with_mesh):
+    """``copy.deepcopy`` ([Note: copying a layer]): the copy computes what the original does
+    (outputs and gradients), holds its own parameters (changing one leaves the original alone),
+    shares the group, keeps a pinned plan, and plans at its own first call."""
+    for r in pool2.run(_deepcopy_run, kind, with_mesh):
+        assert r["same"] and r["own"] and r["group"] and all(r["pinned"]) and all(r["replanned"]), r

@@ -44,6 +44,7 @@ from ..runtime import resolve_group
 from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from .attention import OverlapAttention
+from .copying import copy_module
 from .fused_block import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans
 from .mlp import OverlapMLP
 from .mlp import _Call as MLPCall
@@ -183,6 +184,13 @@ class OverlapTransformerBlock(nn.Module):
             _replicate_norms(self, attention._input_mesh, None)
         self._init_fusion()
         return self
+
+    def __deepcopy__(self, memo: dict):
+        """``copy.deepcopy``: the sublayers' copies ([Note: copying a layer] in ``copying.py``)
+        in a block that plans its fusion afresh."""
+        new = copy_module(self, memo)
+        new._init_fusion()
+        return new
 
     def _init_fusion(self) -> None:
         """The block's own plans: fused or in turn, per shape ([Note: fused block])."""

@@ -459,10 +459,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
+        self._init_caches()
+        self._init_layer(self.config, mesh, axis)
+
+    def _init_caches(self) -> None:
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
         self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
         self._host_reader = HostReader()
-        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()

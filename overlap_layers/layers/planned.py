@@ -40,6 +40,7 @@ from ..sim import analytic_model, choose
 from ..sim.planner import plan_label
 from .candidates import plan_candidates
 from .compiled import can_compile, compiled_call, register_layer
+from .copying import copy_module
 from .planning import PlanCache
 from .tiling import effective_num_tiles
 
@@ -341,6 +342,21 @@ class PlannedLayer:
         self._init_planning(config)
         self.reset_parameters()
         self._as_dtensors(mesh, axis)
+
+    def _init_caches(self) -> None:
+        """Per-call caches of a layer kind, started by its constructor and by a copy; none by
+        default."""
+
+    def __deepcopy__(self, memo: dict):
+        """``copy.deepcopy``: [Note: copying a layer] (``copying.py``)."""
+        new = copy_module(self, memo, keep=("_pinned",))
+        pinned = new._pinned
+        new._streams = StreamPool()
+        new._agreement = shared_agreement(new.group)
+        new._init_planning(new.config)
+        new._pinned = pinned
+        new._init_caches()
+        return new
 
     def _call_tensors(self, x: torch.Tensor, names: Sequence[str]):
         """``(x, [parameters])``: ``x`` and the local parameters ``names`` (None stays None) in

@@ -350,9 +350,12 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                         bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.tile_by = "batch"  # what the last call tiled
+        self._init_caches()
+        self._init_layer(self.config, mesh, axis)
+
+    def _init_caches(self) -> None:
         self._routes: dict = {}  # (h0, h1) -> _Route; rank-dependent, but never decides a collective
         self._indices: dict = {}  # (heads, field, device) -> index tensor, so a call copies no index to the device
-        self._init_layer(self.config, mesh, axis)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
