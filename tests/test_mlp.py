@@ -73,7 +73,7 @@ def run_layer(rank, ws, case, opts, dtype, plan=None, reduce_bias=False):
     if reduce_bias:
         reduce_replicated_grads(layer)
     grads = {n: p.grad for n, p in layer.named_parameters()}
-    return dict(y=y.detach(), dx=x.grad, grads=grads, k=layer.plan.num_tiles, dtype=y.dtype)
+    return dict(y=y.detach(), dx=x.grad, grads=grads, k=layer.plan.num_tiles if layer.plan else None, dtype=y.dtype)
 
 
 def check(results, case, opts, dtype, reduce_bias=False):
@@ -132,13 +132,16 @@ def test_matches_dense_reference(pools, ws, sp, activation, bias, k, dtype, B, S
     check(results, case, opts, dtype)
 
 
-@pytest.mark.parametrize("ws,sp,k,B,S", [(2, True, 2, 0, 8), (2, True, "auto", 2, 0), (4, False, 3, 0, 4)])
-def test_no_tokens_match_dense_reference(pools, ws, sp, k, B, S):
-    """No batch rows or no positions: the reference's empty y and dx, and its zero gradients
-    (a missing one fails)."""
+@pytest.mark.parametrize("ws,sp,k,plan,B,S", [(2, True, 2, None, 0, 8), (2, True, "auto", None, 2, 0),
+                                              (4, False, 3, None, 0, 4), (2, True, 1, MLPPlan(1, decomposition="rank"), 0, 8)])
+def test_no_tokens_match_dense_reference(pools, ws, sp, k, plan, B, S):
+    """No batch rows or no positions, rank chunks pinned too: the reference's empty y and dx,
+    and its zero gradients (a missing one fails); no plan runs."""
     case = make_case(45, B, S, 12, 8 * ws, "swiglu", True)
     opts = dict(sequence_parallel=sp, activation="swiglu", num_tiles=k)
-    check(pools(ws).run(run_layer, case, opts, torch.float64), case, opts, torch.float64)
+    results = pools(ws).run(run_layer, case, opts, torch.float64, plan)
+    assert all(r["k"] is None for r in results)
+    check(results, case, opts, torch.float64)
 
 
 @pytest.mark.parametrize("plan", [MLPPlan(3, regather=True),
