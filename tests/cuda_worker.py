@@ -719,6 +719,60 @@ def check_workspace_kept_on_some_ranks(rank, ws, dev):
     return fails + count_fails(rank, "workspace kept on rank 1", pairs, 1e-6)
 
 
+def check_copies_and_edge_calls(rank, ws, dev):
+    """On copy-engine rank chunks (MLP, attention): a ``copy.deepcopy`` after a call computes
+    what the original does and shares its symmetric workspace ([Note: copying a layer]); a
+    call without tokens gives an empty output and zero gradients; ``create_graph=True`` and a
+    second backward through a call raise RuntimeError ([Note: first-order backward])."""
+    import copy
+    from overlap_layers import OverlapAttention
+    fails = 0
+    torch.manual_seed(6)
+    plan = MLPPlan(1, decomposition="rank", transport="copy_engine")
+    for name, layer in (("mlp", OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev)),
+                        ("attention", OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16,
+                                                       device=dev))):
+        layer.pin_plan(plan)
+        x = torch.randn(2, 16, 64, device=dev, requires_grad=True)
+        layer(x).sum().backward()
+        fails += fell_back(rank, layer, plan)
+        twin = copy.deepcopy(layer)
+        outs = []
+        for m in (layer, twin):
+            m.zero_grad(set_to_none=True)
+            x.grad = None
+            y = m(x)
+            y.square().sum().backward()
+            outs.append([y.detach(), x.grad, *[p.grad for p in m.parameters()]])
+        fails += count_fails(rank, f"{name} deepcopy", [(f"tensor {i}", b, a.double()) for i, (a, b)
+                                                        in enumerate(zip(*outs))], 1e-6)
+        if twin._workspace is not layer._workspace:
+            fails += 1
+            print(f"rank {rank} FAIL {name} deepcopy: a workspace of its own", flush=True)
+        empty = torch.randn(0, 16, 64, device=dev, requires_grad=True)
+        layer.zero_grad(set_to_none=True)
+        y = layer(empty)
+        y.sum().backward()
+        if y.shape != empty.shape or any(p.grad is None or p.grad.any() for p in layer.parameters()):
+            fails += 1
+            print(f"rank {rank} FAIL {name} without tokens: {tuple(y.shape)}", flush=True)
+        for what in ("create_graph", "second backward"):
+            try:
+                y = layer(x)
+                if what == "create_graph":
+                    torch.autograd.grad(y.sum(), x, create_graph=True)
+                else:
+                    y.sum().backward(retain_graph=True)
+                    y.sum().backward()
+                raised = name == "mlp" and what == "second backward"  # the MLP runs it again
+            except RuntimeError:
+                raised = True
+            if not raised:
+                fails += 1
+                print(f"rank {rank} FAIL {name}: {what} did not raise", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -733,7 +787,8 @@ def main():
         + check_moe_and_ulysses(rank, ws, dev) + check_half_router_logits(rank, ws, dev) \
         + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) \
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
-        + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev)
+        + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
+        + check_copies_and_edge_calls(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()
