@@ -26,8 +26,8 @@ _SHARED = ("group", "_input_mesh", "_local_views")  # the group's or the mesh's:
 
 def copy_module(module: nn.Module, memo: dict, keep: Sequence[str] = ()) -> nn.Module:
     """A deep copy of ``module``'s nn.Module state, public attributes and the private ones named
-    in ``keep``, with :data:`_SHARED` the same objects as ``module``'s ([Note: copying a layer]); the caller starts the
-    per-call state."""
+    in ``keep``, with :data:`_SHARED` the same objects as ``module``'s ([Note: copying a layer]);
+    the caller starts the per-call state."""
     new = type(module).__new__(type(module))
     memo[id(module)] = new
     for name in _SHARED:
