@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap_layers import OverlapMLP  # noqa: E402
 from overlap_layers.layers.mlp import MLPPlan  # noqa: E402
+from pool import call_each  # noqa: E402
 
 
 def dense(x, w_in, w_out, b_in, b_out, act):
@@ -737,13 +738,7 @@ def check_copies_and_edge_calls(rank, ws, dev):
         layer(x).sum().backward()
         fails += fell_back(rank, layer, plan)
         twin = copy.deepcopy(layer)
-        outs = []
-        for m in (layer, twin):
-            m.zero_grad(set_to_none=True)
-            x.grad = None
-            y = m(x)
-            y.square().sum().backward()
-            outs.append([y.detach(), x.grad, *[p.grad for p in m.parameters()]])
+        outs = call_each((layer, twin), x, lambda y: y.square().sum())
         fails += count_fails(rank, f"{name} deepcopy", [(f"tensor {i}", b, a.double()) for i, (a, b)
                                                         in enumerate(zip(*outs))], 1e-6)
         if twin._workspace is not layer._workspace:

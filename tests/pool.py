@@ -66,6 +66,19 @@ def all_reduce_ranks(rank, world_size):
     return int(t)
 
 
+def call_each(layers, x, loss):
+    """Per layer, one call on ``x`` and ``loss(y).backward()`` from cleared gradients:
+    ``[y, x.grad, *parameter grads]``."""
+    out = []
+    for m in layers:
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = m(x)
+        loss(y).backward()
+        out.append([y.detach(), x.grad, *[p.grad for p in m.parameters()]])
+    return out
+
+
 def _worker(rank, world_size, store_path, conn):
     import torch
     import torch.distributed as dist

@@ -35,7 +35,7 @@ from moe_reference import dense_moe
 from overlap_layers import (OverlapAttention, OverlapConfig, OverlapMLP, OverlapMoE, UlyssesAttention,
                             finalize_grads, reduce_replicated_grads)
 from overlap_layers.layers.planned import TilePlan
-from pool import RankFailure
+from pool import RankFailure, call_each
 from test_mlp import dense_mlp, shard_in
 from test_verify import VERIFY_KS
 
@@ -524,16 +524,8 @@ def _deepcopy_run(rank, ws, kind, with_mesh):
     for _ in range(3):
         layer(x).sum().backward()
     twin = copy.deepcopy(layer)
-    out = []
-    for m in (layer, twin):
-        m.zero_grad(set_to_none=True)
-        x.grad = None
-        y = m(x)
-        y.sum().backward()
-        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in (p.grad for p in m.parameters())]
-        out.append((y.detach(), x.grad.clone(), local))
-    (y0, dx0, g0), (y1, dx1, g1) = out
-    same = all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip([y0, dx0, *g0], [y1, dx1, *g1]))
+    outs = [[t.to_local() if isinstance(t, DTensor) else t for t in o] for o in call_each((layer, twin), x, torch.sum)]
+    same = all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*outs))
     own = all(p is not q for p, q in zip(layer.parameters(), twin.parameters()))
     first = next(layer.parameters())
     before = (first.to_local() if isinstance(first, DTensor) else first).clone()
