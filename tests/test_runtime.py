@@ -292,7 +292,7 @@ def test_layers_of_a_group_share_one_agreement(pool2):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
-def test_destroying_the_group_frees_it_and_stops_gloo(tmp_path):
+def test_destroying_the_group_frees_it_and_stops_gloo():
     """After ``run_ranks`` destroys the group, the layers' shared Agreement no longer holds it:
     the group is freed and gloo's worker threads are gone before interpreter exit (held until
     then, they aborted 1 in 10-25 runs of a loaded 2-core machine's ``bench/inproc_ab.py``)."""
