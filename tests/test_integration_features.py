@@ -489,17 +489,35 @@ def _retain_graph_run(rank, ws, kind, plan):
                                        ("attention", TilePlan(2)), ("attention", TilePlan(1, decomposition="rank")),
                                        ("ulysses", TilePlan(2)), ("moe", TilePlan(2)),
                                        ("moe", TilePlan(1, decomposition="rank")), ("block", None)])
-def test_second_backward_through_a_call_raises_or_doubles(pool2, kind, plan):
-    """``retain_graph=True`` then a second backward ([Note: first-order backward]): layers that
-    keep only saved tensors (the MLP) give twice one backward's gradients; the others raise the
-    same RuntimeError on every rank, never a TypeError or wrong gradients; the layer works on."""
-    res = pool2.run(_retain_graph_run, kind, plan)
-    for error, doubled, fresh in res:
-        assert fresh
-        if kind == "mlp":
-            assert error is None and doubled
-        else:
-            assert error is not None and "second backward through the same layer call" in error
+def test_second_backward_through_a_call_with_retain_graph_doubles(pool2, kind, plan):
+    """``retain_graph=True`` then a second backward ([Note: first-order backward]): twice one
+    backward's gradients for x and every parameter, and the layer works on after."""
+    for error, doubled, fresh in pool2.run(_retain_graph_run, kind, plan):
+        assert error is None and doubled and fresh
+
+
+def _second_backward_without_retain(rank, ws, kind):
+    from overlap_layers import OverlapTransformerBlock
+    g = dist.group.WORLD
+    layer = {"attention": lambda: OverlapAttention(8, 2, group=g, num_tiles=2),
+             "moe": lambda: OverlapMoE(8, 8, 4, 2, group=g, num_tiles=2),
+             "block": lambda: OverlapTransformerBlock(8, 2, 16, group=g)}[kind]()
+    y = layer(torch.randn(2, 4, 8, requires_grad=True))
+    y.sum().backward()
+    try:
+        y.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["attention", "moe", "block"])
+def test_second_backward_without_retain_graph_raises(pool2, kind):
+    """Without ``retain_graph`` the first backward frees what the call kept: a second raises a
+    RuntimeError on every rank (autograd's own, or the layers' naming retain_graph), never a
+    TypeError or wrong gradients."""
+    for error in pool2.run(_second_backward_without_retain, kind):
+        assert error is not None and ("retain_graph" in error or "second time" in error), error
 
 
 # ------------------------------------------------------------------ copy.deepcopy

@@ -85,7 +85,7 @@ from .attention_common import cos_sin as cos_sin_of
 from . import query_chunks
 from .attention_core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .attention_cost import AttentionCostModel
-from .first_order import first_order, take
+from .first_order import first_order, keeps_graph, take
 from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from .rank_plans import RankChunkPlans
@@ -217,7 +217,8 @@ def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TilePro
         env["do"] = torch.mm(env["dyg"] if sp else env["dy"], w_o)
 
     def core_bwd(env):
-        got = torch.autograd.grad(env.pop("o"), [env.pop("leaf"), *norms], env.pop("do"))
+        got = torch.autograd.grad(env.pop("o"), [env.pop("leaf"), *norms], env.pop("do"),
+                                  retain_graph=keeps_graph())
         env["dqkv"] = got[0]
         for i, gn in enumerate(got[1:]):
             accumulate(f"norm{i}", lambda g, gn=gn: g.copy_(gn), lambda g, gn=gn: g.add_(gn))
@@ -413,7 +414,8 @@ class _RankChunkAttention(torch.autograd.Function):
                 if c.query_chunks:
                     got = [c.core_chunks_backward(do_hm, o_hm, *saved)]
                 else:
-                    got = torch.autograd.grad(saved[1], [saved[0], *norms], do_all.view(ws * (b - a), -1))
+                    got = torch.autograd.grad(saved[1], [saved[0], *norms], do_all.view(ws * (b - a), -1),
+                                              retain_graph=keeps_graph())
             del saved
             for n, gn in enumerate(got[1:]):
                 d_norms[n] = gn if d_norms[n] is None else d_norms[n].add_(gn)

@@ -58,7 +58,7 @@ from ..schedule import TileProgram, compute, round_robin, scoped
 from .attention import _backward_program as attention_backward
 from .attention import _Call as AttentionCall
 from .attention import _forward_program as attention_forward
-from .first_order import first_order, take
+from .first_order import first_order, keeps_graph, take
 from .mlp import _backward_program as mlp_backward
 from .mlp import _Call as MLPCall
 from .mlp import _forward_program as mlp_forward
@@ -164,7 +164,8 @@ def _backward_program(c: FusedCall, w: dict, grads: dict) -> TileProgram:
         for j in range(c.sub):
             env.pop(f"m{j}.dx")  # written into m.dx by the reduce-scatters
         dm, dy = env.pop("m.dx"), env["dy"]
-        got = torch.autograd.grad(env.pop("n2"), [env.pop("n2_leaf"), *norm_params], dm)
+        got = torch.autograd.grad(env.pop("n2"), [env.pop("n2_leaf"), *norm_params], dm,
+                                  retain_graph=keeps_graph())
         dh = dy + got[0]
         for key, g in zip(("n2w", "n2b"), got[1:]):
             accumulate(key, lambda buf, g=g: buf.copy_(g), lambda buf, g=g: buf.add_(g))

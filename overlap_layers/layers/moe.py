@@ -77,7 +77,7 @@ from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
-from .first_order import first_order, take
+from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
@@ -335,7 +335,8 @@ def _backward_program(c: _Call, w_in, w_out, accumulate: Accumulator) -> TilePro
         leaf, y_g = env.pop("graph")
         dy_g = env.pop("dyr").index_select(0, tile.index)
         if y_g.requires_grad:
-            dx_g, dwi, dwo = torch.autograd.grad(y_g, (leaf, w_in, w_out), dy_g, allow_unused=True)
+            dx_g, dwi, dwo = torch.autograd.grad(y_g, (leaf, w_in, w_out), dy_g, allow_unused=True,
+                                                 retain_graph=keeps_graph())
         else:  # no rows reached this rank's experts in this tile
             dx_g, dwi, dwo = torch.zeros_like(leaf), None, None
         for key, g in (("w_in", dwi), ("w_out", dwo)):

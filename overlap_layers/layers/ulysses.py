@@ -60,7 +60,7 @@ from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_den
                                init_linear_, input_error, position_kwargs, register_params)
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
-from .first_order import first_order, take
+from .first_order import first_order, keeps_graph, take
 from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import recording_graph
@@ -227,7 +227,7 @@ def _backward_program(c: _Call, w_send, w_o, grads: dict) -> TileProgram:
 
     def core_bwd(env):
         leaf, o = env.pop("graph")
-        got = torch.autograd.grad(o, [leaf, *c.norms], env.pop("dout"))
+        got = torch.autograd.grad(o, [leaf, *c.norms], env.pop("dout"), retain_graph=keeps_graph())
         grads["norms"].append(got[1:])
         (ins, outs), _ = c.splits(env["tile"])
         env["drecv"] = (got[0], outs, ins)
