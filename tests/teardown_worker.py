@@ -4,7 +4,8 @@ Every layer kind runs a forward and backward with two batch tiles inside ``run_r
 destroys the process group when the function returns. Afterwards this process must hold neither
 the group (it was freed, not kept by a layer or the shared Agreement) nor any of gloo's worker
 threads: left alive until interpreter exit, a worker that releases a finished collective's
-tensors there needs the GIL and aborts the process. Prints one JSON line per rank.
+tensors there needs the GIL and aborts the process. Each rank writes ``rank<r>.json`` into the
+folder given as the argument.
 """
 import json
 import os
@@ -45,5 +46,6 @@ def gloo_threads() -> list:
 
 if __name__ == "__main__":
     run_ranks(run)
-    print(json.dumps(dict(rank=int(os.environ["RANK"]), group_freed=REFS[0]() is None,
-                          gloo_threads=gloo_threads())), flush=True)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, group_freed=REFS[0]() is None, gloo_threads=gloo_threads()), f)

@@ -292,7 +292,7 @@ def test_layers_of_a_group_share_one_agreement(pool2):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
-def test_destroying_the_group_frees_it_and_stops_gloo():
+def test_destroying_the_group_frees_it_and_stops_gloo(tmp_path):
     """After ``run_ranks`` destroys the group, the layers' shared Agreement no longer holds it:
     the group is freed and gloo's worker threads are gone before interpreter exit (held until
     then, they aborted 1 in 10-25 runs of a loaded 2-core machine's ``bench/inproc_ab.py``)."""
@@ -300,10 +300,10 @@ def test_destroying_the_group_frees_it_and_stops_gloo():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "tests/teardown_worker.py"], cwd=root, capture_output=True, text=True, timeout=300, env=env)
+                           "tests/teardown_worker.py", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert rows == [dict(rank=r, group_freed=True, gloo_threads=[]) for r in range(2)]
 
 
