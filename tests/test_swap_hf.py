@@ -449,3 +449,25 @@ def test_hf_gradient_checkpointing(pool2, block):
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, bad
         assert recomputed
+
+
+def _deepcopy_swapped(rank, ws, family, block):
+    """A swapped model after one training step's forward and backward, and its deep copy: the
+    copy's loss and logits on the same batch, against the original's."""
+    from overlap_layers import swap
+    model = build(family)
+    swap(model, group=dist.group.WORLD, block=block)
+    ids = batch()
+    model(ids, labels=ids).loss.backward()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        a, b = model(ids, labels=ids), twin(ids, labels=ids)
+    return rel(b.logits, a.logits), abs(b.loss.item() - a.loss.item())
+
+
+@pytest.mark.parametrize("family,block", [("llama", False), ("llama", True), ("mixtral", False)])
+def test_deepcopy_of_a_swapped_model_computes_the_same(pool2, family, block):
+    """``copy.deepcopy`` of a Hugging Face model with the layers (or blocks) swapped in, as an
+    EMA or reference model is made ([Note: copying a layer]): the copy gives the same logits."""
+    for logits, loss in pool2.run(_deepcopy_swapped, family, block):
+        assert logits < 1e-6 and loss < 1e-6, (logits, loss)
