@@ -658,8 +658,6 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
-        if 0 in shape:
-            return self._empty_output(x, dtype)
         return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
             x, plan, save, position_ids, position_embeddings, trial, trace))
 

@@ -373,8 +373,6 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
-        if 0 in shape:
-            return self._empty_output(x, dtype)
         return self._planned_call(x, shape, dtype, save, fixed,
                                   lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
 

@@ -415,6 +415,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     _exchanges = (CopyEngineAllToAll, PointToPointAllToAll)
     _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
+    _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
@@ -460,7 +461,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
-        self._init_caches()
         self._init_layer(self.config, mesh, axis)
 
     def _init_caches(self) -> None:

@@ -331,17 +331,24 @@ class PlannedLayer:
 
     def _init_layer(self, config: OverlapConfig, mesh, axis) -> None:
         """The end of every layer's constructor (``self.group`` set, parameters allocated): the
-        launch log, streams, the group's agreement, the planning state, the initial weights and,
-        with ``mesh=``, the DTensor parameters."""
+        launch log, no pinned plan, the per-call state (:meth:`_init_runtime`), the initial weights
+        and, with ``mesh=``, the DTensor parameters."""
         if config.transport == "copy_engine" and not self._has_copy_engine:
             warnings.warn(f"{type(self).__name__} has no copy-engine path; config.transport='copy_engine' "
                           f"runs NCCL here", stacklevel=3)
         self.launch_log: Optional[list] = None
+        self._pinned: Optional[TilePlan] = None
+        self._init_runtime(config)
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
+
+    def _init_runtime(self, config: OverlapConfig) -> None:
+        """The per-call state a new layer and a copy start from: streams, the group's agreement,
+        the planning state and the layer kind's caches."""
         self._streams = StreamPool()
         self._agreement = shared_agreement(self.group)
         self._init_planning(config)
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_caches()
 
     def _init_caches(self) -> None:
         """Per-call caches of a layer kind, started by its constructor and by a copy; none by
@@ -350,12 +357,7 @@ class PlannedLayer:
     def __deepcopy__(self, memo: dict):
         """``copy.deepcopy``: [Note: copying a layer] (``copying.py``)."""
         new = copy_module(self, memo, keep=("_pinned",))
-        pinned = new._pinned
-        new._streams = StreamPool()
-        new._agreement = shared_agreement(new.group)
-        new._init_planning(new.config)
-        new._pinned = pinned
-        new._init_caches()
+        new._init_runtime(new.config)
         return new
 
     def _call_tensors(self, x: torch.Tensor, names: Sequence[str]):
@@ -372,7 +374,6 @@ class PlannedLayer:
         register_layer(self)  # [Note: compiled calls]
         self._compiled_graphs: dict = {}  # token -> (output, leaves) of a compiled call awaiting backward
         self.plan: Optional[TilePlan] = None
-        self._pinned: Optional[TilePlan] = None
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
                                 margin=config.margin, prequeue_ms=_PREQUEUE_MS if config.cuda_graphs else 0.0)
         self._hw: dict = {}
@@ -459,6 +460,8 @@ class PlannedLayer:
         self._after_agreement(capturing)
         return self._agreed_shape(shape, table), dtype, save, fixed
 
+    _dense_when_empty = True  # a call without tokens runs no plan: :meth:`_empty_output`
+
     def _empty_output(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The output of a call without tokens (its agreed batch or sequence is 0, so on every
         rank), as the dense layer's: an ``x``-shaped empty tensor in the call's ``dtype`` whose
@@ -496,8 +499,11 @@ class PlannedLayer:
                       run: Callable):
         """Pick the call's plan (fixed, or the planner's and its verification trial), set
         ``self.plan``, and return ``run(plan, trial, trace)`` timed for verification and recorded
-        for ``export_trace(measured=True)`` when asked. Depends only on agreed values and the call
-        history, so every rank takes the same branch."""
+        for ``export_trace(measured=True)`` when asked; a call without tokens runs no plan
+        (:meth:`_empty_output`) where the layer kind allows. Depends only on agreed values and the
+        call history, so every rank takes the same branch."""
+        if 0 in shape and self._dense_when_empty:
+            return self._empty_output(x, dtype)
         trial = None
         key = self._replay_key if self._replay_key is not None else x
         in_backward = _in_backward()

@@ -350,7 +350,6 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                         bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.tile_by = "batch"  # what the last call tiled
-        self._init_caches()
         self._init_layer(self.config, mesh, axis)
 
     def _init_caches(self) -> None:
@@ -475,8 +474,6 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
                                                 extra_names=("layer config",),
                                                 shape_names=("batch", "seq_local", "hidden"))
-        if 0 in shape:
-            return self._empty_output(x, dtype)
         return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
             x, plan, save, position_ids, position_embeddings, trial, trace))
 
