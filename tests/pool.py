@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -77,6 +79,17 @@ def call_each(layers, x, loss):
         loss(y).backward()
         out.append([y.detach(), x.grad, *[p.grad for p in m.parameters()]])
     return out
+
+
+def torchrun(nprocs: int, args, *, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nprocs args...`` as a subprocess (output captured as
+    text; ``kwargs`` go to :func:`subprocess.run`). ``--standalone`` takes a free port, so test
+    processes that run at once (the GPU machine's parallel shards) do not collide on 29500; the
+    parent's rank variables are dropped from ``env`` (default: this process's environment)."""
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+                           *map(str, args)], env=env, capture_output=True, text=True, **kwargs)
 
 
 def _worker(rank, world_size, store_path, conn):

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from pool import torchrun
+
 
 def test_bench_cpu_default(tmp_path):
     out = tmp_path / "mlp.json"
@@ -327,11 +329,9 @@ def test_inproc_ab_dry_run(tmp_path, layer):
     one result per plan and pass, with the time and host time per call of each side."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "ab.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "bench/inproc_ab.py", os.path.join(root, "overlap_layers"), "--layer", layer,
-                           "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial,k2", "--passes", "fwd,fwdbwd",
-                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    proc = torchrun(2, ["bench/inproc_ab.py", os.path.join(root, "overlap_layers"), "--layer", layer,
+                        "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial,k2", "--passes", "fwd,fwdbwd",
+                        "--out", out], cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["layer"] == layer and data["meta"]["world_size"] == 2
@@ -384,10 +384,8 @@ def test_host_phases_dry_run():
     """``bench/host_phases.py`` on 2 gloo ranks (tiny attention): every rank's host and wall time,
     then the wrapped functions, each called once per layer call."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "bench/host_phases.py", "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
-                          cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    proc = torchrun(2, ["bench/host_phases.py", "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
+                    cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2

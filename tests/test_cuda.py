@@ -1,10 +1,10 @@
 """Tier 3: CUDA paths (streams, events, NCCL), run on the GPU machine; skipped without GPUs."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from pool import torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs 2 or more CUDA GPUs")
@@ -16,8 +16,6 @@ def test_cuda_worker(nprocs):
         pytest.skip(f"needs {nprocs} GPUs")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
-                           os.path.join(here, "cuda_worker.py")], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = torchrun(nprocs, [os.path.join(here, "cuda_worker.py")], env=env, timeout=600)
     print(proc.stdout[-5000:], proc.stderr[-5000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,7 +1,6 @@
 """Tier 2: the collectives behind the handle type, bucket packing, profiler ranges and mesh=."""
 import json
 import os
-import subprocess
 import sys
 import weakref
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from overlap_layers import OverlapMLP
 from overlap_layers.runtime import all_gather, all_reduce, all_to_all, reduce_scatter
+from pool import torchrun
 
 
 def rank_rows(rank, n, width=3, salt=0):
@@ -297,11 +297,8 @@ def test_destroying_the_group_frees_it_and_stops_gloo(tmp_path):
     the group is freed and gloo's worker threads are gone before interpreter exit (held until
     then, they aborted 1 in 10-25 runs of a loaded 2-core machine's ``bench/inproc_ab.py``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "tests/teardown_worker.py", str(tmp_path)], cwd=root, capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = torchrun(2, ["tests/teardown_worker.py", tmp_path], env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                    cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert rows == [dict(rank=r, group_freed=True, gloo_threads=[]) for r in range(2)]
@@ -339,9 +336,7 @@ def _lone_mailbox(pids, timeout_s):
 
 
 def test_mailbox_wait_raises_when_the_awaited_rank_exited():
-    import os
     import subprocess
-    import sys
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     with pytest.raises(RuntimeError, match=f"pid {gone.pid}\\) exited"):
