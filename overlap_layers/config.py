@@ -35,7 +35,13 @@ class OverlapConfig:
     not count: first-call verification then times each contender with the call queued ahead of
     the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
     ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
-    this flag; it only changes what verification measures.
+    this flag; it only changes what verification measures. ``graph_calls``: the layer captures its
+    eager calls that need no autograd into CUDA graphs itself, one per call signature once its plan
+    is settled, and replays them (one launch per call instead of the plan's ~100: what lets an
+    overlapped plan beat the serial one on a slow host); verification then measures as with
+    ``cuda_graphs``. Each kept graph holds the call's intermediates (at most 8 signatures per
+    layer); no effect off CUDA, in ``OverlapMoE``, or in calls the caller captures ([Note: graph
+    calls] in ``layers/call_graphs.py``).
     ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
     NCCL collectives and whose communication the model predicts to take at least half as long as
     its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the
@@ -50,6 +56,7 @@ class OverlapConfig:
     verify_first_calls: bool = True
     cache_dir: Optional[str] = None
     cuda_graphs: bool = False
+    graph_calls: bool = False
     sm_carveout: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -64,8 +71,9 @@ class OverlapConfig:
                 raise ValueError(f"memory_budget={mb!r}; bytes must be > 0")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not (0 <= self.margin < 1):
             raise ValueError(f"margin={self.margin!r}; must be a number in [0, 1)")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; must be True or False")
+        for name in ("cuda_graphs", "graph_calls"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}; must be True or False")
         sc = self.sm_carveout
         if sc is not None and (isinstance(sc, bool) or not isinstance(sc, int) or sc < 0):
             raise ValueError(f"sm_carveout={sc!r}; must be None (an eighth of the device's SMs), 0 (never) "

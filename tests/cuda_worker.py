@@ -770,6 +770,79 @@ def check_copies_and_edge_calls(rank, ws, dev):
     return fails
 
 
+def check_graph_calls(rank, ws, dev):
+    """[Note: graph calls]: with ``config.graph_calls``, no-grad calls equal an eager twin's (same
+    weights) on new inputs and positions, one graph per call signature; an output survives the
+    next call; in-place weight updates are replayed, a replaced weight is recaptured; grad-mode
+    calls stay eager; an auto layer captures once verification settles (OverlapMLP serial, K=2,
+    rank chunks over NCCL and the copy engine; OverlapAttention rank chunks over the copy engine)."""
+    from overlap_layers import OverlapAttention, OverlapConfig
+    from overlap_layers.layers.attention_core import rope_cos_sin
+    fails = 0
+    g = torch.Generator(device="cpu").manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
+    mlp = lambda cfg: OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev, config=cfg)  # noqa: E731
+    attn = lambda cfg: OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16, device=dev,  # noqa: E731
+                                        config=cfg)
+    cases = [(mlp, p) for p in (MLPPlan(1), MLPPlan(2), MLPPlan(1, decomposition="rank"),
+                                MLPPlan(1, decomposition="rank", transport="copy_engine"), None)]
+    cases += [(attn, MLPPlan(1, decomposition="rank", transport="copy_engine"))]
+    for make, plan in cases:
+        pair = []
+        for graph_calls in (True, False):
+            torch.manual_seed(5)
+            layer = make(OverlapConfig(graph_calls=graph_calls, num_tiles="auto" if plan is None else 1))
+            if plan is not None:
+                layer.pin_plan(plan)
+            pair.append(layer)
+        graphed, eager = pair
+        name = f"graph_calls {type(graphed).__name__} {plan.label if plan is not None else 'auto'}"
+        positions = isinstance(graphed, OverlapAttention)
+
+        def kwargs(seq):
+            if not positions:
+                return {}
+            pos = torch.randint(0, 1000, (2, seq), generator=g).to(dev)
+            return dict(position_embeddings=rope_cos_sin(pos, 16, 10000.0, torch.float32))
+
+        def both(x, **kw):
+            with torch.no_grad():
+                return graphed(x, **kw), eager(x, **kw)
+        for _ in range(30 if plan is None else 1):  # auto: until verification settles
+            both(r(2, 8, 64), **kwargs(8 * ws))
+        if plan is None and eager.plan != graphed.plan:
+            eager.pin_plan(graphed.plan)  # the same kernels: verification may settle differently
+        x1, kw1 = r(2, 8, 64), kwargs(8 * ws)
+        y1, want1 = both(x1, **kw1)
+        y2, want2 = both(r(2, 8, 64), **kwargs(8 * ws))
+        fails += count_fails(rank, f"{name} call", [("y1", y1, want1.double()), ("y2", y2, want2.double()),
+                                                    ("y1 after y2", y1, eager(x1, **kw1).double())], 1e-5)
+        if len(graphed._call_graphs) != 1:
+            fails += 1
+            print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after one shape", flush=True)
+        y3, want3 = both(r(2, 4, 64), **kwargs(4 * ws))
+        name_w = "wq" if positions else "w_in"
+        with torch.no_grad():
+            for layer in pair:
+                getattr(layer, name_w).mul_(2)
+        y4, want4 = both(r(2, 8, 64), **kwargs(8 * ws))
+        for layer in pair:
+            setattr(layer, name_w, torch.nn.Parameter(getattr(layer, name_w).detach() * 0.5))
+        y5, want5 = both(r(2, 8, 64), **kwargs(8 * ws))
+        x6 = r(2, 8, 64).requires_grad_()
+        kw6 = kwargs(8 * ws)
+        y6 = graphed(x6, **kw6)
+        dx6 = torch.autograd.grad(y6.square().sum(), x6)[0]
+        want_dx6 = torch.autograd.grad(eager(x6, **kw6).square().sum(), x6)[0]
+        fails += count_fails(rank, f"{name} shapes and weights", [
+            ("second shape", y3, want3.double()), ("in-place weights", y4, want4.double()),
+            ("replaced weight", y5, want5.double()), ("grad mode dx", dx6, want_dx6.double())], 1e-5)
+        if len(graphed._call_graphs) != 1:  # the replaced weight dropped both graphs; one recaptured
+            fails += 1
+            print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after a replaced weight", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -785,7 +858,7 @@ def main():
         + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) \
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
-        + check_copies_and_edge_calls(rank, ws, dev)
+        + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -444,6 +444,12 @@ def test_targets_memory_allows_one_tile_of_serials_peak_and_counts_the_workspace
     assert memory(k="K=1 + K=2", tiles=8, peak_bytes=225 * mib) == (True, pytest.approx(1.0))
     assert memory(k="K=1 + K=2", peak_bytes=225 * mib) is None  # no tile count
     assert memory(k=2, decomposition="batch") is None  # no peak
+    # --graph-calls: the intermediates sit in each plan's graph (graph_bytes), for serial too: serial
+    # holds 10 + 190 MiB, so K=2 may add 100 MiB, and auto's 5 + 290 MiB add 95
+    replayed = {"serial": _row("mlp", "serial", 12.0, k=1, peak_bytes=10 * mib, graph_bytes=190 * mib, graph_calls=True)}
+    assert judge("mlp", False, dict(replayed, auto=_row("mlp", "auto", 10.0, k=2, decomposition="batch",
+                                                        peak_bytes=5 * mib, graph_bytes=290 * mib, graph_calls=True))
+                 )["memory"] == (True, pytest.approx(0.95))
 
 
 def test_targets_cli_reads_the_link_from_the_run(tmp_path):

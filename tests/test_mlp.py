@@ -478,6 +478,31 @@ def test_different_num_tiles_per_rank_raises(pool2):
     expect_value_error_on_every_rank(pool2, _different_num_tiles, match="plan request (0 = auto) differs")
 
 
+def _different_graph_calls(rank, ws):
+    call_with(rank, ws, _x_ok, config=OverlapConfig(graph_calls=rank == 0))
+
+
+def test_different_graph_calls_per_rank_raises(pool2):
+    """config.graph_calls decides which calls capture ([Note: graph calls]): it is agreed."""
+    expect_value_error_on_every_rank(pool2, _different_graph_calls, match="config.graph_calls differs")
+
+
+def _graph_calls_off_cuda(rank, ws):
+    torch.manual_seed(3)
+    layers = [OverlapMLP(8, 8, group=dist.group.WORLD, config=OverlapConfig(graph_calls=g)) for g in (True, False)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).float()
+    with torch.no_grad():
+        ys = [layer(x) for layer in layers for _ in range(2)]
+    return [torch.equal(ys[0], y) for y in ys[1:]], len(layers[0]._call_graphs)
+
+
+def test_graph_calls_off_cuda_run_eagerly(pool2):
+    """Off CUDA, config.graph_calls changes nothing: the same outputs as without it, no graph
+    (the CUDA tier checks the replays: tests/cuda_worker.py check_graph_calls)."""
+    assert pool2.run(_graph_calls_off_cuda) == [([True, True, True], 0)] * 2
+
+
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
 

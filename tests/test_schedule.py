@@ -123,7 +123,8 @@ def test_tile_bounds_match_tensor_split(n, k):
 def test_config_validation():
     assert OverlapConfig().num_tiles == "auto"
     for bad in (dict(num_tiles=0), dict(num_tiles="two"), dict(num_tiles=True), dict(memory_budget=1.5),
-                dict(memory_budget=-3), dict(margin=-0.1), dict(transport="mpi"), dict(cuda_graphs=1)):
+                dict(memory_budget=-3), dict(margin=-0.1), dict(transport="mpi"), dict(cuda_graphs=1),
+                dict(graph_calls="yes")):
         with pytest.raises(ValueError):
             OverlapConfig(**bad)
     with pytest.raises(Exception):

@@ -65,6 +65,7 @@ class AttentionShape:
     layer: str = "attention"  # or "ulysses", "block"
     transport: str = "auto"  # the layers' config.transport
     cuda_graphs: bool = False  # time CUDA-graph replays; the layers' config.cuda_graphs
+    graph_calls: bool = False  # the layers' config.graph_calls (no-grad calls replay graphs they capture)
     sm_carveout: Optional[int] = None  # the layers' config.sm_carveout
 
     def record_fields(self) -> dict:
@@ -72,7 +73,7 @@ class AttentionShape:
         return dict(layer=self.layer, preset=self.preset, hidden=self.hidden, ffn=None, heads=self.heads,
                     kv_heads=self.kv_heads, head_dim=self.head_dim, batch=self.batch, seq=self.seq,
                     tokens=self.batch * self.seq, sequence_parallel=self.sequence_parallel, activation=None,
-                    cuda_graphs=self.cuda_graphs, config_sm_carveout=self.sm_carveout)
+                    cuda_graphs=self.cuda_graphs, graph_calls=self.graph_calls, config_sm_carveout=self.sm_carveout)
 
 
 class AttentionBench(MLPBench):
@@ -99,7 +100,7 @@ class AttentionBench(MLPBench):
         return OverlapAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
                                 sequence_parallel=shape.sequence_parallel, rope_theta=ROPE_THETA, num_tiles=1,
                                 config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs,
-                                                     sm_carveout=shape.sm_carveout),
+                                                     graph_calls=shape.graph_calls, sm_carveout=shape.sm_carveout),
                                 dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:
@@ -169,7 +170,8 @@ class UlyssesBench(AttentionBench):
         if not shape.sequence_parallel:
             raise ValueError("ulysses is always sequence parallel (no --no-sp)")
         return UlyssesAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,
-                                rope_theta=ROPE_THETA, num_tiles=1, config=OverlapConfig(cuda_graphs=shape.cuda_graphs),
+                                rope_theta=ROPE_THETA, num_tiles=1,
+                                config=OverlapConfig(cuda_graphs=shape.cuda_graphs, graph_calls=shape.graph_calls),
                                 dtype=dtype, device=device)
 
     def cap_k(self, k: int) -> int:

@@ -28,7 +28,8 @@ class BlockBench:
         ffn = PRESETS[shape.preset]["ffn"]
         self.mlp = MLPBench(Shape(shape.preset, shape.hidden, ffn, shape.batch, shape.seq,
                                   sequence_parallel=shape.sequence_parallel, transport=shape.transport,
-                                  cuda_graphs=shape.cuda_graphs, sm_carveout=shape.sm_carveout), group,
+                                  cuda_graphs=shape.cuda_graphs, graph_calls=shape.graph_calls,
+                                  sm_carveout=shape.sm_carveout), group,
                             device, dtype, naive_k)
         self.layer = OverlapTransformerBlock.from_layers(self.attn.layer, self.mlp.layer)
         self.s, self.group, self.device, self.dtype, self.ws = shape, group, device, dtype, self.attn.ws

@@ -73,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--graphs", action="store_true",
                    help="CUDA: time every mode as CUDA-graph replays (layers built with config.cuda_graphs=True); "
                         "not moe")
+    p.add_argument("--graph-calls", action="store_true",
+                   help="CUDA: the layers' config.graph_calls (their no-grad calls replay CUDA graphs they capture "
+                        "themselves; the fwd pass); not moe")
     p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
                    help="the layers' config.sm_carveout (default: an eighth of the SMs where planned; 0: never)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
@@ -167,14 +170,15 @@ def _shapes(args, presets, cuda: bool = False):
                     yield layer, preset, Shape(preset, base["hidden"], base["ffn"], batch, tokens // batch,
                                                sequence_parallel=not args.no_sp, activation=args.activation,
                                                transport=args.transport, cuda_graphs=args.graphs,
-                                               sm_carveout=args.sm_carveout)
+                                               graph_calls=args.graph_calls, sm_carveout=args.sm_carveout)
             else:
                 base = attn_bench.PRESETS[preset]
                 for batch in args.batch or base["batch"]:
                     yield layer, preset, attn_bench.AttentionShape(
                         preset, base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], batch,
                         args.seq or base["seq"], sequence_parallel=not args.no_sp, layer=layer,
-                        transport=args.transport, cuda_graphs=args.graphs, sm_carveout=args.sm_carveout)
+                        transport=args.transport, cuda_graphs=args.graphs, graph_calls=args.graph_calls,
+                        sm_carveout=args.sm_carveout)
 
 
 def _write(args, cuda, world, records, out) -> None:
@@ -213,6 +217,8 @@ def format_table(records) -> str:
                      + (f"  ({r['error'][:60]})" if r.get("error") else ""))
     if any(r.get("cuda_graphs") for r in records):
         lines.append("(times are CUDA-graph replays: --graphs)")
+    if any(r.get("graph_calls") for r in records):
+        lines.append("(the layers replay graphs of their no-grad calls: --graph-calls)")
     return "\n".join(lines)
 
 

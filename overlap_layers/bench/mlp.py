@@ -48,6 +48,7 @@ class Shape:
     activation: str = "swiglu"
     transport: str = "auto"  # the layer's config.transport
     cuda_graphs: bool = False  # time CUDA-graph replays; the layer's config.cuda_graphs
+    graph_calls: bool = False  # the layer's config.graph_calls (no-grad calls replay graphs it captures)
     sm_carveout: Optional[int] = None  # the layer's config.sm_carveout
 
 
@@ -64,7 +65,7 @@ class MLPBench:
         self.layer = OverlapMLP(shape.hidden, shape.ffn, group=group, sequence_parallel=shape.sequence_parallel,
                                 activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
                                 config=OverlapConfig(transport=shape.transport, cuda_graphs=shape.cuda_graphs,
-                                                     sm_carveout=shape.sm_carveout))
+                                                     graph_calls=shape.graph_calls, sm_carveout=shape.sm_carveout))
         seq_local = shape.seq // ws if shape.sequence_parallel else shape.seq
         self.x = torch.randn(shape.batch, seq_local, shape.hidden, device=device, dtype=dtype)
         self.dy = torch.randn_like(self.x)
@@ -220,6 +221,6 @@ def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warm
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs,
-                  config_sm_carveout=shape.sm_carveout)
+                  graph_calls=shape.graph_calls, config_sm_carveout=shape.sm_carveout)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
                      repeats, log, profile)

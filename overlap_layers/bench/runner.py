@@ -238,6 +238,9 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:
                 info.update(b.plan_info())
+                graphs_held = [m._call_graphs for m in b.layer.modules() if getattr(m, "_call_graphs", None)]
+                if graphs_held:  # config.graph_calls: the memory the replayed graphs keep, outside the peak
+                    info["graph_bytes"] = sum(g.last_nbytes for g in graphs_held)
                 if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":
                     # persistent symmetric memory (the group's layers share it), outside the allocator's peak
                     info["workspace_bytes"] = held_workspace_bytes(b.group, device)

@@ -17,11 +17,14 @@ One tile of activations is serial's peak (one call's, above what was allocated b
 divided by the tiles auto's plan cuts a call into: its batch tiles ``k``, times the ranks for
 rank chunks (each batch tile is split by source rank), or the record's ``tiles`` (the block's:
 the more of its sublayers'). The workspace (``workspace_bytes``, persistent symmetric memory of
-copy-engine plans) counts in full, though the layers of a group share one.
+copy-engine plans) counts in full, though the layers of a group share one. With
+``config.graph_calls`` (``--graph-calls``) a call's intermediates stay in the memory pool of its
+graph (``graph_bytes``), which counts with the peak of auto and of serial alike.
 
 A cell reads ``ok`` or ``MISS`` with the ratio, or ``-`` where the target does not apply or a
 number is missing. Rows are told apart by link (NVLink or P2P off) and by CUDA-graph replay
-(``cuda_graphs``), the targets being the same for both. The last column is auto's peak plus
+(``cuda_graphs``: "yes"; ``graph_calls``, the layers replaying their own calls: "calls"), the
+targets being the same for all. The last column is auto's peak plus
 workspace minus serial's peak, in MiB. Prints one markdown table for all files and the misses
 per target.
 """
@@ -52,11 +55,17 @@ def tiles(rec: dict) -> Optional[int]:
     return k * rec["world_size"] if rec.get("decomposition") == "rank" else k
 
 
+def _held(rec: dict) -> int:
+    """A record's peak plus what its graph of ``config.graph_calls`` keeps (``graph_bytes``: the
+    call's intermediates live there, not in the replay's peak)."""
+    return (rec.get("peak_bytes") or 0) + (rec.get("graph_bytes") or 0)
+
+
 def _over_serial(auto: dict, serial: dict) -> Optional[int]:
-    """Bytes auto's peak and workspace take above serial's peak, or None."""
+    """Bytes auto's peak, workspace and kept graph take above serial's peak and kept graph, or None."""
     if auto.get("peak_bytes") is None or serial.get("peak_bytes") is None:
         return None
-    return auto["peak_bytes"] + (auto.get("workspace_bytes") or 0) - serial["peak_bytes"]
+    return _held(auto) + (auto.get("workspace_bytes") or 0) - _held(serial)
 
 
 def judge(layer: str, p2p_off: bool, modes: Dict[str, dict]) -> Dict[str, Optional[Tuple[bool, float]]]:
@@ -76,8 +85,9 @@ def judge(layer: str, p2p_off: bool, modes: Dict[str, dict]) -> Dict[str, Option
     if layer == "mlp" and asynctp:
         out["asynctp"] = (ms < asynctp, ms / asynctp)
     over, n = _over_serial(auto, modes.get("serial", {})), tiles(auto)
-    if over is not None and n and modes["serial"]["peak_bytes"] > 0:
-        ratio = over / (modes["serial"]["peak_bytes"] / n)
+    serial_bytes = _held(modes.get("serial", {}))
+    if over is not None and n and serial_bytes > 0:
+        ratio = over / (serial_bytes / n)
         out["memory"] = (ratio <= 1.0, ratio)
     return out
 
@@ -88,7 +98,8 @@ def rows(records: List[dict], p2p_off: bool) -> Dict[tuple, Dict[str, dict]]:
     for r in records:
         layer = r.get("layer", "mlp") + (" skewed" if r.get("skewed") else "")
         key = (layer, r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"],
-               "P2P off" if p2p_off else "NVLink", bool(r.get("cuda_graphs")))
+               "P2P off" if p2p_off else "NVLink",
+               "calls" if r.get("graph_calls") else "yes" if r.get("cuda_graphs") else "no")
         out.setdefault(key, {})[r["mode"]] = r
     return out
 
@@ -127,7 +138,7 @@ def targets(runs: List[Tuple[List[dict], bool]]) -> str:
             over = _over_serial(auto, modes.get("serial", {}))
             peak = "-" if over is None else f"{over / 2**20:+.0f}"
             out.append("| " + " | ".join([layer, preset, str(ws), "-" if batch is None else str(batch), str(tokens),
-                                          pass_, link, "yes" if graphs else "no", f"{_plan(auto)} ({auto['ms']:.3f})"]
+                                          pass_, link, graphs, f"{_plan(auto)} ({auto['ms']:.3f})"]
                                          + [_cell(verdicts[t]) for t in TARGETS] + [peak]) + " |")
     out.append("")
     out += [f"{t}: {misses[t]} of {judged[t]} rows miss" for t in TARGETS if judged[t]]

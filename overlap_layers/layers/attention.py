@@ -657,9 +657,8 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
-        shape, dtype, save, fixed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
-        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
-            x, plan, save, position_ids, position_embeddings, trial, trace))
+        return self._call_with_positions(x, self._agree_input(x, position_ids, position_embeddings, attention_mask),
+                                         position_ids, position_embeddings)
 
     def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> tuple:
         """The call's agreement on its inputs (``PlannedLayer._agree``): ``(shape, dtype, save,

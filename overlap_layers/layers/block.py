@@ -236,8 +236,7 @@ class OverlapTransformerBlock(nn.Module):
         if plan is not None and plan.fused:
             y = self._fused(x, n1, agreed[2], subplans, position_ids, position_embeddings)
         else:
-            h = x + attn._planned_call(n1, *agreed, lambda p, t, tr: attn._run(
-                n1, p, agreed[2], position_ids, position_embeddings, t, tr))
+            h = x + attn._call_with_positions(n1, agreed, position_ids, position_embeddings)
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()

@@ -374,7 +374,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
         return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace: self._run(x, plan, save, trial, trace))
+                                  lambda plan, trial, trace, x: self._run(x, plan, save, trial, trace))
 
     # ----------------------------------------------------------------- planning hooks (PlannedLayer)
     @property

@@ -416,6 +416,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
     _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
+    _graphable = False  # each call reads its all-to-all split sizes on the host
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
@@ -605,7 +606,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
                                "split sizes (from the routing) to the host; run it eagerly")
         return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace: self._run(x, plan, save, shape[1], trial, trace))
+                                  lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
 
     def _route_and_count(self, x_TH, K: int, step_order: bool = False):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``

@@ -38,6 +38,7 @@ from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
 from ..sim.planner import plan_label
+from .call_graphs import CallGraphs
 from .candidates import plan_candidates
 from .compiled import can_compile, compiled_call, register_layer
 from .copying import copy_module
@@ -279,6 +280,7 @@ class PlannedLayer:
     """
 
     _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
+    _graphable = True  # whether a call can be captured into a CUDA graph ([Note: graph calls])
     _plan_streams = 2  # the compute streams of the planner's plans (TilePlan.num_streams)
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
@@ -360,6 +362,12 @@ class PlannedLayer:
         new._init_runtime(new.config)
         return new
 
+    def _graph_params(self) -> tuple:
+        """Where this rank's parameters and buffers live (a captured call reads them there:
+        [Note: graph calls] in ``call_graphs.py``)."""
+        return tuple((t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+                     for t in (*self.parameters(), *self.buffers()))
+
     def _call_tensors(self, x: torch.Tensor, names: Sequence[str]):
         """``(x, [parameters])``: ``x`` and the local parameters ``names`` (None stays None) in
         the dtype the call computes in, autocast's on ``x``'s device when it is enabled."""
@@ -374,8 +382,10 @@ class PlannedLayer:
         register_layer(self)  # [Note: compiled calls]
         self._compiled_graphs: dict = {}  # token -> (output, leaves) of a compiled call awaiting backward
         self.plan: Optional[TilePlan] = None
+        replayed = config.cuda_graphs or config.graph_calls
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
-                                margin=config.margin, prequeue_ms=_PREQUEUE_MS if config.cuda_graphs else 0.0)
+                                margin=config.margin, prequeue_ms=_PREQUEUE_MS if replayed else 0.0)
+        self._call_graphs = CallGraphs(self._agreement) if config.graph_calls and self._graphable else None
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call
         self._plan_of_input = WeakTensorKeyDictionary()  # input -> its auto plan ([Note: recompute])
@@ -437,8 +447,16 @@ class PlannedLayer:
         # some ranks and a plain tensor on others is a ValueError on every rank, not a silent mix;
         # whether the call is being captured into a CUDA graph ([Note: CUDA graphs])
         capturing = err == 0 and capturing_graph(x)
+        # then config.graph_calls, and after the floor whether this rank's parameters are the tensors
+        # its captured calls read (the minimum counts: [Note: graph calls] in call_graphs.py)
+        graphs = self._call_graphs
+        kept = graphs.params_kept(self._graph_params()) if graphs is not None else 1
         full = self._agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
-                                       int(self._dtensor_input), int(capturing), *floor))
+                                       int(self._dtensor_input), int(capturing), int(graphs is not None), *floor,
+                                       kept))
+        if graphs is not None and min(row[-1] for row in full) == 0:
+            graphs.clear()  # on every rank that has graphs (config.graph_calls is agreed below)
+        full = [row[:-1] for row in full]
         table = [row[:len(row) - len(floor)] for row in full]
         self._set_floor(full, len(floor))
         errs = {r: row[0] for r, row in enumerate(table) if row[0]}
@@ -450,12 +468,12 @@ class PlannedLayer:
             raise ValueError(f"{what}: bad input on rank(s) " + ", ".join(
                 f"{r} ({errors[e]})" for r, e in errs.items()) + mine)
         names = ("input error", *shape_names, "dtype", "plan request (0 = auto)", "grad mode", *extra_names,
-                 "x a DTensor", "capturing a CUDA graph")
+                 "x a DTensor", "capturing a CUDA graph", "config.graph_calls")
         bad = first_disagreement(table, names)
         if bad:
             raise ValueError(f"x: every rank of the group must call the layer alike (shapes, dtype, num_tiles or "
                              f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
-                             f"DTensor or plain x, CUDA-graph capture or not); {bad}")
+                             f"DTensor or plain x, CUDA-graph capture or not, config.graph_calls); {bad}")
         self._capturing = capturing  # agreed: equal on every rank
         self._after_agreement(capturing)
         return self._agreed_shape(shape, table), dtype, save, fixed
@@ -496,12 +514,14 @@ class PlannedLayer:
         return shape
 
     def _planned_call(self, x, shape: tuple, dtype: torch.dtype, save: bool, fixed: Optional[TilePlan],
-                      run: Callable):
+                      run: Callable, inputs: Optional[tuple] = None):
         """Pick the call's plan (fixed, or the planner's and its verification trial), set
-        ``self.plan``, and return ``run(plan, trial, trace)`` timed for verification and recorded
-        for ``export_trace(measured=True)`` when asked; a call without tokens runs no plan
-        (:meth:`_empty_output`) where the layer kind allows. Depends only on agreed values and the
-        call history, so every rank takes the same branch."""
+        ``self.plan``, and return ``run(plan, trial, trace, *inputs)`` (``inputs``: the call's
+        tensors or None, ``x`` first; default ``(x,)``) timed for verification and recorded for
+        ``export_trace(measured=True)`` when asked, or replayed from its CUDA graph ([Note: graph
+        calls] in ``call_graphs.py``); a call without tokens runs no plan (:meth:`_empty_output`)
+        where the layer kind allows. Depends only on agreed values and the call history, so every
+        rank takes the same branch."""
         if 0 in shape and self._dense_when_empty:
             return self._empty_output(x, dtype)
         trial = None
@@ -532,14 +552,32 @@ class PlannedLayer:
         self._last_call = (pkey, self._tile_units(shape))
         asked = self._take_trace_request()
         trace = TraceJob(asked, x.device) if asked else None
+        inputs = (x,) if inputs is None else inputs
+        if self._call_graphs is not None and trial is None and trace is None and not save and x.is_cuda \
+                and self._graphable and not self._capturing and not in_backward \
+                and (fixed is not None or self._plans.settled(pkey) is not None):
+            plan = self.plan
+            key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                   tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
+            return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins),
+                                         self._graph_params())
         if trial is not None:
             trial.fwd.start()
-        y = run(self.plan, trial, trace)
+        y = run(self.plan, trial, trace, *inputs)
         if trial is not None:
             trial.fwd.stop()
         if trace is not None:
             trace.write()
         return y
+
+    def _call_with_positions(self, x, agreed: tuple, position_ids, position_embeddings):
+        """:meth:`_planned_call` of an attention layer's ``_run(x, plan, save, position_ids,
+        position_embeddings, trial, trace)`` after its agreement ``agreed`` (``(shape, dtype, save,
+        fixed)``), with the positions among the call's inputs (a replayed call copies them too)."""
+        save = agreed[2]
+        return self._planned_call(
+            x, *agreed, lambda plan, trial, trace, x, ids, *pe: self._run(x, plan, save, ids, pe or None, trial, trace),
+            inputs=(x, position_ids, *(position_embeddings or ())))
 
     # ----------------------------------------------------------------- planning
     def _auto_plan(self, shape: tuple, dtype: torch.dtype, save: bool, call: bool = True):

@@ -471,11 +471,9 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,
                           head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
-        shape, dtype, save, fixed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
-                                                extra_names=("layer config",),
-                                                shape_names=("batch", "seq_local", "hidden"))
-        return self._planned_call(x, shape, dtype, save, fixed, lambda plan, trial, trace: self._run(
-            x, plan, save, position_ids, position_embeddings, trial, trace))
+        agreed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),), extra_names=("layer config",),
+                             shape_names=("batch", "seq_local", "hidden"))
+        return self._call_with_positions(x, agreed, position_ids, position_embeddings)
 
     def _route_of(self, h0: int, h1: int) -> _Route:
         if (h0, h1) not in self._routes:
