@@ -1,58 +1,121 @@
 """Eager calls replayed from CUDA graphs the layer captures itself (``config.graph_calls``).
 
-Reference: :meth:`CallGraphs.run` returns what ``fn(*inputs)`` returns, a new tensor each call:
-the same kernels as the eager call, replayed from a graph captured on static copies of the inputs.
+Reference: :meth:`CallGraphs.run` returns what ``fn(*inputs)`` returns, and its backward gives
+the gradients the eager call's backward gives: the same kernels, replayed from graphs captured on
+static copies of the inputs.
 
 [Note: graph calls]
 On a host slower than the device, an eager call of an overlapped plan is host-bound: at TP 4 on
 the 4x H200 machine, a rank-chunk forward of the llama3-8b MLP (8192 tokens) or attention launches
-for 2.8-3.0 ms against 1.0-1.1 ms of device time, its ~100 launches at 5-25 us each (session 28,
-``bench/results/host_costs_s28_*``), so the planner keeps the serial plan. Replayed from a CUDA
-graph, the same call costs one launch. With ``config.graph_calls``, a layer's eager calls that
-need no autograd (no grad mode, or no input or parameter requiring grad) replay a graph per call
-signature once the call's plan is settled ([Note: first-call verification] done, or a fixed
-plan), and verification compares contenders as replays run (``prequeue_ms``, as with
+for 2.2-4.4 ms against 1.0-1.1 ms of device time, its ~100 launches at 5-25 us each (session 28,
+``bench/results/graph_calls_s28_*``), so the planner keeps the serial plan. Replayed from a CUDA
+graph, the same call costs one launch. With ``config.graph_calls``, a layer's eager calls replay
+graphs per call signature once the call's plan is settled ([Note: first-call verification] done,
+or a fixed plan), and verification compares contenders as replays run (``prequeue_ms``, as with
 ``config.cuda_graphs``):
 
-* the signature is the plan key, the plan, each input's shape, dtype and device (``None`` for an
-  absent one), the autocast state and the parameters' storage (a parameter replaced by a new
-  tensor, e.g. ``load_state_dict(assign=True)``, gets a new graph; in-place updates are read by
-  the replay);
+* the signature is the plan key (grad mode included), the plan, each input's shape and dtype
+  (``None`` for an absent one) and the autocast state; the parameters' storage is agreed with
+  each call (a parameter replaced by a new tensor, e.g. ``load_state_dict(assign=True)``, drops
+  the graphs on every rank; in-place updates are read by the replays);
 * the first call of a signature copies its inputs into static tensors, runs the call once on a
-  side stream (lazy initialisation stays out of the graph), captures it, and every rank then
-  gathers whether its capture succeeded: one failure anywhere leaves that signature eager on
-  every rank (a warning says why), so all ranks keep issuing the same collectives;
-* a replay copies the inputs into the static tensors, replays, and returns a copy of the static
-  output (the next replay overwrites it);
+  side stream (lazy initialisation stays out of the graphs; with autograd, forward and backward),
+  captures it, and every rank then gathers whether its capture succeeded: one failure anywhere
+  leaves that signature eager on every rank (a warning says why), so all ranks keep issuing the
+  same collectives;
+* a call that needs no autograd replays one graph: its inputs are copied into the static
+  tensors, and a copy of the static output is returned (the next replay overwrites it);
+* a call that saves for backward replays a forward graph and, at its backward, a backward graph
+  (captured with ``torch.autograd.grad`` of the static output for the inputs that require grad
+  and the parameters), as ``torch.cuda.make_graphed_callables`` does: the saved activations stay
+  in the graphs' shared memory pool. So a second forward of a signature whose backward has not
+  run yet (pipeline schedules, several micro-batches in flight, or a grad-mode forward whose
+  backward never runs, which leaves the signature eager from then on) runs eagerly, as does every call
+  under activation checkpointing (its recomputation must rerun the forward) and every call of a
+  layer with DTensor parameters;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
-  its memory pool (the call's intermediates) for as long as it is kept.
+  its memory pool (the call's intermediates; for training its saved activations) while it is kept.
 
-A call being captured by the caller (``torch.cuda.graph``), a forward that saves for backward, a
-traced or timed call, and the MoE (its split sizes are read on the host) stay eager. Decisions
-use only agreed values and the call history, so every rank captures and replays at the same calls.
+A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, and the MoE
+(its split sizes are read on the host) stay eager. Decisions use agreed values and the call
+history only, so every rank captures and replays at the same calls.
 """
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, List, Optional, Sequence
 
 import torch
 
+from .first_order import first_order
+
+
+def _static(inputs: Sequence[Optional[torch.Tensor]], grad: bool) -> list:
+    """Copies of ``inputs`` the graphs read (with ``grad``, requiring grad where the input does)."""
+    return [None if t is None else t.detach().clone().requires_grad_(grad and t.requires_grad) for t in inputs]
+
+
+def _copy_in(static: Sequence[Optional[torch.Tensor]], inputs: Sequence[Optional[torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for s, t in zip(static, inputs):
+            if s is not None:
+                s.copy_(t)
+
+
+def _nbytes(static: Sequence[Optional[torch.Tensor]], reserved_before: int, device) -> int:
+    """What a capture keeps: the pool's growth since ``reserved_before`` and the static inputs."""
+    return torch.cuda.memory_reserved(device) - reserved_before + sum(
+        t.numel() * t.element_size() for t in static if t is not None)
+
 
 class _Graph:
-    """One captured call: the graph, its static inputs and its static output; ``nbytes`` the
-    device memory it keeps (its pool, which holds the call's intermediates, and the static inputs)."""
+    """One captured call without autograd: the graph, its static inputs and output; ``nbytes``
+    the device memory it keeps (its pool, which holds the call's intermediates, and the inputs)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, output: torch.Tensor, nbytes: int) -> None:
         self.graph, self.inputs, self.output, self.nbytes = graph, inputs, output, nbytes
 
-    def replay(self, inputs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        for static, t in zip(self.inputs, inputs):
-            if static is not None:
-                static.copy_(t)
+    def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
+        _copy_in(self.inputs, inputs)
         self.graph.replay()
         return self.output.clone()
+
+
+class _TrainingGraph:
+    """One captured call with autograd: forward and backward graphs sharing a pool, the static
+    inputs, output, output gradient and gradients (``grads``: one per input then parameter, None
+    where none is taken); ``pending`` while a forward replay awaits its backward."""
+
+    def __init__(self, fwd, bwd, inputs: list, output, grad_output, grads: list, nbytes: int) -> None:
+        self.fwd, self.bwd, self.inputs, self.output = fwd, bwd, inputs, output
+        self.grad_output, self.grads, self.nbytes = grad_output, grads, nbytes
+        self.pending = False
+
+    def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
+        return _Replayed.apply(self, len(inputs), *inputs, *params)
+
+
+class _Replayed(torch.autograd.Function):
+    """The output of a :class:`_TrainingGraph`'s forward replay for ``tensors`` (the call's
+    inputs, then the parameters that require grad); its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, entry: _TrainingGraph, n: int, *tensors):
+        _copy_in(entry.inputs, tensors[:n])
+        entry.fwd.replay()
+        entry.pending = True
+        ctx.entry = entry
+        return entry.output.detach().clone()
+
+    @staticmethod
+    @first_order  # [Note: first-order backward]
+    def backward(ctx, grad):
+        entry = ctx.entry
+        entry.grad_output.copy_(grad)
+        entry.bwd.replay()
+        entry.pending = False
+        return (None, None, *(None if g is None else g.clone() for g in entry.grads))
 
 
 class CallGraphs:
@@ -61,7 +124,7 @@ class CallGraphs:
     def __init__(self, agreement, size: int = 8) -> None:
         self._agreement = agreement
         self._size = size
-        self._graphs: "OrderedDict[Hashable, Optional[_Graph]]" = OrderedDict()  # None: stays eager
+        self._graphs: "OrderedDict[Hashable, object]" = OrderedDict()  # None: stays eager
         self._params: Optional[tuple] = None  # where the parameters were when the graphs were captured
         self.last_nbytes = 0  # device memory the graph of the last call keeps (0: ran eagerly)
 
@@ -74,52 +137,68 @@ class CallGraphs:
         return int(not self._graphs or params == self._params)
 
     def clear(self) -> None:
-        """Drop every graph (their memory pools go with them)."""
+        """Drop every graph (their memory pools go with them once no pending backward holds them)."""
         self._graphs.clear()
         self._params = None
 
-    def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable,
-            params: tuple) -> torch.Tensor:
-        """``fn(*inputs)``, replayed from the graph of ``key`` (captured at its first call; ``params``:
-        where the parameters are, :meth:`params_kept`)."""
+    def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable, where: tuple,
+            params: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call;
+        ``where``: the parameters' storage, :meth:`params_kept`). ``params``: for a call that
+        saves for backward, the parameters that require grad (also differentiated by the graphs);
+        None for a call without autograd."""
         if key in self._graphs:
             self._graphs.move_to_end(key)
             graph = self._graphs[key]
-            self.last_nbytes = 0 if graph is None else graph.nbytes
-            return fn(*inputs) if graph is None else graph.replay(inputs)
-        graph, error = self._capture(inputs, fn)
-        ok = min(row[0] for row in self._agreement.gather((int(graph is not None),)))
-        if not ok:
-            graph = None
-            warnings.warn(f"graph_calls: capturing a call failed on some rank ({error or 'not this one'}); "
-                          "calls of this signature run eagerly", stacklevel=4)
-        self._graphs[key] = graph
-        self._params = params
-        self.last_nbytes = 0 if graph is None else graph.nbytes
-        if len(self._graphs) > self._size:
-            self._graphs.popitem(last=False)
-        return fn(*inputs) if graph is None else graph.replay(inputs)
+        else:
+            graph, error = self._capture(inputs, fn, params)
+            if not min(row[0] for row in self._agreement.gather((int(graph is not None),))):
+                graph = None
+                warnings.warn(f"graph_calls: capturing a call failed on some rank ({error or 'not this one'}); "
+                              "calls of this signature run eagerly", stacklevel=4)
+            self._graphs[key] = graph
+            self._params = where
+            if len(self._graphs) > self._size:
+                self._graphs.popitem(last=False)
+        if graph is None or getattr(graph, "pending", False):  # [Note: graph calls]: eager
+            self.last_nbytes = 0
+            return fn(*inputs)
+        self.last_nbytes = graph.nbytes
+        return graph.call(inputs, params or ())
 
     @staticmethod
-    def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable):
-        """``(_Graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
-        side stream, then captured."""
+    def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]]):
+        """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
+        side stream (with ``params``, forward and backward), then captured."""
+        dev = inputs[0].device
+        training = params is not None
+        static = _static(inputs, training)
+        needs = [t for t in static if t is not None and t.requires_grad] + list(params or ())
         try:
-            static = [None if t is None else t.detach().clone() for t in inputs]
-            dev = static[0].device
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                fn(*static)
+                out = fn(*static)
+                if training:
+                    torch.autograd.grad(out, needs, torch.zeros_like(out), allow_unused=True)
             torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            del out
+            pool = torch.cuda.graph_pool_handle()
+            fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fwd, pool=pool):
                 reserved = torch.cuda.memory_reserved(dev)  # after the capture's own cache release
                 out = fn(*static)
             if not isinstance(out, torch.Tensor):
                 return None, f"the call returned {type(out).__name__}, not a tensor"
-            nbytes = torch.cuda.memory_reserved(dev) - reserved + sum(
-                t.numel() * t.element_size() for t in static if t is not None)
-            return _Graph(graph, static, out, nbytes), ""
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            if not training:
+                return _Graph(fwd, static, out, _nbytes(static, reserved, dev)), ""
+            grad_out = torch.empty_like(out)
+            bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bwd, pool=pool):
+                taken = iter(torch.autograd.grad(out, needs, grad_out, allow_unused=True))
+            grads = [next(taken) if t is not None and t.requires_grad else None for t in static]
+            grads += [next(taken) for _ in params]
+            return _TrainingGraph(fwd, bwd, static, out.detach(), grad_out, grads,
+                                  _nbytes(static, reserved, dev) + grad_out.numel() * grad_out.element_size()), ""
+        except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
             return None, f"{type(e).__name__}: {str(e)[:200]}"

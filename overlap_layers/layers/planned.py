@@ -553,14 +553,15 @@ class PlannedLayer:
         asked = self._take_trace_request()
         trace = TraceJob(asked, x.device) if asked else None
         inputs = (x,) if inputs is None else inputs
-        if self._call_graphs is not None and trial is None and trace is None and not save and x.is_cuda \
-                and self._graphable and not self._capturing and not in_backward \
-                and (fixed is not None or self._plans.settled(pkey) is not None):
-            plan = self.plan
-            key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-                   tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
-            return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins),
-                                         self._graph_params())
+        if self._call_graphs is not None and trial is None and trace is None and x.is_cuda and not hooked \
+                and not in_backward and not self._capturing and (fixed is not None or self._plans.settled(pkey) is not None):
+            params = [p for p in self.parameters() if p.requires_grad] if save else None
+            if not (params and any(isinstance(p, DTensor) for p in params)):  # [Note: graph calls]
+                plan = self.plan
+                key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                       tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
+                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins),
+                                             self._graph_params(), params)
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)
