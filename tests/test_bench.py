@@ -331,7 +331,7 @@ def test_inproc_ab_dry_run(tmp_path, layer):
     out = tmp_path / "ab.json"
     proc = torchrun(2, ["bench/inproc_ab.py", os.path.join(root, "overlap_layers"), "--layer", layer,
                         "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial,k2", "--passes", "fwd,fwdbwd",
-                        "--out", out], cwd=root, timeout=300)
+                        "--out", out], cwd=root, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["layer"] == layer and data["meta"]["world_size"] == 2
@@ -385,7 +385,7 @@ def test_host_phases_dry_run():
     then the wrapped functions, each called once per layer call."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = torchrun(2, ["bench/host_phases.py", "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
-                    cwd=root, timeout=300)
+                    cwd=root, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # the CPU dry run, on GPU machines too
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
