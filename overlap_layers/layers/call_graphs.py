@@ -34,7 +34,9 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   under activation checkpointing (its recomputation must rerun the forward) and every call of a
   layer with DTensor parameters;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
-  its memory pool (the call's intermediates; for training its saved activations) while it is kept.
+  its memory pool while it is kept: the call's intermediates, and for training its saved
+  activations and its gradients (as much again as the parameters that require grad), which the
+  backward copies out.
 
 A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, and the MoE
 (its split sizes are read on the host) stay eager. Decisions use agreed values and the call
@@ -106,12 +108,16 @@ class _Replayed(torch.autograd.Function):
         entry.fwd.replay()
         entry.pending = True
         ctx.entry = entry
+        # the backward graph reads the parameters where they are now: keep them (a parameter replaced
+        # before the backward stays alive, and one changed in place raises, as in an eager backward)
+        ctx.save_for_backward(*tensors[n:])
         return entry.output.detach().clone()
 
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, grad):
         entry = ctx.entry
+        _ = ctx.saved_tensors  # unpacking checks that no parameter changed in place since the forward
         entry.grad_output.copy_(grad)
         entry.bwd.replay()
         entry.pending = False
