@@ -1,0 +1,116 @@
+"""CallGraphs' bookkeeping ([Note: graph calls]) with stand-in captures: which calls capture,
+replay or run eagerly, on one rank and with another rank's capture outcome gathered. The CUDA tier
+checks real replays against eager twins (tests/cuda_worker.py check_graph_calls)."""
+import pytest
+import torch
+
+from overlap_layers.layers import call_graphs
+from overlap_layers.layers.call_graphs import CallGraphs
+
+
+class _Agreement:
+    """A group's gather as the other ranks answer it: ``others`` rows after this rank's own."""
+
+    def __init__(self, others=()):
+        self.others, self.gathered = list(others), []
+
+    def gather(self, row):
+        self.gathered.append(tuple(row))
+        return [tuple(row), *self.others]
+
+
+class _Replay:
+    """A captured call standing in for a CUDA graph: counts its replays."""
+
+    def __init__(self, fn, nbytes=100):
+        self.fn, self.nbytes, self.replays, self.pending = fn, nbytes, 0, False
+
+    def call(self, inputs, params):
+        self.replays += 1
+        return self.fn(*inputs)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Every capture succeeds (a :class:`_Replay`), or fails where ``fail`` says; returns the log."""
+    log = {"captures": [], "fail": False}
+
+    def capture(inputs, fn, params):
+        if log["fail"]:
+            return None, "RuntimeError: stand-in"
+        graph = _Replay(fn)
+        log["captures"].append(graph)
+        return graph, ""
+    monkeypatch.setattr(CallGraphs, "_capture", staticmethod(capture))
+    return log
+
+
+def test_a_signature_captures_once_then_replays(captured):
+    graphs, x = CallGraphs(_Agreement()), torch.ones(2)
+    outs = [graphs.run("a", (x,), lambda t: t * 2, (1,)) for _ in range(3)]
+    assert all(torch.equal(o, x * 2) for o in outs)
+    # every call, the capturing one too, went through the graph (the eager path replays nothing)
+    assert len(captured["captures"]) == 1 and captured["captures"][0].replays == 3
+    assert len(graphs) == 1 and graphs.last_nbytes == 100
+
+
+def test_lru_keeps_size_signatures(captured):
+    graphs = CallGraphs(_Agreement(), size=2)
+    for key in ("a", "b", "a", "c"):  # "b" is the least recently used when "c" comes
+        graphs.run(key, (torch.ones(1),), lambda t: t, (1,))
+    assert len(graphs) == 2 and len(captured["captures"]) == 3
+    graphs.run("b", (torch.ones(1),), lambda t: t, (1,))  # evicted: captured again
+    assert len(captured["captures"]) == 4
+
+
+@pytest.mark.parametrize("fails_here", [True, False])
+def test_a_failed_capture_anywhere_leaves_the_signature_eager_everywhere(captured, fails_here):
+    """This rank's capture fails, or another rank's (its gathered row says 0): the call and every
+    later call of the signature run eagerly here, with one warning, and one gather in all."""
+    captured["fail"] = fails_here
+    agreement = _Agreement(others=[(1,), (int(fails_here),)] if fails_here else [(1,), (0,)])
+    graphs = CallGraphs(agreement)
+    with pytest.warns(UserWarning, match="capturing a call failed on some rank"):
+        y = graphs.run("a", (torch.ones(2),), lambda t: t + 1, (1,))
+    assert torch.equal(y, torch.full((2,), 2.0))
+    y = graphs.run("a", (torch.ones(2),), lambda t: t + 2, (1,))
+    assert torch.equal(y, torch.full((2,), 3.0)) and len(graphs) == 0 and graphs.last_nbytes == 0
+    assert agreement.gathered == [(int(not fails_here),)]
+    if not fails_here:
+        assert captured["captures"][0].replays == 0  # captured here, but never replayed
+
+
+def test_a_pending_backward_runs_the_next_forward_eagerly(captured):
+    graphs = CallGraphs(_Agreement())
+    graphs.run("a", (torch.ones(1),), lambda t: t, (1,), params=[])
+    graph = captured["captures"][0]
+    graph.pending = True  # a replayed forward awaits its backward
+    y = graphs.run("a", (torch.ones(1),), lambda t: t * 5, (1,), params=[])
+    assert torch.equal(y, torch.full((1,), 5.0)) and graph.replays == 1 and graphs.last_nbytes == 0
+    graph.pending = False
+    graphs.run("a", (torch.ones(1),), lambda t: t, (1,), params=[])
+    assert graph.replays == 2
+
+
+def test_params_kept_and_clear(captured):
+    graphs = CallGraphs(_Agreement())
+    assert graphs.params_kept((7, 8)) == 1  # no graph yet
+    graphs.run("a", (torch.ones(1),), lambda t: t, (7, 8))
+    assert graphs.params_kept((7, 8)) == 1 and graphs.params_kept((7, 9)) == 0
+    graphs.clear()
+    assert len(graphs) == 0 and graphs.params_kept((7, 9)) == 1
+
+
+def test_the_static_inputs_copy_what_the_graph_reads():
+    """Replays read static copies: a _Graph copies each call's inputs into them (None stays None)
+    and returns a copy of its output, which the next replay does not change."""
+    static = call_graphs._static([torch.zeros(3), None], grad=False)
+
+    class FakeGraph:
+        def replay(self):
+            out.copy_(static[0] * 2)
+    out = torch.empty(3)
+    graph = call_graphs._Graph(FakeGraph(), static, out, 0)
+    first = graph.call([torch.arange(3.0), None], ())
+    second = graph.call([torch.ones(3), None], ())
+    assert torch.equal(first, torch.tensor([0.0, 2.0, 4.0])) and torch.equal(second, torch.full((3,), 2.0))
