@@ -74,8 +74,8 @@ def parse_args(argv=None):
                    help="CUDA: time every mode as CUDA-graph replays (layers built with config.cuda_graphs=True); "
                         "not moe")
     p.add_argument("--graph-calls", action="store_true",
-                   help="CUDA: the layers' config.graph_calls (their no-grad calls replay CUDA graphs they capture "
-                        "themselves; the fwd pass); not moe")
+                   help="CUDA: the layers' config.graph_calls (their calls replay CUDA graphs they capture "
+                        "themselves, forward and backward); not moe")
     p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
                    help="the layers' config.sm_carveout (default: an eighth of the SMs where planned; 0: never)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")
@@ -218,7 +218,7 @@ def format_table(records) -> str:
     if any(r.get("cuda_graphs") for r in records):
         lines.append("(times are CUDA-graph replays: --graphs)")
     if any(r.get("graph_calls") for r in records):
-        lines.append("(the layers replay graphs of their no-grad calls: --graph-calls)")
+        lines.append("(the layers replay graphs of their calls: --graph-calls)")
     return "\n".join(lines)
 
 
