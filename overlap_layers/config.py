@@ -36,12 +36,13 @@ class OverlapConfig:
     the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
     ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
     this flag; it only changes what verification measures. ``graph_calls``: the layer captures its
-    eager calls that need no autograd into CUDA graphs itself, one per call signature once its plan
-    is settled, and replays them (one launch per call instead of the plan's ~100: what lets an
-    overlapped plan beat the serial one on a slow host); verification then measures as with
-    ``cuda_graphs``. Each kept graph holds the call's intermediates (at most 8 signatures per
-    layer); no effect off CUDA, in ``OverlapMoE``, or in calls the caller captures ([Note: graph
-    calls] in ``layers/call_graphs.py``).
+    own eager calls into CUDA graphs, one per call signature once its plan is settled, and replays
+    them, forward and (for a call that saves for backward) backward: one launch per pass instead
+    of the plan's ~100, which lets an overlapped plan beat the serial one on a slow host;
+    verification then measures as with ``cuda_graphs``. Each kept graph holds the call's
+    intermediates (training: its saved activations and gradient buffers too; at most 8 signatures
+    per layer). No effect off CUDA, in ``OverlapMoE`` and ``UlyssesAttention``, under activation
+    checkpointing, or in calls the caller captures ([Note: graph calls] in ``layers/call_graphs.py``).
     ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
     NCCL collectives and whose communication the model predicts to take at least half as long as
     its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the

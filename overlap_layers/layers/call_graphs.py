@@ -38,8 +38,8 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   activations and its gradients (as much again as the parameters that require grad), which the
   backward copies out.
 
-A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, and the MoE
-(its split sizes are read on the host) stay eager. Decisions use agreed values and the call
+A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE (its
+split sizes are read on the host) and Ulysses attention (no GPU check of its replays yet) stay eager. Decisions use agreed values and the call
 history only, so every rank captures and replays at the same calls.
 """
 from __future__ import annotations

@@ -276,7 +276,9 @@ class PlannedLayer:
     plan it captured. The copy-engine workspace keeps every buffer a graph captured
     (``runtime/exchange.py``). ``OverlapMoE`` cannot be captured: it reads its all-to-all sizes
     on the host. Replays launch no Python, so a plan whose eager calls are host-bound runs at its
-    device time; ``config.cuda_graphs`` makes verification compare contenders that way.
+    device time; ``config.cuda_graphs`` makes verification compare contenders that way, and
+    ``config.graph_calls`` has the layer capture and replay its own calls ([Note: graph calls] in
+    ``call_graphs.py``).
     """
 
     _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
@@ -553,8 +555,9 @@ class PlannedLayer:
         asked = self._take_trace_request()
         trace = TraceJob(asked, x.device) if asked else None
         inputs = (x,) if inputs is None else inputs
-        if self._call_graphs is not None and trial is None and trace is None and x.is_cuda and not hooked \
-                and not in_backward and not self._capturing and (fixed is not None or self._plans.settled(pkey) is not None):
+        settled = fixed is not None or self._plans.settled(pkey) is not None
+        if self._call_graphs is not None and settled and trial is None and trace is None and x.is_cuda \
+                and not hooked and not in_backward and not self._capturing:
             params = [p for p in self.parameters() if p.requires_grad] if save else None
             if not (params and any(isinstance(p, DTensor) for p in params)):  # [Note: graph calls]
                 plan = self.plan

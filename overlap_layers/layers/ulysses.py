@@ -327,6 +327,8 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     ("batch" or "heads") what it tiled. Set ``launch_log`` to a list to record the launch order.
     """
 
+    _graphable = False  # config.graph_calls: no replay of its calls has been checked on GPUs yet
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None, *, group=None,
                  mesh=None, axis=None, head_dim: Optional[int] = None, rope_theta: Optional[float] = 10000.0,
                  causal: bool = True, bias: bool = False, qk_norm: bool = False,
