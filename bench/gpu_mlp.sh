@@ -13,10 +13,11 @@ NPROC=${NPROC:-4}       # ranks; TPS: the group sizes of the grid (NPROC=8 TPS=8
 TPS=${TPS:-"4 2"}
 NAIVE=${NAIVE:-"2 4"}
 LAYERS=${LAYERS:-mlp}   # e.g. LAYERS=mlp,attention,block: the same grid for each (one JSON)
+EXTRA=${EXTRA:-}        # more bench flags for every run, e.g. EXTRA=--graph-calls (the layers replay their calls)
 OUT=${1:-bench/results}
 PART=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-GRID="--layer $LAYERS --preset llama3-8b llama3-70b --tp $TPS --naive-k $NAIVE"
+GRID="--layer $LAYERS --preset llama3-8b llama3-70b --tp $TPS --naive-k $NAIVE $EXTRA"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "$PART" != p2p ]; then
