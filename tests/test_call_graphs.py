@@ -114,3 +114,25 @@ def test_the_static_inputs_copy_what_the_graph_reads():
     first = graph.call([torch.arange(3.0), None], ())
     second = graph.call([torch.ones(3), None], ())
     assert torch.equal(first, torch.tensor([0.0, 2.0, 4.0])) and torch.equal(second, torch.full((3,), 2.0))
+
+
+def test_parameters_moving_every_call_stop_the_captures(captured):
+    """Parameters that move at every call (agreed through ``moved``) would recapture every call:
+    after MAX_MOVES moves with no replay between them the layer runs eagerly, with a warning; a
+    replay between moves (an occasional reload) resets the count."""
+    graphs = CallGraphs(_Agreement())
+    run = lambda: graphs.run("a", (torch.ones(1),), lambda t: t + 1, (1,))  # noqa: E731
+    for _ in range(call_graphs.MAX_MOVES - 1):
+        run()
+        graphs.moved()
+    run()
+    run()  # a replay: the count starts again
+    for _ in range(call_graphs.MAX_MOVES - 1):
+        graphs.moved()
+        run()
+    assert graphs.capturing and len(captured["captures"]) == 2 * call_graphs.MAX_MOVES - 1
+    with pytest.warns(UserWarning, match="moved to new memory"):
+        graphs.moved()
+    assert not graphs.capturing
+    assert torch.equal(run(), torch.full((1,), 2.0)) and len(graphs) == 0
+    assert len(captured["captures"]) == 2 * call_graphs.MAX_MOVES - 1  # no capture since

@@ -17,7 +17,10 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
 * the signature is the plan key (grad mode included), the plan, each input's shape and dtype
   (``None`` for an absent one) and the autocast state; the parameters' storage is agreed with
   each call (a parameter replaced by a new tensor, e.g. ``load_state_dict(assign=True)``, drops
-  the graphs on every rank; in-place updates are read by the replays);
+  the graphs on every rank; in-place updates are read by the replays). Parameters that move
+  again and again (a wrapper that gathers them into new memory every call) would recapture every
+  call: after ``MAX_MOVES`` drops with no replay between them the layer stops capturing, with a
+  warning;
 * the first call of a signature copies its inputs into static tensors, runs the call once on a
   side stream (lazy initialisation stays out of the graphs; with autograd, forward and backward),
   captures it, and every rank then gathers whether its capture succeeded: one failure anywhere
@@ -124,12 +127,16 @@ class _Replayed(torch.autograd.Function):
         return (None, None, *(None if g is None else g.clone() for g in entry.grads))
 
 
+MAX_MOVES = 3  # parameter moves without a replay between them after which a layer stops capturing
+
+
 class CallGraphs:
     """The captured calls of one layer, by signature (see the module docstring)."""
 
     def __init__(self, agreement, size: int = 8) -> None:
         self._agreement = agreement
         self._size = size
+        self._moves = 0  # parameter moves since the last replay (every rank counts alike)
         self._graphs: "OrderedDict[Hashable, object]" = OrderedDict()  # None: stays eager
         self._params: Optional[tuple] = None  # where the parameters were when the graphs were captured
         self.last_nbytes = 0  # device memory the graph of the last call keeps (0: ran eagerly)
@@ -147,15 +154,33 @@ class CallGraphs:
         self._graphs.clear()
         self._params = None
 
+    def moved(self) -> None:
+        """Some rank's parameters moved under the kept graphs (agreed): drop them, and after
+        :data:`MAX_MOVES` of these with no replay between them stop capturing."""
+        self.clear()
+        self._moves += 1
+        if self._moves == MAX_MOVES:
+            warnings.warn(f"graph_calls: the layer's parameters moved to new memory at {MAX_MOVES} calls in a row "
+                          "(a wrapper that gathers them every call?); its calls run eagerly from now on", stacklevel=4)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether calls still capture and replay (False once the parameters moved too often)."""
+        return self._moves < MAX_MOVES
+
     def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable, where: tuple,
             params: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
         """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call;
         ``where``: the parameters' storage, :meth:`params_kept`). ``params``: for a call that
         saves for backward, the parameters that require grad (also differentiated by the graphs);
         None for a call without autograd."""
+        if not self.capturing:
+            self.last_nbytes = 0
+            return fn(*inputs)
         if key in self._graphs:
             self._graphs.move_to_end(key)
             graph = self._graphs[key]
+            self._moves = 0  # the kept graphs outlived a call: the parameters stay put
         else:
             graph, error = self._capture(inputs, fn, params)
             if not min(row[0] for row in self._agreement.gather((int(graph is not None),))):

@@ -457,7 +457,7 @@ class PlannedLayer:
                                        int(self._dtensor_input), int(capturing), int(graphs is not None), *floor,
                                        kept))
         if graphs is not None and min(row[-1] for row in full) == 0:
-            graphs.clear()  # on every rank that has graphs (config.graph_calls is agreed below)
+            graphs.moved()  # on every rank that has graphs (config.graph_calls is agreed below)
         full = [row[:-1] for row in full]
         table = [row[:len(row) - len(floor)] for row in full]
         self._set_floor(full, len(floor))
