@@ -862,6 +862,47 @@ def check_graph_calls(rank, ws, dev):
     return fails
 
 
+def check_graph_calls_block(rank, ws, dev):
+    """[Note: graph calls] in a block: OverlapTransformerBlock whose attention and MLP replay their
+    calls (K=2 over NCCL, and rank chunks over the copy engine), float32 on the GPU, equals the
+    float64 dense block on the CPU at every one of three training steps (the first captures, the
+    others replay forward and backward) and in a no-grad call."""
+    from block_reference import EPS, NKV, NQ, THETA, make_case, reference
+    from overlap_layers import OverlapAttention, OverlapConfig, OverlapTransformerBlock, finalize_grads
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fails, group = 0, dist.group.WORLD
+    c = make_case(7, moe=False, S=4 * ws)
+    y_ref, g = reference(c)
+    f = lambda t: t.to(dev, torch.float32)  # noqa: E731
+    own = slice(rank * 4, (rank + 1) * 4)
+    for plan in (MLPPlan(2), MLPPlan(1, decomposition="rank", transport="copy_engine")):
+        cfg = OverlapConfig(graph_calls=True)
+        attn = OverlapAttention.from_dense(f(c["wq"]), f(c["wk"]), f(c["wv"]), f(c["wo"]), num_heads=NQ,
+                                           num_kv_heads=NKV, group=group, rope_theta=THETA, config=cfg)
+        mlp = OverlapMLP.from_dense(f(c["w_in"]), f(c["w_out"]), group=group, activation="swiglu", config=cfg)
+        for layer in (attn, mlp):
+            layer.pin_plan(plan)
+        blk = OverlapTransformerBlock.from_layers(attn, mlp, norm=c["norm"], norm_eps=EPS,
+                                                  attn_norm_weight=f(c["an_w"]), mlp_norm_weight=f(c["mn_w"]))
+        for step in range(3):
+            blk.zero_grad(set_to_none=True)
+            x = f(c["x"][:, own]).requires_grad_()
+            y = blk(x)
+            y.backward(f(c["dy"][:, own]))
+            finalize_grads(blk)
+            fails += count_fails(rank, f"graph_calls block {plan.label} step {step}", [
+                ("y", y, y_ref[:, own]), ("dx", x.grad, g["x"][:, own]),
+                ("attn_norm", blk.attn_norm.weight.grad, g["an_w"])], 1e-4)
+        with torch.no_grad():
+            y = blk(f(c["x"][:, own]))
+        fails += count_fails(rank, f"graph_calls block {plan.label} no grad", [("y", y, y_ref[:, own])], 1e-4)
+        if len(attn._call_graphs) != 2 or len(mlp._call_graphs) != 2:
+            fails += 1
+            print(f"rank {rank} FAIL graph_calls block {plan.label}: {len(attn._call_graphs)} and "
+                  f"{len(mlp._call_graphs)} graphs, not 2 each", flush=True)
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -877,7 +918,8 @@ def main():
         + check_moe_rank_chunks(rank, ws, dev) + check_block(rank, ws, dev) \
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
-        + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev)
+        + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
+        + check_graph_calls_block(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()
