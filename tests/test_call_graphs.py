@@ -136,3 +136,69 @@ def test_parameters_moving_every_call_stop_the_captures(captured):
     assert not graphs.capturing
     assert torch.equal(run(), torch.full((1,), 2.0)) and len(graphs) == 0
     assert len(captured["captures"]) == 2 * call_graphs.MAX_MOVES - 1  # no capture since
+
+
+class _Linear:
+    """Stand-in forward and backward graphs of ``y = x @ w``: their replays compute on the static
+    tensors as the captured kernels would."""
+
+    def __init__(self, static_x):
+        self.x = static_x
+        self.y, self.dy = torch.empty(2, 3), torch.empty(2, 3)
+        self.dx, self.dw = torch.empty(2, 4), torch.empty(4, 3)
+
+    def graphs(self, w):
+        me = self
+
+        class Fwd:
+            def replay(self):
+                me.y.copy_(me.x @ w)
+
+        class Bwd:
+            def replay(self):
+                me.dx.copy_(me.dy @ w.t())
+                me.dw.copy_(me.x.t() @ me.dy)
+        return Fwd(), Bwd()
+
+
+def _training_graph(w):
+    static = call_graphs._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
+    lin = _Linear(static[0])
+    fwd, bwd = lin.graphs(w)
+    return call_graphs._TrainingGraph(fwd, bwd, static, lin.y, lin.dy, [lin.dx, lin.dw], 0)
+
+
+def test_a_replayed_training_call_gives_the_eager_gradients():
+    """_Replayed wires the stand-in graphs into autograd: the output, x's and w's gradients equal
+    those of ``x @ w`` (accumulated into w.grad by autograd), twice through ``retain_graph``; the
+    entry is pending between forward and backward."""
+    w = torch.randn(4, 3, requires_grad=True)
+    entry = _training_graph(w.detach())
+    x, dy = torch.randn(2, 4, requires_grad=True), torch.randn(2, 3)
+    y = entry.call([x], [w])
+    assert entry.pending and torch.allclose(y, x.detach() @ w.detach())
+    y.backward(dy, retain_graph=True)
+    assert not entry.pending
+    y.backward(dy)
+    assert torch.allclose(x.grad, 2 * dy @ w.detach().t()) and torch.allclose(w.grad, 2 * x.detach().t() @ dy)
+
+
+def test_a_backward_after_a_later_forward_replay_raises():
+    """The saved activations live in the graph: a second backward (retain_graph) through a call
+    whose signature replayed another forward since must raise, not return that forward's gradients."""
+    w = torch.randn(4, 3, requires_grad=True)
+    entry = _training_graph(w.detach())
+    dy = torch.randn(2, 3)
+    y1 = entry.call([torch.randn(2, 4, requires_grad=True)], [w])
+    y1.backward(dy, retain_graph=True)
+    entry.call([torch.randn(2, 4, requires_grad=True)], [w])
+    with pytest.raises(RuntimeError, match="overwritten by a later forward"):
+        y1.backward(dy)
+
+
+def test_a_replayed_training_call_is_first_order():
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = _training_graph(w.detach()).call([x], [w])
+    with pytest.raises(RuntimeError, match="first-order"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)

@@ -90,12 +90,14 @@ class _Graph:
 class _TrainingGraph:
     """One captured call with autograd: forward and backward graphs sharing a pool, the static
     inputs, output, output gradient and gradients (``grads``: one per input then parameter, None
-    where none is taken); ``pending`` while a forward replay awaits its backward."""
+    where none is taken); ``pending`` while a forward replay awaits its backward; ``replays``
+    counts the forward replays (a backward checks that its forward's activations are still there)."""
 
     def __init__(self, fwd, bwd, inputs: list, output, grad_output, grads: list, nbytes: int) -> None:
         self.fwd, self.bwd, self.inputs, self.output = fwd, bwd, inputs, output
         self.grad_output, self.grads, self.nbytes = grad_output, grads, nbytes
         self.pending = False
+        self.replays = 0
 
     def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
         return _Replayed.apply(self, len(inputs), *inputs, *params)
@@ -110,7 +112,8 @@ class _Replayed(torch.autograd.Function):
         _copy_in(entry.inputs, tensors[:n])
         entry.fwd.replay()
         entry.pending = True
-        ctx.entry = entry
+        entry.replays += 1
+        ctx.entry, ctx.replay = entry, entry.replays
         # the backward graph reads the parameters where they are now: keep them (a parameter replaced
         # before the backward stays alive, and one changed in place raises, as in an eager backward)
         ctx.save_for_backward(*tensors[n:])
@@ -121,6 +124,10 @@ class _Replayed(torch.autograd.Function):
     def backward(ctx, grad):
         entry = ctx.entry
         _ = ctx.saved_tensors  # unpacking checks that no parameter changed in place since the forward
+        if entry.replays != ctx.replay:  # a second backward (retain_graph) after a later forward replay
+            raise RuntimeError("overlap_layers graph_calls: this backward's saved activations were overwritten "
+                               "by a later forward of the same call signature (a second backward through a "
+                               "call after the next call's forward); run such calls with graph_calls=False")
         entry.grad_output.copy_(grad)
         entry.bwd.replay()
         entry.pending = False
