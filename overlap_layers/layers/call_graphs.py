@@ -33,9 +33,11 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   and the parameters), as ``torch.cuda.make_graphed_callables`` does: the saved activations stay
   in the graphs' shared memory pool. So a second forward of a signature whose backward has not
   run yet (pipeline schedules, several micro-batches in flight, or a grad-mode forward whose
-  backward never runs, which leaves the signature eager from then on) runs eagerly, as does every call
-  under activation checkpointing (its recomputation must rerun the forward) and every call of a
-  layer with DTensor parameters;
+  backward never runs, which leaves the signature eager from then on) runs eagerly, and a second
+  backward through a call (``retain_graph``) after a later forward of its signature raises
+  ``RuntimeError`` instead of reading that forward's activations. Eager too: every call under
+  activation checkpointing (its recomputation must rerun the forward) and every grad-mode call of
+  a layer with DTensor parameters;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
   its memory pool while it is kept: the call's intermediates, and for training its saved
   activations and its gradients (as much again as the parameters that require grad), which the
