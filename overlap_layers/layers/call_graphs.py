@@ -155,7 +155,7 @@ class CallGraphs:
 
     def params_kept(self, params: tuple) -> int:
         """1 if the kept graphs read the parameters at ``params`` (or none is kept), else 0; the
-        layer gathers it with its agreement and calls :meth:`clear` on every rank if any rank has 0."""
+        layer gathers it with its agreement and calls :meth:`moved` on every rank if any rank has 0."""
         return int(not self._graphs or params == self._params)
 
     def clear(self) -> None:
