@@ -30,6 +30,12 @@ class _Replay:
         return self.fn(*inputs)
 
 
+def _run(graphs, key, inputs, fn, where, params=None):
+    """One call as the layer makes it: its agreement's parameter check, then the run."""
+    graphs.params_kept(where)
+    return graphs.run(key, inputs, fn, params)
+
+
 @pytest.fixture
 def captured(monkeypatch):
     """Every capture succeeds (a :class:`_Replay`), or fails where ``fail`` says; returns the log."""
@@ -47,7 +53,7 @@ def captured(monkeypatch):
 
 def test_a_signature_captures_once_then_replays(captured):
     graphs, x = CallGraphs(_Agreement()), torch.ones(2)
-    outs = [graphs.run("a", (x,), lambda t: t * 2, (1,)) for _ in range(3)]
+    outs = [_run(graphs, "a", (x,), lambda t: t * 2, (1,)) for _ in range(3)]
     assert all(torch.equal(o, x * 2) for o in outs)
     # every call, the capturing one too, went through the graph (the eager path replays nothing)
     assert len(captured["captures"]) == 1 and captured["captures"][0].replays == 3
@@ -57,9 +63,9 @@ def test_a_signature_captures_once_then_replays(captured):
 def test_lru_keeps_size_signatures(captured):
     graphs = CallGraphs(_Agreement(), size=2)
     for key in ("a", "b", "a", "c"):  # "b" is the least recently used when "c" comes
-        graphs.run(key, (torch.ones(1),), lambda t: t, (1,))
+        _run(graphs, key, (torch.ones(1),), lambda t: t, (1,))
     assert len(graphs) == 2 and len(captured["captures"]) == 3
-    graphs.run("b", (torch.ones(1),), lambda t: t, (1,))  # evicted: captured again
+    _run(graphs, "b", (torch.ones(1),), lambda t: t, (1,))  # evicted: captured again
     assert len(captured["captures"]) == 4
 
 
@@ -71,9 +77,9 @@ def test_a_failed_capture_anywhere_leaves_the_signature_eager_everywhere(capture
     agreement = _Agreement(others=[(1,), (int(fails_here),)] if fails_here else [(1,), (0,)])
     graphs = CallGraphs(agreement)
     with pytest.warns(UserWarning, match="capturing a call failed on some rank"):
-        y = graphs.run("a", (torch.ones(2),), lambda t: t + 1, (1,))
+        y = _run(graphs, "a", (torch.ones(2),), lambda t: t + 1, (1,))
     assert torch.equal(y, torch.full((2,), 2.0))
-    y = graphs.run("a", (torch.ones(2),), lambda t: t + 2, (1,))
+    y = _run(graphs, "a", (torch.ones(2),), lambda t: t + 2, (1,))
     assert torch.equal(y, torch.full((2,), 3.0)) and len(graphs) == 0 and graphs.last_nbytes == 0
     assert agreement.gathered == [(int(not fails_here),)]
     if not fails_here:
@@ -82,20 +88,20 @@ def test_a_failed_capture_anywhere_leaves_the_signature_eager_everywhere(capture
 
 def test_a_pending_backward_runs_the_next_forward_eagerly(captured):
     graphs = CallGraphs(_Agreement())
-    graphs.run("a", (torch.ones(1),), lambda t: t, (1,), params=[])
+    _run(graphs, "a", (torch.ones(1),), lambda t: t, (1,), params=[])
     graph = captured["captures"][0]
     graph.pending = True  # a replayed forward awaits its backward
-    y = graphs.run("a", (torch.ones(1),), lambda t: t * 5, (1,), params=[])
+    y = _run(graphs, "a", (torch.ones(1),), lambda t: t * 5, (1,), params=[])
     assert torch.equal(y, torch.full((1,), 5.0)) and graph.replays == 1 and graphs.last_nbytes == 0
     graph.pending = False
-    graphs.run("a", (torch.ones(1),), lambda t: t, (1,), params=[])
+    _run(graphs, "a", (torch.ones(1),), lambda t: t, (1,), params=[])
     assert graph.replays == 2
 
 
 def test_params_kept_and_clear(captured):
     graphs = CallGraphs(_Agreement())
     assert graphs.params_kept((7, 8)) == 1  # no graph yet
-    graphs.run("a", (torch.ones(1),), lambda t: t, (7, 8))
+    _run(graphs, "a", (torch.ones(1),), lambda t: t, (7, 8))
     assert graphs.params_kept((7, 8)) == 1 and graphs.params_kept((7, 9)) == 0
     graphs.clear()
     assert len(graphs) == 0 and graphs.params_kept((7, 9)) == 1
@@ -121,7 +127,7 @@ def test_parameters_moving_every_call_stop_the_captures(captured):
     after MAX_MOVES moves with no replay between them the layer runs eagerly, with a warning; a
     replay between moves (an occasional reload) resets the count."""
     graphs = CallGraphs(_Agreement())
-    run = lambda: graphs.run("a", (torch.ones(1),), lambda t: t + 1, (1,))  # noqa: E731
+    run = lambda: _run(graphs, "a", (torch.ones(1),), lambda t: t + 1, (1,))  # noqa: E731
     for _ in range(call_graphs.MAX_MOVES - 1):
         run()
         graphs.moved()

@@ -80,6 +80,8 @@ class _Graph:
     """One captured call without autograd: the graph, its static inputs and output; ``nbytes``
     the device memory it keeps (its pool, which holds the call's intermediates, and the inputs)."""
 
+    pending = False  # never: a call without autograd has no backward to wait for
+
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, output: torch.Tensor, nbytes: int) -> None:
         self.graph, self.inputs, self.output, self.nbytes = graph, inputs, output, nbytes
 
@@ -148,6 +150,7 @@ class CallGraphs:
         self._moves = 0  # parameter moves since the last replay (every rank counts alike)
         self._graphs: "OrderedDict[Hashable, object]" = OrderedDict()  # None: stays eager
         self._params: Optional[tuple] = None  # where the parameters were when the graphs were captured
+        self._where: Optional[tuple] = None  # where they are at this call (params_kept's argument)
         self.last_nbytes = 0  # device memory the graph of the last call keeps (0: ran eagerly)
 
     def __len__(self) -> int:
@@ -155,7 +158,9 @@ class CallGraphs:
 
     def params_kept(self, params: tuple) -> int:
         """1 if the kept graphs read the parameters at ``params`` (or none is kept), else 0; the
-        layer gathers it with its agreement and calls :meth:`moved` on every rank if any rank has 0."""
+        layer gathers it with its agreement, before every call, and calls :meth:`moved` on every
+        rank if any rank has 0. A capture at this call records ``params`` as its graphs'."""
+        self._where = params
         return int(not self._graphs or params == self._params)
 
     def clear(self) -> None:
@@ -177,12 +182,12 @@ class CallGraphs:
         """Whether calls still capture and replay (False once the parameters moved too often)."""
         return self._moves < MAX_MOVES
 
-    def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable, where: tuple,
+    def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable,
             params: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
-        """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call;
-        ``where``: the parameters' storage, :meth:`params_kept`). ``params``: for a call that
-        saves for backward, the parameters that require grad (also differentiated by the graphs);
-        None for a call without autograd."""
+        """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call, after
+        this call's :meth:`params_kept`). ``params``: for a call that saves for backward, the
+        parameters that require grad (also differentiated by the graphs); None for a call without
+        autograd."""
         if not self.capturing:
             self.last_nbytes = 0
             return fn(*inputs)
@@ -197,10 +202,10 @@ class CallGraphs:
                 warnings.warn(f"graph_calls: capturing a call failed on some rank ({error or 'not this one'}); "
                               "calls of this signature run eagerly", stacklevel=4)
             self._graphs[key] = graph
-            self._params = where
+            self._params = self._where
             if len(self._graphs) > self._size:
                 self._graphs.popitem(last=False)
-        if graph is None or getattr(graph, "pending", False):  # [Note: graph calls]: eager
+        if graph is None or graph.pending:  # [Note: graph calls]: eager
             self.last_nbytes = 0
             return fn(*inputs)
         self.last_nbytes = graph.nbytes

@@ -563,8 +563,7 @@ class PlannedLayer:
                 plan = self.plan
                 key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                        tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
-                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins),
-                                             self._graph_params(), params)
+                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins), params)
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)
