@@ -173,6 +173,25 @@ def test_rank_chunks_match_dense_reference(pools, ws, activation, bias, regather
     check(pools(ws).run(run_layer, case, opts, dtype, plan), case, opts, dtype)
 
 
+def run_no_grad(rank, ws, case, opts, dtype, plan):
+    layer = OverlapMLP.from_dense(*(case[k].to(dtype) for k in ("w_in", "w_out")), b_in=case["b_in"].to(dtype),
+                                  b_out=case["b_out"].to(dtype), group=dist.group.WORLD, **opts)
+    layer.pin_plan(plan)
+    with torch.no_grad():
+        return layer(local_rows(case["x"], rank, ws, True).to(dtype))
+
+
+@pytest.mark.parametrize("ws,activation", [(2, "gelu"), (4, "swiglu")])
+def test_rank_chunks_without_grad_match_dense_reference(pools, ws, activation):
+    """A no-grad call holds one piece's pre-activation at a time (rank_chunks.forward with
+    pre_all=None) and still equals the dense MLP on every rank."""
+    case = make_case(ws * 7, 2, 3 * ws, 12, 8 * ws, activation, True)
+    y_ref = reference(case, activation)[0]
+    plan = MLPPlan(1, decomposition="rank")
+    for rank, y in enumerate(pools(ws).run(run_no_grad, case, dict(activation=activation), torch.float64, plan)):
+        torch.testing.assert_close(y, local_rows(y_ref, rank, ws, True), rtol=1e-10, atol=1e-10)
+
+
 def rank_chunk_log(rank, ws, rows):
     layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, dtype=torch.float64)
     layer.pin_plan(MLPPlan(1, decomposition="rank"))

@@ -24,14 +24,16 @@ def reference(q, k, v, causal, scale):
 
 def run_chunks(q, k, v, chunks, causal, scale):
     """Every query chunk into a rank-major output ``[g, b, s, nq, d]`` (as the layer writes it),
-    returned as ``[b, nq, S, d]``, and the log-sum-exp ``[b, nq, S]``."""
+    returned as ``[b, nq, S, d]``, and the log-sum-exp ``[b, nq, S]``. Causal, the odd chunks'
+    diagonal pieces run first, as the layer runs them when the chunk's rows arrive."""
     b, nq, S, d = q.shape
     s = S // chunks
     o_gbsnd = q.new_empty((chunks, b, s, nq, d))
     lse = q.new_empty((b, nq, S), dtype=query_chunks.lse_dtype(q.dtype))
+    diags = {c: query_chunks.diagonal(q, k, v, c, s, scale=scale) for c in range(1, chunks, 2) if causal}
     for c in reversed(range(chunks)):  # any order: each chunk stands alone
         query_chunks.query_chunk(q, k, v, c, s, causal=causal, scale=scale, o_out=o_gbsnd[c].permute(0, 2, 1, 3),
-                                 lse_out=lse[:, :, c * s:(c + 1) * s])
+                                 lse_out=lse[:, :, c * s:(c + 1) * s], diag=diags.get(c))
     return o_gbsnd.permute(1, 3, 0, 2, 4).reshape(b, nq, S, d), lse
 
 

@@ -333,9 +333,10 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
 
 def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_core():
     """[Note: query-chunk core] by hand: ws=2, one sequence, GEMMs 1 ms, a chunk's copy 2 ms,
-    rank 0's query chunks 0.5 ms (its own rows) and 1.5 ms (rank 1's). Own qkv 0-1, peer qkv 2-3
-    (after its pull), peer chunk + projection 3-5.5 (push 5.5-7.5), own chunk + projection
-    5.5-7, sum at 7.5; no core piece. The whole core (2 ms) after the pulls instead: peer
+    rank 0's query chunks 0.5 ms (its own rows: the diagonal piece alone) and 1.5 ms (rank 1's).
+    Each QKV piece runs its chunk's diagonal piece (0.5): own qkv 0-1.5, peer qkv 2-3.5 (after its
+    pull), the peer chunk's rest + projection 3.5-5.5 (push 5.5-7.5), own projection 5.5-6.5, sum
+    at 7.5; no core piece. The whole core (2 ms) after the pulls instead: peer
     projection 5-6, push 6-8. The backward's pieces do not change; unmeasured chunks take the
     causal core's share (2c+1)/ws^2 of its FLOPs."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
@@ -350,8 +351,8 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
     assert {k: spans[k] for k in [("qkv", "own"), ("qkv", "1"), ("proj", "1"), ("push", 1), ("proj", "own")]} == \
-        {("qkv", "own"): (0, 1), ("qkv", "1"): (2, 3), ("proj", "1"): (3, 5.5), ("push", 1): (5.5, 7.5),
-         ("proj", "own"): (5.5, 7)}
+        {("qkv", "own"): (0, 1.5), ("qkv", "1"): (2, 3.5), ("proj", "1"): (3.5, 5.5), ("push", 1): (5.5, 7.5),
+         ("proj", "own"): (5.5, 6.5)}
     assert tl.makespan_ms == pytest.approx(7.5) and all(e.name != "core" for e in tl.events)
     whole = AttentionCostModel(**shape).rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
     assert whole.makespan_ms == pytest.approx(8.0)

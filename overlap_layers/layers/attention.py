@@ -145,13 +145,19 @@ class _Call:
         heads_into(qkv_gbsC[q:q + 1], *(t.view(t.shape[0], t.shape[1], g, s, d)[:, :, q:q + 1] for t in bufs), tq,
                    self.nq, self.nkv, d)
 
-    def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor) -> None:
+    def diagonal_chunk(self, bufs, c: int):
+        """Causal query chunk c's diagonal piece (:func:`query_chunks.diagonal`) from the buffers
+        ``bufs`` (:meth:`tile_heads`) once rank c's rows are in them, else None (not causal)."""
+        return query_chunks.diagonal(*bufs, c, self.s, scale=self.scale) if self.causal else None
+
+    def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor, diag=None) -> None:
         """Rank c's rows of the core (query chunk c, :func:`query_chunks.query_chunk`) from the
         filled buffers ``bufs`` (:meth:`tile_heads`) into rank-major ``o [g, b, s, nq, d]`` and
-        ``lse [b, nq, g*s]``."""
+        ``lse [b, nq, g*s]``; ``diag``: its :meth:`diagonal_chunk` if that ran."""
         s = self.s
         query_chunks.query_chunk(*bufs, c, s, causal=self.causal, scale=self.scale,
-                                 o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s])
+                                 o_out=o_gbsnd[c].permute(0, 2, 1, 3), lse_out=lse[:, :, c * s:(c + 1) * s],
+                                 diag=diag)
 
     def rows_to_heads(self, rows: torch.Tensor, out: torch.Tensor, c: Optional[int] = None) -> None:
         """Copy rank-major rows ``[g*b*s, A]`` (or rank c's ``[b*s, A]``) into head-major ``out [b,
@@ -325,6 +331,7 @@ class _RankChunkAttention(torch.autograd.Function):
         ws, r = ex.ws, ex.rank
         graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
+            diags = {}  # query chunk -> its diagonal piece, run as its rows arrive ([Note: query-chunk core])
             qkv_all = x_TH.new_empty((ws, b - a, w_qkv.shape[0]))
             qkv_gbsC = qkv_all.view(ws, b1 - b0, call.s, -1)
             # without qk-norm each rank's rows are RoPE'd into the core's buffers as they arrive
@@ -339,6 +346,8 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
                     if pre is not None:
                         call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
+                    if call.query_chunks:
+                        diags[(r + j) % ws] = call.diagonal_chunk(pre[0], (r + j) % ws)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
             if call.query_chunks:  # each projection runs after its rows' query chunk: [Note: query-chunk core]
@@ -362,7 +371,7 @@ class _RankChunkAttention(torch.autograd.Function):
             for j in _own_last(ws):
                 with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
                     if call.query_chunks:
-                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse)
+                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse, diags.pop((r + j) % ws))
                     if j:
                         ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
                     else:

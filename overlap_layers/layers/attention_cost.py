@@ -135,7 +135,9 @@ class AttentionCostModel(MLPCostModel):
         chunk also runs 1/ws of the core's heads step, and the core the rest. With
         ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
         query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes
-        last and leaves the most of its last push exposed: the slowest rank sets the sum)."""
+        last and leaves the most of its last push exposed: the slowest rank sets the sum); causal,
+        the chunk's diagonal piece runs in its QKV piece instead, priced as chunk 0 (which is its
+        diagonal piece alone), and the projection piece keeps the rest."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -154,10 +156,12 @@ class AttentionCostModel(MLPCostModel):
             tail = ms(last[1:])
             split = self.query_chunks and not backward
 
+            diag = self.op_ms(M, "chunk0") if split and self.causal else 0.0
+
             def chunk(j):  # rank 0's step j projects rank j's rows
-                return self.op_ms(M, f"chunk{j}") if split else 0.0
-            out += ([(first[0], tag(0), ms(first) + heads / ws, 0, 0, i, 0.0)]
-                    + [(first[0], tag(j), ms(first) + heads / ws, j, 0, i, 0.0) for j in peers]
+                return self.op_ms(M, f"chunk{j}") - diag if split else 0.0
+            out += ([(first[0], tag(0), ms(first) + heads / ws + diag, 0, 0, i, 0.0)]
+                    + [(first[0], tag(j), ms(first) + heads / ws + diag, j, 0, i, 0.0) for j in peers]
                     + ([] if split else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
                                           0, 0, i, 0.0)])
                     + [(last[0], tag(j), chunk(j) + ms(last), 0, j, i, tail) for j in peers]

@@ -185,7 +185,7 @@ class _RankChunkMLP(torch.autograd.Function):
         keep_xg = call.save and not call.plan.regather
         with recorded_pass(call, backward=False, device=x_TH.device) as recorder:
             ex = call.exchange([x_TH], (T, H), (keep_xg,), recorder)
-            pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0]))
+            pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0])) if call.save else None  # no grad: per piece
             y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
                                        call.launch_log, recorder)
         if call.save:

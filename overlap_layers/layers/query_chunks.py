@@ -88,15 +88,23 @@ def merge_into(o_out, lse_out, o1, l1, o2=None, l2=None) -> None:
     lse_out.copy_(lse)
 
 
+def diagonal(q, k, v, c: int, s: int, *, scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal chunk c's diagonal piece ``(o1 [b, nq, s, d], l1 [b, nq, s])`` (module docstring):
+    it reads only rows ``c*s .. (c+1)*s`` of q, k and v, so it can run as soon as they arrive."""
+    rows = slice(c * s, (c + 1) * s)
+    return _piece(q[:, :, rows], k[:, :, rows], v[:, :, rows], True, scale)
+
+
 def query_chunk(q, k, v, c: int, s: int, *, causal: bool, scale: Optional[float], o_out: torch.Tensor,
-                lse_out: torch.Tensor) -> None:
+                lse_out: torch.Tensor, diag: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """Rows ``c*s .. (c+1)*s`` of the core (module docstring) into ``o_out [b, nq, s, d]`` (any
-    strides: the rank-major rows' view) and ``lse_out [b, nq, s]`` (:func:`lse_dtype`)."""
+    strides: the rank-major rows' view) and ``lse_out [b, nq, s]`` (:func:`lse_dtype`). Causal,
+    ``diag`` is the chunk's :func:`diagonal` piece if it ran already."""
     qc = q[:, :, c * s:(c + 1) * s]
     if not causal:
         merge_into(o_out, lse_out, *_piece(qc, k, v, False, scale))
         return
-    diag = _piece(qc, k[:, :, c * s:(c + 1) * s], v[:, :, c * s:(c + 1) * s], True, scale)
+    diag = diagonal(q, k, v, c, s, scale=scale) if diag is None else diag
     rect = _piece(qc, k[:, :, :c * s], v[:, :, :c * s], False, scale) if c else (None, None)
     merge_into(o_out, lse_out, *diag, *rect)
 

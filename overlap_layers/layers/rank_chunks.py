@@ -36,7 +36,7 @@ the MoE's (``moe_ranks.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -108,15 +108,18 @@ def piece_tag(j: int, a: int, b: int, rows: int) -> str:
 
 
 def forward(exchange, x_TH: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch.Tensor,
-            act: Callable, pre_all: torch.Tensor, log, recorder=None) -> torch.Tensor:
-    """The forward in the module table; writes ``pre`` of every gathered row into ``pre_all``
-    ``[ws, T, I]`` and returns ``y [T, H]``. ``recorder`` (an ``OpRecorder``) times each piece."""
+            act: Callable, pre_all: Optional[torch.Tensor], log, recorder=None) -> torch.Tensor:
+    """The forward in the module table; returns ``y [T, H]``. Writes ``pre`` of every gathered
+    row into ``pre_all`` ``[ws, T, I]`` (kept for the backward), or, with ``pre_all=None`` (nothing
+    saved), each piece into a temporary of its own rows that the next piece reuses: a no-grad call
+    holds one piece's ``pre``, not all ``ws*T`` rows'. ``recorder`` (an ``OpRecorder``) times each
+    piece."""
     rank, ws, T = exchange.rank, exchange.ws, x_TH.shape[0]
     half = T // 2
     for j, q, a, b in pieces(rank, ws, T):
         with piece(recorder, "fwd", piece_tag(j, a, b, T), f"overlap::mlp::rank_chunk[{q}]"):
             xin = x_TH[a:b] if j == 0 else exchange.pull(j)[0]
-            pre = pre_all[q, a:b]
+            pre = pre_all[q, a:b] if pre_all is not None else xin.new_empty((b - a, w_in.shape[0]))
             if b_in is None:
                 torch.mm(xin, w_in.t(), out=pre)
             else:
