@@ -187,22 +187,6 @@ def test_workspaces_are_shared_per_group_object_not_per_group_name(monkeypatch):
     assert exchange.shared_workspace(old, torch.device("cuda", 0)) is not held  # one per device
 
 
-def test_push_turn_channels_are_distinct_and_fit_the_signal_pad(monkeypatch):
-    """[Note: push turns]: one TURN flag per (step > 1, block), none shared with PULL or PUSH,
-    and a clear error where they would not fit the signal pad (ws flags of 4 bytes a channel)."""
-    from torch.distributed import _symmetric_memory as symm_mem
-    from overlap_layers.runtime.exchange import PULL, PUSH, _check_turns, _turn
-    for ws in (2, 3, 4, 8):
-        for blocks in (1, 2, 4):
-            used = [_turn(j, b, ws) for b in range(blocks) for j in range(2, ws)]
-            assert len(set(used)) == len(used) and not {PULL, PUSH} & set(used)
-    monkeypatch.setattr(symm_mem, "get_signal_pad_size", lambda: 2048, raising=False)
-    _check_turns(4, 8)  # 2048 B: 64 channels of 8 ranks; the last flag is channel 2 + 3*8 + 7 = 33
-    _check_turns(7, 8)  # channel 2 + 6*8 + 7 = 57
-    with pytest.raises(ValueError, match="blocks=8: .* at most 7 row blocks"):
-        _check_turns(8, 8)  # channel 65
-
-
 def test_workspace_bytes_aligns_each_source_and_counts_every_slot():
     from overlap_layers.runtime.exchange import peers, workspace_bytes
     # one source of 3x5 bf16 = 30 B -> 256 B; 2 slots of 30 B

@@ -45,17 +45,6 @@ on the push stream, with its signal waits, is joined into the current stream by 
 the call returns). A signal is a flag that the wait resets, and the order above never puts a flag
 twice before it is waited. Every exchange on one workspace must run on the same current stream, in
 the same order on every rank: one layer after another, as a model runs them.
-
-[Note: push turns]
-Pushes into one rank take turns. At step j rank r pushes into q = r + j, and q's next pusher
-(step j+1) is r - 1; where ranks' pieces differ in length (the causal attention's query chunks),
-r - 1 could reach its step j+1 while r still pushes, and two copies into one rank share its links
-at half speed each. So a push of step j > 1 waits (on the push stream, not the compute stream)
-for a TURN signal from r + 1, which it puts after its own push of step j - 1, block by block:
-channel ``TURN + block * ws + j`` per (step, block), so no flag is put twice before its wait (the
-next call's puts come after the PULL signals of that call, which each rank puts after its sum,
-after its pushes and their waits). Every wait points at a push earlier in (block, step) order,
-so the chain cannot close on itself.
 """
 from __future__ import annotations
 
@@ -70,23 +59,7 @@ import torch.distributed as dist
 
 from .slot_sum import sum_slots
 
-PULL, PUSH, TURN = 0, 1, 2  # signal channels ([Note: exchange signals], [Note: push turns])
-
-
-def _turn(j: int, block: int, ws: int) -> int:
-    """The TURN channel of step j's push of block ``block`` ([Note: push turns])."""
-    return TURN + block * ws + j
-
-
-def _check_turns(blocks: int, ws: int) -> None:
-    """Every TURN channel fits the signal pad (``ws`` 4-byte flags per channel; torch's default
-    pad of 2048 bytes holds 4 blocks at 8 ranks), else a ValueError."""
-    from torch.distributed import _symmetric_memory as symm_mem
-    get = getattr(symm_mem, "get_signal_pad_size", None)
-    channels = (get() if get is not None else 2048) // 4 // ws
-    if _turn(ws - 1, blocks - 1, ws) >= channels:
-        raise ValueError(f"blocks={blocks}: a copy-engine exchange of {ws} ranks takes at most "
-                         f"{(channels - TURN) // ws} row blocks (batch tiles) in this signal pad")
+PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
 
 
 def peers(rank: int, world_size: int) -> List[Tuple[int, int, int]]:
@@ -330,7 +303,6 @@ class CopyEngineExchange:
         self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
-        _check_turns(len(self.blocks), self.ws)
         compute = torch.cuda.current_stream(w.device)
         w.pull_stream.wait_stream(compute)
         self._pulled = {}
@@ -377,15 +349,11 @@ class CopyEngineExchange:
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
-            if j > 1:  # q's previous pusher, rank + 1, is done ([Note: push turns])
-                w.handle.wait_signal((self.rank + 1) % self.ws, _turn(j, block, self.ws))
             tok = self.recorder.begin("push", block_tag(block, j, len(self.blocks)), "comm", stream=w.push_stream) \
                 if self.recorder is not None else None
             dst[a:b].copy_(partial)
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
-            if j < self.ws - 1:  # q's next pusher is rank - 1
-                w.handle.put_signal((self.rank - 1) % self.ws, _turn(j + 1, block, self.ws))
             self._left[j] -= 1
             if not self._left[j]:  # the peer's slot is complete: one signal per call ([Note: exchange signals])
                 w.handle.put_signal(q, PUSH)
