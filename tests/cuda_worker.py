@@ -862,6 +862,49 @@ def check_graph_calls(rank, ws, dev):
     return fails
 
 
+def check_graph_calls_shared_pool(rank, ws, dev):
+    """[Note: shared no-grad pool]: two MLP layers of one group whose no-grad calls replay graphs
+    from one pool equal eager twins (same weights) at every call, chained and in the reverse
+    order, an earlier output intact; with the serial plan the second layer's capture (the same
+    shapes) adds less than half the memory the first one's did (serial, and rank chunks over the
+    copy engine)."""
+    from overlap_layers import OverlapConfig
+    fails = 0
+    g = torch.Generator(device="cpu").manual_seed(21)
+    r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
+    for plan in (MLPPlan(1), MLPPlan(1, decomposition="rank", transport="copy_engine")):
+        pair = []
+        for graph_calls in (True, False):
+            torch.manual_seed(9)
+            layers = [OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev,
+                                 config=OverlapConfig(graph_calls=graph_calls, num_tiles=1)) for _ in range(2)]
+            for layer in layers:
+                layer.pin_plan(plan)
+            pair.append(layers)
+        (a0, a1), (e0, e1) = pair
+        with torch.no_grad():
+            x = r(2, 8, 64)
+            y_first, want_first = a1(a0(x)), e1(e0(x))
+            nbytes = [layer._call_graphs.last_nbytes for layer in (a0, a1)]
+            checks = [("chained, capturing", y_first, want_first.double())]
+            for step in range(2):
+                x = r(2, 8, 64)
+                checks.append((f"chained {step}", a1(a0(x)), e1(e0(x)).double()))
+            x1, x0 = r(2, 8, 64), r(2, 8, 64)
+            checks += [("second layer alone", a1(x1), e1(x1).double()), ("then the first", a0(x0), e0(x0).double()),
+                       ("first output after", y_first, want_first.double())]
+        fails += count_fails(rank, f"shared pool {plan.label}", checks, 1e-5)
+        if not (len(a0._call_graphs) == len(a1._call_graphs) == 1 and min(nbytes) > 0):
+            fails += 1
+            print(f"rank {rank} FAIL shared pool {plan.label}: graphs {len(a0._call_graphs)}, "
+                  f"{len(a1._call_graphs)}, bytes {nbytes}", flush=True)
+        if plan.decomposition != "rank" and not nbytes[1] < nbytes[0] / 2:
+            fails += 1
+            print(f"rank {rank} FAIL shared pool {plan.label}: the second capture kept {nbytes[1]} bytes, "
+                  f"the first {nbytes[0]}", flush=True)
+    return fails
+
+
 def check_graph_calls_block(rank, ws, dev):
     """[Note: graph calls] in a block: OverlapTransformerBlock whose attention and MLP replay their
     calls (K=2 over NCCL, and rank chunks over the copy engine), float32 on the GPU, equals the
@@ -919,7 +962,7 @@ def main():
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
-        + check_graph_calls_block(rank, ws, dev)
+        + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -41,7 +41,7 @@ def captured(monkeypatch):
     """Every capture succeeds (a :class:`_Replay`), or fails where ``fail`` says; returns the log."""
     log = {"captures": [], "fail": False}
 
-    def capture(inputs, fn, params):
+    def capture(inputs, fn, params, owner):
         if log["fail"]:
             return None, "RuntimeError: stand-in"
         graph = _Replay(fn)
@@ -49,6 +49,25 @@ def captured(monkeypatch):
         return graph, ""
     monkeypatch.setattr(CallGraphs, "_capture", staticmethod(capture))
     return log
+
+
+def test_shared_pool_is_one_per_owner_and_device(monkeypatch):
+    """[Note: shared no-grad pool]: the layers of one group (one owner) get one pool per device;
+    another owner or device gets its own; the entry goes with its owner."""
+    import gc
+    made = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: made.append(len(made)) or (0, len(made)))
+
+    class Owner:
+        pass
+    a, b = Owner(), Owner()
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert call_graphs.shared_pool(a, d0) == call_graphs.shared_pool(a, d0) == (0, 1)
+    assert len({call_graphs.shared_pool(a, d1), call_graphs.shared_pool(b, d0), (0, 1)}) == 3 and len(made) == 3
+    owners = len(call_graphs._NO_GRAD_POOLS)
+    del a
+    gc.collect()
+    assert len(call_graphs._NO_GRAD_POOLS) == owners - 1 and b in call_graphs._NO_GRAD_POOLS
 
 
 def test_a_signature_captures_once_then_replays(captured):
