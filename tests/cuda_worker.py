@@ -867,7 +867,8 @@ def check_graph_calls_shared_pool(rank, ws, dev):
     from one pool equal eager twins (same weights) at every call, chained and in the reverse
     order, an earlier output intact; with the serial plan the second layer's capture (the same
     shapes) adds less than half the memory the first one's did (serial, and rank chunks over the
-    copy engine)."""
+    copy engine). Shapes big enough that the intermediates (tens of MiB), not the allocator's
+    2 MiB segments, set what a capture adds."""
     from overlap_layers import OverlapConfig
     fails = 0
     g = torch.Generator(device="cpu").manual_seed(21)
@@ -876,21 +877,21 @@ def check_graph_calls_shared_pool(rank, ws, dev):
         pair = []
         for graph_calls in (True, False):
             torch.manual_seed(9)
-            layers = [OverlapMLP(64, 32 * ws, group=dist.group.WORLD, device=dev,
+            layers = [OverlapMLP(256, 256 * ws, group=dist.group.WORLD, device=dev,
                                  config=OverlapConfig(graph_calls=graph_calls, num_tiles=1)) for _ in range(2)]
             for layer in layers:
                 layer.pin_plan(plan)
             pair.append(layers)
         (a0, a1), (e0, e1) = pair
         with torch.no_grad():
-            x = r(2, 8, 64)
+            x = r(4, 512, 256)
             y_first, want_first = a1(a0(x)), e1(e0(x))
             nbytes = [layer._call_graphs.last_nbytes for layer in (a0, a1)]
             checks = [("chained, capturing", y_first, want_first.double())]
             for step in range(2):
-                x = r(2, 8, 64)
+                x = r(4, 512, 256)
                 checks.append((f"chained {step}", a1(a0(x)), e1(e0(x)).double()))
-            x1, x0 = r(2, 8, 64), r(2, 8, 64)
+            x1, x0 = r(4, 512, 256), r(4, 512, 256)
             checks += [("second layer alone", a1(x1), e1(x1).double()), ("then the first", a0(x0), e0(x0).double()),
                        ("first output after", y_first, want_first.double())]
         fails += count_fails(rank, f"shared pool {plan.label}", checks, 1e-5)
