@@ -877,7 +877,7 @@ def check_graph_calls_shared_pool(rank, ws, dev):
         pair = []
         for graph_calls in (True, False):
             torch.manual_seed(9)
-            layers = [OverlapMLP(256, 256 * ws, group=dist.group.WORLD, device=dev,
+            layers = [OverlapMLP(256, 1024 * ws, group=dist.group.WORLD, device=dev,
                                  config=OverlapConfig(graph_calls=graph_calls, num_tiles=1)) for _ in range(2)]
             for layer in layers:
                 layer.pin_plan(plan)
