@@ -865,10 +865,12 @@ def check_graph_calls(rank, ws, dev):
 def check_graph_calls_shared_pool(rank, ws, dev):
     """[Note: shared no-grad pool]: two MLP layers of one group whose no-grad calls replay graphs
     from one pool equal eager twins (same weights) at every call, chained and in the reverse
-    order, an earlier output intact; with the serial plan the second layer's capture (the same
-    shapes) adds less than half the memory the first one's did (serial, and rank chunks over the
-    copy engine). Shapes big enough that the intermediates (tens of MiB), not the allocator's
-    2 MiB segments, set what a capture adds."""
+    order, an earlier output intact (serial, and rank chunks over the copy engine); with the
+    serial plan the second layer's capture (the same shapes) adds less memory than the first
+    one's (with a pool each it adds the same). Only what the capture stream freed is shared: the
+    plan's side streams are each layer's own, and a block is reused on its stream only (4x H200:
+    118 against 138 MiB at ws 4, 54 against 74 at ws 2; a stack of rank-chunk layers shares far
+    more, [Note: shared no-grad pool])."""
     from overlap_layers import OverlapConfig
     fails = 0
     g = torch.Generator(device="cpu").manual_seed(21)
@@ -899,7 +901,7 @@ def check_graph_calls_shared_pool(rank, ws, dev):
             fails += 1
             print(f"rank {rank} FAIL shared pool {plan.label}: graphs {len(a0._call_graphs)}, "
                   f"{len(a1._call_graphs)}, bytes {nbytes}", flush=True)
-        if plan.decomposition != "rank" and not nbytes[1] < nbytes[0] / 2:
+        if plan.decomposition != "rank" and not nbytes[1] < nbytes[0]:
             fails += 1
             print(f"rank {rank} FAIL shared pool {plan.label}: the second capture kept {nbytes[1]} bytes, "
                   f"the first {nbytes[0]}", flush=True)
