@@ -26,6 +26,14 @@ measured); the two pieces each use the cuDNN kernel: 560 us for the four chunks 
 into rank-major rows, against 528 for the whole core and its copy to those rows (H200, 8b shape;
 1018 against 976 for 70b; bench/results/session18_*).
 
+A causal chunk's diagonal piece reads only its own rows (:func:`diagonal`), so the layer runs it
+as soon as those rows arrive, beside the pulls of the next rank's rows, whose copies (93 us each)
+outlasted the QKV projections (68 us) they hid under; the projection pieces keep the rest.
+Replayed (graph calls, TP 4, 4x H200), the llama3-8b forward went from 1.363 to 1.324 ms, 70b and
+the fwd+bwd rows unchanged (session 29): the pushes then met at their destinations (two copies
+into one rank at half speed each, 141-155 us instead of 90), and making them take turns cost as
+much as it saved (reverted; ``bench/results/session29_*``).
+
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton
 kernel on CUDA (reads both pieces, writes the output in any layout), else torch formulas.
