@@ -57,7 +57,7 @@ and each graph's output, not the sum: four attention and four MLP layers of llam
 16384 tokens, rank chunks over the copy engine) kept 1034 MiB of graphs instead of 3824, at the
 same speed (15.57 ms per stack against 15.58; ``bench/graph_pool_stack.py``, session 29). A
 capture is given only blocks freed on its own stream, so what a plan's side streams (each
-layer's own) freed is not shared. That needs the group's layers to run one after another on
+layer's own) freed is not shared. Sharing needs the group's layers to run one after another on
 one stream, which the copy-engine exchange asks already ([Note: exchange signals]): two layers
 replayed at once on two streams would write the same memory. (The stream cannot be part of the
 signature: it differs between ranks, and a new signature captures, which gathers.) Training
