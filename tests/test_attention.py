@@ -295,6 +295,29 @@ def test_rank_chunks_match_dense_reference(pools, ws, regather, k, B, S, H, nq, 
         check(res, case, opts, dtype, call)
 
 
+def _run_diagonal_first(rank, ws, first, *args):
+    """:func:`run_layer` with the layer's choice of diagonal pieces first forced to ``first``."""
+    from overlap_layers import OverlapAttention
+    chosen = OverlapAttention._diagonal_first
+    OverlapAttention._diagonal_first = lambda self, *a: first
+    try:
+        return run_layer(rank, ws, *args)
+    finally:
+        OverlapAttention._diagonal_first = chosen
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("ws,k,B", [(2, 1, 2), (4, 2, 2)])
+def test_rank_chunks_diagonal_pieces_first_or_last(pools, first, ws, k, B):
+    """[Note: query-chunk core]: the causal query-chunk forward (no qk-norm) equals the dense layer
+    whether each chunk's diagonal piece runs in its QKV piece or with its projection (the cost
+    model's choice, AttentionCostModel.diagonal_first), forward, dx and every gradient."""
+    case = make_case(ws * 13 + k, B=B, S=8, H=16, nq=4, nkv=2, d=4, bias=True, qk_norm=False, pos="ids")
+    opts = dict(causal=True, rope_theta=10000.0)
+    res = pools(ws).run(_run_diagonal_first, first, case, opts, torch.float64, 1, MLPPlan(k, decomposition="rank"))
+    check(res, case, opts, torch.float64)
+
+
 def _rank_log(rank, ws, k):
     from overlap_layers import OverlapAttention
     layer = OverlapAttention(16, 4 * ws // 2 if ws > 2 else 4, group=dist.group.WORLD, dtype=torch.float64)

@@ -336,7 +336,9 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     rank 0's query chunks 0.5 ms (its own rows: the diagonal piece alone) and 1.5 ms (rank 1's).
     Each QKV piece runs its chunk's diagonal piece (0.5): own qkv 0-1.5, peer qkv 2-3.5 (after its
     pull), the peer chunk's rest + projection 3.5-5.5 (push 5.5-7.5), own projection 5.5-6.5, sum
-    at 7.5; no core piece. The whole core (2 ms) after the pulls instead: peer
+    at 7.5; no core piece. With a copy of 0.5 ms, shorter than the QKV projection, the diagonal
+    pieces stay with the projections: own qkv 0-1, peer qkv 1-2, peer chunk + projection 2-4.5,
+    own chunk + projection 4.5-6. The whole core (2 ms) after the pulls instead: peer
     projection 5-6, push 6-8. The backward's pieces do not change; unmeasured chunks take the
     causal core's share (2c+1)/ws^2 of its FLOPs."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
@@ -358,6 +360,14 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     assert whole.makespan_ms == pytest.approx(8.0)
     assert {"chunk0:1x4:q1kv1d4:causal", "chunk1:1x4:q1kv1d4:causal"} <= set(cm.core_ops())
     assert cm.rank_pieces(backward=True) == AttentionCostModel(**shape).rank_pieces(backward=True)
+    assert cm.diagonal_first("copy_engine")  # the copy (2 ms) outlasts the QKV projection (1 ms)
+    fast = AttentionCostModel(query_chunks=True, **dict(shape, model=dataclasses.replace(
+        hw, op_measured=dict(measured, **{"peer_copy:32": 0.5}))))
+    assert not fast.diagonal_first("copy_engine")  # then the diagonal piece stays with its projection
+    tl = fast.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
+    spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
+    assert {k: spans[k] for k in [("qkv", "own"), ("qkv", "1"), ("proj", "1"), ("proj", "own")]} == \
+        {("qkv", "own"): (0, 1), ("qkv", "1"): (1, 2), ("proj", "1"): (2, 4.5), ("proj", "own"): (4.5, 6)}
     cm.model = dataclasses.replace(hw, op_measured={})
     core = cm.op_ms(4, "core")
     assert [cm.op_ms(4, f"chunk{c}") for c in (0, 1)] == pytest.approx([(core - 1) / 4 + 1, 3 * (core - 1) / 4 + 1])

@@ -128,16 +128,28 @@ class AttentionCostModel(MLPCostModel):
             return ()
         return tuple(sorted({(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)}))
 
-    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
+    def diagonal_first(self, transport: str) -> bool:
+        """Whether a rank-chunk forward runs each causal query chunk's diagonal piece in its QKV
+        piece ([Note: query-chunk core]): where one chunk's transfer over ``transport`` outlasts its
+        QKV projection, so that the QKV pieces would wait for the pulls; elsewhere the diagonal
+        pieces' outputs would only be held from the QKV pieces to the projections (the llama3-70b
+        shape: 50 MiB more, no faster). Not a collective decision: the exchange is the same."""
+        if not (self.query_chunks and self.causal and self.sp and self.ws > 1):
+            return False
+        return self.transfer_ms(transport, self.chunk_bytes()) > self.op_ms(self.chunk_rows(), "qkv")
+
+    def rank_pieces(self, backward: bool, tiles: int = 1,
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
         tail), the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
         chunk also runs 1/ws of the core's heads step, and the core the rest. With
         ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
         query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes
-        last and leaves the most of its last push exposed: the slowest rank sets the sum); causal,
-        the chunk's diagonal piece runs in its QKV piece instead, priced as chunk 0 (which is its
-        diagonal piece alone), and the projection piece keeps the rest."""
+        last and leaves the most of its last push exposed: the slowest rank sets the sum); where
+        :meth:`diagonal_first` (over ``transport``), the chunk's diagonal piece runs in its QKV
+        piece instead, priced as chunk 0 (which is its diagonal piece alone), and the projection
+        piece keeps the rest."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -156,7 +168,7 @@ class AttentionCostModel(MLPCostModel):
             tail = ms(last[1:])
             split = self.query_chunks and not backward
 
-            diag = self.op_ms(M, "chunk0") if split and self.causal else 0.0
+            diag = self.op_ms(M, "chunk0") if split and self.diagonal_first(transport) else 0.0
 
             def chunk(j):  # rank 0's step j projects rank j's rows
                 return self.op_ms(M, f"chunk{j}") - diag if split else 0.0

@@ -219,11 +219,13 @@ class MLPCostModel:
             return md.op_ms(f"peer_copy:{nbytes}", nbytes)
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
-    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
+    def rank_pieces(self, backward: bool, tiles: int = 1,
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
         """``(name, tag, compute ms, pull step, push step, block, tail ms)`` of the MLP's pieces in
         launch order (step 0: no transfer; one block; the tail: the piece's compute after its
         push, the weight gradients): forward own first half, the peers' chunks (pulled, then
-        pushed), own second half; backward own rows whole, then the peers' (``rank_chunks.py``)."""
+        pushed), own second half; backward own rows whole, then the peers' (``rank_chunks.py``).
+        The pieces do not depend on ``transport`` (the attention's may)."""
         T = self.chunk_rows()
         if backward:
             dgrad = sum(self.op_ms(T, op) for op in ("dgrad2", "act_bwd", "dgrad1"))
@@ -288,7 +290,7 @@ class MLPCostModel:
             for j in range(1, ws):
                 done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
         pushed = own = 0.0
-        for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles):
+        for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles, transport):
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
                 pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))

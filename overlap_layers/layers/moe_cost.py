@@ -119,8 +119,10 @@ class MoECostModel(MLPCostModel):
         T = self.chunk_rows()
         return tuple(sorted({T, T // 2, T - T // 2} - {0})) if self.ws > 1 else ()
 
-    def rank_pieces(self, backward: bool, tiles: int = 1) -> List[Tuple[str, str, float, int, int, int, float]]:
-        """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout)."""
+    def rank_pieces(self, backward: bool, tiles: int = 1,
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
+        """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout; not
+        depending on ``transport``)."""
         md, T = self.model, self.chunk_rows()
         half = T // 2
 

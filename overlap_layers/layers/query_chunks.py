@@ -32,7 +32,10 @@ outlasted the QKV projections (68 us) they hid under; the projection pieces keep
 Replayed (graph calls, TP 4, 4x H200), the llama3-8b forward went from 1.363 to 1.324 ms, 70b and
 the fwd+bwd rows unchanged (session 29): the pushes then met at their destinations (two copies
 into one rank at half speed each, 141-155 us instead of 90), and making them take turns cost as
-much as it saved (reverted; ``bench/results/session29_*``).
+much as it saved (reverted; ``bench/results/session29_*``). Where the projections outlast the
+pulls (llama3-70b: 64 MiB pulls against 8192-wide projections) it only holds the diagonal
+pieces' outputs (50 MiB more in the graph's pool there), so the layer runs it where its cost
+model finds the pull longer (``AttentionCostModel.diagonal_first``).
 
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton
