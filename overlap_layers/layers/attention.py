@@ -148,8 +148,8 @@ class _Call:
 
     def diagonal_chunk(self, bufs, c: int):
         """Causal query chunk c's diagonal piece (:func:`query_chunks.diagonal`) from the buffers
-        ``bufs`` (:meth:`tile_heads`) once rank c's rows are in them, else None (not causal)."""
-        return query_chunks.diagonal(*bufs, c, self.s, scale=self.scale) if self.causal else None
+        ``bufs`` (:meth:`tile_heads`) once rank c's rows are in them."""
+        return query_chunks.diagonal(*bufs, c, self.s, scale=self.scale)
 
     def core_chunk(self, bufs, c: int, o_gbsnd: torch.Tensor, lse: torch.Tensor, diag=None) -> None:
         """Rank c's rows of the core (query chunk c, :func:`query_chunks.query_chunk`) from the
@@ -491,7 +491,9 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self._init_layer(self.config, mesh, axis)
-        self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first
+
+    def _init_caches(self) -> None:
+        self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first (from the planning's model)
 
     # ----------------------------------------------------------------- weights
     def _kv_heads(self) -> range:
@@ -700,7 +702,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             position_embeddings)
         B, s, H = x.shape
         call.query_chunks = self._query_chunk_core(x.dtype, x.device)
-        call.diagonal_first = call.query_chunks and plan.decomposition == "rank" and \
+        call.diagonal_first = call.query_chunks and self.causal and plan.decomposition == "rank" and \
             self._diagonal_first(x.shape, x.dtype, save, plan.transport)
         call.trial, call.trace = trial, trace
         with torch.autocast(x.device.type, enabled=False):
