@@ -4,6 +4,7 @@ Numerics of OverlapMLP on NCCL with real streams against a float64 dense referen
 each rank, autocast bf16, no_grad, and peak memory: the tiled layer must stay within the serial
 layer's peak plus one tile of intermediates. Exits non-zero on the first failure.
 """
+import gc
 import math
 import os
 import sys
@@ -865,7 +866,8 @@ def check_graph_calls(rank, ws, dev):
 def check_graph_calls_shared_pool(rank, ws, dev):
     """[Note: shared no-grad pool]: two MLP layers of one group whose no-grad calls replay graphs
     from one pool equal eager twins (same weights) at every call, chained and in the reverse
-    order, an earlier output intact (serial, and rank chunks over the copy engine); with the
+    order, an earlier output intact (serial, and rank chunks over the copy engine), and a layer
+    built after those layers are gone captures too (a new pool); with the
     serial plan the second layer's capture (the same shapes) adds less memory than the first
     one's (with a pool each it adds the same). Only what the capture stream freed is shared: the
     plan's side streams are each layer's own, and a block is reused on its stream only (4x H200:
@@ -905,6 +907,20 @@ def check_graph_calls_shared_pool(rank, ws, dev):
             fails += 1
             print(f"rank {rank} FAIL shared pool {plan.label}: the second capture kept {nbytes[1]} bytes, "
                   f"the first {nbytes[0]}", flush=True)
+    # every graph of the pool gone (a benchmark's next shape): the next layer captures into a new one
+    del pair, a0, a1
+    gc.collect()
+    fresh = OverlapMLP(256, 1024 * ws, group=dist.group.WORLD, device=dev,
+                       config=OverlapConfig(graph_calls=True, num_tiles=1))
+    twin = OverlapMLP(256, 1024 * ws, group=dist.group.WORLD, device=dev, config=OverlapConfig(num_tiles=1))
+    twin.load_state_dict(fresh.state_dict())
+    with torch.no_grad():
+        x = r(2, 512, 256)
+        checks = [(f"after the pool's graphs are gone, call {i}", fresh(x), twin(x).double()) for i in range(2)]
+    fails += count_fails(rank, "shared pool renewed", checks, 1e-5)
+    if len(fresh._call_graphs) != 1:
+        fails += 1
+        print(f"rank {rank} FAIL shared pool renewed: {len(fresh._call_graphs)} graphs", flush=True)
     return fails
 
 

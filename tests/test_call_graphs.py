@@ -52,8 +52,10 @@ def captured(monkeypatch):
 
 
 def test_shared_pool_is_one_per_owner_and_device(monkeypatch):
-    """[Note: shared no-grad pool]: the layers of one group (one owner) get one pool per device;
-    another owner or device gets its own; the entry goes with its owner."""
+    """[Note: shared no-grad pool]: the layers of one group (one owner) get one pool per device
+    while a graph captured into it lives, and a new one once none does (the allocator asserts on
+    a capture into a pool whose graphs are all gone); another owner or device gets its own; the
+    entry goes with its owner."""
     import gc
     made = []
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: made.append(len(made)) or (0, len(made)))
@@ -62,8 +64,18 @@ def test_shared_pool_is_one_per_owner_and_device(monkeypatch):
         pass
     a, b = Owner(), Owner()
     d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert call_graphs.shared_pool(a, d0) == call_graphs.shared_pool(a, d0) == (0, 1)
-    assert len({call_graphs.shared_pool(a, d1), call_graphs.shared_pool(b, d0), (0, 1)}) == 3 and len(made) == 3
+    handle = lambda owner, dev: call_graphs.shared_pool(owner, dev).handle  # noqa: E731
+
+    class Graph:
+        pass
+    graph = Graph()
+    call_graphs.shared_pool(a, d0).graphs.add(graph)
+    assert handle(a, d0) == handle(a, d0) == (0, 1)
+    assert len({handle(a, d1), handle(b, d0), (0, 1)}) == 3 and len(made) == 3
+    del graph
+    assert handle(a, d0) == (0, 4) and handle(a, d0) == (0, 5), "a pool without live graphs is made anew"
+    call_graphs.shared_pool(a, d0).graphs.add(keep := Graph())
+    assert handle(a, d0) == handle(a, d0) == (0, 6) and keep is not None
     owners = len(call_graphs._NO_GRAD_POOLS)
     del a
     gc.collect()

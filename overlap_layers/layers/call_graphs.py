@@ -80,17 +80,30 @@ import torch
 from .first_order import first_order
 
 
-_NO_GRAD_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> {device: pool}
+_NO_GRAD_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> {device: _SharedPool}
 
 
-def shared_pool(owner, device: torch.device) -> tuple:
+class _SharedPool:
+    """A pool handle and the graphs captured into it (weakly). The allocator keeps a pool only
+    while a graph captured into it lives: a capture into the handle of a pool whose graphs are all
+    gone fails an internal assert (``use_count > 0`` in ``beginAllocateToPool``; seen when a
+    benchmark freed one layer and built the next), so such a handle is never handed out again."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.graphs: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def shared_pool(owner, device: torch.device) -> _SharedPool:
     """The memory pool the no-grad graphs of ``owner``'s layers (their group's shared agreement)
-    capture into on ``device`` ([Note: shared no-grad pool]): made at the first capture, dropped
-    with ``owner``; its memory stays while any graph captured into it does."""
+    capture into on ``device`` ([Note: shared no-grad pool]): made at the first capture, and again
+    once every graph captured into it is gone; dropped with ``owner``. A capture adds its graph to
+    the pool's ``graphs``."""
     pools = _NO_GRAD_POOLS.setdefault(owner, {})
-    if device not in pools:
-        pools[device] = torch.cuda.graph_pool_handle()
-    return pools[device]
+    pool = pools.get(device)
+    if pool is None or not pool.graphs:
+        pool = pools[device] = _SharedPool()
+    return pool
 
 
 def _static(inputs: Sequence[Optional[torch.Tensor]], grad: bool) -> list:
@@ -265,7 +278,8 @@ class CallGraphs:
                     torch.autograd.grad(out, needs, torch.zeros_like(out), allow_unused=True)
             torch.cuda.current_stream(dev).wait_stream(side)
             del out
-            pool = torch.cuda.graph_pool_handle() if training else shared_pool(owner, dev)
+            shared = None if training else shared_pool(owner, dev)
+            pool = torch.cuda.graph_pool_handle() if training else shared.handle
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=pool):
                 reserved = torch.cuda.memory_reserved(dev)  # after the capture's own cache release
@@ -273,7 +287,9 @@ class CallGraphs:
             if not isinstance(out, torch.Tensor):
                 return None, f"the call returned {type(out).__name__}, not a tensor"
             if not training:
-                return _Graph(fwd, static, out, _nbytes(static, reserved, dev)), ""
+                graph = _Graph(fwd, static, out, _nbytes(static, reserved, dev))
+                shared.graphs.add(graph)
+                return graph, ""
             grad_out = torch.empty_like(out)
             bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bwd, pool=pool):
