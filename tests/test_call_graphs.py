@@ -39,9 +39,10 @@ def _run(graphs, key, inputs, fn, where, params=None):
 @pytest.fixture
 def captured(monkeypatch):
     """Every capture succeeds (a :class:`_Replay`), or fails where ``fail`` says; returns the log."""
-    log = {"captures": [], "fail": False}
+    log = {"captures": [], "fail": False, "stages": []}
 
-    def capture(inputs, fn, params, owner):
+    def capture(inputs, fn, params, owner, stage=None):
+        log["stages"].append(stage)
         if log["fail"]:
             return None, "RuntimeError: stand-in"
         graph = _Replay(fn)
@@ -49,6 +50,16 @@ def captured(monkeypatch):
         return graph, ""
     monkeypatch.setattr(CallGraphs, "_capture", staticmethod(capture))
     return log
+
+
+def test_a_capture_is_given_the_stage(captured):
+    """The layer's ``stage`` reaches the capture (asked there, not at every call)."""
+    graphs, x = CallGraphs(_Agreement()), torch.ones(2)
+    stage = lambda: None  # noqa: E731
+    graphs.params_kept((1,))
+    for _ in range(2):
+        graphs.run("a", (x,), lambda t: t + 1, None, stage)
+    assert captured["stages"] == [stage]
 
 
 def test_shared_pool_is_one_per_owner_and_device(monkeypatch):

@@ -27,7 +27,8 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   leaves that signature eager on every rank (a warning says why), so all ranks keep issuing the
   same collectives;
 * a call that needs no autograd replays one graph: its inputs are copied into the static
-  tensors, and a copy of the static output is returned (the next replay overwrites it);
+  tensors, and a copy of the static output is returned (the next replay overwrites it). Its first
+  input's static tensor may be a place the layer names (``stage``: [Note: staged input]);
 * a call that saves for backward replays a forward graph and, at its backward, a backward graph
   (captured with ``torch.autograd.grad`` of the static output for the inputs that require grad
   and the parameters), as ``torch.cuda.make_graphed_callables`` does: the saved activations stay
@@ -63,6 +64,20 @@ replayed at once on two streams would write the same memory. (The stream cannot 
 signature: it differs between ranks, and a new signature captures, which gathers.) Training
 graphs keep a pool each: their saved activations live from the forward replay to the backward,
 across other layers' replays.
+
+[Note: staged input]
+A copy-engine rank-chunk call first copies its input into this rank's symmetric buffer, where
+peers pull it from ([Note: exchange signals] in ``runtime/exchange.py``). Replayed from a graph,
+the input was copied twice: into the static input, then, inside the graph, into the buffer,
+where the copy ran as a kernel (``memcpy128``) that the first GEMM's SMs delayed, and the peers'
+pulls waited for it (4x H200, llama3-8b, TP 4: 17 us each copy at the attention's 16384 tokens,
+session 30). So a no-grad capture takes the layer's ``stage()`` (the exchange's place for its
+first source, :func:`~overlap_layers.runtime.exchange.staged_source`) as that input's static
+tensor: a replay copies the input there, on the calling stream, and the exchange, finding its
+source already in place, copies nothing. Writing there before the replay is what the graph's own
+copy did at its start: the stream has finished every earlier call, and each peer's last read of
+this buffer precedes the push that call waited for. A training graph keeps its own static input:
+its backward reads the saved input after other layers have used the buffer.
 
 A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE (its
 split sizes are read on the host) and Ulysses attention (no GPU check of its replays yet) stay eager. Decisions use agreed values and the call
@@ -119,7 +134,8 @@ def _copy_in(static: Sequence[Optional[torch.Tensor]], inputs: Sequence[Optional
 
 
 def _nbytes(static: Sequence[Optional[torch.Tensor]], reserved_before: int, device) -> int:
-    """What a capture keeps: the pool's growth since ``reserved_before`` and the static inputs."""
+    """What a capture keeps: the pool's growth since ``reserved_before`` and the static inputs
+    it made."""
     return torch.cuda.memory_reserved(device) - reserved_before + sum(
         t.numel() * t.element_size() for t in static if t is not None)
 
@@ -231,11 +247,13 @@ class CallGraphs:
         return self._moves < MAX_MOVES
 
     def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable,
-            params: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+            params: Optional[List[torch.Tensor]] = None,
+            stage: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call, after
         this call's :meth:`params_kept`). ``params``: for a call that saves for backward, the
         parameters that require grad (also differentiated by the graphs); None for a call without
-        autograd."""
+        autograd. ``stage``: for a call without autograd, where the first input's static tensor
+        may live (asked at a capture; None: a tensor of its own), [Note: staged input]."""
         if not self.capturing:
             self.last_nbytes = 0
             return fn(*inputs)
@@ -244,7 +262,7 @@ class CallGraphs:
             graph = self._graphs[key]
             self._moves = 0  # the kept graphs outlived a call: the parameters stay put
         else:
-            graph, error = self._capture(inputs, fn, params, self._agreement)
+            graph, error = self._capture(inputs, fn, params, self._agreement, stage)
             if not min(row[0] for row in self._agreement.gather((int(graph is not None),))):
                 graph = None
                 warnings.warn(f"graph_calls: capturing a call failed on some rank ({error or 'not this one'}); "
@@ -261,10 +279,11 @@ class CallGraphs:
 
     @staticmethod
     def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]],
-                 owner):
+                 owner, stage: Optional[Callable[[], Optional[torch.Tensor]]] = None):
         """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
         side stream (with ``params``, forward and backward), then captured: into a pool of its own
-        with ``params``, else into ``owner``'s :func:`shared_pool`."""
+        with ``params``, else into ``owner``'s :func:`shared_pool`, the first input's copy where
+        ``stage()`` says after the run (which made the place)."""
         dev = inputs[0].device
         training = params is not None
         static = _static(inputs, training)
@@ -278,6 +297,10 @@ class CallGraphs:
                     torch.autograd.grad(out, needs, torch.zeros_like(out), allow_unused=True)
             torch.cuda.current_stream(dev).wait_stream(side)
             del out
+            first = None if training or stage is None else stage()
+            if first is not None:
+                static[0] = first.copy_(static[0])
+            made = static if first is None else [None, *static[1:]]  # the static inputs holding memory of their own
             shared = None if training else shared_pool(owner, dev)
             pool = torch.cuda.graph_pool_handle() if training else shared.handle
             fwd = torch.cuda.CUDAGraph()
@@ -287,7 +310,7 @@ class CallGraphs:
             if not isinstance(out, torch.Tensor):
                 return None, f"the call returned {type(out).__name__}, not a tensor"
             if not training:
-                graph = _Graph(fwd, static, out, _nbytes(static, reserved, dev))
+                graph = _Graph(fwd, static, out, _nbytes(made, reserved, dev))
                 shared.graphs.add(graph)
                 return graph, ""
             grad_out = torch.empty_like(out)
@@ -297,6 +320,6 @@ class CallGraphs:
             grads = [next(taken) if t is not None and t.requires_grad else None for t in static]
             grads += [next(taken) for _ in params]
             return _TrainingGraph(fwd, bwd, static, out.detach(), grad_out, grads,
-                                  _nbytes(static, reserved, dev) + grad_out.numel() * grad_out.element_size()), ""
+                                  _nbytes(made, reserved, dev) + grad_out.numel() * grad_out.element_size()), ""
         except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
             return None, f"{type(e).__name__}: {str(e)[:200]}"

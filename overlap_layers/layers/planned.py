@@ -364,6 +364,11 @@ class PlannedLayer:
         new._init_runtime(new.config)
         return new
 
+    def _graph_stage(self, plan, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where a no-grad graph of ``plan``'s calls keeps its input ``x`` (None: a static tensor of
+        its own; [Note: staged input] in ``call_graphs.py``)."""
+        return None
+
     def _graph_params(self) -> tuple:
         """Where this rank's parameters and buffers live (a captured call reads them there:
         [Note: graph calls] in ``call_graphs.py``)."""
@@ -563,7 +568,8 @@ class PlannedLayer:
                 plan = self.plan
                 key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                        tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
-                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins), params)
+                stage = None if params is not None else lambda: self._graph_stage(plan, inputs[0])
+                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins), params, stage)
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
-                                symmetric_memory_status)
+                                staged_source, symmetric_memory_status)
 from ..sim import Candidate
 
 
@@ -139,6 +139,15 @@ class RankChunkPlans:
         if plan.transport != "nccl":
             plan = self.plan = replace(plan, transport="nccl")
         return plan, partial(self._exchanges[1], self.group)
+
+    def _graph_stage(self, plan, x: torch.Tensor):
+        """A copy-engine rank-chunk call's input in the exchange's place for it ([Note: staged
+        input] in ``call_graphs.py``), where the call copies no other tensor of ``x``'s dtype (no
+        autocast cast) and the workspace is large enough; else None."""
+        if plan.decomposition != "rank" or plan.transport != "copy_engine" or self._workspace is None \
+                or x.dtype != self._weight.dtype or torch.is_autocast_enabled(x.device.type):
+            return None
+        return staged_source(self._workspace, x)
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":

@@ -268,6 +268,15 @@ def held_workspace_bytes(group, device: torch.device) -> int:
     return w.nbytes if w is not None else 0
 
 
+def staged_source(workspace: SymmetricWorkspace, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where :class:`CopyEngineExchange` copies a first source with ``x``'s elements, as a tensor
+    of ``x``'s shape in this rank's buffer (a contiguous source there is not copied again:
+    [Note: staged input] in ``layers/call_graphs.py``); None while the buffer is smaller."""
+    if workspace.handle is None or workspace.nbytes < _aligned(x.numel() * x.element_size()):
+        return None
+    return workspace.view(workspace.rank, (x.numel(),), x.dtype, 0).view(x.shape)
+
+
 def _aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to 256 (each source starts on a 256-byte boundary)."""
     return -(-nbytes // 256) * 256
@@ -309,7 +318,9 @@ class CopyEngineExchange:
         with torch.cuda.stream(w.pull_stream):  # the compute stream starts on the own rows meanwhile
             tok = rec.begin("to_symmetric", 0, "comm", stream=w.pull_stream) if rec is not None else None
             for s, off in zip(self.sources, self._src_offsets):
-                w.view(self.rank, tuple(s.shape), dtype, off).copy_(s)
+                place = w.view(self.rank, tuple(s.shape), dtype, off)
+                if place.data_ptr() != s.data_ptr():  # else staged there already ([Note: staged input])
+                    place.copy_(s)
             if tok is not None:
                 rec.end(tok, stream=w.pull_stream)
             for _, _, s in peers(self.rank, self.ws):
