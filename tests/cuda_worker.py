@@ -974,6 +974,60 @@ def check_graph_calls_block(rank, ws, dev):
     return fails
 
 
+def check_device_all_to_all(rank, ws, dev):
+    """[Note: sync-free exchange]: DeviceCountAllToAll over the group's symmetric workspace equals
+    the all-to-all from its definition (every rank draws every rank's counts and rows from one
+    seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
+    and rows at each replay; the combine returns each row's result (3 x + 1) in send order."""
+    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
+    from overlap_layers.runtime.exchange import shared_workspace
+    fails, rows, W, dt = 0, 96, 80, torch.bfloat16
+    ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev), rows, W, dt)
+    recv = torch.empty(ws * rows, W, device=dev, dtype=dt)
+    counts = torch.zeros(ws, dtype=torch.int32, device=dev)
+
+    def table(step):
+        g = torch.Generator().manual_seed(1000 + step)
+        t = torch.zeros(ws, ws, dtype=torch.int32)
+        for s in range(ws):
+            cuts = sorted(torch.randint(0, rows + 1, (ws,), generator=g).tolist())
+            t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
+        return t
+
+    def send_rows(step, s):
+        return torch.randn(rows, W, generator=torch.Generator().manual_seed(2000 + ws * step + s)).to(dev, dt)
+
+    def call():
+        ex.dispatch(counts, recv)
+        return ex.combine(recv * 3 + 1)
+
+    graph, out = None, None
+    for step in range(6):
+        t = table(step)
+        counts.copy_(t[rank].to(dev))
+        ex.send.copy_(send_rows(step, rank))
+        if step == 3:  # every rank captures at the same call, then replays from here on
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call()
+        if graph is not None:
+            graph.replay()
+            back = out.clone()
+        else:
+            back = call().clone()
+        want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum()):][:int(t[s, rank])] for s in range(ws)])
+        n = int(t[rank].sum())
+        ok = torch.equal(recv[:want.shape[0]], want) and torch.equal(ex.recv_counts.cpu(), t[:, rank]) \
+            and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)
+        if not ok:
+            fails += 1
+            print(f"rank {rank} FAIL device all-to-all step {step} ({'replayed' if graph else 'eager'})", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -990,7 +1044,8 @@ def main():
         + check_fused_block(rank, ws, dev) + check_cuda_graphs(rank, ws, dev) \
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
-        + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev)
+        + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev) \
+        + check_device_all_to_all(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

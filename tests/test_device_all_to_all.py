@@ -1,0 +1,79 @@
+"""``runtime.device_all_to_all.copy_rows_by_table`` against the all-to-all it must equal (module
+docstring), with every rank's buffers in one process: dispatch (pull) then combine (push) for
+random count tables, counts past the buffers (clipped, nothing written outside), bad arguments.
+On the CPU its torch path, or its kernel under Triton's interpreter; the symmetric-memory exchange
+itself is checked on GPUs (tests/cuda_worker.py check_device_all_to_all)."""
+import pytest
+import torch
+
+from kernel_device import DEVICE as KERNEL_DEVICE
+from overlap_layers.runtime.device_all_to_all import copy_rows_by_table
+
+DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
+
+
+def _table(ws, rows, g):
+    """Random ``[ws, ws]`` counts whose rows sum to at most ``rows`` (zeros included)."""
+    t = torch.zeros(ws, ws, dtype=torch.int32)
+    for s in range(ws):
+        cuts = sorted(torch.randint(0, rows + 1, (ws,), generator=g).tolist())
+        t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
+    return t
+
+
+def _want_recv(table, sends, r):
+    """The reference dispatch for rank r, from the definitions."""
+    parts = []
+    for s, send in enumerate(sends):
+        start = int(table[s, :r].sum())
+        parts.append(send[start:start + int(table[s, r])])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("ws,rows,width,dtype", [(2, 5, 3, torch.float32), (4, 13, 40, torch.bfloat16),
+                                                 (3, 9, 7, torch.float64), (8, 6, 24, torch.float16),
+                                                 (2, 7, 1100, torch.float32)])
+def test_dispatch_then_combine_equal_the_all_to_all(ws, rows, width, dtype):
+    g = torch.Generator().manual_seed(ws * 100 + width)
+    for trial in range(3):
+        table = _table(ws, rows, g) if trial else torch.full((ws, ws), rows // ws, dtype=torch.int32)
+        sends = [torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(ws)]
+        recvs = [torch.full((ws * rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
+        for r in range(ws):
+            copy_rows_by_table(table.to(DEVICE), sends, recvs[r], r, push=False)
+            want = _want_recv(table, sends, r)
+            assert torch.equal(recvs[r][:want.shape[0]], want), (trial, r)
+            assert recvs[r][want.shape[0]:].isnan().all()  # nothing past the received rows
+        backs = [torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
+        for d in range(ws):  # every destination pushes its results (here 3 x + 1 of its received rows)
+            copy_rows_by_table(table.to(DEVICE), backs, recvs[d] * 3 + 1, d, push=True)
+        for r in range(ws):
+            n = int(table[r].sum())
+            assert torch.equal(backs[r][:n], sends[r][:n] * 3 + 1), (trial, r)
+            assert backs[r][n:].isnan().all()
+
+
+def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
+    """Positions come from the table as it is; of each source's rows only those inside both
+    buffers are copied."""
+    ws, rows, W = 3, 4, 5
+    table = torch.tensor([[2, 9, 0], [0, 1, 3], [4, 0, 0]], dtype=torch.int32)  # row 0 sends 11 > 4 rows
+    sends = [torch.arange(rows * W, dtype=torch.float32, device=DEVICE).view(rows, W) + 100 * s for s in range(ws)]
+    guarded = torch.full((3 + 4 + 3, W), -1.0, device=DEVICE)  # recv of 4 rows between guard rows
+    recv = guarded[3:7]
+    copy_rows_by_table(table.to(DEVICE), sends, recv, 1, push=False)
+    # rank 1 receives from 0 its rows [2, 11) into recv rows [0, 9): rows 2, 3 exist, and recv has
+    # 4 rows, so two are copied; from 1 one row into recv row 9, past recv: none
+    assert torch.equal(recv[:2], sends[0][2:4])
+    assert (recv[2:] == -1).all() and (guarded[:3] == -1).all() and (guarded[7:] == -1).all()
+
+
+def test_bad_arguments_are_value_errors():
+    t = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    a, b = torch.zeros(3, 4, device=DEVICE), torch.zeros(3, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="2 remotes of one shape"):
+        copy_rows_by_table(t, [a], torch.zeros(6, 4, device=DEVICE), 0, push=False)
+    with pytest.raises(ValueError, match="as wide as the local"):
+        copy_rows_by_table(t, [a, a], torch.zeros(6, 5, device=DEVICE), 0, push=False)
+    with pytest.raises(ValueError, match="one shape"):
+        copy_rows_by_table(t, [a, b], torch.zeros(6, 4, device=DEVICE), 0, push=False)
