@@ -1,13 +1,16 @@
 """``runtime.device_all_to_all.copy_rows_by_table`` against the all-to-all it must equal (module
 docstring), with every rank's buffers in one process: dispatch (pull) then combine (push) for
-random count tables, counts past the buffers (clipped, nothing written outside), bad arguments.
+random count tables, counts past the buffers (clipped, nothing written outside), bad arguments;
+``DeviceCountAllToAll``'s own checks on a stand-in workspace.
 On the CPU its torch path, or its kernel under Triton's interpreter; the symmetric-memory exchange
 itself is checked on GPUs (tests/cuda_worker.py check_device_all_to_all)."""
+import math
+
 import pytest
 import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
-from overlap_layers.runtime.device_all_to_all import copy_rows_by_table
+from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, copy_rows_by_table
 
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
 
@@ -77,3 +80,36 @@ def test_bad_arguments_are_value_errors():
         copy_rows_by_table(t, [a, a], torch.zeros(6, 5, device=DEVICE), 0, push=False)
     with pytest.raises(ValueError, match="one shape"):
         copy_rows_by_table(t, [a, b], torch.zeros(6, 4, device=DEVICE), 0, push=False)
+
+
+class _Workspace:
+    """A one-process stand-in for the group's symmetric workspace: a byte buffer per rank."""
+
+    def __init__(self, ws, rank):
+        self.ws, self.rank, self.handle, self.nbytes = ws, rank, object(), 0
+        self.bufs = {}
+
+    def reserve(self, nbytes):
+        if nbytes > self.nbytes:
+            self.bufs = {q: torch.zeros(nbytes, dtype=torch.uint8) for q in range(self.ws)}
+            self.nbytes, self.handle = nbytes, object()
+
+    def view(self, rank, shape, dtype, offset):
+        n = math.prod(shape) * dtype.itemsize
+        return self.bufs[rank][offset:offset + n].view(dtype).view(shape)
+
+
+def test_exchange_checks_its_arguments_and_its_workspace():
+    """Bad ``recv`` or ``results`` are ValueErrors saying what is valid; an exchange made before
+    the workspace grew raises instead of writing into a freed buffer."""
+    w = _Workspace(2, 0)
+    ex = DeviceCountAllToAll(w, 5, 3, torch.float32)
+    assert w.nbytes >= 4 * 4 + 2 * 5 * 3 * 4 and ex.send.shape == ex.back.shape == (5, 3)
+    counts = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"valid: \[>= 10, 3\] torch.float32"):
+        ex.dispatch(counts, torch.zeros(9, 3))
+    with pytest.raises(ValueError, match="valid: after dispatch"):
+        ex.combine(torch.zeros(10, 3))
+    w.reserve(w.nbytes + 1)  # another exchange grew the workspace
+    with pytest.raises(RuntimeError, match="make a new one"):
+        ex.dispatch(counts, torch.zeros(10, 3))

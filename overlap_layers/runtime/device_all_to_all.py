@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .exchange import _aligned
 from .triton_gate import runs_triton
 
 try:
@@ -134,11 +135,11 @@ if triton is not None:
         pid, nprog = tl.program_id(0), tl.num_programs(0)
         r_off = tl.arange(0, ROWS)
         c_off = tl.arange(0, BLOCK_W)
+        local = local_ptr.to(tl.pointer_type(BITS), bitcast=True)
         for p in tl.static_range(WS):
             s = (rank + p) % WS  # rank r starts at itself, then r+1, ...: the ranks' reads spread over the peers
             n = _pick(n_all, i, s)
             remote = tl.load(remote_ptrs + s).to(tl.pointer_type(BITS))
-            local = local_ptr.to(tl.pointer_type(BITS), bitcast=True)
             if PUSH:  # a: rows read, b: rows written
                 a, b = _pick(recv_all, i, s), _pick(send_all, i, s)
                 n = tl.maximum(tl.minimum(n, tl.minimum(local_rows - a, remote_rows - b)), 0)
@@ -163,10 +164,11 @@ class DeviceCountAllToAll:
     send rows, ``[rows, W]``, which the caller fills), :meth:`dispatch` with this rank's counts
     per destination, :meth:`combine` with the results, in that order, once each per call. Nothing
     reads a size on the host, so a CUDA graph can capture a call and replay it with other counts.
-    The workspace layout: the table (``[ws, ws]`` int32), then ``send``, then ``back``."""
+    The workspace layout: the table (``[ws, ws]`` int32), then ``send``, then ``back``; the
+    exchange holds views of the workspace's buffer, so one made before the workspace grew raises
+    ``RuntimeError`` (make another)."""
 
     def __init__(self, workspace, rows: int, width: int, dtype: torch.dtype) -> None:
-        from .exchange import _aligned
         w = self.w = workspace
         self.ws, self.rank, self.rows = w.ws, w.rank, rows
         elt = dtype.itemsize
@@ -180,6 +182,7 @@ class DeviceCountAllToAll:
         self._backs = [w.view(q, (rows, width), dtype, back_off) for q in range(self.ws)]
         self.send, self.back = self._sends[self.rank], self._backs[self.rank]
         self._send_ptrs, self._back_ptrs = remote_pointers(self._sends), remote_pointers(self._backs)
+        self._handle = w.handle
         self._recv = None
 
     def _signal(self, channel: int) -> None:
@@ -194,6 +197,9 @@ class DeviceCountAllToAll:
         rows for each destination, in ``send`` by destination, rank 0 first); returns ``recv``
         (``[>= ws * rows, W]`` to hold any counts) filled by source, rank 0 first, with
         :attr:`recv_counts` rows from each."""
+        if self.w.handle is not self._handle:
+            raise RuntimeError("DeviceCountAllToAll: the workspace was reallocated (it grew for another exchange) "
+                               "since this exchange was made; make a new one")
         if recv.shape[0] < self.ws * self.rows or recv.shape[1:] != self.send.shape[1:] or recv.dtype != self.send.dtype:
             raise ValueError(f"recv {tuple(recv.shape)} {recv.dtype}; valid: [>= {self.ws * self.rows}, "
                              f"{self.send.shape[1]}] {self.send.dtype} (every rank's rows could come here)")
