@@ -978,21 +978,22 @@ def check_device_all_to_all(rank, ws, dev):
     """[Note: sync-free exchange]: DeviceCountAllToAll over the group's symmetric workspace equals
     the all-to-all from its definition (every rank draws every rank's counts and rows from one
     seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
-    and rows at each replay; the combine returns each row's result (3 x + 1) in send order."""
+    and rows at each replay; the combine returns each row's result (3 x + 1) in send order. Three
+    groups per rank: the received rows group-major (every source's rows of group 0 first)."""
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
-    fails, rows, W, dt = 0, 96, 80, torch.bfloat16
-    ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev), rows, W, dt)
+    fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
+    ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev), rows, W, dt, groups=G)
     recv = torch.empty(ws * rows, W, device=dev, dtype=dt)
-    counts = torch.zeros(ws, dtype=torch.int32, device=dev)
+    counts = torch.zeros(ws, G, dtype=torch.int32, device=dev)
 
     def table(step):
         g = torch.Generator().manual_seed(1000 + step)
-        t = torch.zeros(ws, ws, dtype=torch.int32)
+        t = torch.zeros(ws, ws * G, dtype=torch.int32)
         for s in range(ws):
-            cuts = sorted(torch.randint(0, rows + 1, (ws,), generator=g).tolist())
+            cuts = sorted(torch.randint(0, rows + 1, (ws * G,), generator=g).tolist())
             t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
-        return t
+        return t.view(ws, ws, G)
 
     def send_rows(step, s):
         return torch.randn(rows, W, generator=torch.Generator().manual_seed(2000 + ws * step + s)).to(dev, dt)
@@ -1016,7 +1017,8 @@ def check_device_all_to_all(rank, ws, dev):
             back = out.clone()
         else:
             back = call().clone()
-        want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum()):][:int(t[s, rank])] for s in range(ws)])
+        want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum() + t[s, rank, :grp].sum()):][:int(t[s, rank, grp])]
+                          for grp in range(G) for s in range(ws)])
         n = int(t[rank].sum())
         ok = torch.equal(recv[:want.shape[0]], want) and torch.equal(ex.recv_counts.cpu(), t[:, rank]) \
             and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)

@@ -1,6 +1,7 @@
 """``runtime.device_all_to_all.copy_rows_by_table`` against the all-to-all it must equal (module
 docstring), with every rank's buffers in one process: dispatch (pull) then combine (push) for
-random count tables, counts past the buffers (clipped, nothing written outside), bad arguments;
+random count tables with one group per rank and with several (the MoE's local experts), counts
+past the buffers (clipped, nothing written outside), bad arguments;
 ``DeviceCountAllToAll``'s own checks on a stand-in workspace.
 On the CPU its torch path, or its kernel under Triton's interpreter; the symmetric-memory exchange
 itself is checked on GPUs (tests/cuda_worker.py check_device_all_to_all)."""
@@ -15,36 +16,43 @@ from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, copy_r
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
 
 
-def _table(ws, rows, g):
-    """Random ``[ws, ws]`` counts whose rows sum to at most ``rows`` (zeros included)."""
-    t = torch.zeros(ws, ws, dtype=torch.int32)
+def _table(ws, rows, groups, g):
+    """Random ``[ws, ws, groups]`` counts whose rows sum to at most ``rows`` (zeros included)."""
+    t = torch.zeros(ws, ws * groups, dtype=torch.int32)
     for s in range(ws):
-        cuts = sorted(torch.randint(0, rows + 1, (ws,), generator=g).tolist())
+        cuts = sorted(torch.randint(0, rows + 1, (ws * groups,), generator=g).tolist())
         t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
-    return t
+    return t.view(ws, ws, groups)
 
 
 def _want_recv(table, sends, r):
-    """The reference dispatch for rank r, from the definitions."""
+    """The reference dispatch for rank r, from the definitions: for each group, each source's
+    rows for (r, group), which start after the source's rows for every earlier (rank, group)."""
+    ws, _, G = table.shape
     parts = []
-    for s, send in enumerate(sends):
-        start = int(table[s, :r].sum())
-        parts.append(send[start:start + int(table[s, r])])
+    for grp in range(G):
+        for s, send in enumerate(sends):
+            start = int(table[s, :r].sum()) + int(table[s, r, :grp].sum())
+            parts.append(send[start:start + int(table[s, r, grp])])
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("ws,rows,width,dtype", [(2, 5, 3, torch.float32), (4, 13, 40, torch.bfloat16),
-                                                 (3, 9, 7, torch.float64), (8, 6, 24, torch.float16),
-                                                 (2, 7, 1100, torch.float32)])
-def test_dispatch_then_combine_equal_the_all_to_all(ws, rows, width, dtype):
-    g = torch.Generator().manual_seed(ws * 100 + width)
+@pytest.mark.parametrize("ws,groups,rows,width,dtype", [
+    (2, 1, 5, 3, torch.float32), (4, 1, 13, 40, torch.bfloat16), (3, 1, 9, 7, torch.float64),
+    (8, 1, 6, 24, torch.float16), (2, 1, 7, 1100, torch.float32), (2, 3, 11, 16, torch.float32),
+    (4, 5, 23, 40, torch.bfloat16), (3, 2, 9, 1100, torch.float16)])
+def test_dispatch_then_combine_equal_the_all_to_all(ws, groups, rows, width, dtype):
+    g = torch.Generator().manual_seed(ws * 100 + width + groups)
     for trial in range(3):
-        table = _table(ws, rows, g) if trial else torch.full((ws, ws), rows // ws, dtype=torch.int32)
+        table = _table(ws, rows, groups, g) if trial else \
+            torch.full((ws, ws, groups), rows // (ws * groups), dtype=torch.int32)
+        if groups == 1 and trial == 2:
+            table = table.view(ws, ws)  # the two-dimensional table of one group
         sends = [torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(ws)]
         recvs = [torch.full((ws * rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
         for r in range(ws):
             copy_rows_by_table(table.to(DEVICE), sends, recvs[r], r, push=False)
-            want = _want_recv(table, sends, r)
+            want = _want_recv(table.view(ws, ws, groups), sends, r)
             assert torch.equal(recvs[r][:want.shape[0]], want), (trial, r)
             assert recvs[r][want.shape[0]:].isnan().all()  # nothing past the received rows
         backs = [torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
@@ -110,6 +118,10 @@ def test_exchange_checks_its_arguments_and_its_workspace():
         ex.dispatch(counts, torch.zeros(9, 3))
     with pytest.raises(ValueError, match="valid: after dispatch"):
         ex.combine(torch.zeros(10, 3))
+    with pytest.raises(ValueError, match=r"valid: \[2, 1\] torch.int32"):
+        ex.dispatch(counts.long(), torch.zeros(10, 3))
+    with pytest.raises(ValueError, match=r"valid: \[2, 3\] torch.int32"):
+        DeviceCountAllToAll(w, 5, 3, torch.float32, groups=3).dispatch(counts, torch.zeros(10, 3))
     w.reserve(w.nbytes + 1)  # another exchange grew the workspace
     with pytest.raises(RuntimeError, match="make a new one"):
         ex.dispatch(counts, torch.zeros(10, 3))
