@@ -131,7 +131,7 @@ def main():
 
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
-    ex = DeviceCountAllToAll(shared_workspace(group, dev), ws * R, W, torch.bfloat16)
+    ex = DeviceCountAllToAll(shared_workspace(group, dev, "device_counts"), ws * R, W, torch.bfloat16)
     ex.send.copy_(buf)
     per_dest = torch.full((ws,), R, dtype=torch.int32, device=dev)
     recv = torch.empty(ws * ws * R, W, dtype=torch.bfloat16, device=dev)

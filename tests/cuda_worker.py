@@ -983,7 +983,7 @@ def check_device_all_to_all(rank, ws, dev):
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
-    ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev), rows, W, dt, groups=G)
+    ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
     recv = torch.empty(ws * rows, W, device=dev, dtype=dt)
     counts = torch.zeros(ws, G, dtype=torch.int32, device=dev)
 
@@ -1030,6 +1030,43 @@ def check_device_all_to_all(rank, ws, dev):
     return fails
 
 
+def check_moe_graph_calls(rank, ws, dev):
+    """[Note: MoE graph calls]: OverlapMoE with config.graph_calls, calls without autograd, bf16,
+    uneven tokens per rank (one rank's count changing between two shapes, so two signatures), new
+    tokens at every call (new routing), dropless and with capacity drops, with a shared expert:
+    every call against the float64 dense reference; the calls after the first of a signature
+    replay its graph (the layer keeps one graph per signature and its last call held graph
+    memory)."""
+    from moe_reference import dense_moe
+    from overlap_layers import OverlapConfig, OverlapMoE
+    g = torch.Generator(device="cpu").manual_seed(23)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    H, F, Fs, El, k, dt = 64, 32, 16, 4, 3, torch.bfloat16
+    rw, wi, wo, swi, swo = r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F), r(2 * Fs, H), r(H, Fs)
+    fails = 0
+    for cf in (None, 0.5):
+        layer = OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
+                                      capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
+                                      num_tiles=1, config=OverlapConfig(graph_calls=True))
+        for step in range(8):
+            tokens = 40 + 24 * rank + (16 if rank == 0 and step >= 4 else 0)  # a second signature from step 4
+            x = r(1, tokens, H).to(dt)
+            with torch.no_grad():
+                y = layer(x)
+            y_ref, _ = dense_moe(x.double(), *(t.to(dt).double() for t in (rw, wi, wo)), top_k=k, capacity_factor=cf,
+                                 capacity_key="prob", shared_w_in=swi.to(dt).double(),
+                                 shared_w_out=swo.to(dt).double())
+            fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
+        held = layer._call_graphs.last_nbytes
+        if len(layer._call_graphs) != 2 or not held:
+            fails += 1
+            print(f"rank {rank} FAIL moe graph_calls cf={cf}: {len(layer._call_graphs)} graphs (want 2), "
+                  f"last call held {held} graph bytes (want > 0: replayed)", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -1047,7 +1084,7 @@ def main():
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
         + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev) \
-        + check_device_all_to_all(rank, ws, dev)
+        + check_device_all_to_all(rank, ws, dev) + check_moe_graph_calls(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -71,6 +71,7 @@ class MoEShape:
     activation: str = "swiglu"
     transport: str = "auto"  # the layer's config.transport
     sm_carveout: Optional[int] = None  # the layer's config.sm_carveout
+    graph_calls: bool = False  # the layer's config.graph_calls (no-grad calls by the device path, replayed)
 
     @property
     def tokens(self) -> int:
@@ -82,7 +83,7 @@ class MoEShape:
         return dict(layer="moe", preset=self.preset, hidden=self.hidden, ffn=self.ffn, experts=self.experts,
                     top_k=self.top_k, batch=self.batch, seq=self.seq, tokens=self.tokens, sequence_parallel=None,
                     activation=self.activation, skewed=self.skewed, config_transport=self.transport,
-                    config_sm_carveout=self.sm_carveout)
+                    config_sm_carveout=self.sm_carveout, graph_calls=self.graph_calls)
 
 
 class MoEBench(MLPBench):
@@ -96,7 +97,8 @@ class MoEBench(MLPBench):
         torch.manual_seed(0)
         L = self.layer = OverlapMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, group=group,
                                     activation=shape.activation, num_tiles=1, dtype=dtype, device=device,
-                                    config=OverlapConfig(transport=shape.transport, sm_carveout=shape.sm_carveout))
+                                    config=OverlapConfig(transport=shape.transport, sm_carveout=shape.sm_carveout,
+                                                         graph_calls=shape.graph_calls))
         torch.manual_seed(1 + dist.get_rank())  # every rank its own tokens
         x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=torch.float32)
         if shape.skewed:
@@ -232,12 +234,12 @@ class MoEBench(MLPBench):
 
 
 def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: str = "swiglu",
-           transport: str = "auto", sm_carveout: Optional[int] = None):
+           transport: str = "auto", sm_carveout: Optional[int] = None, graph_calls: bool = False):
     """The MoE shapes of ``preset``: one per tokens-per-rank value (batch 1)."""
     base = PRESETS[preset]
     for t in tokens or [base["tokens"]]:
         yield MoEShape(preset, base["hidden"], base["ffn"], base["experts"], base["top_k"], 1, t, skewed=skewed,
-                       activation=activation, transport=transport, sm_carveout=sm_carveout)
+                       activation=activation, transport=transport, sm_carveout=sm_carveout, graph_calls=graph_calls)
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,

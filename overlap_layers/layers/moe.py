@@ -73,6 +73,9 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group
 from ..runtime.collectives import _all_gather as all_gather_rows
+from ..runtime import triton_gate
+from ..runtime.device_all_to_all import DeviceCountAllToAll
+from ..runtime.exchange import held_workspace_bytes, shared_workspace
 from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
@@ -80,6 +83,7 @@ from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
+from .moe_device import experts_at_once, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
@@ -409,14 +413,18 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     "auto": planned from the group's largest token count (bucketed) assuming balanced routing,
     then verified on the first calls. The planner also weighs the exchange split by source rank
     (``plan.decomposition == "rank"``, ``moe_ranks.py``): on CUDA over the copy engine where every
-    rank has symmetric memory, else over send/recv.
+    rank has symmetric memory, else over send/recv. With ``config.graph_calls``, calls without
+    autograd (and without aux loss) where every rank has symmetric memory run with their sizes on
+    the device and are replayed from CUDA graphs ([Note: MoE graph calls] in ``moe_device.py``).
     """
 
     _exchanges = (CopyEngineAllToAll, PointToPointAllToAll)
     _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
     _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
-    _graphable = False  # each call reads its all-to-all split sizes on the host
+    _graphable = True  # config.graph_calls: calls without autograd, by the device path ([Note: MoE graph calls])
+    _group_shapes: tuple = ()  # every rank's (batch, seq) in the current call (the graphs' signature)
+    _device_workspace = None  # the group's "device_counts" workspace, once the device path runs
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
@@ -468,6 +476,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
         self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
         self._host_reader = HostReader()
+        self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -572,7 +581,78 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _agreed_shape(self, shape: tuple, table) -> tuple:
         """Plans come from the group's largest token count (every rank has the table)."""
+        self._group_shapes = tuple((row[1], row[2]) for row in table)
         return (1, max(row[1] * row[2] for row in table), self.hidden_size)
+
+    # ----------------------------------------------------------------- the device path
+    def _floor(self) -> tuple:
+        """The copy engine's columns, then the bytes of the device path's workspace and their
+        negation (whether every rank holds the same one)."""
+        held = held_workspace_bytes(self.group, self._weight.device, "device_counts")
+        return (*super()._floor(), held, -held)
+
+    def _after_agreement(self, capturing: bool) -> None:
+        """As the copy engine's workspace (:class:`RankChunkPlans`), the device path's: released
+        on every rank when the ranks hold different ones."""
+        super()._after_agreement(capturing)
+        floor = self._agreed_floor
+        if floor[-2] != -floor[-1]:
+            if capturing:
+                raise RuntimeError("the ranks hold different symmetric workspaces (layers freed on some ranks "
+                                   "only); releasing them synchronises, which CUDA-graph capture forbids: run one "
+                                   "eager call before capturing")
+            shared_workspace(self.group, self._weight.device, "device_counts").release()
+
+    def _graphed_run(self, run, shape: tuple, dtype: torch.dtype, save: bool):
+        """[Note: MoE graph calls]: a call without autograd and aux loss, where every rank has
+        symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`;
+        any other call runs eagerly (None)."""
+        if save or self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
+                or not grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=dtype, device="meta"), self.w_in,
+                                       self.w_out) or not self._copy_engine_available():
+            return None
+        return lambda plan, trial, trace, x: self._run_device(x, shape[1])
+
+    def _graph_signature(self) -> tuple:
+        return self._group_shapes  # [Note: MoE graph calls]: ranks with other token counts capture alike
+
+    def _graph_stage(self, plan, x: torch.Tensor):
+        return None  # the device path gathers its send rows from x itself
+
+    def _device_exchange(self, rows: int, dtype: torch.dtype, device: torch.device) -> DeviceCountAllToAll:
+        """The device path's exchange for ``rows`` send rows of ``dtype`` (made outside a capture:
+        the graph's first run makes it), made anew when its workspace grew since."""
+        if self._device_workspace is None:
+            self._device_workspace = shared_workspace(self.group, device, "device_counts")
+        key = (rows, self.hidden_size, dtype)
+        ex = self._device_exchanges.get(key)
+        if ex is None or ex._handle is not self._device_workspace.handle:
+            if len(self._device_exchanges) >= 8:
+                self._device_exchanges.clear()
+            ex = self._device_exchanges[key] = DeviceCountAllToAll(self._device_workspace, rows, self.hidden_size,
+                                                                   dtype, groups=self.num_local_experts)
+        return ex
+
+    def _run_device(self, x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        """One call by :func:`~.moe_device.experts_at_once` ([Note: MoE graph calls]);
+        ``max_tokens``: the group's largest token count this call."""
+        B, S, H = x.shape
+        x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
+        x_TH = x.reshape(B * S, H)
+        with torch.autocast(x.device.type, enabled=False):
+            exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
+            y = experts_at_once(self, x_TH, w_in, w_out, exchange)
+            shared = self._shared_expert(x_TH)
+            if shared is not None:
+                y = y + shared
+        return y.view(B, S, H)
+
+    def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared expert's output on every local token (None without one)."""
+        if self.shared_w_in is None:
+            return None
+        sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
+        return _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         tokens = shape[0] * shape[1]
@@ -667,7 +747,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
             if ranked:  # the rows go straight into the exchange's send buffer (moe_ranks.py)
                 plan, exchange = self._rank_run(plan, x.device)
-                capacity = (1 << max(max_tokens - 1, 0).bit_length()) * k  # the same on every rank
+                capacity = rows_bound(max_tokens, k)  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
                 torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
                 # its signals, the pieces' offsets and the first own piece need no host sizes: launched before the wait
@@ -680,10 +760,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
                 x_perm = _Dispatch.apply(x_TH, order, pos, k)
-            shared = None
-            if self.shared_w_in is not None:
-                sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
-                shared = _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
+            shared = self._shared_expert(x_TH)
             with profiler_range("overlap::moe::read_counts"):
                 table = count_table(read(), ws, K)  # [src][tile][dst][El]
             if ranked:

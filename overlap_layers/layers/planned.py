@@ -274,15 +274,16 @@ class PlannedLayer:
     (:class:`~overlap_layers.layers.planning.PlanCache`): a shape with no plan raises
     RuntimeError, pending verification pauses until the next eager calls, and the graph keeps the
     plan it captured. The copy-engine workspace keeps every buffer a graph captured
-    (``runtime/exchange.py``). ``OverlapMoE`` cannot be captured: it reads its all-to-all sizes
-    on the host. Replays launch no Python, so a plan whose eager calls are host-bound runs at its
+    (``runtime/exchange.py``). ``OverlapMoE``'s calls cannot be captured by the caller: they read
+    their all-to-all sizes on the host (with ``config.graph_calls`` its calls without autograd
+    capture a path that does not: [Note: MoE graph calls] in ``moe_device.py``). Replays launch no Python, so a plan whose eager calls are host-bound runs at its
     device time; ``config.cuda_graphs`` makes verification compare contenders that way, and
     ``config.graph_calls`` has the layer capture and replay its own calls ([Note: graph calls] in
     ``call_graphs.py``).
     """
 
     _has_copy_engine = False  # whether config.transport="copy_engine" has a path in this layer
-    _graphable = True  # whether a call can be captured into a CUDA graph ([Note: graph calls])
+    _graphable = True  # whether config.graph_calls may capture calls (which ones: _graphed_run)
     _plan_streams = 2  # the compute streams of the planner's plans (TilePlan.num_streams)
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
@@ -368,6 +369,18 @@ class PlannedLayer:
         """Where a no-grad graph of ``plan``'s calls keeps its input ``x`` (None: a static tensor of
         its own; [Note: staged input] in ``call_graphs.py``)."""
         return None
+
+    def _graphed_run(self, run: Callable, shape: tuple, dtype: torch.dtype, save: bool) -> Optional[Callable]:
+        """What ``config.graph_calls`` captures of a call (its signature as ``run``'s), or None
+        where the call must run eagerly: ``run`` itself by default. From agreed values only
+        (the agreed ``shape``, ``dtype``, ``save``), so every rank takes the same branch."""
+        return run
+
+    def _graph_signature(self) -> tuple:
+        """What a captured call's signature adds to this rank's inputs' shapes so that it is the
+        same on every rank ([Note: graph calls] in ``call_graphs.py``): nothing by default (every
+        rank's inputs are agreed equal)."""
+        return ()
 
     def _graph_params(self) -> tuple:
         """Where this rank's parameters and buffers live (a captured call reads them there:
@@ -561,15 +574,17 @@ class PlannedLayer:
         trace = TraceJob(asked, x.device) if asked else None
         inputs = (x,) if inputs is None else inputs
         settled = fixed is not None or self._plans.settled(pkey) is not None
-        if self._call_graphs is not None and settled and trial is None and trace is None and x.is_cuda \
+        graphed = self._graphed_run(run, shape, dtype, save) if self._call_graphs is not None else None
+        if graphed is not None and settled and trial is None and trace is None and x.is_cuda \
                 and not hooked and not in_backward and not self._capturing:
             params = [p for p in self.parameters() if p.requires_grad] if save else None
             if not (params and any(isinstance(p, DTensor) for p in params)):  # [Note: graph calls]
                 plan = self.plan
                 key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-                       tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
+                       tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs),
+                       self._graph_signature())
                 stage = None if params is not None else lambda: self._graph_stage(plan, inputs[0])
-                return self._call_graphs.run(key, inputs, lambda *ins: run(plan, None, None, *ins), params, stage)
+                return self._call_graphs.run(key, inputs, lambda *ins: graphed(plan, None, None, *ins), params, stage)
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)

@@ -241,30 +241,34 @@ class SymmetricWorkspace:
 _WORKSPACES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-def _workspace_key(group, device: torch.device) -> tuple:
-    """``(id(group), device index)``: a workspace holds its group, so the id is that group's for
-    as long as the entry lives. Not the group's name: names repeat after ``destroy_process_group``
-    and a new ``init_process_group``, while layers of the old group may still hold its workspace."""
-    return id(group), device.index if device.index is not None else torch.cuda.current_device()
+def _workspace_key(group, device: torch.device, purpose: str) -> tuple:
+    """``(id(group), device index, purpose)``: a workspace holds its group, so the id is that
+    group's for as long as the entry lives. Not the group's name: names repeat after
+    ``destroy_process_group`` and a new ``init_process_group``, while layers of the old group may
+    still hold its workspace."""
+    return id(group), device.index if device.index is not None else torch.cuda.current_device(), purpose
 
 
-def shared_workspace(group, device: torch.device) -> SymmetricWorkspace:
-    """The workspace of ``group`` on ``device``, shared by the layers that hold it (a weak cache:
-    no layer holding it, no buffer)."""
-    key = _workspace_key(group, device)
+def shared_workspace(group, device: torch.device, purpose: str = "exchange") -> SymmetricWorkspace:
+    """The workspace of ``group`` on ``device`` for ``purpose``, shared by the layers that hold it
+    (a weak cache: no layer holding it, no buffer). Exchanges whose protocols differ use
+    workspaces of their own: "exchange" for the copy-engine exchanges of this module,
+    "device_counts" for ``device_all_to_all.DeviceCountAllToAll`` (its peers write its table
+    without waiting for this rank's next call, which another protocol's data there would race)."""
+    key = _workspace_key(group, device, purpose)
     w = _WORKSPACES.get(key)
     if w is None:
         w = _WORKSPACES[key] = SymmetricWorkspace(group, torch.device("cuda", key[1]))
     return w
 
 
-def held_workspace_bytes(group, device: torch.device) -> int:
+def held_workspace_bytes(group, device: torch.device, purpose: str = "exchange") -> int:
     """Bytes of ``group``'s shared workspace on ``device`` in this process; 0 when it has none
     (CPU included). Never creates one. Ranks can differ here only when some still hold the
     workspace of layers that others have freed (garbage collection runs at different times)."""
     if device.type != "cuda":
         return 0
-    w = _WORKSPACES.get(_workspace_key(group, device))
+    w = _WORKSPACES.get(_workspace_key(group, device, purpose))
     return w.nbytes if w is not None else 0
 
 

@@ -1,0 +1,126 @@
+"""Tier 2: the MoE's device path ([Note: MoE graph calls] in ``layers/moe_device.py``) on 2 and 4
+gloo ranks against the independent dense reference ``tests/moe_reference.py``.
+
+On the CPU there is no symmetric memory, so the layer's exchange is replaced by a stand-in with
+``DeviceCountAllToAll``'s interface built from all-gathers (its rows moved by
+``copy_rows_by_table``, which ``test_device_all_to_all.py`` checks against its definition), in
+which every row the exchange does not write is NaN: a row read past the received ones, a result
+pushed to the wrong place, or a dropped assignment not masked shows as NaN in y. The exchange
+itself, the grouped GEMMs on CUDA and the captured replays are checked on GPUs
+(``tests/cuda_worker.py`` check_moe_graph_calls)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_moe import build_from_dense, make_case, reference, rel_err, rounded
+
+from overlap_layers import OverlapConfig, OverlapMoE
+from overlap_layers.layers.moe import grouped_gemm_ok
+from overlap_layers.layers.moe_device import rows_bound
+from overlap_layers.runtime.device_all_to_all import copy_rows_by_table
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+
+
+class GatheredExchange:
+    """``DeviceCountAllToAll``'s interface over all-gathers of the whole group's counts, send
+    rows and results; what it does not write is NaN."""
+
+    def __init__(self, rows, width, dtype, groups):
+        self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
+        self.send = torch.full((rows, width), float("nan"), dtype=dtype)
+        self.back = torch.full((rows, width), float("nan"), dtype=dtype)
+        self.calls = 0
+
+    def _gather(self, t):
+        out = [torch.empty_like(t) for _ in range(self.ws)]
+        dist.all_gather(out, t.contiguous())
+        return out
+
+    def dispatch(self, counts, recv):
+        assert counts.dtype == torch.int32 and counts.shape == (self.ws, self.groups)
+        self.table = torch.stack(self._gather(counts))  # [source, destination, group]
+        recv.fill_(float("nan"))
+        copy_rows_by_table(self.table, self._gather(self.send), recv, self.rank, push=False)
+        self.recv, self.calls = recv, self.calls + 1
+        return recv
+
+    @property
+    def recv_counts(self):
+        return self.table[:, self.rank]
+
+    def combine(self, results):
+        assert results.shape == self.recv.shape
+        self.back.fill_(float("nan"))
+        scratch = torch.empty_like(self.back)
+        for d, res in enumerate(self._gather(results)):  # as if every destination pushed to this rank
+            remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
+            copy_rows_by_table(self.table, remotes, res, d, push=True)
+        return self.back
+
+
+def run_device(rank, ws, case, opts, dtype):
+    """The layer's device path on this rank's tokens, with the stand-in exchange."""
+    layer = build_from_dense(case, dtype, opts)
+    max_tokens = max(b * s for b, s in case["sizes"])
+    made = []
+
+    def exchange(rows, dt, device):
+        assert rows == rows_bound(max_tokens, layer.top_k) and dt == dtype
+        made.append(GatheredExchange(rows, layer.hidden_size, dt, layer.num_local_experts))
+        return made[-1]
+
+    layer._device_exchange = exchange
+    x = case["xs"][rank].to(dtype)
+    with torch.no_grad():
+        y = layer._run_device(x, max_tokens)
+    assert grouped_gemm_ok(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
+    return dict(y=y, calls=made[0].calls)
+
+
+CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activation)
+    (2, 4, 2, "even", "random", None, None, "swiglu"),
+    (2, 6, 1, "uneven", "random", None, 4, "gelu"),
+    (4, 8, 2, "uneven", "random", None, None, "swiglu"),
+    (4, 8, 3, "zero_batch", "random", None, 4, "relu"),
+    (4, 4, 1, "zero_seq", "skewed", None, None, "swiglu"),
+    (2, 4, 2, "even", "skewed", 0.5, None, "swiglu"),
+    (4, 8, 2, "uneven", "random", 0.75, 4, "swiglu"),
+]
+
+
+@pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf,Fs,activation", CASES)
+def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation):
+    """y on every rank equals the reference on its tokens (capacity drops included), through one
+    exchange per call; no NaN from the stand-in's unwritten rows reaches y."""
+    dtype = torch.float32
+    case = make_case(17 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
+                     activation=activation)
+    opts = dict(activation=activation, capacity_factor=cf)
+    results = pools(ws).run(run_device, case, opts, dtype)
+    ref = reference(rounded(case, dtype), opts)
+    for rank, (res, want) in enumerate(zip(results, ref)):
+        assert res["calls"] == 1
+        assert res["y"].shape == want["y"].shape and res["y"].dtype == dtype
+        assert not res["y"].isnan().any(), rank
+        if want["y"].numel():
+            assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
+
+
+def graphed_runs(rank, ws):
+    """Whether ``_graphed_run`` is None, for aux loss coefficients 0 and 0.1, each without and
+    with autograd."""
+    out = []
+    for coef in (0.0, 0.1):
+        layer = OverlapMoE(8, 8, 4, 2, group=dist.group.WORLD, aux_loss_coef=coef,
+                           config=OverlapConfig(graph_calls=True))
+        with torch.no_grad():
+            layer(torch.randn(1, 3, 8))  # an eager call: its agreement sets the copy-engine floor
+        out += [layer._graphed_run(None, (1, 3, 8), torch.float32, save) is None for save in (False, True)]
+    return out
+
+
+def test_device_path_is_taken_only_where_it_applies(pool2):
+    """``_graphed_run`` (what ``config.graph_calls`` captures) is None for a training call, an aux
+    loss, and on the CPU (no symmetric memory), so those calls stay eager."""
+    assert pool2.run(graphed_runs) == [[True] * 4] * 2
