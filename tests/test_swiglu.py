@@ -25,3 +25,21 @@ def test_fused_swiglu_matches_the_formulas(dtype, tol):
     for got, want in ((swiglu(pre), want_h), (h, want_h), (dpre, want_dpre), (leaf.grad, want_dpre)):
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < tol, err
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [0, 5, 37, 80])
+def test_fused_swiglu_of_the_first_rows(rows):
+    """With a device row count, the first ``min(rows, M)`` rows equal the formula and the kernel
+    writes nothing past them (the output's memory, filled with a marker before, keeps it)."""
+    g = torch.Generator().manual_seed(4)
+    pre = torch.randn(37, 2 * 129, generator=g).to(DEVICE)
+    ga, u = pre.double().chunk(2, -1)
+    want = ga * torch.sigmoid(ga) * u
+    marker = torch.full((37 * 129,), 7.0, device=DEVICE)
+    n = min(rows, 37)
+    del marker  # the caching allocator (CUDA) hands the same block to the output; on the CPU, check the rows only
+    h = swiglu(pre, torch.tensor([rows], dtype=torch.int32, device=DEVICE))
+    assert torch.allclose(h[:n].double(), want[:n], rtol=1e-6, atol=1e-6)
+    if DEVICE.type == "cuda" and n < 37:
+        assert (h[n:] == 7.0).all()

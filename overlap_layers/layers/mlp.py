@@ -63,12 +63,13 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 # Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
 
 
-def _act(kind: str, pre_MI: torch.Tensor) -> torch.Tensor:
-    """act(pre); swiglu runs fused on CUDA (``swiglu.py``)."""
+def _act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(pre); swiglu runs fused on CUDA (``swiglu.py``), without autograd on the first ``rows``
+    rows only where given (a count on the device; the other rows are then unwritten)."""
     if kind == "swiglu":
         if torch.is_grad_enabled() and pre_MI.requires_grad:
             return swiglu_recorded(pre_MI)
-        return swiglu(pre_MI)
+        return swiglu(pre_MI, rows)
     if kind == "gelu":
         return F.gelu(pre_MI)
     return F.relu(pre_MI)

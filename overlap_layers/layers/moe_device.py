@@ -19,7 +19,8 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   expert: the rows arrive grouped by local expert (every source's rows of expert 0 first), so
   one grouped GEMM per projection runs them with offsets computed on the device; its receive
   buffer holds the bound of ``ws * rows`` (every rank's rows could come here), and the GEMMs
-  leave the rows past the offsets' end unread and unwritten;
+  and the fused SwiGLU leave the rows past the offsets' end unread and unwritten (at balanced
+  routing the bound is ``ws`` times the received rows);
 * the combine pushes each result back to its source, in send order; a row past the kept count
   (dropped by capacity) is masked to 0 and the rows return to token order by the inverse
   permutation, weighted by one ``bmm`` as in the eager call.
@@ -60,7 +61,7 @@ def experts_at_once(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.
     exchange.dispatch(counts.view(ws, El).to(torch.int32), recv)
     offs = torch.cumsum(exchange.recv_counts.sum(0), 0).to(torch.int32)
     h = torch._grouped_mm(recv, w_in.transpose(-2, -1), offs=offs)
-    y_g = torch._grouped_mm(_act(layer.activation, h), w_out.transpose(-2, -1), offs=offs)
+    y_g = torch._grouped_mm(_act(layer.activation, h, offs[-1:]), w_out.transpose(-2, -1), offs=offs)
     rows = exchange.combine(y_g)[:n]
     if layer.capacity_factor is not None:  # the dropped assignments sort last: their rows are 0
         kept = counts.sum()

@@ -13,7 +13,7 @@ Triton imports; otherwise (CPU, no Triton) the eager formulas run.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,11 @@ if triton is not None:
         return idx, mask, g_off, g, u
 
     @triton.jit
-    def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
-        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK)
+    def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, rows_ptr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        limit = n
+        if HAS_ROWS:  # only the first rows (a count on the device): the programs past them load nothing
+            limit = tl.minimum(n, tl.load(rows_ptr).to(tl.int64) * f)
+        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, limit, f, BLOCK)
         h = g * tl.sigmoid(g) * u
         tl.store(h_ptr + idx, h.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -62,15 +65,18 @@ if triton is not None:
         tl.store(h_ptr + idx, (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(pre_MI: torch.Tensor) -> torch.Tensor:
-    """``h [M, F]`` of the module reference (no autograd: call it outside recorded regions)."""
+def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h [M, F]`` of the module reference (no autograd: call it outside recorded regions).
+    ``rows``: a one-element integer tensor on the device; where given, the fused kernel computes
+    only the first ``rows`` rows and leaves the others unwritten (the eager path computes all)."""
     gate, up = pre_MI.chunk(2, dim=-1)
     if not fused_available(pre_MI):
         return F.silu(gate).mul_(up)
     h = pre_MI.new_empty(gate.shape)
     n, f = h.numel(), h.shape[-1]
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, h, n, f, BLOCK=_BLOCK)
+        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, h, n, f, h if rows is None else rows,
+                                                      HAS_ROWS=rows is not None, BLOCK=_BLOCK)
     return h
 
 
