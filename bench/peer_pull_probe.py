@@ -10,8 +10,8 @@ Every rank pulls ``rows`` rows of ``width`` bf16 from each peer (rank r starts a
 ranks' reads form permutations) into a local buffer. Printed per transport and CTA count (medians
 over the iterations, us): the pull alone, its GB/s (bytes pulled per rank), five GEMMs
 ([8192, 4096] x [4096, 4096]) alone and beside the pull, and the pull beside them. The last row is
-the library's ``DeviceCountAllToAll.dispatch`` of the same rows (plus each rank's own ``rows``,
-copied locally): its table copies and signals, then its table-driven kernel.
+the library's ``DeviceCountAllToAll`` pulling the same rows (plus each rank's own ``rows``, copied
+locally): its table copies and signals, its table-driven kernel once per source, the end signals.
 """
 import argparse
 import json
@@ -134,14 +134,17 @@ def main():
     ex = DeviceCountAllToAll(shared_workspace(group, dev, "device_counts"), ws * R, W, torch.bfloat16)
     ex.send.copy_(buf)
     per_dest = torch.full((ws,), R, dtype=torch.int32, device=dev)
-    recv = torch.empty(ws * ws * R, W, dtype=torch.bfloat16, device=dev)
+    recv = torch.empty(ws, ws * R, W, dtype=torch.bfloat16, device=dev)
     own = buf[rank * R:(rank + 1) * R]
     want_recv = torch.cat([own if s == rank else views[peers.index(s)][rank * R:(rank + 1) * R] for s in range(ws)])
     torch.cuda.synchronize()
     dist.barrier(group=group)
 
     def dispatch():
-        ex.dispatch(per_dest, recv)
+        ex.ready(per_dest)
+        for s in range(ws):
+            ex.pull(s, recv[s])
+        ex.finish()
 
     gemm_alone = _timed(gemms, args.iters, group)
     rows = []
@@ -151,7 +154,7 @@ def main():
         recv.zero_()
         pull()
         torch.cuda.synchronize()
-        ok = torch.equal(recv[:ws * R], want_recv) if pull is dispatch else torch.equal(dst, want)
+        ok = torch.equal(recv[:, :R].reshape(ws * R, W), want_recv) if pull is dispatch else torch.equal(dst, want)
         alone = _timed(pull, args.iters, group)
         g, pb = beside(pull)
         rows.append(dict(pull=name, correct=ok, pull_us=alone, gbps=nbytes / alone / 1e3, gemm_us=gemm_alone,

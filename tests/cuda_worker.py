@@ -978,13 +978,14 @@ def check_device_all_to_all(rank, ws, dev):
     """[Note: sync-free exchange]: DeviceCountAllToAll over the group's symmetric workspace equals
     the all-to-all from its definition (every rank draws every rank's counts and rows from one
     seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
-    and rows at each replay; the combine returns each row's result (3 x + 1) in send order. Three
-    groups per rank: the received rows group-major (every source's rows of group 0 first)."""
+    and rows at each replay: the pulls from every source (peers on the pull stream), then the
+    pushes of each row's result (3 x + 1) back, which ``finish`` returns in send order. Three
+    groups per rank: each source's rows by group."""
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
     ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
-    recv = torch.empty(ws * rows, W, device=dev, dtype=dt)
+    pulled = torch.empty(ws, rows, W, device=dev, dtype=dt)
     counts = torch.zeros(ws, G, dtype=torch.int32, device=dev)
 
     def table(step):
@@ -999,8 +1000,22 @@ def check_device_all_to_all(rank, ws, dev):
         return torch.randn(rows, W, generator=torch.Generator().manual_seed(2000 + ws * step + s)).to(dev, dt)
 
     def call():
-        ex.dispatch(counts, recv)
-        return ex.combine(recv * 3 + 1)
+        ex.ready(counts)
+        got = ex.recv_counts.clone()  # valid until finish: peers may write the next call's table after it
+        main, (pull, push) = torch.cuda.current_stream(), ex.streams
+        ex.pull(rank, pulled[rank])
+        pull.wait_stream(main)
+        with torch.cuda.stream(pull):
+            for j in range(1, ws):
+                ex.pull((rank + j) % ws, pulled[(rank + j) % ws])
+        main.wait_stream(pull)
+        results = pulled * 3 + 1
+        push.wait_stream(main)
+        with torch.cuda.stream(push):
+            for j in range(ws):
+                ex.push((rank + j) % ws, results[(rank + j) % ws])
+        main.wait_stream(push)
+        return ex.finish(), got
 
     graph, out = None, None
     for step in range(6):
@@ -1012,16 +1027,18 @@ def check_device_all_to_all(rank, ws, dev):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = call()
-        if graph is not None:
-            graph.replay()
-            back = out.clone()
+        if graph is None:
+            out = call()
         else:
-            back = call().clone()
-        want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum() + t[s, rank, :grp].sum()):][:int(t[s, rank, grp])]
-                          for grp in range(G) for s in range(ws)])
+            graph.replay()
+        back, got = out[0].clone(), out[1].cpu()
+        ok = torch.equal(got, t[:, rank])
+        for s in range(ws):
+            want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum() + t[s, rank, :grp].sum()):]
+                              [:int(t[s, rank, grp])] for grp in range(G)])
+            ok = ok and torch.equal(pulled[s][:want.shape[0]], want)
         n = int(t[rank].sum())
-        ok = torch.equal(recv[:want.shape[0]], want) and torch.equal(ex.recv_counts.cpu(), t[:, rank]) \
-            and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)
+        ok = ok and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)
         if not ok:
             fails += 1
             print(f"rank {rank} FAIL device all-to-all step {step} ({'replayed' if graph else 'eager'})", flush=True)

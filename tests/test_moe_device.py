@@ -17,14 +17,16 @@ from test_moe import build_from_dense, make_case, reference, rel_err, rounded
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.moe_device import rows_bound
-from overlap_layers.runtime.device_all_to_all import copy_rows_by_table
+from overlap_layers.runtime.device_all_to_all import copy_rows_by_table, segments
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
 
 
 class GatheredExchange:
-    """``DeviceCountAllToAll``'s interface over all-gathers of the whole group's counts, send
-    rows and results; what it does not write is NaN."""
+    """``DeviceCountAllToAll``'s interface over all-gathers (no side streams): ``ready`` gathers
+    every rank's counts and send rows, ``pull`` copies from them, and the i-th ``push`` of every
+    rank (the layer pushes source rank + i's results i-th) gathers every rank's results and keeps
+    those for this rank's rows. What it does not write is NaN."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
@@ -37,25 +39,33 @@ class GatheredExchange:
         dist.all_gather(out, t.contiguous())
         return out
 
-    def dispatch(self, counts, recv):
+    def ready(self, counts):
         assert counts.dtype == torch.int32 and counts.shape == (self.ws, self.groups)
         self.table = torch.stack(self._gather(counts))  # [source, destination, group]
-        recv.fill_(float("nan"))
-        copy_rows_by_table(self.table, self._gather(self.send), recv, self.rank, push=False)
-        self.recv, self.calls = recv, self.calls + 1
-        return recv
+        self.sends = self._gather(self.send)
+        self.back.fill_(float("nan"))
+        self.pushes, self.calls = 0, self.calls + 1
 
     @property
     def recv_counts(self):
         return self.table[:, self.rank]
 
-    def combine(self, results):
-        assert results.shape == self.recv.shape
-        self.back.fill_(float("nan"))
+    def pull(self, source, out):
+        out.fill_(float("nan"))
+        copy_rows_by_table(segments(self.table, self.rank, source), self.sends, out, push=False)
+        return out
+
+    def push(self, source, results):
+        assert source == (self.rank + self.pushes) % self.ws  # the order the stand-in relies on
         scratch = torch.empty_like(self.back)
-        for d, res in enumerate(self._gather(results)):  # as if every destination pushed to this rank
-            remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
-            copy_rows_by_table(self.table, remotes, res, d, push=True)
+        for d, res in enumerate(self._gather(results)):  # d pushed its results for rank (d + pushes)
+            if (d + self.pushes) % self.ws == self.rank:
+                remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
+                copy_rows_by_table(segments(self.table, d, self.rank), remotes, res, push=True)
+        self.pushes += 1
+
+    def finish(self):
+        assert self.pushes == self.ws
         return self.back
 
 
@@ -91,8 +101,8 @@ CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activa
 
 @pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf,Fs,activation", CASES)
 def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation):
-    """y on every rank equals the reference on its tokens (capacity drops included), through one
-    exchange per call; no NaN from the stand-in's unwritten rows reaches y."""
+    """y on every rank equals the reference on its tokens (capacity drops and the shared expert
+    included), through one exchange per call; no NaN from the stand-in's unwritten rows reaches y."""
     dtype = torch.float32
     case = make_case(17 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
                      activation=activation)

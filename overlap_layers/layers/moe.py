@@ -83,7 +83,7 @@ from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_device import experts_at_once, rows_bound
+from .moe_device import experts_by_source, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
@@ -634,17 +634,14 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return ex
 
     def _run_device(self, x: torch.Tensor, max_tokens: int) -> torch.Tensor:
-        """One call by :func:`~.moe_device.experts_at_once` ([Note: MoE graph calls]);
+        """One call by :func:`~.moe_device.experts_by_source` ([Note: MoE graph calls]);
         ``max_tokens``: the group's largest token count this call."""
         B, S, H = x.shape
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(x.device.type, enabled=False):
             exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
-            y = experts_at_once(self, x_TH, w_in, w_out, exchange)
-            shared = self._shared_expert(x_TH)
-            if shared is not None:
-                y = y + shared
+            y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH))
         return y.view(B, S, H)
 
     def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:

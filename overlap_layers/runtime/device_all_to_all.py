@@ -1,30 +1,31 @@
 """An all-to-all whose row counts never reach the host, so that a CUDA graph can replay it with
 new counts at each replay: the MoE's exchange in graph-replayed calls ([Note: sync-free
-exchange], ``layers/moe_device.py``).
+exchange], ``layers/moe_device.py``), split by source rank.
 
 Reference, for rank r of ws ranks, with G groups per rank (the MoE's local experts) and the count
 table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; row s comes from
 rank s), r's send rows ``send [rows, W]`` laid out by destination, then group, rank 0 first::
 
     send_start[s][d][g] = rows of table[s] before (d, g), in (d, g) order
-    dispatch : recv = for each g, for each s = 0 .. ws-1:  send_s[send_start[s][r][g] : + table[s][r][g]]
-               (group-major: every source's rows of group 0, then of group 1, ...; G = 1: by source)
-    recv_counts = table[:, r]                       ([source][group], in recv order)
-    combine(res): back_r[send_start[r][d][g] : + table[r][d][g]] = the rows of res_d that d's
-               dispatch put there for (source r, group g), for every d and g
+    pull(s)       : the rows s sends to r, by group:  for g: send_s[send_start[s][r][g] : + table[s][r][g]]
+    push(s, res)  : back_s[send_start[s][r][g] : + table[s][r][g]] = the rows of res that pull(s)
+                    put there for group g, for every g
+    recv_counts   = table[:, r]                    ([source][group])
 
-so ``back`` holds, for each of r's send rows, the result its destination computed for it, in
-send order (``combine(dispatch(send))`` with the identity is ``send[:table[r].sum()]``).
+so once every rank has pushed its results for every source, ``back`` holds, for each of r's send
+rows, the result its destination computed for it, in send order (pushing what was pulled gives
+``send[:table[r].sum()]``).
 
-:func:`segments` turns the table into one segment per (source, group) of this rank's recv rows
-(source rank, start in the source's send rows, start in recv, rows), in torch ops on the device;
-:func:`copy_rows_by_table` moves them with one Triton kernel that reads the segments on the
-device, so the counts decide how many rows it copies and where, with nothing on the host. It
-takes one pointer per source (pull: the peers' send rows into this rank's ``recv``) or per
-destination (push: this rank's results into the peers' ``back``). On CPU without Triton it is a
-torch loop over host copies of the segments (its reference, and how the CPU tests check the
+:func:`segments` turns the table into one segment per group of the rows one source sends to this
+rank (source rank, start in the source's send rows, start in the pulled rows, rows), in torch ops
+on the device; :func:`copy_rows_by_table` moves them with one Triton kernel that reads the
+segments on the device, so the counts decide how many rows it copies and where, with nothing on
+the host. It takes one pointer per source (pull: the peers' send rows into this rank's rows) or
+per destination (push: this rank's results into the peers' ``back``). On CPU without Triton it is
+a torch loop over host copies of the segments (its reference, and how the CPU tests check the
 layout). :class:`DeviceCountAllToAll` runs it over symmetric memory: each rank writes its row of
-the table into every rank's table, signals, and pulls.
+the table into every rank's table and signals (:meth:`~DeviceCountAllToAll.ready`), then pulls
+and pushes source by source, and signals again (:meth:`~DeviceCountAllToAll.finish`).
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
@@ -36,19 +37,21 @@ bf16 from each of 3 peers, 48 MiB per rank, session 30): copy-engine pulls 187 u
 Triton pull with 32 CTAs 290 us (173 GB/s), 64 CTAs 247 us, 132 CTAs 236 us; five GEMMs of 1797 us
 ran 1926 us beside the copy engine's pulls and 1994 us beside the 32-CTA kernel's. So the kernel
 costs about half as much again as the copy engine in link time and GEMM slowdown, against a host
-that takes 2-3x the device time per eager call. What is left for the MoE: route and gather into
-``send`` (device only already), size ``recv`` by a bound (every rank's rows: ``ws * rows``), run
-the grouped GEMMs with offsets from ``recv_counts`` (``torch._grouped_mm`` takes them on the
-device), combine, and capture the call: ``layers/moe_device.py`` ([Note: MoE graph calls]).
+that takes 2-3x the device time per eager call. The exchange is split by source so that the MoE
+can run each source's rows as they arrive and push their results while the next source's run
+(``layers/moe_device.py``, [Note: MoE graph calls]): a whole exchange before the experts and
+another after them ran the qwen3 forward in 4.23 ms against 3.74 eager (4x H200, session 31).
 
-Signals, on the workspace's signal pad (channels of their own, beside [Note: exchange signals]):
-per call and peer, channel TABLE "my row of your table and my send rows are in place" (put after
-the table copies, waited before the pull) and channel BACK "my results for your rows are in your
-``back``" (put after the push, waited before ``combine`` returns). Reuse without barriers: a rank
-writes its send rows and table rows (next call) only after waiting every peer's BACK, which each
-peer puts after its pull from it and after its push (the last reads of its own table); ``back``
-is written by peers only after this rank's next TABLE, so it stays valid until the next dispatch.
-Every exchange on one workspace runs on one stream, in the same order on every rank.
+Signals, on the workspace's signal pad: per call and peer, channel TABLE "my row of your table
+and my send rows are in place" (put by ``ready`` after the table copies, waited before any pull)
+and channel BACK "I have pulled from you and pushed my results for your rows into your ``back``"
+(put by ``finish``, after every pull and push, waited before it returns). Reuse without barriers:
+a rank writes its send rows and table rows (next call) only after waiting every peer's BACK, put
+after the peer's last reads of them (its pulls) and of its own table (its segments); ``back`` is
+written by peers only after this rank's next TABLE, so it stays valid until the next ``ready``.
+Every exchange on one workspace runs in the same order on every rank, its signals on one stream.
+The exchange has a workspace of its own (``runtime/exchange.py``): peers write its table with no
+signal of this rank's call, which another exchange's data in the same buffer would race.
 """
 from __future__ import annotations
 
@@ -65,29 +68,24 @@ try:
 except ImportError:  # CPU installs: the torch path
     triton = None
 
-TABLE, BACK = 2, 3  # signal channels ([Note: sync-free exchange]; the exchange's own are 0 and 1)
+TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 _ROWS = 8  # rows a program copies at a time
 _CTAS = 32  # programs: the probe's knee (173 GB/s, 11% off a GEMM beside it)
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
 
-def segments(table: torch.Tensor, rank: int) -> torch.Tensor:
-    """``[4, ws * G]`` int64 on the table's device, one column per (source s, group g) of
-    ``rank``'s recv rows (module docstring): s, where the rows begin in s's send rows, where they
-    begin in recv, how many. Columns by source in the order rank, rank + 1, ... (each rank reads
-    its own rows first and the ranks' reads spread over the peers), then by group. Device ops
-    only (a graph captures them); ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
+def segments(table: torch.Tensor, rank: int, source: int) -> torch.Tensor:
+    """``[4, G]`` int64 on the table's device, one column per group g of the rows ``source``
+    sends to ``rank`` (module docstring): the source, where the rows begin in its send rows, where
+    they begin in the pulled rows (by group), how many. Device ops only (a graph captures them);
+    ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
     ws = table.shape[0]
-    t = table.reshape(ws, ws, -1).to(torch.int64)
-    G = t.shape[2]
-    flat = t.reshape(ws, ws * G)
-    send_start = (torch.cumsum(flat, 1) - flat).view(ws, ws, G)[:, rank]  # [s, g]
-    mine = t[:, rank]  # [s, g]: rows s sends to rank's group g
-    per_group = mine.sum(0)
-    recv_start = (torch.cumsum(per_group, 0) - per_group)[None, :] + (torch.cumsum(mine, 0) - mine)
-    src = torch.remainder(torch.arange(ws, device=table.device) + rank, ws)
-    cols = [src[:, None].expand(ws, G), send_start[src], recv_start[src], mine[src]]
-    return torch.stack(cols).reshape(4, ws * G)
+    t = table.reshape(ws, ws, -1)[source].to(torch.int64)  # [d, g]: what source sends
+    G = t.shape[1]
+    flat = t.reshape(-1)
+    send_start = (torch.cumsum(flat, 0) - flat).view(ws, G)[rank]
+    n = t[rank]
+    return torch.stack([torch.full_like(n, source), send_start, torch.cumsum(n, 0) - n, n])
 
 
 def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -96,26 +94,21 @@ def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in remotes], dtype=torch.int64).to(remotes[0].device)
 
 
-def copy_rows_by_table(table: torch.Tensor, remotes: Sequence[torch.Tensor], local: torch.Tensor, rank: int,
-                       push: bool, pointers: Optional[torch.Tensor] = None,
-                       segs: Optional[torch.Tensor] = None) -> None:
-    """Copy rows as ``table`` ``[ws, ws, G]`` (or ``[ws, ws]``; int32, on ``local``'s device)
-    says (module docstring). Pull (``push=False``): ``remotes[s]`` is source s's send rows and
-    ``local`` this rank's recv rows; each :func:`segments` column's rows of ``remotes[s]`` go to
-    its rows of ``local``. Push: ``local`` holds this rank's results (recv order) and
-    ``remotes[s]`` is rank s's back rows; the same rows go the other way. Every tensor is
-    ``[*, W]``, contiguous, of one dtype, the remotes of one shape; a row past either side's rows
-    is not copied (a safety net for counts past the buffers: never a write out of bounds).
-    ``pointers``: the remotes' :func:`remote_pointers`, ``segs``: the table's :func:`segments`
-    (both made here if None)."""
-    ws = table.shape[0]
-    if len(remotes) != ws or any(t.shape != remotes[0].shape or t.dtype != local.dtype for t in remotes) \
-            or remotes[0].shape[1:] != local.shape[1:]:
-        raise ValueError(f"copy_rows_by_table: remotes {[tuple(t.shape) for t in remotes]} for a {ws}-rank table "
-                         f"and local rows {tuple(local.shape)} {local.dtype}; valid: {ws} remotes of one shape, "
-                         "rows as wide as the local ones, one dtype")
-    if segs is None:
-        segs = segments(table, rank)
+def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], local: torch.Tensor, push: bool,
+                       pointers: Optional[torch.Tensor] = None) -> None:
+    """Copy the rows of the :func:`segments` ``segs`` (``[4, n]`` int64 on ``local``'s device).
+    Pull (``push=False``): ``remotes[s]`` is rank s's send rows and ``local`` this rank's pulled
+    rows; each column's rows of ``remotes[source]`` go to its rows of ``local``. Push: ``local``
+    holds this rank's results (laid out as pulled) and ``remotes[s]`` is rank s's back rows; the
+    same rows go the other way. Every tensor is ``[*, W]``, contiguous, of one dtype, the remotes
+    of one shape; a row past either side's rows is not copied (a safety net for counts past the
+    buffers: never a write out of bounds). ``pointers``: the remotes' :func:`remote_pointers`
+    (made here if None)."""
+    if segs.dim() != 2 or segs.shape[0] != 4 or any(t.shape != remotes[0].shape or t.dtype != local.dtype
+                                                    for t in remotes) or remotes[0].shape[1:] != local.shape[1:]:
+        raise ValueError(f"copy_rows_by_table: segments {tuple(segs.shape)}, remotes "
+                         f"{[tuple(t.shape) for t in remotes]} and local rows {tuple(local.shape)} {local.dtype}; "
+                         "valid: segments [4, n], remotes of one shape, rows as wide as the local ones, one dtype")
     if runs_triton(local):
         if pointers is None:
             pointers = remote_pointers(remotes)
@@ -176,12 +169,13 @@ if triton is not None:
 
 class DeviceCountAllToAll:
     """The exchange over a group's symmetric workspace (module docstring): ``send`` (this rank's
-    send rows, ``[rows, W]``, which the caller fills), :meth:`dispatch` with this rank's counts
-    per destination and group, :meth:`combine` with the results, in that order, once each per
-    call. Nothing reads a size on the host, so a CUDA graph can capture a call and replay it with
-    other counts. The workspace layout: the table (``[ws, ws, groups]`` int32), then ``send``,
-    then ``back``; the exchange holds views of the workspace's buffer, so one made before the
-    workspace grew raises ``RuntimeError`` (make another)."""
+    send rows, ``[rows, W]``, which the caller fills), then per call :meth:`ready` with this
+    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (any
+    order, on any streams that follow ``ready``), :meth:`finish` after them. Nothing reads a size
+    on the host, so a CUDA graph can capture a call and replay it with other counts. The
+    workspace layout: the table (``[ws, ws, groups]`` int32), then ``send``, then ``back``; the
+    exchange holds views of the workspace's buffer, so one made before the workspace grew raises
+    ``RuntimeError`` (make another). ``streams``: the workspace's pull and push streams."""
 
     def __init__(self, workspace, rows: int, width: int, dtype: torch.dtype, groups: int = 1) -> None:
         w = self.w = workspace
@@ -199,7 +193,8 @@ class DeviceCountAllToAll:
         self.send, self.back = self._sends[self.rank], self._backs[self.rank]
         self._send_ptrs, self._back_ptrs = remote_pointers(self._sends), remote_pointers(self._backs)
         self._handle = w.handle
-        self._recv = self._segs = None
+        self.streams = (w.pull_stream, w.push_stream)
+        self._segs: dict = {}  # source -> its segments, this call
 
     def _signal(self, channel: int) -> None:
         peers = [(self.rank + j) % self.ws for j in range(1, self.ws)]
@@ -208,18 +203,13 @@ class DeviceCountAllToAll:
         for q in peers:
             self.w.handle.wait_signal(q, channel)
 
-    def dispatch(self, counts: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
-        """Rows ``send[...]`` to their destinations by ``counts`` (``[ws, groups]`` int32 on the
-        device, or ``[ws]`` with one group: rows for each destination's groups, in ``send`` by
-        destination then group, rank 0 first); returns ``recv`` (``[>= ws * rows, W]`` to hold any
-        counts) filled group-major (module docstring), :attr:`recv_counts` rows from each source
-        and group."""
+    def ready(self, counts: torch.Tensor) -> None:
+        """Start a call: ``counts`` (``[ws, groups]`` int32 on the device, or ``[ws]`` with one
+        group: rows of ``send`` for each destination's groups, in ``send`` by destination then
+        group, rank 0 first) into every rank's table, then the TABLE signals."""
         if self.w.handle is not self._handle:
             raise RuntimeError("DeviceCountAllToAll: the workspace was reallocated (it grew for another exchange) "
                                "since this exchange was made; make a new one")
-        if recv.shape[0] < self.ws * self.rows or recv.shape[1:] != self.send.shape[1:] or recv.dtype != self.send.dtype:
-            raise ValueError(f"recv {tuple(recv.shape)} {recv.dtype}; valid: [>= {self.ws * self.rows}, "
-                             f"{self.send.shape[1]}] {self.send.dtype} (every rank's rows could come here)")
         if counts.numel() != self.ws * self.groups or counts.dtype != torch.int32:
             raise ValueError(f"counts {tuple(counts.shape)} {counts.dtype}; valid: [{self.ws}, {self.groups}] "
                              "torch.int32 (rows for each destination rank and group)")
@@ -228,28 +218,43 @@ class DeviceCountAllToAll:
         for row in self._table_rows:
             row.copy_(counts)
         self._signal(TABLE)
-        self._segs = segments(self.table, self.rank)
-        copy_rows_by_table(self.table, self._sends, recv, self.rank, push=False, pointers=self._send_ptrs,
-                           segs=self._segs)
-        self._recv = recv
-        return recv
+        self._segs = {}
 
     @property
     def recv_counts(self) -> torch.Tensor:
-        """``[ws, groups]`` int32 on the device: rows :meth:`dispatch` received from each source
-        for each group."""
+        """``[ws, groups]`` int32 on the device: rows each source sends this rank for each group
+        (valid from :meth:`ready` to :meth:`finish`)."""
         return self.table[:, self.rank]
 
-    def combine(self, results: torch.Tensor) -> torch.Tensor:
-        """Each source's rows of ``results`` (laid out as ``recv``) back to it; returns ``back``:
-        the results for this rank's send rows, in send order (valid until the next dispatch on
-        this workspace)."""
-        if self._recv is None or results.shape != self._recv.shape or results.dtype != self.send.dtype:
-            raise ValueError(f"combine: results {tuple(results.shape)} {results.dtype}; valid: after dispatch, "
-                             f"shaped as its recv {None if self._recv is None else tuple(self._recv.shape)} "
-                             f"{self.send.dtype}")
-        copy_rows_by_table(self.table, self._backs, results, self.rank, push=True, pointers=self._back_ptrs,
-                           segs=self._segs)
+    def _segments(self, source: int) -> torch.Tensor:
+        if not 0 <= source < self.ws:
+            raise ValueError(f"source={source}; valid: a rank of the group, 0 .. {self.ws - 1}")
+        segs = self._segs.get(source)
+        if segs is None:
+            segs = self._segs[source] = segments(self.table, self.rank, source)
+        return segs
+
+    def pull(self, source: int, out: torch.Tensor) -> torch.Tensor:
+        """The rows ``source`` sends this rank into ``out`` (``[>= rows, W]``: any counts fit), by
+        group (:attr:`recv_counts` ``[source]`` rows each); returns ``out``."""
+        if out.shape[0] < self.rows or out.shape[1:] != self.send.shape[1:] or out.dtype != self.send.dtype:
+            raise ValueError(f"pull: out {tuple(out.shape)} {out.dtype}; valid: [>= {self.rows}, "
+                             f"{self.send.shape[1]}] {self.send.dtype} (a source's rows could all come here)")
+        copy_rows_by_table(self._segments(source), self._sends, out, push=False, pointers=self._send_ptrs)
+        return out
+
+    def push(self, source: int, results: torch.Tensor) -> None:
+        """The results for the rows pulled from ``source`` (``results`` laid out as :meth:`pull`
+        put them) into its ``back``."""
+        if results.shape[0] < self.rows or results.shape[1:] != self.send.shape[1:] or results.dtype != self.send.dtype:
+            raise ValueError(f"push: results {tuple(results.shape)} {results.dtype}; valid: laid out as pull's out, "
+                             f"[>= {self.rows}, {self.send.shape[1]}] {self.send.dtype}")
+        copy_rows_by_table(self._segments(source), self._backs, results, push=True, pointers=self._back_ptrs)
+
+    def finish(self) -> torch.Tensor:
+        """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
+        ``back``: the results for this rank's send rows, in send order (valid until the next
+        :meth:`ready` on this workspace)."""
         self._signal(BACK)
-        self._recv = self._segs = None
+        self._segs = {}
         return self.back
