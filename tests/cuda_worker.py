@@ -1033,9 +1033,10 @@ def check_device_all_to_all(rank, ws, dev):
             graph.replay()
         back, got = out[0].clone(), out[1].cpu()
         ok = torch.equal(got, t[:, rank])
-        for s in range(ws):
-            want = torch.cat([send_rows(step, s)[int(t[s, :rank].sum() + t[s, rank, :grp].sum()):]
-                              [:int(t[s, rank, grp])] for grp in range(G)])
+        for s in range(ws):  # s's send rows by destination s, s + 1, ...: its rows for rank begin after those
+            start = int(sum(t[s, (s + j) % ws].sum() for j in range((rank - s) % ws)))
+            want = torch.cat([send_rows(step, s)[start + int(t[s, rank, :grp].sum()):][:int(t[s, rank, grp])]
+                              for grp in range(G)])
             ok = ok and torch.equal(pulled[s][:want.shape[0]], want)
         n = int(t[rank].sum())
         ok = ok and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)

@@ -25,12 +25,19 @@ def _table(ws, rows, groups, g):
     return t.view(ws, ws, groups)
 
 
+def _send_start(table, s, r, grp):
+    """Where source s's rows for (r, grp) begin in its send rows: after its rows for the ranks
+    s, s + 1, ... before r (cyclically) and for r's earlier groups."""
+    ws = table.shape[0]
+    before = [(s + j) % ws for j in range((r - s) % ws)]
+    return int(sum(table[s, d].sum() for d in before)) + int(table[s, r, :grp].sum())
+
+
 def _want_pull(table, sends, r, s):
     """The reference pull by rank r from source s, from the definitions: for each group, the rows
-    s sends to (r, group), which start after s's rows for every earlier (rank, group)."""
+    s sends to (r, group)."""
     G = table.shape[2]
-    parts = [sends[s][int(table[s, :r].sum() + table[s, r, :grp].sum()):][:int(table[s, r, grp])] for grp in range(G)]
-    return torch.cat(parts)
+    return torch.cat([sends[s][_send_start(table, s, r, grp):][:int(table[s, r, grp])] for grp in range(G)])
 
 
 @pytest.mark.parametrize("ws,groups,rows,width,dtype", [
@@ -68,7 +75,7 @@ def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
     """Positions come from the table as it is; of each source's rows only those inside both
     buffers are copied."""
     ws, rows, W = 3, 4, 5
-    # source 0 sends 2 rows to rank 0, then 3 + 6 rows to rank 1's groups 0 and 1: 11 > 4 rows
+    # source 0 sends 2 rows to itself, then 3 + 6 rows to rank 1's groups 0 and 1: 11 > 4 rows
     table = torch.tensor([[[2, 0], [3, 6], [0, 0]], [[0, 0], [1, 0], [3, 0]], [[4, 0], [0, 0], [0, 0]]],
                          dtype=torch.int32)
     sends = [torch.arange(rows * W, dtype=torch.float32, device=DEVICE).view(rows, W) + 100 * s for s in range(ws)]

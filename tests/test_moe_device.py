@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs
 class GatheredExchange:
     """``DeviceCountAllToAll``'s interface over all-gathers (no side streams): ``ready`` gathers
     every rank's counts and send rows, ``pull`` copies from them, and the i-th ``push`` of every
-    rank (the layer pushes source rank + i's results i-th) gathers every rank's results and keeps
-    those for this rank's rows. What it does not write is NaN."""
+    rank (the layer pushes its peers' results, source rank + 1 + i's i-th, and never its own)
+    gathers every rank's results and keeps those for this rank's rows. What it does not write is
+    NaN, its own rows' places in ``back`` included."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
@@ -56,16 +57,16 @@ class GatheredExchange:
         return out
 
     def push(self, source, results):
-        assert source == (self.rank + self.pushes) % self.ws  # the order the stand-in relies on
+        assert source == (self.rank + 1 + self.pushes) % self.ws  # the order the stand-in relies on
         scratch = torch.empty_like(self.back)
-        for d, res in enumerate(self._gather(results)):  # d pushed its results for rank (d + pushes)
-            if (d + self.pushes) % self.ws == self.rank:
+        for d, res in enumerate(self._gather(results)):  # d pushed its results for rank (d + 1 + pushes)
+            if (d + 1 + self.pushes) % self.ws == self.rank:
                 remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
                 copy_rows_by_table(segments(self.table, d, self.rank), remotes, res, push=True)
         self.pushes += 1
 
     def finish(self):
-        assert self.pushes == self.ws
+        assert self.pushes == self.ws - 1
         return self.back
 
 

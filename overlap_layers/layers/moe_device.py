@@ -16,11 +16,13 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
 * routing, capacity and the send order as the eager call's (one tile), the send rows gathered
   straight into the exchange's send buffer;
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
-  expert, split by source rank: this rank's own rows are copied first (a local copy) and run
-  while the peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the
-  order rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run
-  as they arrive, and their results are pushed back on the push stream while the next peer's
-  run; the shared expert runs right after the own rows, under the first pulls;
+  expert, split by source rank: the send order puts this rank's rows for its own experts first
+  (the eager rank exchange's step order), so they run in place in the send buffer while the
+  peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
+  rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
+  arrive, and their results are pushed back on the push stream while the next peer's run; the
+  own rows' results are never pushed (the combine takes them where they are); the shared expert
+  runs right after the own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
@@ -28,9 +30,12 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
 * a row past the kept count (dropped by capacity) is masked to 0 and the rows return to token
   order by the inverse permutation, weighted by one ``bmm`` as in the eager call.
 
-Measured before the split (4x H200, session 31): one pull of every source's rows, the experts,
-one push, ran the qwen3 forward in 4.23 ms against 3.74 eager; with the kernel's copies at about
-170 GB/s, an exchange in full on each side of the experts costs more than the host it saves.
+Measured on 4x H200 (session 31), qwen3 forward: one pull of every source's rows, the experts,
+one push ran in 4.23 ms against 3.74 eager (with the kernel's copies at about 190 GB/s, a whole
+exchange on each side of the experts costs more than the host it saves); by source, with the
+own rows copied and pushed like a peer's, 3.48 ms against 3.96 eager in one run, the own rows'
+copy (a 340 us kernel at the head of the call) and the last peer's push (340 us at its tail)
+exposed.
 
 It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs, no aux loss
 (the layer hands it out as a tensor made by the call, which a replay does not make) and no
@@ -66,45 +71,48 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     ``push``, ``finish`` and, for side streams, ``streams``), with no value read on the host."""
     T, H = x_TH.shape
     k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
-    order, weights, counts = layer._route_and_count(x_TH, 1)
+    order, weights, counts = layer._route_and_count(x_TH, 1, step_order=True)  # own experts' rows first
     n = order.numel()
     torch.index_select(x_TH, 0, torch.div(order, k, rounding_mode="floor"), out=exchange.send[:n])
-    exchange.ready(counts.view(ws, El).to(torch.int32))
+    counts = counts.view(ws, El).to(torch.int32)
+    exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1).to(torch.int32)  # [source, El]: grouped-GEMM offsets
-    sources = [(rank + j) % ws for j in range(ws)]
-    bufs = {s: x_TH.new_empty((exchange.rows, H)) for s in sources}
+    peers = [(rank + j) % ws for j in range(1, ws)]
+    bufs = {s: x_TH.new_empty((exchange.rows, H)) for s in peers}
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
-    exchange.pull(rank, bufs[rank])
     arrived = {}
     if streams:
         streams[0].wait_stream(main)
     with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
-        for s in sources[1:]:
+        for s in peers:
             exchange.pull(s, bufs[s])
             if streams:
                 arrived[s] = torch.cuda.Event()
                 arrived[s].record()
-    results, added = [], None
-    for j, s in enumerate(sources):
-        if s in arrived:
+
+    def experts(rows: torch.Tensor, s: int) -> torch.Tensor:
+        h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=ends[s])
+        return torch._grouped_mm(_act(layer.activation, h, ends[s, -1:]), w_out.transpose(-2, -1), offs=ends[s])
+
+    own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
+    added = extra() if extra is not None else None
+    results = []
+    for s in peers:
+        if streams:
             main.wait_event(arrived[s])
-        h = torch._grouped_mm(bufs[s], w_in.transpose(-2, -1), offs=ends[s])
-        y_s = torch._grouped_mm(_act(layer.activation, h, ends[s, -1:]), w_out.transpose(-2, -1), offs=ends[s])
-        results.append(y_s)  # held until the pushes joined: the push stream reads it
+        results.append(experts(bufs[s], s))  # held until the pushes joined: the push stream reads it
         if streams:
             streams[1].wait_stream(main)
         with torch.cuda.stream(streams[1]) if streams else contextlib.nullcontext():
-            exchange.push(s, y_s)
-        if j == 0 and extra is not None:
-            added = extra()
+            exchange.push(s, results[-1])
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
-    rows = exchange.finish()[:n]
+    i = torch.arange(n, device=x_TH.device)[:, None]
+    rows = torch.where(i < counts[rank].sum(), own[:n], exchange.finish()[:n])  # own results were not pushed
     if layer.capacity_factor is not None:  # the dropped assignments sort last: their rows are 0
-        kept = counts.sum()
-        rows = torch.where(torch.arange(n, device=rows.device)[:, None] < kept, rows, 0)
+        rows = torch.where(i < counts.sum(), rows, 0)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
     rows = rows.index_select(0, pos).view(T, k, H)
     y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)

@@ -4,9 +4,10 @@ exchange], ``layers/moe_device.py``), split by source rank.
 
 Reference, for rank r of ws ranks, with G groups per rank (the MoE's local experts) and the count
 table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; row s comes from
-rank s), r's send rows ``send [rows, W]`` laid out by destination, then group, rank 0 first::
+rank s), r's send rows ``send [rows, W]`` laid out by destination, then group, destinations in the
+order r, r + 1, ... (its own rows first, at row 0, where its own work reads them in place)::
 
-    send_start[s][d][g] = rows of table[s] before (d, g), in (d, g) order
+    send_start[s][d][g] = rows of table[s] before (d, g), destinations in the order s, s + 1, ...
     pull(s)       : the rows s sends to r, by group:  for g: send_s[send_start[s][r][g] : + table[s][r][g]]
     push(s, res)  : back_s[send_start[s][r][g] : + table[s][r][g]] = the rows of res that pull(s)
                     put there for group g, for every g
@@ -82,8 +83,8 @@ def segments(table: torch.Tensor, rank: int, source: int) -> torch.Tensor:
     ws = table.shape[0]
     t = table.reshape(ws, ws, -1)[source].to(torch.int64)  # [d, g]: what source sends
     G = t.shape[1]
-    flat = t.reshape(-1)
-    send_start = (torch.cumsum(flat, 0) - flat).view(ws, G)[rank]
+    flat = torch.roll(t, -source, 0).reshape(-1)  # in source's send order: destinations source, source + 1, ...
+    send_start = torch.roll((torch.cumsum(flat, 0) - flat).view(ws, G), source, 0)[rank]
     n = t[rank]
     return torch.stack([torch.full_like(n, source), send_start, torch.cumsum(n, 0) - n, n])
 
