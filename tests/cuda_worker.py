@@ -1052,9 +1052,10 @@ def check_moe_graph_calls(rank, ws, dev):
     """[Note: MoE graph calls]: OverlapMoE with config.graph_calls, calls without autograd, bf16,
     uneven tokens per rank (one rank's count changing between two shapes, so two signatures), new
     tokens at every call (new routing), dropless and with capacity drops, with a shared expert:
-    every call against the float64 dense reference; the calls after the first of a signature
-    replay its graph (the layer keeps one graph per signature and its last call held graph
-    memory)."""
+    every call against the float64 dense reference, the race's eager calls, capture and replays
+    ([Note: MoE graph calls: the race]) and the calls after it; each signature's race decided, the
+    layer keeping a graph for each signature the device path won and the last call replaying
+    it if it did."""
     from moe_reference import dense_moe
     from overlap_layers import OverlapConfig, OverlapMoE
     g = torch.Generator(device="cpu").manual_seed(23)
@@ -1066,8 +1067,8 @@ def check_moe_graph_calls(rank, ws, dev):
         layer = OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
                                       capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
                                       num_tiles=1, config=OverlapConfig(graph_calls=True))
-        for step in range(8):
-            tokens = 40 + 24 * rank + (16 if rank == 0 and step >= 4 else 0)  # a second signature from step 4
+        for step in range(16):
+            tokens = 40 + 24 * rank + (16 if rank == 0 and step >= 8 else 0)  # a second signature from step 8
             x = r(1, tokens, H).to(dt)
             with torch.no_grad():
                 y = layer(x)
@@ -1075,11 +1076,15 @@ def check_moe_graph_calls(rank, ws, dev):
                                  capacity_key="prob", shared_w_in=swi.to(dt).double(),
                                  shared_w_out=swo.to(dt).double())
             fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
+        choices = [race["choice"] for race in layer._device_race._races.values()]
         held = layer._call_graphs.last_nbytes
-        if len(layer._call_graphs) != 2 or not held:
+        if len(choices) != 2 or None in choices or len(layer._call_graphs) != sum(choices) \
+                or bool(held) != choices[-1]:
             fails += 1
-            print(f"rank {rank} FAIL moe graph_calls cf={cf}: {len(layer._call_graphs)} graphs (want 2), "
-                  f"last call held {held} graph bytes (want > 0: replayed)", flush=True)
+            print(f"rank {rank} FAIL moe graph_calls cf={cf}: device path chosen {choices}, "
+                  f"{len(layer._call_graphs)} graphs kept, last call held {held} graph bytes", flush=True)
+        elif rank == 0:
+            print(f"moe graph_calls cf={cf}: device path chosen {choices}", flush=True)
     torch.cuda.synchronize()
     dist.barrier()
     return fails

@@ -135,3 +135,27 @@ def test_device_path_is_taken_only_where_it_applies(pool2):
     """``_graphed_run`` (what ``config.graph_calls`` captures) is None for a training call, an aux
     loss, and on the CPU (no symmetric memory), so those calls stay eager."""
     assert pool2.run(graphed_runs) == [[True] * 4] * 2
+
+
+def race_choices(rank, ws, eager_ms, device_ms):
+    """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
+    whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls)."""
+    from overlap_layers.layers.moe_device import DevicePathRace
+    from overlap_layers.runtime.group import shared_agreement
+    times = iter(eager_ms[rank] + device_ms[rank])
+    race = DevicePathRace(shared_agreement(dist.group.WORLD), start=lambda: None, stop=lambda _: next(times))
+    out = []
+    for _ in range(9):
+        out.append((race.choose(("sig",)), race.finish()))
+    return out
+
+
+@pytest.mark.parametrize("device_ms,wins", [([[50, 4, 4], [50, 9, 8]], False),
+                                            ([[50, 4, 4], [50, 4.5, 4.9]], True)])
+def test_race_picks_the_faster_path_alike_on_every_rank(pool2, device_ms, wins):
+    """[Note: MoE graph calls: the race]: 3 eager calls, 3 device calls, then the choice on every
+    rank from the slowest rank's best time of each, the first call of each not counted (eager
+    best: max(5, 5) = 5 ms; device best: 8 or 4.9 on rank 1, 4 on rank 0)."""
+    eager_ms = [[9, 5, 6], [9, 5, 5]]
+    want = [(False, None)] * 3 + [(True, None)] * 2 + [(True, wins)] + [(wins, None)] * 3
+    assert pool2.run(race_choices, eager_ms, device_ms) == [want, want]

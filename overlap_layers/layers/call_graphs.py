@@ -216,6 +216,7 @@ class CallGraphs:
         self._params: Optional[tuple] = None  # where the parameters were when the graphs were captured
         self._where: Optional[tuple] = None  # where they are at this call (params_kept's argument)
         self.last_nbytes = 0  # device memory the graph of the last call keeps (0: ran eagerly)
+        self._last_key: Optional[Hashable] = None  # the signature of the last call that asked for a graph
 
     def __len__(self) -> int:
         return sum(g is not None for g in self._graphs.values())
@@ -226,6 +227,11 @@ class CallGraphs:
         rank if any rank has 0. A capture at this call records ``params`` as its graphs'."""
         self._where = params
         return int(not self._graphs or params == self._params)
+
+    def forget_last(self) -> None:
+        """Drop the graph of the last call's signature (a layer that found it slower than the
+        eager call; its next calls of that signature do not ask again)."""
+        self._graphs.pop(self._last_key, None)
 
     def clear(self) -> None:
         """Drop every graph (their memory pools go with them once no pending backward holds them)."""
@@ -257,6 +263,7 @@ class CallGraphs:
         if not self.capturing:
             self.last_nbytes = 0
             return fn(*inputs)
+        self._last_key = key
         if key in self._graphs:
             self._graphs.move_to_end(key)
             graph = self._graphs[key]

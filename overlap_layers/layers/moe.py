@@ -83,7 +83,7 @@ from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_cost import MoECostModel
-from .moe_device import experts_by_source, rows_bound
+from .moe_device import DevicePathRace, experts_by_source, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
@@ -477,6 +477,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
+        self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -605,11 +606,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _graphed_run(self, run, shape: tuple, dtype: torch.dtype, save: bool):
         """[Note: MoE graph calls]: a call without autograd and aux loss, where every rank has
-        symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`;
-        any other call runs eagerly (None)."""
+        symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`
+        where the race has picked it or is timing it; any other call runs eagerly (None)."""
         if save or self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
                 or not grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=dtype, device="meta"), self.w_in,
                                        self.w_out) or not self._copy_engine_available():
+            return None
+        if not self._device_race.choose((self._group_shapes, dtype)):
             return None
         return lambda plan, trial, trace, x: self._run_device(x, shape[1])
 
@@ -682,8 +685,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if self._capturing:  # agreed: every rank raises
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
                                "split sizes (from the routing) to the host; run it eagerly")
-        return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
+        y = self._planned_call(x, shape, dtype, save, fixed,
+                               lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
+        if self._device_race.finish() is False:
+            self._call_graphs.forget_last()  # [Note: MoE graph calls: the race]
+        return y
 
     def _route_and_count(self, x_TH, K: int, step_order: bool = False):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``

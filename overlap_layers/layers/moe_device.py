@@ -37,6 +37,10 @@ own rows copied and pushed like a peer's, 3.48 ms against 3.96 eager in one run,
 copy (a 340 us kernel at the head of the call) and the last peer's push (340 us at its tail)
 exposed.
 
+Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
+:class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
+the copy engine or NCCL is faster than this path's kernel copies.
+
 It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs, no aux loss
 (the layer hands it out as a tensor made by the call, which a replay does not make) and no
 autograd (a training call stays eager). The exchange uses a workspace of its own
@@ -45,6 +49,15 @@ this rank's call, which data of another exchange in the same buffer would race. 
 signature holds every rank's (batch, seq), so that ranks holding different token counts capture
 at the same calls. The plan the layer verified on its eager calls does not apply: this path always
 splits by source.
+
+[Note: MoE graph calls: the race]
+At the first calls of a signature whose plan is settled, the layer times both: ``ROUNDS + 1``
+eager calls, then ``ROUNDS + 1`` calls of the device path (the first captures), each from an event
+recorded before its first launch to one after its output (the eager call's host syncs and
+launches included: its GPU idles while the host launches), the first of each not counted. The
+group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
+the path for every later call of the signature; a graph that lost is dropped. On 4x H200 the
+qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31).
 """
 from __future__ import annotations
 
@@ -54,6 +67,59 @@ from typing import Callable, Optional
 import torch
 
 from .mlp import _act
+
+
+ROUNDS = 2  # timed calls of each path in the race
+
+
+def _event_start() -> torch.cuda.Event:
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start
+
+
+def _event_stop(start: torch.cuda.Event) -> float:
+    """Milliseconds on the current stream since ``start`` (waits for them)."""
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+class DevicePathRace:
+    """[Note: MoE graph calls: the race]: per signature, whether its calls run the device path.
+    :meth:`choose` at a call says which path it runs (and starts timing it while racing),
+    :meth:`finish` after the call stops the timing and, after the last timed call, decides."""
+
+    def __init__(self, agreement, start: Callable = None, stop: Callable = None) -> None:
+        self._agreement = agreement
+        self._start, self._stop = start or _event_start, stop or _event_stop  # a clock: CUDA events
+        self._races: dict = {}  # signature -> {"eager": [ms], "device": [ms], "choice": None | bool}
+        self._timing = None  # (the race, its list, the clock's start) of the call being timed
+
+    def choose(self, signature) -> bool:
+        race = self._races.setdefault(signature, {"eager": [], "device": [], "choice": None})
+        if race["choice"] is not None:
+            return race["choice"]
+        device = len(race["eager"]) > ROUNDS
+        self._timing = (race, race["device" if device else "eager"], self._start())
+        return device
+
+    def finish(self) -> Optional[bool]:
+        """End the timing of the call (if timed); returns the choice made at it, if any (the
+        device path lost: False), else None."""
+        if self._timing is None:
+            return None
+        race, times, start = self._timing
+        self._timing = None
+        times.append(self._stop(start))
+        if len(race["device"]) <= ROUNDS:
+            return None
+        mine = (round(min(race["eager"][1:]) * 1e3), round(min(race["device"][1:]) * 1e3))  # us
+        rows = self._agreement.gather(mine)
+        eager_us, device_us = max(r[0] for r in rows), max(r[1] for r in rows)
+        race["choice"] = device_us < eager_us
+        return race["choice"]
 
 
 def rows_bound(max_tokens: int, top_k: int) -> int:

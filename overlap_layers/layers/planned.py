@@ -371,9 +371,10 @@ class PlannedLayer:
         return None
 
     def _graphed_run(self, run: Callable, shape: tuple, dtype: torch.dtype, save: bool) -> Optional[Callable]:
-        """What ``config.graph_calls`` captures of a call (its signature as ``run``'s), or None
-        where the call must run eagerly: ``run`` itself by default. From agreed values only
-        (the agreed ``shape``, ``dtype``, ``save``), so every rank takes the same branch."""
+        """What ``config.graph_calls`` captures of a call whose plan is settled (its signature as
+        ``run``'s), or None where the call must run eagerly ([Note: graph calls]): ``run`` itself
+        by default. From agreed values and the call history only (the agreed ``shape``,
+        ``dtype``, ``save``), so every rank takes the same branch."""
         return run
 
     def _graph_signature(self) -> tuple:
@@ -574,11 +575,11 @@ class PlannedLayer:
         trace = TraceJob(asked, x.device) if asked else None
         inputs = (x,) if inputs is None else inputs
         settled = fixed is not None or self._plans.settled(pkey) is not None
-        graphed = self._graphed_run(run, shape, dtype, save) if self._call_graphs is not None else None
-        if graphed is not None and settled and trial is None and trace is None and x.is_cuda \
+        if self._call_graphs is not None and settled and trial is None and trace is None and x.is_cuda \
                 and not hooked and not in_backward and not self._capturing:
+            graphed = self._graphed_run(run, shape, dtype, save)
             params = [p for p in self.parameters() if p.requires_grad] if save else None
-            if not (params and any(isinstance(p, DTensor) for p in params)):  # [Note: graph calls]
+            if graphed is not None and not (params and any(isinstance(p, DTensor) for p in params)):
                 plan = self.plan
                 key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                        tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs),
