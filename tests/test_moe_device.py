@@ -143,7 +143,13 @@ def race_choices(rank, ws, eager_ms, device_ms):
     from overlap_layers.layers.moe_device import DevicePathRace
     from overlap_layers.runtime.group import shared_agreement
     times = iter(eager_ms[rank] + device_ms[rank])
-    race = DevicePathRace(shared_agreement(dist.group.WORLD), start=lambda: None, stop=lambda _: next(times))
+
+    class Clock:  # the call's time at stop, read as it is
+        start = staticmethod(lambda: None)
+        stop = staticmethod(lambda _: next(times))
+        read = staticmethod(lambda ms: ms)
+
+    race = DevicePathRace(shared_agreement(dist.group.WORLD), Clock)
     out = []
     for _ in range(9):
         out.append((race.choose(("sig",)), race.finish()))

@@ -27,8 +27,9 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
   offsets' end unread and unwritten;
-* a row past the kept count (dropped by capacity) is masked to 0 and the rows return to token
-  order by the inverse permutation, weighted by one ``bmm`` as in the eager call.
+* the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
+  (own rows in the own results, the others in ``back``, a row past the kept count, dropped by
+  capacity, as 0) and sums them weighted.
 
 Measured on 4x H200 (session 31), qwen3 forward: one pull of every source's rows, the experts,
 one push ran in 4.23 ms against 3.74 eager (with the kernel's copies at about 190 GB/s, a whole
@@ -54,7 +55,9 @@ splits by source.
 At the first calls of a signature whose plan is settled, the layer times both: ``ROUNDS + 1``
 eager calls, then ``ROUNDS + 1`` calls of the device path (the first captures), each from an event
 recorded before its first launch to one after its output (the eager call's host syncs and
-launches included: its GPU idles while the host launches), the first of each not counted. The
+launches included: its GPU idles while the host launches), the first of each not counted. No
+call waits for its events (a wait would leave the GPU idle at the next call's start, which the
+eager call's launches would then pay and a replay would not); the last one's read waits. The
 group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
 the path for every later call of the signature; a graph that lost is dropped. On 4x H200 the
 qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31).
@@ -67,23 +70,30 @@ from typing import Callable, Optional
 import torch
 
 from .mlp import _act
+from .moe_combine import combine_rows
 
 
 ROUNDS = 2  # timed calls of each path in the race
 
 
-def _event_start() -> torch.cuda.Event:
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
-    return start
+class EventClock:
+    """The race's clock: :meth:`start` and :meth:`stop` record events on the current stream
+    (no wait), :meth:`read` the milliseconds between them (waits for the second)."""
 
+    @staticmethod
+    def start() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-def _event_stop(start: torch.cuda.Event) -> float:
-    """Milliseconds on the current stream since ``start`` (waits for them)."""
-    end = torch.cuda.Event(enable_timing=True)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    @staticmethod
+    def stop(start: torch.cuda.Event) -> tuple:
+        return start, EventClock.start()
+
+    @staticmethod
+    def read(span: tuple) -> float:
+        span[1].synchronize()
+        return span[0].elapsed_time(span[1])
 
 
 class DevicePathRace:
@@ -91,10 +101,10 @@ class DevicePathRace:
     :meth:`choose` at a call says which path it runs (and starts timing it while racing),
     :meth:`finish` after the call stops the timing and, after the last timed call, decides."""
 
-    def __init__(self, agreement, start: Callable = None, stop: Callable = None) -> None:
+    def __init__(self, agreement, clock=EventClock) -> None:
         self._agreement = agreement
-        self._start, self._stop = start or _event_start, stop or _event_stop  # a clock: CUDA events
-        self._races: dict = {}  # signature -> {"eager": [ms], "device": [ms], "choice": None | bool}
+        self._clock = clock
+        self._races: dict = {}  # signature -> {"eager": [span], "device": [span], "choice": None | bool}
         self._timing = None  # (the race, its list, the clock's start) of the call being timed
 
     def choose(self, signature) -> bool:
@@ -102,7 +112,7 @@ class DevicePathRace:
         if race["choice"] is not None:
             return race["choice"]
         device = len(race["eager"]) > ROUNDS
-        self._timing = (race, race["device" if device else "eager"], self._start())
+        self._timing = (race, race["device" if device else "eager"], self._clock.start())
         return device
 
     def finish(self) -> Optional[bool]:
@@ -110,12 +120,12 @@ class DevicePathRace:
         device path lost: False), else None."""
         if self._timing is None:
             return None
-        race, times, start = self._timing
+        race, spans, start = self._timing
         self._timing = None
-        times.append(self._stop(start))
+        spans.append(self._clock.stop(start))
         if len(race["device"]) <= ROUNDS:
             return None
-        mine = (round(min(race["eager"][1:]) * 1e3), round(min(race["device"][1:]) * 1e3))  # us
+        mine = tuple(round(min(self._clock.read(s) for s in race[path][1:]) * 1e3) for path in ("eager", "device"))
         rows = self._agreement.gather(mine)
         eager_us, device_us = max(r[0] for r in rows), max(r[1] for r in rows)
         race["choice"] = device_us < eager_us
@@ -175,11 +185,8 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
-    i = torch.arange(n, device=x_TH.device)[:, None]
-    rows = torch.where(i < counts[rank].sum(), own[:n], exchange.finish()[:n])  # own results were not pushed
-    if layer.capacity_factor is not None:  # the dropped assignments sort last: their rows are 0
-        rows = torch.where(i < counts.sum(), rows, 0)
+    back = exchange.finish()  # own results were not pushed: the combine reads them in place
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
-    rows = rows.index_select(0, pos).view(T, k, H)
-    y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+    kept = counts.sum() if layer.capacity_factor is not None else None  # dropped assignments sort last
+    y = combine_rows(own, back, pos, weights, counts[rank].sum(), kept)
     return y if added is None else y + added
