@@ -17,14 +17,12 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   straight into the exchange's send buffer;
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
   expert, split by source rank: the send order puts this rank's rows for its own experts first
-  (the eager rank exchange's step order), so the rows of its first half of experts run in place
-  in the send buffer while the peers' rows are pulled on the workspace's pull stream (one kernel
-  per peer, in the order rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each
-  peer's rows run as they arrive, and their results are pushed back on the push stream while the
-  next peer's run; the own rows of the second half of experts, pulled locally behind the peers'
-  rows, run last, under the last peer's push (which otherwise ended the call exposed); the own
-  results are never pushed (the combine reads them where they are); the shared expert runs
-  right after the first own rows, under the first pulls;
+  (the eager rank exchange's step order), so they run in place in the send buffer while the
+  peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
+  rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
+  arrive, and their results are pushed back on the push stream while the next peer's run; the
+  own rows' results are never pushed (the combine takes them where they are); the shared expert
+  runs right after the own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
