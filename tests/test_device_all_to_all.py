@@ -137,17 +137,3 @@ def test_exchange_checks_its_arguments_and_its_workspace():
     w.reserve(w.nbytes + 1)  # another exchange grew the workspace
     with pytest.raises(RuntimeError, match="make a new one"):
         ex.ready(counts)
-
-
-def test_a_pull_of_some_groups_takes_their_rows_from_row_zero():
-    """``segments(..., groups=(a, b))``: the rows of groups a .. b - 1 alone, from the first row
-    (the MoE's own rows of its later experts)."""
-    ws, G, rows, W = 3, 4, 20, 6
-    g = torch.Generator().manual_seed(5)
-    table = _table(ws, rows, G, g)
-    sends = [torch.randn(rows, W, generator=g).to(DEVICE) for _ in range(ws)]
-    for r, s, (a, b) in ((0, 0, (2, 4)), (1, 2, (1, 2)), (2, 1, (0, 3))):
-        out = torch.full((rows, W), float("nan"), device=DEVICE)
-        copy_rows_by_table(segments(table.to(DEVICE), r, s, (a, b)), sends, out, push=False)
-        want = torch.cat([sends[s][_send_start(table, s, r, grp):][:int(table[s, r, grp])] for grp in range(a, b)])
-        assert torch.equal(out[:want.shape[0]], want) and out[want.shape[0]:].isnan().all(), (r, s, a, b)

@@ -51,9 +51,9 @@ class GatheredExchange:
     def recv_counts(self):
         return self.table[:, self.rank]
 
-    def pull(self, source, out, groups=None):
+    def pull(self, source, out):
         out.fill_(float("nan"))
-        copy_rows_by_table(segments(self.table, self.rank, source, groups), self.sends, out, push=False)
+        copy_rows_by_table(segments(self.table, self.rank, source), self.sends, out, push=False)
         return out
 
     def push(self, source, results):

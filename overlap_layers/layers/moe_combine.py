@@ -2,12 +2,10 @@
 elsewhere): the weighted sum of each token's k result rows, read where they are.
 
 Reference (``own [>= n, H]``, ``back [>= n, H]``: result rows in send order, the first ``n_own``
-of them in ``own`` and the rest in ``back``, or, with ``tail``, the first ``n_head`` in ``own``
-and the next ones up to ``n_own`` in ``tail`` from its row 0; ``pos [T*k]``: the send-order row
-of each token-major assignment; ``weights [T, k]``; ``kept``: rows past it were dropped by
-capacity)::
+of them in ``own`` and the rest in ``back``; ``pos [T*k]``: the send-order row of each token-major
+assignment; ``weights [T, k]``; ``kept``: rows past it were dropped by capacity)::
 
-    row(p)  = own[p] if p < n_head else tail[p - n_head] if p < n_own else back[p] if p < kept else 0
+    row(p)  = own[p] if p < n_own else back[p] if p < kept else 0
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'
                                                                          dtype, summed in float32)
 
@@ -32,36 +30,27 @@ except ImportError:  # CPU installs: the torch path
 
 
 def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                 n_own: torch.Tensor, kept: Optional[torch.Tensor] = None, tail: Optional[torch.Tensor] = None,
-                 n_head: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y [T, H]`` of the module reference; ``n_own``, ``kept`` and ``n_head`` are one-element
-    integer tensors on the device (``kept`` None: every row kept; ``n_head`` with ``tail`` only).
-    ``own``, ``back`` and ``tail`` are contiguous ``[*, H]`` of one dtype, ``pos`` ``T*k`` indices
-    below the rows of ``own`` and ``back``."""
+                 n_own: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [T, H]`` of the module reference; ``n_own`` and ``kept`` are one-element integer
+    tensors on the device (``kept`` None: every row kept). ``own`` and ``back`` are contiguous
+    ``[*, H]`` of one dtype, ``pos`` ``T*k`` indices below the rows of both."""
     T, k = weights.shape
     H = own.shape[1]
-    if own.dtype != back.dtype or back.shape[1] != H or pos.numel() != T * k or (tail is None) != (n_head is None) \
-            or (tail is not None and (tail.dtype != own.dtype or tail.shape[1] != H)):
+    if own.dtype != back.dtype or back.shape[1] != H or pos.numel() != T * k:
         raise ValueError(f"combine_rows: own {tuple(own.shape)} {own.dtype}, back {tuple(back.shape)} {back.dtype}, "
-                         f"tail {None if tail is None else (tuple(tail.shape), tail.dtype)}, n_head "
-                         f"{'set' if n_head is not None else None}, pos of {pos.numel()} for weights "
-                         f"{tuple(weights.shape)}; valid: rows of one width and dtype, tail and n_head together, "
-                         "T*k positions")
+                         f"pos of {pos.numel()} for weights {tuple(weights.shape)}; valid: rows of one width and "
+                         "dtype, T*k positions")
     if runs_triton(own) and own.is_contiguous() and back.is_contiguous():
         y = own.new_empty((T, H))
         if T:
             block = min(1024, triton.next_power_of_2(H))
-            w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
-            _combine_kernel[(T,)](own, back, own if tail is None else tail, pos.contiguous(), w, y,
-                                  n_own, n_own if kept is None else kept, n_own if n_head is None else n_head, H=H, K=k,
-                                  HAS_KEPT=kept is not None, HAS_TAIL=tail is not None, BLOCK_H=block, num_warps=4)
+            _combine_kernel[(T,)](own, back, pos.contiguous(), weights.contiguous(), y, n_own,
+                                  n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
+                                  BLOCK_H=block, num_warps=4)
         return y
     n = pos.numel()
     i = torch.arange(n, device=own.device)[:, None]
     rows = torch.where(i < n_own, own[:n], back[:n])
-    if tail is not None:
-        from_tail = tail[(i[:, 0] - n_head).clamp(0, tail.shape[0] - 1)]
-        rows = torch.where((i >= n_head) & (i < n_own), from_tail, rows)
     if kept is not None:
         rows = torch.where(i < kept, rows, 0)
     rows = rows.index_select(0, pos).view(T, k, H)
@@ -70,15 +59,12 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(own_ptr, back_ptr, tail_ptr, pos_ptr, w_ptr, y_ptr, n_own_ptr, kept_ptr, n_head_ptr,
-                        H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_TAIL: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-        """One token per program: its k rows, each from ``own``, ``tail`` or ``back`` (module
-        docstring)."""
+    def _combine_kernel(own_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_own_ptr, kept_ptr, H: tl.constexpr,
+                        K: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token per program: its k rows, each from ``own`` or ``back`` (module docstring)."""
         t = tl.program_id(0).to(tl.int64)
         n_own = tl.load(n_own_ptr).to(tl.int64)
         kept = tl.load(kept_ptr).to(tl.int64)
-        n_head = tl.load(n_head_ptr).to(tl.int64)
         c = tl.arange(0, BLOCK_H)
         for h0 in tl.static_range(0, H, BLOCK_H):
             cols = h0 + c
@@ -86,13 +72,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             for j in tl.static_range(K):
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
-                w = tl.load(w_ptr + t * K + j).to(tl.float32)
+                w = tl.load(w_ptr + t * K + j).to(y_ptr.dtype.element_ty).to(tl.float32)
                 live = p < kept if HAS_KEPT else p >= 0
-                a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_head), other=0.0)
+                a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_own), other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)
                 acc += w * (a.to(tl.float32) + b.to(tl.float32))
-                if HAS_TAIL:
-                    c_ = tl.load(tail_ptr + (p - n_head) * H + cols, mask=cm & live & (p >= n_head) & (p < n_own),
-                                 other=0.0)
-                    acc += w * c_.to(tl.float32)
             tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)

@@ -138,22 +138,6 @@ def rows_bound(max_tokens: int, top_k: int) -> int:
     return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
 
 
-def _pull_tail(exchange, rank: int, half: int, El: int, bufs: dict, peers: list, streams, main, on):
-    """``(rows, event)``: the own rows of experts ``half`` .. ``El - 1``, pulled (a local copy)
-    on the pull stream, after the peers' pulls, into the first peer's buffer once its experts ran
-    (a new buffer without peers); the event follows the copy (None without streams)."""
-    out = bufs[peers[0]] if peers else exchange.send.new_empty(exchange.send.shape)
-    done = None
-    if streams:
-        streams[0].wait_stream(main)
-    with on(streams and streams[0]):
-        exchange.pull(rank, out, (half, El))
-        if streams:
-            done = torch.cuda.Event()
-            done.record()
-    return out, done
-
-
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
                       extra: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
@@ -169,54 +153,40 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     counts = counts.view(ws, El).to(torch.int32)
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1).to(torch.int32)  # [source, El]: grouped-GEMM offsets
-    half = El // 2  # own experts half .. El-1 run last (their rows pulled locally), the others first
     peers = [(rank + j) % ws for j in range(1, ws)]
     bufs = {s: x_TH.new_empty((exchange.rows, H)) for s in peers}
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
-
-    def on(stream):
-        return torch.cuda.stream(stream) if streams else contextlib.nullcontext()
-
-    def experts(rows: torch.Tensor, offs: torch.Tensor, a: int = 0, b: int = El) -> torch.Tensor:
-        h = torch._grouped_mm(rows, w_in[a:b].transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(_act(layer.activation, h, offs[-1:]), w_out[a:b].transpose(-2, -1), offs=offs)
-
     arrived = {}
     if streams:
         streams[0].wait_stream(main)
-    with on(streams and streams[0]):
+    with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
         for s in peers:
             exchange.pull(s, bufs[s])
             if streams:
                 arrived[s] = torch.cuda.Event()
                 arrived[s].record()
-    # in place: this rank's rows for its own experts lead its send rows, those of experts < half first
-    head = experts(exchange.send, ends[rank, :half], 0, half) if half else None
+
+    def experts(rows: torch.Tensor, s: int) -> torch.Tensor:
+        h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=ends[s])
+        return torch._grouped_mm(_act(layer.activation, h, ends[s, -1:]), w_out.transpose(-2, -1), offs=ends[s])
+
+    own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None
     results = []
-    for j, s in enumerate(peers):
+    for s in peers:
         if streams:
             main.wait_event(arrived[s])
-        results.append(experts(bufs[s], ends[s]))  # held until the pushes joined: the push stream reads it
+        results.append(experts(bufs[s], s))  # held until the pushes joined: the push stream reads it
         if streams:
             streams[1].wait_stream(main)
-        with on(streams and streams[1]):
+        with torch.cuda.stream(streams[1]) if streams else contextlib.nullcontext():
             exchange.push(s, results[-1])
-        if j == 0:
-            tail_rows, tail_pulled = _pull_tail(exchange, rank, half, El, bufs, peers, streams, main, on)
-    if not peers:
-        tail_rows, tail_pulled = _pull_tail(exchange, rank, half, El, bufs, peers, streams, main, on)
-    if streams:
-        main.wait_event(tail_pulled)
-    tail_ends = ends[rank, half:] - (ends[rank, half - 1] if half else 0)
-    tail = experts(tail_rows, tail_ends, half, El)  # under the last peer's push
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
     back = exchange.finish()  # own results were not pushed: the combine reads them in place
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
     kept = counts.sum() if layer.capacity_factor is not None else None  # dropped assignments sort last
-    n_head = ends[rank, half - 1] if half else torch.zeros((), dtype=torch.int32, device=x_TH.device)
-    y = combine_rows(tail if head is None else head, back, pos, weights, counts[rank].sum(), kept, tail, n_head)
+    y = combine_rows(own, back, pos, weights, counts[rank].sum(), kept)
     return y if added is None else y + added

@@ -56,7 +56,7 @@ signal of this rank's call, which another exchange's data in the same buffer wou
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,20 +75,17 @@ _CTAS = 32  # programs: the probe's knee (173 GB/s, 11% off a GEMM beside it)
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
 
-def segments(table: torch.Tensor, rank: int, source: int, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def segments(table: torch.Tensor, rank: int, source: int) -> torch.Tensor:
     """``[4, G]`` int64 on the table's device, one column per group g of the rows ``source``
     sends to ``rank`` (module docstring): the source, where the rows begin in its send rows, where
-    they begin in the pulled rows (by group), how many; ``groups=(a, b)``: groups a .. b - 1 only,
-    pulled from row 0. Device ops only (a graph captures them); ``table`` is ``[ws, ws, G]`` (or
-    ``[ws, ws]``: G = 1)."""
+    they begin in the pulled rows (by group), how many. Device ops only (a graph captures them);
+    ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
     ws = table.shape[0]
     t = table.reshape(ws, ws, -1)[source].to(torch.int64)  # [d, g]: what source sends
     G = t.shape[1]
     flat = torch.roll(t, -source, 0).reshape(-1)  # in source's send order: destinations source, source + 1, ...
     send_start = torch.roll((torch.cumsum(flat, 0) - flat).view(ws, G), source, 0)[rank]
     n = t[rank]
-    if groups is not None:
-        send_start, n = send_start[groups[0]:groups[1]], n[groups[0]:groups[1]]
     return torch.stack([torch.full_like(n, source), send_start, torch.cumsum(n, 0) - n, n])
 
 
@@ -230,24 +227,21 @@ class DeviceCountAllToAll:
         (valid from :meth:`ready` to :meth:`finish`)."""
         return self.table[:, self.rank]
 
-    def _segments(self, source: int, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    def _segments(self, source: int) -> torch.Tensor:
         if not 0 <= source < self.ws:
             raise ValueError(f"source={source}; valid: a rank of the group, 0 .. {self.ws - 1}")
-        if groups is not None and not 0 <= groups[0] < groups[1] <= self.groups:
-            raise ValueError(f"groups={groups}; valid: (a, b) with 0 <= a < b <= {self.groups}")
-        segs = self._segs.get((source, groups))
+        segs = self._segs.get(source)
         if segs is None:
-            segs = self._segs[source, groups] = segments(self.table, self.rank, source, groups)
+            segs = self._segs[source] = segments(self.table, self.rank, source)
         return segs
 
-    def pull(self, source: int, out: torch.Tensor, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    def pull(self, source: int, out: torch.Tensor) -> torch.Tensor:
         """The rows ``source`` sends this rank into ``out`` (``[>= rows, W]``: any counts fit), by
-        group (:attr:`recv_counts` ``[source]`` rows each; ``groups=(a, b)``: groups a .. b - 1,
-        from row 0); returns ``out``."""
+        group (:attr:`recv_counts` ``[source]`` rows each); returns ``out``."""
         if out.shape[0] < self.rows or out.shape[1:] != self.send.shape[1:] or out.dtype != self.send.dtype:
             raise ValueError(f"pull: out {tuple(out.shape)} {out.dtype}; valid: [>= {self.rows}, "
                              f"{self.send.shape[1]}] {self.send.dtype} (a source's rows could all come here)")
-        copy_rows_by_table(self._segments(source, groups), self._sends, out, push=False, pointers=self._send_ptrs)
+        copy_rows_by_table(self._segments(source), self._sends, out, push=False, pointers=self._send_ptrs)
         return out
 
     def push(self, source: int, results: torch.Tensor) -> None:
