@@ -44,7 +44,8 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
         y = own.new_empty((T, H))
         if T:
             block = min(1024, triton.next_power_of_2(H))
-            _combine_kernel[(T,)](own, back, pos.contiguous(), weights.contiguous(), y, n_own,
+            w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
+            _combine_kernel[(T,)](own, back, pos.contiguous(), w, y, n_own,
                                   n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
                                   BLOCK_H=block, num_warps=4)
         return y
@@ -72,7 +73,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             for j in tl.static_range(K):
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
-                w = tl.load(w_ptr + t * K + j).to(y_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(w_ptr + t * K + j).to(tl.float32)
                 live = p < kept if HAS_KEPT else p >= 0
                 a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_own), other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)

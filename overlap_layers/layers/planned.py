@@ -586,6 +586,8 @@ class PlannedLayer:
                        self._graph_signature())
                 stage = None if params is not None else lambda: self._graph_stage(plan, inputs[0])
                 return self._call_graphs.run(key, inputs, lambda *ins: graphed(plan, None, None, *ins), params, stage)
+        if self._call_graphs is not None:
+            self._call_graphs.last_nbytes = 0  # this call runs eagerly: it keeps no graph memory
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)
