@@ -71,9 +71,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OverlapConfig
-from ..runtime import resolve_group
+from ..runtime import resolve_group, triton_gate
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime import triton_gate
 from ..runtime.device_all_to_all import DeviceCountAllToAll
 from ..runtime.exchange import held_workspace_bytes, shared_workspace
 from ..runtime.executor import profiler_range
@@ -684,7 +683,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                                 shape_names=(None, None, "hidden"))
         if self._capturing:  # agreed: every rank raises
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
-                               "split sizes (from the routing) to the host; run it eagerly")
+                               "split sizes (from the routing) to the host; run it eagerly, or build it with "
+                               "OverlapConfig(graph_calls=True), whose calls without autograd replay graphs of a "
+                               "path with the sizes on the device")
         y = self._planned_call(x, shape, dtype, save, fixed,
                                lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
         if self._device_race.finish() is False:

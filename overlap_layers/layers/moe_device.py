@@ -31,12 +31,13 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   (own rows in the own results, the others in ``back``, a row past the kept count, dropped by
   capacity, as 0) and sums them weighted.
 
-Measured on 4x H200 (session 31), qwen3 forward: one pull of every source's rows, the experts,
-one push ran in 4.23 ms against 3.74 eager (with the kernel's copies at about 190 GB/s, a whole
-exchange on each side of the experts costs more than the host it saves); by source, with the
-own rows copied and pushed like a peer's, 3.48 ms against 3.96 eager in one run, the own rows'
-copy (a 340 us kernel at the head of the call) and the last peer's push (340 us at its tail)
-exposed.
+Measured on 4x H200 (session 31, ``bench/results/session31_h200x4_2026-11-27.md``), qwen3
+forward: one pull of every source's rows, the experts, one push ran in 4.23 ms against 3.74 eager
+(with the kernel's copies at about 190 GB/s, a whole exchange on each side of the experts costs
+more than the host it saves); by source, with the own rows copied and pushed like a peer's, 3.48
+ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
+serial), 1.73x the limit: the last peer's push (about 270 us) stays exposed. Running the second
+half of the own experts last, under that push, did not pay (2.89 ms) and was reverted.
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -74,6 +75,7 @@ from .moe_combine import combine_rows
 
 
 ROUNDS = 2  # timed calls of each path in the race
+MAX_SIGNATURES = 64  # races kept per layer
 
 
 class EventClock:
@@ -108,7 +110,11 @@ class DevicePathRace:
         self._timing = None  # (the race, its list, the clock's start) of the call being timed
 
     def choose(self, signature) -> bool:
-        race = self._races.setdefault(signature, {"eager": [], "device": [], "choice": None})
+        race = self._races.get(signature)
+        if race is None:
+            if len(self._races) >= MAX_SIGNATURES:  # the oldest is raced again if it comes back
+                self._races.pop(next(iter(self._races)))
+            race = self._races[signature] = {"eager": [], "device": [], "choice": None}
         if race["choice"] is not None:
             return race["choice"]
         device = len(race["eager"]) > ROUNDS
