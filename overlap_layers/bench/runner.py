@@ -245,9 +245,9 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":
                     # persistent symmetric memory (the group's layers share it), outside the allocator's peak
                     info["workspace_bytes"] = held_workspace_bytes(b.group, device)
-                if info.get("graph_bytes") and device.type == "cuda":  # the MoE's device path: a workspace of its own
-                    info["workspace_bytes"] = info.get("workspace_bytes", 0) + \
-                        held_workspace_bytes(b.group, device, "device_counts")
+                held = held_workspace_bytes(b.group, device, "device_counts")
+                if held:  # the MoE's device path: a workspace of its own, held once it ran (its race lost or not)
+                    info["workspace_bytes"] = info.get("workspace_bytes", 0) + held
             if layer_mode and plan is not None:
                 if mode == "auto":
                     info["predicted_ms"] = getattr(plan, "predicted_ms", None)
