@@ -562,8 +562,8 @@ def held_workspaces(rank, ws, held, capturing):
     class Workspace:
         def release(self):
             released.append(rank)
-    with mock.patch.object(rank_plans, "held_workspace_bytes", lambda group, device: held[rank]), \
-            mock.patch.object(rank_plans, "shared_workspace", lambda group, device: Workspace()), \
+    with mock.patch.object(rank_plans, "held_workspace_bytes", lambda group, device, purpose: held[rank]), \
+            mock.patch.object(rank_plans, "shared_workspace", lambda group, device, purpose: Workspace()), \
             mock.patch.object(planned, "capturing_graph", lambda x: capturing):
         layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD)
         layer._agree(torch.randn(1, 4, 12), 0, {}, "x")

@@ -79,8 +79,10 @@ copy did at its start: the stream has finished every earlier call, and each peer
 this buffer precedes the push that call waited for. A training graph keeps its own static input:
 its backward reads the saved input after other layers have used the buffer.
 
-A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE (its
-split sizes are read on the host) and Ulysses attention (no GPU check of its replays yet) stay eager. Decisions use agreed values and the call
+A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE's
+calls but those of its device path ([Note: MoE graph calls] in ``moe_device.py``; its eager
+calls read their split sizes on the host) and Ulysses attention (no GPU check of its replays
+yet) stay eager. Decisions use agreed values and the call
 history only, so every rank captures and replays at the same calls.
 """
 from __future__ import annotations

@@ -74,7 +74,7 @@ from ..config import OverlapConfig
 from ..runtime import resolve_group, triton_gate
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.device_all_to_all import DeviceCountAllToAll
-from ..runtime.exchange import held_workspace_bytes, shared_workspace
+from ..runtime.exchange import shared_workspace
 from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
@@ -424,6 +424,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     _graphable = True  # config.graph_calls: calls without autograd, by the device path ([Note: MoE graph calls])
     _group_shapes: tuple = ()  # every rank's (batch, seq) in the current call (the graphs' signature)
     _device_workspace = None  # the group's "device_counts" workspace, once the device path runs
+    _workspace_purposes = ("exchange", "device_counts")  # the rank chunks' and the device path's
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
@@ -585,24 +586,6 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return (1, max(row[1] * row[2] for row in table), self.hidden_size)
 
     # ----------------------------------------------------------------- the device path
-    def _floor(self) -> tuple:
-        """The copy engine's columns, then the bytes of the device path's workspace and their
-        negation (whether every rank holds the same one)."""
-        held = held_workspace_bytes(self.group, self._weight.device, "device_counts")
-        return (*super()._floor(), held, -held)
-
-    def _after_agreement(self, capturing: bool) -> None:
-        """As the copy engine's workspace (:class:`RankChunkPlans`), the device path's: released
-        on every rank when the ranks hold different ones."""
-        super()._after_agreement(capturing)
-        floor = self._agreed_floor
-        if floor[-2] != -floor[-1]:
-            if capturing:
-                raise RuntimeError("the ranks hold different symmetric workspaces (layers freed on some ranks "
-                                   "only); releasing them synchronises, which CUDA-graph capture forbids: run one "
-                                   "eager call before capturing")
-            shared_workspace(self.group, self._weight.device, "device_counts").release()
-
     def _graphed_run(self, run, shape: tuple, dtype: torch.dtype, save: bool):
         """[Note: MoE graph calls]: a call without autograd and aux loss, where every rank has
         symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`

@@ -70,8 +70,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .mlp import _act
 from .moe_combine import combine_rows
+from .moe_ranks import experts_forward
 
 
 ROUNDS = 2  # timed calls of each path in the race
@@ -173,9 +173,10 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
                 arrived[s] = torch.cuda.Event()
                 arrived[s].record()
 
+    w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
+
     def experts(rows: torch.Tensor, s: int) -> torch.Tensor:
-        h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=ends[s])
-        return torch._grouped_mm(_act(layer.activation, h, ends[s, -1:]), w_out.transpose(-2, -1), offs=ends[s])
+        return experts_forward(layer.activation, True, rows, None, ends[s], w_in_t, w_out_t, ends[s, -1:])[0]
 
     own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None

@@ -135,13 +135,15 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
 
 
 def experts_forward(activation: str, grouped: bool, x: torch.Tensor, sizes: Optional[List[int]],
-                    offs: torch.Tensor, w_in_t, w_out_t):
+                    offs: torch.Tensor, w_in_t, w_out_t, act_rows: Optional[torch.Tensor] = None):
     """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends: all
     the grouped path needs, where rows of ``x`` past the last end give meaningless rows);
-    ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass)."""
+    ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass).
+    ``act_rows``: on the grouped path without autograd, the activation's row count on the device
+    (``offs[-1:]``: the rows past it are then not computed at all, :func:`~.mlp._act`)."""
     if grouped:
         pre = _grouped(x, w_in_t, offs)
-        return _grouped(_act(activation, pre), w_out_t, offs), pre
+        return _grouped(_act(activation, pre, act_rows), w_out_t, offs), pre
     pre = torch.cat([rows @ w_in_t[e] for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
         x.new_empty((0, w_in_t.shape[2]))
     a = _act(activation, pre)

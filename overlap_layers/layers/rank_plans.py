@@ -35,6 +35,7 @@ class RankChunkPlans:
     _warned_copy_engine = False
     _host_id = 0  # crc32 of this host's name, learnt with _copy_engine
     _workspace = None  # the group's SymmetricWorkspace, once a copy-engine plan runs or is measured
+    _workspace_purposes = ("exchange",)  # the shared_workspace purposes the layer's exchanges use
     # the exchange classes of a rank-chunk call, copy engine and send/recv (the MoE's: all-to-alls)
     _exchanges = (CopyEngineExchange, PointToPointExchange)
 
@@ -60,25 +61,27 @@ class RankChunkPlans:
                              "batch tiles of rank chunks are the attention's")
 
     def _floor(self) -> tuple:
-        """(copy engine usable here, host id, -host id, workspace bytes held, their negation): the
-        agreed minimum of the first says whether every rank can use it, the next two whether all
-        ranks share one host, the last two whether all hold the same workspace."""
+        """(copy engine usable here, host id, -host id, then per workspace purpose of the layer
+        the bytes held and their negation): the agreed minimum of the first says whether every
+        rank can use it, the next two whether all ranks share one host, each pair after them
+        whether all hold the same workspace of that purpose."""
         ok = self._copy_engine_here()  # asks once, and learns the host with it
-        held = held_workspace_bytes(self.group, self._weight.device)
-        return (ok, self._host_id, -self._host_id, held, -held)
+        held = [held_workspace_bytes(self.group, self._weight.device, p) for p in self._workspace_purposes]
+        return (ok, self._host_id, -self._host_id, *(v for h in held for v in (h, -h)))
 
     def _after_agreement(self, capturing: bool) -> None:
-        """Ranks holding different symmetric workspaces (some kept the workspace of freed layers
-        alive longer than others) all release theirs here, so that the next exchange grows it
-        on every rank alike; decided from agreed values only."""
+        """Ranks holding different symmetric workspaces of a purpose (some kept the workspace of
+        freed layers alive longer than others) all release theirs here, so that the next exchange
+        grows it on every rank alike; decided from agreed values only."""
         floor = self._agreed_floor
-        if floor[3] == -floor[4]:
-            return
-        if capturing:
-            raise RuntimeError("the ranks hold different symmetric workspaces (layers freed on some ranks only); "
-                               "releasing them synchronises, which CUDA-graph capture forbids: run one eager call "
-                               "before capturing")
-        shared_workspace(self.group, self._weight.device).release()
+        for i, purpose in enumerate(self._workspace_purposes):
+            if floor[3 + 2 * i] == -floor[4 + 2 * i]:
+                continue
+            if capturing:
+                raise RuntimeError("the ranks hold different symmetric workspaces (layers freed on some ranks only); "
+                                   "releasing them synchronises, which CUDA-graph capture forbids: run one eager "
+                                   "call before capturing")
+            shared_workspace(self.group, self._weight.device, purpose).release()
 
     def _copy_engine_here(self) -> int:
         """1 if this rank could use the copy-engine transport (asked once; the call's agreement
