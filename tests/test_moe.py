@@ -600,20 +600,29 @@ def test_ranks_disagreeing_raise_on_every_rank(pool2, kw, match):
     expect_value_error_on_every_rank(pool2, _different_kw_per_rank, kw, match=match)
 
 
-def _no_grad_run(rank, ws, case, opts):
-    layer = build_from_dense(case, torch.float64, opts)
+def _no_grad_run(rank, ws, case, opts, pin, dtype):
+    layer = build_from_dense(case, dtype, opts)
+    if pin is not None:
+        layer.pin_plan(pin)
     with torch.no_grad():
-        y = layer(case["xs"][rank])
+        y = layer(case["xs"][rank].to(dtype))
     return y, y.grad_fn is None
 
 
-def test_no_grad_forward(pool2):
-    case = make_case(51, ws=2, E=4, top_k=2, shapes="zero_batch", Fs=4)
-    opts = dict(num_tiles=3)
+@pytest.mark.parametrize("pin", [None, TilePlan(1, decomposition="rank")], ids=["tiles", "rank"])
+@pytest.mark.parametrize("cf,routing,dtype", [(None, "random", torch.float64), (0.5, "skewed", torch.float64),
+                                              (0.5, "skewed", torch.float32)])
+def test_no_grad_forward(pools, pin, cf, routing, dtype):
+    """A call without autograd combines in send order ([Note: MoE no-grad combine]): tiles and rank
+    chunks (float32: the grouped GEMMs where this torch has them on CPU), with assignments dropped
+    by capacity (skewed routing overflows the favoured experts), a rank without tokens."""
+    ws = 2 if cf is None else 4
+    case = make_case(51 + ws, ws=ws, E=2 * ws, top_k=2, shapes="zero_batch", Fs=4, F=8, routing=routing)
+    opts = dict(num_tiles=3, capacity_factor=cf) if pin is None else dict(capacity_factor=cf)
     ref = reference(case, opts)
-    for rank, (y, no_graph) in enumerate(pool2.run(_no_grad_run, case, opts)):
+    for rank, (y, no_graph) in enumerate(pools(ws).run(_no_grad_run, case, opts, pin, dtype)):
         assert no_graph
-        assert rel_err(y, ref[rank]["y"]) < TOL[torch.float64]
+        assert rel_err(y, ref[rank]["y"]) < TOL[dtype]
 
 
 def test_pool_survives_errors(pool2):

@@ -2,7 +2,9 @@
 their k rows (float64 sums of the weight, cast to the rows' dtype, times each row): the torch path
 on every install, the kernel where Triton runs (CUDA, or the CPU under the interpreter: also run by
 ``test_triton_interpreted.py``). Rows that must not be read hold NaN: own rows past ``n_own``,
-``back`` rows before it, every row past ``kept``."""
+``back`` rows before it, every row past ``kept``; the counts come as device tensors (the device
+path) or host ints (eager calls), and ``own`` and ``back`` end where they may (at ``n_own``, at
+``kept``) or hold rows past it."""
 import pytest
 import torch
 
@@ -27,12 +29,13 @@ def _want(own, back, pos, weights, n_own, kept):
 
 
 @pytest.mark.parametrize("path", DEVICES)
+@pytest.mark.parametrize("counts", ["device", "host"])
 @pytest.mark.parametrize("T,k,H,n_own,kept,dtype", [(5, 2, 8, 3, None, torch.float32),
                                                     (7, 3, 40, 0, 15, torch.float32),
                                                     (6, 2, 1100, 12, 9, torch.bfloat16),
                                                     (4, 1, 16, 4, None, torch.bfloat16),
                                                     (0, 2, 8, 0, None, torch.float32)])
-def test_combine_equals_its_definition(path, T, k, H, n_own, kept, dtype, monkeypatch):
+def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, monkeypatch):
     dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
     if path == "torch":
         monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
@@ -47,8 +50,12 @@ def test_combine_equals_its_definition(path, T, k, H, n_own, kept, dtype, monkey
     pos = torch.randperm(n, generator=g)
     weights = torch.rand(T, k, generator=g)
     want = _want(own, back, pos, weights, n_own, kept)
-    got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), torch.tensor(n_own, device=dev),
-                       None if kept is None else torch.tensor(kept, device=dev))
+    if counts == "host":  # as an eager call holds them: the rows end at the counts
+        own, back = own[:n_own], back[:n if kept is None else kept]
+        n_arg, kept_arg = n_own, kept
+    else:
+        n_arg, kept_arg = torch.tensor(n_own, device=dev), None if kept is None else torch.tensor(kept, device=dev)
+    got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), n_arg, kept_arg)
     assert got.shape == (T, H) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.double().cpu(), want, rtol=tol, atol=tol)

@@ -59,6 +59,13 @@ same read (one tile); its grouped-GEMM offsets (computed on the device from the 
 its peer signals (``ready()``) and, on the grouped-GEMM path, its first own piece (``launch_first``:
 rows at a fixed place, own rows first) need no host sizes and are launched before the wait, so the
 device computes while the host reads the counts and starts the exchange.
+
+[Note: MoE no-grad combine]
+A call without autograd needs no token-major rows (only the router's gradient reads them): its
+combine is :func:`~.moe_combine.combine_rows`, one kernel reading each token's k result rows where
+they are in send order (the rank exchange's back rows, own rows included; the tiles' ``y_perm``),
+a row past the kept count (dropped by capacity) as 0. The grad-mode combine (a gather into token
+order, zero rows for the dropped assignments, a ``bmm``) writes and reads the rows twice more.
 """
 from __future__ import annotations
 
@@ -81,6 +88,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
+from .moe_combine import combine_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
@@ -759,7 +767,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                 sizes=[row[0][self.rank] for row in table], first_rows=m, offsets=offsets,
                                 order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity, exchange=exchange,
                                 sent=sent, first=first, launch_log=self.launch_log)
-                call.trial, call.trace = trial, trace
+                call.trial, call.trace, call.gather = trial, trace, save  # [Note: MoE no-grad combine]
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
             else:
                 kept = sum(sum(r) for tile in table[self.rank] for r in tile)
@@ -768,16 +776,29 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
                              _tiles(table, self.rank, *tensors))
                 call.trial, call.trace = trial, trace
-                y_perm = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
-                with profiler_range("overlap::moe::unpermute"):
-                    if kept < n:  # dropped assignments: zero rows
-                        y_perm = torch.cat([y_perm, y_perm.new_zeros((n - kept, H))])
-                    rows = _PermuteRows.apply(y_perm, pos, order)
-            rows = rows.view(-1, k, H)  # [T, k, H]
-            y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+                rows = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
+            with profiler_range("overlap::moe::combine"):
+                y = self._combine(rows, pos, order, weights, kept, save, token_major=ranked and save)
             if shared is not None:
                 y = y + shared
         return y.view(B, S, H)
+
+    @staticmethod
+    def _combine(rows: torch.Tensor, pos, order, weights: torch.Tensor, kept: int, save: bool,
+                 token_major: bool) -> torch.Tensor:
+        """``y [T, H]``: each token's kept result rows weighted, from ``rows`` in send order (the
+        first ``kept`` valid), or token-major (``token_major``: the rank exchange's, with zero
+        rows where dropped); with ``save`` in autograd (the module docstring), else by
+        :func:`~.moe_combine.combine_rows` ([Note: MoE no-grad combine])."""
+        n, H = pos.numel(), rows.shape[1]
+        if not save:
+            return combine_rows(rows, rows, pos, weights, kept, None if kept == n else kept)
+        if not token_major:
+            if kept < n:  # dropped assignments: zero rows
+                rows = torch.cat([rows[:kept], rows.new_zeros((n - kept, H))])
+            rows = _PermuteRows.apply(rows, pos, order)
+        rows = rows.view(-1, weights.shape[1], H)  # [T, k, H]
+        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -1,22 +1,24 @@
-"""The MoE device path's combine as one pass over the expert rows (Triton on CUDA, torch ops
-elsewhere): the weighted sum of each token's k result rows, read where they are.
+"""The MoE's combine as one pass over the expert rows (Triton on CUDA, torch ops elsewhere): the
+weighted sum of each token's k result rows, read where they are. The device path uses it
+([Note: MoE graph calls] in ``moe_device.py``), and so does every eager call without autograd
+([Note: MoE no-grad combine] in ``moe.py``).
 
-Reference (``own [>= n, H]``, ``back [>= n, H]``: result rows in send order, the first ``n_own``
-of them in ``own`` and the rest in ``back``; ``pos [T*k]``: the send-order row of each token-major
+Reference (``own [>= n_own, H]``, ``back [>= kept, H]``: result rows in send order, the first
+``n_own`` of them in ``own`` and the rest in ``back``; ``pos [T*k]``: the send-order row of each token-major
 assignment; ``weights [T, k]``; ``kept``: rows past it were dropped by capacity)::
 
     row(p)  = own[p] if p < n_own else back[p] if p < kept else 0
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'
                                                                          dtype, summed in float32)
 
-which is what the eager call's ``torch.where``, ``index_select`` and ``bmm`` compute. Those took
+which the device path first computed by ``torch.where``, ``index_select`` and ``bmm``: they took
 462, 140 and 249 us of a 3.65 ms qwen3 forward on 4x H200 (session 31; the ``where`` broadcasts
 its mask and runs as a strided elementwise kernel), reading and writing the rows three times; the
 kernel reads each row once.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Union
 
 import torch
 
@@ -30,10 +32,10 @@ except ImportError:  # CPU installs: the torch path
 
 
 def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                 n_own: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y [T, H]`` of the module reference; ``n_own`` and ``kept`` are one-element integer
-    tensors on the device (``kept`` None: every row kept). ``own`` and ``back`` are contiguous
-    ``[*, H]`` of one dtype, ``pos`` ``T*k`` indices below the rows of both."""
+                 n_own: Union[int, torch.Tensor], kept: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
+    """``y [T, H]`` of the module reference; ``n_own`` and ``kept`` are host ints or one-element
+    integer tensors on the device (``kept`` None: every row kept; both of one kind). ``own`` and
+    ``back`` are ``[*, H]`` of one dtype, ``pos`` ``T*k`` send positions."""
     T, k = weights.shape
     H = own.shape[1]
     if own.dtype != back.dtype or back.shape[1] != H or pos.numel() != T * k:
@@ -47,25 +49,32 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
             w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
             _combine_kernel[(T,)](own, back, pos.contiguous(), w, y, n_own,
                                   n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
-                                  BLOCK_H=block, num_warps=4)
+                                  LOADED=isinstance(n_own, torch.Tensor), BLOCK_H=block, num_warps=4)
         return y
-    n = pos.numel()
-    i = torch.arange(n, device=own.device)[:, None]
-    rows = torch.where(i < n_own, own[:n], back[:n])
+    pos = pos[:, None]
+
+    def rows_at(t: torch.Tensor) -> torch.Tensor:  # t's row at each position (clamped: chosen below)
+        return t[pos.clamp(max=t.shape[0] - 1)[:, 0]] if t.shape[0] else t.new_zeros((pos.shape[0], H))
+
+    rows = torch.where(pos < n_own, rows_at(own), rows_at(back))
     if kept is not None:
-        rows = torch.where(i < kept, rows, 0)
-    rows = rows.index_select(0, pos).view(T, k, H)
-    return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+        rows = torch.where(pos < kept, rows, 0)
+    return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(own_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_own_ptr, kept_ptr, H: tl.constexpr,
-                        K: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_H: tl.constexpr):
-        """One token per program: its k rows, each from ``own`` or ``back`` (module docstring)."""
+    def _combine_kernel(own_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_own_arg, kept_arg, H: tl.constexpr,
+                        K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token per program: its k rows, each from ``own`` or ``back`` (module docstring);
+        ``n_own_arg`` and ``kept_arg`` pointers to the counts where ``LOADED``, else the counts."""
         t = tl.program_id(0).to(tl.int64)
-        n_own = tl.load(n_own_ptr).to(tl.int64)
-        kept = tl.load(kept_ptr).to(tl.int64)
+        if LOADED:
+            n_own = tl.load(n_own_arg).to(tl.int64)
+            kept = tl.load(kept_arg).to(tl.int64)
+        else:  # host ints (compared with int64 positions as they are)
+            n_own = n_own_arg
+            kept = kept_arg
         c = tl.arange(0, BLOCK_H)
         for h0 in tl.static_range(0, H, BLOCK_H):
             cols = h0 + c

@@ -83,6 +83,7 @@ class RankCall:
         self.offsets, self.first = offsets, first
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
+        self.gather = True  # False: the forward returns the back rows in send order ([Note: MoE no-grad combine])
 
     def pieces(self, backward: bool) -> List[Tuple[int, int, int, int, List[int]]]:
         """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
@@ -205,7 +206,8 @@ def gather_back(back: torch.Tensor, c: RankCall, n: int) -> torch.Tensor:
 
 def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
     """``(rows [n, H] token-major, saved)``: the module table's forward; ``saved`` (under
-    ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`."""
+    ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`. Without
+    ``c.gather`` the rows are the exchange's back rows in send order (the first ``c.kept`` valid)."""
     H = x_TH.shape[1]
     ex, c.sent = c.sent, None  # started by the caller
     own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
@@ -235,7 +237,8 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "fwd"))
     with piece(recorder, "finish", 0):
-        return gather_back(ex.finish(), c, n), saved
+        back = ex.finish()
+        return (gather_back(back, c, n) if c.gather else back), saved
 
 
 def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, recorder=None):
@@ -277,7 +280,8 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
 class RankChunkExperts(torch.autograd.Function):
     """``rows [n, H]``: each assignment's expert output, token-major (zero where dropped), for
     the assignment rows ``x_TH[i // k]`` (which ``c.sent`` holds already, in send order); the
-    module table, with ``c`` a :class:`RankCall`."""
+    module table, with ``c`` a :class:`RankCall` (without ``c.gather``, under no autograd: the
+    rows in send order, :func:`forward`)."""
 
     @staticmethod
     def forward(ctx, x_TH, w_in, w_out, c: RankCall):
