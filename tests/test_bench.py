@@ -237,7 +237,7 @@ def test_bench_profile_writes_a_trace_and_a_table_per_mode(tmp_path):
     ranges = {e["name"] for e in events if e.get("name", "").startswith("overlap::moe::")}
     # the executor's per-tile ops and the layer's own ranges, both tiles
     assert {"overlap::moe::dispatch[0]", "overlap::moe::dispatch[1]", "overlap::moe::route",
-            "overlap::moe::unpermute"} <= ranges, sorted(ranges)
+            "overlap::moe::combine"} <= ranges, sorted(ranges)
     # --profile-calls 2: two calls in each trace, one routing range each
     assert sum(e.get("name") == "overlap::moe::route" for e in events) == 2
     assert "Self CPU" in (prof / "moe_tiny_ws2_b1_t128_fwd_serial.txt").read_text()

@@ -488,3 +488,32 @@ def test_executor_sets_each_ops_stream_only_when_it_changes(monkeypatch):
         execute(round_robin(TileProgram("t", (compute("a", op("a")), compute("boom", boom))), 2),
                 [{"tile": t} for t in range(2)], None, streams=streams)
     assert state["current"] is main and state["sets"][-1] == "main"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bucket_member_is_not_reused_before_the_issuing_stream_packed_it():
+    """A bucketed collective packs its members on the issuing stream, while each member was made
+    on its tile's stream and is dropped by the executor right after the issue: the member's memory
+    must not go to its own stream's next tensor before the packing copy ran (a race that gave a
+    wrong first tile on H200). The issuing stream is held busy; a tensor of the member's size made
+    on the member's stream after the drop must get other memory, and the packed rows must be the
+    members' rows."""
+    from overlap_layers.runtime.collectives import _packed
+
+    dev = torch.device("cuda", 0)
+    mine, issuing = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(mine):
+        a = torch.full((1024, 256), 1.0, device=dev)
+        b = torch.full((1024, 256), 2.0, device=dev)
+    issuing.wait_stream(mine)
+    with torch.cuda.stream(issuing):
+        torch.cuda._sleep(50_000_000)  # keeps the packing copy queued while the members are dropped
+        packed = _packed([a, b], [a, b])
+    where = a.data_ptr()
+    del a
+    with torch.cuda.stream(mine):
+        c = torch.full((1024, 256), 3.0, device=dev)
+    assert c.data_ptr() != where
+    torch.cuda.synchronize(dev)
+    assert torch.equal(packed[:1024], torch.ones(1024, 256, device=dev))
+    assert torch.equal(packed[1024:], torch.full((1024, 256), 2.0, device=dev))

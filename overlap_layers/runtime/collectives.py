@@ -77,11 +77,25 @@ def _rows_of(tensors: Sequence[torch.Tensor]) -> List[int]:
     return [t.shape[0] for t in tensors]
 
 
+def _packed(inputs: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` (``parts``: views of ``inputs``), on the issuing stream. A
+    bucket's members come from their tiles' streams, and the executor drops them once issued: each
+    is recorded on this stream, so that the allocator gives its memory to its own stream's next
+    tensor only after this copy ran (without it, tile 2's input on stream 0 could be written
+    before stream 1 had packed tile 0's: a wrong first tile, seen on H200)."""
+    out = torch.cat(list(parts), dim)
+    if out.is_cuda:
+        here = torch.cuda.current_stream(out.device)
+        for t in inputs:
+            t.record_stream(here)
+    return out
+
+
 def all_gather(inputs: Sequence[torch.Tensor], group) -> Handle:
     ws = dist.get_world_size(group)
     src = merged_rows(inputs)
     if src is None:
-        src = torch.cat([t.contiguous() for t in inputs])
+        src = _packed(inputs, [t.contiguous() for t in inputs])
     out = src.new_empty((ws * src.shape[0], *src.shape[1:]))
     work = _all_gather(out, src, group=group, async_op=True)
     if len(inputs) == 1:
@@ -105,7 +119,7 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outs: Sequence[Optional[torch
     if len(inputs) == 1:
         src = inputs[0].contiguous()
     else:
-        src = torch.cat([t.reshape(ws, n, *rest) for t, n in zip(inputs, rows)], dim=1)
+        src = _packed(inputs, [t.reshape(ws, n, *rest) for t, n in zip(inputs, rows)], 1)
         src = src.reshape(ws * sum(rows), *rest)
     given = merged_rows(outs) if all(o is not None for o in outs) else None
     dst = given if given is not None else src.new_empty((sum(rows), *rest))
@@ -126,7 +140,7 @@ def all_reduce(inputs: Sequence[torch.Tensor], group) -> Handle:
     buf = merged_rows(inputs)
     packed = buf is None
     if packed:
-        buf = torch.cat([t.reshape(t.shape[0], -1) for t in inputs])
+        buf = _packed(inputs, [t.reshape(t.shape[0], -1) for t in inputs])
     work = dist.all_reduce(buf, group=group, async_op=True)
     if not packed:
         return Handle(work, lambda i: inputs[i])
