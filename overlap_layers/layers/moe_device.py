@@ -27,6 +27,11 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
   offsets' end unread and unwritten;
+* memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
+  read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
+  for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
+  holds the bound, so at EP 4 the call keeps four such buffers instead of six (of qwen3's, 256
+  MiB each, within a graph pool of 2.3 GB in session 31);
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the own results, the others in ``back``, a row past the kept count, dropped by
   capacity, as 0) and sums them weighted.
@@ -75,6 +80,7 @@ from .moe_ranks import experts_forward
 
 
 ROUNDS = 2  # timed calls of each path in the race
+SLOTS = 2  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
 MAX_SIGNATURES = 64  # races kept per layer
 
 
@@ -160,19 +166,30 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1).to(torch.int32)  # [source, El]: grouped-GEMM offsets
     peers = [(rank + j) % ws for j in range(1, ws)]
-    bufs = {s: x_TH.new_empty((exchange.rows, H)) for s in peers}
+    slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, ws - 1))]
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
-    arrived = {}
+    arrived, read, pushed = {}, {}, {}  # events per peer index: rows pulled, slot read, results pushed
+
+    def on(stream_index: int):
+        return torch.cuda.stream(streams[stream_index]) if streams else contextlib.nullcontext()
+
+    def mark(events: dict, i: int) -> None:  # an event on the current stream
+        if streams:
+            events[i] = torch.cuda.Event()
+            events[i].record()
+
+    def pull(i: int) -> None:  # peer i's rows into its slot, once the slot's last rows were read
+        with on(0):
+            if streams and i >= len(slots):
+                streams[0].wait_event(read[i - len(slots)])
+            exchange.pull(peers[i], slots[i % len(slots)])
+            mark(arrived, i)
+
     if streams:
         streams[0].wait_stream(main)
-    with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
-        for s in peers:
-            exchange.pull(s, bufs[s])
-            if streams:
-                arrived[s] = torch.cuda.Event()
-                arrived[s].record()
-
+    for i in range(len(slots)):
+        pull(i)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
 
     def experts(rows: torch.Tensor, s: int) -> torch.Tensor:
@@ -180,15 +197,22 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
 
     own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None
-    results = []
-    for s in peers:
+    results = {}  # peer index -> its results, held until the main stream waited for their push
+    for i, s in enumerate(peers):
         if streams:
-            main.wait_event(arrived[s])
-        results.append(experts(bufs[s], s))  # held until the pushes joined: the push stream reads it
+            main.wait_event(arrived[i])
+            if i >= SLOTS:
+                main.wait_event(pushed[i - SLOTS])
+        results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
+        results[i] = experts(slots[i % len(slots)], s)
+        mark(read, i)
+        if i + len(slots) < len(peers):
+            pull(i + len(slots))  # launched after the event it waits for was recorded
         if streams:
             streams[1].wait_stream(main)
-        with torch.cuda.stream(streams[1]) if streams else contextlib.nullcontext():
-            exchange.push(s, results[-1])
+        with on(1):
+            exchange.push(s, results[i])
+            mark(pushed, i)
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
