@@ -71,6 +71,34 @@ def test_pulls_then_pushes_equal_the_all_to_all(ws, groups, rows, width, dtype):
             assert backs[r][n:].isnan().all()
 
 
+@pytest.mark.parametrize("ws,groups,cut", [(2, 3, 1), (4, 5, 2), (3, 4, 3), (2, 2, 1)])
+def test_a_source_pulled_and_pushed_in_two_ranges_of_groups(ws, groups, cut):
+    """``segments(..., groups=(first, end))``: each range's rows land from row 0 of its own
+    buffer, and pushing both ranges' results fills ``back`` as one push would."""
+    rows, width = 17, 24
+    g = torch.Generator().manual_seed(ws * 10 + groups)
+    table = _table(ws, rows, groups, g)
+    sends = [torch.randn(rows, width, generator=g).to(DEVICE) for _ in range(ws)]
+    backs = [torch.full((rows, width), float("nan"), device=DEVICE) for _ in range(ws)]
+    for r in range(ws):
+        for s in range(ws):
+            whole = _want_pull(table, sends, r, s)
+            split = int(table[s, r, :cut].sum())
+            for (a, b), want in (((0, cut), whole[:split]), ((cut, groups), whole[split:])):
+                segs = segments(table.to(DEVICE), r, s, (a, b))
+                out = torch.full((rows, width), float("nan"), device=DEVICE)
+                copy_rows_by_table(segs, sends, out, push=False)
+                assert torch.equal(out[:want.shape[0]], want), (r, s, a)
+                assert out[want.shape[0]:].isnan().all()
+                copy_rows_by_table(segs, backs, out * 3 + 1, push=True)
+    for r in range(ws):
+        n = int(table[r].sum())
+        assert torch.equal(backs[r][:n], sends[r][:n] * 3 + 1), r
+        assert backs[r][n:].isnan().all()
+    with pytest.raises(ValueError, match="valid: None or \\(first, end\\) with 0 <= first < end <= 2"):
+        segments(torch.zeros(2, 2, 2, dtype=torch.int32), 0, 1, (1, 1))
+
+
 def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
     """Positions come from the table as it is; of each source's rows only those inside both
     buffers are copied."""

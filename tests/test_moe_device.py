@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs
 
 class GatheredExchange:
     """``DeviceCountAllToAll``'s interface over all-gathers (no side streams): ``ready`` gathers
-    every rank's counts and send rows, ``pull`` copies from them, and the i-th ``push`` of every
-    rank (the layer pushes its peers' results, source rank + 1 + i's i-th, and never its own)
-    gathers every rank's results and keeps those for this rank's rows. What it does not write is
-    NaN, its own rows' places in ``back`` included."""
+    every rank's counts and send rows, ``pull`` copies from them, and each ``push`` (every rank
+    pushes alike: to the source ``j`` ranks on, with the same groups) gathers every rank's results
+    and keeps those for this rank's rows. What it does not write is NaN, its own rows' places in
+    ``back`` included; ``finish`` checks that every peer's groups were pushed once."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
@@ -45,28 +45,30 @@ class GatheredExchange:
         self.table = torch.stack(self._gather(counts))  # [source, destination, group]
         self.sends = self._gather(self.send)
         self.back.fill_(float("nan"))
-        self.pushes, self.calls = 0, self.calls + 1
+        self.pushed, self.calls = [], self.calls + 1
 
     @property
     def recv_counts(self):
         return self.table[:, self.rank]
 
-    def pull(self, source, out):
+    def pull(self, source, out, groups=None):
         out.fill_(float("nan"))
-        copy_rows_by_table(segments(self.table, self.rank, source), self.sends, out, push=False)
+        copy_rows_by_table(segments(self.table, self.rank, source, groups), self.sends, out, push=False)
         return out
 
-    def push(self, source, results):
-        assert source == (self.rank + 1 + self.pushes) % self.ws  # the order the stand-in relies on
+    def push(self, source, results, groups=None):
+        j = (source - self.rank) % self.ws
+        assert j != 0  # the own results stay where they are
         scratch = torch.empty_like(self.back)
-        for d, res in enumerate(self._gather(results)):  # d pushed its results for rank (d + 1 + pushes)
-            if (d + 1 + self.pushes) % self.ws == self.rank:
+        for d, res in enumerate(self._gather(results)):  # d pushed its results for rank d + j
+            if (d + j) % self.ws == self.rank:
                 remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
-                copy_rows_by_table(segments(self.table, d, self.rank), remotes, res, push=True)
-        self.pushes += 1
+                copy_rows_by_table(segments(self.table, d, self.rank, groups), remotes, res, push=True)
+        a, b = (0, self.groups) if groups is None else groups
+        self.pushed += [(j, g) for g in range(a, b)]
 
     def finish(self):
-        assert self.pushes == self.ws - 1
+        assert sorted(self.pushed) == [(j, g) for j in range(1, self.ws) for g in range(self.groups)]
         return self.back
 
 
@@ -97,6 +99,8 @@ CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activa
     (4, 4, 1, "zero_seq", "skewed", None, None, "swiglu"),
     (2, 4, 2, "even", "skewed", 0.5, None, "swiglu"),
     (4, 8, 2, "uneven", "random", 0.75, 4, "swiglu"),
+    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in two halves of 4
+    (4, 16, 2, "even", "random", 0.75, None, "swiglu"),
 ]
 
 

@@ -21,8 +21,9 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
   rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
   arrive, and their results are pushed back on the push stream while the next peer's run; the
-  own rows' results are never pushed (the combine takes them where they are); the shared expert
-  runs right after the own rows, under the first pulls;
+  last peer's groups are pulled, run and pushed in two halves, so that only the second half's
+  push has nothing beside it; the own rows' results are never pushed (the combine takes them
+  where they are); the shared expert runs right after the own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
@@ -41,8 +42,9 @@ forward: one pull of every source's rows, the experts, one push ran in 4.23 ms a
 (with the kernel's copies at about 190 GB/s, a whole exchange on each side of the experts costs
 more than the host it saves); by source, with the own rows copied and pushed like a peer's, 3.48
 ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
-serial), 1.73x the limit: the last peer's push (about 270 us) stays exposed. Running the second
-half of the own experts last, under that push, did not pay (2.89 ms) and was reverted.
+serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
+half of the own experts last, under that push, did not pay (2.89 ms) and was reverted; the last
+peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -165,8 +167,11 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     counts = counts.view(ws, El).to(torch.int32)
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1).to(torch.int32)  # [source, El]: grouped-GEMM offsets
-    peers = [(rank + j) % ws for j in range(1, ws)]
-    slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, ws - 1))]
+    peers = [(rank + j, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
+    if peers and El > 1:
+        peers[-1:] = [(rank - 1, (0, El // 2)), (rank - 1, (El // 2, El))]
+    peers = [(s % ws, groups) for s, groups in peers]
+    slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, len(peers)))]
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
     arrived, read, pushed = {}, {}, {}  # events per peer index: rows pulled, slot read, results pushed
@@ -183,7 +188,7 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         with on(0):
             if streams and i >= len(slots):
                 streams[0].wait_event(read[i - len(slots)])
-            exchange.pull(peers[i], slots[i % len(slots)])
+            exchange.pull(peers[i][0], slots[i % len(slots)], peers[i][1])
             mark(arrived, i)
 
     if streams:
@@ -192,26 +197,28 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         pull(i)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
 
-    def experts(rows: torch.Tensor, s: int) -> torch.Tensor:
-        return experts_forward(layer.activation, True, rows, None, ends[s], w_in_t, w_out_t, ends[s, -1:])[0]
+    def experts(rows: torch.Tensor, s: int, groups=None) -> torch.Tensor:
+        a, b = (0, El) if groups is None else groups
+        offs = ends[s, a:b] - ends[s, a - 1] if a else ends[s, :b]  # the rows of groups a .. b-1 from row 0
+        return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
     own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None
     results = {}  # peer index -> its results, held until the main stream waited for their push
-    for i, s in enumerate(peers):
+    for i, (s, groups) in enumerate(peers):
         if streams:
             main.wait_event(arrived[i])
             if i >= SLOTS:
                 main.wait_event(pushed[i - SLOTS])
         results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
-        results[i] = experts(slots[i % len(slots)], s)
+        results[i] = experts(slots[i % len(slots)], s, groups)
         mark(read, i)
         if i + len(slots) < len(peers):
             pull(i + len(slots))  # launched after the event it waits for was recorded
         if streams:
             streams[1].wait_stream(main)
         with on(1):
-            exchange.push(s, results[i])
+            exchange.push(s, results[i], groups)
             mark(pushed, i)
     if streams:
         main.wait_stream(streams[0])

@@ -56,7 +56,7 @@ signal of this rank's call, which another exchange's data in the same buffer wou
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -75,17 +75,21 @@ _CTAS = 32  # programs: the probe's knee (173 GB/s, 11% off a GEMM beside it)
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
 
-def segments(table: torch.Tensor, rank: int, source: int) -> torch.Tensor:
+def segments(table: torch.Tensor, rank: int, source: int, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """``[4, G]`` int64 on the table's device, one column per group g of the rows ``source``
     sends to ``rank`` (module docstring): the source, where the rows begin in its send rows, where
-    they begin in the pulled rows (by group), how many. Device ops only (a graph captures them);
-    ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
+    they begin in the pulled rows (by group), how many. ``groups = (first, end)``: the columns of
+    those groups only, the pulled rows beginning at row 0 (a source's groups pulled in parts).
+    Device ops only (a graph captures them); ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
     ws = table.shape[0]
     t = table.reshape(ws, ws, -1)[source].to(torch.int64)  # [d, g]: what source sends
     G = t.shape[1]
+    a, b = (0, G) if groups is None else groups
+    if not 0 <= a < b <= G:
+        raise ValueError(f"groups={groups!r}; valid: None or (first, end) with 0 <= first < end <= {G}")
     flat = torch.roll(t, -source, 0).reshape(-1)  # in source's send order: destinations source, source + 1, ...
-    send_start = torch.roll((torch.cumsum(flat, 0) - flat).view(ws, G), source, 0)[rank]
-    n = t[rank]
+    send_start = torch.roll((torch.cumsum(flat, 0) - flat).view(ws, G), source, 0)[rank, a:b]
+    n = t[rank, a:b]
     return torch.stack([torch.full_like(n, source), send_start, torch.cumsum(n, 0) - n, n])
 
 
@@ -171,8 +175,9 @@ if triton is not None:
 class DeviceCountAllToAll:
     """The exchange over a group's symmetric workspace (module docstring): ``send`` (this rank's
     send rows, ``[rows, W]``, which the caller fills), then per call :meth:`ready` with this
-    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (any
-    order, on any streams that follow ``ready``), :meth:`finish` after them. Nothing reads a size
+    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (or once
+    per source and range of groups, the ranges covering its groups; any order, on any streams
+    that follow ``ready``), :meth:`finish` after them. Nothing reads a size
     on the host, so a CUDA graph can capture a call and replay it with other counts. The
     workspace layout: the table (``[ws, ws, groups]`` int32), then ``send``, then ``back``; the
     exchange holds views of the workspace's buffer, so one made before the workspace grew raises
@@ -227,30 +232,31 @@ class DeviceCountAllToAll:
         (valid from :meth:`ready` to :meth:`finish`)."""
         return self.table[:, self.rank]
 
-    def _segments(self, source: int) -> torch.Tensor:
+    def _segments(self, source: int, groups: Optional[Tuple[int, int]]) -> torch.Tensor:
         if not 0 <= source < self.ws:
             raise ValueError(f"source={source}; valid: a rank of the group, 0 .. {self.ws - 1}")
-        segs = self._segs.get(source)
+        segs = self._segs.get((source, groups))
         if segs is None:
-            segs = self._segs[source] = segments(self.table, self.rank, source)
+            segs = self._segs[(source, groups)] = segments(self.table, self.rank, source, groups)
         return segs
 
-    def pull(self, source: int, out: torch.Tensor) -> torch.Tensor:
+    def pull(self, source: int, out: torch.Tensor, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """The rows ``source`` sends this rank into ``out`` (``[>= rows, W]``: any counts fit), by
-        group (:attr:`recv_counts` ``[source]`` rows each); returns ``out``."""
+        group (:attr:`recv_counts` ``[source]`` rows each); returns ``out``. ``groups``: only the
+        groups ``first .. end - 1``, from row 0 of ``out`` on."""
         if out.shape[0] < self.rows or out.shape[1:] != self.send.shape[1:] or out.dtype != self.send.dtype:
             raise ValueError(f"pull: out {tuple(out.shape)} {out.dtype}; valid: [>= {self.rows}, "
                              f"{self.send.shape[1]}] {self.send.dtype} (a source's rows could all come here)")
-        copy_rows_by_table(self._segments(source), self._sends, out, push=False, pointers=self._send_ptrs)
+        copy_rows_by_table(self._segments(source, groups), self._sends, out, push=False, pointers=self._send_ptrs)
         return out
 
-    def push(self, source: int, results: torch.Tensor) -> None:
+    def push(self, source: int, results: torch.Tensor, groups: Optional[Tuple[int, int]] = None) -> None:
         """The results for the rows pulled from ``source`` (``results`` laid out as :meth:`pull`
-        put them) into its ``back``."""
+        put them, with the same ``groups``) into its ``back``."""
         if results.shape[0] < self.rows or results.shape[1:] != self.send.shape[1:] or results.dtype != self.send.dtype:
             raise ValueError(f"push: results {tuple(results.shape)} {results.dtype}; valid: laid out as pull's out, "
                              f"[>= {self.rows}, {self.send.shape[1]}] {self.send.dtype}")
-        copy_rows_by_table(self._segments(source), self._backs, results, push=True, pointers=self._back_ptrs)
+        copy_rows_by_table(self._segments(source, groups), self._backs, results, push=True, pointers=self._back_ptrs)
 
     def finish(self) -> torch.Tensor:
         """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
