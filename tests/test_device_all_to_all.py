@@ -127,22 +127,53 @@ def test_bad_arguments_are_value_errors():
         copy_rows_by_table(segs, [a, b], torch.zeros(6, 4, device=DEVICE), push=False)
 
 
+class _Handle:
+    """The signal pad of the stand-in: signals recorded, waits return at once."""
+
+    def __init__(self):
+        self.signals = []
+
+    def put_signal(self, peer, channel):
+        self.signals.append((peer, channel))
+
+    def wait_signal(self, peer, channel):
+        pass
+
+
 class _Workspace:
     """A one-process stand-in for the group's symmetric workspace: a byte buffer per rank."""
 
     def __init__(self, ws, rank):
-        self.ws, self.rank, self.handle, self.nbytes = ws, rank, object(), 0
+        self.ws, self.rank, self.handle, self.nbytes = ws, rank, _Handle(), 0
         self.bufs = {}
         self.pull_stream = self.push_stream = None
 
     def reserve(self, nbytes):
         if nbytes > self.nbytes:
             self.bufs = {q: torch.zeros(nbytes, dtype=torch.uint8) for q in range(self.ws)}
-            self.nbytes, self.handle = nbytes, object()
+            self.nbytes, self.handle = nbytes, _Handle()
 
     def view(self, rank, shape, dtype, offset):
         n = math.prod(shape) * dtype.itemsize
         return self.bufs[rank][offset:offset + n].view(dtype).view(shape)
+
+
+def test_ready_writes_this_ranks_counts_into_every_ranks_table_then_signals():
+    """``ready``: row ``rank`` of every rank's table holds this rank's counts (the kernel where
+    Triton runs, else copies), the other rows untouched, then a TABLE signal to each peer."""
+    ws, rank, G = 3, 1, 4
+    w = _Workspace(ws, rank)
+    ex = DeviceCountAllToAll(w, 8, 16, torch.float32, groups=G)
+    for q in range(ws):
+        w.view(q, (ws, ws, G), torch.int32, 0).fill_(-1)
+    counts = torch.arange(ws * G, dtype=torch.int32).view(ws, G) + 5
+    ex.ready(counts)
+    for q in range(ws):
+        table = w.view(q, (ws, ws, G), torch.int32, 0)
+        assert torch.equal(table[rank], counts), q
+        assert (table[[s for s in range(ws) if s != rank]] == -1).all()
+    assert w.handle.signals == [(2, 0), (0, 0)]
+    assert torch.equal(ex.recv_counts, w.view(rank, (ws, ws, G), torch.int32, 0)[:, rank])
 
 
 def test_exchange_checks_its_arguments_and_its_workspace():

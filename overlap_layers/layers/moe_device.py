@@ -17,8 +17,9 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   straight into the exchange's send buffer;
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
   expert, split by source rank: the send order puts this rank's rows for its own experts first
-  (the eager rank exchange's step order), so they run in place in the send buffer while the
-  peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
+  (the eager rank exchange's step order), so they run in place in the send buffer, counted from
+  this rank's own counts, while the table is written and signalled and the peers' rows are
+  pulled, both on the workspace's pull stream (one kernel per peer, in the order
   rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
   arrive, and their results are pushed back on the push stream while the next peer's run; the
   last peer's groups are pulled, run and pushed in two halves, so that only the second half's
@@ -44,7 +45,11 @@ more than the host it saves); by source, with the own rows copied and pushed lik
 ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
 serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
 half of the own experts last, under that push, did not pay (2.89 ms) and was reverted; the last
-peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms).
+peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms;
+measured -0.01 ms, session 32). In session 32's profile of a replay (3.46 ms) the first GEMM
+started 620 us in: routing and the send gather took 190 us, then the main stream wrote the table
+(three peer-to-peer copies, 233 us) and waited for the peers' signals (130 us). Now one kernel
+writes the table, on the pull stream, while the own rows' experts run (predicted: -0.3 ms).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -165,8 +170,6 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     n = order.numel()
     torch.index_select(x_TH, 0, torch.div(order, k, rounding_mode="floor"), out=exchange.send[:n])
     counts = counts.view(ws, El).to(torch.int32)
-    exchange.ready(counts)
-    ends = torch.cumsum(exchange.recv_counts, 1).to(torch.int32)  # [source, El]: grouped-GEMM offsets
     peers = [(rank + j, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
     if peers and El > 1:
         peers[-1:] = [(rank - 1, (0, El // 2)), (rank - 1, (El // 2, El))]
@@ -193,17 +196,24 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
 
     if streams:
         streams[0].wait_stream(main)
+    with on(0):  # the table and its signals beside the own rows' experts
+        exchange.ready(counts)
+        mark(arrived, "table")
     for i in range(len(slots)):
         pull(i)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
 
-    def experts(rows: torch.Tensor, s: int, groups=None) -> torch.Tensor:
+    def experts(rows: torch.Tensor, ends: torch.Tensor, groups=None) -> torch.Tensor:
         a, b = (0, El) if groups is None else groups
-        offs = ends[s, a:b] - ends[s, a - 1] if a else ends[s, :b]  # the rows of groups a .. b-1 from row 0
+        offs = ends[a:b] - ends[a - 1] if a else ends[:b]  # the rows of groups a .. b-1 from row 0
         return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
-    own = experts(exchange.send, rank)  # in place: this rank's rows for itself lead its send rows
+    # in place: this rank's rows for itself lead its send rows, counted here before any table
+    own = experts(exchange.send, torch.cumsum(counts[rank], 0, dtype=torch.int32))
     added = extra() if extra is not None else None
+    if streams:
+        main.wait_event(arrived["table"])
+    ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     results = {}  # peer index -> its results, held until the main stream waited for their push
     for i, (s, groups) in enumerate(peers):
         if streams:
@@ -211,7 +221,7 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
             if i >= SLOTS:
                 main.wait_event(pushed[i - SLOTS])
         results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
-        results[i] = experts(slots[i % len(slots)], s, groups)
+        results[i] = experts(slots[i % len(slots)], ends[s], groups)
         mark(read, i)
         if i + len(slots) < len(peers):
             pull(i + len(slots))  # launched after the event it waits for was recorded
