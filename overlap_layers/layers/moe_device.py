@@ -17,9 +17,8 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   straight into the exchange's send buffer;
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
   expert, split by source rank: the send order puts this rank's rows for its own experts first
-  (the eager rank exchange's step order), so they run in place in the send buffer, counted from
-  this rank's own counts, while the table is written and signalled and the peers' rows are
-  pulled, both on the workspace's pull stream (one kernel per peer, in the order
+  (the eager rank exchange's step order), so they run in place in the send buffer while the
+  peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
   rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
   arrive, and their results are pushed back on the push stream while the next peer's run; the
   last peer's groups are pulled, run and pushed in two halves, so that only the second half's
@@ -48,8 +47,11 @@ half of the own experts last, under that push, did not pay (2.89 ms) and was rev
 peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms;
 measured -0.01 ms, session 32). In session 32's profile of a replay (3.46 ms) the first GEMM
 started 620 us in: routing and the send gather took 190 us, then the main stream wrote the table
-(three peer-to-peer copies, 233 us) and waited for the peers' signals (130 us). Now one kernel
-writes the table, on the pull stream, while the own rows' experts run (predicted: -0.3 ms).
+(three peer-to-peer copies, 233 us) and waited for the peers' signals (130 us). Writing the
+table and signalling on the pull stream while the own rows' experts ran cost 0.1 ms instead:
+the signal kernels, then the pulls, waited for SMs the GEMMs held (every kernel beside a grouped
+GEMM starts only as its blocks retire). So the table is written and signalled first, as before,
+by one kernel storing into every rank's table (predicted: -0.2 ms).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -170,6 +172,8 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     n = order.numel()
     torch.index_select(x_TH, 0, torch.div(order, k, rounding_mode="floor"), out=exchange.send[:n])
     counts = counts.view(ws, El).to(torch.int32)
+    exchange.ready(counts)
+    ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     peers = [(rank + j, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
     if peers and El > 1:
         peers[-1:] = [(rank - 1, (0, El // 2)), (rank - 1, (El // 2, El))]
@@ -196,9 +200,6 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
 
     if streams:
         streams[0].wait_stream(main)
-    with on(0):  # the table and its signals beside the own rows' experts
-        exchange.ready(counts)
-        mark(arrived, "table")
     for i in range(len(slots)):
         pull(i)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
@@ -208,12 +209,8 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         offs = ends[a:b] - ends[a - 1] if a else ends[:b]  # the rows of groups a .. b-1 from row 0
         return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
-    # in place: this rank's rows for itself lead its send rows, counted here before any table
-    own = experts(exchange.send, torch.cumsum(counts[rank], 0, dtype=torch.int32))
+    own = experts(exchange.send, ends[rank])  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None
-    if streams:
-        main.wait_event(arrived["table"])
-    ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     results = {}  # peer index -> its results, held until the main stream waited for their push
     for i, (s, groups) in enumerate(peers):
         if streams:
