@@ -45,13 +45,15 @@ ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) an
 serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
 half of the own experts last, under that push, did not pay (2.89 ms) and was reverted; the last
 peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms;
-measured -0.01 ms, session 32). In session 32's profile of a replay (3.46 ms) the first GEMM
+measured -0.01 ms and -0.4% in two calls, session 32: a copy kernel starts only when the GEMM
+beside it retires its blocks, so the pulls, not the last push, set the pace). In session 32's profile of a replay (3.46 ms) the first GEMM
 started 620 us in: routing and the send gather took 190 us, then the main stream wrote the table
 (three peer-to-peer copies, 233 us) and waited for the peers' signals (130 us). Writing the
 table and signalling on the pull stream while the own rows' experts ran cost 0.1 ms instead:
 the signal kernels, then the pulls, waited for SMs the GEMMs held (every kernel beside a grouped
 GEMM starts only as its blocks retire). So the table is written and signalled first, as before,
-by one kernel storing into every rank's table (predicted: -0.2 ms).
+by one kernel storing into every rank's table (predicted: -0.2 ms; measured -1.2%, 2.836 ms: the
+first signal now waits for the slowest peer instead; ``bench/results/session32_h200x4_2026-11-27.md``).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
