@@ -91,7 +91,7 @@ from .mlp import ACTIVATIONS, _act
 from .moe_combine import combine_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
-from .moe_ranks import RankCall, RankChunkExperts, first_rows, launch_first, piece_offsets
+from .moe_ranks import RankCall, RankChunkExperts, experts_forward, first_rows, launch_first, piece_offsets
 from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
 from .rank_plans import RankChunkPlans
 from .routing import count, key_dtype, route_topk
@@ -309,14 +309,10 @@ class _Call:
 
     def experts(self, x_g: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out) -> torch.Tensor:
         """Rows grouped by local expert (``sizes`` rows each; ``offs`` their cumulative ends on the
-        device) through their experts: one grouped GEMM per projection where
-        :func:`grouped_gemm_ok`, else a GEMM pair per expert."""
-        if grouped_gemm_ok(x_g, w_in, w_out):
-            h = torch._grouped_mm(x_g, w_in.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(_act(self.activation, h), w_out.transpose(-2, -1), offs=offs)
-        outs = [_act(self.activation, rows @ w_in[e].t()) @ w_out[e].t()
-                for e, rows in enumerate(x_g.split(sizes)) if sizes[e]]
-        return torch.cat(outs) if outs else x_g.new_zeros((0, w_out.shape[1]))
+        device) through their experts (:func:`~.moe_ranks.experts_forward`: one grouped GEMM per
+        projection where :func:`grouped_gemm_ok`, else a GEMM pair per expert)."""
+        return experts_forward(self.activation, grouped_gemm_ok(x_g, w_in, w_out), x_g, sizes, offs,
+                               w_in.transpose(-2, -1), w_out.transpose(-2, -1))[0]
 
 
 def _forward_program(c: _Call, w_in, w_out) -> TileProgram:
