@@ -54,6 +54,7 @@ the signal kernels, then the pulls, waited for SMs the GEMMs held (every kernel 
 GEMM starts only as its blocks retire). So the table is written and signalled first, as before,
 by one kernel storing into every rank's table (predicted: -0.2 ms; measured -1.2%, 2.836 ms: the
 first signal now waits for the slowest peer instead; ``bench/results/session32_h200x4_2026-11-27.md``).
+With the copy kernel on 64 programs instead of 32 (the pulls being the pace): 2.76 ms, 1.67x.
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
