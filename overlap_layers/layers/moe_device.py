@@ -43,18 +43,22 @@ forward: one pull of every source's rows, the experts, one push ran in 4.23 ms a
 more than the host it saves); by source, with the own rows copied and pushed like a peer's, 3.48
 ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
 serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
-half of the own experts last, under that push, did not pay (2.89 ms) and was reverted; the last
-peer's groups now run in two halves instead (predicted: half that push hidden, -0.1 ms;
-measured -0.01 ms and -0.4% in two calls, session 32: a copy kernel starts only when the GEMM
-beside it retires its blocks, so the pulls, not the last push, set the pace). In session 32's profile of a replay (3.46 ms) the first GEMM
-started 620 us in: routing and the send gather took 190 us, then the main stream wrote the table
-(three peer-to-peer copies, 233 us) and waited for the peers' signals (130 us). Writing the
-table and signalling on the pull stream while the own rows' experts ran cost 0.1 ms instead:
-the signal kernels, then the pulls, waited for SMs the GEMMs held (every kernel beside a grouped
-GEMM starts only as its blocks retire). So the table is written and signalled first, as before,
-by one kernel storing into every rank's table (predicted: -0.2 ms; measured -1.2%, 2.836 ms: the
-first signal now waits for the slowest peer instead; ``bench/results/session32_h200x4_2026-11-27.md``).
-With the copy kernel on 64 programs instead of 32 (the pulls being the pace): 2.76 ms, 1.67x.
+half of the own experts last, under that push, did not pay (2.89 ms) and was reverted.
+
+Session 32 (``bench/results/session32_h200x4_2026-11-27.md``):
+
+* the last peer's groups in two halves (predicted: half that push hidden, -0.1 ms): -0.01 ms and
+  -0.4% in two calls. A copy kernel starts only when the GEMM beside it retires its blocks (the
+  GEMM holds every SM's registers), so the pulls, not the last push, set the pace;
+* in a replay's profile (3.46 ms) the first GEMM started 620 us in: routing and the send gather
+  took 190 us, then the main stream wrote the table (three peer-to-peer copies, 233 us) and
+  waited for the peers' signals (130 us). Writing the table and signalling on the pull stream
+  while the own rows' experts ran cost 0.1 ms instead: the signal kernels, then the pulls, waited
+  for the GEMMs' SMs. So the table is written and signalled first, as before, by one kernel
+  storing into every rank's table (predicted -0.2 ms; measured -1.2%: the first signal now waits
+  for the slowest peer instead);
+* the copy kernel on 64 programs instead of 32, the pulls being the pace: 2.83 -> 2.76 ms, 1.67x
+  the limit.
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -207,9 +211,10 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         pull(i)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
 
-    def experts(rows: torch.Tensor, ends: torch.Tensor, groups=None) -> torch.Tensor:
+    def experts(rows: torch.Tensor, source_ends: torch.Tensor, groups=None) -> torch.Tensor:
         a, b = (0, El) if groups is None else groups
-        offs = ends[a:b] - ends[a - 1] if a else ends[:b]  # the rows of groups a .. b-1 from row 0
+        # the rows of groups a .. b-1, from row 0
+        offs = source_ends[a:b] - source_ends[a - 1] if a else source_ends[:b]
         return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
     own = experts(exchange.send, ends[rank])  # in place: this rank's rows for itself lead its send rows

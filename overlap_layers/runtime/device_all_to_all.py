@@ -189,10 +189,10 @@ if triton is not None:
 class DeviceCountAllToAll:
     """The exchange over a group's symmetric workspace (module docstring): ``send`` (this rank's
     send rows, ``[rows, W]``, which the caller fills), then per call :meth:`ready` with this
-    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (or once
-    per source and range of groups, the ranges covering its groups; any order, on any streams
-    that follow ``ready``), :meth:`finish` after them. Nothing reads a size
-    on the host, so a CUDA graph can capture a call and replay it with other counts. The
+    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (or
+    once per source and range of groups, the ranges covering its groups; any order, on any
+    streams that follow ``ready``), :meth:`finish` after them. Nothing reads a size on the host,
+    so a CUDA graph can capture a call and replay it with other counts. The
     workspace layout: the table (``[ws, ws, groups]`` int32), then ``send``, then ``back``; the
     exchange holds views of the workspace's buffer, so one made before the workspace grew raises
     ``RuntimeError`` (make another). ``streams``: the workspace's pull and push streams."""
