@@ -595,12 +595,15 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`
         where the race has picked it or is timing it; any other call runs eagerly (None)."""
         if save or self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
-                or not grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=dtype, device="meta"), self.w_in,
-                                       self.w_out) or not self._copy_engine_available():
+                or not self._grouped_for(dtype) or not self._copy_engine_available():
             return None
         if not self._device_race.choose((self._group_shapes, dtype)):
             return None
         return lambda plan, trial, trace, x: self._run_device(x, shape[1])
+
+    def _grouped_for(self, dtype: torch.dtype) -> bool:
+        """Whether input rows of ``dtype`` run the experts by grouped GEMMs (:func:`grouped_gemm_ok`)."""
+        return grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=dtype, device="meta"), self.w_in, self.w_out)
 
     def _graph_signature(self) -> tuple:
         return self._group_shapes  # [Note: MoE graph calls]: ranks with other token counts capture alike
@@ -645,7 +648,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return (1 << max(tokens - 1, 0).bit_length(), dtype, save)  # bucketed to a power of two
 
     def _cost_model(self, key: tuple, hw) -> MoECostModel:
-        grouped = grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=key[1], device="meta"), self.w_in, self.w_out)
+        grouped = self._grouped_for(key[1])
         return MoECostModel(tokens=key[0], world_size=self.world_size, hidden=self.hidden_size,
                             n_in=self.w_in.shape[1], ffn=self.ffn_hidden_size, experts=self.num_experts,
                             top_k=self.top_k, elt=torch.tensor([], dtype=key[1]).element_size(), model=hw,

@@ -51,14 +51,14 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
                                   n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
                                   LOADED=isinstance(n_own, torch.Tensor), BLOCK_H=block, num_warps=4)
         return y
-    pos = pos[:, None]
+    p = pos[:, None]
 
     def rows_at(t: torch.Tensor) -> torch.Tensor:  # t's row at each position (clamped: chosen below)
-        return t[pos.clamp(max=t.shape[0] - 1)[:, 0]] if t.shape[0] else t.new_zeros((pos.shape[0], H))
+        return t[pos.clamp(max=t.shape[0] - 1)] if t.shape[0] else t.new_zeros((pos.numel(), H))
 
-    rows = torch.where(pos < n_own, rows_at(own), rows_at(back))
+    rows = torch.where(p < n_own, rows_at(own), rows_at(back))
     if kept is not None:
-        rows = torch.where(pos < kept, rows, 0)
+        rows = torch.where(p < kept, rows, 0)
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 

@@ -181,10 +181,10 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     counts = counts.view(ws, El).to(torch.int32)
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
-    peers = [(rank + j, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
+    peers = [((rank + j) % ws, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
     if peers and El > 1:
-        peers[-1:] = [(rank - 1, (0, El // 2)), (rank - 1, (El // 2, El))]
-    peers = [(s % ws, groups) for s, groups in peers]
+        last = peers.pop()[0]
+        peers += [(last, (0, El // 2)), (last, (El // 2, El))]
     slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, len(peers)))]
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
