@@ -90,6 +90,8 @@ def parse_args(argv=None):
                         "(Chrome trace) and .txt (ops by device time)")
     p.add_argument("--profile-calls", type=int, default=3, metavar="N",
                    help="with --profile: calls per trace (default 3; 10 or more show the steady state)")
+    p.add_argument("--profile-all-ranks", action="store_true",
+                   help="with --profile: every rank writes its trace (rank r > 0: <name>_rank<r>.json)")
     p.add_argument("--out", default=None,
                    help="JSON path (default bench/results/<layers>_<device>_<time>.json, e.g. mlp_cpu_...)")
     args = p.parse_args(argv)
@@ -143,7 +145,7 @@ def _main(device: torch.device, args) -> None:
             run = {"mlp": bench_shape, "moe": moe_bench.bench_shape, "block": block_bench.bench_shape}.get(
                 layer, attn_bench.bench_shape)
             recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log,
-                       Profile(args.profile, args.profile_calls) if args.profile else None)
+                       Profile(args.profile, args.profile_calls, args.profile_all_ranks) if args.profile else None)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                 records.extend(recs)
                 _write(args, cuda, world, records, out)

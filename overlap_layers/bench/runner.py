@@ -121,9 +121,11 @@ def _candidate_predictions(plan) -> Dict[object, tuple]:
 @dataclass(frozen=True)
 class Profile:
     """What :func:`run_modes` profiles for each timed mode: ``calls`` calls back to back (after
-    the timed loop, so a larger count shows the steady state) into ``folder``."""
+    the timed loop, so a larger count shows the steady state) into ``folder``, on global rank 0 or,
+    with ``all_ranks``, on every rank (the ranks' skew shows in their signal waits)."""
     folder: str
     calls: int = 3
+    all_ranks: bool = False
 
 
 def verification_info(plan) -> Optional[List[dict]]:
@@ -137,12 +139,16 @@ def verification_info(plan) -> Optional[List[dict]]:
             for label, ms, trials in record]
 
 
-def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3) -> None:
-    """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0,
-    which writes ``path.json`` (a Chrome trace: kernels, streams, the executor's
+def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3, all_ranks: bool = False) -> None:
+    """Runs ``calls`` calls of ``fn`` on every rank, under ``torch.profiler`` on global rank 0
+    (or, with ``all_ranks``, on every rank, rank r > 0 writing ``path_rank{r}``), which writes
+    ``path.json`` (a Chrome trace: kernels, streams, the executor's
     ``overlap::<program>::<op>[tile]`` ranges, one ``bench::call`` range per call) and
     ``path.txt`` (the ops by device time)."""
-    on = dist.get_rank() == 0
+    rank = dist.get_rank()
+    on = rank == 0 or all_ranks
+    if rank:
+        path = f"{path}_rank{rank}"
     acts = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with (torch.profiler.profile(activities=acts) if on else contextlib.nullcontext()) as prof:
@@ -231,7 +237,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
-                profile_calls(fn, device, os.path.join(profile.folder, name), profile.calls)
+                profile_calls(fn, device, os.path.join(profile.folder, name), profile.calls, profile.all_ranks)
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(eager, device)
                 info["host_ms"] = host_ms_per_call(fn, device)
