@@ -204,13 +204,13 @@ def rank_chunk_log(rank, ws, rows):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_rank_chunks_own_rows_first_and_last(pools, ws):
     """Forward: own first half (step 0), the peers' chunks in step order (step j: rank + j), the
-    own second half; backward: own rows whole, then the peers'; alike on every rank (written out
-    here, not derived from the layer's pieces())."""
+    own second half; backward: own rows whole, then the peers', then the weight gradients over
+    every row; alike on every rank (written out here, not derived from the layer's pieces())."""
     peers = [(j, 0, 5) for j in range(1, ws)]
     fwd, bwd = [(0, 0, 2)] + peers + [(0, 2, 5)], [(0, 0, 5)] + peers
     for log in pools(ws).run(rank_chunk_log, 5):
         assert log == [(f"step{j}[{a}:{b}]", "rank_chunk", d) for d, order in (("fwd", fwd), ("bwd", bwd))
-                       for j, a, b in order]
+                       for j, a, b in order] + [("wgrad[all]", "rank_chunk", "bwd")]
 
 
 def bad_pin(rank, ws, plan, sp):

@@ -244,18 +244,19 @@ def test_rank_chunk_recurrence_by_hand(copy_ms, makespan, exposed):
 
 
 @pytest.mark.parametrize("copy_ms,makespan,exposed,push_at", [
-    (1.0, 8.0, 0.0, 6.0),    # pull 0-1 under own 0-4; peer 4-8, its push 6-7 under its tail (wgrads 6-8); sum at 7
-    (5.0, 12.0, 4.0, 7.0),   # pull 0-5 (1 exposed); peer 5-9, push 7-12 (3 exposed past the tail); sum at 12
+    (1.0, 6.0, 0.0, 4.0),    # pull 0-1 under own 0-2; peer 2-4, its push 4-5 under the weight gradients 4-6
+    (5.0, 12.0, 6.0, 7.0),   # pull 0-5 (3 exposed); peer 5-7, push 7-12 (3 exposed past the wgrads 7-9); sum at 12
 ])
 def test_rank_chunk_recurrence_backward_by_hand(copy_ms, makespan, exposed, push_at):
-    """Backward over the copy engine: a piece is dgrad 2 ms then its tail (wgrad2, wgrad1) 2 ms;
-    own rows whole first; the push leaves after the dgrads; the sum (free here) runs on compute1
-    right after the last push, beside the tail."""
+    """Backward over the copy engine: a piece is its dgrads (2 ms); own rows whole first; then the
+    weight gradients over every row (2 ms, the tail); the push leaves after the piece; the sum
+    (free here) runs on compute1 right after the last push, beside the weight gradients."""
     tl = _rank_cm(copy_ms).rank_chunk_timeline(backward=True, transport="copy_engine", sources=1)
     assert tl.makespan_ms == pytest.approx(makespan, abs=1e-6)
     assert tl.exposed_comm_ms == pytest.approx(exposed, abs=1e-6)
     ev = {(e.name, e.tile): e for e in tl.events}
-    assert [ev[("bwd", "own")].start_ms, ev[("bwd", "1")].start_ms] == pytest.approx([0.0, max(4.0, copy_ms)])
+    assert [ev[("bwd", "own")].start_ms, ev[("bwd", "1")].start_ms] == pytest.approx([0.0, max(2.0, copy_ms)])
+    assert ev[("wgrad", "all")].start_ms == pytest.approx(ev[("bwd", "1")].end_ms)
     assert ev[("push", 1)].start_ms == pytest.approx(push_at)
     early = ev[("sum", "early")]
     assert (early.stream, early.start_ms) == ("compute1", pytest.approx(push_at + copy_ms))
@@ -263,7 +264,7 @@ def test_rank_chunk_recurrence_backward_by_hand(copy_ms, makespan, exposed, push
     # over NCCL the sum stays on the compute stream, after the last piece
     tl = _rank_cm(copy_ms).rank_chunk_timeline(backward=True, transport="nccl", sources=1)
     s = next(e for e in tl.events if e.name == "sum")
-    assert (s.stream, s.start_ms) == ("compute0", pytest.approx(8.0))
+    assert (s.stream, s.start_ms) == ("compute0", pytest.approx(6.0))
 
 
 def test_rank_chunk_recurrence_four_ranks_pulls_in_a_row():

@@ -44,3 +44,29 @@ def test_fused_swiglu_of_the_first_rows(rows):
     assert torch.allclose(h[:n].double(), want[:n], rtol=1e-6, atol=1e-6)
     if DEVICE.type == "cuda" and n < 37:
         assert (h[n:] == 7.0).all()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_swiglu_backward_into_pre_itself(fused):
+    """``out=pre``: the pre-activation's memory takes ``dpre`` and ``h_out`` takes ``h`` (the
+    rank-chunk MLP's backward, [Note: weight gradients over every row]); both equal the formulas,
+    computed from a copy of ``pre``. Unfused: the eager formulas (a non-contiguous ``dh``), on the
+    CPU."""
+    if fused and DEVICE is None:
+        pytest.skip("needs CUDA and Triton, or Triton's interpreter (TRITON_INTERPRET=1)")
+    device = DEVICE if fused else torch.device("cpu")
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randn(37, 2 * 129, generator=g, dtype=torch.float64).to(device, torch.float32)
+    dh = torch.randn(129, 37, generator=g).to(device).t()  # non-contiguous: the eager path
+    if fused:
+        dh = dh.contiguous()
+    ga, u = pre.double().chunk(2, -1)
+    s = torch.sigmoid(ga)
+    want_h = ga * s * u
+    want_dpre = torch.cat([dh.double() * u * s * (1 + ga * (1 - s)), dh.double() * ga * s], -1)
+    h_out = torch.empty(2, 37, 129, device=device)[1]
+    dpre, h = swiglu_backward(pre, dh, out=pre, h_out=h_out)
+    assert dpre.data_ptr() == pre.data_ptr() and h.data_ptr() == h_out.data_ptr()
+    for got, want in ((h, want_h), (pre, want_dpre)):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-6, err

@@ -301,11 +301,12 @@ def rank_traces(rank, ws, tmp):
 
 def test_rank_chunk_plan_export_trace_predicted_and_measured_match(pool2, tmp_path):
     """The rank-chunk plan's timeline (its cost recurrence) and its measured trace hold the same
-    ops: the peer's chunk, its pull and push, the sum, forward and backward, and the own rows
-    (halves forward, whole backward)."""
+    ops: the peer's chunk, its pull and push, the sum, forward and backward, the own rows
+    (halves forward, whole backward) and the weight gradients over every row (backward)."""
     pool2.run(rank_traces, str(tmp_path))
     want = Counter({("forward", f"fwd[{tag}]"): 1 for tag in ("own[:h]", "1", "own[h:]")})
     want.update({("backward", f"bwd[{tag}]"): 1 for tag in ("own", "1")})
+    want[("backward", "wgrad[all]")] = 1
     want.update({(d, name): 1 for d in ("forward", "backward") for name in ("pull[1]", "push[1]", "sum[0]")})
     for rank in (0, 1):
         assert _events(tmp_path / f"pred{rank}.json") == want

@@ -46,7 +46,7 @@ from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.trace import TraceJob
 from ..schedule import TileProgram, round_robin
 from . import rank_chunks
-from .first_order import first_order
+from .first_order import first_order, keeps_graph
 from .rank_plans import RankChunkPlans
 from .mlp_cost import MLPCostModel
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles,
@@ -75,14 +75,18 @@ def _act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -
     return F.relu(pre_MI)
 
 
-def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor):
+def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
+                  h_out: Optional[torch.Tensor] = None):
     """``(d(loss)/d(pre), act(pre))`` given d(loss)/d(act(pre)): the backward also hands back the
-    activation the weight gradient of fc2 needs (for swiglu both come from one fused pass)."""
+    activation the weight gradient of fc2 needs (for swiglu both come from one fused pass). The
+    first into ``out`` if given, which may be ``pre_MI`` (overwritten only after it is read), the
+    second into ``h_out`` if given."""
     if kind == "swiglu":
-        return swiglu_backward(pre_MI, dh_MF)
-    if kind == "gelu":
-        return torch.ops.aten.gelu_backward(dh_MF, pre_MI), F.gelu(pre_MI)
-    return torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0), F.relu(pre_MI)
+        return swiglu_backward(pre_MI, dh_MF, out, h_out)
+    act = F.gelu(pre_MI) if kind == "gelu" else F.relu(pre_MI)
+    grad = torch.ops.aten.gelu_backward(dh_MF, pre_MI) if kind == "gelu" else \
+        torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
+    return (grad if out is None else out.copy_(grad)), (act if h_out is None else h_out.copy_(act))
 
 
 @dataclass
@@ -202,17 +206,19 @@ class _RankChunkMLP(torch.autograd.Function):
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
 
-        def gathered_x(j, q, a, b, pulled):
-            if j == 0:
-                return x_TH[a:b]
-            return pulled[1] if c.plan.regather else xg[0][q]
-
         with recorded_pass(c, backward=True, device=dy_TH.device) as recorder:
             grads = {"w_in": torch.empty_like(w_in), "w_out": torch.empty_like(w_out),
                      "b_in": w_in.new_empty(w_in.shape[0]) if ctx.has_b_in else None}
-            ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), recorder)
-            dx_TH = rank_chunks.backward(ex, dy_TH, gathered_x, pre_all, w_in, w_out,
-                                         partial(_act_backward, c.activation), grads, c.launch_log, recorder)
+            # [Note: weight gradients over every row]: dy of every rank (and x, re-gathered), own rows copied in
+            ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (True, c.plan.regather),
+                            recorder)
+
+            def x_all():
+                return ex.whole(1) if c.plan.regather else xg[0]
+
+            dx_TH = rank_chunks.backward(ex, dy_TH, x_all, pre_all, w_in, w_out,
+                                         partial(_act_backward, c.activation), grads, c.launch_log, recorder,
+                                         in_place=not keeps_graph())
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 

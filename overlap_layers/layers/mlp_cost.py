@@ -224,13 +224,15 @@ class MLPCostModel:
         """``(name, tag, compute ms, pull step, push step, block, tail ms)`` of the MLP's pieces in
         launch order (step 0: no transfer; one block; the tail: the piece's compute after its
         push, the weight gradients): forward own first half, the peers' chunks (pulled, then
-        pushed), own second half; backward own rows whole, then the peers' (``rank_chunks.py``).
-        The pieces do not depend on ``transport`` (the attention's may)."""
+        pushed), own second half; backward own rows whole, then the peers', then fc1's weight
+        gradients over every gathered row (``rank_chunks.py``). The pieces do not depend on
+        ``transport`` (the attention's may)."""
         T = self.chunk_rows()
         if backward:
             dgrad = sum(self.op_ms(T, op) for op in ("dgrad2", "act_bwd", "dgrad1"))
-            tail = sum(self.op_ms(T, op) for op in ("wgrad2", "wgrad1"))
-            return [("bwd", str(j) if j else "own", dgrad + tail, j, j, 0, tail) for j in range(self.ws)]
+            wgrads = sum(self.op_ms(self.ws * T, op) for op in ("wgrad2", "wgrad1"))
+            return [("bwd", str(j) if j else "own", dgrad, j, j, 0, 0.0) for j in range(self.ws)] + \
+                [("wgrad", "all", wgrads, 0, 0, 0, wgrads)]
         half = T // 2
 
         def ms(m):

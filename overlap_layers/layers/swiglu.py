@@ -80,18 +80,20 @@ def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.T
     return h
 
 
-def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(dpre [M, 2F], h [M, F])`` of the module reference."""
+def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
+                    h_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dpre [M, 2F], h [M, F])`` of the module reference; ``dpre`` into ``out`` if given, which
+    may be ``pre_MI`` itself (each element is read before it is written), ``h`` into ``h_out``."""
     gate, up = pre_MI.chunk(2, dim=-1)
-    dpre = torch.empty_like(pre_MI)
-    if not (fused_available(pre_MI) and dh_MF.is_contiguous()):
-        d_gate, d_up = dpre.chunk(2, dim=-1)
+    dpre = torch.empty_like(pre_MI) if out is None else out
+    h = pre_MI.new_empty(gate.shape) if h_out is None else h_out
+    if not (fused_available(pre_MI) and dh_MF.is_contiguous() and dpre.is_contiguous() and h.is_contiguous()):
         silu = F.silu(gate)
-        torch.mul(dh_MF, silu, out=d_up)
-        torch.mul(dh_MF, up, out=d_gate)
-        d_gate.copy_(torch.ops.aten.silu_backward(d_gate, gate))
-        return dpre, silu.mul_(up)
-    h = pre_MI.new_empty(gate.shape)
+        d_up = dh_MF * silu
+        d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
+        torch.mul(silu, up, out=h)
+        dpre.copy_(torch.cat([d_gate, d_up], dim=-1))  # after every read of pre_MI (out may be it)
+        return dpre, h
     n, f = h.numel(), h.shape[-1]
     if n:
         _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, dh_MF, dpre, h, n, f, BLOCK=_BLOCK)

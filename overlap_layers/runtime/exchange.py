@@ -130,6 +130,12 @@ class PointToPointExchange:
 
     summed_early = False  # NCCL's works are waited on the current stream: the sums stay in finish
 
+    def whole(self, i: int) -> torch.Tensor:
+        """Source ``i`` of every rank ``[ws, T, ...]``, once every step pulled it and its own
+        rows were kept (``keep_gathered``)."""
+        assert not self._pull_works, "every step must pull each block first"
+        return self.gathered[i]
+
     def reduce_early(self, rows: Optional[int] = None) -> None:
         """Nothing: :meth:`finish` waits for the pushes and sums (see the module docstring)."""
 
@@ -352,6 +358,13 @@ class CopyEngineExchange:
             self._kept.record(w.pull_stream)
         self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
         self._early: Optional[Tuple[torch.Tensor, int, torch.cuda.Event]] = None  # (sum, rows, done): reduce_early
+
+    def whole(self, i: int) -> torch.Tensor:
+        """Source ``i`` of every rank ``[ws, T, ...]``, once every step pulled it and its own
+        rows were kept (``keep_gathered``): the current stream joins the copy of the own rows."""
+        assert not self._pulled, "every step must pull each block first"
+        torch.cuda.current_stream(self.w.device).wait_event(self._kept)
+        return self.gathered[i]
 
     def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
         torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
