@@ -330,7 +330,8 @@ def _rank_log(rank, ws, k):
 @pytest.mark.parametrize("ws,k", [(2, 1), (4, 1), (4, 2)])
 def test_rank_chunks_launch_order(pools, ws, k):
     """Per batch tile: own rows' projection first, then the peers' in step order; the output
-    projection of the peers first and the own rows last; alike on every rank (written out here)."""
+    projection of the peers first and the own rows last; backward with one tile, then the QKV
+    weight gradient over every row; alike on every rank (written out here)."""
     peers = list(range(1, ws))
     out = []
     for fwd in (True, False):
@@ -339,6 +340,8 @@ def test_rank_chunks_launch_order(pools, ws, k):
             name = (lambda j: f"step{j}") if k == 1 else (lambda j, i=i: f"tile{i}.step{j}")
             d = "fwd" if fwd else "bwd"
             out += [(name(j), first, d) for j in [0] + peers] + [(name(j), last, d) for j in peers + [0]]
+            if k == 1 and not fwd:
+                out.append(("all", "wgrad_qkv", "bwd"))
     assert pools(ws).run(_rank_log, k) == [out] * ws
 
 

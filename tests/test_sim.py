@@ -376,10 +376,11 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
 
 def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
     """Over the copy engine the attention backward sums the slots on a second stream once the last
-    own piece has written its rows, beside that piece's QKV weight gradient (by hand): GEMMs 1 ms,
-    core backward 4 ms, a chunk's copy 0.5 ms, the sum 2 ms. dgrad_o own 0-2, peer 2-4, core
-    4-8, peer dgrad_qkv 8-10 (its push 9-9.5, before its weight gradient), own dgrad_qkv 10-12:
-    its dx rows at 11, so the sum runs 11-13. Over NCCL the sum follows everything: 12-14."""
+    own piece has written its rows, beside the QKV weight gradient, which with one tile runs once
+    over every row after the own piece (by hand): GEMMs 1 ms, core backward 4 ms, a chunk's copy
+    0.5 ms, the sum 2 ms. dgrad_o own 0-2, peer 2-4, core 4-8, peer dgrad_qkv 8-9 (its push
+    9-9.5), own dgrad_qkv 9-10, the weight gradient 10-11: the sum runs 10-12. Over NCCL the sum
+    follows everything: 11-13."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=9.6e-5, launch_ms=0.0, interference=1.0,
@@ -390,10 +391,11 @@ def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
                             sequence_parallel=True, causal=True, model=hw)
     ce = cm.rank_chunk_timeline(backward=True, transport="copy_engine", sources=1, tiles=1)
     spans = {(e.name, e.tile, e.stream): (round(e.start_ms, 6), round(e.end_ms, 6)) for e in ce.events}
-    assert spans[("dgrad_qkv", "own", "compute0")] == (10, 12) and spans[("push", 1, "comm")] == (9, 9.5)
-    assert spans[("sum", "early", "compute1")] == (11, 13) and ce.makespan_ms == pytest.approx(13.0)
+    assert spans[("dgrad_qkv", "own", "compute0")] == (9, 10) and spans[("push", 1, "comm")] == (9, 9.5)
+    assert spans[("wgrad_qkv", "all", "compute0")] == (10, 11)
+    assert spans[("sum", "early", "compute1")] == (10, 12) and ce.makespan_ms == pytest.approx(12.0)
     nccl = cm.rank_chunk_timeline(backward=True, transport="nccl", sources=1, tiles=1)
-    assert [(e.start_ms, e.end_ms) for e in nccl.events if e.name == "sum"] == [(12.0, 14.0)]
+    assert [(e.start_ms, e.end_ms) for e in nccl.events if e.name == "sum"] == [(11.0, 13.0)]
     assert cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=1).events[-1].stream \
         == "compute0"  # the forward's last piece is the own projection: nothing to sum beside
 

@@ -62,8 +62,11 @@ forward    qkv[q] = x_q @ wqkv.T + bqkv for q = r (own rows, at once), then each
 dgrad      do[q] = dy_q @ wo (own, then pulled peers); dqkv = core'(do) (query chunks: one flash
            backward from the merged o and lse, o and do copied to its layout beside the pulls);
            dx partial = dqkv[q] @ wqkv pushed to each peer q, own last; dx = sum (over the copy
-           engine on a side stream, beside the last own rows' QKV weight gradient)
-wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes
+           engine on a side stream, beside the QKV weight gradient)
+wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q beside the pushes, or
+           with one tile dwqkv = dqkv.T @ xg once over every gathered row, after the last push
+           (the MLP's [Note: weight gradients over every row] in ``rank_chunks.py``: one GEMM
+           with ``K = ws*T`` instead of ws with ``K = T``; xg with the own rows copied in)
 =========  ==================================================================================
 """
 from __future__ import annotations
@@ -394,7 +397,9 @@ class _RankChunkAttention(torch.autograd.Function):
         o_ins, xg = rest[:k], rest[k:]
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
-        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (), rec, blocks=blocks)
+        whole = k == 1  # the QKV weight gradient once over every gathered row (module docstring, wgrad)
+        ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (False, whole and c.plan.regather),
+                        rec, blocks=blocks)
         ws, r = ex.ws, ex.rank
         norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
         grads = {"w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
@@ -439,9 +444,18 @@ class _RankChunkAttention(torch.autograd.Function):
                         torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
                         if i == k - 1:  # every row written and pushed: sum beside the weight gradient
                             ex.reduce_early()
-                    accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
-                    accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
+                    if not whole:
+                        accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
+                        accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
                 _logged(c, i, j, k, "dgrad_qkv", "bwd")
+            if whole:
+                with piece(rec, "wgrad_qkv", block_tag(i, "all", k), f"overlap::attn_bwd::wgrad_qkv[{i}]"):
+                    rows = dqkv_all.view(ws * T, -1)
+                    x_all = ex.whole(1) if c.plan.regather else xg[0]
+                    accumulate(grads, "w_qkv", rows, x_all.view(ws * T, -1), True)
+                    accumulate_rows(grads, "b_qkv", rows, True)
+                if c.launch_log is not None:
+                    c.launch_log.append(("all", "wgrad_qkv", "bwd"))
         dx_TH = finish(ex, rec)
         d_norms += [None] * (2 - len(d_norms))
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None

@@ -142,7 +142,8 @@ class AttentionCostModel(MLPCostModel):
                     transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
-        tail), the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
+        tail, or with one tile a piece of its own over every gathered row after the own rows'),
+        the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
         chunk also runs 1/ws of the core's heads step, and the core the rest. With
         ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
         query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes
@@ -165,7 +166,9 @@ class AttentionCostModel(MLPCostModel):
             def tag(j):
                 return step_tag(j, i, len(bounds))
             peers = range(1, ws)
-            tail = ms(last[1:])
+            whole = backward and len(bounds) == 1  # the QKV weight gradient over every row, last
+            tail = 0.0 if whole else ms(last[1:])
+            dgrad = ms(last[:1]) if whole else ms(last)
             split = self.query_chunks and not backward
 
             diag = self.op_ms(M, "chunk0") if split and self.diagonal_first(transport) else 0.0
@@ -176,8 +179,11 @@ class AttentionCostModel(MLPCostModel):
                     + [(first[0], tag(j), ms(first) + heads / ws + diag, j, 0, i, 0.0) for j in peers]
                     + ([] if split else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
                                           0, 0, i, 0.0)])
-                    + [(last[0], tag(j), chunk(j) + ms(last), 0, j, i, tail) for j in peers]
-                    + [(last[0], tag(0), chunk(0) + ms(last), 0, 0, i, tail)])
+                    + [(last[0], tag(j), chunk(j) + dgrad, 0, j, i, tail) for j in peers]
+                    + [(last[0], tag(0), chunk(0) + dgrad, 0, 0, i, tail)])
+            if whole:
+                wgrad = self.op_ms(M, last[1])
+                out.append((last[1], block_tag(i, "all", 1), wgrad, 0, 0, i, wgrad))
         return out
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:
