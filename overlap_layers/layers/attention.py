@@ -331,7 +331,8 @@ class _RankChunkAttention(torch.autograd.Function):
         keep_xg = call.save and not call.plan.regather
         bounds = tile_bounds(call.batch, call.plan.num_tiles)
         blocks, k = [(b0 * call.s, b1 * call.s) for b0, b1 in bounds], len(bounds)
-        ex = call.exchange([x_TH], (T, H), (keep_xg,), rec, blocks=blocks)
+        # the own rows go into the kept buffer only for the one-tile backward's QKV weight gradient
+        ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks)
         ws, r = ex.ws, ex.rank
         graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):

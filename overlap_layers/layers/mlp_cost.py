@@ -224,7 +224,7 @@ class MLPCostModel:
         """``(name, tag, compute ms, pull step, push step, block, tail ms)`` of the MLP's pieces in
         launch order (step 0: no transfer; one block; the tail: the piece's compute after its
         push, the weight gradients): forward own first half, the peers' chunks (pulled, then
-        pushed), own second half; backward own rows whole, then the peers', then fc1's weight
+        pushed), own second half; backward own rows whole, then the peers', then the weight
         gradients over every gathered row (``rank_chunks.py``). The pieces do not depend on
         ``transport`` (the attention's may)."""
         T = self.chunk_rows()

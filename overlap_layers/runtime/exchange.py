@@ -6,14 +6,15 @@ partials of shape ``[T, *partial]``::
 
     step j = 1 .. ws-1 talks to q = (r + j) % ws (it receives q's rows) and s = (r - j) % ws
     pull(j)[i]      == src[i] of rank q                          (all-gather, one chunk)
+    whole(i)        == src[i] of every rank ``[ws, T, ...]``, after every pull, where
+                       ``keep_gathered[i]`` copied the own rows in (the all-gather)
     push(j, p_rq)   sends rank r's partial for q's rows to q
     finish()        == own + sum over s != r of the partial rank s pushed for r's rows
                        (reduce-scatter of the partials; ``own`` is written into ``own_partial``)
     reduce_early(n) may come after the last push, once rows ``[0, n)`` of ``own_partial`` are
                     written (default: all rows): the copy engine then sums those rows on its push
-                    stream while the caller computes on (the MLP backward's last weight
-                    gradients, its forward's own second half); ``finish()`` joins it and sums
-                    the rest
+                    stream while the caller computes on (the MLP backward's weight gradients, its
+                    forward's own second half); ``finish()`` joins it and sums the rest
 
 With ``blocks`` (row ranges ``[a, b)`` of ``T``, default one block of all rows; the attention's
 batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i]`` of q's
