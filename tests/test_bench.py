@@ -323,6 +323,26 @@ def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
     assert gaps == [(100.0, 200.0, 200.0), (400.0, 100.0, 40.0), (550.0, 110.0, 110.0)]
 
 
+def test_trace_compute_gaps_lists_where_no_compute_runs(tmp_path):
+    """``bench/trace_breakdown.py --compute-gaps``: the spans between compute kernels (on any
+    stream), their total, and the copies and signals that ran in the ones shown (2 us or more)."""
+    tb = _trace_breakdown()
+    ev = [dict(cat="kernel", name="nvjet_a", ts=100, dur=100, args={"stream": 7}),
+          dict(cat="kernel", name="swiglu", ts=150, dur=60, args={"stream": 8}),  # overlaps: no gap until 210
+          dict(cat="gpu_memcpy", name="Memcpy PtoP", ts=205, dur=40, args={"stream": 30}),
+          dict(cat="kernel", name="nvjet_b", ts=250, dur=100, args={"stream": 7}),  # gap 210-250
+          dict(cat="kernel", name="c10d::symmetric_memory::wait_signal_kernel", ts=350, dur=20, args={"stream": 9}),
+          dict(cat="kernel", name="sum", ts=351, dur=10, args={"stream": 7})]  # gap 350-351: under 2 us
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    lines = tb.compute_gaps(str(path)).splitlines()
+    assert lines[1].startswith("compute idle 41 us in 2 gaps")
+    assert len(lines) == 3
+    cols = lines[2].split()
+    assert cols[:2] == ["110", "40"] and cols[3] == "swiglu" and cols[5] == "nvjet_b"
+    assert lines[2].split("|")[1].split() == ["Memcpy", "PtoP(40)"]
+
+
 @pytest.mark.parametrize("layer", ["attention", "moe"])
 def test_inproc_ab_dry_run(tmp_path, layer):
     """``bench/inproc_ab.py`` on the CPU (2 gloo ranks, tiny preset), this package as both sides:
