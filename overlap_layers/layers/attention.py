@@ -419,7 +419,8 @@ class _RankChunkAttention(torch.autograd.Function):
                     dy = dy_TH[a:b] if j == 0 else pulled[0]
                     torch.mm(dy, w_o, out=do_all[q])
                     accumulate(grads, "w_o", dy, o_all[q], i == 0 and j == 0)
-                    xs[q] = x_TH[a:b] if j == 0 else pulled[1] if c.plan.regather else xg[0][q, a:b]
+                    if not whole:  # the rows of this piece's QKV weight gradient
+                        xs[q] = x_TH[a:b] if j == 0 else pulled[1] if c.plan.regather else xg[0][q, a:b]
                     if c.query_chunks:
                         c.rows_to_heads(do_all[q], do_hm, q)
                         if j == 0:  # before the first peer's dy is in

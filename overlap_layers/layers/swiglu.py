@@ -92,7 +92,7 @@ def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[tor
         d_up = dh_MF * silu
         d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
         torch.mul(silu, up, out=h)
-        dpre.copy_(torch.cat([d_gate, d_up], dim=-1))  # after every read of pre_MI (out may be it)
+        torch.cat([d_gate, d_up], dim=-1, out=dpre)  # after every read of pre_MI (out may be it)
         return dpre, h
     n, f = h.numel(), h.shape[-1]
     if n:
