@@ -860,6 +860,15 @@ def check_graph_calls(rank, ws, dev):
             # (auto: the training calls' key is still being verified, eagerly)
             fails += 1
             print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after training", flush=True)
+        if plan is not None:  # [Note: staged input]: a copy-engine training graph's output gradient
+            from overlap_layers.runtime.exchange import staged_source
+            trained = [e for e in graphed._call_graphs._graphs.values() if hasattr(e, "grad_output")]
+            place = [None if graphed._workspace is None else staged_source(graphed._workspace, e.grad_output)
+                     for e in trained]
+            staged = [p is not None and p.data_ptr() == e.grad_output.data_ptr() for e, p in zip(trained, place)]
+            if staged != [plan.transport == "copy_engine"]:
+                fails += 1
+                print(f"rank {rank} FAIL {name}: training graphs' output gradient staged {staged}", flush=True)
     return fails
 
 

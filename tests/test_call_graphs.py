@@ -55,7 +55,7 @@ def captured(monkeypatch):
 def test_a_capture_is_given_the_stage(captured):
     """The layer's ``stage`` reaches the capture (asked there, not at every call)."""
     graphs, x = CallGraphs(_Agreement()), torch.ones(2)
-    stage = lambda: None  # noqa: E731
+    stage = lambda t: None  # noqa: E731
     graphs.params_kept((1,))
     for _ in range(2):
         graphs.run("a", (x,), lambda t: t + 1, None, stage)

@@ -28,7 +28,8 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   same collectives;
 * a call that needs no autograd replays one graph: its inputs are copied into the static
   tensors, and a copy of the static output is returned (the next replay overwrites it). Its first
-  input's static tensor may be a place the layer names (``stage``: [Note: staged input]);
+  input's static tensor may be a place the layer names (``stage``: [Note: staged input]), as may
+  a training call's static output gradient;
 * a call that saves for backward replays a forward graph and, at its backward, a backward graph
   (captured with ``torch.autograd.grad`` of the static output for the inputs that require grad
   and the parameters), as ``torch.cuda.make_graphed_callables`` does: the saved activations stay
@@ -77,7 +78,13 @@ tensor: a replay copies the input there, on the calling stream, and the exchange
 source already in place, copies nothing. Writing there before the replay is what the graph's own
 copy did at its start: the stream has finished every earlier call, and each peer's last read of
 this buffer precedes the push that call waited for. A training graph keeps its own static input:
-its backward reads the saved input after other layers have used the buffer.
+its backward reads the saved input after other layers have used the buffer. Its backward graph
+reads the output gradient only while it runs, and its first exchange takes that gradient as its
+first source (the MLP's and attention's rank chunks), so the static output gradient is staged the
+same way (``stage(out)`` at the capture): the copy into it before the backward replay is the only
+one, and the peers' first pulls no longer wait for the graph's own copy (50 us beside the
+block's GEMMs, session 34). A layer whose backward exchange starts from another tensor stages
+nothing: its copy into the place would overwrite the gradient it still reads.
 
 A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE's
 calls but those of its device path ([Note: MoE graph calls] in ``moe_device.py``; its eager
@@ -256,12 +263,13 @@ class CallGraphs:
 
     def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable,
             params: Optional[List[torch.Tensor]] = None,
-            stage: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> torch.Tensor:
+            stage: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call, after
         this call's :meth:`params_kept`). ``params``: for a call that saves for backward, the
         parameters that require grad (also differentiated by the graphs); None for a call without
-        autograd. ``stage``: for a call without autograd, where the first input's static tensor
-        may live (asked at a capture; None: a tensor of its own), [Note: staged input]."""
+        autograd. ``stage(t)``: where the static tensor standing for ``t`` may live (asked at a
+        capture; None: a tensor of its own), [Note: staged input]: for a call without autograd
+        the first input's, for a call with autograd the output gradient's."""
         if not self.capturing:
             self.last_nbytes = 0
             return fn(*inputs)
@@ -288,11 +296,12 @@ class CallGraphs:
 
     @staticmethod
     def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]],
-                 owner, stage: Optional[Callable[[], Optional[torch.Tensor]]] = None):
+                 owner, stage: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None):
         """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
         side stream (with ``params``, forward and backward), then captured: into a pool of its own
-        with ``params``, else into ``owner``'s :func:`shared_pool`, the first input's copy where
-        ``stage()`` says after the run (which made the place)."""
+        with ``params``, else into ``owner``'s :func:`shared_pool`; the first input's copy (without
+        ``params``) or the output gradient (with them) where ``stage`` says after the run (which
+        made the place)."""
         dev = inputs[0].device
         training = params is not None
         static = _static(inputs, training)
@@ -306,7 +315,7 @@ class CallGraphs:
                     torch.autograd.grad(out, needs, torch.zeros_like(out), allow_unused=True)
             torch.cuda.current_stream(dev).wait_stream(side)
             del out
-            first = None if training or stage is None else stage()
+            first = None if training or stage is None else stage(static[0])
             if first is not None:
                 static[0] = first.copy_(static[0])
             made = static if first is None else [None, *static[1:]]  # the static inputs holding memory of their own
@@ -322,13 +331,15 @@ class CallGraphs:
                 graph = _Graph(fwd, static, out, _nbytes(made, reserved, dev))
                 shared.graphs.add(graph)
                 return graph, ""
-            grad_out = torch.empty_like(out)
+            staged = None if stage is None else stage(out)
+            grad_out = torch.empty_like(out) if staged is None else staged
             bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bwd, pool=pool):
                 taken = iter(torch.autograd.grad(out, needs, grad_out, allow_unused=True))
             grads = [next(taken) if t is not None and t.requires_grad else None for t in static]
             grads += [next(taken) for _ in params]
             return _TrainingGraph(fwd, bwd, static, out.detach(), grad_out, grads,
-                                  _nbytes(made, reserved, dev) + grad_out.numel() * grad_out.element_size()), ""
+                                  _nbytes(made, reserved, dev) + (0 if staged is not None else
+                                                                  grad_out.numel() * grad_out.element_size())), ""
         except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
             return None, f"{type(e).__name__}: {str(e)[:200]}"

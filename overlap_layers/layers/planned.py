@@ -366,9 +366,10 @@ class PlannedLayer:
         new._init_runtime(new.config)
         return new
 
-    def _graph_stage(self, plan, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Where a no-grad graph of ``plan``'s calls keeps its input ``x`` (None: a static tensor of
-        its own; [Note: staged input] in ``call_graphs.py``)."""
+    def _graph_stage(self, plan, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where a graph of ``plan``'s calls keeps the static tensor standing for ``t``: a no-grad
+        call's input, or a training call's output gradient (None: a tensor of its own; [Note:
+        staged input] in ``call_graphs.py``)."""
         return None
 
     def _graphed_run(self, run: Callable, shape: tuple, dtype: torch.dtype, save: bool) -> Optional[Callable]:
@@ -585,8 +586,8 @@ class PlannedLayer:
                 key = (pkey, plan, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                        tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs),
                        self._graph_signature())
-                stage = None if params is not None else lambda: self._graph_stage(plan, inputs[0])
-                return self._call_graphs.run(key, inputs, lambda *ins: graphed(plan, None, None, *ins), params, stage)
+                return self._call_graphs.run(key, inputs, lambda *ins: graphed(plan, None, None, *ins), params,
+                                             lambda t: self._graph_stage(plan, t))
         if self._call_graphs is not None:
             self._call_graphs.last_nbytes = 0  # this call runs eagerly: it keeps no graph memory
         if trial is not None:

@@ -143,14 +143,16 @@ class RankChunkPlans:
             plan = self.plan = replace(plan, transport="nccl")
         return plan, partial(self._exchanges[1], self.group)
 
-    def _graph_stage(self, plan, x: torch.Tensor):
-        """A copy-engine rank-chunk call's input in the exchange's place for it ([Note: staged
-        input] in ``call_graphs.py``), where the call copies no other tensor of ``x``'s dtype (no
-        autocast cast) and the workspace is large enough; else None."""
+    def _graph_stage(self, plan, t: torch.Tensor):
+        """A copy-engine rank-chunk call's input, or its output gradient, in the place of the
+        first source of the pass's exchange ([Note: staged input] in ``call_graphs.py``): the
+        MLP's and attention's forward exchange starts from the input, their backward's from the
+        output gradient. Where the call copies no other tensor of ``t``'s dtype (no autocast cast)
+        and the workspace is large enough; else None."""
         if plan.decomposition != "rank" or plan.transport != "copy_engine" or self._workspace is None \
-                or x.dtype != self._weight.dtype or torch.is_autocast_enabled(x.device.type):
+                or t.dtype != self._weight.dtype or torch.is_autocast_enabled(t.device.type):
             return None
-        return staged_source(self._workspace, x)
+        return staged_source(self._workspace, t)
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":
