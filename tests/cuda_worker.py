@@ -787,7 +787,8 @@ def check_graph_calls(rank, ws, dev):
     attn = lambda cfg: OverlapAttention(64, 2 * ws, ws, group=dist.group.WORLD, head_dim=16, device=dev,  # noqa: E731
                                         config=cfg)
     cases = [(mlp, p) for p in (MLPPlan(1), MLPPlan(2), MLPPlan(1, decomposition="rank"),
-                                MLPPlan(1, decomposition="rank", transport="copy_engine"), None)]
+                                MLPPlan(1, decomposition="rank", transport="copy_engine"),
+                                MLPPlan(1, regather=True, decomposition="rank", transport="copy_engine"), None)]
     cases += [(attn, MLPPlan(1, decomposition="rank", transport="copy_engine"))]
     for make, plan in cases:
         pair = []
@@ -860,15 +861,20 @@ def check_graph_calls(rank, ws, dev):
             # (auto: the training calls' key is still being verified, eagerly)
             fails += 1
             print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after training", flush=True)
-        if plan is not None:  # [Note: staged input]: a copy-engine training graph's output gradient
+        if plan is not None:  # [Note: staged input]: a copy-engine training graph's output gradient, and
+            # its input where the backward reads the kept own rows instead (not re-gathered)
             from overlap_layers.runtime.exchange import staged_source
             trained = [e for e in graphed._call_graphs._graphs.values() if hasattr(e, "grad_output")]
-            place = [None if graphed._workspace is None else staged_source(graphed._workspace, e.grad_output)
-                     for e in trained]
-            staged = [p is not None and p.data_ptr() == e.grad_output.data_ptr() for e, p in zip(trained, place)]
-            if staged != [plan.transport == "copy_engine"]:
+
+            def in_place(t):
+                place = None if graphed._workspace is None else staged_source(graphed._workspace, t)
+                return place is not None and place.data_ptr() == t.data_ptr()
+            staged = [(in_place(e.grad_output), in_place(e.inputs[0])) for e in trained]
+            ce = plan.transport == "copy_engine"
+            if staged != [(ce, ce and not plan.regather)]:
                 fails += 1
-                print(f"rank {rank} FAIL {name}: training graphs' output gradient staged {staged}", flush=True)
+                print(f"rank {rank} FAIL {name}: training graphs' (output gradient, input) staged {staged}",
+                      flush=True)
     return fails
 
 

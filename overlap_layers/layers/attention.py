@@ -385,7 +385,9 @@ class _RankChunkAttention(torch.autograd.Function):
         y_TH = finish(ex, rec)
         if call.save:
             ctx.graphs, ctx.blocks = graphs, blocks
-            ctx.save_for_backward(x_TH, w_qkv, w_o, *o_ins, *([ex.gathered[0]] if keep_xg else []))
+            # with the own rows kept, those rather than the input (a graph's staged one, [Note: staged input])
+            ctx.save_for_backward(ex.gathered[0][r] if keep_xg and k == 1 else x_TH, w_qkv, w_o, *o_ins,
+                                  *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b = call, b_qkv is not None
         return y_TH
 
@@ -621,6 +623,9 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         return self.wq
 
     _rank_tiles = True  # rank chunks inside batch tiles (_RankChunkAttention)
+
+    def _backward_reads_input(self, plan) -> bool:
+        return plan.regather or plan.num_tiles > 1  # one tile: the own rows kept in the gathered x
 
     def _query_chunk_core(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether rank-chunk plans run the core by query chunks ([Note: query-chunk core]):

@@ -77,14 +77,17 @@ first source, :func:`~overlap_layers.runtime.exchange.staged_source`) as that in
 tensor: a replay copies the input there, on the calling stream, and the exchange, finding its
 source already in place, copies nothing. Writing there before the replay is what the graph's own
 copy did at its start: the stream has finished every earlier call, and each peer's last read of
-this buffer precedes the push that call waited for. A training graph keeps its own static input:
-its backward reads the saved input after other layers have used the buffer. Its backward graph
-reads the output gradient only while it runs, and its first exchange takes that gradient as its
-first source (the MLP's and attention's rank chunks), so the static output gradient is staged the
-same way (``stage(out)`` at the capture): the copy into it before the backward replay is the only
-one, and the peers' first pulls no longer wait for the graph's own copy (50 us beside the
-block's GEMMs, session 34). A layer whose backward exchange starts from another tensor stages
-nothing: its copy into the place would overwrite the gradient it still reads.
+this buffer precedes the push that call waited for.
+
+A training graph's backward runs after other layers have used the buffer, so its input is staged
+("training_input") only where the backward never reads it: the MLP's rank chunks and the
+one-tile attention's, without re-gather, keep the own rows in the gathered buffer they save for
+the weight gradients anyway and read them there. Its output gradient is read only while the
+backward graph runs, and the backward's exchange takes it as its first source, so it is staged
+the same way ("output_grad"): the copy into it before the backward replay is the only one. In
+both passes the peers' first pulls then no longer wait for a copy inside the graph (a kernel
+beside the first GEMMs: 16-54 us in session 34's block trace). A layer whose exchange starts from
+another tensor stages nothing: its copy into the place would overwrite a tensor it still reads.
 
 A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE's
 calls but those of its device path ([Note: MoE graph calls] in ``moe_device.py``; its eager
@@ -133,6 +136,12 @@ def shared_pool(owner, device: torch.device) -> _SharedPool:
 def _static(inputs: Sequence[Optional[torch.Tensor]], grad: bool) -> list:
     """Copies of ``inputs`` the graphs read (with ``grad``, requiring grad where the input does)."""
     return [None if t is None else t.detach().clone().requires_grad_(grad and t.requires_grad) for t in inputs]
+
+
+def _needs(static: Sequence[Optional[torch.Tensor]], params: Optional[List[torch.Tensor]]) -> list:
+    """What a training call's backward differentiates: the static inputs that require grad, then
+    the parameters."""
+    return [t for t in static if t is not None and t.requires_grad] + list(params or ())
 
 
 def _copy_in(static: Sequence[Optional[torch.Tensor]], inputs: Sequence[Optional[torch.Tensor]]) -> None:
@@ -263,13 +272,14 @@ class CallGraphs:
 
     def run(self, key: Hashable, inputs: Sequence[Optional[torch.Tensor]], fn: Callable,
             params: Optional[List[torch.Tensor]] = None,
-            stage: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> torch.Tensor:
+            stage: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """``fn(*inputs)``, replayed from the graphs of ``key`` (captured at its first call, after
         this call's :meth:`params_kept`). ``params``: for a call that saves for backward, the
         parameters that require grad (also differentiated by the graphs); None for a call without
-        autograd. ``stage(t)``: where the static tensor standing for ``t`` may live (asked at a
-        capture; None: a tensor of its own), [Note: staged input]: for a call without autograd
-        the first input's, for a call with autograd the output gradient's."""
+        autograd. ``stage(t, role)``: where the static tensor standing for ``t`` may live (asked
+        at a capture; None: a tensor of its own), [Note: staged input]; ``role`` is "input" (the
+        first input of a call without autograd), "training_input" (that of a call with autograd)
+        or "output_grad" (the output gradient of a call with autograd)."""
         if not self.capturing:
             self.last_nbytes = 0
             return fn(*inputs)
@@ -296,28 +306,27 @@ class CallGraphs:
 
     @staticmethod
     def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]],
-                 owner, stage: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None):
+                 owner, stage: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None):
         """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
         side stream (with ``params``, forward and backward), then captured: into a pool of its own
-        with ``params``, else into ``owner``'s :func:`shared_pool`; the first input's copy (without
-        ``params``) or the output gradient (with them) where ``stage`` says after the run (which
-        made the place)."""
+        with ``params``, else into ``owner``'s :func:`shared_pool`; the first input's copy and the
+        output gradient where ``stage`` says after the run (which made the place)."""
         dev = inputs[0].device
         training = params is not None
         static = _static(inputs, training)
-        needs = [t for t in static if t is not None and t.requires_grad] + list(params or ())
         try:
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 out = fn(*static)
                 if training:
-                    torch.autograd.grad(out, needs, torch.zeros_like(out), allow_unused=True)
+                    torch.autograd.grad(out, _needs(static, params), torch.zeros_like(out), allow_unused=True)
             torch.cuda.current_stream(dev).wait_stream(side)
             del out
-            first = None if training or stage is None else stage(static[0])
+            first = None if stage is None else stage(static[0], "training_input" if training else "input")
             if first is not None:
-                static[0] = first.copy_(static[0])
+                static[0] = first.detach().copy_(static[0]).requires_grad_(static[0].requires_grad)
+            needs = _needs(static, params)
             made = static if first is None else [None, *static[1:]]  # the static inputs holding memory of their own
             shared = None if training else shared_pool(owner, dev)
             pool = torch.cuda.graph_pool_handle() if training else shared.handle
@@ -331,7 +340,7 @@ class CallGraphs:
                 graph = _Graph(fwd, static, out, _nbytes(made, reserved, dev))
                 shared.graphs.add(graph)
                 return graph, ""
-            staged = None if stage is None else stage(out)
+            staged = None if stage is None else stage(out, "output_grad")
             grad_out = torch.empty_like(out) if staged is None else staged
             bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bwd, pool=pool):

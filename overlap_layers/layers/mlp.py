@@ -193,8 +193,9 @@ class _RankChunkMLP(torch.autograd.Function):
             pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0])) if call.save else None  # no grad: per piece
             y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
                                        call.launch_log, recorder)
-        if call.save:
-            ctx.save_for_backward(x_TH, w_in, w_out, pre_all, *([ex.gathered[0]] if keep_xg else []))
+        if call.save:  # the own rows as kept in the gathered buffer: the input may be a graph's staged one
+            ctx.save_for_backward(ex.gathered[0][ex.rank] if keep_xg else x_TH, w_in, w_out, pre_all,
+                                  *([ex.gathered[0]] if keep_xg else []))
             ctx.call, ctx.has_b_in = call, b_in is not None
         return y_TH
 
@@ -394,6 +395,9 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _tile_units(self, shape: tuple) -> int:
         return shape[0] * shape[1]
+
+    def _backward_reads_input(self, plan) -> bool:
+        return plan.regather  # else it reads the own rows kept in the gathered x (_RankChunkMLP)
 
     def _programs(self, k: int, save: bool, regather: bool):
         call = _Call(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,

@@ -608,7 +608,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     def _graph_signature(self) -> tuple:
         return self._group_shapes  # [Note: MoE graph calls]: ranks with other token counts capture alike
 
-    def _graph_stage(self, plan, t: torch.Tensor):
+    def _graph_stage(self, plan, t: torch.Tensor, role: str):
         return None  # the device path gathers its send rows from x itself; its backward starts from others
 
     def _device_exchange(self, rows: int, dtype: torch.dtype, device: torch.device) -> DeviceCountAllToAll:

@@ -366,10 +366,10 @@ class PlannedLayer:
         new._init_runtime(new.config)
         return new
 
-    def _graph_stage(self, plan, t: torch.Tensor) -> Optional[torch.Tensor]:
-        """Where a graph of ``plan``'s calls keeps the static tensor standing for ``t``: a no-grad
-        call's input, or a training call's output gradient (None: a tensor of its own; [Note:
-        staged input] in ``call_graphs.py``)."""
+    def _graph_stage(self, plan, t: torch.Tensor, role: str) -> Optional[torch.Tensor]:
+        """Where a graph of ``plan``'s calls keeps the static tensor standing for ``t`` (``role``:
+        "input", "training_input" or "output_grad", :meth:`CallGraphs.run`); None: a tensor of its
+        own ([Note: staged input] in ``call_graphs.py``)."""
         return None
 
     def _graphed_run(self, run: Callable, shape: tuple, dtype: torch.dtype, save: bool) -> Optional[Callable]:
@@ -587,7 +587,7 @@ class PlannedLayer:
                        tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for t in inputs),
                        self._graph_signature())
                 return self._call_graphs.run(key, inputs, lambda *ins: graphed(plan, None, None, *ins), params,
-                                             lambda t: self._graph_stage(plan, t))
+                                             lambda t, role: self._graph_stage(plan, t, role))
         if self._call_graphs is not None:
             self._call_graphs.last_nbytes = 0  # this call runs eagerly: it keeps no graph memory
         if trial is not None:

@@ -143,16 +143,23 @@ class RankChunkPlans:
             plan = self.plan = replace(plan, transport="nccl")
         return plan, partial(self._exchanges[1], self.group)
 
-    def _graph_stage(self, plan, t: torch.Tensor):
+    def _graph_stage(self, plan, t: torch.Tensor, role: str):
         """A copy-engine rank-chunk call's input, or its output gradient, in the place of the
         first source of the pass's exchange ([Note: staged input] in ``call_graphs.py``): the
         MLP's and attention's forward exchange starts from the input, their backward's from the
-        output gradient. Where the call copies no other tensor of ``t``'s dtype (no autocast cast)
-        and the workspace is large enough; else None."""
+        output gradient; a training call's input only where its backward reads the saved own
+        rows instead (:meth:`_backward_reads_input`). Where the call copies no other tensor of
+        ``t``'s dtype (no autocast cast) and the workspace is large enough; else None."""
         if plan.decomposition != "rank" or plan.transport != "copy_engine" or self._workspace is None \
-                or t.dtype != self._weight.dtype or torch.is_autocast_enabled(t.device.type):
+                or t.dtype != self._weight.dtype or torch.is_autocast_enabled(t.device.type) \
+                or role == "training_input" and self._backward_reads_input(plan):
             return None
         return staged_source(self._workspace, t)
+
+    def _backward_reads_input(self, plan) -> bool:
+        """Whether a rank-chunk training call's backward reads its input tensor (re-gathered, or
+        per piece), rather than the own rows it kept in the gathered buffer."""
+        return True
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
         if plan.decomposition != "rank":
