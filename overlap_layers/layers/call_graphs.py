@@ -325,7 +325,9 @@ class CallGraphs:
             del out
             first = None if stage is None else stage(static[0], "training_input" if training else "input")
             if first is not None:
-                static[0] = first.detach().copy_(static[0]).requires_grad_(static[0].requires_grad)
+                with torch.no_grad():
+                    first.copy_(static[0])
+                static[0] = first.detach().requires_grad_(static[0].requires_grad)
             needs = _needs(static, params)
             made = static if first is None else [None, *static[1:]]  # the static inputs holding memory of their own
             shared = None if training else shared_pool(owner, dev)
@@ -351,4 +353,7 @@ class CallGraphs:
                                   _nbytes(made, reserved, dev) + (0 if staged is not None else
                                                                   grad_out.numel() * grad_out.element_size())), ""
         except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
-            return None, f"{type(e).__name__}: {str(e)[:200]}"
+            # a failed op inside a capture surfaces as the capture's end failing: name the op's error too
+            first = e.__context__
+            during = f" (during: {type(first).__name__}: {str(first)[:200]})" if first is not None else ""
+            return None, f"{type(e).__name__}: {str(e)[:200]}{during}"
