@@ -52,7 +52,7 @@ class BlockBench:
             sub.pin_plan(None)
         run = self._run(backward)
         if k == "auto":
-            for _ in range(64):
+            for _ in range(128):  # verification: 2 calls per contender and trial, twice where disturbed
                 run()
                 if not self.layer.verifying:  # the sublayers' plans, then the block's (fused or in turn)
                     break

@@ -93,7 +93,7 @@ class MLPBench:
             layer.warmup([tuple(self.x.shape[:2])], dtype=self.dtype, training=backward)
             self.planning_ms = (time.perf_counter() - t0) * 1e3
             run()  # the first calls time the plan against K=1: measure the settled layer
-            for _ in range(64):
+            for _ in range(128):  # 2 calls per contender and trial, twice where a trial was disturbed
                 if not layer.verifying:
                     break
                 run()
