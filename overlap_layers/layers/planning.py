@@ -92,8 +92,8 @@ class _Entry:
 def verification_record(contenders: Sequence[object], measured: Sequence[float], trials: Sequence[Trial],
                         with_bwd: bool) -> tuple:
     """Per contender, in order: ``(label, ms, ((device ms, host ms), ...))``: the number the
-    decision compared (the minimum over this pass's trials, max over ranks) and this rank's trials
-    of that pass (forward, or forward+backward summed), each's device and host time, which
+    decision compared (the minimum over this pass's trials, each the slowest rank's) and this
+    rank's trials of that pass (forward, or forward+backward summed), each's device and host time, which
     :func:`~overlap_layers.runtime.timing.total_ms` takes the larger of. A trial whose host time
     is the larger ran host-bound."""
     def times(t: Trial) -> Tuple[float, float]:
