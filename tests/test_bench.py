@@ -24,6 +24,8 @@ def test_bench_cpu_default(tmp_path):
     for r in recs:  # each repeat's time is kept; the row's time is their median
         if r["ms"] is not None:
             assert len(r["repeat_ms"]) == 3 and r["ms"] == sorted(r["repeat_ms"])[1]
+            assert set(r["gc_full_ms"]) == {"setup", "timed"} and all(
+                ms >= 1.0 for phase in r["gc_full_ms"].values() for ms in phase)
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]
@@ -40,6 +42,26 @@ def test_bench_cpu_default(tmp_path):
     from overlap_layers.bench.report import report
     text = report(recs)
     assert text.count("| tiny | 2 |") == 2 and "Auto within 3% of the best measured plan on" in text
+
+
+def test_full_collections_are_timed_while_the_block_runs():
+    """The bench's record of Python's full collections: each one of at least ``min_ms`` while
+    the block runs, none of generations 0 and 1, none after it (the callback goes)."""
+    import gc
+
+    from overlap_layers.bench.runner import full_collections
+    before = list(gc.callbacks)
+    junk = [[i] for i in range(200000)]  # something for the collector to walk
+    with full_collections(min_ms=0.0) as got:
+        gc.collect(0)
+        gc.collect(1)
+        assert got == []
+        gc.collect()
+        gc.collect(2)
+    assert len(got) == 2 and all(ms >= 0.0 for ms in got) and gc.callbacks == before
+    with full_collections(min_ms=1e6) as none:
+        gc.collect()
+    assert none == [] and junk
 
 
 def _check_modes_and_limits(recs, passes, modes=("serial", "naive", "auto", "compute", "comm", "asynctp")):

@@ -7,6 +7,7 @@ limit = max(compute, comm).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 import time
@@ -17,6 +18,30 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.exchange import held_workspace_bytes
+
+
+@contextlib.contextmanager
+def full_collections(min_ms: float = 1.0):
+    """Yields a list that gets the duration (ms) of every full collection of Python's cyclic
+    garbage collector (generation 2) of at least ``min_ms`` while the block runs. A collection
+    pauses this rank's host, and the other ranks wait for it at the next collective: one that
+    falls in a verification trial times that trial wrong ([Note: first-call verification])."""
+    got, start = [], []
+
+    def callback(phase, info):
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            start[:] = [time.perf_counter()]
+        elif start:
+            ms = (time.perf_counter() - start[0]) * 1e3
+            if ms >= min_ms:
+                got.append(round(ms, 1))
+    gc.callbacks.append(callback)
+    try:
+        yield got
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def _sync(device):
@@ -201,22 +226,23 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
         predicted: Dict[int, tuple] = {}
         for mode in runs:
             layer_mode = mode in ("serial", "auto", "rank", "rank_ce") or mode.startswith("naive")
-            if mode in ("rank", "rank_ce"):
-                if not getattr(b, "has_rank_chunks", False):
-                    continue  # a layer (or shape) without the rank-chunk plan: no record
-                fn = b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
-            elif layer_mode:
-                fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
-            elif mode == "compute":
-                fn = b.compute_fn(backward)
-            elif mode == "comm":
-                fn = b.comm_fn(backward)
-            else:
-                try:
-                    fn = b.asynctp_fn(backward)
-                except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
-                    extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    fn = None
+            with full_collections() as setup_gc:  # the layer's planning and verification run here
+                if mode in ("rank", "rank_ce"):
+                    if not getattr(b, "has_rank_chunks", False):
+                        continue  # a layer (or shape) without the rank-chunk plan: no record
+                    fn = b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
+                elif layer_mode:
+                    fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
+                elif mode == "compute":
+                    fn = b.compute_fn(backward)
+                elif mode == "comm":
+                    fn = b.comm_fn(backward)
+                else:
+                    try:
+                        fn = b.asynctp_fn(backward)
+                    except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                        extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                        fn = None
             if fn is None:
                 times[mode] = None
                 continue
@@ -224,7 +250,8 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             try:
                 if graphs:
                     fn = graph_replay(eager, device)
-                samples = time_samples(fn, device, group, warmup, iters, repeats)
+                with full_collections() as timed_gc:
+                    samples = time_samples(fn, device, group, warmup, iters, repeats)
                 times[mode] = statistics.median(samples)
             except Exception as e:  # noqa: BLE001
                 if mode != "asynctp":
@@ -234,6 +261,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 continue
             info = extra.setdefault(mode, {})
             info["repeat_ms"] = samples
+            info["gc_full_ms"] = {"setup": setup_gc, "timed": timed_gc}  # this rank's full collections
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
