@@ -252,18 +252,6 @@ def test_a_replayed_training_call_is_first_order():
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
-class _Workspace:
-    """A symmetric workspace standing in on CPU: its own rank's buffer, of ``nbytes``."""
-
-    def __init__(self, rank, nbytes):
-        self.rank, self.nbytes, self.handle = rank, nbytes, object()
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-
-    def view(self, rank, shape, dtype, offset_bytes):
-        assert rank == self.rank
-        return self.buf[offset_bytes:].view(dtype)[:shape[0]]
-
-
 def staged_roles(rank, ws):
     """Per (layer, plan), the roles whose static tensor :meth:`_graph_stage` puts in the
     workspace, and whether that is the exchange's first source's place (offset 0)."""
@@ -271,7 +259,13 @@ def staged_roles(rank, ws):
 
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE
     from overlap_layers.layers.mlp import MLPPlan
+    from test_device_all_to_all import _Workspace  # a stand-in of the symmetric workspace
     g = dist.group.WORLD
+
+    def workspace(nbytes):
+        w = _Workspace(ws, rank)
+        w.reserve(nbytes)
+        return w
     layers = {"mlp": OverlapMLP(16, 32, group=g), "attention": OverlapAttention(16, 2 * ws, group=g),
               "moe": OverlapMoE(16, 8, 2 * ws, 2, group=g)}
     plans = {"ce": MLPPlan(1, decomposition="rank", transport="copy_engine"),
@@ -280,17 +274,16 @@ def staged_roles(rank, ws):
              "nccl": MLPPlan(1, decomposition="rank"), "batch": MLPPlan(2)}
     out = {}
     for name, layer in layers.items():
-        layer._workspace = _Workspace(rank, 1 << 16)
+        layer._workspace = workspace(1 << 16)
         t = torch.randn(4, 16, dtype=layer._weight.dtype)
         for label, plan in plans.items():
             if name != "attention" and plan.decomposition == "rank" and plan.num_tiles > 1:
                 continue  # rank chunks inside batch tiles are the attention's
             got = {role: layer._graph_stage(plan, t, role) for role in ("input", "training_input", "output_grad")}
             out[name, label] = sorted(r for r, p in got.items() if p is not None)
-            assert all(p.data_ptr() == layer._workspace.buf.data_ptr() and p.shape == t.shape
+            assert all(p.data_ptr() == layer._workspace.bufs[rank].data_ptr() and p.shape == t.shape
                        for p in got.values() if p is not None)
-        small = _Workspace(rank, 64)  # smaller than the tensor: nothing staged
-        layer._workspace = small
+        layer._workspace = workspace(64)  # smaller than the tensor: nothing staged
         assert layer._graph_stage(plans["ce"], t, "input") is None
     return out
 
