@@ -517,3 +517,72 @@ def test_a_bucket_member_is_not_reused_before_the_issuing_stream_packed_it():
     torch.cuda.synchronize(dev)
     assert torch.equal(packed[:1024], torch.ones(1024, 256, device=dev))
     assert torch.equal(packed[1024:], torch.full((1024, 256), 2.0, device=dev))
+
+
+def test_push_order_halves_only_the_last_push():
+    """[Note: halved last push]: with ``split_last`` the last block's last step is pushed as two
+    halves split at ``(b - a) // 2``, first half first; any other order, or that push whole, is an
+    assertion (it would pair one rank's sends with another push's receives). A last block of one
+    row is pushed whole."""
+    from overlap_layers.runtime.exchange import _PushOrder
+    o = _PushOrder([(0, 4), (4, 9)], 3, split_last=True)
+    assert o.halves == ((0, 2), (2, 5))
+    assert [o.next(1, 0, None), o.next(2, 0, None), o.next(1, 1, None), o.next(2, 1, 0)] == \
+        [(0, 4), (0, 4), (4, 9), (4, 6)]
+    assert not o.done
+    assert o.next(2, 1, 1) == (6, 9) and o.done
+    with pytest.raises(AssertionError):
+        o.next(2, 1, 1)
+    whole = _PushOrder([(0, 4), (4, 9)], 3, split_last=True)
+    for j, i in ((1, 0), (2, 0), (1, 1)):
+        whole.next(j, i, None)
+    with pytest.raises(AssertionError):
+        whole.next(2, 1, None)
+    second_first = _PushOrder([(0, 5)], 2, split_last=True)
+    with pytest.raises(AssertionError):
+        second_first.next(1, 0, 1)
+    one_row = _PushOrder([(0, 1)], 2, split_last=True)
+    assert one_row.halves is None and one_row.next(1, 0, None) == (0, 1) and one_row.done
+    plain = _PushOrder([(0, 5)], 2, split_last=False)
+    assert plain.halves is None and plain.next(1, 0, None) == (0, 5) and plain.done
+
+
+def halved_exchange(rank, ws, blocks, T):
+    """A send/recv exchange of two blocks with a halved last push: returns its halves, the
+    pulled chunks and ``finish()``."""
+    from overlap_layers.runtime.exchange import PointToPointExchange
+    H = 3
+
+    def partial(src, dst):  # rank src's partial for rank dst's rows
+        return torch.arange(T * H, dtype=torch.float64).view(T, H) * (src + 1) + 100 * dst
+
+    x = torch.arange(T * H, dtype=torch.float64).view(T, H) + 1000 * rank
+    ex = PointToPointExchange(dist.group.WORLD, [x], (T, H), blocks=blocks, split_last=True)
+    ex.own_partial.copy_(partial(rank, rank))
+    pulled = {}
+    for i, (a, b) in enumerate(blocks):
+        for j in range(1, ws):
+            q = (rank + j) % ws
+            pulled[j, i] = ex.pull(j, i)[0].clone()
+            p = partial(rank, q)[a:b]
+            if ex.halves is not None and (j, i) == (ws - 1, len(blocks) - 1):
+                for h, (lo, hi) in enumerate(ex.halves):
+                    ex.push(j, p[lo:hi], i, h)
+            else:
+                ex.push(j, p, i)
+    return ex.halves, pulled, ex.finish(), sum(partial(s, rank) for s in range(ws))
+
+
+def test_send_recv_exchange_with_a_halved_last_push_equals_the_reduce_scatter(pool4):
+    """Blocks ``[0, 2)`` and ``[2, 7)``: the last push in halves of 2 and 3 rows; every rank's
+    ``finish()`` is the sum of every rank's partial for its rows, and the pulls are the peers'
+    sources."""
+    T, H = 7, 3
+    res = pool4.run(halved_exchange, [(0, 2), (2, 7)], T)
+    for r, (halves, pulled, got, want) in enumerate(res):
+        assert halves == ((0, 2), (2, 5))
+        assert torch.equal(got, want), r
+        for (j, i), chunk in pulled.items():
+            a, b = [(0, 2), (2, 7)][i]
+            q = (r + j) % 4
+            assert torch.equal(chunk, (torch.arange(T * H, dtype=torch.float64).view(T, H) + 1000 * q)[a:b])

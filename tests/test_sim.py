@@ -282,8 +282,9 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     GEMMs 1 ms, a tile's core 2 ms, a tile's block copies in 3 ms (pulls at 0-3 and 3-6, queued
     at the start). Tile 0: own qkv 0-1, peer qkv 3-4 (after its pull), core 4-6, peer proj 6-7
     (push 7-10), own proj 7-8; tile 1: own qkv 8-9, peer qkv 9-10 (pulled under tile 0), core
-    10-12, peer proj 12-13 (push 13-16, exposed past own proj 13-14), sum at 16; exposed: the
-    first pull's 2 ms and the last push's 2 ms."""
+    10-12, the last peer proj in halves ([Note: halved last push]) 12-13 (push 13-14.5) and 13-14
+    (push 14.5-16, exposed past own proj 14-15), sum at 16; exposed: the first pull's 2 ms and
+    the last push's 1 ms."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
@@ -293,10 +294,12 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
                             sequence_parallel=True, causal=True, model=hw)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
     assert tl.makespan_ms == pytest.approx(16.0, abs=1e-6)
-    assert tl.exposed_comm_ms == pytest.approx(4.0, abs=1e-6)
+    assert tl.exposed_comm_ms == pytest.approx(3.0, abs=1e-6)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
     want = {("qkv", "0.own"): (0, 1), ("qkv", "0.1"): (3, 4), ("core", "0.all"): (4, 6), ("push", "0.1"): (7, 10),
-            ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.all"): (10, 12), ("push", "1.1"): (13, 16)}
+            ("pull", "1.1"): (3, 6), ("qkv", "1.1"): (9, 10), ("core", "1.all"): (10, 12),
+            ("proj", "1.1[:h]"): (12, 13), ("push", "1.1[:h]"): (13, 14.5), ("proj", "1.1[h:]"): (13, 14),
+            ("push", "1.1[h:]"): (14.5, 16), ("proj", "1.own"): (14, 15)}
     assert {k: spans[k] for k in want} == want
     assert cm.rank_tiles() == (1, 2)
 
@@ -307,8 +310,8 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
     previous test's shapes with heads 1 ms a tile (0.5 a chunk), core 2 ms (1 ms left). Tile 0:
     own qkv 0-1.5, peer qkv 3-4.5 (after its pull), core 4.5-5.5, peer proj 5.5-6.5 (push
     6.5-9.5), own proj 6.5-7.5; tile 1: own qkv 7.5-9, peer qkv 9-10.5, core 10.5-11.5, peer proj
-    11.5-12.5 (push 12.5-15.5); exposed: 1.5 ms of the first pull, 2 ms of the last push. The
-    backward's pieces do not change."""
+    halves 11.5-12.5 and 12.5-13.5 (pushes 12.5-14 and 14-15.5), own proj 13.5-14.5; exposed:
+    1.5 ms of the first pull, 1 ms of the last push. The backward's pieces do not change."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
@@ -320,11 +323,11 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
     cm = AttentionCostModel(chunked_heads=True, **shape)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
     assert tl.makespan_ms == pytest.approx(15.5, abs=1e-6)
-    assert tl.exposed_comm_ms == pytest.approx(3.5, abs=1e-6)
+    assert tl.exposed_comm_ms == pytest.approx(2.5, abs=1e-6)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
     want = {("qkv", "0.own"): (0, 1.5), ("qkv", "0.1"): (3, 4.5), ("core", "0.all"): (4.5, 5.5),
             ("push", "0.1"): (6.5, 9.5), ("qkv", "1.own"): (7.5, 9), ("qkv", "1.1"): (9, 10.5),
-            ("core", "1.all"): (10.5, 11.5), ("push", "1.1"): (12.5, 15.5)}
+            ("core", "1.all"): (10.5, 11.5), ("push", "1.1[:h]"): (12.5, 14), ("push", "1.1[h:]"): (14, 15.5)}
     assert {k: spans[k] for k in want} == want
     assert "heads:1x4:q1kv1d4:causal" in cm.core_ops()
     plain = AttentionCostModel(**shape)  # qk-norm: the whole core runs after the pulls
@@ -336,11 +339,12 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     """[Note: query-chunk core] by hand: ws=2, one sequence, GEMMs 1 ms, a chunk's copy 2 ms,
     rank 0's query chunks 0.5 ms (its own rows: the diagonal piece alone) and 1.5 ms (rank 1's).
     Each QKV piece runs its chunk's diagonal piece (0.5): own qkv 0-1.5, peer qkv 2-3.5 (after its
-    pull), the peer chunk's rest + projection 3.5-5.5 (push 5.5-7.5), own projection 5.5-6.5, sum
-    at 7.5; no core piece. With a copy of 0.5 ms, shorter than the QKV projection, the diagonal
-    pieces stay with the projections: own qkv 0-1, peer qkv 1-2, peer chunk + projection 2-4.5,
-    own chunk + projection 4.5-6. The whole core (2 ms) after the pulls instead: peer
-    projection 5-6, push 6-8. The backward's pieces do not change; unmeasured chunks take the
+    pull), the peer chunk's rest + its first half's projection 3.5-5.5 (push 5.5-6.5), the second
+    half's 5.5-6.5 (push 6.5-7.5), own projection 6.5-7.5, sum at 7.5; no core piece. With a copy
+    of 0.5 ms, shorter than the QKV projection, the diagonal pieces stay with the projections: own
+    qkv 0-1, peer qkv 1-2, peer chunk + first half's projection 2-4.5, second half's 4.5-5.5, own
+    chunk + projection 5.5-7. The whole core (2 ms) after the pulls instead: peer projection
+    halves 5-6 and 6-7, pushes 6-7 and 7-8. The backward's pieces do not change; unmeasured chunks take the
     causal core's share (2c+1)/ws^2 of its FLOPs."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
@@ -353,9 +357,9 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     cm = AttentionCostModel(query_chunks=True, **shape)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
-    assert {k: spans[k] for k in [("qkv", "own"), ("qkv", "1"), ("proj", "1"), ("push", 1), ("proj", "own")]} == \
-        {("qkv", "own"): (0, 1.5), ("qkv", "1"): (2, 3.5), ("proj", "1"): (3.5, 5.5), ("push", 1): (5.5, 7.5),
-         ("proj", "own"): (5.5, 6.5)}
+    want = {("qkv", "own"): (0, 1.5), ("qkv", "1"): (2, 3.5), ("proj", "1[:h]"): (3.5, 5.5),
+            ("push", "1[:h]"): (5.5, 6.5), ("proj", "1[h:]"): (5.5, 6.5), ("push", "1[h:]"): (6.5, 7.5), ("proj", "own"): (6.5, 7.5)}
+    assert {k: spans[k] for k in want} == want
     assert tl.makespan_ms == pytest.approx(7.5) and all(e.name != "core" for e in tl.events)
     whole = AttentionCostModel(**shape).rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
     assert whole.makespan_ms == pytest.approx(8.0)
@@ -367,8 +371,9 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     assert not fast.diagonal_first("copy_engine")  # then the diagonal piece stays with its projection
     tl = fast.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1)
     spans = {(e.name, e.tile): tuple(round(t, 6) for t in (e.start_ms, e.end_ms)) for e in tl.events}
-    assert {k: spans[k] for k in [("qkv", "own"), ("qkv", "1"), ("proj", "1"), ("proj", "own")]} == \
-        {("qkv", "own"): (0, 1), ("qkv", "1"): (1, 2), ("proj", "1"): (2, 4.5), ("proj", "own"): (4.5, 6)}
+    want = {("qkv", "own"): (0, 1), ("qkv", "1"): (1, 2), ("proj", "1[:h]"): (2, 4.5), ("proj", "1[h:]"): (4.5, 5.5),
+            ("proj", "own"): (5.5, 7)}
+    assert {k: spans[k] for k in want} == want
     cm.model = dataclasses.replace(hw, op_measured={})
     core = cm.op_ms(4, "core")
     assert [cm.op_ms(4, f"chunk{c}") for c in (0, 1)] == pytest.approx([(core - 1) / 4 + 1, 3 * (core - 1) / 4 + 1])
@@ -378,9 +383,9 @@ def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
     """Over the copy engine the attention backward sums the slots on a second stream once the last
     own piece has written its rows, beside the QKV weight gradient, which with one tile runs once
     over every row after the own piece (by hand): GEMMs 1 ms, core backward 4 ms, a chunk's copy
-    0.5 ms, the sum 2 ms. dgrad_o own 0-2, peer 2-4, core 4-8, peer dgrad_qkv 8-9 (its push
-    9-9.5), own dgrad_qkv 9-10, the weight gradient 10-11: the sum runs 10-12. Over NCCL the sum
-    follows everything: 11-13."""
+    0.5 ms, the sum 2 ms. dgrad_o own 0-2, peer 2-4, core 4-8, peer dgrad_qkv in halves 8-9 and
+    9-10 (their pushes 9-9.25 and 10-10.25), own dgrad_qkv 10-11, the weight gradient 11-12: the
+    sum runs 11-13. Over NCCL the sum follows everything: 12-14."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=9.6e-5, launch_ms=0.0, interference=1.0,
@@ -391,11 +396,11 @@ def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
                             sequence_parallel=True, causal=True, model=hw)
     ce = cm.rank_chunk_timeline(backward=True, transport="copy_engine", sources=1, tiles=1)
     spans = {(e.name, e.tile, e.stream): (round(e.start_ms, 6), round(e.end_ms, 6)) for e in ce.events}
-    assert spans[("dgrad_qkv", "own", "compute0")] == (9, 10) and spans[("push", 1, "comm")] == (9, 9.5)
-    assert spans[("wgrad_qkv", "all", "compute0")] == (10, 11)
-    assert spans[("sum", "early", "compute1")] == (10, 12) and ce.makespan_ms == pytest.approx(12.0)
+    assert spans[("dgrad_qkv", "own", "compute0")] == (10, 11) and spans[("push", "1[:h]", "comm")] == (9, 9.25)
+    assert spans[("push", "1[h:]", "comm")] == (10, 10.25) and spans[("wgrad_qkv", "all", "compute0")] == (11, 12)
+    assert spans[("sum", "early", "compute1")] == (11, 13) and ce.makespan_ms == pytest.approx(13.0)
     nccl = cm.rank_chunk_timeline(backward=True, transport="nccl", sources=1, tiles=1)
-    assert [(e.start_ms, e.end_ms) for e in nccl.events if e.name == "sum"] == [(11.0, 13.0)]
+    assert [(e.start_ms, e.end_ms) for e in nccl.events if e.name == "sum"] == [(12.0, 14.0)]
     assert cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=1).events[-1].stream \
         == "compute0"  # the forward's last piece is the own projection: nothing to sum beside
 

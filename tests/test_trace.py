@@ -311,3 +311,34 @@ def test_rank_chunk_plan_export_trace_predicted_and_measured_match(pool2, tmp_pa
     for rank in (0, 1):
         assert _events(tmp_path / f"pred{rank}.json") == want
         assert _events(tmp_path / f"meas{rank}.json") == want
+
+
+def attention_rank_traces(rank, ws, tmp, k):
+    from overlap_layers import OverlapAttention
+    from overlap_layers.layers.mlp import MLPPlan
+    torch.manual_seed(0)
+    layer = OverlapAttention(16, 4, 2, group=dist.group.WORLD)
+    layer.pin_plan(MLPPlan(k, decomposition="rank"))
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    layer(x).sum().backward()
+    layer.export_trace(f"{tmp}/pred{rank}.json")
+    layer.export_trace(f"{tmp}/meas{rank}.json", measured=True)
+    layer(x).sum().backward()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_attention_rank_chunk_trace_halves_its_last_push(pool2, tmp_path, k):
+    """The attention's rank-chunk timeline and its measured trace hold the same ops, and both
+    run the last tile's last peer piece, and its push, in halves ([Note: halved last push]),
+    forward and backward; the other tiles' pieces whole."""
+    pool2.run(attention_rank_traces, str(tmp_path), k)
+    last = "1" if k == 1 else "1.1"
+    for rank in (0, 1):
+        pred, meas = _events(tmp_path / f"pred{rank}.json"), _events(tmp_path / f"meas{rank}.json")
+        assert pred == meas
+        for pas, piece in (("forward", "proj"), ("backward", "dgrad_qkv")):
+            for half in ("[:h]", "[h:]"):
+                assert pred[(pas, f"{piece}[{last}{half}]")] == 1 and pred[(pas, f"push[{last}{half}]")] == 1
+            assert pred[(pas, f"push[{last}]")] == 0
+            if k == 2:
+                assert pred[(pas, "push[0.1]")] == 1 and pred[(pas, f"{piece}[0.1]")] == 1

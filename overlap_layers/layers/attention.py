@@ -302,6 +302,15 @@ def _own_last(ws: int) -> list:
     return list(range(1, ws)) + [0]
 
 
+def _halves(ex, block: int, j: int, rows: int) -> list:
+    """``(half, (first row, end row))`` of step ``j``'s pieces in ``block`` (of ``rows`` rows): the
+    exchange's halves for its last push ([Note: halved last push] in ``runtime/exchange.py``),
+    else one piece of every row."""
+    if ex.halves is not None and j == ex.ws - 1 and block == len(ex.blocks) - 1:
+        return list(enumerate(ex.halves))
+    return [(None, (0, rows))]
+
+
 def _logged(c: "_Call", i: int, j: int, k: int, name: str, direction: str) -> None:
     if c.launch_log is not None:  # rank-independent, like every log entry
         c.launch_log.append((f"step{j}" if k == 1 else f"tile{i}.step{j}", name, direction))
@@ -332,7 +341,7 @@ class _RankChunkAttention(torch.autograd.Function):
         bounds = tile_bounds(call.batch, call.plan.num_tiles)
         blocks, k = [(b0 * call.s, b1 * call.s) for b0, b1 in bounds], len(bounds)
         # the own rows go into the kept buffer only for the one-tile backward's QKV weight gradient
-        ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks)
+        ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks, split_last=True)
         ws, r = ex.ws, ex.rank
         graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
@@ -374,13 +383,15 @@ class _RankChunkAttention(torch.autograd.Function):
             o_ins.append(o_in)
             o_all = o_in.view(ws, b - a, -1)
             for j in _own_last(ws):
-                with piece(rec, "proj", step_tag(j, i, k), f"overlap::attn::proj_chunk[{i}.{(r + j) % ws}]"):
-                    if call.query_chunks:
-                        call.core_chunk(pre[0], (r + j) % ws, o_gbsnd, lse, diags.pop((r + j) % ws, None))
-                    if j:
-                        ex.push(j, torch.mm(o_all[(r + j) % ws], w_o.t()), i)
-                    else:
-                        torch.mm(o_all[r], w_o.t(), out=ex.own_partial[a:b])
+                q = (r + j) % ws
+                for half, (lo, hi) in _halves(ex, i, j, b - a):
+                    with piece(rec, "proj", step_tag(j, i, k, half), f"overlap::attn::proj_chunk[{i}.{q}]"):
+                        if call.query_chunks and lo == 0:
+                            call.core_chunk(pre[0], q, o_gbsnd, lse, diags.pop(q, None))
+                        if j:
+                            ex.push(j, torch.mm(o_all[q, lo:hi], w_o.t()), i, half)
+                        else:
+                            torch.mm(o_all[r], w_o.t(), out=ex.own_partial[a:b])
                 _logged(call, i, j, k, "proj", "fwd")
         y_TH = finish(ex, rec)
         if call.save:
@@ -402,7 +413,7 @@ class _RankChunkAttention(torch.autograd.Function):
         T, H = x_TH.shape
         whole = k == 1  # the QKV weight gradient once over every gathered row (module docstring, wgrad)
         ex = c.exchange([dy_TH, x_TH] if c.plan.regather else [dy_TH], (T, H), (False, whole and c.plan.regather),
-                        rec, blocks=blocks)
+                        rec, blocks=blocks, split_last=True)
         ws, r = ex.ws, ex.rank
         norms = [p for p in (c.q_norm, c.k_norm) if p is not None]
         grads = {"w_qkv": torch.empty_like(w_qkv), "w_o": torch.empty_like(w_o),
@@ -441,16 +452,18 @@ class _RankChunkAttention(torch.autograd.Function):
             dqkv_all = got[0].view(ws, b - a, -1)
             for n, j in enumerate(_own_last(ws)):
                 q = (r + j) % ws
-                with piece(rec, "dgrad_qkv", step_tag(j, i, k), f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
-                    if j:
-                        ex.push(j, torch.mm(dqkv_all[q], w_qkv), i)
-                    else:
-                        torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
-                        if i == k - 1:  # every row written and pushed: sum beside the weight gradient
-                            ex.reduce_early()
-                    if not whole:
-                        accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
-                        accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
+                for half, (lo, hi) in _halves(ex, i, j, b - a):
+                    with piece(rec, "dgrad_qkv", step_tag(j, i, k, half),
+                               f"overlap::attn_bwd::dgrad_qkv_chunk[{i}.{q}]"):
+                        if j:
+                            ex.push(j, torch.mm(dqkv_all[q, lo:hi], w_qkv), i, half)
+                        else:
+                            torch.mm(dqkv_all[r], w_qkv, out=ex.own_partial[a:b])
+                            if i == k - 1:  # every row written and pushed: sum beside the weight gradient
+                                ex.reduce_early()
+                        if not whole and hi == b - a:
+                            accumulate(grads, "w_qkv", dqkv_all[q], xs[q], i == 0 and n == 0)
+                            accumulate_rows(grads, "b_qkv", dqkv_all[q], i == 0 and n == 0)
                 _logged(c, i, j, k, "dgrad_qkv", "bwd")
             if whole:
                 with piece(rec, "wgrad_qkv", block_tag(i, "all", k), f"overlap::attn_bwd::wgrad_qkv[{i}]"):

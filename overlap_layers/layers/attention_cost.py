@@ -124,9 +124,13 @@ class AttentionCostModel(MLPCostModel):
         return tile_bounds(self.rows, tiles)
 
     def piece_rows(self) -> Tuple[int, ...]:
+        """Row counts of the pieces: each tile's, and the halves of the last one's (its halved last
+        push)."""
         if not (self.sp and self.ws > 1):
             return ()
-        return tuple(sorted({(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)}))
+        rows = {(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)}
+        last = {(b - a) * self.s for k in self.rank_tiles() for a, b in tile_bounds(self.rows, k)[-1:]}
+        return tuple(sorted(rows | {r // 2 for r in last} | {r - r // 2 for r in last}))
 
     def diagonal_first(self, transport: str) -> bool:
         """Whether a rank-chunk forward runs each causal query chunk's diagonal piece in its QKV
@@ -139,7 +143,7 @@ class AttentionCostModel(MLPCostModel):
         return self.transfer_ms(transport, self.chunk_bytes()) > self.op_ms(self.chunk_rows(), "qkv")
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
         tail, or with one tile a piece of its own over every gathered row after the own rows'),
@@ -150,7 +154,8 @@ class AttentionCostModel(MLPCostModel):
         last and leaves the most of its last push exposed: the slowest rank sets the sum); where
         :meth:`diagonal_first` (over ``transport``), the chunk's diagonal piece runs in its QKV
         piece instead, priced as chunk 0 (which is its diagonal piece alone), and the projection
-        piece keeps the rest."""
+        piece keeps the rest. The last tile's last peer piece runs in two halves of its rows, each
+        pushing its half (the halved last push); the weight gradient, if any, after the second."""
         ws, out = self.ws, []
         first, core, last = (("dgrad_o", "wgrad_o"), "core_bwd", ("dgrad_qkv", "wgrad_qkv")) if backward else \
             (("qkv",), "core", ("proj",))
@@ -169,21 +174,30 @@ class AttentionCostModel(MLPCostModel):
             whole = backward and len(bounds) == 1  # the QKV weight gradient over every row, last
             tail = 0.0 if whole else ms(last[1:])
             dgrad = ms(last[:1]) if whole else ms(last)
-            split = self.query_chunks and not backward
+            by_query = self.query_chunks and not backward
 
-            diag = self.op_ms(M, "chunk0") if split and self.diagonal_first(transport) else 0.0
+            diag = self.op_ms(M, "chunk0") if by_query and self.diagonal_first(transport) else 0.0
 
             def chunk(j):  # rank 0's step j projects rank j's rows
-                return self.op_ms(M, f"chunk{j}") - diag if split else 0.0
-            out += ([(first[0], tag(0), ms(first) + heads / ws + diag, 0, 0, i, 0.0)]
-                    + [(first[0], tag(j), ms(first) + heads / ws + diag, j, 0, i, 0.0) for j in peers]
-                    + ([] if split else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
-                                          0, 0, i, 0.0)])
-                    + [(last[0], tag(j), chunk(j) + dgrad, 0, j, i, tail) for j in peers]
-                    + [(last[0], tag(0), chunk(0) + dgrad, 0, 0, i, tail)])
+                return self.op_ms(M, f"chunk{j}") - diag if by_query else 0.0
+
+            def project(j):  # step j's pieces: the last tile's last peer in halves ([Note: halved last push])
+                if j != ws - 1 or i != len(bounds) - 1 or T < 2:
+                    return [(last[0], tag(j), chunk(j) + dgrad, 0, j, i, tail, 1.0)]
+                h = T // 2
+                return [(last[0], step_tag(j, i, len(bounds), 0), chunk(j) + self.op_ms(h, last[0]), 0, j, i, 0.0,
+                         h / T),
+                        (last[0], step_tag(j, i, len(bounds), 1), self.op_ms(T - h, last[0]) + tail, 0, j, i, tail,
+                         (T - h) / T)]
+            out += ([(first[0], tag(0), ms(first) + heads / ws + diag, 0, 0, i, 0.0, 1.0)]
+                    + [(first[0], tag(j), ms(first) + heads / ws + diag, j, 0, i, 0.0, 1.0) for j in peers]
+                    + ([] if by_query else [(core, block_tag(i, "all", len(bounds)), self.op_ms(M, core) - heads,
+                                             0, 0, i, 0.0, 1.0)])
+                    + [p for j in peers for p in project(j)]
+                    + [(last[0], tag(0), chunk(0) + dgrad, 0, 0, i, tail, 1.0)])
             if whole:
                 wgrad = self.op_ms(M, last[1])
-                out.append((last[1], block_tag(i, "all", 1), wgrad, 0, 0, i, wgrad))
+                out.append((last[1], block_tag(i, "all", 1), wgrad, 0, 0, i, wgrad, 1.0))
         return out
 
     def early_sum_rows(self, backward: bool, transport: str) -> int:

@@ -38,7 +38,9 @@ and the last push, except that over the copy engine rows are summed on a second 
 after the last push (``early_sum_rows``): the MLP's backward all of them, beside the last piece's
 tail; its forward the own first half's, beside the own second half, the rest after it; the
 attention's backward all of them once its last own piece has written its rows too (before that
-piece's tail, its weight gradients, which run beside the sum). A
+piece's tail, its weight gradients, which run beside the sum). A halved last push (the
+attention's: [Note: halved last push] in ``runtime/exchange.py``) is two pieces, each pushing its
+share of the rows. A
 transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the copy engine, or a
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds the
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from ..runtime.exchange import block_tag, workspace_bytes
+from ..runtime.exchange import block_tag, push_tag, workspace_bytes
 from ..schedule import TileProgram, round_robin
 from ..sim import Costs, HardwareModel, Timeline, simulate
 from ..sim.simulator import Event, timeline_from_events
@@ -220,26 +222,27 @@ class MLPCostModel:
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
-        """``(name, tag, compute ms, pull step, push step, block, tail ms)`` of the MLP's pieces in
-        launch order (step 0: no transfer; one block; the tail: the piece's compute after its
-        push, the weight gradients): forward own first half, the peers' chunks (pulled, then
-        pushed), own second half; backward own rows whole, then the peers', then the weight
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
+        """``(name, tag, compute ms, pull step, push step, block, tail ms, pushed share)`` of the
+        MLP's pieces in launch order (step 0: no transfer; one block; the tail: the piece's compute
+        after its push, the weight gradients; the share of its block's rows that it pushes, 1 but
+        for a halved last push's halves, the attention's): forward own first half, the peers'
+        chunks (pulled, then pushed), own second half; backward own rows whole, then the peers', then the weight
         gradients over every gathered row (``rank_chunks.py``). The pieces do not depend on
         ``transport`` (the attention's may)."""
         T = self.chunk_rows()
         if backward:
             dgrad = sum(self.op_ms(T, op) for op in ("dgrad2", "act_bwd", "dgrad1"))
             wgrads = sum(self.op_ms(self.ws * T, op) for op in ("wgrad2", "wgrad1"))
-            return [("bwd", str(j) if j else "own", dgrad, j, j, 0, 0.0) for j in range(self.ws)] + \
-                [("wgrad", "all", wgrads, 0, 0, 0, wgrads)]
+            return [("bwd", str(j) if j else "own", dgrad, j, j, 0, 0.0, 1.0) for j in range(self.ws)] + \
+                [("wgrad", "all", wgrads, 0, 0, 0, wgrads, 1.0)]
         half = T // 2
 
         def ms(m):
             return sum(self.op_ms(m, op) for op in ("fc1", "act", "fc2"))
-        out = [("fwd", "own[:h]", ms(half), 0, 0, 0, 0.0)] if half else []
-        out += [("fwd", str(j), ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
-        return out + [("fwd", "own[h:]" if half else "own", ms(T - half), 0, 0, 0, 0.0)]
+        out = [("fwd", "own[:h]", ms(half), 0, 0, 0, 0.0, 1.0)] if half else []
+        out += [("fwd", str(j), ms(T), j, j, 0, 0.0, 1.0) for j in range(1, self.ws)]
+        return out + [("fwd", "own[h:]" if half else "own", ms(T - half), 0, 0, 0, 0.0, 1.0)]
 
     def to_symmetric_ms(self, sources: int) -> float:
         """The copies of the sources into the symmetric buffer (copy engine)."""
@@ -292,10 +295,13 @@ class MLPCostModel:
             for j in range(1, ws):
                 done = pulled[j, i] = add("pull", block_tag(i, j, len(blocks)), "comm", done, sources * transfer(i))
         pushed = own = 0.0
-        for name, tag_, ms, pull, push, i, tail in self.rank_pieces(backward, tiles, transport):
+        halves = 0  # pushes of a halved last push so far
+        for name, tag_, ms, pull, push, i, tail, share in self.rank_pieces(backward, tiles, transport):
             t = add(name, tag_, "compute0", max(t, pulled[pull, i]), ms * slow)
             if push:
-                pushed = add("push", block_tag(i, push, len(blocks)), "comm", max(pushed, t - tail * slow), transfer(i))
+                half, halves = (None, halves) if share == 1.0 else (halves, halves + 1)
+                pushed = add("push", push_tag(i, push, len(blocks), half), "comm", max(pushed, t - tail * slow),
+                             transfer(i) * share)
             elif not pull:
                 own = t - tail * slow  # this own piece's rows are written
         rows, early, (final, sum_ms) = self.chunk_rows(), self.early_sum_rows(backward, transport), self.final_op()

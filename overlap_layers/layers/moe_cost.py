@@ -120,7 +120,7 @@ class MoECostModel(MLPCostModel):
         return tuple(sorted({T, T // 2, T - T // 2} - {0})) if self.ws > 1 else ()
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float]]:
+                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout; not
         depending on ``transport``)."""
         md, T = self.model, self.chunk_rows()
@@ -130,12 +130,13 @@ class MoECostModel(MLPCostModel):
             return md.mem_ms(2 * m * self.H * self.e)
         if backward:
             tail = self._piece_wgrad_ms(T, first=False)
-            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True) + in_place(T), 0, 0, 0, 0.0)
-            return [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail) for j in range(1, self.ws)]
-        out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0)] if half else []
-        out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0) for j in range(1, self.ws)]
+            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True) + in_place(T), 0, 0, 0, 0.0,
+                   1.0)
+            return [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail, 1.0) for j in range(1, self.ws)]
+        out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0, 1.0)] if half else []
+        out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0, 1.0) for j in range(1, self.ws)]
         return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half) + in_place(T - half),
-                       0, 0, 0, 0.0)]
+                       0, 0, 0, 0.0, 1.0)]
 
     def to_symmetric_ms(self, sources: int) -> float:
         return 0.0  # the dispatch gathers straight into the buffer

@@ -52,7 +52,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..runtime.exchange import block_tag
+from ..runtime.exchange import push_tag
 from ..runtime.executor import profiler_range
 
 
@@ -107,10 +107,11 @@ def accumulate_rows(grads: dict, key: str, rows: torch.Tensor, first: bool) -> N
         grads[key].add_(rows.sum(0))
 
 
-def step_tag(j: int, block: int = 0, blocks: int = 1) -> str:
+def step_tag(j: int, block: int = 0, blocks: int = 1, half: Optional[int] = None) -> str:
     """A rank-chunk piece's tag in traces: its step (``own`` for the rank's own rows), prefixed by
-    its batch tile when there are several (the attention's)."""
-    return block_tag(block, str(j) if j else "own", blocks)
+    its batch tile when there are several (the attention's), suffixed by its half of a halved last
+    push (``[:h]``, ``[h:]``: [Note: halved last push] in ``runtime/exchange.py``)."""
+    return push_tag(block, str(j) if j else "own", blocks, half)
 
 
 def piece_tag(j: int, a: int, b: int, rows: int) -> str:

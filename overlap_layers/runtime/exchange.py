@@ -21,6 +21,11 @@ batch tiles), every step moves block by block: ``pull(j, i)`` is rows ``blocks[i
 sources and ``push(j, p, i)`` fills rows ``blocks[i]`` of q's slot; ``finish`` needs every
 (step, block) pushed once.
 
+With ``split_last`` (and a last block of two rows or more), the last push, step ws-1 of the last
+block, comes in two halves, ``push(j, p, i, half=0)`` then ``half=1``, rows ``halves`` of the
+block, so that the first half's transfer runs while the second half is computed ([Note: halved
+last push]).
+
 Every rank issues steps in the same order (pulls block by block, 1..ws-1 each, at creation, then
 pushes as it calls them: block by block, in step order), so matching is by construction. Two
 transports implement it:
@@ -45,7 +50,24 @@ its slots of the previous call (all ordered on p's current stream; a sum that ``
 on the push stream, with its signal waits, is joined into the current stream by ``finish`` before
 the call returns). A signal is a flag that the wait resets, and the order above never puts a flag
 twice before it is waited. Every exchange on one workspace must run on the same current stream, in
-the same order on every rank: one layer after another, as a model runs them.
+the same order on every rank: one layer after another, as a model runs them. A halved last push
+([Note: halved last push]) puts channel 1 once, after its second half.
+
+[Note: halved last push]
+A rank-chunk pass ends with its last push (step ws-1: the partial for rank r-1, whose sum waits
+for it) and the sum of the slots. In the attention forward (llama3-8b, TP 4, 4x H200) the last
+peer's projection (47 us) ran, then its push (89 us) beside the own rows' projection (48 us),
+then the sum (45 us). In halves, the first half's copy starts one half-projection earlier, beside
+the second half's. Every rank halves the same push (step ws-1 of the last block, rows split at
+``(b - a) // 2``), so the transfers match by construction; the peer's slot is complete, and
+signalled, after the second half.
+
+A first version also signalled the first half, so that the sum of the rows before the split
+could start while the second half was in flight. Profiled (session 35), it lost: the signal's
+kernel, queued between the two copies, waited 23 us for an SM beside the own projection's GEMM,
+and held back the second copy by as much; the sum in two kernels took 51 us for 45; and the sum
+cannot start before the stream joins the pushes anyway. The same wait for an SM is why the
+signals stay off the compute stream's busy stretches.
 """
 from __future__ import annotations
 
@@ -82,9 +104,50 @@ def block_tag(block: int, tag, blocks: int):
     return tag if blocks == 1 else f"{block}.{tag}"
 
 
+def push_tag(block: int, step: int, blocks: int, half: Optional[int] = None):
+    """A push's tag in traces: :func:`block_tag` of its step, with ``[:h]`` or ``[h:]`` for the
+    halves of a halved last push ([Note: halved last push])."""
+    return block_tag(block, step if half is None else f"{step}{('[:h]', '[h:]')[half]}", blocks)
+
+
 def _push_step(n: int, world_size: int) -> Tuple[int, int]:
     """``(step, block)`` of the n-th push: block by block, steps 1..ws-1 in each."""
     return n % (world_size - 1) + 1, n // (world_size - 1)
+
+
+class _PushOrder:
+    """The pushes of one exchange, as the module docstring orders them: block by block, steps
+    1..ws-1 in each, the last one in two halves with ``split_last``."""
+
+    def __init__(self, blocks: List[Tuple[int, int]], world_size: int, split_last: bool):
+        a, b = blocks[-1]
+        self.blocks, self.ws = blocks, world_size
+        self.split = a + (b - a) // 2 if split_last and b - a >= 2 else None  # the halves' boundary row
+        self.n = 0  # pushes so far (a half counts as one)
+        self.total = len(blocks) * (world_size - 1) + (self.split is not None)
+
+    @property
+    def halves(self) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+        """The halves of the last push, rows relative to its block (None: pushed whole)."""
+        if self.split is None:
+            return None
+        a, b = self.blocks[-1]
+        return (0, self.split - a), (self.split - a, b - a)
+
+    def next(self, j: int, block: int, half: Optional[int]) -> Tuple[int, int]:
+        """Rows ``[a, b)`` of the slot that this push fills, after checking that it comes next."""
+        assert not self.done, "every step pushed each block already"
+        last = len(self.blocks) * (self.ws - 1) - 1  # the last (step, block)'s index
+        n = min(self.n, last)
+        want = (*_push_step(n, self.ws), None if self.split is None or n < last else self.n - last)
+        assert (j, block, half) == want, f"push (step, block, half) {(j, block, half)}; the next one is {want}"
+        self.n += 1
+        a, b = self.blocks[block]
+        return (a, b) if half is None else (a, self.split) if half == 0 else (self.split, b)
+
+    @property
+    def done(self) -> bool:
+        return self.n == self.total
 
 
 def _gathered(sources: Sequence[torch.Tensor], world_size: int) -> List[torch.Tensor]:
@@ -108,7 +171,8 @@ class PointToPointExchange:
     transport = "nccl"
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
-                 keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None):
+                 keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
+                 split_last: bool = False):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
@@ -127,7 +191,8 @@ class PointToPointExchange:
                     ops += [dist.P2POp(dist.isend, src[a:b], self._g[s], group),
                             dist.P2POp(dist.irecv, dst[q, a:b], self._g[q], group)]
                 self._pull_works[j, i] = dist.batch_isend_irecv(ops)
-        self._pushes = 0
+        self._order = _PushOrder(self.blocks, self.ws, split_last)
+        self.halves = self._order.halves  # the last push's halves (rows of its block), or None
 
     summed_early = False  # NCCL's works are waited on the current stream: the sums stay in finish
 
@@ -148,20 +213,18 @@ class PointToPointExchange:
         q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
-    def push(self, j: int, partial: torch.Tensor, block: int = 0) -> None:
+    def push(self, j: int, partial: torch.Tensor, block: int = 0, half: Optional[int] = None) -> None:
         partial = partial.contiguous()
         self._keep.append(partial)
         if self.recorder is not None:
-            self.recorder.mark("push", block_tag(block, j, len(self.blocks)), "comm")
-        assert (j, block) == _push_step(self._pushes, self.ws), "pushes go block by block, in step order"
-        self._pushes += 1
-        q, s, (a, b) = (self.rank + j) % self.ws, (self.rank - j) % self.ws, self.blocks[block]
+            self.recorder.mark("push", push_tag(block, j, len(self.blocks), half), "comm")
+        a, b = self._order.next(j, block, half)
+        q, s = (self.rank + j) % self.ws, (self.rank - j) % self.ws
         self._push_works += dist.batch_isend_irecv([dist.P2POp(dist.isend, partial, self._g[q], self.group),
                                                     dist.P2POp(dist.irecv, self.slots[s, a:b], self._g[s], self.group)])
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        assert self._pushes == len(self.blocks) * (self.ws - 1) and not self._pull_works, \
-            "every step must pull and push each block once"
+        assert self._order.done and not self._pull_works, "every step must pull and push each block once"
         for w in self._push_works:
             w.wait()
         self._keep.clear()
@@ -306,7 +369,7 @@ class CopyEngineExchange:
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
                  partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,
-                 blocks: Optional[Sequence[Tuple[int, int]]] = None):
+                 blocks: Optional[Sequence[Tuple[int, int]]] = None, split_last: bool = False):
         w = self.w = workspace
         rec = self.recorder = recorder  # an OpRecorder: times each copy on its stream
         self.ws, self.rank = w.ws, w.rank
@@ -357,7 +420,8 @@ class CopyEngineExchange:
             _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
             self._kept = torch.cuda.Event()  # finish() joins it: the caller may read every gathered row after
             self._kept.record(w.pull_stream)
-        self._left = {j: len(self.blocks) for j in range(1, self.ws)}  # pushes per step still to come
+        self._order = _PushOrder(self.blocks, self.ws, split_last)
+        self.halves = self._order.halves  # the last push's halves (rows of its block), or None
         self._early: Optional[Tuple[torch.Tensor, int, torch.cuda.Event]] = None  # (sum, rows, done): reduce_early
 
     def whole(self, i: int) -> torch.Tensor:
@@ -372,19 +436,19 @@ class CopyEngineExchange:
         q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
-    def push(self, j: int, partial: torch.Tensor, block: int = 0) -> None:
-        w, q, (a, b) = self.w, (self.rank + j) % self.ws, self.blocks[block]
+    def push(self, j: int, partial: torch.Tensor, block: int = 0, half: Optional[int] = None) -> None:
+        w, q = self.w, (self.rank + j) % self.ws
+        a, b = self._order.next(j, block, half)
         w.push_stream.wait_stream(torch.cuda.current_stream(w.device))
         partial.record_stream(w.push_stream)
         with torch.cuda.stream(w.push_stream):
             dst = w.view(q, (self.ws, *self._partial_shape), self._dtype, self._slot_offset)[self.rank]
-            tok = self.recorder.begin("push", block_tag(block, j, len(self.blocks)), "comm", stream=w.push_stream) \
-                if self.recorder is not None else None
+            tok = self.recorder.begin("push", push_tag(block, j, len(self.blocks), half), "comm",
+                                      stream=w.push_stream) if self.recorder is not None else None
             dst[a:b].copy_(partial)
             if tok is not None:
                 self.recorder.end(tok, stream=w.push_stream)
-            self._left[j] -= 1
-            if not self._left[j]:  # the peer's slot is complete: one signal per call ([Note: exchange signals])
+            if block == len(self.blocks) - 1 and half != 0:  # the peer's slot is complete: one signal per call
                 w.handle.put_signal(q, PUSH)
 
     @property
@@ -398,7 +462,7 @@ class CopyEngineExchange:
         runs beside it; :meth:`finish` sums the rest. Every push must be done and those rows of
         ``own_partial`` written (both ordered before the push stream by now: each push waits for
         the current stream). Timed as ``sum[early]`` on ``compute1`` by the recorder."""
-        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
+        assert self._order.done and not self._pulled, "every step must pull and push each block once"
         w, compute = self.w, torch.cuda.current_stream(self.w.device)
         n = self.slots.shape[1] if rows is None else rows
         out = torch.empty(self.slots.shape[1:], dtype=self.slots.dtype, device=w.device)  # the caller's stream owns it
@@ -418,7 +482,7 @@ class CopyEngineExchange:
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of the slots (into ``out`` if given). After :meth:`reduce_early`: joins it and
         sums the remaining rows (the peers' signals were waited there)."""
-        assert not any(self._left.values()) and not self._pulled, "every step must pull and push each block once"
+        assert self._order.done and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_event(self._kept)
         if self._early is not None:
