@@ -24,8 +24,9 @@ def test_bench_cpu_default(tmp_path):
     for r in recs:  # each repeat's time is kept; the row's time is their median
         if r["ms"] is not None:
             assert len(r["repeat_ms"]) == 3 and r["ms"] == sorted(r["repeat_ms"])[1]
-            assert set(r["gc_full_ms"]) == {"setup", "timed"} and all(
-                ms >= 1.0 for phase in r["gc_full_ms"].values() for ms in phase)
+            gcs = r["gc_full_ms"]  # each rank's full collections, by rank
+            assert set(gcs) == {"setup", "timed"} and all(len(by_rank) == 2 for by_rank in gcs.values())
+            assert all(ms >= 1.0 for by_rank in gcs.values() for got in by_rank for ms in got)
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
     auto = [r for r in recs if r["mode"] == "auto"]

@@ -44,6 +44,15 @@ def full_collections(min_ms: float = 1.0):
         gc.callbacks.remove(callback)
 
 
+def gathered_collections(setup: List[float], timed: List[float], group) -> Dict[str, List[List[float]]]:
+    """Every rank's full collections (:func:`full_collections`) of one mode, setup and timed,
+    as lists by rank: a stall on any rank holds up every rank, so one rank's would not tell.
+    Called by every rank at the same point of the grid (an all-gather)."""
+    got = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, (setup, timed), group=group)
+    return {"setup": [s for s, _ in got], "timed": [t for _, t in got]}
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -261,7 +270,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 continue
             info = extra.setdefault(mode, {})
             info["repeat_ms"] = samples
-            info["gc_full_ms"] = {"setup": setup_gc, "timed": timed_gc}  # this rank's full collections
+            info["gc_full_ms"] = gathered_collections(setup_gc, timed_gc, group)
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
                        f"{'_skew' if fields.get('skewed') else ''}_{pass_}_{mode}"
