@@ -28,10 +28,6 @@ def test_sum_slots_matches_float64_sum(device, dtype, tol, n):
     sum_slots(slots[:, :h], out2[:h])
     sum_slots(slots[:, h:], out2[h:])
     torch.testing.assert_close(out2.double().cpu(), want, rtol=tol, atol=tol)
-    for skip in (0, 1, n - 1):  # every slot but one: the exchange's sum before its last slot
-        out3 = torch.full((R, C), float("nan"), device=device, dtype=dtype)
-        assert sum_slots(slots, out3, skip=skip) is out3
-        torch.testing.assert_close(out3.double().cpu(), want - slots[skip].double().cpu(), rtol=tol, atol=tol)
 
 
 @needs_triton

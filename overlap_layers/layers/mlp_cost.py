@@ -34,9 +34,7 @@ compute stream; the pulls (of every source) run back to back on their own stream
 each, and a piece that needs one starts at ``max(compute free, its pull done)``; pushes run on a
 third stream, each after its piece's compute but its tail (the weight gradients a backward piece
 launches after its push); the sum of the slots (``(ws+1)*T*H*e`` bytes) runs after the last piece
-and the last push (with more than two ranks over the copy engine, every slot but the last push's
-first, after the last piece: ``ws`` of ``ws+3`` passes; [Note: sum before the last slot] in
-``runtime/exchange.py``), except that over the copy engine rows are summed on a second stream right
+and the last push, except that over the copy engine rows are summed on a second stream right
 after the last push (``early_sum_rows``): the MLP's backward all of them, beside the last piece's
 tail; its forward the own first half's, beside the own second half, the rest after it; the
 attention's backward all of them once its last own piece has written its rows too (before that
@@ -309,11 +307,7 @@ class MLPCostModel:
         rows, early, (final, sum_ms) = self.chunk_rows(), self.early_sum_rows(backward, transport), self.final_op()
         start = max(pushed + signal, own if self.early_sum_waits_own(backward) else 0.0)
         summed = add("sum", "early", "compute1", start, sum_ms * early / rows) if early else pushed + signal
-        if early < rows and ce and not early and ws > 2:  # [Note: sum before the last slot]: ws of ws+3 passes first
-            begin = t
-            first = begin + sum_ms * ws / (ws + 1)
-            add(final, 0, "compute0", begin, max(first, pushed + signal) + sum_ms * 3 / (ws + 1) - begin)
-        elif early < rows:
+        if early < rows:
             add(final, 0, "compute0", max(t, summed), sum_ms * (rows - early) / rows)
         return timeline_from_events(events, ["compute0", "compute1", "comm"] if early else ["compute0", "comm"])
 

@@ -65,19 +65,9 @@ signalled, after the second half.
 A first version also signalled the first half, so that the sum of the rows before the split
 could start while the second half was in flight. Profiled (session 35), it lost: the signal's
 kernel, queued between the two copies, waited 23 us for an SM beside the own projection's GEMM,
-and held back the second copy by as much; the sum in two kernels took 51 us for 45; and its
-``finish`` joined the push stream before summing anyway. The same wait for an SM is why the
+and held back the second copy by as much; the sum in two kernels took 51 us for 45; and the sum
+cannot start before the stream joins the pushes anyway. The same wait for an SM is why the
 signals stay off the compute stream's busy stretches.
-
-[Note: sum before the last slot]
-Without an early sum (the attention forward), ``finish`` waits for the pushes of the last step's
-source only after summing every other slot (its own and the earlier steps' peers', whose PUSH it
-waits first): that sum runs while the last push is in flight (42 us of idle compute before the
-sum in the attention 8b forward, session 35), and after it only that slot is added. The
-slot-sized passes over memory grow from ``ws+1`` to ``ws+3``, but those after the last push fall
-from ``ws+1`` to three; the extra rounding of the partial sum is one more bf16 rounding of a sum of
-bf16 partials, as NCCL's ring reduce-scatter rounds at every step. With two ranks there is
-nothing to sum before the only peer's push.
 """
 from __future__ import annotations
 
@@ -491,9 +481,7 @@ class CopyEngineExchange:
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of the slots (into ``out`` if given). After :meth:`reduce_early`: joins it and
-        sums the remaining rows (the peers' signals were waited there). Without it, every slot but
-        the last source's first, while that push may still be in flight ([Note: sum before the
-        last slot])."""
+        sums the remaining rows (the peers' signals were waited there)."""
         assert self._order.done and not self._pulled, "every step must pull and push each block once"
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_event(self._kept)
@@ -503,18 +491,10 @@ class CopyEngineExchange:
             if n < summed.shape[0]:
                 sum_slots(self.slots[:, n:], summed[n:])
             return summed if out is None else out.copy_(summed)
-        if self.ws == 2:  # one peer: nothing to sum before its push is in
-            compute.wait_stream(self.w.push_stream)
-            self.w.handle.wait_signal((self.rank + 1) % self.ws, PUSH)
-            return sum_slots(self.slots, out)
-        # [Note: sum before the last slot]
-        last = peers(self.rank, self.ws)[-1][2]
-        for _, _, s in peers(self.rank, self.ws)[:-1]:
-            self.w.handle.wait_signal(s, PUSH)
-        out = sum_slots(self.slots, out, skip=last)
         compute.wait_stream(self.w.push_stream)
-        self.w.handle.wait_signal(last, PUSH)
-        return out.add_(self.slots[last])
+        for _, _, s in peers(self.rank, self.ws):
+            self.w.handle.wait_signal(s, PUSH)
+        return sum_slots(self.slots, out)
 
 
 def symmetric_memory_status(group, device: torch.device) -> str:

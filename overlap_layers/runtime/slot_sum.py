@@ -2,7 +2,7 @@
 
 Reference (what :func:`sum_slots` must equal): ``torch.sum(slots, 0, out=out)`` for ``slots [n, R,
 C]`` whose rows are contiguous (a row block of the exchange's slots) and ``out [R, C]``, summed in
-float32 for half types and rounded once; with ``skip=k``, the same sum without slot ``k``.
+float32 for half types and rounded once.
 
 On CUDA one Triton kernel reads every slot once and writes the sum once; torch's reduction over
 the leading dimension ran at about half the memory bandwidth (73 us for four 32 MiB slots on an
@@ -35,28 +35,25 @@ def _fused(slots: torch.Tensor, out: torch.Tensor) -> bool:
             and 0 < n <= 16)
 
 
-def sum_slots(slots: torch.Tensor, out: Optional[torch.Tensor] = None, skip: Optional[int] = None) -> torch.Tensor:
-    """``out = slots.sum(0)``, without slot ``skip`` if given (module docstring; a new tensor when
-    ``out`` is None); returns ``out``."""
+def sum_slots(slots: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = slots.sum(0)`` (module docstring; a new tensor when ``out`` is None); returns ``out``."""
     if out is None:
         out = slots.new_empty(slots.shape[1:])
     if not _fused(slots, out):
-        keep = [k for k in range(slots.shape[0]) if k != skip]
-        return torch.sum(slots if skip is None else slots[keep], 0, out=out)
+        return torch.sum(slots, 0, out=out)
     numel = out.numel()
     if numel:
-        _sum_kernel[(triton.cdiv(numel, _BLOCK),)](slots, out, numel, slots.stride(0), -1 if skip is None else skip,
-                                                    N=slots.shape[0], BLOCK=_BLOCK)
+        _sum_kernel[(triton.cdiv(numel, _BLOCK),)](slots, out, numel, slots.stride(0), N=slots.shape[0],
+                                                    BLOCK=_BLOCK)
     return out
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["skip"])  # one compile for every rank's skip
-    def _sum_kernel(slots_ptr, out_ptr, numel, slot_stride, skip, N: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit
+    def _sum_kernel(slots_ptr, out_ptr, numel, slot_stride, N: tl.constexpr, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < numel
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for k in tl.static_range(N):
-            if k != skip:
-                acc += tl.load(slots_ptr + k * slot_stride + idx, mask=mask).to(tl.float32)
+            acc += tl.load(slots_ptr + k * slot_stride + idx, mask=mask).to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
