@@ -227,9 +227,9 @@ class MLPCostModel:
         MLP's pieces in launch order (step 0: no transfer; one block; the tail: the piece's compute
         after its push, the weight gradients; the share of its block's rows that it pushes, 1 but
         for a halved last push's halves, the attention's): forward own first half, the peers'
-        chunks (pulled, then pushed), own second half; backward own rows whole, then the peers', then the weight
-        gradients over every gathered row (``rank_chunks.py``). The pieces do not depend on
-        ``transport`` (the attention's may)."""
+        chunks (pulled, then pushed), own second half; backward own rows whole, then the peers',
+        then the weight gradients over every gathered row (``rank_chunks.py``). The pieces do not
+        depend on ``transport`` (the attention's may)."""
         T = self.chunk_rows()
         if backward:
             dgrad = sum(self.op_ms(T, op) for op in ("dgrad2", "act_bwd", "dgrad1"))

@@ -31,19 +31,19 @@ the same call on every rank because the cache is a function of the call history,
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only the
 gathered numbers.
 
-The minimum over trials ignores one stalled trial: the grid runs of sessions 33-35 on 4x H200
-show one trial of 200-800 ms in most verifications of rank chunks (a host stall on some rank,
-cause not found; not Python's full collections, which no rank ran in those runs of session 35,
-``gc_full_ms`` in the bench; a stack sampler found Triton compiles, cuDNN graph builds and slow
-first backward passes in the layers' first calls, bench/results/session35_*). Two disturbed
-trials of three decide wrongly: in one run the block's
-attention timed rank chunks at 6.14, 4.98 and 298 ms, where the same shape's trials read 3.9-4.1
-elsewhere, and kept K=1 (4.94 ms; the block then ran at 1.18x of its limit instead of about
-1.11). So where some contender has fewer than two trials within ``STALL`` (20%) of its best
-(with ``trials`` >= 2), the decision waits, once, for ``trials`` more cycles (the alternation goes
-on), and then takes the minimum over every trial. The check uses the gathered times, so every
-rank extends alike. In the next run of that row the first round read 425, 6.78 and 4.11 ms, the
-extra one 4.12, 4.08 and 4.06: rank chunks kept, the block at 1.12x (session 34).
+The minimum over trials ignores one stalled trial: the grid runs of sessions 33-35 on 4x H200 show
+one trial of 200-800 ms in most verifications of rank chunks (a host stall on some rank, cause not
+found; not Python's full collections, which no rank ran in those runs of session 35, ``gc_full_ms``
+in the bench; a stack sampler found Triton compiles, cuDNN graph builds and slow first backward
+passes in the layers' first calls, bench/results/session35_*). Two disturbed trials of three decide
+wrongly: in one run the block's attention timed rank chunks at 6.14, 4.98 and 298 ms, where the
+same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94 ms; the block then ran at 1.18x of
+its limit instead of about 1.11). So where some contender has fewer than two trials within
+``STALL`` (20%) of its best (with ``trials`` >= 2), the decision waits, once, for ``trials`` more
+cycles (the alternation goes on), and then takes the minimum over every trial. The check uses the
+gathered times, so every rank extends alike. In the next run of that row the first round read 425,
+6.78 and 4.11 ms, the extra one 4.12, 4.08 and 4.06: rank chunks kept, the block at 1.12x (session
+34).
 
 A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
 it runs the key's current plan (the planned plan while verification is pending), takes no trial

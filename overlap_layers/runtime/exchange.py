@@ -104,9 +104,10 @@ def block_tag(block: int, tag, blocks: int):
     return tag if blocks == 1 else f"{block}.{tag}"
 
 
-def push_tag(block: int, step: int, blocks: int, half: Optional[int] = None):
-    """A push's tag in traces: :func:`block_tag` of its step, with ``[:h]`` or ``[h:]`` for the
-    halves of a halved last push ([Note: halved last push])."""
+def push_tag(block: int, step, blocks: int, half: Optional[int] = None):
+    """A push's tag in traces (or a piece's: ``step`` may be any tag): :func:`block_tag` of its
+    step, with ``[:h]`` or ``[h:]`` for the halves of a halved last push ([Note: halved last
+    push])."""
     return block_tag(block, step if half is None else f"{step}{('[:h]', '[h:]')[half]}", blocks)
 
 
