@@ -39,6 +39,9 @@ def test_bench_cpu_default(tmp_path):
         for v in r["verification"]:
             assert f"{v['plan']} {v['ms']:.3f} ms" in r["reason"] and v["trials"]
             assert min(max(t["device_ms"], t["host_ms"]) for t in v["trials"]) <= v["ms"] * (1 + 1e-9)
+            # each trial's slowest rank: the decision's number is the best of those
+            assert len(v["slowest"]) == len(v["trials"]) and {s["rank"] for s in v["slowest"]} <= {0, 1}
+            assert abs(min(s["ms"] for s in v["slowest"]) - v["ms"]) <= 1e-9 * v["ms"]
     # The report reads the run back (fixed K=1 and K=2 rows and auto for both passes).
     from overlap_layers.bench.report import report
     text = report(recs)

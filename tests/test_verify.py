@@ -69,7 +69,8 @@ def test_cache_alternates_then_keeps_the_faster(tiled_ms, serial_ms, bwd, want_k
     assert ("forward+backward" if bwd else "(forward,") in plan.reason
     # the numbers behind it: per contender the compared time and each trial's (device, host) ms
     tiled, serial = (tiled_ms + bwd[0], serial_ms + bwd[1]) if bwd else (tiled_ms, serial_ms)
-    assert plan.verification == (("K=2", tiled, ((tiled, 0.0),) * 2), ("K=1", serial, ((serial, 0.0),) * 2))
+    assert plan.verification == (("K=2", tiled, ((tiled, 0.0),) * 2, ((0, tiled),) * 2),
+                                 ("K=1", serial, ((serial, 0.0),) * 2, ((0, serial),) * 2))
     again, trial = cache.get("k", make, _serial, torch.device("cpu"))
     assert again is plan and trial is None and len(made) == 1
 
@@ -97,7 +98,8 @@ def test_verification_compares_host_time_where_it_exceeds_the_device_time():
             trial.fwd = _HostBound(1.0 if plan.num_tiles == 2 else 1.2, next(host[plan.num_tiles]))
     plan, _ = cache.get("k", None, _serial, torch.device("cpu"))
     assert plan.num_tiles == 1 and "K=2 1.600 ms, K=1 1.200 ms" in plan.reason
-    assert plan.verification == (("K=2", 1.6, ((1.0, 1.8), (1.0, 1.6))), ("K=1", 1.2, ((1.2, 1.1), (1.2, 1.1))))
+    assert plan.verification == (("K=2", 1.6, ((1.0, 1.8), (1.0, 1.6)), ((0, 1.8), (0, 1.6))),
+                                 ("K=1", 1.2, ((1.2, 1.1), (1.2, 1.1)), ((0, 1.2), (0, 1.2))))
 
 
 def test_boost_clocks_of_the_first_calls_do_not_pick_the_plan():
@@ -179,7 +181,7 @@ def test_a_disturbed_trial_takes_one_more_round_of_trials():
     assert ks == [2, 1] + ROUND + [1, 1, 2, 2] + [2, 2, 1, 1] + [1, 1, 2, 2]
     assert ms == {2: [], 1: []} and not cache.verifying()
     assert plan.num_tiles == 2 and "min of 6 calls each (twice as many: a trial was disturbed)" in plan.reason
-    assert [len(trials) for _, _, trials in plan.verification] == [6, 6]
+    assert [len(trials) for _, _, trials, _ in plan.verification] == [6, 6]
 
 
 def test_disturbed_trials_extend_verification_once():
@@ -213,6 +215,9 @@ def test_a_stall_on_another_rank_extends_verification_on_this_one():
     ms = {2: [1.0, 1.0, 1.0] * 2, 1: [2.0] * 6}
     ks, plan = _verify(PlanCache(_PeerStalled(at=(0, 1), factor=50.0), trials=3), ms, 2 + 24)
     assert ms == {2: [], 1: []} and "twice as many" in plan.reason and plan.num_tiles == 2
+    # the record names the slowest rank of each trial: the peer (rank 1) for the stalled ones
+    (_, _, _, k2), (_, _, _, k1) = plan.verification
+    assert k2 == ((1, 50.0), (1, 50.0)) + ((0, 1.0),) * 4 and k1 == ((0, 2.0),) * 6
     for agreement in (_OneRank(), _PeerStalled(at=(1,), factor=50.0)):
         ms = {2: [1.0, 1.0, 1.0], 1: [2.0] * 3}
         ks, plan = _verify(PlanCache(agreement, trials=3), ms, 2 + 12)

@@ -165,12 +165,14 @@ class Profile:
 def verification_info(plan) -> Optional[List[dict]]:
     """A plan's first-call verification as JSON (``plan.verification``, see
     :func:`~overlap_layers.layers.planning.verification_record`): per contender its label, the
-    time the decision compared and this rank's trials; None if it was not verified."""
+    time the decision compared, this rank's trials and each trial's slowest rank; None if it was
+    not verified."""
     record = getattr(plan, "verification", ()) if plan is not None else ()
     if not record:
         return None
-    return [dict(plan=label, ms=ms, trials=[dict(device_ms=d, host_ms=h) for d, h in trials])
-            for label, ms, trials in record]
+    return [dict(plan=label, ms=ms, trials=[dict(device_ms=d, host_ms=h) for d, h in trials],
+                 slowest=[dict(rank=rank, ms=t) for rank, t in slowest])
+            for label, ms, trials, slowest in record]
 
 
 def profile_calls(fn: Callable[[], None], device, path: str, calls: int = 3, all_ranks: bool = False) -> None:

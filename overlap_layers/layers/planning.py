@@ -93,16 +93,17 @@ class _Entry:
 
 
 def verification_record(contenders: Sequence[object], measured: Sequence[float], trials: Sequence[Trial],
-                        with_bwd: bool) -> tuple:
-    """Per contender, in order: ``(label, ms, ((device ms, host ms), ...))``: the number the
-    decision compared (the minimum over this pass's trials, each the slowest rank's) and this
-    rank's trials of that pass (forward, or forward+backward summed), each's device and host time, which
-    :func:`~overlap_layers.runtime.timing.total_ms` takes the larger of. A trial whose host time
-    is the larger ran host-bound."""
+                        with_bwd: bool, slowest: Sequence[Sequence[Tuple[int, float]]]) -> tuple:
+    """Per contender, in order: ``(label, ms, ((device ms, host ms), ...), ((rank, ms), ...))``:
+    the number the decision compared (the minimum over this pass's trials, each the slowest
+    rank's); this rank's trials of that pass (forward, or forward+backward summed), each's device
+    and host time, which :func:`~overlap_layers.runtime.timing.total_ms` takes the larger of (a
+    trial whose host time is the larger ran host-bound); and per trial the slowest rank and its
+    time (``slowest``, from the gather), which tell a stall on another rank from one here."""
     def times(t: Trial) -> Tuple[float, float]:
         watches = (t.fwd, t.bwd) if with_bwd else (t.fwd,)
         return sum(w.elapsed_ms() for w in watches), sum(w.host_ms() for w in watches)
-    return tuple((_label(p), ms, tuple(times(t) for t in trials if t.index == i))
+    return tuple((_label(p), ms, tuple(times(t) for t in trials if t.index == i), tuple(slowest[i]))
                  for i, (p, ms) in enumerate(zip(contenders, measured)))
 
 
@@ -181,10 +182,10 @@ class PlanCache:
         entry.trials = entry.contenders = None
         return entry.plan, None
 
-    def _timed(self, entry: _Entry) -> Tuple[bool, List[List[float]]]:
+    def _timed(self, entry: _Entry) -> Tuple[bool, List[List[float]], List[List[Tuple[int, float]]]]:
         """``(with_bwd, per contender the time of each of its trials, the largest over the
-        ranks)`` from one gather; every rank has the same trials in the same order (the call
-        history), so the rows line up."""
+        ranks, and per trial (the rank with that time, the time))`` from one gather; every rank has
+        the same trials in the same order (the call history), so the rows line up."""
         trials, n = entry.trials, len(entry.contenders)
         mine = [[t for t in trials if t.index == i] for i in range(n)]
         has_bwd = all(t.bwd is not None and t.bwd.done for t in trials)
@@ -193,18 +194,20 @@ class PlanCache:
         table = self._agreement.gather(row, dtype=torch.float64)
         with_bwd = min(r[0] for r in table) == 1.0
         off, per = (1 + len(trials)) if with_bwd else 1, [len(ts) for ts in mine]
-        out, at = [], off
+        out, slowest, at = [], [], off
         for count in per:
-            out.append([max(r[at + j] for r in table) for j in range(count)])
+            worst = [max(enumerate(r[at + j] for r in table), key=lambda rank_ms: rank_ms[1]) for j in range(count)]
+            out.append([ms for _, ms in worst])
+            slowest.append(worst)
             at += count
-        return with_bwd, out
+        return with_bwd, out, slowest
 
     def _disturbed(self, times: List[List[float]]) -> bool:
         """Whether some contender has fewer than two trials within :data:`STALL` of its best
         (``times`` from :meth:`_timed`, so every rank answers alike; never with one trial each)."""
         return self._trials >= 2 and any(sum(t <= min(ts) * (1.0 + STALL) for t in ts) < 2 for ts in times)
 
-    def _decide(self, entry: _Entry, with_bwd: bool, times: List[List[float]]):
+    def _decide(self, entry: _Entry, with_bwd: bool, times: List[List[float]], slowest):
         trials, contenders = entry.trials, entry.contenders
         n = len(contenders)
         measured = [min(ts) for ts in times]
@@ -218,4 +221,4 @@ class PlanCache:
                    f"max over ranks): {listed}: {'kept' if contenders[win] is entry.plan else 'switched to'} "
                    f"{_label(contenders[win])}")
         return replace(contenders[win], reason=f"{entry.plan.reason}; {verdict}",
-                       verification=verification_record(contenders, measured, trials, with_bwd))
+                       verification=verification_record(contenders, measured, trials, with_bwd, slowest))
