@@ -510,3 +510,32 @@ def test_targets_cli_reads_the_link_from_the_run(tmp_path):
     assert "| P2P off | no | 1 (11.200) | ok 1.120 |" in buf.getvalue()
     with pytest.raises(SystemExit, match="usage"):
         targets.main([])
+
+
+def _held(seconds):
+    import time
+    time.sleep(seconds)
+
+
+def test_stack_sampler_reports_where_a_thread_stayed():
+    """A thread that sleeps 0.5 s in one function shows as one stretch of about that long at that
+    function; a sampler with a longer threshold reports nothing of it."""
+    import threading
+    from overlap_layers.bench.stacks import StackSampler
+    with StackSampler(interval_s=0.01) as sampler:
+        worker = threading.Thread(target=_held, args=(0.5,), name="held-worker")
+        worker.start()
+        worker.join()
+    text = sampler.report(min_s=0.2)
+    lines = [ln for ln in text.splitlines() if ln.startswith("SAME") and "held-worker" in ln]
+    assert len(lines) == 1 and 0.2 <= float(lines[0].split()[1].rstrip("s")) <= 1.0, text
+    innermost = text.split(lines[0] + "\n")[1].splitlines()[0]
+    assert innermost.strip().startswith("test_bench.py:") and innermost.endswith(" _held"), text
+    assert "held-worker" not in sampler.report(min_s=2.0)
+
+
+def test_bench_sample_stacks_writes_one_report_per_rank(tmp_path):
+    """``--sample-stacks DIR``: every rank writes its report (a tiny run, so it may list nothing)."""
+    _run_bench(tmp_path, "--layer", "mlp", "--modes", "serial", "--passes", "fwd", "--sample-stacks",
+               str(tmp_path / "stacks"))
+    assert sorted(os.listdir(tmp_path / "stacks")) == ["stacks_rank0.txt", "stacks_rank1.txt"]

@@ -38,6 +38,7 @@ from . import block as block_bench
 from . import moe as moe_bench
 from .mlp import MODES, PRESETS, Shape, bench_shape
 from .runner import Profile
+from .stacks import StackSampler
 
 LAYERS = ("mlp", "attention", "ulysses", "moe", "block")
 
@@ -92,6 +93,9 @@ def parse_args(argv=None):
                    help="with --profile: calls per trace (default 3; 10 or more show the steady state)")
     p.add_argument("--profile-all-ranks", action="store_true",
                    help="with --profile: every rank writes its trace (rank r > 0: <name>_rank<r>.json)")
+    p.add_argument("--sample-stacks", default=None, metavar="DIR",
+                   help="sample every thread's Python stack every 20 ms on every rank; each writes "
+                        "DIR/stacks_rank<r>.txt: where one stack held 0.15 s or more (bench/stacks.py)")
     p.add_argument("--out", default=None,
                    help="JSON path (default bench/results/<layers>_<device>_<time>.json, e.g. mlp_cpu_...)")
     args = p.parse_args(argv)
@@ -114,6 +118,19 @@ def parse_args(argv=None):
 
 
 def _main(device: torch.device, args) -> None:
+    if not args.sample_stacks:
+        return _grid(device, args)
+    sampler = StackSampler()  # where the hosts stall (bench/stacks.py)
+    try:
+        with sampler:
+            _grid(device, args)
+    finally:
+        os.makedirs(args.sample_stacks, exist_ok=True)
+        with open(os.path.join(args.sample_stacks, f"stacks_rank{dist.get_rank()}.txt"), "w") as f:
+            f.write(sampler.report())
+
+
+def _grid(device: torch.device, args) -> None:
     cuda = device.type == "cuda"
     if args.graphs and not cuda:
         raise SystemExit("--graphs: CUDA graphs need CUDA devices (run under torchrun on GPUs)")
