@@ -83,10 +83,15 @@ def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Opt
     second into ``h_out`` if given."""
     if kind == "swiglu":
         return swiglu_backward(pre_MI, dh_MF, out, h_out)
-    act = F.gelu(pre_MI) if kind == "gelu" else F.relu(pre_MI)
-    grad = torch.ops.aten.gelu_backward(dh_MF, pre_MI) if kind == "gelu" else \
-        torch.ops.aten.threshold_backward(dh_MF, pre_MI, 0)
-    return (grad if out is None else out.copy_(grad)), (act if h_out is None else h_out.copy_(act))
+    aten, gelu = torch.ops.aten, kind == "gelu"
+    if h_out is None:
+        act = F.gelu(pre_MI) if gelu else F.relu(pre_MI)
+    else:  # before ``out``, which may be pre_MI, is written
+        act = aten.gelu.out(pre_MI, out=h_out) if gelu else torch.clamp(pre_MI, min=0, out=h_out)
+    if out is None:
+        return (aten.gelu_backward(dh_MF, pre_MI) if gelu else aten.threshold_backward(dh_MF, pre_MI, 0)), act
+    return (aten.gelu_backward.grad_input(dh_MF, pre_MI, grad_input=out) if gelu
+            else aten.threshold_backward.grad_input(dh_MF, pre_MI, 0, grad_input=out)), act
 
 
 @dataclass
