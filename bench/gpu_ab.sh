@@ -10,6 +10,8 @@
 #   bash bench/gpu_ab.sh OUTDIR .ab_old --layer mlp --preset llama3-8b --tp 4 --graphs --modes compute,rank_ce
 # ROUNDS (default 2) sets the old/new pairs. The runs' JSONs and logs end up in one OUTDIR/ab.tgz (a device
 # call brings back only a few files from $OUT; the table is printed before packing).
+# AB_ENV_OLD / AB_ENV_NEW: VAR=value words for one side's runs only, for an A/B of a setting rather than
+# of code (pass a copy of the same tree as the old version), e.g. AB_ENV_NEW="CUBLAS_WORKSPACE_CONFIG=:0:0".
 set -uo pipefail
 OUT=$1; OLD=$(cd "$2" && pwd); shift 2
 ROOT=$PWD
@@ -18,8 +20,10 @@ NPROC=${NPROC:-4}
 for i in $(seq 1 "${ROUNDS:-2}"); do
   for side in old new; do
     dir=$ROOT; [ $side = old ] && dir=$OLD
+    side_env=${AB_ENV_NEW:-}; [ $side = old ] && side_env=${AB_ENV_OLD:-}
     # python -m takes the package from the working directory
-    (cd "$dir" && torchrun --nproc-per-node "$NPROC" -m overlap_layers.bench "$@" --out "$OUT/ab_${side}$i.json") \
+    # shellcheck disable=SC2086
+    (cd "$dir" && env $side_env torchrun --nproc-per-node "$NPROC" -m overlap_layers.bench "$@" --out "$OUT/ab_${side}$i.json") \
       > "$OUT/ab_${side}$i.log" 2>&1 || { echo "$side run $i failed:"; tail -20 "$OUT/ab_${side}$i.log"; exit 1; }
   done
 done

@@ -60,6 +60,12 @@ Session 32 (``bench/results/session32_h200x4_2026-11-27.md``):
 * the copy kernel on 64 programs instead of 32, the pulls being the pace: 2.83 -> 2.76 ms, 1.67x
   the limit.
 
+Session 36: the experts' grouped GEMMs leaving SMs free for the copy kernels (torch's grouped GEMM
+takes the SM carveout, ``runtime/carveout.py``) ran the replayed qwen3 forward at 2.81 ms with 16
+free SMs and 2.96 with 32, against 2.74 with none (two runs each, one machine): the copies gained
+less than the GEMMs lost, so the GEMMs keep every SM. At that shape this path overlaps little:
+2.74 ms against 1.65 of compute alone (and 1.27 of communication alone in session 31).
+
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
 the copy engine or NCCL is faster than this path's kernel copies.

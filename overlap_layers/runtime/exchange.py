@@ -68,6 +68,16 @@ kernel, queued between the two copies, waited 23 us for an SM beside the own pro
 and held back the second copy by as much; the sum in two kernels took 51 us for 45; and the sum
 cannot start before the stream joins the pushes anyway. The same wait for an SM is why the
 signals stay off the compute stream's busy stretches.
+
+What the first pull waits for: the last rank to finish its previous call. Profiled on every rank
+(session 36, 4x H200, the llama3-8b attention's fwd+bwd replayed, TP 4), the backward passes
+ended up to 81 us apart (each ends with its sum beside the weight gradient, 142-165 us), and the
+next forward's first pulls began on every rank within 21 us of each other, about 40 us after the
+last rank's graph began. Two changes aimed at those 40 us were measured and not kept (same-call
+A/Bs against the same tree, ``bench/results/session36_*``): the copy streams at the highest
+priority, so that their signal kernels take the next free SM first (attention 8b fwd -0.2%,
+fwd+bwd -0.4%, MLP 8b 8192 fwd+bwd +1.9% beside its compute-only row's +1.2%: noise), and the
+compute stream waiting for this rank's PULL signals before its first GEMM (+0.2%, -0.3%, +0.2%).
 """
 from __future__ import annotations
 
