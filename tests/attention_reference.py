@@ -70,6 +70,10 @@ def bad_call_input(rank, ws, name):
         x = torch.randn(8, 8) if rank == 0 else x
     elif name == "hidden":
         x = torch.randn(2, 4, 6)
+    elif name == "hidden_rank1":
+        x = torch.randn(2, 4, 6) if rank == 1 else x
+    elif name == "int":
+        x = torch.ones(2, 4, 8, dtype=torch.int64)
     elif name == "dtype":
         x = x.double()
     elif name == "dtype_rank1":

@@ -508,6 +508,10 @@ def _build_kw(rank, ws, kw):
     (2, dict(group=None), "exactly one of group"),
     (2, dict(config="fast"), "config"),
     (2, dict(head_dim=3), "head_dim"),                                        # RoPE needs an even head_dim
+    (2, dict(rope_theta=float("nan")), "rope_theta=nan"),                      # NaN passes a "<= 0" test
+    (2, dict(rope_theta=float("inf")), "rope_theta=inf"),
+    (2, dict(softmax_scale=float("inf")), "softmax_scale=inf"),
+    (2, dict(dtype=torch.int32), "dtype=torch.int32"),
 ])
 def test_bad_constructor_arguments(pools, ws, kw, match):
     expect_value_error_on_every_rank(pools(ws), _build_kw, kw, match=match)

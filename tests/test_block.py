@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from attention_reference import bad_call_input
 from block_reference import D, E, EPS, F, H, NKV, NQ, THETA, TOPK, make_case, reference
+from pool import expect_value_error_on_every_rank
 
 from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, finalize_grads
 
@@ -108,7 +110,8 @@ def test_block_without_tokens_matches_dense_block(pool2, moe, k, empty):
 def bad_args(rank, ws):
     msgs = []
     for kw in (dict(norm="batchnorm"), dict(norm_eps=0), dict(moe=dict(num_experts=4)),
-               dict(moe=dict(num_experts=4, top_k=2, experts_per_rank=2)), dict(moe=[4, 2])):
+               dict(moe=dict(num_experts=4, top_k=2, experts_per_rank=2)), dict(moe=[4, 2]),
+               dict(norm_eps=float("inf")), dict(dtype=torch.int32)):
         try:
             OverlapTransformerBlock(H, NQ, F, group=dist.group.WORLD, **kw)
             msgs.append(None)
@@ -119,12 +122,32 @@ def bad_args(rank, ws):
 
 def test_bad_arguments_raise_value_error(pool2):
     for msgs in pool2.run(bad_args):
-        norm, eps, missing, unknown, not_dict = msgs
+        norm, eps, missing, unknown, not_dict, eps_inf, dtype = msgs
         assert norm and "norm='batchnorm'" in norm and "rmsnorm" in norm
         assert eps and "norm_eps=0" in eps
         assert missing and "missing keys ['top_k']" in missing
         assert unknown and "experts_per_rank" in unknown
         assert not_dict and "moe=[4, 2]" in not_dict
+        assert eps_inf and "norm_eps=inf" in eps_inf
+        assert dtype and "dtype=torch.int32" in dtype and "floating-point" in dtype
+
+
+def _call_with(rank, ws, name, moe):
+    block = OverlapTransformerBlock(8, 2, 16, moe=dict(num_experts=4, top_k=2) if moe else None,
+                                    group=dist.group.WORLD, num_tiles=2)
+    x, kw = bad_call_input(rank, ws, name)
+    block(x, **kw)
+
+
+@pytest.mark.parametrize("name,match", [("hidden", "hidden"), ("hidden_rank1", "hidden"), ("rank0_2d", "3-D"),
+                                        ("int", "dtype"), ("dtype_rank1", "dtype"), ("device", "device"),
+                                        ("seq", "seq"), ("position_ids", "position_ids must")])
+@pytest.mark.parametrize("moe", [False, True])
+def test_bad_input_raises_on_every_rank(pool2, name, match, moe):
+    """An input the attention's agreement rejects raises ValueError on every rank, also where the
+    attention's norm, which runs first, could not take it on one rank (a hidden size of 6 on rank
+    1: the others would wait in the agreement)."""
+    expect_value_error_on_every_rank(pool2, _call_with, name, moe, match=match)
 
 
 def mesh_vs_group(rank, ws, moe, sp):

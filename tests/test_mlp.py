@@ -441,6 +441,8 @@ def _x_ok(rank):
     (dict(num_tiles="many"), "num_tiles"),
     (dict(group=None), "exactly one of group"),
     (dict(config="fast"), "config"),
+    (dict(dtype=torch.int64), "dtype=torch.int64"),
+    (dict(dtype="float32"), "dtype='float32'"),
 ])
 def test_bad_constructor_arguments(pool2, kw, match):
     expect_value_error_on_every_rank(pool2, _build_kw, kw, match=match)

@@ -524,6 +524,9 @@ def _build_kw(rank, ws, kw):
     (2, dict(activation="tanh"), "activation"),
     (2, dict(num_tiles=0), "num_tiles"),
     (2, dict(group=None), "exactly one of group"),
+    (2, dict(aux_loss_coef=float("nan")), "aux_loss_coef=nan"),
+    (2, dict(capacity_factor=float("inf")), "capacity_factor=inf"),
+    (2, dict(dtype=torch.bool), "dtype=torch.bool"),
 ])
 def test_bad_constructor_arguments(pools, ws, kw, match):
     expect_value_error_on_every_rank(pools(ws), _build_kw, kw, match=match)

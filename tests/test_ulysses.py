@@ -351,6 +351,7 @@ def _build_kw(rank, ws, kw):
     (2, dict(group=None), "exactly one of group"),
     (2, dict(config="fast"), "config"),
     (2, dict(dropout_p=1.0), "dropout_p"),
+    (2, dict(dtype=torch.int8), "dtype=torch.int8"),
 ])
 def test_bad_constructor_arguments(pools, ws, kw, match):
     expect_value_error_on_every_rank(pools(ws), _build_kw, kw, match=match)

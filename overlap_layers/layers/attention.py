@@ -89,7 +89,7 @@ from . import query_chunks
 from .attention_core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .attention_cost import AttentionCostModel
 from .first_order import first_order, keeps_graph, take
-from .planned import PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles
+from .planned import PlannedLayer, TilePlan, apply_saving, check_dtype, recorded_pass, resolve_config, run_tiles
 from .rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from .rank_plans import RankChunkPlans
 from .tiling import tile_bounds
@@ -510,6 +510,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
                                             softmax_scale, dropout_p)
         self.config, self.num_tiles = resolve_config(config, num_tiles)
+        check_dtype(dtype)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         check_heads(num_heads, num_kv_heads, ws)

@@ -51,13 +51,14 @@ def check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta, softm
         head_dim = hidden_size // num_heads
     _positive_int("head_dim", head_dim)
     if rope_theta is not None:
-        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
-            raise ValueError(f"rope_theta={rope_theta!r}; must be a positive number or None (no RoPE)")
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
+            raise ValueError(f"rope_theta={rope_theta!r}; must be a positive finite number or None (no RoPE)")
         if head_dim % 2:
             raise ValueError(f"head_dim={head_dim} must be even with RoPE (it rotates halves); "
                              f"pass rope_theta=None for no RoPE")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r}; must be a positive number or None (1/sqrt(head_dim))")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale={softmax_scale!r}; must be a positive finite number or None "
+                         f"(1/sqrt(head_dim))")
     if isinstance(dropout_p, bool) or not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p={dropout_p!r}; must be in [0, 1)")
     return num_kv_heads, head_dim

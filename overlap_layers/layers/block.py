@@ -32,6 +32,7 @@ sums both over the group (see its [Note: which partials]).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,7 +50,7 @@ from .fused_block import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_pla
 from .mlp import OverlapMLP
 from .mlp import _Call as MLPCall
 from .moe import OverlapMoE
-from .planned import X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, x_error
+from .planned import X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, check_dtype, x_error
 from .planning import PlanCache
 from .tokens import gather_tokens, split_tokens
 
@@ -84,8 +85,15 @@ class BlockNorm(nn.Module):
 def _check_norm(norm, norm_eps) -> None:
     if norm not in NORMS:
         raise ValueError(f"norm={norm!r}; valid: {NORMS}")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
-        raise ValueError(f"norm_eps={norm_eps!r}; must be a positive number")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < math.inf:
+        raise ValueError(f"norm_eps={norm_eps!r}; must be a positive finite number")
+
+
+def _norm_takes(x, hidden_size: int, device: torch.device) -> bool:
+    """Whether the block's first norm runs on ``x``: a floating tensor on the layers' ``device``
+    whose last dim is ``hidden_size``."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == hidden_size and x.is_floating_point() \
+        and x.device == device
 
 
 def _is_dtensor(t) -> bool:
@@ -119,6 +127,7 @@ class OverlapTransformerBlock(nn.Module):
                  config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
         _check_norm(norm, norm_eps)
+        check_dtype(dtype)  # before the norms' parameters are made
         if moe is not None:
             if not isinstance(moe, dict):
                 raise ValueError(f"moe={moe!r}; must be None (a dense MLP) or a dict of OverlapMoE keywords")
@@ -216,7 +225,10 @@ class OverlapTransformerBlock(nn.Module):
         return self._forward(x, position_ids, position_embeddings, attention_mask)
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
-        attn, n1 = self.attention, self.attn_norm(x)
+        attn = self.attention
+        # an input the norm cannot take goes to the attention's agreement as it is, which raises on
+        # every rank: the norm would raise on this rank alone, and the others wait in the agreement
+        n1 = self.attn_norm(x) if _norm_takes(x, self.hidden_size, _local(attn.wq).device) else x
         self.plan, self._last_fusing = None, None
         # a call without tokens runs the sublayers in turn (each gives the dense result of none); the
         # attention's agreement comes first on both paths, so ranks whose shapes differ all raise there

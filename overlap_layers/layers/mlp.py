@@ -49,8 +49,8 @@ from . import rank_chunks
 from .first_order import first_order, keeps_graph
 from .rank_plans import RankChunkPlans
 from .mlp_cost import MLPCostModel
-from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, recorded_pass, resolve_config, run_tiles,
-                      x_error)
+from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, recorded_pass, resolve_config,
+                      run_tiles, x_error)
 from .planning import Trial
 from .swiglu import swiglu, swiglu_backward, swiglu_recorded
 from .tiling import tile_bounds
@@ -265,6 +265,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
         self.config, self.num_tiles = resolve_config(config, num_tiles)
+        check_dtype(dtype)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         if ffn_hidden_size % ws:

@@ -92,7 +92,8 @@ from .moe_combine import combine_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, experts_forward, first_rows, launch_first, piece_offsets
-from .planned import X_ERRORS, PlannedLayer, TilePlan, apply_saving, resolve_config, run_tiles, x_error
+from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, resolve_config, run_tiles,
+                      x_error)
 from .rank_plans import RankChunkPlans
 from .routing import count, key_dtype, route_topk
 from .tp_program import Accumulator, recording_graph
@@ -445,14 +446,18 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
         if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                                and not isinstance(capacity_factor, bool) and capacity_factor > 0):
-            raise ValueError(f"capacity_factor={capacity_factor!r}; must be None (dropless) or a positive number")
-        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a number >= 0")
+                                                and not isinstance(capacity_factor, bool)
+                                                and 0 < capacity_factor < math.inf):
+            raise ValueError(f"capacity_factor={capacity_factor!r}; must be None (dropless) or a positive finite "
+                             f"number")
+        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) \
+                or not 0 <= aux_loss_coef < math.inf:
+            raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a finite number >= 0")
         if shared_expert_ffn is not None and (isinstance(shared_expert_ffn, bool) or
                                               not isinstance(shared_expert_ffn, int) or shared_expert_ffn < 1):
             raise ValueError(f"shared_expert_ffn={shared_expert_ffn!r}; must be None or a positive int")
         self.config, self.num_tiles = resolve_config(config, num_tiles)
+        check_dtype(dtype)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         if num_experts % ws:

@@ -174,6 +174,13 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
 
 
+def check_dtype(dtype) -> None:
+    """ValueError unless a layer's ``dtype=`` is None (torch's default) or a floating-point
+    ``torch.dtype`` (its parameters require grad)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}; must be None (torch's default) or a floating-point torch.dtype")
+
+
 def apply_saving(fn, save: bool, *args):
     """``fn.apply(*args)`` (an autograd Function), recording its graph only when ``save``."""
     if save:
@@ -195,7 +202,7 @@ def _in_backward() -> bool:
 X_ERRORS = {
     1: "input must be 3-D [batch, seq, hidden]",
     2: "input hidden dim must equal hidden_size",
-    3: "input dtype must equal the weights' dtype outside autocast",
+    3: "input dtype must be floating and equal the weights' dtype outside autocast",
     4: "input must be on the weights' device",
 }
 
@@ -213,7 +220,7 @@ def x_error(x, hidden_size: int, weight: torch.Tensor) -> int:
         return 2
     if x.device != weight.device:
         return 4
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+    if not x.is_floating_point() or (x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return 3
     return 0
 

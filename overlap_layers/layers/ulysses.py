@@ -61,7 +61,7 @@ from .attention_common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_den
 from .attention_common import cos_sin as cos_sin_of
 from .attention_core import attention
 from .first_order import first_order, keeps_graph, take
-from .planned import PlannedLayer, TilePlan, resolve_config, run_tiles
+from .planned import PlannedLayer, TilePlan, check_dtype, resolve_config, run_tiles
 from .tiling import tile_bounds
 from .tp_program import recording_graph
 from .ulysses_cost import UlyssesCostModel
@@ -338,6 +338,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
                                             softmax_scale, dropout_p)
         self.config, self.num_tiles = resolve_config(config, num_tiles)
+        check_dtype(dtype)
         self.group = resolve_group(group, mesh, axis)
         ws = dist.get_world_size(self.group)
         if num_heads % ws:
