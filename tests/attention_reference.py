@@ -68,6 +68,8 @@ def bad_call_input(rank, ws, name):
         x = torch.randn(1 + rank, 4, 8)
     elif name == "rank0_2d":
         x = torch.randn(8, 8) if rank == 0 else x
+    elif name == "rank0_none":
+        x = None if rank == 0 else x
     elif name == "hidden":
         x = torch.randn(2, 4, 6)
     elif name == "hidden_rank1":

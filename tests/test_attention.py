@@ -553,6 +553,7 @@ def _call_with(rank, ws, name, sp=True):
     ("seq", "seq"),
     ("batch", "batch"),
     ("rank0_2d", "3-D"),
+    ("rank0_none", "3-D"),
     ("hidden", "hidden"),
     ("dtype", "dtype"),
     ("dtype_rank1", "dtype"),

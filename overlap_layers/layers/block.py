@@ -232,7 +232,7 @@ class OverlapTransformerBlock(nn.Module):
         self.plan, self._last_fusing = None, None
         # a call without tokens runs the sublayers in turn (each gives the dense result of none); the
         # attention's agreement comes first on both paths, so ranks whose shapes differ all raise there
-        if x.numel() == 0 or not self._may_fuse(x):
+        if not isinstance(x, torch.Tensor) or x.numel() == 0 or not self._may_fuse(x):
             h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
                          attention_mask=attention_mask)
             return h + self._mlp(self.mlp_norm(h))
