@@ -383,6 +383,17 @@ def test_warmup_rejects_bad_shapes(pool2):
     expect_value_error_on_every_rank(pool2, warm_bad, match="shapes=")
 
 
+def warm_bad_on_one_rank(rank, ws, bad):
+    OverlapMLP(16, 32, group=dist.group.WORLD).warmup(**(bad if rank == 1 else dict(shapes=[(2, 8)])))
+
+
+@pytest.mark.parametrize("bad", [dict(shapes=[(2,)]), dict(shapes=[(0, 8)]), dict(shapes=[(2, 8)], dtype=torch.int8)])
+def test_warmup_rejects_bad_arguments_on_one_rank_on_every_rank(pool2, bad):
+    """Bad arguments on rank 1 alone: its ValueError, and the others' (the ranks disagree), not a
+    rank left waiting in the agreement."""
+    expect_value_error_on_every_rank(pool2, warm_bad_on_one_rank, bad, match=("shapes=", "dtype=", "same shapes"))
+
+
 def test_capture_neither_plans_nor_advances_verification():
     """[Note: CUDA graphs]: a captured call with no plan for its key raises; during verification
     it runs the planned plan, takes no trial and leaves the sequence of trials as it was."""

@@ -654,19 +654,24 @@ class PlannedLayer:
         same arguments (checked; a mismatch raises ValueError on every rank). No-op (returns [])
         unless ``num_tiles="auto"`` and no plan is pinned. First-call verification still happens
         on the first real calls."""
+        # a bad argument raises after the agreement, so that the other ranks (whose requests then
+        # differ from this one's) raise too instead of waiting in it
+        error, pairs = None, []
         try:
             pairs = [(int(b), int(s)) for b, s, *_ in shapes]
         except (TypeError, ValueError):
-            raise ValueError(f"shapes={shapes!r}; must be a list of (batch, seq_local) pairs") from None
-        if any(b < 1 or s < 1 for b, s in pairs):
-            raise ValueError(f"shapes={shapes!r}; batch and seq must be positive")
+            error = f"shapes={shapes!r}; must be a list of (batch, seq_local) pairs"
+        if error is None and any(b < 1 or s < 1 for b, s in pairs):
+            error = f"shapes={shapes!r}; batch and seq must be positive"
         dtype = self._weight.dtype if dtype is None else dtype
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}; valid: {DTYPES}")
-        request = zlib.crc32(repr((pairs, str(dtype), bool(training))).encode())
+        if error is None and dtype not in DTYPES:
+            error = f"dtype={dtype!r}; valid: {DTYPES}"
+        request = zlib.crc32(repr((pairs, str(dtype), bool(training), error)).encode())
         floor = self._floor()
         full = self._agreement.gather((request, *floor))
         self._set_floor(full, len(floor))
+        if error is not None:
+            raise ValueError(error)
         table = [row[0] for row in full]
         if len(set(table)) > 1:
             raise ValueError(f"warmup: every rank must pass the same shapes, dtype and training flag; "
