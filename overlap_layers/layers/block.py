@@ -89,13 +89,6 @@ def _check_norm(norm, norm_eps) -> None:
         raise ValueError(f"norm_eps={norm_eps!r}; must be a positive finite number")
 
 
-def _norm_takes(x, hidden_size: int, device: torch.device) -> bool:
-    """Whether the block's first norm runs on ``x``: a floating tensor on the layers' ``device``
-    whose last dim is ``hidden_size``."""
-    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == hidden_size and x.is_floating_point() \
-        and x.device == device
-
-
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
@@ -226,9 +219,11 @@ class OverlapTransformerBlock(nn.Module):
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
         attn = self.attention
-        # an input the norm cannot take goes to the attention's agreement as it is, which raises on
-        # every rank: the norm would raise on this rank alone, and the others wait in the agreement
-        n1 = self.attn_norm(x) if _norm_takes(x, self.hidden_size, _local(attn.wq).device) else x
+        # the norm runs on an input the attention's agreement accepts, or one of another floating
+        # dtype (which it may cast); any other goes to that agreement as it is, which raises on every
+        # rank, where the norm would raise on this rank alone and the others wait in the agreement
+        err = x_error(x, self.hidden_size, attn.wq)
+        n1 = self.attn_norm(x) if err == 0 or err == 3 and x.is_floating_point() else x
         self.plan, self._last_fusing = None, None
         # a call without tokens runs the sublayers in turn (each gives the dense result of none); the
         # attention's agreement comes first on both paths, so ranks whose shapes differ all raise there
