@@ -995,20 +995,26 @@ def check_device_all_to_all(rank, ws, dev):
     """[Note: sync-free exchange]: DeviceCountAllToAll over the group's symmetric workspace equals
     the all-to-all from its definition (every rank draws every rank's counts and rows from one
     seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
-    and rows at each replay: the pulls from every source (peers on the pull stream), then the
-    pushes of each row's result (3 x + 1) back, which ``finish`` returns in send order. Three
-    groups per rank: each source's rows by group."""
-    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
+    and rows at each replay: the send rows placed (``positions``, ``place_rows``), the pulls of
+    every peer's parts (regions on the pull stream, overflow on the main one), then the pushes of
+    each row's result (3 x + 1) back, which ``finish`` returns at the rows' places. Three groups
+    per rank; the steps alternate between counts past the regions and counts that fit them."""
+    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, place_rows
     from overlap_layers.runtime.exchange import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
     ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
-    pulled = torch.empty(ws, rows, W, device=dev, dtype=dt)
+    pulled = torch.empty(ws, G, rows, W, device=dev, dtype=dt)  # [source, part]: at most a part per group
     counts = torch.zeros(ws, G, dtype=torch.int32, device=dev)
+    mine = torch.empty(rows, W, device=dev, dtype=dt)  # this rank's send rows in send order
+    order = torch.arange(rows, device=dev)
 
     def table(step):
         g = torch.Generator().manual_seed(1000 + step)
         t = torch.zeros(ws, ws * G, dtype=torch.int32)
         for s in range(ws):
+            if step % 2:  # even: every part within its region
+                t[s] = rows // (ws * G)
+                continue
             cuts = sorted(torch.randint(0, rows + 1, (ws * G,), generator=g).tolist())
             t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
         return t.view(ws, ws, G)
@@ -1017,28 +1023,34 @@ def check_device_all_to_all(rank, ws, dev):
         return torch.randn(rows, W, generator=torch.Generator().manual_seed(2000 + ws * step + s)).to(dev, dt)
 
     def call():
+        places = ex.positions(counts, rows)
+        place_rows(mine, order, ex.send, places)
         ex.ready(counts)
         got = ex.recv_counts.clone()  # valid until finish: peers may write the next call's table after it
         main, (pull, push) = torch.cuda.current_stream(), ex.streams
-        ex.pull(rank, pulled[rank])
+        peers = [((rank + j) % ws, p, part) for j in range(1, ws) for p, part in enumerate(ex.parts((rank + j) % ws))]
         pull.wait_stream(main)
         with torch.cuda.stream(pull):
-            for j in range(1, ws):
-                ex.pull((rank + j) % ws, pulled[(rank + j) % ws])
+            for s, p, part in peers:
+                ex.pull(s, pulled[s, p], part)
         main.wait_stream(pull)
+        for s, p, part in peers:
+            ex.pull_rest(s, pulled[s, p], part)
         results = pulled * 3 + 1
+        for s, p, part in peers:
+            ex.push_rest(s, results[s, p], part)
         push.wait_stream(main)
         with torch.cuda.stream(push):
-            for j in range(ws):
-                ex.push((rank + j) % ws, results[(rank + j) % ws])
+            for s, p, part in peers:
+                ex.push(s, results[s, p], part)
         main.wait_stream(push)
-        return ex.finish(), got
+        return ex.finish(), got, places
 
     graph, out = None, None
     for step in range(6):
         t = table(step)
         counts.copy_(t[rank].to(dev))
-        ex.send.copy_(send_rows(step, rank))
+        mine.copy_(send_rows(step, rank))
         if step == 3:  # every rank captures at the same call, then replays from here on
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -1048,15 +1060,19 @@ def check_device_all_to_all(rank, ws, dev):
             out = call()
         else:
             graph.replay()
-        back, got = out[0].clone(), out[1].cpu()
+        back, got, places = out[0].clone(), out[1].cpu(), out[2].cpu()
         ok = torch.equal(got, t[:, rank])
         for s in range(ws):  # s's send rows by destination s, s + 1, ...: its rows for rank begin after those
+            if s == rank:
+                continue
             start = int(sum(t[s, (s + j) % ws].sum() for j in range((rank - s) % ws)))
-            want = torch.cat([send_rows(step, s)[start + int(t[s, rank, :grp].sum()):][:int(t[s, rank, grp])]
-                              for grp in range(G)])
-            ok = ok and torch.equal(pulled[s][:want.shape[0]], want)
-        n = int(t[rank].sum())
-        ok = ok and torch.equal(back[:n], send_rows(step, rank)[:n] * 3 + 1)
+            for p, part in enumerate(ex.parts(s)):
+                a, b = (0, G) if part is None else part
+                first = start + int(t[s, rank, :a].sum())
+                want = send_rows(step, s)[first:first + int(t[s, rank, a:b].sum())]
+                ok = ok and torch.equal(pulled[s, p, :want.shape[0]], want)
+        own, n = int(t[rank, rank].sum()), int(t[rank].sum())
+        ok = ok and torch.equal(back[places[own:n].to(dev)], send_rows(step, rank)[own:n] * 3 + 1)
         if not ok:
             fails += 1
             print(f"rank {rank} FAIL device all-to-all step {step} ({'replayed' if graph else 'eager'})", flush=True)

@@ -1,123 +1,159 @@
-"""``runtime.device_all_to_all.copy_rows_by_table`` against the all-to-all it must equal (module
-docstring), with every rank's buffers in one process: pulls from every source, then pushes, for
-random count tables with one group per rank and with several (the MoE's local experts), counts
-past the buffers (clipped, nothing written outside), bad arguments;
-``DeviceCountAllToAll``'s own checks on a stand-in workspace.
-On the CPU its torch path, or its kernel under Triton's interpreter; the symmetric-memory exchange
-itself is checked on GPUs (tests/cuda_worker.py check_device_all_to_all)."""
+"""``runtime.device_all_to_all``: ``RegionLayout`` with ``copy_rows_by_table`` and ``place_rows``
+against the all-to-all they must equal (module docstring), with every rank's buffers in one
+process: every rank places its send rows, pulls each peer's parts (region and overflow), then
+pushes results back, for random count tables with one group per rank and with several (the MoE's
+local experts), tables that fit the regions and tables that overflow them, counts past the buffers
+(clipped, nothing written outside), bad arguments; ``DeviceCountAllToAll``'s own checks on a
+stand-in workspace. On the CPU the kernels' torch paths, or the kernels under Triton's
+interpreter; the symmetric-memory exchange itself is checked on GPUs (tests/cuda_worker.py
+check_device_all_to_all)."""
 import math
 
 import pytest
 import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
-from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, copy_rows_by_table, segments
+from overlap_layers.runtime.device_all_to_all import (DeviceCountAllToAll, RegionLayout, copy_rows_by_table,
+                                                      place_rows)
 
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
 
 
-def _table(ws, rows, groups, g):
-    """Random ``[ws, ws, groups]`` counts whose rows sum to at most ``rows`` (zeros included)."""
+def _table(ws, rows, groups, g, kind):
+    """``[ws, ws, groups]`` counts whose rows sum to at most ``rows``: "random" (zeros and parts
+    past their regions likely), "even" (every (destination, group) the same: fits the regions),
+    "skewed" (each source sends nearly all its rows to the next rank's first group: past its
+    regions)."""
     t = torch.zeros(ws, ws * groups, dtype=torch.int32)
     for s in range(ws):
-        cuts = sorted(torch.randint(0, rows + 1, (ws * groups,), generator=g).tolist())
-        t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
+        if kind == "even":
+            t[s] = rows // (ws * groups)
+        elif kind == "skewed":
+            t.view(ws, ws, groups)[s, (s + 1) % ws, 0] = rows - 1
+        else:
+            cuts = sorted(torch.randint(0, rows + 1, (ws * groups,), generator=g).tolist())
+            t[s] = torch.tensor([cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])], dtype=torch.int32)
     return t.view(ws, ws, groups)
 
 
-def _send_start(table, s, r, grp):
-    """Where source s's rows for (r, grp) begin in its send rows: after its rows for the ranks
-    s, s + 1, ... before r (cyclically) and for r's earlier groups."""
-    ws = table.shape[0]
-    before = [(s + j) % ws for j in range((r - s) % ws)]
-    return int(sum(table[s, d].sum() for d in before)) + int(table[s, r, :grp].sum())
-
-
-def _want_pull(table, sends, r, s):
-    """The reference pull by rank r from source s, from the definitions: for each group, the rows
-    s sends to (r, group)."""
-    G = table.shape[2]
-    return torch.cat([sends[s][_send_start(table, s, r, grp):][:int(table[s, r, grp])] for grp in range(G)])
+def _sent(table, s, d, part):
+    """Which of source s's rows in send order go to d in ``part``, from the definitions: after its
+    rows for the ranks s, s + 1, ... before d (cyclically), those of the part's groups."""
+    ws, G = table.shape[0], table.shape[2]
+    a, b = (0, G) if part is None else part
+    start = sum(int(table[s, (s + j) % ws].sum()) for j in range((d - s) % ws)) + int(table[s, d, :a].sum())
+    return list(range(start, start + int(table[s, d, a:b].sum())))
 
 
 @pytest.mark.parametrize("ws,groups,rows,width,dtype", [
     (2, 1, 5, 3, torch.float32), (4, 1, 13, 40, torch.bfloat16), (3, 1, 9, 7, torch.float64),
     (8, 1, 6, 24, torch.float16), (2, 1, 7, 1100, torch.float32), (2, 3, 11, 16, torch.float32),
-    (4, 5, 23, 40, torch.bfloat16), (3, 2, 9, 1100, torch.float16)])
-def test_pulls_then_pushes_equal_the_all_to_all(ws, groups, rows, width, dtype):
-    """Every rank pulls from every source, then pushes 3 x + 1 of what it pulled back: each
-    rank's back holds 3 x + 1 of its send rows, in send order, and nothing past them."""
+    (4, 5, 23, 40, torch.bfloat16), (3, 2, 9, 1100, torch.float16), (2, 4, 64, 8, torch.float32)])
+@pytest.mark.parametrize("kind", ["random", "even", "skewed"])
+def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, kind):
+    """Every rank places its send rows (``positions``, ``place_rows``) in a NaN buffer, pulls each
+    peer's parts (region, then overflow) and pushes 3 x + 1 of them back: each pulled part holds
+    exactly the rows its source sends in it, by group; each rank's ``back`` holds 3 x + 1 at the
+    place of each row it sent a peer, and NaN at its own rows' places."""
     g = torch.Generator().manual_seed(ws * 100 + width + groups)
-    for trial in range(3):
-        table = _table(ws, rows, groups, g) if trial else \
-            torch.full((ws, ws, groups), rows // (ws * groups), dtype=torch.int32)
-        flat = table.view(ws, ws) if groups == 1 and trial == 2 else table  # the two-dimensional table of one group
-        sends = [torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(ws)]
-        pulled = {}
+    lay = RegionLayout(ws, rows, groups, DEVICE)
+    for trial in range(2):
+        table = _table(ws, rows, groups, g, kind)
+        dev_table = table.to(DEVICE)
+        rows_of = [torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(ws)]  # in send order
+        sends, places = [], []
+        for s in range(ws):
+            send = torch.full((lay.buffer_rows, width), float("nan"), device=DEVICE, dtype=dtype)
+            counts = dev_table[s] if groups > 1 or trial == 0 else dev_table[s].view(ws)  # [ws] with one group
+            at = lay.positions(counts, s, rows)
+            n = int(table[s].sum())
+            assert (at[n:] == -1).all() and torch.equal(at[:int(table[s, s].sum())].cpu(),
+                                                        torch.arange(int(table[s, s].sum())))  # own rows first
+            assert len(set(at[:n].tolist())) == n and all(0 <= p < lay.buffer_rows for p in at[:n].tolist())
+            place_rows(rows_of[s], torch.arange(rows, device=DEVICE), send, at)
+            sends.append(send)
+            places.append(at)
+        backs = [torch.full((lay.buffer_rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
+        over = 0
         for r in range(ws):
             for s in range(ws):
-                out = torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype)
-                copy_rows_by_table(segments(flat.to(DEVICE), r, s), sends, out, push=False)
-                want = _want_pull(table, sends, r, s)
-                assert torch.equal(out[:want.shape[0]], want), (trial, r, s)
-                assert out[want.shape[0]:].isnan().all()  # nothing past the pulled rows
-                pulled[r, s] = out
-        backs = [torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
-        for (d, s), out in pulled.items():  # destination d pushes its results for source s's rows
-            copy_rows_by_table(segments(flat.to(DEVICE), d, s), backs, out * 3 + 1, push=True)
-        for r in range(ws):
-            n = int(table[r].sum())
-            assert torch.equal(backs[r][:n], sends[r][:n] * 3 + 1), (trial, r)
-            assert backs[r][n:].isnan().all()
-
-
-@pytest.mark.parametrize("ws,groups,cut", [(2, 3, 1), (4, 5, 2), (3, 4, 3), (2, 2, 1)])
-def test_a_source_pulled_and_pushed_in_two_ranges_of_groups(ws, groups, cut):
-    """``segments(..., groups=(first, end))``: each range's rows land from row 0 of its own
-    buffer, and pushing both ranges' results fills ``back`` as one push would."""
-    rows, width = 17, 24
-    g = torch.Generator().manual_seed(ws * 10 + groups)
-    table = _table(ws, rows, groups, g)
-    sends = [torch.randn(rows, width, generator=g).to(DEVICE) for _ in range(ws)]
-    backs = [torch.full((rows, width), float("nan"), device=DEVICE) for _ in range(ws)]
-    for r in range(ws):
+                if s == r:
+                    continue
+                for part in lay.parts_at((r - s) % ws):
+                    out = torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype)
+                    start, cap = lay.region((r - s) % ws, part)
+                    out[:cap] = sends[s][start:start + cap]
+                    segs = lay.rest(dev_table, r, s, part)
+                    copy_rows_by_table(segs, sends, out, push=False)
+                    want = rows_of[s][_sent(table, s, r, part)]
+                    assert torch.equal(out[:want.shape[0]], want), (trial, r, s, part)
+                    assert int(segs[3]) == max(0, want.shape[0] - cap)
+                    over += int(segs[3])
+                    res = out * 3 + 1
+                    backs[s][start:start + cap] = res[:cap]
+                    copy_rows_by_table(segs, backs, res, push=True)
         for s in range(ws):
-            whole = _want_pull(table, sends, r, s)
-            split = int(table[s, r, :cut].sum())
-            for (a, b), want in (((0, cut), whole[:split]), ((cut, groups), whole[split:])):
-                segs = segments(table.to(DEVICE), r, s, (a, b))
-                out = torch.full((rows, width), float("nan"), device=DEVICE)
-                copy_rows_by_table(segs, sends, out, push=False)
-                assert torch.equal(out[:want.shape[0]], want), (r, s, a)
-                assert out[want.shape[0]:].isnan().all()
-                copy_rows_by_table(segs, backs, out * 3 + 1, push=True)
-    for r in range(ws):
-        n = int(table[r].sum())
-        assert torch.equal(backs[r][:n], sends[r][:n] * 3 + 1), r
-        assert backs[r][n:].isnan().all()
-    with pytest.raises(ValueError, match="valid: None or \\(first, end\\) with 0 <= first < end <= 2"):
-        segments(torch.zeros(2, 2, 2, dtype=torch.int32), 0, 1, (1, 1))
+            own = int(table[s, s].sum())
+            n = int(table[s].sum())
+            assert torch.equal(backs[s][places[s][own:n]], rows_of[s][own:n] * 3 + 1), (trial, s)
+            assert backs[s][:own].isnan().all()
+        if kind != "random":
+            assert (over == 0) == (kind == "even"), over  # the even tables fit, the skewed ones overflow
+
+
+def test_parts_and_regions():
+    """The rows for the next rank (a destination's last peer) come in four ranges of the groups
+    (as many as there are groups, if fewer), the others in one part; each region holds its part's
+    even share of the rows and an eighth, after the ``rows`` of the own rows and overflow, the
+    regions end to end."""
+    cpu = torch.device("cpu")
+    lay = RegionLayout(4, 64, 6, cpu)
+    assert lay.parts_at(1) == [(0, 1), (1, 3), (3, 4), (4, 6)] and lay.parts_at(2) == lay.parts_at(3) == [None]
+    assert RegionLayout(2, 64, 1, cpu).parts_at(1) == [None]
+    assert RegionLayout(2, 64, 3, cpu).parts_at(1) == [(0, 1), (1, 2), (2, 3)]
+    # 64 rows over 4 ranks of 6 groups: a group's share 64 / 24, times 1.125, rounded up
+    assert [lay.region(1, p) for p in lay.parts_at(1)] == [(64, 3), (67, 6), (73, 3), (76, 6)]
+    assert lay.region(2, None) == (82, 18) and lay.region(3, None) == (100, 18)
+    assert lay.buffer_rows == 118
+    with pytest.raises(ValueError, match=r"valid: \[\(0, 1\), \(1, 3\), \(3, 4\), \(4, 6\)\]"):
+        lay.region(1, None)
 
 
 def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
-    """Positions come from the table as it is; of each source's rows only those inside both
+    """Positions come from the table as it is; of a part's overflow rows only those inside both
     buffers are copied."""
-    ws, rows, W = 3, 4, 5
-    # source 0 sends 2 rows to itself, then 3 + 6 rows to rank 1's groups 0 and 1: 11 > 4 rows
-    table = torch.tensor([[[2, 0], [3, 6], [0, 0]], [[0, 0], [1, 0], [3, 0]], [[4, 0], [0, 0], [0, 0]]],
-                         dtype=torch.int32)
-    sends = [torch.arange(rows * W, dtype=torch.float32, device=DEVICE).view(rows, W) + 100 * s for s in range(ws)]
-    guarded = torch.full((3 + 4 + 3, W), -1.0, device=DEVICE)  # 4 pulled rows between guard rows
-    out = guarded[3:7]
-    copy_rows_by_table(segments(table.to(DEVICE), 1, 0), sends, out, push=False)
-    # rank 1 pulls from 0 its group-0 rows [2, 5) into rows [0, 3): rows 2, 3 exist, so two are
-    # copied; its group-1 rows [5, 11) into rows [3, 9): none exists
-    assert torch.equal(out[:2], sends[0][2:4])
-    assert (out[2:] == -1).all() and (guarded[:3] == -1).all() and (guarded[7:] == -1).all()
+    ws, rows, W = 2, 4, 5
+    lay = RegionLayout(ws, rows, 1, DEVICE)  # region of 3 rows (ceil(4 / 2 * 1.125))
+    table = torch.tensor([[[1], [9]], [[0], [0]]], dtype=torch.int32, device=DEVICE)  # 9 rows for rank 1
+    segs = lay.rest(table, 1, 0, None)
+    assert segs.view(-1).tolist() == [0, 1, 3, 6]  # from row 1 (after the own row), to row 3, 6 rows
+    sends = [torch.arange(lay.buffer_rows * W, dtype=torch.float32, device=DEVICE).view(-1, W) + 100 * s
+             for s in range(ws)]
+    guarded = torch.full((3 + 6 + 3, W), -1.0, device=DEVICE)  # 6 pulled rows between guard rows
+    out = guarded[3:9]
+    copy_rows_by_table(segs, sends, out, push=False)
+    # rows [1, 7) of source 0 into rows [3, 9) of out: rows 1, 2, 3 of out... only out rows 3, 4, 5 exist
+    assert torch.equal(out[3:6], sends[0][1:4])
+    assert (out[:3] == -1).all() and (guarded[:3] == -1).all() and (guarded[9:] == -1).all()
+
+
+def test_place_rows_matches_indexing():
+    """``place_rows`` equals ``dst[places] = src[index]`` over the non-negative places."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(7, 1100, generator=g).to(DEVICE)
+    index = torch.tensor([3, 0, 6, 6, 2], device=DEVICE)
+    places = torch.tensor([4, -1, 0, 9, 2], device=DEVICE)
+    dst = torch.full((10, 1100), float("nan"), device=DEVICE)
+    place_rows(src, index, dst, places)
+    want = torch.full((10, 1100), float("nan"), device=DEVICE)
+    want[[4, 0, 9, 2]] = src[[3, 6, 6, 2]]
+    assert torch.equal(dst.nan_to_num(-7), want.nan_to_num(-7))
+    with pytest.raises(ValueError, match="valid: rows of one width and dtype"):
+        place_rows(src, index, torch.zeros(3, 4, device=DEVICE), places)
 
 
 def test_bad_arguments_are_value_errors():
-    segs = segments(torch.zeros(2, 2, dtype=torch.int32, device=DEVICE), 0, 1)
+    segs = torch.zeros(4, 1, dtype=torch.int64, device=DEVICE)
     a, b = torch.zeros(3, 4, device=DEVICE), torch.zeros(3, 5, device=DEVICE)
     with pytest.raises(ValueError, match=r"valid: segments \[4, n\]"):
         copy_rows_by_table(segs[:3], [a, a], torch.zeros(6, 4, device=DEVICE), push=False)
@@ -143,14 +179,15 @@ class _Handle:
 class _Workspace:
     """A one-process stand-in for the group's symmetric workspace: a byte buffer per rank."""
 
-    def __init__(self, ws, rank):
-        self.ws, self.rank, self.handle, self.nbytes = ws, rank, _Handle(), 0
-        self.bufs = {}
+    def __init__(self, ws, rank, bufs=None):
+        self.ws, self.rank, self.handle, self.nbytes, self.device = ws, rank, _Handle(), 0, torch.device("cpu")
+        self.bufs = {} if bufs is None else bufs  # shared by the ranks' stand-ins: one "group"
         self.pull_stream = self.push_stream = None
 
     def reserve(self, nbytes):
         if nbytes > self.nbytes:
-            self.bufs = {q: torch.zeros(nbytes, dtype=torch.uint8) for q in range(self.ws)}
+            if not self.bufs or self.bufs[0].numel() < nbytes:
+                self.bufs.update({q: torch.zeros(nbytes, dtype=torch.uint8) for q in range(self.ws)})
             self.nbytes, self.handle = nbytes, _Handle()
 
     def view(self, rank, shape, dtype, offset):
@@ -181,7 +218,7 @@ def test_exchange_checks_its_arguments_and_its_workspace():
     exchange made before the workspace grew raises instead of writing into a freed buffer."""
     w = _Workspace(2, 0)
     ex = DeviceCountAllToAll(w, 5, 3, torch.float32)
-    assert w.nbytes >= 4 * 4 + 2 * 5 * 3 * 4 and ex.send.shape == ex.back.shape == (5, 3)
+    assert w.nbytes >= 4 * 4 + 2 * 8 * 3 * 4 and ex.send.shape == ex.back.shape == (8, 3)  # 5 rows, a region of 3
     counts = torch.tensor([1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"valid: \[2, 1\] torch.int32"):
         ex.ready(counts.long())
@@ -189,10 +226,49 @@ def test_exchange_checks_its_arguments_and_its_workspace():
         DeviceCountAllToAll(w, 5, 3, torch.float32, groups=3).ready(counts)
     with pytest.raises(ValueError, match=r"valid: \[>= 5, 3\] torch.float32"):
         ex.pull(1, torch.zeros(4, 3))
-    with pytest.raises(ValueError, match="valid: a rank of the group, 0 .. 1"):
+    with pytest.raises(ValueError, match="valid: a peer rank of the group, 0 .. 1 but 0"):
         ex.pull(2, torch.zeros(5, 3))
-    with pytest.raises(ValueError, match="valid: laid out as pull's out"):
+    with pytest.raises(ValueError, match="valid: a peer rank of the group"):
+        ex.pull_rest(0, torch.zeros(5, 3))
+    with pytest.raises(ValueError, match=r"push: results \(5, 3\) torch.float64; valid"):
         ex.push(1, torch.zeros(5, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"valid: \[None\]"):
+        ex.push(1, torch.zeros(5, 3), (0, 1))
     w.reserve(w.nbytes + 1)  # another exchange grew the workspace
     with pytest.raises(RuntimeError, match="make a new one"):
         ex.ready(counts)
+
+
+def test_exchange_over_one_process_workspace_equals_the_all_to_all():
+    """``DeviceCountAllToAll`` of every rank over one shared stand-in buffer (3 ranks, 4 groups,
+    counts past some regions): places, ``ready``, then each rank pulls every peer's parts and
+    pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places."""
+    ws, G, rows, W = 3, 4, 24, 6
+    bufs = {}
+    exs = [DeviceCountAllToAll(_Workspace(ws, r, bufs), rows, W, torch.float32, groups=G) for r in range(ws)]
+    g = torch.Generator().manual_seed(3)
+    table = _table(ws, rows, G, g, "random")
+    rows_of = [torch.randn(rows, W, generator=g) for _ in range(ws)]
+    places = []
+    for r, ex in enumerate(exs):
+        ex.send.fill_(float("nan"))
+        places.append(ex.positions(table[r], rows))
+        place_rows(rows_of[r], torch.arange(rows), ex.send, places[-1])
+    for r, ex in enumerate(exs):
+        ex.back.fill_(float("nan"))
+        ex.ready(table[r])
+    over = 0
+    for r, ex in enumerate(exs):
+        assert torch.equal(ex.recv_counts, table[:, r])
+        for s in range(ws):
+            for part in ex.parts(s) if s != r else []:
+                out = ex.pull_rest(s, ex.pull(s, torch.full((rows, W), float("nan")), part), part)
+                want = rows_of[s][_sent(table, s, r, part)]
+                assert torch.equal(out[:want.shape[0]], want), (r, s, part)
+                over += int(ex._rest(s, part)[3])
+                ex.push(s, out * 3 + 1, part)
+                ex.push_rest(s, out * 3 + 1, part)
+    assert over > 0  # some parts came past their regions
+    for r, ex in enumerate(exs):
+        own, n = int(table[r, r].sum()), int(table[r].sum())
+        assert torch.equal(ex.finish()[places[r][own:n]], rows_of[r][own:n] * 3 + 1), r

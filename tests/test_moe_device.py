@@ -17,28 +17,36 @@ from test_moe import build_from_dense, make_case, reference, rel_err, rounded
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.moe_device import rows_bound
-from overlap_layers.runtime.device_all_to_all import copy_rows_by_table, segments
+from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
 
 
 class GatheredExchange:
-    """``DeviceCountAllToAll``'s interface over all-gathers (no side streams): ``ready`` gathers
-    every rank's counts and send rows, ``pull`` copies from them, and each ``push`` (every rank
-    pushes alike: to the source ``j`` ranks on, with the same groups) gathers every rank's results
-    and keeps those for this rank's rows. What it does not write is NaN, its own rows' places in
-    ``back`` included; ``finish`` checks that every peer's groups were pushed once."""
+    """``DeviceCountAllToAll``'s interface over all-gathers (no side streams), on its layout
+    (``RegionLayout``): ``ready`` gathers every rank's counts and send buffer, ``pull`` and
+    ``pull_rest`` copy from them, and each ``push`` or ``push_rest`` (every rank pushes alike: to
+    the source ``j`` ranks on, the same part) gathers every rank's results and keeps those for
+    this rank's rows. What it does not write is NaN, its own rows' places in ``back`` included;
+    ``finish`` checks that every peer's parts were pushed once by each kind of push."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
-        self.send = torch.full((rows, width), float("nan"), dtype=dtype)
-        self.back = torch.full((rows, width), float("nan"), dtype=dtype)
+        self.layout = RegionLayout(self.ws, rows, groups, torch.device("cpu"))
+        self.send = torch.full((self.layout.buffer_rows, width), float("nan"), dtype=dtype)
+        self.back = torch.full((self.layout.buffer_rows, width), float("nan"), dtype=dtype)
         self.calls = 0
 
     def _gather(self, t):
         out = [torch.empty_like(t) for _ in range(self.ws)]
         dist.all_gather(out, t.contiguous())
         return out
+
+    def positions(self, counts, n):
+        return self.layout.positions(counts, self.rank, n)
+
+    def parts(self, source):
+        return self.layout.parts_at((self.rank - source) % self.ws)
 
     def ready(self, counts):
         assert counts.dtype == torch.int32 and counts.shape == (self.ws, self.groups)
@@ -51,24 +59,40 @@ class GatheredExchange:
     def recv_counts(self):
         return self.table[:, self.rank]
 
-    def pull(self, source, out, groups=None):
+    def pull(self, source, out, part=None):
         out.fill_(float("nan"))
-        copy_rows_by_table(segments(self.table, self.rank, source, groups), self.sends, out, push=False)
+        start, cap = self.layout.region((self.rank - source) % self.ws, part)
+        out[:cap] = self.sends[source][start:start + cap]
         return out
 
-    def push(self, source, results, groups=None):
+    def pull_rest(self, source, out, part=None):
+        copy_rows_by_table(self.layout.rest(self.table, self.rank, source, part), self.sends, out, push=False)
+        return out
+
+    def _push(self, source, results, part, rest):
         j = (source - self.rank) % self.ws
         assert j != 0  # the own results stay where they are
         scratch = torch.empty_like(self.back)
         for d, res in enumerate(self._gather(results)):  # d pushed its results for rank d + j
             if (d + j) % self.ws == self.rank:
-                remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
-                copy_rows_by_table(segments(self.table, d, self.rank, groups), remotes, res, push=True)
-        a, b = (0, self.groups) if groups is None else groups
-        self.pushed += [(j, g) for g in range(a, b)]
+                if rest:
+                    remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
+                    copy_rows_by_table(self.layout.rest(self.table, d, self.rank, part), remotes, res, push=True)
+                else:
+                    start, cap = self.layout.region((d - self.rank) % self.ws, part)
+                    self.back[start:start + cap] = res[:cap]
+        self.pushed.append((j, part, rest))
+
+    def push(self, source, results, part=None):
+        self._push(source, results, part, False)
+
+    def push_rest(self, source, results, part=None):
+        self._push(source, results, part, True)
 
     def finish(self):
-        assert sorted(self.pushed) == [(j, g) for j in range(1, self.ws) for g in range(self.groups)]
+        want = [(j, part, rest) for j in range(1, self.ws) for part in self.layout.parts_at(self.ws - j)
+                for rest in (False, True)]
+        assert sorted(self.pushed, key=repr) == sorted(want, key=repr)
         return self.back
 
 
@@ -99,7 +123,7 @@ CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activa
     (4, 4, 1, "zero_seq", "skewed", None, None, "swiglu"),
     (2, 4, 2, "even", "skewed", 0.5, None, "swiglu"),
     (4, 8, 2, "uneven", "random", 0.75, 4, "swiglu"),
-    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in two halves of 4
+    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in four parts of 2
     (4, 16, 2, "even", "random", 0.75, None, "swiglu"),
 ]
 

@@ -5,9 +5,10 @@ weighted sum of each token's k result rows, read where they are. The device path
 
 Reference (``own [>= n_own, H]``, ``back [>= kept, H]``: result rows in send order, the first
 ``n_own`` of them in ``own`` and the rest in ``back``; ``pos [T*k]``: the send-order row of each token-major
-assignment; ``weights [T, k]``; ``kept``: rows past it were dropped by capacity)::
+assignment, negative for one that is not sent; ``weights [T, k]``; ``kept``: rows past it
+were dropped by capacity)::
 
-    row(p)  = own[p] if p < n_own else back[p] if p < kept else 0
+    row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_own else back[p]
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'
                                                                          dtype, summed in float32)
 
@@ -54,11 +55,10 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
     p = pos[:, None]
 
     def rows_at(t: torch.Tensor) -> torch.Tensor:  # t's row at each position (clamped: chosen below)
-        return t[pos.clamp(max=t.shape[0] - 1)] if t.shape[0] else t.new_zeros((pos.numel(), H))
+        return t[pos.clamp(0, t.shape[0] - 1)] if t.shape[0] else t.new_zeros((pos.numel(), H))
 
     rows = torch.where(p < n_own, rows_at(own), rows_at(back))
-    if kept is not None:
-        rows = torch.where(p < kept, rows, 0)
+    rows = torch.where((p >= 0) & (p < kept) if kept is not None else p >= 0, rows, 0)
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 
@@ -83,7 +83,7 @@ if triton is not None:
             for j in tl.static_range(K):
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
                 w = tl.load(w_ptr + t * K + j).to(tl.float32)
-                live = p < kept if HAS_KEPT else p >= 0
+                live = (p >= 0) & (p < kept) if HAS_KEPT else p >= 0
                 a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_own), other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)
                 acc += w * (a.to(tl.float32) + b.to(tl.float32))

@@ -97,6 +97,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..runtime.device_all_to_all import place_rows
 from .moe_combine import combine_rows
 from .moe_ranks import experts_forward
 
@@ -177,20 +178,19 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts), through ``exchange`` (a ``DeviceCountAllToAll`` of ``layer.num_local_experts``
-    groups, or anything with its ``send``, ``rows``, ``ready``, ``recv_counts``, ``pull``,
-    ``push``, ``finish`` and, for side streams, ``streams``), with no value read on the host."""
+    groups, or anything with its ``send``, ``rows``, ``positions``, ``ready``, ``recv_counts``,
+    ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``finish`` and, for side
+    streams, ``streams``), with no value read on the host."""
     T, H = x_TH.shape
     k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
     order, weights, counts = layer._route_and_count(x_TH, 1, step_order=True)  # own experts' rows first
     n = order.numel()
-    torch.index_select(x_TH, 0, torch.div(order, k, rounding_mode="floor"), out=exchange.send[:n])
     counts = counts.view(ws, El).to(torch.int32)
+    places = exchange.positions(counts, n)  # -1 for the assignments dropped by capacity (sorted last)
+    place_rows(x_TH, torch.div(order, k, rounding_mode="floor"), exchange.send, places)
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
-    peers = [((rank + j) % ws, None) for j in range(1, ws)]  # (source, its groups): the last one's in two halves
-    if peers and El > 1:
-        last = peers.pop()[0]
-        peers += [(last, (0, El // 2)), (last, (El // 2, El))]
+    peers = [(s, part) for s in ((rank + j) % ws for j in range(1, ws)) for part in exchange.parts(s)]
     slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, len(peers)))]
     streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
     main = torch.cuda.current_stream() if streams else None
@@ -204,7 +204,7 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
             events[i] = torch.cuda.Event()
             events[i].record()
 
-    def pull(i: int) -> None:  # peer i's rows into its slot, once the slot's last rows were read
+    def pull(i: int) -> None:  # the region of peer part i into its slot, once the slot's last rows were read
         with on(0):
             if streams and i >= len(slots):
                 streams[0].wait_event(read[i - len(slots)])
@@ -223,29 +223,30 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         offs = source_ends[a:b] - source_ends[a - 1] if a else source_ends[:b]
         return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
-    own = experts(exchange.send, ends[rank])  # in place: this rank's rows for itself lead its send rows
+    own = experts(exchange.send[:exchange.rows], ends[rank])  # in place: this rank's rows for itself lead its send rows
     added = extra() if extra is not None else None
-    results = {}  # peer index -> its results, held until the main stream waited for their push
-    for i, (s, groups) in enumerate(peers):
+    results = {}  # peer part index -> its results, held until the main stream waited for their push
+    for i, (s, part) in enumerate(peers):
         if streams:
             main.wait_event(arrived[i])
             if i >= SLOTS:
                 main.wait_event(pushed[i - SLOTS])
+        slot = exchange.pull_rest(s, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
         results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
-        results[i] = experts(slots[i % len(slots)], ends[s], groups)
+        results[i] = experts(slot, ends[s], part)
         mark(read, i)
         if i + len(slots) < len(peers):
             pull(i + len(slots))  # launched after the event it waits for was recorded
+        exchange.push_rest(s, results[i], part)
         if streams:
             streams[1].wait_stream(main)
         with on(1):
-            exchange.push(s, results[i], groups)
+            exchange.push(s, results[i], part)
             mark(pushed, i)
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
     back = exchange.finish()  # own results were not pushed: the combine reads them in place
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
-    kept = counts.sum() if layer.capacity_factor is not None else None  # dropped assignments sort last
-    y = combine_rows(own, back, pos, weights, counts[rank].sum(), kept)
+    pos = torch.empty_like(places).scatter_(0, order, places)  # each assignment's place (-1: dropped)
+    y = combine_rows(own, back, pos, weights, counts[rank].sum())
     return y if added is None else y + added

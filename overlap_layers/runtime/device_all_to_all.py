@@ -1,32 +1,36 @@
 """An all-to-all whose row counts never reach the host, so that a CUDA graph can replay it with
 new counts at each replay: the MoE's exchange in graph-replayed calls ([Note: sync-free
-exchange], ``layers/moe_device.py``), split by source rank.
+exchange], ``layers/moe_device.py``), split by source rank, its bulk on the copy engine.
 
 Reference, for rank r of ws ranks, with G groups per rank (the MoE's local experts) and the count
 table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; row s comes from
-rank s), r's send rows ``send [rows, W]`` laid out by destination, then group, destinations in the
-order r, r + 1, ... (its own rows first, at row 0, where its own work reads them in place)::
+rank s). Rank s's rows in send order are its rows by destination, then group, destinations in the
+order s, s + 1, ... ; the rows it sends d = s + j (j > 0) come in the parts ``parts_at(j)`` (ranges
+of groups: all G in one part, except for j = 1 where G > 1, in ``LAST_PARTS`` ranges: a
+destination's last peer, whose rows it runs and returns part by part). Each send row has a place in s's send
+buffer ``[buffer_rows, W]`` (:class:`RegionLayout`)::
 
-    send_start[s][d][g] = rows of table[s] before (d, g), destinations in the order s, s + 1, ...
-    pull(s)       : the rows s sends to r, by group:  for g: send_s[send_start[s][r][g] : + table[s][r][g]]
-    push(s, res)  : back_s[send_start[s][r][g] : + table[s][r][g]] = the rows of res that pull(s)
-                    put there for group g, for every g
-    recv_counts   = table[:, r]                    ([source][group])
+    rows [0, rows)            s's rows for itself, in send order, then the overflow rows of each
+                              part below, in send order
+    rows [rows, buffer_rows)  one region per (j, part), of a fixed capacity ``cap`` (the part's
+                              even share of ``rows`` and 1/8 more): the part's first ``cap`` rows
 
-so once every rank has pushed its results for every source, ``back`` holds, for each of r's send
-rows, the result its destination computed for it, in send order (pushing what was pulled gives
-``send[:table[r].sum()]``).
+    pull(s, part)       : out[i] = the i-th row s sends r in that part, i < its count
+    push(s, part, res)  : back_s[the place of that row] = res[i]
+    recv_counts         = table[:, r]                    ([source][group])
 
-:func:`segments` turns the table into one segment per group of the rows one source sends to this
-rank (source rank, start in the source's send rows, start in the pulled rows, rows), in torch ops
-on the device; :func:`copy_rows_by_table` moves them with one Triton kernel that reads the
-segments on the device, so the counts decide how many rows it copies and where, with nothing on
-the host. It takes one pointer per source (pull: the peers' send rows into this rank's rows) or
-per destination (push: this rank's results into the peers' ``back``). On CPU without Triton it is
-a torch loop over host copies of the segments (its reference, and how the CPU tests check the
-layout). :class:`DeviceCountAllToAll` runs it over symmetric memory: each rank writes its row of
-the table into every rank's table and signals (:meth:`~DeviceCountAllToAll.ready`), then pulls
-and pushes source by source, and signals again (:meth:`~DeviceCountAllToAll.finish`).
+so once every rank has pushed its results for every source and part, ``back`` holds, at the place
+of each of r's send rows to a peer, the result its destination computed for it.
+
+A region's rows move by a copy of the whole region on the copy engine (its size is fixed on the
+host, so a graph captures it; rows past the part's count are copied too and never read); the
+overflow rows, whose number is known only on the device, by :func:`copy_rows_by_table`, a Triton
+kernel that reads its segment on the device. With routing near even a part fits its region and
+the kernel copies nothing. On CPU without Triton the kernel's torch path loops over host copies
+(its reference, and how the CPU tests check the layout). :class:`DeviceCountAllToAll` runs it over
+symmetric memory: each rank writes its row of the table into every rank's table and signals
+(:meth:`~DeviceCountAllToAll.ready`), then pulls and pushes source by source, and signals again
+(:meth:`~DeviceCountAllToAll.finish`).
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
@@ -36,12 +40,19 @@ replay needs every size on the device: the copy engine takes its sizes from the 
 does not. Measured before building this (``bench/peer_pull_probe.py``, 4x H200, 4096 rows of 2048
 bf16 from each of 3 peers, 48 MiB per rank, session 30): copy-engine pulls 187 us (270 GB/s), a
 Triton pull with 32 CTAs 290 us (173 GB/s), 64 CTAs 247 us, 132 CTAs 236 us; five GEMMs of 1797 us
-ran 1926 us beside the copy engine's pulls and 1994 us beside the 32-CTA kernel's. So the kernel
-costs about half as much again as the copy engine in link time and GEMM slowdown, against a host
-that takes 2-3x the device time per eager call. The exchange is split by source so that the MoE
-can run each source's rows as they arrive and push their results while the next source's run
-(``layers/moe_device.py``, [Note: MoE graph calls]): a whole exchange before the experts and
-another after them ran the qwen3 forward in 4.23 ms against 3.74 eager (4x H200, session 31).
+ran 1926 us beside the copy engine's pulls and 1994 us beside the 32-CTA kernel's. The exchange is
+split by source so that the MoE can run each source's rows as they arrive and push their results
+while the next source's run (``layers/moe_device.py``, [Note: MoE graph calls]): a whole exchange
+before the experts and another after them ran the qwen3 forward in 4.23 ms against 3.74 eager (4x
+H200, session 31).
+
+Until session 37 the kernel moved every row (its layout: the send rows in send order, nothing
+fixed). In the replayed qwen3 forward a copy kernel started only when the grouped GEMM beside it
+retired its blocks, and slowed the GEMMs it ran beside (session 32; at EP 2, session 37: 2.32 ms
+against 1.67 of compute alone, the GEMMs beside the copies 15-20% slower, the pull of the first
+half waiting 360 us for the own rows' first GEMM). Fixed regions let the copy engine take the
+bulk, at the cost of the regions' memory: ``buffer_rows`` is ``rows`` times 1.56 at EP 2 and 1.84
+at EP 4, for ``send`` and ``back`` each.
 
 Signals, on the workspace's signal pad: per call and peer, channel TABLE "my row of your table
 and my send rows are in place" (put by ``ready`` after the table copies, waited before any pull)
@@ -57,7 +68,8 @@ signal of this rank's call, which another exchange's data in the same buffer wou
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +83,10 @@ except ImportError:  # CPU installs: the torch path
     triton = None
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
+SLACK = 0.125  # a region's rows beyond its part's even share of the rows
+# parts of a destination's last peer's rows: the last part's push has nothing beside it (two halves
+# left 196 us of a 2.10 ms replayed qwen3 forward at EP 2, 2x H200, session 37)
+LAST_PARTS = 4
 _ROWS = 8  # rows a program copies at a time
 # programs: in the MoE's replayed qwen3 forward (4x H200, session 32) 64 ran it in 2.757 ms against
 # 2.833 with 32 (the probe's knee: 173 GB/s, 11% off a GEMM beside it): there the pulls set the
@@ -78,23 +94,104 @@ _ROWS = 8  # rows a program copies at a time
 _CTAS = 64
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
+Part = Optional[Tuple[int, int]]  # a range of groups (first, end); None: every group
 
-def segments(table: torch.Tensor, rank: int, source: int, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """``[4, G]`` int64 on the table's device, one column per group g of the rows ``source``
-    sends to ``rank`` (module docstring): the source, where the rows begin in its send rows, where
-    they begin in the pulled rows (by group), how many. ``groups = (first, end)``: the columns of
-    those groups only, the pulled rows beginning at row 0 (a source's groups pulled in parts).
-    Device ops only (a graph captures them); ``table`` is ``[ws, ws, G]`` (or ``[ws, ws]``: G = 1)."""
-    ws = table.shape[0]
-    t = table.reshape(ws, ws, -1)[source].to(torch.int64)  # [d, g]: what source sends
-    G = t.shape[1]
-    a, b = (0, G) if groups is None else groups
-    if not 0 <= a < b <= G:
-        raise ValueError(f"groups={groups!r}; valid: None or (first, end) with 0 <= first < end <= {G}")
-    flat = torch.roll(t, -source, 0).reshape(-1)  # in source's send order: destinations source, source + 1, ...
-    send_start = torch.roll((torch.cumsum(flat, 0) - flat).view(ws, G), source, 0)[rank, a:b]
-    n = t[rank, a:b]
-    return torch.stack([torch.full_like(n, source), send_start, torch.cumsum(n, 0) - n, n])
+
+class RegionLayout:
+    """Where each of a source's send rows lies in its send buffer (module docstring), for ``ws``
+    ranks, ``rows`` send rows at most per rank and ``groups`` groups per rank. Host side:
+    :meth:`parts_at`, :meth:`region`, ``buffer_rows``; device side, from counts on ``device``
+    (torch ops, no host read: a graph captures them): :meth:`positions` and :meth:`rest`."""
+
+    def __init__(self, ws: int, rows: int, groups: int, device: torch.device, slack: float = SLACK) -> None:
+        self.ws, self.rows, self.groups = ws, rows, groups
+        self._regions = {}  # (j, part) -> (start, cap)
+        order = [(0, None)]  # the source's segments in send order: its own rows, then each (j, part)
+        start = rows
+        for j in range(1, ws):
+            for part in self.parts_at(j):
+                a, b = (0, groups) if part is None else part
+                cap = min(rows, math.ceil(rows * (b - a) * (1 + slack) / (ws * groups)))
+                self._regions[j, part] = (start, cap)
+                order.append((j, part))
+                start += cap
+        self.buffer_rows = start
+        self._index = {seg: k for k, seg in enumerate(order)}
+        member = torch.zeros(len(order), ws, groups, dtype=torch.int64)
+        for k, (j, part) in enumerate(order):
+            a, b = (0, groups) if part is None else part
+            member[k, j, a:b] = 1
+        # made here, not in a capture (a host-to-device copy cannot be captured)
+        self._member = member.view(len(order), ws * groups).to(device)
+        self._caps = torch.tensor([0] + [self._regions[s][1] for s in order[1:]], dtype=torch.int64).to(device)
+        self._starts = torch.tensor([0] + [self._regions[s][0] for s in order[1:]], dtype=torch.int64).to(device)
+
+    def parts_at(self, j: int) -> List[Part]:
+        """The parts of the rows a source sends the rank ``j`` after it (``0 < j < ws``): for
+        ``j = 1`` (the destination's last peer) ``LAST_PARTS`` ranges of groups, as even as the
+        groups allow, else one part of every group."""
+        parts = min(LAST_PARTS, self.groups) if j == 1 else 1
+        if parts == 1:
+            return [None]
+        cuts = [self.groups * i // parts for i in range(parts + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def region(self, j: int, part: Part) -> Tuple[int, int]:
+        """(first row, rows) of that part's region in the source's send buffer."""
+        if (j, part) not in self._regions:
+            raise ValueError(f"part {part!r} of the rows for the rank {j} on; valid: {self.parts_at(j)} "
+                             f"(0 < {j} < {self.ws})")
+        return self._regions[j, part]
+
+    def _segments(self, counts: torch.Tensor, source: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The source's rows of each segment (own rows, then each part), rows past each region
+        and where those begin, from its counts ``[ws, groups]`` (by destination rank)."""
+        flat = torch.roll(counts.reshape(self.ws, self.groups).to(torch.int64), -source, 0).reshape(-1)
+        n = (self._member * flat).sum(1)
+        over = torch.clamp_min(n - self._caps, 0)  # the own rows: all of them (cap 0)
+        return n, over, torch.cumsum(over, 0) - over
+
+    def positions(self, counts: torch.Tensor, source: int, n: int) -> torch.Tensor:
+        """``[n]`` int64: the place in its send buffer of each of ``source``'s first ``n`` rows in
+        send order, -1 past its counts' sum (rows it does not send)."""
+        seg_n, _, over_start = self._segments(counts, source)
+        ends = torch.cumsum(seg_n, 0)
+        i = torch.arange(n, device=ends.device)
+        k = torch.searchsorted(ends, i, right=True)
+        kc = k.clamp(max=ends.numel() - 1)
+        j = i - (ends - seg_n)[kc]
+        cap = self._caps[kc]
+        place = torch.where(j < cap, self._starts[kc] + j, over_start[kc] + j - cap)
+        return torch.where(k < ends.numel(), place, -1)
+
+    def rest(self, table: torch.Tensor, dest: int, source: int, part: Part) -> torch.Tensor:
+        """The overflow of ``source``'s rows for ``dest`` in ``part``, as :func:`copy_rows_by_table`
+        segments ``[4, 1]``: (source, first place in its send buffer, row in the pulled rows =
+        the region's capacity, rows)."""
+        j = (dest - source) % self.ws
+        self.region(j, part)
+        k = self._index[j, part]
+        _, over, over_start = self._segments(table.reshape(self.ws, self.ws, self.groups)[source], source)
+        return torch.stack([torch.full_like(over[k], source), over_start[k], self._caps[k], over[k]]).view(4, 1)
+
+
+def place_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, places: torch.Tensor) -> None:
+    """``dst[places[i]] = src[index[i]]`` for each i with ``places[i] >= 0`` (the send rows into
+    their places, :meth:`RegionLayout.positions`): one kernel pass where Triton runs, else torch
+    indexing. ``src`` and ``dst`` are ``[*, W]`` of one dtype; ``index`` and ``places`` of one
+    length, their valid places distinct."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or index.numel() != places.numel():
+        raise ValueError(f"place_rows: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}, "
+                         f"{index.numel()} indices, {places.numel()} places; valid: rows of one width and dtype, "
+                         "as many places as indices")
+    if runs_triton(dst) and src.is_contiguous() and dst.is_contiguous():
+        if index.numel():
+            W = src.shape[1]
+            _place_rows_kernel[(index.numel(),)](src, index.contiguous(), dst, places.contiguous(), W=W,
+                                                 BLOCK_W=min(1024, triton.next_power_of_2(W)), num_warps=4)
+        return
+    live = places >= 0
+    dst[places[live]] = src[index[live]]
 
 
 def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -105,8 +202,9 @@ def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], local: torch.Tensor, push: bool,
                        pointers: Optional[torch.Tensor] = None) -> None:
-    """Copy the rows of the :func:`segments` ``segs`` (``[4, n]`` int64 on ``local``'s device).
-    Pull (``push=False``): ``remotes[s]`` is rank s's send rows and ``local`` this rank's pulled
+    """Copy the rows of the segments ``segs`` (``[4, n]`` int64 on ``local``'s device; per
+    column: the remote rank, where its rows begin in that rank's buffer, where in ``local``, how
+    many: :meth:`RegionLayout.rest`). Pull (``push=False``): ``remotes[s]`` is rank s's send rows and ``local`` this rank's pulled
     rows; each column's rows of ``remotes[source]`` go to its rows of ``local``. Push: ``local``
     holds this rank's results (laid out as pulled) and ``remotes[s]`` is rank s's back rows; the
     same rows go the other way. Every tensor is ``[*, W]``, contiguous, of one dtype, the remotes
@@ -141,7 +239,7 @@ if triton is not None:
                          NSEG_P2: tl.constexpr, PUSH: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK_W: tl.constexpr):
         """Rows of the segments laid end to end, ``ROWS`` at a time per program: each row finds
-        its segment (the columns of ``seg_ptr``, :func:`segments`) and so its source pointer and
+        its segment (the columns of ``seg_ptr``) and so its source pointer and
         offsets, so small segments do not leave programs idle."""
         q = tl.arange(0, NSEG_P2)
         n = tl.load(seg_ptr + 3 * NSEG + q, mask=q < NSEG, other=0)
@@ -176,6 +274,18 @@ if triton is not None:
             r0 += nprog * ROWS
 
     @triton.jit
+    def _place_rows_kernel(src_ptr, index_ptr, dst_ptr, places_ptr, W: tl.constexpr, BLOCK_W: tl.constexpr):
+        """One row per program: row ``index[i]`` of ``src`` into row ``places[i]`` of ``dst``
+        where that is not negative."""
+        i = tl.program_id(0)
+        p = tl.load(places_ptr + i).to(tl.int64)
+        s = tl.load(index_ptr + i).to(tl.int64)
+        c = tl.arange(0, BLOCK_W)
+        for c0 in tl.static_range(0, W, BLOCK_W):
+            m = (c0 + c < W) & (p >= 0)
+            tl.store(dst_ptr + p * W + c0 + c, tl.load(src_ptr + s * W + c0 + c, mask=m), mask=m)
+
+    @triton.jit
     def _table_rows_kernel(counts_ptr, row_ptrs, N: tl.constexpr, BLOCK: tl.constexpr):
         """This rank's counts into rank ``program_id``'s table (a store to a peer's memory: one
         launch for every rank, where a peer-to-peer copy per rank took 60-110 us each in a replay,
@@ -187,15 +297,17 @@ if triton is not None:
 
 
 class DeviceCountAllToAll:
-    """The exchange over a group's symmetric workspace (module docstring): ``send`` (this rank's
-    send rows, ``[rows, W]``, which the caller fills), then per call :meth:`ready` with this
-    rank's counts per destination and group, :meth:`pull` and :meth:`push` once per source (or
-    once per source and range of groups, the ranges covering its groups; any order, on any
-    streams that follow ``ready``), :meth:`finish` after them. Nothing reads a size on the host,
-    so a CUDA graph can capture a call and replay it with other counts. The
-    workspace layout: the table (``[ws, ws, groups]`` int32), then ``send``, then ``back``; the
-    exchange holds views of the workspace's buffer, so one made before the workspace grew raises
-    ``RuntimeError`` (make another). ``streams``: the workspace's pull and push streams."""
+    """The exchange over a group's symmetric workspace (module docstring): per call, this rank's
+    send rows go to ``send`` at :meth:`positions` (the caller writes them), then :meth:`ready` with
+    this rank's counts per destination and group, for each peer source and each of its
+    :meth:`parts` both :meth:`pull` (the region, on the copy engine) and :meth:`pull_rest` (the
+    overflow, by a kernel), both :meth:`push` and :meth:`push_rest` of the results (any order, on
+    any streams that follow ``ready``; a pull's two steps write other rows), and :meth:`finish`
+    after them. Nothing reads a size on the host, so a CUDA graph can capture a call and replay it
+    with other counts. The workspace layout: the table (``[ws, ws, groups]`` int32), then
+    ``send``, then ``back`` (``[layout.buffer_rows, W]`` each); the exchange holds views of the
+    workspace's buffer, so one made before the workspace grew raises ``RuntimeError`` (make
+    another). ``streams``: the workspace's pull and push streams."""
 
     def __init__(self, workspace, rows: int, width: int, dtype: torch.dtype, groups: int = 1) -> None:
         w = self.w = workspace
@@ -203,19 +315,21 @@ class DeviceCountAllToAll:
         elt = dtype.itemsize
         shape = (self.ws, self.ws, groups)
         send_off = _aligned(self.ws * self.ws * groups * 4)
-        back_off = send_off + _aligned(rows * width * elt)
-        self.nbytes = back_off + rows * width * elt
+        self.layout = RegionLayout(self.ws, rows, groups, w.device)
+        buffer = (self.layout.buffer_rows, width)
+        back_off = send_off + _aligned(buffer[0] * width * elt)
+        self.nbytes = back_off + buffer[0] * width * elt
         w.reserve(self.nbytes)
         self.table = w.view(self.rank, shape, torch.int32, 0)
         self._table_rows = [w.view(q, shape, torch.int32, 0)[self.rank] for q in range(self.ws)]
         self._table_ptrs = remote_pointers(self._table_rows)
-        self._sends = [w.view(q, (rows, width), dtype, send_off) for q in range(self.ws)]
-        self._backs = [w.view(q, (rows, width), dtype, back_off) for q in range(self.ws)]
+        self._sends = [w.view(q, buffer, dtype, send_off) for q in range(self.ws)]
+        self._backs = [w.view(q, buffer, dtype, back_off) for q in range(self.ws)]
         self.send, self.back = self._sends[self.rank], self._backs[self.rank]
         self._send_ptrs, self._back_ptrs = remote_pointers(self._sends), remote_pointers(self._backs)
         self._handle = w.handle
         self.streams = (w.pull_stream, w.push_stream)
-        self._segs: dict = {}  # source -> its segments, this call
+        self._rests: dict = {}  # (source, part) -> its overflow segment, this call
 
     def _signal(self, channel: int) -> None:
         peers = [(self.rank + j) % self.ws for j in range(1, self.ws)]
@@ -224,10 +338,20 @@ class DeviceCountAllToAll:
         for q in peers:
             self.w.handle.wait_signal(q, channel)
 
+    def parts(self, source: int) -> List[Part]:
+        """The parts (ranges of groups) in which the peer ``source``'s rows come to this rank."""
+        return self.layout.parts_at(self._j(source))
+
+    def positions(self, counts: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n]`` int64: the row of ``send`` for each of this rank's first ``n`` rows in send
+        order (its own rows first, at rows ``0 ..``), -1 past ``counts``' sum (``[ws, groups]``
+        int32, as :meth:`ready` takes)."""
+        return self.layout.positions(counts, self.rank, n)
+
     def ready(self, counts: torch.Tensor) -> None:
         """Start a call: ``counts`` (``[ws, groups]`` int32 on the device, or ``[ws]`` with one
-        group: rows of ``send`` for each destination's groups, in ``send`` by destination then
-        group, rank 0 first) into every rank's table, then the TABLE signals."""
+        group: rows for each destination's groups, in send order) into every rank's table, then
+        the TABLE signals. This rank's send rows are in place in ``send`` (:meth:`positions`)."""
         if self.w.handle is not self._handle:
             raise RuntimeError("DeviceCountAllToAll: the workspace was reallocated (it grew for another exchange) "
                                "since this exchange was made; make a new one")
@@ -244,7 +368,7 @@ class DeviceCountAllToAll:
             for row in self._table_rows:
                 row.copy_(counts)
         self._signal(TABLE)
-        self._segs = {}
+        self._rests = {}
 
     @property
     def recv_counts(self) -> torch.Tensor:
@@ -252,36 +376,57 @@ class DeviceCountAllToAll:
         (valid from :meth:`ready` to :meth:`finish`)."""
         return self.table[:, self.rank]
 
-    def _segments(self, source: int, groups: Optional[Tuple[int, int]]) -> torch.Tensor:
-        if not 0 <= source < self.ws:
-            raise ValueError(f"source={source}; valid: a rank of the group, 0 .. {self.ws - 1}")
-        segs = self._segs.get((source, groups))
-        if segs is None:
-            segs = self._segs[(source, groups)] = segments(self.table, self.rank, source, groups)
-        return segs
+    def _j(self, source: int) -> int:
+        if not (0 <= source < self.ws and source != self.rank):
+            raise ValueError(f"source={source}; valid: a peer rank of the group, 0 .. {self.ws - 1} but "
+                             f"{self.rank} (the own rows stay in place)")
+        return (self.rank - source) % self.ws
 
-    def pull(self, source: int, out: torch.Tensor, groups: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """The rows ``source`` sends this rank into ``out`` (``[>= rows, W]``: any counts fit), by
-        group (:attr:`recv_counts` ``[source]`` rows each); returns ``out``. ``groups``: only the
-        groups ``first .. end - 1``, from row 0 of ``out`` on."""
-        if out.shape[0] < self.rows or out.shape[1:] != self.send.shape[1:] or out.dtype != self.send.dtype:
-            raise ValueError(f"pull: out {tuple(out.shape)} {out.dtype}; valid: [>= {self.rows}, "
-                             f"{self.send.shape[1]}] {self.send.dtype} (a source's rows could all come here)")
-        copy_rows_by_table(self._segments(source, groups), self._sends, out, push=False, pointers=self._send_ptrs)
+    def _checked(self, what: str, t: torch.Tensor) -> None:
+        if t.shape[0] < self.rows or t.shape[1:] != self.send.shape[1:] or t.dtype != self.send.dtype:
+            raise ValueError(f"{what} {tuple(t.shape)} {t.dtype}; valid: [>= {self.rows}, {self.send.shape[1]}] "
+                             f"{self.send.dtype} (a source's rows could all come here)")
+
+    def _rest(self, source: int, part: Part) -> torch.Tensor:
+        seg = self._rests.get((source, part))
+        if seg is None:
+            self.layout.region(self._j(source), part)
+            seg = self._rests[(source, part)] = self.layout.rest(self.table, self.rank, source, part)
+        return seg
+
+    def pull(self, source: int, out: torch.Tensor, part: Part = None) -> torch.Tensor:
+        """The region of the rows ``source`` sends this rank in ``part`` (one of
+        :meth:`parts`) into the first rows of ``out`` (``[>= rows, W]``), by the copy engine;
+        with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts` rows each,
+        from row 0). Returns ``out``."""
+        self._checked("pull: out", out)
+        start, cap = self.layout.region(self._j(source), part)
+        out[:cap].copy_(self._sends[source][start:start + cap])
         return out
 
-    def push(self, source: int, results: torch.Tensor, groups: Optional[Tuple[int, int]] = None) -> None:
-        """The results for the rows pulled from ``source`` (``results`` laid out as :meth:`pull`
-        put them, with the same ``groups``) into its ``back``."""
-        if results.shape[0] < self.rows or results.shape[1:] != self.send.shape[1:] or results.dtype != self.send.dtype:
-            raise ValueError(f"push: results {tuple(results.shape)} {results.dtype}; valid: laid out as pull's out, "
-                             f"[>= {self.rows}, {self.send.shape[1]}] {self.send.dtype}")
-        copy_rows_by_table(self._segments(source, groups), self._backs, results, push=True, pointers=self._back_ptrs)
+    def pull_rest(self, source: int, out: torch.Tensor, part: Part = None) -> torch.Tensor:
+        """The rows of that part past its region into ``out``, by the kernel (none where the
+        region held them all)."""
+        self._checked("pull_rest: out", out)
+        copy_rows_by_table(self._rest(source, part), self._sends, out, push=False, pointers=self._send_ptrs)
+        return out
+
+    def push(self, source: int, results: torch.Tensor, part: Part = None) -> None:
+        """The results for the rows of :meth:`pull` (laid out as they were pulled) into the
+        region of ``source``'s ``back``, by the copy engine."""
+        self._checked("push: results", results)
+        start, cap = self.layout.region(self._j(source), part)
+        self._backs[source][start:start + cap].copy_(results[:cap])
+
+    def push_rest(self, source: int, results: torch.Tensor, part: Part = None) -> None:
+        """The results for the rows of :meth:`pull_rest` into ``source``'s ``back``, by the kernel."""
+        self._checked("push_rest: results", results)
+        copy_rows_by_table(self._rest(source, part), self._backs, results, push=True, pointers=self._back_ptrs)
 
     def finish(self) -> torch.Tensor:
         """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
-        ``back``: the results for this rank's send rows, in send order (valid until the next
-        :meth:`ready` on this workspace)."""
+        ``back``: at the place of each of this rank's send rows to a peer, its result (valid
+        until the next :meth:`ready` on this workspace)."""
         self._signal(BACK)
-        self._segs = {}
+        self._rests = {}
         return self.back
