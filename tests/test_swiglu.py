@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE, needs_triton
+from overlap_layers.layers import swiglu as swiglu_module
 from overlap_layers.layers.swiglu import fused_available, swiglu, swiglu_backward, swiglu_recorded
 
 
@@ -29,9 +30,13 @@ def test_fused_swiglu_matches_the_formulas(dtype, tol):
 
 @needs_triton
 @pytest.mark.parametrize("rows", [0, 5, 37, 80])
-def test_fused_swiglu_of_the_first_rows(rows):
+@pytest.mark.parametrize("programs", [None, 2])
+def test_fused_swiglu_of_the_first_rows(rows, programs, monkeypatch):
     """With a device row count, the first ``min(rows, M)`` rows equal the formula and the kernel
-    writes nothing past them (the output's memory, filled with a marker before, keeps it)."""
+    writes nothing past them (the output's memory, filled with a marker before, keeps it); with
+    ``programs`` 2, each of two programs loops over several of the five blocks."""
+    if programs is not None:
+        monkeypatch.setattr(swiglu_module, "_STRIDED", programs)
     g = torch.Generator().manual_seed(4)
     pre = torch.randn(37, 2 * 129, generator=g).to(DEVICE)
     ga, u = pre.double().chunk(2, -1)

@@ -27,6 +27,7 @@ except ImportError:  # CPU installs: the eager path
     triton = None
 
 _BLOCK = 1024
+_STRIDED = 1024  # programs of the forward with a row count on the device
 
 
 def fused_available(pre: torch.Tensor) -> bool:
@@ -35,10 +36,12 @@ def fused_available(pre: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up_block(pre_ptr, n, f, BLOCK: tl.constexpr):
-        # this program's flat indices into h [M, F], their mask, the gate offsets in pre [M, 2F]
-        # and the gate and up values in float32
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _gate_up_block(pre_ptr, n, f, BLOCK: tl.constexpr, start=None):
+        # the flat indices into h [M, F] of the block at ``start`` (None: this program's block),
+        # their mask, the gate offsets in pre [M, 2F] and the gate and up values in float32
+        if start is None:
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+        idx = start + tl.arange(0, BLOCK)
         mask = idx < n
         g_off = (idx // f) * 2 * f + idx % f
         g = tl.load(pre_ptr + g_off, mask=mask).to(tl.float32)
@@ -47,12 +50,16 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_fwd_kernel(pre_ptr, h_ptr, n, f, rows_ptr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        limit = n
-        if HAS_ROWS:  # only the first rows (a count on the device): the programs past them load nothing
+        if HAS_ROWS:  # only the first rows (a count on the device): the programs stride over them
             limit = tl.minimum(n, tl.load(rows_ptr).to(tl.int64) * f)
-        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, limit, f, BLOCK)
-        h = g * tl.sigmoid(g) * u
-        tl.store(h_ptr + idx, h.to(h_ptr.dtype.element_ty), mask=mask)
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+            while start < limit:  # a loop bound from the device (a while: Triton's interpreter takes it too)
+                idx, mask, g_off, g, u = _gate_up_block(pre_ptr, limit, f, BLOCK, start)
+                tl.store(h_ptr + idx, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=mask)
+                start += tl.num_programs(0) * BLOCK
+        else:
+            idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK)
+            tl.store(h_ptr + idx, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
@@ -75,8 +82,11 @@ def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.T
     h = pre_MI.new_empty(gate.shape)
     n, f = h.numel(), h.shape[-1]
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, h, n, f, h if rows is None else rows,
-                                                      HAS_ROWS=rows is not None, BLOCK=_BLOCK)
+        # with a device count, a grid of the bound's blocks cost 50 us however few rows ran (the
+        # MoE's replayed parts at EP 2, 2x H200, session 37): then at most _STRIDED programs loop
+        grid = triton.cdiv(n, _BLOCK) if rows is None else min(triton.cdiv(n, _BLOCK), _STRIDED)
+        _swiglu_fwd_kernel[(grid,)](pre_MI, h, n, f, h if rows is None else rows, HAS_ROWS=rows is not None,
+                                    BLOCK=_BLOCK)
     return h
 
 
