@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
+from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import (DeviceCountAllToAll, RegionLayout, copy_rows_by_table,
                                                       place_rows)
 
@@ -101,12 +102,13 @@ def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, ki
             assert (over == 0) == (kind == "even"), over  # the even tables fit, the skewed ones overflow
 
 
-def test_parts_and_regions():
-    """The rows for the next rank (a destination's last peer) come in four ranges of the groups
-    (as many as there are groups, if fewer), the others in one part; each region holds its part's
-    even share of the rows and an eighth, after the ``rows`` of the own rows and overflow, the
-    regions end to end."""
+def test_parts_and_regions(monkeypatch):
+    """The rows for the next rank (a destination's last peer) come in ``LAST_PARTS`` ranges of
+    the groups (as even as they allow; as many as there are groups, if fewer), the others in one
+    part; each region holds its part's even share of the rows and an eighth, after the ``rows``
+    of the own rows and overflow, the regions end to end."""
     cpu = torch.device("cpu")
+    monkeypatch.setattr(device_all_to_all, "LAST_PARTS", 4)
     lay = RegionLayout(4, 64, 6, cpu)
     assert lay.parts_at(1) == [(0, 1), (1, 3), (3, 4), (4, 6)] and lay.parts_at(2) == lay.parts_at(3) == [None]
     assert RegionLayout(2, 64, 1, cpu).parts_at(1) == [None]
@@ -117,6 +119,8 @@ def test_parts_and_regions():
     assert lay.buffer_rows == 118
     with pytest.raises(ValueError, match=r"valid: \[\(0, 1\), \(1, 3\), \(3, 4\), \(4, 6\)\]"):
         lay.region(1, None)
+    monkeypatch.setattr(device_all_to_all, "LAST_PARTS", 2)
+    assert RegionLayout(4, 64, 6, cpu).parts_at(1) == [(0, 3), (3, 6)]
 
 
 def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():

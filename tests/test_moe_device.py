@@ -123,7 +123,7 @@ CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activa
     (4, 4, 1, "zero_seq", "skewed", None, None, "swiglu"),
     (2, 4, 2, "even", "skewed", 0.5, None, "swiglu"),
     (4, 8, 2, "uneven", "random", 0.75, 4, "swiglu"),
-    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in four parts of 2
+    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in two parts of 4
     (4, 16, 2, "even", "random", 0.75, None, "swiglu"),
 ]
 

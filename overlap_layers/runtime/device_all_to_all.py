@@ -84,9 +84,10 @@ except ImportError:  # CPU installs: the torch path
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
-# parts of a destination's last peer's rows: the last part's push has nothing beside it (two halves
-# left 196 us of a 2.10 ms replayed qwen3 forward at EP 2, 2x H200, session 37)
-LAST_PARTS = 4
+# parts of a destination's last peer's rows: the last part's push has nothing beside it, and each part
+# costs its own kernels and gaps. Replayed qwen3 forward at EP 2 (2x H200, session 37, alternating
+# runs): 1.981 and 1.980 ms with 2 parts, 2.174 and 2.169 with 4 (the last push 196 us against 99)
+LAST_PARTS = 2
 _ROWS = 8  # rows a program copies at a time
 # programs: in the MoE's replayed qwen3 forward (4x H200, session 32) 64 ran it in 2.757 ms against
 # 2.833 with 32 (the probe's knee: 173 GB/s, 11% off a GEMM beside it): there the pulls set the
