@@ -14,16 +14,20 @@ exchange can run over symmetric memory runs this path instead, captured once per
 replayed ([Note: graph calls] in ``call_graphs.py``):
 
 * routing, capacity and the send order as the eager call's (one tile), the send rows gathered
-  straight into the exchange's send buffer;
+  straight into their places in the exchange's send buffer (``place_rows``: the own rows first,
+  each peer part's first rows in its fixed region, the rest after the own rows);
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
   expert, split by source rank: the send order puts this rank's rows for its own experts first
   (the eager rank exchange's step order), so they run in place in the send buffer while the
-  peers' rows are pulled on the workspace's pull stream (one kernel per peer, in the order
-  rank + 1, rank + 2, ...: the ranks' reads spread over the peers); each peer's rows run as they
-  arrive, and their results are pushed back on the push stream while the next peer's run; the
-  last peer's groups are pulled, run and pushed in two halves, so that only the second half's
-  push has nothing beside it; the own rows' results are never pushed (the combine takes them
-  where they are); the shared expert runs right after the own rows, under the first pulls;
+  peers' rows are pulled on the workspace's pull stream (each part's region by the copy engine,
+  in the order rank + 1, rank + 2, ...: the ranks' reads spread over the peers; the rows past the
+  region, none when routing is near even, by a kernel on the main stream just before the part's
+  experts, where no GEMM holds the SMs it would wait for); each part's rows run as they arrive,
+  and their results are pushed back (region on the push stream by the copy engine, the rest by
+  the kernel on the main stream) while the next part's run; the last peer's groups come in two
+  parts, so that only the second one's push has nothing beside it; the own rows' results are
+  never pushed (the combine takes them where they are); the shared expert runs right after the
+  own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
@@ -34,8 +38,8 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   holds the bound, so at EP 4 the call keeps four such buffers instead of six (of qwen3's, 256
   MiB each, within a graph pool of 2.3 GB in session 31);
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
-  (own rows in the own results, the others in ``back``, a row past the kept count, dropped by
-  capacity, as 0) and sums them weighted.
+  (own rows in the own results, the others at their places in ``back``, an assignment dropped
+  by capacity, placed at -1, as 0) and sums them weighted.
 
 Measured on 4x H200 (session 31, ``bench/results/session31_h200x4_2026-11-27.md``), qwen3
 forward: one pull of every source's rows, the experts, one push ran in 4.23 ms against 3.74 eager
@@ -65,6 +69,17 @@ takes the SM carveout, ``runtime/carveout.py``) ran the replayed qwen3 forward a
 free SMs and 2.96 with 32, against 2.74 with none (two runs each, one machine): the copies gained
 less than the GEMMs lost, so the GEMMs keep every SM. At that shape this path overlaps little:
 2.74 ms against 1.65 of compute alone (and 1.27 of communication alone in session 31).
+
+Session 37 (2x H200, EP 2, ``bench/results/session37_h200x2_2026-11-27.md``): with every row on
+the kernel the replayed qwen3 forward ran 2.32 ms against 1.67 of compute alone. Its profile: the
+GEMMs beside the copy kernels 15-30% slower (the kernel takes 64 SMs when it gets them), the first
+pull waiting 360 us for the own rows' first GEMM to retire, the last half's push (224 us) exposed.
+With the bulk on the copy engine (``device_all_to_all.py``: fixed regions per part): 2.10 against
+2.33 in one call, 1.98 against 2.34 in another (with the SwiGLU's grid below), 2.00 in the grid:
+1.18x the limit. The last peer in four parts instead of two ran 2.17 (each part adds its kernels
+and gaps; the SwiGLU, launched on the bound's grid, cost 53 us per part however few rows it had
+until its programs strided over the counted rows). The regions cost memory: the workspace grew
+from 768 to 1056 MiB at that shape. Not measured at EP 4 (no 4-GPU machine was lent).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
