@@ -3,10 +3,11 @@ weighted sum of each token's k result rows, read where they are. The device path
 ([Note: MoE graph calls] in ``moe_device.py``), and so does every eager call without autograd
 ([Note: MoE no-grad combine] in ``moe.py``).
 
-Reference (``own [>= n_own, H]``, ``back [>= kept, H]``: result rows in send order, the first
-``n_own`` of them in ``own`` and the rest in ``back``; ``pos [T*k]``: the send-order row of each token-major
-assignment, negative for one that is not sent; ``weights [T, k]``; ``kept``: rows past it
-were dropped by capacity)::
+Reference (``own [>= n_own, H]``, ``back``: result rows, those at rows below ``n_own`` in
+``own`` and the others in ``back``; ``pos [T*k]``: the row of each token-major assignment's
+result (the eager call's: its send-order row; the device path's: its place in the exchange's
+buffers), negative for one that is not sent; ``weights [T, k]``; ``kept``: rows from it on were
+dropped by capacity)::
 
     row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_own else back[p]
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'

@@ -83,7 +83,7 @@ from 768 to 1056 MiB at that shape. Not measured at EP 4 (no 4-GPU machine was l
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
-the copy engine or NCCL is faster than this path's kernel copies.
+the copy engine or NCCL is faster than this path.
 
 It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs, no aux loss
 (the layer hands it out as a tensor made by the call, which a replay does not make) and no

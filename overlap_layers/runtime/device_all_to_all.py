@@ -49,7 +49,7 @@ H200, session 31).
 Until session 37 the kernel moved every row (its layout: the send rows in send order, nothing
 fixed). In the replayed qwen3 forward a copy kernel started only when the grouped GEMM beside it
 retired its blocks, and slowed the GEMMs it ran beside (session 32; at EP 2, session 37: 2.32 ms
-against 1.67 of compute alone, the GEMMs beside the copies 15-20% slower, the pull of the first
+against 1.67 of compute alone, the GEMMs beside the copies 15-30% slower, the pull of the first
 half waiting 360 us for the own rows' first GEMM). Fixed regions let the copy engine take the
 bulk, at the cost of the regions' memory: ``buffer_rows`` is ``rows`` times 1.56 at EP 2 and 1.84
 at EP 4, for ``send`` and ``back`` each.
@@ -205,13 +205,13 @@ def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], loca
                        pointers: Optional[torch.Tensor] = None) -> None:
     """Copy the rows of the segments ``segs`` (``[4, n]`` int64 on ``local``'s device; per
     column: the remote rank, where its rows begin in that rank's buffer, where in ``local``, how
-    many: :meth:`RegionLayout.rest`). Pull (``push=False``): ``remotes[s]`` is rank s's send rows and ``local`` this rank's pulled
-    rows; each column's rows of ``remotes[source]`` go to its rows of ``local``. Push: ``local``
-    holds this rank's results (laid out as pulled) and ``remotes[s]`` is rank s's back rows; the
-    same rows go the other way. Every tensor is ``[*, W]``, contiguous, of one dtype, the remotes
-    of one shape; a row past either side's rows is not copied (a safety net for counts past the
-    buffers: never a write out of bounds). ``pointers``: the remotes' :func:`remote_pointers`
-    (made here if None)."""
+    many: :meth:`RegionLayout.rest`). Pull (``push=False``): ``remotes[s]`` is rank s's send
+    rows and ``local`` this rank's pulled rows; each column's rows of ``remotes[source]`` go to
+    its rows of ``local``. Push: ``local`` holds this rank's results (laid out as pulled) and
+    ``remotes[s]`` is rank s's back rows; the same rows go the other way. Every tensor is
+    ``[*, W]``, contiguous, of one dtype, the remotes of one shape; a row past either side's rows
+    is not copied (a safety net for counts past the buffers: never a write out of bounds).
+    ``pointers``: the remotes' :func:`remote_pointers` (made here if None)."""
     if segs.dim() != 2 or segs.shape[0] != 4 or any(t.shape != remotes[0].shape or t.dtype != local.dtype
                                                     for t in remotes) or remotes[0].shape[1:] != local.shape[1:]:
         raise ValueError(f"copy_rows_by_table: segments {tuple(segs.shape)}, remotes "
