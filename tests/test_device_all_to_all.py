@@ -246,7 +246,8 @@ def test_exchange_checks_its_arguments_and_its_workspace():
 def test_exchange_over_one_process_workspace_equals_the_all_to_all():
     """``DeviceCountAllToAll`` of every rank over one shared stand-in buffer (3 ranks, 4 groups,
     counts past some regions): places, ``ready``, then each rank pulls every peer's parts and
-    pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places."""
+    pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places, and
+    ``own_rows`` gives its own rows of the last groups from row 0."""
     ws, G, rows, W = 3, 4, 24, 6
     bufs = {}
     exs = [DeviceCountAllToAll(_Workspace(ws, r, bufs), rows, W, torch.float32, groups=G) for r in range(ws)]
@@ -273,6 +274,13 @@ def test_exchange_over_one_process_workspace_equals_the_all_to_all():
                 ex.push(s, out * 3 + 1, part)
                 ex.push_rest(s, out * 3 + 1, part)
     assert over > 0  # some parts came past their regions
+    for r, ex in enumerate(exs):  # the own rows of the groups from 2 on, from row 0
+        got = ex.own_rows(2, torch.full((rows, W), float("nan")))
+        own_from = int(table[r, r, :2].sum())
+        want = rows_of[r][own_from:int(table[r, r].sum())]
+        assert torch.equal(got[:want.shape[0]], want) and got[want.shape[0]:].isnan().all(), r
+    with pytest.raises(ValueError, match="valid: a group 1 .. 3"):
+        exs[0].own_rows(0, torch.zeros(rows, W))
     for r, ex in enumerate(exs):
         own, n = int(table[r, r].sum()), int(table[r].sum())
         assert torch.equal(ex.finish()[places[r][own:n]], rows_of[r][own:n] * 3 + 1), r

@@ -15,15 +15,16 @@ from overlap_layers.layers.moe_combine import combine_rows
 DEVICES = ["torch"] + (["kernel"] if KERNEL_DEVICE is not None else [])
 
 
-def _want(own, back, pos, weights, n_own, kept):
+def _want(own, back, pos, weights, n_own, kept, late=None, n_first=None):
     T, k = weights.shape
+    n_first = n_own if late is None else n_first
     y = torch.zeros(T, own.shape[1], dtype=torch.float64)
     for t in range(T):
         for j in range(k):
             p = int(pos[t * k + j])
-            if kept is not None and p >= kept:
+            if p < 0 or (kept is not None and p >= kept):
                 continue
-            row = own[p] if p < n_own else back[p]
+            row = own[p] if p < n_first else late[p - n_first] if p < n_own else back[p]
             y[t] += weights[t, j].to(own.dtype).double() * row.double()
     return y
 
@@ -35,7 +36,10 @@ def _want(own, back, pos, weights, n_own, kept):
                                                     (6, 2, 1100, 12, 9, torch.bfloat16),
                                                     (4, 1, 16, 4, None, torch.bfloat16),
                                                     (0, 2, 8, 0, None, torch.float32)])
-def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, split, monkeypatch):
+    """With ``split``, the own rows from ``n_own // 2`` on come from ``late`` (the device path's
+    own rows run last), and every third position is -1 (an assignment not sent)."""
     dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
     if path == "torch":
         monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
@@ -43,25 +47,35 @@ def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype
     n = T * k
     rows = torch.randn(n + 3, H, generator=g).to(dtype)
     own, back = rows.clone(), rows.clone() * 2
-    own[n_own:] = float("nan")
+    n_first = n_own // 2 if split else n_own
+    late = torch.full((n + 3, H), float("nan"), dtype=dtype)
+    late[:n_own - n_first] = rows[n_first:n_own] * 3
+    own[n_first:] = float("nan")
     back[:n_own] = float("nan")
     if kept is not None:
         own[kept:] = back[kept:] = float("nan")
     pos = torch.randperm(n, generator=g)
+    if split:
+        pos[::3] = -1
     weights = torch.rand(T, k, generator=g)
-    want = _want(own, back, pos, weights, n_own, kept)
+    want = _want(own, back, pos, weights, n_own, kept, late if split else None, n_first)
     if counts == "host":  # as an eager call holds them: the rows end at the counts
-        own, back = own[:n_own], back[:n if kept is None else kept]
-        n_arg, kept_arg = n_own, kept
+        own, back = own[:n_first], back[:n if kept is None else kept]
+        n_arg, kept_arg, first_arg = n_own, kept, n_first
     else:
         n_arg, kept_arg = torch.tensor(n_own, device=dev), None if kept is None else torch.tensor(kept, device=dev)
-    got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), n_arg, kept_arg)
+        first_arg = torch.tensor(n_first, device=dev)
+    extra = dict(late=late.to(dev), n_first=first_arg) if split else {}
+    got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), n_arg, kept_arg, **extra)
     assert got.shape == (T, H) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
 def test_bad_arguments_are_value_errors():
-    with pytest.raises(ValueError, match="valid: rows of one width and dtype, T\\*k positions"):
+    with pytest.raises(ValueError, match="valid: rows of one width and dtype, T\\*k positions, n_first with late"):
         combine_rows(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64), torch.arange(4),
                      torch.ones(2, 2), torch.tensor(1))
+    with pytest.raises(ValueError, match="n_first with late"):
+        combine_rows(torch.zeros(4, 8), torch.zeros(4, 8), torch.arange(4), torch.ones(2, 2), 1,
+                     late=torch.zeros(4, 8))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs
 class GatheredExchange:
     """``DeviceCountAllToAll``'s interface over all-gathers (no side streams), on its layout
     (``RegionLayout``): ``ready`` gathers every rank's counts and send buffer, ``pull`` and
-    ``pull_rest`` copy from them, and each ``push`` or ``push_rest`` (every rank pushes alike: to
+    ``pull_rest`` (and ``own_rows``) copy from them, and each ``push`` or ``push_rest`` (every rank pushes alike: to
     the source ``j`` ranks on, the same part) gathers every rank's results and keeps those for
     this rank's rows. What it does not write is NaN, its own rows' places in ``back`` included;
     ``finish`` checks that every peer's parts were pushed once by each kind of push."""
@@ -63,6 +63,11 @@ class GatheredExchange:
         out.fill_(float("nan"))
         start, cap = self.layout.region((self.rank - source) % self.ws, part)
         out[:cap] = self.sends[source][start:start + cap]
+        return out
+
+    def own_rows(self, first, out):
+        out.fill_(float("nan"))
+        copy_rows_by_table(self.layout.own_tail(self.table[self.rank], self.rank, first), self.sends, out, push=False)
         return out
 
     def pull_rest(self, source, out, part=None):

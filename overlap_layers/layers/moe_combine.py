@@ -7,9 +7,11 @@ Reference (``own [>= n_own, H]``, ``back``: result rows, those at rows below ``n
 ``own`` and the others in ``back``; ``pos [T*k]``: the row of each token-major assignment's
 result (the eager call's: its send-order row; the device path's: its place in the exchange's
 buffers), negative for one that is not sent; ``weights [T, k]``; ``kept``: rows from it on were
-dropped by capacity)::
+dropped by capacity; ``late``: where the own rows from ``n_first`` on are, from its row 0 (the
+device path runs them last; without it ``n_first = n_own``))::
 
-    row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_own else back[p]
+    row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_first else late[p - n_first] if p < n_own
+              else back[p]
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'
                                                                          dtype, summed in float32)
 
@@ -20,7 +22,7 @@ kernel reads each row once.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -34,46 +36,56 @@ except ImportError:  # CPU installs: the torch path
 
 
 def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                 n_own: Union[int, torch.Tensor], kept: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
-    """``y [T, H]`` of the module reference; ``n_own`` and ``kept`` are host ints or one-element
-    integer tensors on the device (``kept`` None: every row kept; both of one kind). ``own`` and
-    ``back`` are ``[*, H]`` of one dtype, ``pos`` ``T*k`` send positions."""
+                 n_own: Union[int, torch.Tensor], kept: Union[None, int, torch.Tensor] = None,
+                 late: Optional[torch.Tensor] = None, n_first: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
+    """``y [T, H]`` of the module reference; ``n_own``, ``kept`` and ``n_first`` are host ints or
+    one-element integer tensors on the device (``kept`` None: every row kept; all of one kind;
+    ``n_first`` given with ``late``). ``own``, ``back`` and ``late`` are ``[*, H]`` of one dtype,
+    ``pos`` ``T*k`` positions."""
     T, k = weights.shape
     H = own.shape[1]
-    if own.dtype != back.dtype or back.shape[1] != H or pos.numel() != T * k:
+    if late is None:
+        late, n_first = own, n_own
+    if (own.dtype != back.dtype or late.dtype != own.dtype or back.shape[1] != H or late.shape[1] != H
+            or pos.numel() != T * k or n_first is None):
         raise ValueError(f"combine_rows: own {tuple(own.shape)} {own.dtype}, back {tuple(back.shape)} {back.dtype}, "
-                         f"pos of {pos.numel()} for weights {tuple(weights.shape)}; valid: rows of one width and "
-                         "dtype, T*k positions")
-    if runs_triton(own) and own.is_contiguous() and back.is_contiguous():
+                         f"late {tuple(late.shape)} {late.dtype} from {n_first!r}, pos of {pos.numel()} for weights "
+                         f"{tuple(weights.shape)}; valid: rows of one width and dtype, T*k positions, n_first "
+                         "with late")
+    if runs_triton(own) and own.is_contiguous() and back.is_contiguous() and late.is_contiguous():
         y = own.new_empty((T, H))
         if T:
             block = min(1024, triton.next_power_of_2(H))
             w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
-            _combine_kernel[(T,)](own, back, pos.contiguous(), w, y, n_own,
+            _combine_kernel[(T,)](own, late, back, pos.contiguous(), w, y, n_first, n_own,
                                   n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
                                   LOADED=isinstance(n_own, torch.Tensor), BLOCK_H=block, num_warps=4)
         return y
     p = pos[:, None]
 
-    def rows_at(t: torch.Tensor) -> torch.Tensor:  # t's row at each position (clamped: chosen below)
-        return t[pos.clamp(0, t.shape[0] - 1)] if t.shape[0] else t.new_zeros((pos.numel(), H))
+    def rows_at(t: torch.Tensor, shift=0) -> torch.Tensor:  # t's row at each position (clamped: chosen below)
+        return t[(pos - shift).clamp(0, t.shape[0] - 1)] if t.shape[0] else t.new_zeros((pos.numel(), H))
 
-    rows = torch.where(p < n_own, rows_at(own), rows_at(back))
+    rows = torch.where(p < n_own, torch.where(p < n_first, rows_at(own), rows_at(late, n_first)), rows_at(back))
     rows = torch.where((p >= 0) & (p < kept) if kept is not None else p >= 0, rows, 0)
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(own_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_own_arg, kept_arg, H: tl.constexpr,
-                        K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr, BLOCK_H: tl.constexpr):
-        """One token per program: its k rows, each from ``own`` or ``back`` (module docstring);
-        ``n_own_arg`` and ``kept_arg`` pointers to the counts where ``LOADED``, else the counts."""
+    def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_first_arg, n_own_arg, kept_arg,
+                        H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+        """One token per program: its k rows, each from ``own``, ``late`` or ``back`` (module
+        docstring); ``n_first_arg``, ``n_own_arg`` and ``kept_arg`` pointers to the counts where
+        ``LOADED``, else the counts."""
         t = tl.program_id(0).to(tl.int64)
         if LOADED:
+            n_first = tl.load(n_first_arg).to(tl.int64)
             n_own = tl.load(n_own_arg).to(tl.int64)
             kept = tl.load(kept_arg).to(tl.int64)
         else:  # host ints (compared with int64 positions as they are)
+            n_first = n_first_arg
             n_own = n_own_arg
             kept = kept_arg
         c = tl.arange(0, BLOCK_H)
@@ -85,7 +97,9 @@ if triton is not None:
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
                 w = tl.load(w_ptr + t * K + j).to(tl.float32)
                 live = (p >= 0) & (p < kept) if HAS_KEPT else p >= 0
-                a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_own), other=0.0)
+                a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_first), other=0.0)
+                d = tl.load(late_ptr + (p - n_first) * H + cols, mask=cm & live & (p >= n_first) & (p < n_own),
+                            other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)
-                acc += w * (a.to(tl.float32) + b.to(tl.float32))
+                acc += w * (a.to(tl.float32) + d.to(tl.float32) + b.to(tl.float32))
             tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)

@@ -25,9 +25,10 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   experts, where no GEMM holds the SMs it would wait for); each part's rows run as they arrive,
   and their results are pushed back (region on the push stream by the copy engine, the rest by
   the kernel on the main stream) while the next part's run; the last peer's groups come in two
-  parts, so that only the second one's push has nothing beside it; the own rows' results are
-  never pushed (the combine takes them where they are); the shared expert runs right after the
-  own rows, under the first pulls;
+  parts, and the own rows of the second half of the groups run last (copied from the send buffer
+  to the start of a slot by the kernel, every slot being free by then), under the last part's
+  push; the own rows' results are never pushed (the combine takes them where they are); the
+  shared expert runs right after the first own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
   source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
@@ -38,7 +39,7 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   holds the bound, so at EP 4 the call keeps four such buffers instead of six (of qwen3's, 256
   MiB each, within a graph pool of 2.3 GB in session 31);
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
-  (own rows in the own results, the others at their places in ``back``, an assignment dropped
+  (own rows in the two own results, the others at their places in ``back``, an assignment dropped
   by capacity, placed at -1, as 0) and sums them weighted.
 
 Measured on 4x H200 (session 31, ``bench/results/session31_h200x4_2026-11-27.md``), qwen3
@@ -79,7 +80,10 @@ With the bulk on the copy engine (``device_all_to_all.py``: fixed regions per pa
 1.18x the limit. The last peer in four parts instead of two ran 2.17 (each part adds its kernels
 and gaps; the SwiGLU, launched on the bound's grid, cost 53 us per part however few rows it had
 until its programs strided over the counted rows). The regions cost memory: the workspace grew
-from 768 to 1056 MiB at that shape. Not measured at EP 4 (no 4-GPU machine was lent).
+from 768 to 1056 MiB at that shape. Then the own rows of the second half of the groups last,
+under the last push (predicted -0.15 ms): 1.950 against 1.980-1.993 ms in one call (-1.9%), the
+graph pool 1658 -> 1914 MiB; the copy of those rows into a slot took 81 us of what it saved. Not
+measured at EP 4 (no 4-GPU machine was lent).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -194,8 +198,8 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts), through ``exchange`` (a ``DeviceCountAllToAll`` of ``layer.num_local_experts``
     groups, or anything with its ``send``, ``rows``, ``positions``, ``ready``, ``recv_counts``,
-    ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``finish`` and, for side
-    streams, ``streams``), with no value read on the host."""
+    ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``own_rows``, ``finish`` and, for
+    side streams, ``streams``), with no value read on the host."""
     T, H = x_TH.shape
     k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
     order, weights, counts = layer._route_and_count(x_TH, 1, step_order=True)  # own experts' rows first
@@ -238,7 +242,10 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         offs = source_ends[a:b] - source_ends[a - 1] if a else source_ends[:b]
         return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
 
-    own = experts(exchange.send[:exchange.rows], ends[rank])  # in place: this rank's rows for itself lead its send rows
+    # the own rows of the groups from `split` on run last, under the last part's push
+    split = El // 2 if peers and El > 1 else El
+    first = (0, split) if split < El else None
+    own = experts(exchange.send[:exchange.rows], ends[rank], first)  # in place: the own rows lead the send rows
     added = extra() if extra is not None else None
     results = {}  # peer part index -> its results, held until the main stream waited for their push
     for i, (s, part) in enumerate(peers):
@@ -258,10 +265,14 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         with on(1):
             exchange.push(s, results[i], part)
             mark(pushed, i)
+    late = {}
+    if split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
+        late = dict(late=experts(exchange.own_rows(split, slots[0]), ends[rank], (split, El)),
+                    n_first=ends[rank][split - 1])
     if streams:
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
     back = exchange.finish()  # own results were not pushed: the combine reads them in place
     pos = torch.empty_like(places).scatter_(0, order, places)  # each assignment's place (-1: dropped)
-    y = combine_rows(own, back, pos, weights, counts[rank].sum())
+    y = combine_rows(own, back, pos, weights, counts[rank].sum(), **late)
     return y if added is None else y + added

@@ -165,6 +165,15 @@ class RegionLayout:
         place = torch.where(j < cap, self._starts[kc] + j, over_start[kc] + j - cap)
         return torch.where(k < ends.numel(), place, -1)
 
+    def own_tail(self, counts: torch.Tensor, source: int, first: int) -> torch.Tensor:
+        """``source``'s rows for its own groups ``first ..`` (its counts ``[ws, groups]``), as
+        :func:`copy_rows_by_table` segments ``[4, 1]``: (source, their first place, row 0, rows)."""
+        if not 0 < first < self.groups:
+            raise ValueError(f"first={first}; valid: a group 1 .. {self.groups - 1} (the own rows from it on)")
+        mine = counts.reshape(self.ws, self.groups)[source].to(torch.int64)
+        return torch.stack([torch.full_like(mine[0], source), mine[:first].sum(), torch.zeros_like(mine[0]),
+                            mine[first:].sum()]).view(4, 1)
+
     def rest(self, table: torch.Tensor, dest: int, source: int, part: Part) -> torch.Tensor:
         """The overflow of ``source``'s rows for ``dest`` in ``part``, as :func:`copy_rows_by_table`
         segments ``[4, 1]``: (source, first place in its send buffer, row in the pulled rows =
@@ -394,6 +403,14 @@ class DeviceCountAllToAll:
             self.layout.region(self._j(source), part)
             seg = self._rests[(source, part)] = self.layout.rest(self.table, self.rank, source, part)
         return seg
+
+    def own_rows(self, first: int, out: torch.Tensor) -> torch.Tensor:
+        """This rank's rows for its own groups ``first ..`` into ``out`` (``[>= rows, W]``) from
+        row 0, by the kernel (valid from :meth:`ready` to :meth:`finish`); returns ``out``."""
+        self._checked("own_rows: out", out)
+        copy_rows_by_table(self.layout.own_tail(self.table[self.rank], self.rank, first), self._sends, out,
+                           push=False, pointers=self._send_ptrs)
+        return out
 
     def pull(self, source: int, out: torch.Tensor, part: Part = None) -> torch.Tensor:
         """The region of the rows ``source`` sends this rank in ``part`` (one of
