@@ -468,8 +468,8 @@ def test_targets_judge_each_row_against_its_link_and_layer():
               _row("mlp", "serial", 12.0, peak_bytes=1 << 20), _row("mlp", "asynctp", 10.8)]
     text = targets([(nvlink, False), (nvlink, True)])
     lines = [ln for ln in text.splitlines() if ln.startswith("| mlp")]
-    assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 |")
-    assert lines[1].endswith("| P2P off | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 |")
+    assert lines[0].endswith("| NVLink | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 | - |")
+    assert lines[1].endswith("| P2P off | no | r-ce (10.900) | ok 1.090 | ok 0.908 | MISS 1.009 | - | +2 | - |")
     assert "limit: 0 of 2 rows miss" in text and "asynctp: 2 of 2 rows miss" in text
 
 
@@ -496,6 +496,26 @@ def test_targets_memory_allows_one_tile_of_serials_peak_and_counts_the_workspace
     assert judge("mlp", False, dict(replayed, auto=_row("mlp", "auto", 10.0, k=2, decomposition="batch",
                                                         peak_bytes=5 * mib, graph_bytes=290 * mib, graph_calls=True))
                  )["memory"] == (True, pytest.approx(0.95))
+
+
+def test_targets_pass_bound_sums_each_passs_larger_reference():
+    """By hand: forward compute 4 and comm 6 ms, fwd+bwd compute 13 and comm 12 (backward 9 and
+    6): the pass bound is 6 + 9 = 15 ms, so a fwd+bwd auto of 16.5 reads 1.100 there (against
+    the whole call's limit of 13: 1.269); a fwd row, or a fwd+bwd row without its forward's
+    references, reads '-'."""
+    from overlap_layers.bench.targets import pass_bound, targets
+
+    def rec(pass_, mode, ms):
+        return dict(_rec(pass_, mode, 1, ms, None), layer="mlp", batch=2,
+                    limit_ms=13.0 if pass_ == "fwdbwd" else 6.0)
+    fwd = [rec("fwd", "auto", 6.6), rec("fwd", "compute", 4.0), rec("fwd", "comm", 6.0)]
+    fwdbwd = [rec("fwdbwd", "auto", 16.5), rec("fwdbwd", "compute", 13.0), rec("fwdbwd", "comm", 12.0)]
+    assert pass_bound({r["mode"]: r for r in fwd}, {r["mode"]: r for r in fwdbwd}) == pytest.approx(15.0)
+    lines = [ln for ln in targets([(fwd + fwdbwd, True)]).splitlines() if ln.startswith("| mlp")]
+    assert lines[0].split(" | ")[5] == "fwd" and lines[0].endswith("| - | - |")
+    assert lines[1].split(" | ")[5] == "fwdbwd" and "MISS 1.269" in lines[1] and lines[1].endswith("| - | 1.100 |")
+    no_comm = [r for r in fwd if r["mode"] != "comm"] + fwdbwd
+    assert [ln for ln in targets([(no_comm, True)]).splitlines() if "fwdbwd" in ln][0].endswith("| - | - |")
 
 
 def test_targets_cli_reads_the_link_from_the_run(tmp_path):
