@@ -152,6 +152,9 @@ def test_place_rows_matches_indexing():
     want = torch.full((10, 1100), float("nan"), device=DEVICE)
     want[[4, 0, 9, 2]] = src[[3, 6, 6, 2]]
     assert torch.equal(dst.nan_to_num(-7), want.nan_to_num(-7))
+    strided = torch.full((10, 1100), float("nan"), device=DEVICE)  # a source that is not contiguous
+    place_rows(src.t().contiguous().t(), index, strided, places)
+    assert torch.equal(strided.nan_to_num(-7), want.nan_to_num(-7))
     with pytest.raises(ValueError, match="valid: rows of one width and dtype"):
         place_rows(src, index, torch.zeros(3, 4, device=DEVICE), places)
 

@@ -102,7 +102,8 @@ class RegionLayout:
     """Where each of a source's send rows lies in its send buffer (module docstring), for ``ws``
     ranks, ``rows`` send rows at most per rank and ``groups`` groups per rank. Host side:
     :meth:`parts_at`, :meth:`region`, ``buffer_rows``; device side, from counts on ``device``
-    (torch ops, no host read: a graph captures them): :meth:`positions` and :meth:`rest`."""
+    (torch ops, no host read: a graph captures them): :meth:`positions`, :meth:`rest` and
+    :meth:`own_tail`."""
 
     def __init__(self, ws: int, rows: int, groups: int, device: torch.device, slack: float = SLACK) -> None:
         self.ws, self.rows, self.groups = ws, rows, groups
@@ -194,10 +195,10 @@ def place_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, places
         raise ValueError(f"place_rows: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}, "
                          f"{index.numel()} indices, {places.numel()} places; valid: rows of one width and dtype, "
                          "as many places as indices")
-    if runs_triton(dst) and src.is_contiguous() and dst.is_contiguous():
+    if runs_triton(dst) and dst.is_contiguous():  # (the torch path's mask would read the host)
         if index.numel():
             W = src.shape[1]
-            _place_rows_kernel[(index.numel(),)](src, index.contiguous(), dst, places.contiguous(), W=W,
+            _place_rows_kernel[(index.numel(),)](src.contiguous(), index.contiguous(), dst, places.contiguous(), W=W,
                                                  BLOCK_W=min(1024, triton.next_power_of_2(W)), num_warps=4)
         return
     live = places >= 0
