@@ -84,7 +84,7 @@ def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, ki
                     out = torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype)
                     start, cap = lay.region((r - s) % ws, part)
                     out[:cap] = sends[s][start:start + cap]
-                    segs = lay.rest(dev_table, r, s, part)
+                    segs = lay.rest(lay.rests(dev_table), r, s, part)
                     copy_rows_by_table(segs, sends, out, push=False)
                     want = rows_of[s][_sent(table, s, r, part)]
                     assert torch.equal(out[:want.shape[0]], want), (trial, r, s, part)
@@ -129,7 +129,7 @@ def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
     ws, rows, W = 2, 4, 5
     lay = RegionLayout(ws, rows, 1, DEVICE)  # region of 3 rows (ceil(4 / 2 * 1.125))
     table = torch.tensor([[[1], [9]], [[0], [0]]], dtype=torch.int32, device=DEVICE)  # 9 rows for rank 1
-    segs = lay.rest(table, 1, 0, None)
+    segs = lay.rest(lay.rests(table), 1, 0, None)
     assert segs.view(-1).tolist() == [0, 1, 3, 6]  # from row 1 (after the own row), to row 3, 6 rows
     sends = [torch.arange(lay.buffer_rows * W, dtype=torch.float32, device=DEVICE).view(-1, W) + 100 * s
              for s in range(ws)]

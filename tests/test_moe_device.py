@@ -71,7 +71,8 @@ class GatheredExchange:
         return out
 
     def pull_rest(self, source, out, part=None):
-        copy_rows_by_table(self.layout.rest(self.table, self.rank, source, part), self.sends, out, push=False)
+        copy_rows_by_table(self.layout.rest(self.layout.rests(self.table), self.rank, source, part), self.sends, out,
+                           push=False)
         return out
 
     def _push(self, source, results, part, rest):
@@ -82,7 +83,8 @@ class GatheredExchange:
             if (d + j) % self.ws == self.rank:
                 if rest:
                     remotes = [self.back if s == self.rank else scratch for s in range(self.ws)]
-                    copy_rows_by_table(self.layout.rest(self.table, d, self.rank, part), remotes, res, push=True)
+                    copy_rows_by_table(self.layout.rest(self.layout.rests(self.table), d, self.rank, part), remotes,
+                                       res, push=True)
                 else:
                     start, cap = self.layout.region((d - self.rank) % self.ws, part)
                     self.back[start:start + cap] = res[:cap]

@@ -102,8 +102,8 @@ class RegionLayout:
     """Where each of a source's send rows lies in its send buffer (module docstring), for ``ws``
     ranks, ``rows`` send rows at most per rank and ``groups`` groups per rank. Host side:
     :meth:`parts_at`, :meth:`region`, ``buffer_rows``; device side, from counts on ``device``
-    (torch ops, no host read: a graph captures them): :meth:`positions`, :meth:`rest` and
-    :meth:`own_tail`."""
+    (torch ops, no host read: a graph captures them): :meth:`positions`, :meth:`rests` (and
+    :meth:`rest`, one of them) and :meth:`own_tail`."""
 
     def __init__(self, ws: int, rows: int, groups: int, device: torch.device, slack: float = SLACK) -> None:
         self.ws, self.rows, self.groups = ws, rows, groups
@@ -125,6 +125,9 @@ class RegionLayout:
             member[k, j, a:b] = 1
         # made here, not in a capture (a host-to-device copy cannot be captured)
         self._member = member.view(len(order), ws * groups).to(device)
+        # [source, column]: the counts' column of each of the source's (destination, group) in its send order
+        send_order = [[((s + i // groups) % ws) * groups + i % groups for i in range(ws * groups)] for s in range(ws)]
+        self._send_order = torch.tensor(send_order, dtype=torch.int64).to(device)
         self._caps = torch.tensor([0] + [self._regions[s][1] for s in order[1:]], dtype=torch.int64).to(device)
         self._starts = torch.tensor([0] + [self._regions[s][0] for s in order[1:]], dtype=torch.int64).to(device)
 
@@ -145,18 +148,19 @@ class RegionLayout:
                              f"(0 < {j} < {self.ws})")
         return self._regions[j, part]
 
-    def _segments(self, counts: torch.Tensor, source: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The source's rows of each segment (own rows, then each part), rows past each region
-        and where those begin, from its counts ``[ws, groups]`` (by destination rank)."""
-        flat = torch.roll(counts.reshape(self.ws, self.groups).to(torch.int64), -source, 0).reshape(-1)
-        n = (self._member * flat).sum(1)
+    def _segments(self, counts: torch.Tensor, send_order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``[..., S]`` each: the rows of each segment (own rows, then each part), those past its
+        region and where those begin, from counts ``[..., ws * groups]`` (by destination rank,
+        then group) and their sources' rows of ``_send_order``."""
+        flat = torch.gather(counts.to(torch.int64), -1, send_order)  # in each source's send order
+        n = (flat.unsqueeze(-2) * self._member).sum(-1)
         over = torch.clamp_min(n - self._caps, 0)  # the own rows: all of them (cap 0)
-        return n, over, torch.cumsum(over, 0) - over
+        return n, over, torch.cumsum(over, -1) - over
 
     def positions(self, counts: torch.Tensor, source: int, n: int) -> torch.Tensor:
         """``[n]`` int64: the place in its send buffer of each of ``source``'s first ``n`` rows in
         send order, -1 past its counts' sum (rows it does not send)."""
-        seg_n, _, over_start = self._segments(counts, source)
+        seg_n, _, over_start = self._segments(counts.reshape(self.ws * self.groups), self._send_order[source])
         ends = torch.cumsum(seg_n, 0)
         i = torch.arange(n, device=ends.device)
         k = torch.searchsorted(ends, i, right=True)
@@ -175,15 +179,21 @@ class RegionLayout:
         return torch.stack([torch.full_like(mine[0], source), mine[:first].sum(), torch.zeros_like(mine[0]),
                             mine[first:].sum()]).view(4, 1)
 
-    def rest(self, table: torch.Tensor, dest: int, source: int, part: Part) -> torch.Tensor:
-        """The overflow of ``source``'s rows for ``dest`` in ``part``, as :func:`copy_rows_by_table`
-        segments ``[4, 1]``: (source, first place in its send buffer, row in the pulled rows =
-        the region's capacity, rows)."""
+    def rests(self, table: torch.Tensor) -> torch.Tensor:
+        """``[ws, S, 4]`` int64, for every source and segment of its send rows, the overflow as a
+        :func:`copy_rows_by_table` segment: (source, first place in its send buffer, row in the
+        pulled rows = the region's capacity, rows). One pass over the table: :meth:`rest` picks
+        a source's part from it without a kernel of its own."""
+        _, over, over_start = self._segments(table.reshape(self.ws, self.ws * self.groups), self._send_order)
+        sources = torch.arange(self.ws, device=table.device)[:, None].expand_as(over)
+        return torch.stack([sources, over_start, self._caps.expand_as(over), over], -1)
+
+    def rest(self, rests: torch.Tensor, dest: int, source: int, part: Part) -> torch.Tensor:
+        """``[4, 1]``: the segment of :meth:`rests` for ``source``'s rows for ``dest`` in ``part``
+        (a view)."""
         j = (dest - source) % self.ws
         self.region(j, part)
-        k = self._index[j, part]
-        _, over, over_start = self._segments(table.reshape(self.ws, self.ws, self.groups)[source], source)
-        return torch.stack([torch.full_like(over[k], source), over_start[k], self._caps[k], over[k]]).view(4, 1)
+        return rests[source, self._index[j, part]].view(4, 1)
 
 
 def place_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, places: torch.Tensor) -> None:
@@ -340,7 +350,7 @@ class DeviceCountAllToAll:
         self._send_ptrs, self._back_ptrs = remote_pointers(self._sends), remote_pointers(self._backs)
         self._handle = w.handle
         self.streams = (w.pull_stream, w.push_stream)
-        self._rests: dict = {}  # (source, part) -> its overflow segment, this call
+        self._rests: Optional[torch.Tensor] = None  # RegionLayout.rests of this call's table, once made
 
     def _signal(self, channel: int) -> None:
         peers = [(self.rank + j) % self.ws for j in range(1, self.ws)]
@@ -379,7 +389,7 @@ class DeviceCountAllToAll:
             for row in self._table_rows:
                 row.copy_(counts)
         self._signal(TABLE)
-        self._rests = {}
+        self._rests = None
 
     @property
     def recv_counts(self) -> torch.Tensor:
@@ -399,11 +409,10 @@ class DeviceCountAllToAll:
                              f"{self.send.dtype} (a source's rows could all come here)")
 
     def _rest(self, source: int, part: Part) -> torch.Tensor:
-        seg = self._rests.get((source, part))
-        if seg is None:
-            self.layout.region(self._j(source), part)
-            seg = self._rests[(source, part)] = self.layout.rest(self.table, self.rank, source, part)
-        return seg
+        self._j(source)
+        if self._rests is None:  # every source's overflow at once, at the call's first use
+            self._rests = self.layout.rests(self.table)
+        return self.layout.rest(self._rests, self.rank, source, part)
 
     def own_rows(self, first: int, out: torch.Tensor) -> torch.Tensor:
         """This rank's rows for its own groups ``first ..`` into ``out`` (``[>= rows, W]``) from
@@ -447,5 +456,5 @@ class DeviceCountAllToAll:
         ``back``: at the place of each of this rank's send rows to a peer, its result (valid
         until the next :meth:`ready` on this workspace)."""
         self._signal(BACK)
-        self._rests = {}
+        self._rests = None
         return self.back
