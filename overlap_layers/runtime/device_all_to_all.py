@@ -93,6 +93,10 @@ _ROWS = 8  # rows a program copies at a time
 # 2.833 with 32 (the probe's knee: 173 GB/s, 11% off a GEMM beside it): there the pulls set the
 # pace, and 64 pull at 204 GB/s for 1.6% more GEMM time (session 30's probe)
 _CTAS = 64
+# programs per SM of a copy on the stream of the experts, where no GEMM runs beside it: the own rows
+# run last (16384 rows of 4 KiB for qwen3 at EP 2) took 81 us with 64 programs, 1.6 TB/s on a local
+# copy (2x H200, session 37)
+_MAIN_PER_SM = 4
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
 Part = Optional[Tuple[int, int]]  # a range of groups (first, end); None: every group
@@ -222,7 +226,7 @@ def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], local: torch.Tensor, push: bool,
-                       pointers: Optional[torch.Tensor] = None) -> None:
+                       pointers: Optional[torch.Tensor] = None, programs: int = _CTAS) -> None:
     """Copy the rows of the segments ``segs`` (``[4, n]`` int64 on ``local``'s device; per
     column: the remote rank, where its rows begin in that rank's buffer, where in ``local``, how
     many: :meth:`RegionLayout.rest`). Pull (``push=False``): ``remotes[s]`` is rank s's send
@@ -231,7 +235,8 @@ def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], loca
     ``remotes[s]`` is rank s's back rows; the same rows go the other way. Every tensor is
     ``[*, W]``, contiguous, of one dtype, the remotes of one shape; a row past either side's rows
     is not copied (a safety net for counts past the buffers: never a write out of bounds).
-    ``pointers``: the remotes' :func:`remote_pointers` (made here if None)."""
+    ``pointers``: the remotes' :func:`remote_pointers` (made here if None); ``programs``: the
+    kernel's programs on a GPU (few beside a GEMM, many where nothing runs beside it)."""
     if segs.dim() != 2 or segs.shape[0] != 4 or any(t.shape != remotes[0].shape or t.dtype != local.dtype
                                                     for t in remotes) or remotes[0].shape[1:] != local.shape[1:]:
         raise ValueError(f"copy_rows_by_table: segments {tuple(segs.shape)}, remotes "
@@ -241,7 +246,7 @@ def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], loca
         if pointers is None:
             pointers = remote_pointers(remotes)
         W, nseg = local.shape[1], segs.shape[1]
-        ctas = _CTAS if local.is_cuda else 3  # under the interpreter: a few, each taking several row blocks
+        ctas = programs if local.is_cuda else 3  # under the interpreter: a few, each taking several row blocks
         _segments_kernel[(ctas,)](segs, pointers, local, remotes[0].shape[0], local.shape[0], W, NSEG=nseg,
                                   NSEG_P2=triton.next_power_of_2(nseg), PUSH=push,
                                   BITS=getattr(tl, _BITS[local.element_size()]), ROWS=_ROWS,
@@ -351,6 +356,9 @@ class DeviceCountAllToAll:
         self._handle = w.handle
         self.streams = (w.pull_stream, w.push_stream)
         self._rests: Optional[torch.Tensor] = None  # RegionLayout.rests of this call's table, once made
+        # the kernel copies run on the caller's stream between its GEMMs: every SM, several times
+        self._programs = (_MAIN_PER_SM * torch.cuda.get_device_properties(w.device).multi_processor_count
+                          if w.device.type == "cuda" else _CTAS)
 
     def _signal(self, channel: int) -> None:
         peers = [(self.rank + j) % self.ws for j in range(1, self.ws)]
@@ -419,7 +427,7 @@ class DeviceCountAllToAll:
         row 0, by the kernel (valid from :meth:`ready` to :meth:`finish`); returns ``out``."""
         self._checked("own_rows: out", out)
         copy_rows_by_table(self.layout.own_tail(self.table[self.rank], self.rank, first), self._sends, out,
-                           push=False, pointers=self._send_ptrs)
+                           push=False, pointers=self._send_ptrs, programs=self._programs)
         return out
 
     def pull(self, source: int, out: torch.Tensor, part: Part = None) -> torch.Tensor:
@@ -436,7 +444,8 @@ class DeviceCountAllToAll:
         """The rows of that part past its region into ``out``, by the kernel (none where the
         region held them all)."""
         self._checked("pull_rest: out", out)
-        copy_rows_by_table(self._rest(source, part), self._sends, out, push=False, pointers=self._send_ptrs)
+        copy_rows_by_table(self._rest(source, part), self._sends, out, push=False, pointers=self._send_ptrs,
+                           programs=self._programs)
         return out
 
     def push(self, source: int, results: torch.Tensor, part: Part = None) -> None:
@@ -449,7 +458,8 @@ class DeviceCountAllToAll:
     def push_rest(self, source: int, results: torch.Tensor, part: Part = None) -> None:
         """The results for the rows of :meth:`pull_rest` into ``source``'s ``back``, by the kernel."""
         self._checked("push_rest: results", results)
-        copy_rows_by_table(self._rest(source, part), self._backs, results, push=True, pointers=self._back_ptrs)
+        copy_rows_by_table(self._rest(source, part), self._backs, results, push=True, pointers=self._back_ptrs,
+                           programs=self._programs)
 
     def finish(self) -> torch.Tensor:
         """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
