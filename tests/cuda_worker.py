@@ -995,18 +995,18 @@ def check_device_all_to_all(rank, ws, dev):
     """[Note: sync-free exchange]: DeviceCountAllToAll over the group's symmetric workspace equals
     the all-to-all from its definition (every rank draws every rank's counts and rows from one
     seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
-    and rows at each replay: the send rows placed (``positions``, ``place_rows``), the pulls of
+    and rows at each replay: the send rows placed from their keys (``place``), the pulls of
     every peer's parts (regions on the pull stream, overflow on the main one), then the pushes of
     each row's result (3 x + 1) back, which ``finish`` returns at the rows' places. Three groups
     per rank; the steps alternate between counts past the regions and counts that fit them."""
-    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, place_rows
+    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
     ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
     pulled = torch.empty(ws, G, rows, W, device=dev, dtype=dt)  # [source, part]: at most a part per group
     counts = torch.zeros(ws, G, dtype=torch.int32, device=dev)
     mine = torch.empty(rows, W, device=dev, dtype=dt)  # this rank's send rows in send order
-    order = torch.arange(rows, device=dev)
+    keys = torch.empty(rows, dtype=torch.int64, device=dev)  # their send-order indices (ws * G: not sent)
 
     def table(step):
         g = torch.Generator().manual_seed(1000 + step)
@@ -1023,8 +1023,7 @@ def check_device_all_to_all(rank, ws, dev):
         return torch.randn(rows, W, generator=torch.Generator().manual_seed(2000 + ws * step + s)).to(dev, dt)
 
     def call():
-        places = ex.positions(counts, rows)
-        place_rows(mine, order, ex.send, places)
+        places = ex.place(mine, keys, 1, counts)
         ex.ready(counts)
         got = ex.recv_counts.clone()  # valid until finish: peers may write the next call's table after it
         main, (pull, push) = torch.cuda.current_stream(), ex.streams
@@ -1051,6 +1050,9 @@ def check_device_all_to_all(rank, ws, dev):
         t = table(step)
         counts.copy_(t[rank].to(dev))
         mine.copy_(send_rows(step, rank))
+        in_send_order = torch.cat([t[rank, (rank + j) % ws] for j in range(ws)]).to(torch.int64)
+        keys.fill_(ws * G)
+        keys[:int(in_send_order.sum())] = torch.repeat_interleave(torch.arange(ws * G), in_send_order).to(dev)
         if step == 3:  # every rank captures at the same call, then replays from here on
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

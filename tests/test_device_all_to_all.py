@@ -1,6 +1,7 @@
-"""``runtime.device_all_to_all``: ``RegionLayout`` with ``copy_rows_by_table`` and ``place_rows``
-against the all-to-all they must equal (module docstring), with every rank's buffers in one
-process: every rank places its send rows, pulls each peer's parts (region and overflow), then
+"""``runtime.device_all_to_all``: ``RegionLayout`` with ``copy_rows_by_table`` and
+``send_rows.place_by_key`` against the all-to-all they must equal (module docstrings), with every
+rank's buffers in one process: every rank places its send rows from their keys (shuffled, some
+dropped, one or several assignments per row), pulls each peer's parts (region and overflow), then
 pushes results back, for random count tables with one group per rank and with several (the MoE's
 local experts), tables that fit the regions and tables that overflow them, counts past the buffers
 (clipped, nothing written outside), bad arguments; ``DeviceCountAllToAll``'s own checks on a
@@ -14,8 +15,8 @@ import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
 from overlap_layers.runtime import device_all_to_all
-from overlap_layers.runtime.device_all_to_all import (DeviceCountAllToAll, RegionLayout, copy_rows_by_table,
-                                                      place_rows)
+from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, RegionLayout, copy_rows_by_table
+from overlap_layers.runtime.send_rows import place_by_key
 
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
 
@@ -37,6 +38,16 @@ def _table(ws, rows, groups, g, kind):
     return t.view(ws, ws, groups)
 
 
+def _keys(table, s, n, g):
+    """``[n]`` int64 keys (send-order indices) of source s's rows, in a random order, with
+    ``table[s]``'s counts (by destination rank and group), the rest dropped (keys E and above)."""
+    ws, G = table.shape[0], table.shape[2]
+    in_send_order = torch.cat([table[s, (s + j) % ws] for j in range(ws)]).to(torch.int64)
+    keys = torch.repeat_interleave(torch.arange(ws * G), in_send_order)
+    keys = torch.cat([keys, ws * G + torch.randint(0, 3, (n - keys.numel(),), generator=g)])
+    return keys[torch.randperm(n, generator=g)]
+
+
 def _sent(table, s, d, part):
     """Which of source s's rows in send order go to d in ``part``, from the definitions: after its
     rows for the ranks s, s + 1, ... before d (cyclically), those of the part's groups."""
@@ -52,7 +63,7 @@ def _sent(table, s, d, part):
     (4, 5, 23, 40, torch.bfloat16), (3, 2, 9, 1100, torch.float16), (2, 4, 64, 8, torch.float32)])
 @pytest.mark.parametrize("kind", ["random", "even", "skewed"])
 def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, kind):
-    """Every rank places its send rows (``positions``, ``place_rows``) in a NaN buffer, pulls each
+    """Every rank places its send rows (``key_places``, ``place_by_key``) in a NaN buffer, pulls each
     peer's parts (region, then overflow) and pushes 3 x + 1 of them back: each pulled part holds
     exactly the rows its source sends in it, by group; each rank's ``back`` holds 3 x + 1 at the
     place of each row it sent a peer, and NaN at its own rows' places."""
@@ -61,17 +72,20 @@ def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, ki
     for trial in range(2):
         table = _table(ws, rows, groups, g, kind)
         dev_table = table.to(DEVICE)
-        rows_of = [torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(ws)]  # in send order
-        sends, places = [], []
+        rows_of, sends, places = [], [], []
         for s in range(ws):
             send = torch.full((lay.buffer_rows, width), float("nan"), device=DEVICE, dtype=dtype)
             counts = dev_table[s] if groups > 1 or trial == 0 else dev_table[s].view(ws)  # [ws] with one group
-            at = lay.positions(counts, s, rows)
+            keys = _keys(table, s, rows, g)
+            src = torch.randn(rows, width, generator=g).to(DEVICE, dtype)
+            pos = place_by_key(src, keys.to(DEVICE), 1, lay.key_places(counts, s), send)
+            in_order = torch.sort(keys, stable=True).indices  # the rows in send order, the dropped last
+            rows_of.append(src[in_order.to(DEVICE)])
+            at = pos[in_order.to(DEVICE)]
             n = int(table[s].sum())
             assert (at[n:] == -1).all() and torch.equal(at[:int(table[s, s].sum())].cpu(),
                                                         torch.arange(int(table[s, s].sum())))  # own rows first
             assert len(set(at[:n].tolist())) == n and all(0 <= p < lay.buffer_rows for p in at[:n].tolist())
-            place_rows(rows_of[s], torch.arange(rows, device=DEVICE), send, at)
             sends.append(send)
             places.append(at)
         backs = [torch.full((lay.buffer_rows, width), float("nan"), device=DEVICE, dtype=dtype) for _ in range(ws)]
@@ -141,22 +155,61 @@ def test_counts_past_the_buffers_copy_what_fits_and_write_nothing_outside():
     assert (out[:3] == -1).all() and (guarded[:3] == -1).all() and (guarded[9:] == -1).all()
 
 
-def test_place_rows_matches_indexing():
-    """``place_rows`` equals ``dst[places] = src[index]`` over the non-negative places."""
-    g = torch.Generator().manual_seed(5)
-    src = torch.randn(7, 1100, generator=g).to(DEVICE)
-    index = torch.tensor([3, 0, 6, 6, 2], device=DEVICE)
-    places = torch.tensor([4, -1, 0, 9, 2], device=DEVICE)
-    dst = torch.full((10, 1100), float("nan"), device=DEVICE)
-    place_rows(src, index, dst, places)
-    want = torch.full((10, 1100), float("nan"), device=DEVICE)
-    want[[4, 0, 9, 2]] = src[[3, 6, 6, 2]]
-    assert torch.equal(dst.nan_to_num(-7), want.nan_to_num(-7))
-    strided = torch.full((10, 1100), float("nan"), device=DEVICE)  # a source that is not contiguous
-    place_rows(src.t().contiguous().t(), index, strided, places)
-    assert torch.equal(strided.nan_to_num(-7), want.nan_to_num(-7))
-    with pytest.raises(ValueError, match="valid: rows of one width and dtype"):
-        place_rows(src, index, torch.zeros(3, 4, device=DEVICE), places)
+def _defined_places(lay, keys, ws, groups):
+    """Each assignment's place from the layout's definition (module docstring), walking the kept
+    rows in send order (by key, then assignment): the own rows from row 0, each part's first
+    ``cap`` rows in its region, every part's rows past it after the own rows, in send order."""
+    n, E = len(keys), ws * groups
+    in_order = sorted((a for a in range(n) if keys[a] < E), key=lambda a: (keys[a], a))
+    own = [a for a in in_order if keys[a] < groups]
+    want = [-1] * n
+    for i, a in enumerate(own):
+        want[a] = i
+    after = len(own)
+    for j in range(1, ws):
+        for part in lay.parts_at(j):
+            lo, hi = (0, groups) if part is None else part
+            start, cap = lay.region(j, part)
+            for i, a in enumerate(x for x in in_order if j * groups + lo <= keys[x] < j * groups + hi):
+                if i < cap:
+                    want[a] = start + i
+                else:
+                    want[a], after = after, after + 1
+    return want
+
+
+@pytest.mark.parametrize("ws,groups,tokens,top_k,width,dtype,key_dtype", [
+    (2, 4, 9, 3, 5, torch.float32, torch.int16), (3, 2, 20, 2, 1100, torch.bfloat16, torch.int64),
+    (4, 1, 7, 1, 16, torch.float16, torch.int32), (2, 64, 40, 8, 24, torch.float32, torch.int16),
+    (4, 3, 0, 2, 8, torch.float32, torch.int16)])
+def test_place_by_key_matches_its_definition(ws, groups, tokens, top_k, width, dtype, key_dtype):
+    """``place_by_key`` with the layout's ``key_places``: each kept assignment's row at the place
+    the layout's definition gives it, that place in ``pos``, -1 for the dropped ones (keys E and
+    above), no other row written; for skewed keys (parts past their regions) and random ones."""
+    g = torch.Generator().manual_seed(ws * 10 + groups + tokens)
+    E, n = ws * groups, tokens * top_k
+    lay = RegionLayout(ws, n + 3, groups, DEVICE)
+    for source, skewed in [(0, False), (ws - 1, True), (ws // 2, False)]:
+        keys = torch.randint(0, E + 2, (n,), generator=g)
+        if skewed:
+            keys[torch.rand(n, generator=g) < 0.6] = groups % E  # the next rank's first group
+        kept = keys[keys < E]
+        counts = torch.zeros(ws, groups, dtype=torch.int32)
+        for e in kept.tolist():
+            counts[(source + e // groups) % ws, e % groups] += 1
+        src = torch.randn(tokens, width, generator=g).to(DEVICE, dtype)
+        dst = torch.full((lay.buffer_rows, width), float("nan"), device=DEVICE, dtype=dtype)
+        pos = place_by_key(src, keys.to(DEVICE, key_dtype), top_k, lay.key_places(counts.to(DEVICE), source), dst)
+        want = _defined_places(lay, keys.tolist(), ws, groups)
+        assert pos.tolist() == want, (source, skewed)
+        expect = torch.full_like(dst, float("nan"))
+        for a, p in enumerate(want):
+            if p >= 0:
+                expect[p] = src[a // top_k]
+        assert torch.equal(dst.nan_to_num(-7), expect.nan_to_num(-7)), (source, skewed)
+    with pytest.raises(ValueError, match="valid: rows of one width and dtype, top_k >= 1 keys per src row"):
+        place_by_key(torch.zeros(3, 4, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), 2,
+                     lay.key_places(counts.to(DEVICE), 0), dst[:, :4])
 
 
 def test_bad_arguments_are_value_errors():
@@ -256,12 +309,13 @@ def test_exchange_over_one_process_workspace_equals_the_all_to_all():
     exs = [DeviceCountAllToAll(_Workspace(ws, r, bufs), rows, W, torch.float32, groups=G) for r in range(ws)]
     g = torch.Generator().manual_seed(3)
     table = _table(ws, rows, G, g, "random")
-    rows_of = [torch.randn(rows, W, generator=g) for _ in range(ws)]
-    places = []
+    rows_of, places = [], []  # each rank's rows and their places in send order
     for r, ex in enumerate(exs):
         ex.send.fill_(float("nan"))
-        places.append(ex.positions(table[r], rows))
-        place_rows(rows_of[r], torch.arange(rows), ex.send, places[-1])
+        keys, src = _keys(table, r, rows, g), torch.randn(rows, W, generator=g)
+        in_order = torch.sort(keys, stable=True).indices
+        rows_of.append(src[in_order])
+        places.append(ex.place(src, keys, 1, table[r])[in_order])
     for r, ex in enumerate(exs):
         ex.back.fill_(float("nan"))
         ex.ready(table[r])

@@ -18,6 +18,7 @@ from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.moe_device import rows_bound
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table
+from overlap_layers.runtime.send_rows import place_by_key
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
 
@@ -42,8 +43,8 @@ class GatheredExchange:
         dist.all_gather(out, t.contiguous())
         return out
 
-    def positions(self, counts, n):
-        return self.layout.positions(counts, self.rank, n)
+    def place(self, src, keys, top_k, counts):
+        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send)
 
     def parts(self, source):
         return self.layout.parts_at((self.rank - source) % self.ws)

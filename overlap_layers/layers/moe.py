@@ -693,6 +693,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         ``step_order``, one tile, by expert in the rank exchange's step order: own experts first;
         the dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
         ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
+        sort_key, weights, counts = self._route_keys(x_TH, K, step_order)
+        return torch.sort(sort_key, stable=True).indices, weights, counts
+
+    def _route_keys(self, x_TH, K: int, step_order: bool = False):
+        """:meth:`_route_and_count` before its sort: ``(keys, weights, counts)``, ``keys`` each
+        token-major assignment's place in the send order's key order (``K * E`` where dropped by
+        capacity; ``E`` with one tile)."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
         shift = El * self.rank if step_order else 0
         probs, top_p, experts, weights, keys, per_expert = route(x_TH, self._local("router_weight"), k,
@@ -723,8 +730,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 key = torch.where(keep, key, K * E)
             sort_key = key.to(key_dtype(K * E))
             counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
-        order = torch.sort(sort_key, stable=True).indices
-        return order, weights, counts
+        return sort_key, weights, counts
 
     def _run(self, x, plan: TilePlan, save: bool, max_tokens: int, trial=None, trace=None) -> torch.Tensor:
         """One call under ``plan``; ``max_tokens`` is the group's largest token count this call."""

@@ -14,7 +14,7 @@ exchange can run over symmetric memory runs this path instead, captured once per
 replayed ([Note: graph calls] in ``call_graphs.py``):
 
 * routing, capacity and the send order as the eager call's (one tile), the send rows gathered
-  straight into their places in the exchange's send buffer (``place_rows``: the own rows first,
+  straight into their places in the exchange's send buffer (``place``, without a sort: the own rows first,
   each peer part's first rows in its fixed region, the rest after the own rows);
 * :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
   expert, split by source rank: the send order puts this rank's rows for its own experts first
@@ -116,7 +116,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..runtime.device_all_to_all import place_rows
 from .moe_combine import combine_rows
 from .moe_ranks import experts_forward
 
@@ -197,16 +196,14 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts), through ``exchange`` (a ``DeviceCountAllToAll`` of ``layer.num_local_experts``
-    groups, or anything with its ``send``, ``rows``, ``positions``, ``ready``, ``recv_counts``,
+    groups, or anything with its ``send``, ``rows``, ``place``, ``ready``, ``recv_counts``,
     ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``own_rows``, ``finish`` and, for
     side streams, ``streams``), with no value read on the host."""
     T, H = x_TH.shape
     k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
-    order, weights, counts = layer._route_and_count(x_TH, 1, step_order=True)  # own experts' rows first
-    n = order.numel()
+    keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
     counts = counts.view(ws, El).to(torch.int32)
-    places = exchange.positions(counts, n)  # -1 for the assignments dropped by capacity (sorted last)
-    place_rows(x_TH, torch.div(order, k, rounding_mode="floor"), exchange.send, places)
+    pos = exchange.place(x_TH, keys, k, counts)  # each assignment's row of send (-1: dropped by capacity)
     exchange.ready(counts)
     ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     peers = [(s, part) for s in ((rank + j) % ws for j in range(1, ws)) for part in exchange.parts(s)]
@@ -273,6 +270,5 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
     back = exchange.finish()  # own results were not pushed: the combine reads them in place
-    pos = torch.empty_like(places).scatter_(0, order, places)  # each assignment's place (-1: dropped)
     y = combine_rows(own, back, pos, weights, counts[rank].sum(), **late)
     return y if added is None else y + added

@@ -74,6 +74,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .exchange import _aligned
+from .send_rows import place_by_key
 from .triton_gate import runs_triton
 
 try:
@@ -106,7 +107,7 @@ class RegionLayout:
     """Where each of a source's send rows lies in its send buffer (module docstring), for ``ws``
     ranks, ``rows`` send rows at most per rank and ``groups`` groups per rank. Host side:
     :meth:`parts_at`, :meth:`region`, ``buffer_rows``; device side, from counts on ``device``
-    (torch ops, no host read: a graph captures them): :meth:`positions`, :meth:`rests` (and
+    (no host read: a graph captures them): :meth:`key_places`, :meth:`rests` (and
     :meth:`rest`, one of them) and :meth:`own_tail`."""
 
     def __init__(self, ws: int, rows: int, groups: int, device: torch.device, slack: float = SLACK) -> None:
@@ -134,6 +135,8 @@ class RegionLayout:
         self._send_order = torch.tensor(send_order, dtype=torch.int64).to(device)
         self._caps = torch.tensor([0] + [self._regions[s][1] for s in order[1:]], dtype=torch.int64).to(device)
         self._starts = torch.tensor([0] + [self._regions[s][0] for s in order[1:]], dtype=torch.int64).to(device)
+        # the segment of each send-order index (destination step j, then group)
+        self._segment = member.view(len(order), ws * groups).argmax(0).to(device)
 
     def parts_at(self, j: int) -> List[Part]:
         """The parts of the rows a source sends the rank ``j`` after it (``0 < j < ws``): for
@@ -161,18 +164,25 @@ class RegionLayout:
         over = torch.clamp_min(n - self._caps, 0)  # the own rows: all of them (cap 0)
         return n, over, torch.cumsum(over, -1) - over
 
-    def positions(self, counts: torch.Tensor, source: int, n: int) -> torch.Tensor:
-        """``[n]`` int64: the place in its send buffer of each of ``source``'s first ``n`` rows in
-        send order, -1 past its counts' sum (rows it does not send)."""
-        seg_n, _, over_start = self._segments(counts.reshape(self.ws * self.groups), self._send_order[source])
-        ends = torch.cumsum(seg_n, 0)
-        i = torch.arange(n, device=ends.device)
-        k = torch.searchsorted(ends, i, right=True)
-        kc = k.clamp(max=ends.numel() - 1)
-        j = i - (ends - seg_n)[kc]
-        cap = self._caps[kc]
-        place = torch.where(j < cap, self._starts[kc] + j, over_start[kc] + j - cap)
-        return torch.where(k < ends.numel(), place, -1)
+    def key_places(self, counts: torch.Tensor, source: int) -> torch.Tensor:
+        """``[3, ws * groups]`` int64 ``(A, C, D)`` from ``source``'s counts (``[ws, groups]``):
+        the i-th of its rows with the send-order index e (``i`` from 0) lies at ``A[e] + i`` if
+        ``i < C[e]`` (in its part's region), else at ``D[e] + i`` (its own rows and the rows past
+        a region, from row 0). One kernel where Triton runs, else torch ops."""
+        E = self.ws * self.groups
+        if runs_triton(counts):
+            out = torch.empty(3, E, dtype=torch.int64, device=counts.device)
+            S = self._caps.numel()
+            _key_places_kernel[(1,)](counts.reshape(E).contiguous(), self._send_order[source], self._segment,
+                                     self._caps, self._starts, out, E=E, S=S, E_P2=triton.next_power_of_2(E),
+                                     S_P2=triton.next_power_of_2(S), num_warps=4)
+            return out
+        flat = counts.reshape(E).to(torch.int64)[self._send_order[source]]
+        seg_n, _, over_start = self._segments(counts.reshape(E), self._send_order[source])
+        seg = self._segment
+        off = torch.cumsum(flat, 0) - flat - (torch.cumsum(seg_n, 0) - seg_n)[seg]
+        cap = self._caps[seg]
+        return torch.stack([self._starts[seg] + off, cap - off, over_start[seg] + off - cap])
 
     def own_tail(self, counts: torch.Tensor, source: int, first: int) -> torch.Tensor:
         """``source``'s rows for its own groups ``first ..`` (its counts ``[ws, groups]``), as
@@ -198,25 +208,6 @@ class RegionLayout:
         j = (dest - source) % self.ws
         self.region(j, part)
         return rests[source, self._index[j, part]].view(4, 1)
-
-
-def place_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, places: torch.Tensor) -> None:
-    """``dst[places[i]] = src[index[i]]`` for each i with ``places[i] >= 0`` (the send rows into
-    their places, :meth:`RegionLayout.positions`): one kernel pass where Triton runs, else torch
-    indexing. ``src`` and ``dst`` are ``[*, W]`` of one dtype; ``index`` and ``places`` of one
-    length, their valid places distinct."""
-    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or index.numel() != places.numel():
-        raise ValueError(f"place_rows: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}, "
-                         f"{index.numel()} indices, {places.numel()} places; valid: rows of one width and dtype, "
-                         "as many places as indices")
-    if runs_triton(dst) and dst.is_contiguous():  # (the torch path's mask would read the host)
-        if index.numel():
-            W = src.shape[1]
-            _place_rows_kernel[(index.numel(),)](src.contiguous(), index.contiguous(), dst, places.contiguous(), W=W,
-                                                 BLOCK_W=min(1024, triton.next_power_of_2(W)), num_warps=4)
-        return
-    live = places >= 0
-    dst[places[live]] = src[index[live]]
 
 
 def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -300,16 +291,28 @@ if triton is not None:
             r0 += nprog * ROWS
 
     @triton.jit
-    def _place_rows_kernel(src_ptr, index_ptr, dst_ptr, places_ptr, W: tl.constexpr, BLOCK_W: tl.constexpr):
-        """One row per program: row ``index[i]`` of ``src`` into row ``places[i]`` of ``dst``
-        where that is not negative."""
-        i = tl.program_id(0)
-        p = tl.load(places_ptr + i).to(tl.int64)
-        s = tl.load(index_ptr + i).to(tl.int64)
-        c = tl.arange(0, BLOCK_W)
-        for c0 in tl.static_range(0, W, BLOCK_W):
-            m = (c0 + c < W) & (p >= 0)
-            tl.store(dst_ptr + p * W + c0 + c, tl.load(src_ptr + s * W + c0 + c, mask=m), mask=m)
+    def _key_places_kernel(counts_ptr, order_ptr, segment_ptr, caps_ptr, starts_ptr, out_ptr, E: tl.constexpr,
+                           S: tl.constexpr, E_P2: tl.constexpr, S_P2: tl.constexpr):
+        """:meth:`RegionLayout.key_places` in one program: the counts in send order, each
+        segment's rows and overflow, each send-order index's offset in its segment."""
+        e = tl.arange(0, E_P2)
+        me = e < E
+        flat = tl.load(counts_ptr + tl.load(order_ptr + e, mask=me, other=0), mask=me, other=0).to(tl.int64)
+        seg = tl.load(segment_ptr + e, mask=me, other=S_P2)
+        s = tl.arange(0, S_P2)
+        member = seg[None, :] == s[:, None]  # [S_P2, E_P2]
+        n = tl.sum(tl.where(member, flat[None, :], 0), 1)
+        cap = tl.load(caps_ptr + s, mask=s < S, other=0)
+        over = tl.maximum(n - cap, 0)
+        over_start = tl.cumsum(over, 0) - over
+        seg_before = tl.cumsum(n, 0) - n
+        off = tl.cumsum(flat, 0) - flat - tl.sum(tl.where(member, seg_before[:, None], 0), 0)
+        cap_e = tl.sum(tl.where(member, cap[:, None], 0), 0)
+        start_e = tl.sum(tl.where(member, tl.load(starts_ptr + s, mask=s < S, other=0)[:, None], 0), 0)
+        over_e = tl.sum(tl.where(member, over_start[:, None], 0), 0)
+        tl.store(out_ptr + e, start_e + off, mask=me)
+        tl.store(out_ptr + E + e, cap_e - off, mask=me)
+        tl.store(out_ptr + 2 * E + e, over_e + off - cap_e, mask=me)
 
     @triton.jit
     def _table_rows_kernel(counts_ptr, row_ptrs, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -324,7 +327,7 @@ if triton is not None:
 
 class DeviceCountAllToAll:
     """The exchange over a group's symmetric workspace (module docstring): per call, this rank's
-    send rows go to ``send`` at :meth:`positions` (the caller writes them), then :meth:`ready` with
+    send rows go to their places in ``send`` (:meth:`place`), then :meth:`ready` with
     this rank's counts per destination and group, for each peer source and each of its
     :meth:`parts` both :meth:`pull` (the region, on the copy engine) and :meth:`pull_rest` (the
     overflow, by a kernel), both :meth:`push` and :meth:`push_rest` of the results (any order, on
@@ -371,16 +374,17 @@ class DeviceCountAllToAll:
         """The parts (ranges of groups) in which the peer ``source``'s rows come to this rank."""
         return self.layout.parts_at(self._j(source))
 
-    def positions(self, counts: torch.Tensor, n: int) -> torch.Tensor:
-        """``[n]`` int64: the row of ``send`` for each of this rank's first ``n`` rows in send
-        order (its own rows first, at rows ``0 ..``), -1 past ``counts``' sum (``[ws, groups]``
-        int32, as :meth:`ready` takes)."""
-        return self.layout.positions(counts, self.rank, n)
+    def place(self, src: torch.Tensor, keys: torch.Tensor, top_k: int, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's send rows into ``send`` (:func:`~.send_rows.place_by_key`: the rows of
+        ``src`` ``[T, W]`` for its ``T * top_k`` assignments with ``keys``, their send-order
+        indices, dropped at ``ws * groups`` and above; ``counts`` the kept ones', ``[ws, groups]``
+        int32 as :meth:`ready` takes). Returns each assignment's row of ``send`` (-1: dropped)."""
+        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send)
 
     def ready(self, counts: torch.Tensor) -> None:
         """Start a call: ``counts`` (``[ws, groups]`` int32 on the device, or ``[ws]`` with one
         group: rows for each destination's groups, in send order) into every rank's table, then
-        the TABLE signals. This rank's send rows are in place in ``send`` (:meth:`positions`)."""
+        the TABLE signals. This rank's send rows are in place in ``send`` (:meth:`place`)."""
         if self.w.handle is not self._handle:
             raise RuntimeError("DeviceCountAllToAll: the workspace was reallocated (it grew for another exchange) "
                                "since this exchange was made; make a new one")

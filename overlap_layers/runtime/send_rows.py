@@ -1,0 +1,122 @@
+"""The MoE device path's send rows into their places in the exchange's send buffer, straight from
+the routing's keys: no sort of the assignments (``layers/moe_device.py``).
+
+Reference, for the assignments ``a = 0 .. N-1`` (token-major: assignment a is row ``a // top_k``
+of ``src``) with ``keys[a]`` in ``0 .. E-1`` (the send-order index of its destination rank and
+group, :class:`~.device_all_to_all.RegionLayout`) or ``E`` and above (dropped), and the layout's
+:meth:`~.device_all_to_all.RegionLayout.key_places` ``(A, C, D)`` of the source's counts::
+
+    i          = the number of assignments before a with the same key
+    place      = A[key] + i  if i < C[key]  else  D[key] + i      (the region, then past it)
+    dst[place] = src[a // top_k]
+    pos[a]     = place, or -1 where a is dropped
+
+so the kept rows lie in send order (by key, each key's rows in assignment order), each part's
+first rows in its region, exactly where the layout puts a source's rows in send order.
+
+[Note: placing without a sort]
+Until session 38 the device path sorted the assignments by key (CUB's radix sort, about ten
+launches), computed each row's place from its index in send order (about a dozen more) and
+scattered the places back to the assignments: in the replayed qwen3 forward at EP 2 those small
+kernels took about 100 us between the router and the placing (2x H200, session 37). Here a
+kernel counts each block of assignments per key, a cumulative sum over the blocks gives each
+block's rows before it per key, and the placing kernel finds each row's index from those and the
+earlier rows of its own block: three launches, and the places stay those of the stable order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .triton_gate import runs_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch path
+    triton = None
+
+_BLOCK = 32  # assignments per program: its rows are copied as one [_BLOCK, BLOCK_W] tile per step
+
+
+def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: torch.Tensor,
+                 dst: torch.Tensor) -> torch.Tensor:
+    """Place the assignments' rows (module docstring) into ``dst`` (``[rows, W]``, contiguous) and
+    return ``pos`` (``[N]`` int64). ``src`` is ``[T, W]`` of ``dst``'s dtype with ``N = T *
+    top_k``, ``keys`` ``[N]`` integers, ``key_places`` ``[3, E]`` int64. Three kernels where
+    Triton runs (no host read: a graph captures them), else torch ops (with a host read). A place
+    outside ``dst`` is not written (a safety net for keys that disagree with the counts)."""
+    N, E = keys.numel(), key_places.shape[-1]
+    if (src.dim() != 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or top_k < 1
+            or N != src.shape[0] * top_k or key_places.shape != (3, E) or not dst.is_contiguous()):
+        raise ValueError(f"place_by_key: src {tuple(src.shape)} {src.dtype}, {N} keys, top_k={top_k}, key places "
+                         f"{tuple(key_places.shape)}, dst {tuple(dst.shape)} {dst.dtype}; valid: rows of one width "
+                         "and dtype, top_k >= 1 keys per src row, key places [3, E], a contiguous dst")
+    pos = torch.empty(N, dtype=torch.int64, device=keys.device)
+    if N == 0:
+        return pos
+    if runs_triton(dst):
+        nb = triton.cdiv(N, _BLOCK)
+        e_p2 = triton.next_power_of_2(E)
+        hist = torch.empty(nb, E, dtype=torch.int32, device=keys.device)
+        _key_blocks_kernel[(nb,)](keys, hist, N, E=E, E_P2=e_p2, BLOCK=_BLOCK, num_warps=4)
+        before = torch.cumsum(hist, 0, dtype=torch.int32)  # row b: the keys of blocks 0 .. b
+        W = src.shape[1]
+        _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, dst.shape[0], TOP_K=top_k,
+                                    E=E, W=W, BLOCK=_BLOCK, BLOCK_W=min(256, triton.next_power_of_2(W)), num_warps=8)
+        return pos
+    k = keys.to(torch.int64)
+    order = torch.sort(k, stable=True).indices
+    sk = k[order]
+    kept = sk < E
+    kc = sk.clamp(max=E - 1)
+    per_key = torch.bincount(kc[kept], minlength=E)
+    i = torch.arange(N, device=keys.device) - (torch.cumsum(per_key, 0) - per_key)[kc]
+    A, C, D = key_places
+    place = torch.where(kept, torch.where(i < C[kc], A[kc] + i, D[kc] + i), -1)
+    pos[order] = place
+    ok = (pos >= 0) & (pos < dst.shape[0])
+    dst[pos[ok]] = src[torch.div(torch.arange(N, device=keys.device), top_k, rounding_mode="floor")[ok]]
+    return pos
+
+
+if triton is not None:
+    @triton.jit
+    def _key_blocks_kernel(keys_ptr, hist_ptr, N, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+        """Row ``program_id`` of ``hist``: the assignments of that block of ``BLOCK`` per key."""
+        b = tl.program_id(0)
+        a = b * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(keys_ptr + a, mask=a < N, other=E).to(tl.int32)
+        e = tl.arange(0, E_P2)
+        h = tl.sum((key[:, None] == e[None, :]).to(tl.int32), 0)
+        tl.store(hist_ptr + b * E + e, h, mask=e < E)
+
+    @triton.jit
+    def _place_by_key_kernel(src_ptr, keys_ptr, before_ptr, places_ptr, dst_ptr, pos_ptr, N, dst_rows,
+                             TOP_K: tl.constexpr, E: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+                             BLOCK_W: tl.constexpr):
+        """One block of ``BLOCK`` assignments: each one's index among its key's (the earlier
+        blocks' count from ``before``, then the earlier assignments of this block), its place,
+        ``pos`` and its row."""
+        b = tl.program_id(0)
+        j = tl.arange(0, BLOCK)
+        a = b * BLOCK + j
+        live = a < N
+        key = tl.load(keys_ptr + a, mask=live, other=E).to(tl.int32)
+        kept = live & (key < E)
+        kc = tl.where(kept, key, 0)
+        same_earlier = (key[None, :] == key[:, None]) & (j[None, :] < j[:, None])
+        i = tl.sum(same_earlier.to(tl.int64), 1)
+        i += tl.load(before_ptr + (b - 1) * E + kc, mask=kept & (b > 0), other=0).to(tl.int64)
+        A = tl.load(places_ptr + kc, mask=kept, other=0)
+        C = tl.load(places_ptr + E + kc, mask=kept, other=0)
+        D = tl.load(places_ptr + 2 * E + kc, mask=kept, other=0)
+        place = tl.where(i < C, A + i, D + i)
+        tl.store(pos_ptr + a, tl.where(kept, place, -1), mask=live)
+        ok = kept & (place >= 0) & (place < dst_rows)
+        row = (a // TOP_K).to(tl.int64)
+        c_off = tl.arange(0, BLOCK_W)
+        for c0 in tl.static_range(0, W, BLOCK_W):
+            c = c0 + c_off
+            m = ok[:, None] & (c < W)[None, :]
+            v = tl.load(src_ptr + row[:, None] * W + c[None, :], mask=m)
+            tl.store(dst_ptr + place[:, None] * W + c[None, :], v, mask=m)
