@@ -189,6 +189,11 @@ class RegionLayout:
         :func:`copy_rows_by_table` segments ``[4, 1]``: (source, their first place, row 0, rows)."""
         if not 0 < first < self.groups:
             raise ValueError(f"first={first}; valid: a group 1 .. {self.groups - 1} (the own rows from it on)")
+        if runs_triton(counts):  # one launch (the torch ops below are six)
+            out = torch.empty(4, 1, dtype=torch.int64, device=counts.device)
+            _own_tail_kernel[(1,)](counts.reshape(-1).contiguous(), out, source, first, G=self.groups,
+                                   G_P2=triton.next_power_of_2(self.groups), num_warps=1)
+            return out
         mine = counts.reshape(self.ws, self.groups)[source].to(torch.int64)
         return torch.stack([torch.full_like(mine[0], source), mine[:first].sum(), torch.zeros_like(mine[0]),
                             mine[first:].sum()]).view(4, 1)
@@ -197,7 +202,15 @@ class RegionLayout:
         """``[ws, S, 4]`` int64, for every source and segment of its send rows, the overflow as a
         :func:`copy_rows_by_table` segment: (source, first place in its send buffer, row in the
         pulled rows = the region's capacity, rows). One pass over the table: :meth:`rest` picks
-        a source's part from it without a kernel of its own."""
+        a source's part from it without a kernel of its own. One kernel where Triton runs (the
+        torch ops below are about ten)."""
+        if runs_triton(table):
+            E, S = self.ws * self.groups, self._caps.numel()
+            out = torch.empty(self.ws, S, 4, dtype=torch.int64, device=table.device)
+            _rests_kernel[(self.ws,)](table.reshape(-1).contiguous(), self._send_order, self._segment, self._caps, out,
+                                      E=E, S=S, E_P2=triton.next_power_of_2(E), S_P2=triton.next_power_of_2(S),
+                                      num_warps=4)
+            return out
         _, over, over_start = self._segments(table.reshape(self.ws, self.ws * self.groups), self._send_order)
         sources = torch.arange(self.ws, device=table.device)[:, None].expand_as(over)
         return torch.stack([sources, over_start, self._caps.expand_as(over), over], -1)
@@ -291,20 +304,59 @@ if triton is not None:
             r0 += nprog * ROWS
 
     @triton.jit
-    def _key_places_kernel(counts_ptr, order_ptr, segment_ptr, caps_ptr, starts_ptr, out_ptr, E: tl.constexpr,
-                           S: tl.constexpr, E_P2: tl.constexpr, S_P2: tl.constexpr):
-        """:meth:`RegionLayout.key_places` in one program: the counts in send order, each
-        segment's rows and overflow, each send-order index's offset in its segment."""
+    def _segment_rows(counts_ptr, order_ptr, segment_ptr, caps_ptr, E: tl.constexpr, S: tl.constexpr,
+                      E_P2: tl.constexpr, S_P2: tl.constexpr):
+        """One source's counts (``counts_ptr``: ``[ws * groups]`` by destination rank, then group)
+        in its send order (``order_ptr``), the segment of each (``[E_P2]`` each), and each
+        segment's rows, capacity, rows past it and where those begin (``[S_P2]`` each)."""
         e = tl.arange(0, E_P2)
         me = e < E
         flat = tl.load(counts_ptr + tl.load(order_ptr + e, mask=me, other=0), mask=me, other=0).to(tl.int64)
         seg = tl.load(segment_ptr + e, mask=me, other=S_P2)
         s = tl.arange(0, S_P2)
-        member = seg[None, :] == s[:, None]  # [S_P2, E_P2]
-        n = tl.sum(tl.where(member, flat[None, :], 0), 1)
+        n = tl.sum(tl.where(seg[None, :] == s[:, None], flat[None, :], 0), 1)
         cap = tl.load(caps_ptr + s, mask=s < S, other=0)
         over = tl.maximum(n - cap, 0)
-        over_start = tl.cumsum(over, 0) - over
+        return flat, seg, n, cap, over, tl.cumsum(over, 0) - over
+
+    @triton.jit
+    def _rests_kernel(table_ptr, order_ptr, segment_ptr, caps_ptr, out_ptr, E: tl.constexpr, S: tl.constexpr,
+                      E_P2: tl.constexpr, S_P2: tl.constexpr):
+        """:meth:`RegionLayout.rests` of the source ``program_id``."""
+        src = tl.program_id(0)
+        _, _, _, cap, over, over_start = _segment_rows(table_ptr + src * E, order_ptr + src * E, segment_ptr,
+                                                       caps_ptr, E, S, E_P2, S_P2)
+        s = tl.arange(0, S_P2)
+        row = out_ptr + (src * S + s) * 4
+        m = s < S
+        tl.store(row, tl.zeros_like(cap) + src, mask=m)
+        tl.store(row + 1, over_start, mask=m)
+        tl.store(row + 2, cap, mask=m)
+        tl.store(row + 3, over, mask=m)
+
+    @triton.jit
+    def _own_tail_kernel(counts_ptr, out_ptr, source, first, G: tl.constexpr, G_P2: tl.constexpr):
+        """:meth:`RegionLayout.own_tail`: (source, its rows of the groups before ``first``, 0,
+        its rows of the groups from ``first``)."""
+        g = tl.arange(0, G_P2)
+        mine = tl.load(counts_ptr + source * G + g, mask=g < G, other=0).to(tl.int64)
+        zero = tl.sum(mine, 0) * 0  # an int64 scalar (a source of 1 comes as a constant)
+        tl.store(out_ptr, zero + source)
+        tl.store(out_ptr + 1, tl.sum(tl.where(g < first, mine, 0), 0))
+        tl.store(out_ptr + 2, zero)
+        tl.store(out_ptr + 3, tl.sum(tl.where(g >= first, mine, 0), 0))
+
+    @triton.jit
+    def _key_places_kernel(counts_ptr, order_ptr, segment_ptr, caps_ptr, starts_ptr, out_ptr, E: tl.constexpr,
+                           S: tl.constexpr, E_P2: tl.constexpr, S_P2: tl.constexpr):
+        """:meth:`RegionLayout.key_places` in one program: the counts in send order, each
+        segment's rows and overflow, each send-order index's offset in its segment."""
+        flat, seg, n, cap, over, over_start = _segment_rows(counts_ptr, order_ptr, segment_ptr, caps_ptr, E, S,
+                                                            E_P2, S_P2)
+        e = tl.arange(0, E_P2)
+        me = e < E
+        s = tl.arange(0, S_P2)
+        member = seg[None, :] == s[:, None]  # [S_P2, E_P2]
         seg_before = tl.cumsum(n, 0) - n
         off = tl.cumsum(flat, 0) - flat - tl.sum(tl.where(member, seg_before[:, None], 0), 0)
         cap_e = tl.sum(tl.where(member, cap[:, None], 0), 0)
