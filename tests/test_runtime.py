@@ -502,21 +502,29 @@ def test_a_bucket_member_is_not_reused_before_the_issuing_stream_packed_it():
 
     dev = torch.device("cuda", 0)
     mine, issuing = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    with torch.cuda.stream(mine):
-        a = torch.full((1024, 256), 1.0, device=dev)
-        b = torch.full((1024, 256), 2.0, device=dev)
-    issuing.wait_stream(mine)
-    with torch.cuda.stream(issuing):
-        torch.cuda._sleep(50_000_000)  # keeps the packing copy queued while the members are dropped
-        packed = _packed([a, b], [a, b])
-    where = a.data_ptr()
-    del a
-    with torch.cuda.stream(mine):
-        c = torch.full((1024, 256), 3.0, device=dev)
-    assert c.data_ptr() != where
-    torch.cuda.synchronize(dev)
-    assert torch.equal(packed[:1024], torch.ones(1024, 256, device=dev))
-    assert torch.equal(packed[1024:], torch.full((1024, 256), 2.0, device=dev))
+    # the memory may go to c once the packing ran: the check holds only while the issuing stream
+    # is still asleep when c is made (a loaded host can take longer than the sleep: sleep longer)
+    for cycles in (50_000_000, 400_000_000, 3_200_000_000):
+        with torch.cuda.stream(mine):
+            a = torch.full((1024, 256), 1.0, device=dev)
+            b = torch.full((1024, 256), 2.0, device=dev)
+        issuing.wait_stream(mine)
+        with torch.cuda.stream(issuing):
+            torch.cuda._sleep(cycles)  # keeps the packing copy queued while the members are dropped
+            packed = _packed([a, b], [a, b])
+        where = a.data_ptr()
+        del a
+        with torch.cuda.stream(mine):
+            c = torch.full((1024, 256), 3.0, device=dev)
+        asleep = not issuing.query()
+        torch.cuda.synchronize(dev)
+        if asleep:
+            assert c.data_ptr() != where
+            assert torch.equal(packed[:1024], torch.ones(1024, 256, device=dev))
+            assert torch.equal(packed[1024:], torch.full((1024, 256), 2.0, device=dev))
+            return
+        del b, c, packed
+    pytest.fail("the issuing stream woke before the next tensor was made at every sleep: the race was never tested")
 
 
 def test_push_order_halves_only_the_last_push():
