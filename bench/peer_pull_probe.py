@@ -9,9 +9,11 @@ alone and beside a GEMM on another stream (the kernel takes SMs, the copy engine
 Every rank pulls ``rows`` rows of ``width`` bf16 from each peer (rank r starts at peer r+1, so the
 ranks' reads form permutations) into a local buffer. Printed per transport and CTA count (medians
 over the iterations, us): the pull alone, its GB/s (bytes pulled per rank), five GEMMs
-([8192, 4096] x [4096, 4096]) alone and beside the pull, and the pull beside them. The last row is
-the library's ``DeviceCountAllToAll`` pulling the same rows (plus each rank's own ``rows``, copied
-locally): its table copies and signals, its table-driven kernel once per source, the end signals.
+([8192, 4096] x [4096, 4096]) alone and beside the pull, and the pull beside them. The copy engine
+also runs with a stream per peer (``streams``), and with pushes of the same bytes into every peer's
+buffer at the same time (``+ push``: one stream for the pulls and one for the pushes, as the MoE's
+device path runs them, or a stream per peer for each), its GB/s still counting the pulled bytes
+only. (Until session 38 a last row timed the library's exchange, whose layout has changed since.)
 """
 import argparse
 import json
@@ -79,13 +81,13 @@ def main():
     if enable is not None:
         enable(group.group_name)
     R, W = args.rows, args.width
-    buf = symm_mem.empty((ws * R, W), dtype=torch.bfloat16, device=dev)
-    buf.copy_(torch.randn(ws * R, W, device=dev).to(torch.bfloat16) + rank)
+    buf = symm_mem.empty((2 * ws * R, W), dtype=torch.bfloat16, device=dev)  # rows to pull, then rows pushed to
+    buf.copy_(torch.randn(2 * ws * R, W, device=dev).to(torch.bfloat16) + rank)
     handle = symm_mem.rendezvous(buf, group)
     torch.cuda.synchronize()
     dist.barrier(group=group)  # every buffer written before any pull
     peers = [(rank + j) % ws for j in range(1, ws)]
-    views = [handle.get_buffer(q, (ws * R, W), torch.bfloat16, 0) for q in peers]
+    views = [handle.get_buffer(q, (2 * ws * R, W), torch.bfloat16, 0) for q in peers]
     ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=dev)
     counts = torch.full((ws - 1,), R, dtype=torch.int32, device=dev)
     src_starts = torch.full((ws - 1,), rank * R, dtype=torch.int32, device=dev)  # q's rows for r
@@ -109,6 +111,25 @@ def main():
         for j, v in enumerate(views):
             dst[j * R:(j + 1) * R].copy_(v[rank * R:(rank + 1) * R])
 
+    streams = [torch.cuda.Stream(device=dev) for _ in range(2 * (ws - 1))]
+
+    def engines(per_peer: bool, push: bool):
+        def run():
+            main = torch.cuda.current_stream()
+            for j, v in enumerate(views):
+                pull_s = streams[j if per_peer else 0]
+                pull_s.wait_stream(main)
+                with torch.cuda.stream(pull_s):
+                    dst[j * R:(j + 1) * R].copy_(v[rank * R:(rank + 1) * R])
+                if push:  # this rank's rows for peer j into its second half
+                    push_s = streams[ws - 1 + (j if per_peer else 0)]
+                    push_s.wait_stream(main)
+                    with torch.cuda.stream(push_s):
+                        v[(ws + rank) * R:(ws + rank + 1) * R].copy_(buf[j * R:(j + 1) * R])
+            for s in streams:
+                main.wait_stream(s)
+        return run
+
     def beside(pull):
         """(gemm us, pull us) with the pull on a side stream beside the GEMMs."""
         ga, gb, pa, pb = (torch.cuda.Event(enable_timing=True) for _ in range(4))
@@ -129,32 +150,15 @@ def main():
             pt.append(pa.elapsed_time(pb) * 1e3)
         return statistics.median(gt), statistics.median(pt)
 
-    from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
-    from overlap_layers.runtime.exchange import shared_workspace
-    ex = DeviceCountAllToAll(shared_workspace(group, dev, "device_counts"), ws * R, W, torch.bfloat16)
-    ex.send.copy_(buf)
-    per_dest = torch.full((ws,), R, dtype=torch.int32, device=dev)
-    recv = torch.empty(ws, ws * R, W, dtype=torch.bfloat16, device=dev)
-    own = buf[rank * R:(rank + 1) * R]
-    want_recv = torch.cat([own if s == rank else views[peers.index(s)][rank * R:(rank + 1) * R] for s in range(ws)])
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-
-    def dispatch():
-        ex.ready(per_dest)
-        for s in range(ws):
-            ex.pull(s, recv[s])
-        ex.finish()
-
     gemm_alone = _timed(gemms, args.iters, group)
     rows = []
-    for name, pull in [("copy_engine", engine)] + [(f"triton {c} CTAs", kernel(c)) for c in args.ctas] \
-            + [("table dispatch", dispatch)]:
+    variants = [("copy_engine", engine), ("streams", engines(True, False)), ("1 stream + push", engines(False, True)),
+                ("streams + push", engines(True, True))]
+    for name, pull in variants + [(f"triton {c} CTAs", kernel(c)) for c in args.ctas]:
         dst.zero_()
-        recv.zero_()
         pull()
         torch.cuda.synchronize()
-        ok = torch.equal(recv[:, :R].reshape(ws * R, W), want_recv) if pull is dispatch else torch.equal(dst, want)
+        ok = torch.equal(dst, want)
         alone = _timed(pull, args.iters, group)
         g, pb = beside(pull)
         rows.append(dict(pull=name, correct=ok, pull_us=alone, gbps=nbytes / alone / 1e3, gemm_us=gemm_alone,

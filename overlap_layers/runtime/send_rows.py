@@ -22,6 +22,9 @@ kernels took about 100 us between the router and the placing (2x H200, session 3
 kernel counts each block of assignments per key, a cumulative sum over the blocks gives each
 block's rows before it per key, and the placing kernel finds each row's index from those and the
 earlier rows of its own block: three launches, and the places stay those of the stable order.
+Same-call A/B on 2x H200 (session 38, qwen3-30b-a3b, EP 2, 8192 tokens per rank, replayed
+forward): 1.882 -> 1.786 ms (-5.1%; compute-only 1.66). A first version summed the block counts
+along the blocks (a [2048, 128] table's first dim): that scan alone took 359 us.
 """
 from __future__ import annotations
 
@@ -59,8 +62,7 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
         e_p2 = triton.next_power_of_2(E)
         hist = torch.empty(E, nb, dtype=torch.int32, device=keys.device)  # by key, then block
         _key_blocks_kernel[(nb,)](keys, hist, N, nb, E=E, E_P2=e_p2, BLOCK=_BLOCK, num_warps=4)
-        # [e, b]: key e in blocks 0 .. b. Along the last dim: the cumsum over the first of a
-        # [2048, 128] table took 359 us (one sequential scan per column; qwen3 at EP 2, session 38)
+        # [e, b]: key e in blocks 0 .. b, summed along the last dim ([Note: placing without a sort])
         before = torch.cumsum(hist, 1, dtype=torch.int32)
         W = src.shape[1]
         _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, nb, dst.shape[0], TOP_K=top_k,
