@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from kernel_device import DEVICE as KERNEL_DEVICE
 from overlap_layers.runtime import device_all_to_all
@@ -210,6 +211,31 @@ def test_place_by_key_matches_its_definition(ws, groups, tokens, top_k, width, d
     with pytest.raises(ValueError, match="valid: rows of one width and dtype, top_k >= 1 keys per src row"):
         place_by_key(torch.zeros(3, 4, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), 2,
                      lay.key_places(counts.to(DEVICE), 0), dst[:, :4])
+
+
+@settings(max_examples=25, deadline=None)
+@given(ws=st.integers(2, 4), groups=st.integers(1, 5), tokens=st.integers(0, 24), top_k=st.integers(1, 4),
+       skew=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_place_by_key_property(ws, groups, tokens, top_k, skew, seed):
+    """Any layout and keys (a share ``skew`` of them on one key, some dropped): every kept
+    assignment at its defined place with its row, the dropped at -1."""
+    g = torch.Generator().manual_seed(seed)
+    E, n = ws * groups, tokens * top_k
+    lay = RegionLayout(ws, n + 1, groups, DEVICE)
+    source = seed % ws
+    keys = torch.randint(0, E + 1, (n,), generator=g)
+    keys[torch.rand(n, generator=g) < skew] = seed % E
+    counts = torch.zeros(ws, groups, dtype=torch.int32)
+    for e in keys[keys < E].tolist():
+        counts[(source + e // groups) % ws, e % groups] += 1
+    src = torch.randn(tokens, 3, generator=g).to(DEVICE)
+    dst = torch.full((lay.buffer_rows, 3), float("nan"), device=DEVICE)
+    pos = place_by_key(src, keys.to(DEVICE), top_k, lay.key_places(counts.to(DEVICE), source), dst)
+    want = _defined_places(lay, keys.tolist(), ws, groups)
+    assert pos.tolist() == want
+    kept = [a for a, p in enumerate(want) if p >= 0]
+    assert torch.equal(dst[[want[a] for a in kept]], src[[a // top_k for a in kept]])
+    assert int(dst.isnan().all(1).sum()) == lay.buffer_rows - len(kept)
 
 
 def test_bad_arguments_are_value_errors():
