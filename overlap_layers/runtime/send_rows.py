@@ -50,14 +50,17 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
     outside ``dst`` is not written (a safety net for keys that disagree with the counts)."""
     N, E = keys.numel(), key_places.shape[-1]
     if (src.dim() != 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or top_k < 1
-            or N != src.shape[0] * top_k or key_places.shape != (3, E) or not dst.is_contiguous()):
+            or N != src.shape[0] * top_k or key_places.shape != (3, E) or not dst.is_contiguous()
+            or len({src.device, keys.device, key_places.device, dst.device}) > 1):
         raise ValueError(f"place_by_key: src {tuple(src.shape)} {src.dtype}, {N} keys, top_k={top_k}, key places "
-                         f"{tuple(key_places.shape)}, dst {tuple(dst.shape)} {dst.dtype}; valid: rows of one width "
-                         "and dtype, top_k >= 1 keys per src row, key places [3, E], a contiguous dst")
+                         f"{tuple(key_places.shape)}, dst {tuple(dst.shape)} {dst.dtype}, devices "
+                         f"{sorted({str(t.device) for t in (src, keys, key_places, dst)})}; valid: rows of one width "
+                         "and dtype, top_k >= 1 keys per src row, key places [3, E], a contiguous dst, one device")
     pos = torch.empty(N, dtype=torch.int64, device=keys.device)
     if N == 0:
         return pos
     if runs_triton(dst):
+        keys, key_places = keys.contiguous(), key_places.contiguous()
         nb = triton.cdiv(N, _BLOCK)
         e_p2 = triton.next_power_of_2(E)
         hist = torch.empty(E, nb, dtype=torch.int32, device=keys.device)  # by key, then block
