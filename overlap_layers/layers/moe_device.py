@@ -36,8 +36,11 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
   for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
-  holds the bound, so at EP 4 the call keeps four such buffers instead of six (of qwen3's, 256
-  MiB each, within a graph pool of 2.3 GB in session 31);
+  holds the bound (qwen3's: 256 MiB each). At EP 4 (four peer parts) the call keeps six such
+  buffers instead of eight. Two slots (session 32) saved 512 MiB of the graph pool but made each
+  pull wait for the experts of the part two before it: 2.48 / 2.42 ms against 1.90 / 1.91 with
+  three (qwen3 forward, 4x H200, session 38; graph pool 1912 -> 2424 MiB). At EP 2 (two peer
+  parts) the number does not matter;
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the two own results, the others at their places in ``back``, an assignment dropped
   by capacity, placed at -1, as 0) and sums them weighted.
@@ -121,7 +124,7 @@ from .moe_ranks import experts_forward
 
 
 ROUNDS = 2  # timed calls of each path in the race
-SLOTS = 2  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
+SLOTS = 3  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
 MAX_SIGNATURES = 64  # races kept per layer
 
 
