@@ -134,7 +134,8 @@ def run(dev: torch.device, args) -> None:
     mine = torch.tensor([(t1 - t0) / args.calls * 1e3, (t2 - t0) / args.calls * 1e3], dtype=torch.float64,
                         device=dev)
     every = torch.empty(ws * 2, dtype=torch.float64, device=dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name where torch has it
+    # the newer name where torch has it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(every, mine)
     every = every.view(ws, 2).tolist()
     if rank == 0:

@@ -140,8 +140,8 @@ def _call_with(rank, ws, name, moe):
 
 
 @pytest.mark.parametrize("name,match", [("hidden", "hidden"), ("hidden_rank1", "hidden"), ("rank0_2d", "3-D"),
-                                        ("rank0_none", "3-D"), ("int", "dtype"), ("dtype_rank1", "dtype"), ("device", "device"),
-                                        ("seq", "seq"), ("position_ids", "position_ids must")])
+                                        ("rank0_none", "3-D"), ("int", "dtype"), ("dtype_rank1", "dtype"),
+                                        ("device", "device"), ("seq", "seq"), ("position_ids", "position_ids must")])
 @pytest.mark.parametrize("moe", [False, True])
 def test_bad_input_raises_on_every_rank(pool2, name, match, moe):
     """An input the attention's agreement rejects raises ValueError on every rank, also where the

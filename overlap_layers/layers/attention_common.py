@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .attention_core import rope_cos_sin
-from .planned import X_ERRORS, x_error
+from .planned import X_ERRORS, finite_number, x_error
 
 INPUT_ERRORS = {
     **X_ERRORS,
@@ -51,12 +51,12 @@ def check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta, softm
         head_dim = hidden_size // num_heads
     _positive_int("head_dim", head_dim)
     if rope_theta is not None:
-        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
+        if not finite_number(rope_theta):
             raise ValueError(f"rope_theta={rope_theta!r}; must be a positive finite number or None (no RoPE)")
         if head_dim % 2:
             raise ValueError(f"head_dim={head_dim} must be even with RoPE (it rotates halves); "
                              f"pass rope_theta=None for no RoPE")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and 0 < softmax_scale < math.inf):
+    if softmax_scale is not None and not finite_number(softmax_scale):
         raise ValueError(f"softmax_scale={softmax_scale!r}; must be a positive finite number or None "
                          f"(1/sqrt(head_dim))")
     if isinstance(dropout_p, bool) or not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):

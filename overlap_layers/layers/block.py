@@ -32,7 +32,6 @@ sums both over the group (see its [Note: which partials]).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -50,7 +49,8 @@ from .fused_block import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_pla
 from .mlp import OverlapMLP
 from .mlp import _Call as MLPCall
 from .moe import OverlapMoE
-from .planned import X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, check_dtype, x_error
+from .planned import (X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, check_dtype, finite_number,
+                      x_error)
 from .planning import PlanCache
 from .tokens import gather_tokens, split_tokens
 
@@ -85,7 +85,7 @@ class BlockNorm(nn.Module):
 def _check_norm(norm, norm_eps) -> None:
     if norm not in NORMS:
         raise ValueError(f"norm={norm!r}; valid: {NORMS}")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < math.inf:
+    if not finite_number(norm_eps):
         raise ValueError(f"norm_eps={norm_eps!r}; must be a positive finite number")
 
 

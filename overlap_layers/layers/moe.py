@@ -92,8 +92,8 @@ from .moe_combine import combine_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
 from .moe_ranks import RankCall, RankChunkExperts, experts_forward, first_rows, launch_first, piece_offsets
-from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, resolve_config, run_tiles,
-                      x_error)
+from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number, resolve_config,
+                      run_tiles, x_error)
 from .rank_plans import RankChunkPlans
 from .routing import count, key_dtype, route_topk
 from .tp_program import Accumulator, recording_graph
@@ -445,13 +445,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
-        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                                and not isinstance(capacity_factor, bool)
-                                                and 0 < capacity_factor < math.inf):
+        if capacity_factor is not None and not finite_number(capacity_factor):
             raise ValueError(f"capacity_factor={capacity_factor!r}; must be None (dropless) or a positive finite "
                              f"number")
-        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) \
-                or not 0 <= aux_loss_coef < math.inf:
+        if not finite_number(aux_loss_coef, zero_ok=True):
             raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a finite number >= 0")
         if shared_expert_ffn is not None and (isinstance(shared_expert_ffn, bool) or
                                               not isinstance(shared_expert_ffn, int) or shared_expert_ffn < 1):

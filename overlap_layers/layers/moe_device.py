@@ -202,7 +202,7 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     groups, or anything with its ``send``, ``rows``, ``place``, ``ready``, ``recv_counts``,
     ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``own_rows``, ``finish`` and, for
     side streams, ``streams``), with no value read on the host."""
-    T, H = x_TH.shape
+    H = x_TH.shape[1]
     k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
     counts = counts.view(ws, El).to(torch.int32)
@@ -273,5 +273,5 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
         main.wait_stream(streams[0])
         main.wait_stream(streams[1])
     back = exchange.finish()  # own results were not pushed: the combine reads them in place
-    y = combine_rows(own, back, pos, weights, counts[rank].sum(), **late)
+    y = combine_rows(own, back, pos, weights, ends[rank][-1], **late)  # the own rows: counts[rank]'s sum
     return y if added is None else y + added

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 import weakref
 import zlib
@@ -172,6 +173,13 @@ def resolve_config(config: Optional[OverlapConfig], num_tiles):
     elif not isinstance(config, OverlapConfig):
         raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
     return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
+
+
+def finite_number(v, zero_ok: bool = False) -> bool:
+    """Whether ``v`` is a real number (an int or a float, not a bool), finite and positive (or
+    zero, with ``zero_ok``): the check of the layers' float arguments."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v < math.inf
+            and (v >= 0 if zero_ok else v > 0))
 
 
 def check_dtype(dtype) -> None:

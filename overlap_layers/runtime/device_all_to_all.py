@@ -156,13 +156,13 @@ class RegionLayout:
         return self._regions[j, part]
 
     def _segments(self, counts: torch.Tensor, send_order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """``[..., S]`` each: the rows of each segment (own rows, then each part), those past its
-        region and where those begin, from counts ``[..., ws * groups]`` (by destination rank,
-        then group) and their sources' rows of ``_send_order``."""
+        """The counts ``[..., ws * groups]`` (by destination rank, then group) in their sources'
+        send order (rows of ``_send_order``), then ``[..., S]`` each: the rows of each segment (own
+        rows, then each part), those past its region and where those begin."""
         flat = torch.gather(counts.to(torch.int64), -1, send_order)  # in each source's send order
         n = (flat.unsqueeze(-2) * self._member).sum(-1)
         over = torch.clamp_min(n - self._caps, 0)  # the own rows: all of them (cap 0)
-        return n, over, torch.cumsum(over, -1) - over
+        return flat, n, over, torch.cumsum(over, -1) - over
 
     def key_places(self, counts: torch.Tensor, source: int) -> torch.Tensor:
         """``[3, ws * groups]`` int64 ``(A, C, D)`` from ``source``'s counts (``[ws, groups]``):
@@ -177,8 +177,7 @@ class RegionLayout:
                                      self._caps, self._starts, out, E=E, S=S, E_P2=triton.next_power_of_2(E),
                                      S_P2=triton.next_power_of_2(S), num_warps=4)
             return out
-        flat = counts.reshape(E).to(torch.int64)[self._send_order[source]]
-        seg_n, _, over_start = self._segments(counts.reshape(E), self._send_order[source])
+        flat, seg_n, _, over_start = self._segments(counts.reshape(E), self._send_order[source])
         seg = self._segment
         off = torch.cumsum(flat, 0) - flat - (torch.cumsum(seg_n, 0) - seg_n)[seg]
         cap = self._caps[seg]
@@ -211,7 +210,7 @@ class RegionLayout:
                                       E=E, S=S, E_P2=triton.next_power_of_2(E), S_P2=triton.next_power_of_2(S),
                                       num_warps=4)
             return out
-        _, over, over_start = self._segments(table.reshape(self.ws, self.ws * self.groups), self._send_order)
+        _, _, over, over_start = self._segments(table.reshape(self.ws, self.ws * self.groups), self._send_order)
         sources = torch.arange(self.ws, device=table.device)[:, None].expand_as(over)
         return torch.stack([sources, over_start, self._caps.expand_as(over), over], -1)
 

@@ -68,8 +68,9 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
         # [e, b]: key e in blocks 0 .. b, summed along the last dim ([Note: placing without a sort])
         before = torch.cumsum(hist, 1, dtype=torch.int32)
         W = src.shape[1]
-        _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, nb, dst.shape[0], TOP_K=top_k,
-                                    E=E, W=W, BLOCK=_BLOCK, BLOCK_W=min(256, triton.next_power_of_2(W)), num_warps=8)
+        _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, nb, dst.shape[0],
+                                    TOP_K=top_k, E=E, W=W, BLOCK=_BLOCK, BLOCK_W=min(256, triton.next_power_of_2(W)),
+                                    num_warps=8)
         return pos
     k = keys.to(torch.int64)
     order = torch.sort(k, stable=True).indices
