@@ -30,8 +30,8 @@ runs the experts on its rows with no regrouping gathers (each source's rows arri
 expert), own pieces add the copy of their results in place; backward runs the own rows whole,
 then the peers', which push dx before their weight gradients (the tail). Weight gradients follow
 [Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
-or one grouped GEMM per piece whose result every piece after the first adds into the
-accumulators (``3*`` their bytes). Nothing is copied into the symmetric buffer (the dispatch
+or one grouped GEMM per piece, every piece after the first adding into the accumulators in
+its epilogue (one more read of their bytes: [Note: expert weight gradients in the GEMM]). Nothing is copied into the symmetric buffer (the dispatch
 gathers straight into it, once per call) and nothing is summed: ``finish`` (a zero-length
 event) only waits for the last push. A source's rows over send/recv cost one step of the
 all-to-all (:meth:`MoECostModel.transfer_ms`). Its buffers: over the copy engine the symmetric send rows
@@ -101,7 +101,7 @@ class MoECostModel(MLPCostModel):
         if not self.grouped or self.El <= LOOP_WGRAD_EXPERTS:
             r, H, I, F = self._rows_per_expert(a), self.H, self.I, self.F
             return self.El * (md.gemm_ms(H, F, r) + md.gemm_ms(I, H, r))
-        return self._wgrad_ms(a) + (0.0 if first else md.mem_ms(3 * self.grad_bytes()))
+        return self._wgrad_ms(a) + (0.0 if first else md.mem_ms(self.grad_bytes()))
 
     # ----------------------------------------------------------------- rank chunks (module docstring)
     def chunk_rows(self) -> int:

@@ -41,8 +41,10 @@ one gather puts each assignment at its token (zero where capacity dropped it).
 Each piece's weight gradients add into the accumulators. With few local experts (at most
 ``LOOP_WGRAD_EXPERTS``: mixtral's 2 at EP 4) they run as one ``addmm_`` per expert and projection,
 which accumulates in the GEMM; with many small experts (qwen3's 32) as one grouped GEMM per
-projection per piece, whose result is then added (one more pass over the gradients per piece
-after the first), since a GEMM per expert would cost ws*2*El launches of small GEMMs.
+projection per piece, since a GEMM per expert would cost ws*2*El launches of small GEMMs: the
+first piece's writes the accumulator, each later one adds into it in its epilogue on CUDA
+(``expert_wgrad.py``, [Note: expert weight gradients in the GEMM]; elsewhere a grouped GEMM and
+an add).
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..runtime.triton_gate import runs_triton
+from .expert_wgrad import grouped_wgrad
 from .first_order import first_order, take
 from .mlp import _act, _act_backward
 from .planned import recorded_pass
@@ -179,11 +183,13 @@ def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
     """``dw_in[e] += dh_e.T @ x_e``, ``dw_out[e] += dy_e.T @ a_e``; a None accumulator is set
     instead ([Note: MoE weight-gradient accumulation])."""
     if c.grouped and len(sizes) > LOOP_WGRAD_EXPERTS:
-        for key, g in (("w_in", _grouped(dh.t(), x, offs)), ("w_out", _grouped(dy.t(), a, offs))):
+        for key, l, r in (("w_in", dh, x), ("w_out", dy, a)):
             if grads[key] is None:
-                grads[key] = g
+                grads[key] = _grouped(l.t(), r, offs)
+            elif runs_triton(l):  # added in the GEMM ([Note: expert weight gradients in the GEMM])
+                grouped_wgrad(l, r, offs, grads[key])
             else:
-                grads[key].add_(g)
+                grads[key].add_(_grouped(l.t(), r, offs))
         return
     for key, l, r, shape in (("w_in", dh, x, (dh.shape[1], x.shape[1])), ("w_out", dy, a, (dy.shape[1], a.shape[1]))):
         if grads[key] is None:
