@@ -35,7 +35,8 @@ def _want(own, back, pos, weights, n_own, kept, late=None, n_first=None):
                                                     (7, 3, 40, 0, 15, torch.float32),
                                                     (6, 2, 1100, 12, 9, torch.bfloat16),
                                                     (4, 1, 16, 4, None, torch.bfloat16),
-                                                    (0, 2, 8, 0, None, torch.float32)])
+                                                    (0, 2, 8, 0, None, torch.float32),
+                                                    (6, 3, 24, 5, 14, torch.float64)])
 @pytest.mark.parametrize("split", [False, True])
 def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, split, monkeypatch):
     """With ``split``, the own rows from ``n_own // 2`` on come from ``late`` (the device path's
@@ -68,7 +69,7 @@ def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype
     extra = dict(late=late.to(dev), n_first=first_arg) if split else {}
     got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), n_arg, kept_arg, **extra)
     assert got.shape == (T, H) and got.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)  # float64: summed in float64
     assert torch.allclose(got.double().cpu(), want, rtol=tol, atol=tol)
 
 

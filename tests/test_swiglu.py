@@ -75,3 +75,19 @@ def test_swiglu_backward_into_pre_itself(fused):
     for got, want in ((h, want_h), (pre, want_dpre)):
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-6, err
+
+
+@needs_triton
+def test_float64_keeps_the_exact_formulas():
+    """float64 rows take the eager formulas (the kernel computes in float32): forward and backward
+    equal the float64 formulas to float64 precision."""
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randn(9, 2 * 33, generator=g, dtype=torch.float64).to(DEVICE)
+    dh = torch.randn(9, 33, generator=g, dtype=torch.float64).to(DEVICE)
+    assert not fused_available(pre)
+    ga, u = pre.chunk(2, -1)
+    s = torch.sigmoid(ga)
+    want_dpre = torch.cat([dh * u * s * (1 + ga * (1 - s)), dh * ga * s], -1)
+    dpre, h = swiglu_backward(pre, dh)
+    for got, want in ((swiglu(pre), ga * s * u), (h, ga * s * u), (dpre, want_dpre)):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

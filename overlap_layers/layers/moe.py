@@ -63,9 +63,12 @@ device computes while the host reads the counts and starts the exchange.
 [Note: MoE no-grad combine]
 A call without autograd needs no token-major rows (only the router's gradient reads them): its
 combine is :func:`~.moe_combine.combine_rows`, one kernel reading each token's k result rows where
-they are in send order (the rank exchange's back rows, own rows included; the tiles' ``y_perm``),
-a row past the kept count (dropped by capacity) as 0. The grad-mode combine (a gather into token
-order, zero rows for the dropped assignments, a ``bmm``) writes and reads the rows twice more.
+they are in send order (the rank exchange's back rows, and its own pieces' results where their
+GEMMs wrote them: ``moe_ranks.combine_back``; the tiles' ``y_perm``), a row past the kept count
+(dropped by capacity) as 0. The grad-mode combine (a gather into token order, zero rows for the
+dropped assignments, a ``bmm``) writes and reads the rows twice more; the rank exchange's gather
+is the same kernel with unit weights and one row per output, and its backward sums each token's
+k input-row gradients with it ([Note: MoE own results in place] in ``moe_ranks.py``).
 """
 from __future__ import annotations
 
@@ -91,7 +94,8 @@ from .mlp import ACTIVATIONS, _act
 from .moe_combine import combine_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
-from .moe_ranks import RankCall, RankChunkExperts, experts_forward, first_rows, launch_first, piece_offsets
+from .moe_ranks import (RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first,
+                        piece_offsets)
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number, resolve_config,
                       run_tiles, x_error)
 from .rank_plans import RankChunkPlans
@@ -785,7 +789,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
             with profiler_range("overlap::moe::combine"):
-                y = self._combine(rows, pos, order, weights, kept, save, token_major=ranked and save)
+                if ranked and not save:  # the peers' results in send order, the own ones where they were made
+                    y = combine_back(call, rows, weights, call.own_results)
+                else:
+                    y = self._combine(rows, pos, order, weights, kept, save, token_major=ranked)
             if shared is not None:
                 y = y + shared
         return y.view(B, S, H)

@@ -13,7 +13,8 @@ device path runs them last; without it ``n_first = n_own``))::
     row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_first else late[p - n_first] if p < n_own
               else back[p]
     y[t]    = sum over j < k of  weights[t, j] * row(pos[t*k + j])      (weights cast to the rows'
-                                                                         dtype, summed in float32)
+                                                                         dtype, summed in float32,
+                                                                         float64 rows in float64)
 
 which the device path first computed by ``torch.where``, ``index_select`` and ``bmm``: they took
 462, 140 and 249 us of a 3.65 ms qwen3 forward on 4x H200 (session 31; the ``where`` broadcasts
@@ -59,7 +60,8 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
             w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
             _combine_kernel[(T,)](own, late, back, pos.contiguous(), w, y, n_first, n_own,
                                   n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
-                                  LOADED=isinstance(n_own, torch.Tensor), BLOCK_H=block, num_warps=4)
+                                  LOADED=isinstance(n_own, torch.Tensor), WIDE=own.dtype == torch.float64,
+                                  BLOCK_H=block, num_warps=4)
         return y
     p = pos[:, None]
 
@@ -75,10 +77,10 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_first_arg, n_own_arg, kept_arg,
                         H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        WIDE: tl.constexpr, BLOCK_H: tl.constexpr):
         """One token per program: its k rows, each from ``own``, ``late`` or ``back`` (module
         docstring); ``n_first_arg``, ``n_own_arg`` and ``kept_arg`` pointers to the counts where
-        ``LOADED``, else the counts."""
+        ``LOADED``, else the counts; float64 rows (``WIDE``) summed in float64."""
         t = tl.program_id(0).to(tl.int64)
         if LOADED:
             n_first = tl.load(n_first_arg).to(tl.int64)
@@ -92,14 +94,14 @@ if triton is not None:
         for h0 in tl.static_range(0, H, BLOCK_H):
             cols = h0 + c
             cm = cols < H
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H], dtype=tl.float64 if WIDE else tl.float32)
             for j in tl.static_range(K):
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
-                w = tl.load(w_ptr + t * K + j).to(tl.float32)
+                w = tl.load(w_ptr + t * K + j).to(acc.dtype)
                 live = (p >= 0) & (p < kept) if HAS_KEPT else p >= 0
                 a = tl.load(own_ptr + p * H + cols, mask=cm & live & (p < n_first), other=0.0)
                 d = tl.load(late_ptr + (p - n_first) * H + cols, mask=cm & live & (p >= n_first) & (p < n_own),
                             other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)
-                acc += w * (a.to(tl.float32) + d.to(tl.float32) + b.to(tl.float32))
+                acc += w * (a.to(acc.dtype) + d.to(acc.dtype) + b.to(acc.dtype))
             tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)

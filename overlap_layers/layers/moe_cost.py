@@ -27,7 +27,7 @@ left out (they do not change the choice).
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
 runs the experts on its rows with no regrouping gathers (each source's rows arrive grouped by
-expert), own pieces add the copy of their results in place; backward runs the own rows whole,
+expert; own results stay where they are made); backward runs the own rows whole,
 then the peers', which push dx before their weight gradients (the tail). Weight gradients follow
 [Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
 or one grouped GEMM per piece, every piece after the first adding into the accumulators in
@@ -123,20 +123,15 @@ class MoECostModel(MLPCostModel):
                     transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """The pieces of ``moe_ranks.py`` in launch order (the MLP's tuple layout; not
         depending on ``transport``)."""
-        md, T = self.model, self.chunk_rows()
+        T = self.chunk_rows()
         half = T // 2
-
-        def in_place(m):  # own results copied over their inputs
-            return md.mem_ms(2 * m * self.H * self.e)
         if backward:
             tail = self._piece_wgrad_ms(T, first=False)
-            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True) + in_place(T), 0, 0, 0, 0.0,
-                   1.0)
+            own = ("bwd", "own", self._dgrad_ms(T) + self._piece_wgrad_ms(T, first=True), 0, 0, 0, 0.0, 1.0)
             return [own] + [("bwd", str(j), self._dgrad_ms(T) + tail, j, j, 0, tail, 1.0) for j in range(1, self.ws)]
-        out = [("fwd", "own[:h]", self._forward_ms(half) + in_place(half), 0, 0, 0, 0.0, 1.0)] if half else []
+        out = [("fwd", "own[:h]", self._forward_ms(half), 0, 0, 0, 0.0, 1.0)] if half else []
         out += [("fwd", str(j), self._forward_ms(T), j, j, 0, 0.0, 1.0) for j in range(1, self.ws)]
-        return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half) + in_place(T - half),
-                       0, 0, 0, 0.0, 1.0)]
+        return out + [("fwd", "own[h:]" if half else "own", self._forward_ms(T - half), 0, 0, 0, 0.0, 1.0)]
 
     def to_symmetric_ms(self, sources: int) -> float:
         return 0.0  # the dispatch gathers straight into the buffer

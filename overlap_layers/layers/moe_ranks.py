@@ -11,9 +11,9 @@ counts), with no regrouping gather. Per rank r, pieces in launch order:
 =========  ==============================================================  ==================
 piece      forward                                                         results to
 =========  ==============================================================  ==================
-own, 1st   y = experts(own rows[:h])  (before the host has the counts)      own rows (in place)
+own, 1st   y = experts(own rows[:h])  (before the host has the counts)      kept where made
 peer q     y = experts(rows pulled from q)   (later pulls run meanwhile)   rank q (push)
-own, 2nd   y = experts(own rows[h:])                                        own rows
+own, 2nd   y = experts(own rows[h:])                                        kept where made
 =========  ==============================================================  ==================
 
 ``experts(rows)``: per local expert e, ``act(rows_e @ w_in[e].T) @ w_out[e].T``. Peers come in
@@ -24,9 +24,8 @@ assignment count alone, is ``send[:m]`` with device offsets: on the grouped-GEMM
 launched before the host waits for the counts (:func:`launch_first`), and fills what would be
 the device's idle gap while the host reads them and starts the exchange.
 
-Backward: the own rows whole and first (they write dx in place over dy, so their weight
-gradients come before that write; two parts would only add a weight-gradient pass), then the
-peers', each pushing dx before its weight gradients, so those hide the push:
+Backward: the own rows whole and first (two parts would only add a weight-gradient pass), then
+the peers', each pushing dx before its weight gradients, so those hide the push:
 
 =========  =======================================================================
 dgrad      da = dy @ w_out[e];  (dpre, a) = act'(pre, da);  dx = dpre @ w_in[e]  -> the source
@@ -34,8 +33,17 @@ wgrad      dw_out[e] += dy.T @ a;  dw_in[e] += dpre.T @ x
 =========  =======================================================================
 
 Legend: pre = rows @ w_in[e].T (the pre-activations), saved per piece (as the K=1 layer saves them for
-every received row). The output and dx are token-major: the results come back in send order and
-one gather puts each assignment at its token (zero where capacity dropped it).
+every received row). The output rows are token-major (zero where capacity dropped an assignment)
+and dx is per token: one pass of the combine reads the peers' results in send order and the own
+ones where they were made ([Note: MoE own results in place]).
+
+[Note: MoE own results in place]
+The own pieces' results (and in the backward the own rows' dx) stay where their GEMMs wrote them:
+the combine (:func:`combine_back`, one pass of ``moe_combine.combine_rows``) reads them there and
+the peers' from the exchange's back rows. Before session 39 they were copied over their own rows
+in the send buffer (three device copies of 31-67 us in a qwen3 EP 2 forward+backward on 2x H200),
+and the backward then gathered every dx row into token order (140 us) and summed each token's k
+(103 us), where the combine reads each row once and writes each token once.
 
 [Note: MoE weight-gradient accumulation]
 Each piece's weight gradients add into the accumulators. With few local experts (at most
@@ -56,6 +64,7 @@ from ..runtime.triton_gate import runs_triton
 from .expert_wgrad import grouped_wgrad
 from .first_order import first_order, take
 from .mlp import _act, _act_backward
+from .moe_combine import combine_rows
 from .planned import recorded_pass
 from .rank_chunks import piece, piece_tag
 
@@ -88,6 +97,7 @@ class RankCall:
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
         self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
         self.gather = True  # False: the forward returns the back rows in send order ([Note: MoE no-grad combine])
+        self.own_results = None  # without gather: the own results, for combine_back
 
     def pieces(self, backward: bool) -> List[Tuple[int, int, int, int, List[int]]]:
         """``(piece index, step, first row, end row, rows per local expert)`` in launch order;
@@ -200,23 +210,28 @@ def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
                 buf[e].addmm_(lr.t(), rr)
 
 
-def gather_back(back: torch.Tensor, c: RankCall, n: int) -> torch.Tensor:
-    """``[n, H]`` token-major rows from the send-order rows ``back`` (zero where dropped)."""
-    if c.kept == 0:
-        return back.new_zeros((n, back.shape[1]))
-    if c.kept == n:
-        return back.index_select(0, c.pos)
-    rows = back.index_select(0, c.pos.clamp(max=c.kept - 1))
-    return rows.masked_fill_((c.pos >= c.kept)[:, None], 0)
+def combine_back(c: RankCall, back: torch.Tensor, weights: torch.Tensor, own) -> torch.Tensor:
+    """``[T, H]``: per token, its ``k = weights.shape[1]`` assignments' result rows (``c.pos``,
+    token-major, grouped k per token) weighted and summed, zero where dropped: the peers' from
+    ``back`` in send order, the own rows' (send rows ``[0, own rows)``) where their pieces left them,
+    ``own = (first rows, rest, n_first)``: rows ``[0, n_first)`` in ``first``, the others in
+    ``rest`` from its row 0 (:func:`~.moe_combine.combine_rows`, one pass; no copy of the own
+    results into ``back``)."""
+    first, rest, n_first = own
+    n_own, n = sum(c.piece_sizes[2]), c.pos.numel()
+    return combine_rows(first, back, c.pos, weights, n_own, None if c.kept == n else c.kept, late=rest,
+                        n_first=n_first)
 
 
 def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
     """``(rows [n, H] token-major, saved)``: the module table's forward; ``saved`` (under
     ``c.save``) holds each piece's input rows and pre-activations for :func:`backward`. Without
-    ``c.gather`` the rows are the exchange's back rows in send order (the first ``c.kept`` valid)."""
+    ``c.gather`` the rows are the exchange's back rows in send order (the first ``c.kept`` valid,
+    but the own rows', which ``c.own_results`` holds for :func:`combine_back`)."""
     H = x_TH.shape[1]
     ex, c.sent = c.sent, None  # started by the caller
-    own_x = ex.own().clone() if c.save and ex.in_place else ex.own()  # the results overwrite it
+    own_x = ex.own().clone() if c.save and ex.shared_send else ex.own()  # the backward's exchange reuses it
+    own_y = []  # the own pieces' results, left where their GEMMs wrote them
     saved = {2: (own_x, [])}  # the own rows whole, their two parts' pre-activations
     own = sum(c.piece_sizes[2])
     w_in_t, w_out_t, offs = w_in.transpose(-2, -1), w_out.transpose(-2, -1), c.offsets.unbind(0)
@@ -235,7 +250,7 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
             if j:
                 ex.push(j, y)
             else:
-                ex.own_back()[a:b].copy_(y)
+                own_y.append(y)
             if c.save and j:
                 saved[i] = (x, pre)
             elif c.save:
@@ -244,12 +259,17 @@ def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None)
             c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "fwd"))
     with piece(recorder, "finish", 0):
         back = ex.finish()
-        return (gather_back(back, c, n) if c.gather else back), saved
+        own = (own_y[0], own_y[1], own_y[0].shape[0])
+        if not c.gather:
+            c.own_results = own
+            return back, saved
+        return combine_back(c, back, back.new_ones((n, 1)), own), saved
 
 
 def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, recorder=None):
-    """``(d_rows of the assignments' input rows [n, H] token-major, dw_in, dw_out)``: the module
-    table's backward."""
+    """``(dx [n / k, H], dw_in, dw_out)``: the module table's backward, for ``d_rows`` the
+    gradient of its token-major rows (``dx[t]``: the sum over token t's assignments of their
+    input rows' gradients)."""
     n, H = d_rows.shape
     ex = c.exchange(c.kept, H, d_rows.dtype, d_rows.device, c.capacity_rows)
     torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
@@ -257,6 +277,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     grads = {"w_in": None, "w_out": None}
     own = sum(c.piece_sizes[2])
     offs = c.offsets.unbind(0)
+    own_dx = d_rows.new_empty((0, H))  # the own rows' dx, left where their GEMM wrote it
     for i, j, a, b, sizes in c.pieces(backward=True):
         tag = piece_tag(j, a, b, own)
         x, pre = saved.pop(i)
@@ -271,15 +292,15 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
             dx, dh, act = experts_dgrad(c, dy, pre, sizes, offs[i], w_in, w_out)
             if j:
                 ex.push(j, dx)
+            else:
+                own_dx = dx
             experts_wgrad(c, grads, x, dy, dh, act, sizes, offs[i])
-            if not j:  # in place over dy: after the weight gradients read it
-                ex.own_back()[a:b].copy_(dx)
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "bwd"))
     with piece(recorder, "finish", 0):
-        dx_rows = gather_back(ex.finish(), c, n)
+        dx = combine_back(c, ex.finish(), d_rows.new_ones((n // c.k, c.k)), (own_dx, own_dx, own_dx.shape[0]))
     # None: no rows reached this rank's experts
-    return dx_rows, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in),
+    return dx, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in),
                                                                                          ("w_out", w_out)))
 
 
@@ -295,7 +316,7 @@ class RankChunkExperts(torch.autograd.Function):
         with recorded_pass(c, backward=False, device=x_TH.device) as recorder:
             rows, saved = forward(c, x_TH, w_in, w_out, n, recorder)
         if c.save:
-            ctx.c, ctx.saved, ctx.T = c, saved, x_TH.shape[0]
+            ctx.c, ctx.saved = c, saved
             ctx.save_for_backward(w_in, w_out)
         return rows
 
@@ -306,6 +327,5 @@ class RankChunkExperts(torch.autograd.Function):
         w_in, w_out = ctx.saved_tensors
         saved = take(ctx, "saved")
         with recorded_pass(c, backward=True, device=d_rows.device) as recorder:
-            dx_rows, dw_in, dw_out = backward(c, d_rows.contiguous(), saved, w_in, w_out, recorder)
-        dx = dx_rows.view(ctx.T, c.k, dx_rows.shape[1]).sum(1)
+            dx, dw_in, dw_out = backward(c, d_rows.contiguous(), saved, w_in, w_out, recorder)
         return dx, dw_in, dw_out, None

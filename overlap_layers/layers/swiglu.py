@@ -9,7 +9,8 @@ and rounded once to ``pre``'s dtype::
 The eager versions run several kernels (each reading and writing ``M*F`` elements): the forward
 two, the backward five plus a recomputation of ``h`` for the weight gradient. The fused backward
 returns ``h`` too, so one pass serves both. Used when the tensors are on CUDA, contiguous and
-Triton imports; otherwise (CPU, no Triton) the eager formulas run.
+not float64 and Triton imports; otherwise (CPU, no Triton, or float64, which the eager formulas
+keep exact where the kernel's float32 would not) the eager formulas run.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ _STRIDED = 1024  # programs of the forward with a row count on the device
 
 
 def fused_available(pre: torch.Tensor) -> bool:
-    return runs_triton(pre) and pre.is_contiguous()
+    return runs_triton(pre) and pre.is_contiguous() and pre.dtype != torch.float64
 
 
 if triton is not None:

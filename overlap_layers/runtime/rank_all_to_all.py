@@ -11,8 +11,8 @@ so the own rows start at row 0 whatever the counts::
     own()            == send's rows for r itself
     pull(j)          == the rows q sent to r (counts[q][r] rows, in q's order)
     push(j, rows)    gives q the results for the rows r pulled from q (same count, same order)
-    own_back()       where r writes the results for its own rows (after reading own())
-    finish()         == [rows of send, W]: for each d, the results d gave for r's rows to d
+    finish()         == [rows of send, W]: for each d != r, the results d gave for r's rows to d
+                        (the own rows' range: unspecified; the caller keeps its own results)
 
 An exchange is made for ``rows`` send rows (any bound on r's count: the caller may fill ``send``
 before the table is known, the rows it does not send last). The caller fills ``send``, may call
@@ -26,8 +26,8 @@ knows the whole table). Two transports implement it:
 * :class:`CopyEngineAllToAll` (CUDA, symmetric memory): ``send`` is this rank's symmetric buffer
   (the caller gathers its rows straight into it); peers pull their rows with device-to-device
   copies and push the results back over them, in place ("Memcpy PtoP": the copy engines, no SMs).
-  ``own()`` and ``own_back()`` are the same rows: read them before writing the results.
-  ``finish()`` returns a view of the symmetric buffer, valid until the next exchange on this
+  ``send`` is the workspace's, which the next exchange on it overwrites (``shared_send``: rows
+  kept past the call must be copied out). ``finish()`` returns a view of the symmetric buffer, valid until the next exchange on this
   workspace (read it on the current stream before then).
 * :class:`PointToPointAllToAll` (any backend with ``isend``/``irecv``: NCCL, gloo): one
   ``batch_isend_irecv`` per step and direction; how the schedule is tested on CPU.
@@ -85,7 +85,7 @@ class PointToPointAllToAll:
     the copy engine's (unused here)."""
 
     transport = "nccl"
-    in_place = False  # own_back() is not own()
+    shared_send = False  # send is this exchange's own tensor
 
     def __init__(self, group, rows: int, width: int, dtype: torch.dtype, device, capacity_rows: int = 0):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
@@ -119,10 +119,6 @@ class PointToPointAllToAll:
     def own(self) -> torch.Tensor:
         a, b = self.layout.send_range(self.rank)
         return self.send[a:b]
-
-    def own_back(self) -> torch.Tensor:
-        a, b = self.layout.send_range(self.rank)
-        return self._back[a:b]
 
     def pull(self, j: int) -> torch.Tensor:
         for w in self._pull_works.pop(j):
@@ -159,7 +155,7 @@ class CopyEngineAllToAll:
     rows, so that growing it, a collective, happens alike on every rank."""
 
     transport = "copy_engine"
-    in_place = True  # own_back() is own()
+    shared_send = True  # send is the workspace's (the next exchange on it overwrites it)
     early_ok = True  # the pulls wait for ready() only (their rows are allocated on the pull stream)
 
     def __init__(self, workspace: SymmetricWorkspace, rows: int, width: int, dtype: torch.dtype, device=None,
@@ -217,8 +213,6 @@ class CopyEngineAllToAll:
     def own(self) -> torch.Tensor:
         a, b = self.layout.send_range(self.rank)
         return self.send[a:b]
-
-    own_back = own  # in place: the caller reads own() before writing the results
 
     def pull(self, j: int) -> torch.Tensor:
         rows, ev = self._pulled.pop(j)
