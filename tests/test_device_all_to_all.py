@@ -367,3 +367,30 @@ def test_exchange_over_one_process_workspace_equals_the_all_to_all():
     for r, ex in enumerate(exs):
         own, n = int(table[r, r].sum()), int(table[r].sum())
         assert torch.equal(ex.finish()[places[r][own:n]], rows_of[r][own:n] * 3 + 1), r
+
+
+@settings(max_examples=25, deadline=None)
+@given(E=st.integers(1, 70), tokens=st.integers(0, 40), top_k=st.integers(1, 4), skew=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**16), key_dtype=st.sampled_from([torch.int16, torch.int64]))
+def test_place_in_key_order_property(E, tokens, top_k, skew, seed, key_dtype):
+    """``place_in_key_order`` (the eager MoE's send rows): each kept assignment's place is its
+    index in the stable order of the kept assignments by key (the earlier keys' rows, then the
+    earlier assignments of its own key), its row there, the dropped (keys E and above) at -1 and
+    nothing else written; more keys than a kernel block, so blocks' counts carry over."""
+    from overlap_layers.runtime.send_rows import place_in_key_order
+    g = torch.Generator().manual_seed(seed)
+    n = tokens * top_k
+    keys = torch.randint(0, E + 2, (n,), generator=g)
+    keys[torch.rand(n, generator=g) < skew] = seed % E
+    in_order = sorted((a for a in range(n) if keys[a] < E), key=lambda a: (int(keys[a]), a))
+    want = [-1] * n
+    for i, a in enumerate(in_order):
+        want[a] = i
+    src = torch.randn(tokens, 5, generator=g).to(DEVICE)
+    dst = torch.full((n + 2, 5), float("nan"), device=DEVICE)
+    pos = place_in_key_order(src, keys.to(DEVICE, key_dtype), top_k, E, dst)
+    assert pos.tolist() == want
+    assert torch.equal(dst[:len(in_order)], src[[a // top_k for a in in_order]])
+    assert dst[len(in_order):].isnan().all()
+    with pytest.raises(ValueError, match="E >= 1 keys"):
+        place_in_key_order(src, keys.to(DEVICE), top_k, 0, dst)

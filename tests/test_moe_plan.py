@@ -199,8 +199,11 @@ def test_rank_piece_offsets_by_hand():
     assert offsets.tolist() == [[2, 2, 2], [1, 1, 3], [3, 3, 5], [0, 0, 5], [1, 5, 5]]
     assert piece_offsets(torch.tensor(sizes), 1, 7).tolist()[:2] == [[3, 3, 5], [0, 0, 0]]
     assert piece_offsets(torch.tensor(sizes), 1, 0).tolist()[:2] == [[0, 0, 0], [3, 3, 5]]
+    gathered = torch.zeros(3, 2, 3, 3, dtype=torch.int64)  # [source, tile, destination, expert], as the MoE's
+    gathered[:, 0, 1] = torch.tensor(sizes)
+    assert piece_offsets(gathered[:, 0, 1], 1, 2).tolist() == offsets.tolist()  # a strided view
     call = RankCall(rank=1, world_size=3, activation="swiglu", grouped=False, save=False, table=None, sizes=sizes,
-                    first_rows=2, offsets=offsets, order=None, pos=None, kept=0, top_k=1, capacity_rows=0,
+                    first_rows=2, offsets=offsets, keys=None, pos=None, kept=0, top_k=1, capacity_rows=0,
                     exchange=None, sent=None)
     assert call.pieces(backward=False) == [(0, 0, 0, 2, [2, 0, 0]), (3, 1, 0, 5, [0, 0, 5]), (4, 2, 0, 5, [1, 4, 0]),
                                            (1, 0, 2, 5, [1, 0, 2])]

@@ -1,7 +1,7 @@
 """The Triton kernels' tests again, on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``):
 CI has no GPU, so otherwise the kernels (heads step, query-chunk merge, slot sum, routing, SwiGLU,
-the table-driven row copy, the send rows' placing, the MoE combine, and the MoE's device path end to end
-against the dense reference) would be checked only on GPU machines. The interpreter runs each
+the table-driven row copy, the send rows' placing, the MoE combine, the experts' weight gradients,
+the rank pieces' offsets, and the MoE's device path end to end against the dense reference) would be checked only on GPU machines. The interpreter runs each
 kernel's indexing, masks and arithmetic on the host; what it cannot show is the compiled code's
 speed.
 
@@ -17,7 +17,8 @@ import pytest
 KERNEL_TESTS = ("tests/test_heads_kernel.py", "tests/test_query_chunks.py::test_triton_merge_equals_torch_merge",
                 "tests/test_slot_sum.py", "tests/test_routing.py::test_fused_routing_matches_the_eager_path",
                 "tests/test_swiglu.py", "tests/test_device_all_to_all.py", "tests/test_moe_combine.py",
-                "tests/test_moe_device.py")
+                "tests/test_moe_device.py", "tests/test_expert_wgrad.py",
+                "tests/test_moe_plan.py::test_rank_piece_offsets_by_hand")
 
 
 def test_triton_kernels_under_the_interpreter():

@@ -85,6 +85,7 @@ from ..runtime import resolve_group, triton_gate
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.device_all_to_all import DeviceCountAllToAll
 from ..runtime.exchange import shared_workspace
+from ..runtime.send_rows import place_in_key_order
 from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ..schedule import TileProgram, comm, compute, round_robin, wait
@@ -688,19 +689,19 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self._call_graphs.forget_last()  # [Note: MoE graph calls: the race]
         return y
 
-    def _route_and_count(self, x_TH, K: int, step_order: bool = False):
+    def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``
-        the permutation of the token-major assignments into send order (by tile, then expert; with
-        ``step_order``, one tile, by expert in the rank exchange's step order: own experts first;
-        the dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
+        the permutation of the token-major assignments into send order (by tile, then expert; the
+        dropped ones last), ``weights [T, k]`` the combine weights (with the router's graph),
         ``counts [K, ws, El]`` the assignments kept per tile and destination expert."""
-        sort_key, weights, counts = self._route_keys(x_TH, K, step_order)
+        sort_key, weights, counts = self._route_keys(x_TH, K)
         return torch.sort(sort_key, stable=True).indices, weights, counts
 
     def _route_keys(self, x_TH, K: int, step_order: bool = False):
         """:meth:`_route_and_count` before its sort: ``(keys, weights, counts)``, ``keys`` each
         token-major assignment's place in the send order's key order (``K * E`` where dropped by
-        capacity; ``E`` with one tile)."""
+        capacity; ``E`` with one tile); with ``step_order`` (one tile) by expert in the rank
+        exchange's step order, own experts first."""
         T, E, k, El, ws = x_TH.shape[0], self.num_experts, self.top_k, self.num_local_experts, self.world_size
         shift = El * self.rank if step_order else 0
         probs, top_p, experts, weights, keys, per_expert = route(x_TH, self._local("router_weight"), k,
@@ -743,19 +744,22 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         x_TH = x.reshape(B * S, H)
         with torch.autocast(dev, enabled=False):
             with profiler_range("overlap::moe::route"):
-                order, weights, counts = self._route_and_count(x_TH, K, step_order=ranked)
+                if ranked:  # one tile, keys in the step order (own experts first), no sort
+                    keys, weights, counts = self._route_keys(x_TH, 1, step_order=True)
+                else:
+                    order, weights, counts = self._route_and_count(x_TH, K)
             # [Note: MoE host syncs]: every rank's counts in one device gather, read on the host
             # while the assignment rows are gathered (those over capacity sort last: cut below).
             gathered = counts.new_empty(ws * counts.numel())
             all_gather_rows(gathered, counts.reshape(-1), group=self.group)
             read = self._host_reader.start(gathered)
-            n = order.numel()
-            pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
+            n = x_TH.shape[0] * k
             if ranked:  # the rows go straight into the exchange's send buffer (moe_ranks.py)
                 plan, exchange = self._rank_run(plan, x.device)
                 capacity = rows_bound(max_tokens, k)  # the same on every rank
                 sent = exchange(n, H, x_TH.dtype, x_TH.device, capacity)
-                torch.index_select(x_TH.detach(), 0, torch.div(order, k, rounding_mode="floor"), out=sent.send)
+                # the send rows by key, each key's after the earlier keys': [Note: placing without a sort]
+                pos = place_in_key_order(x_TH.detach(), keys, k, self.num_experts, sent.send)
                 # its signals, the pieces' offsets and the first own piece need no host sizes: launched before the wait
                 sent.ready()
                 m, grouped = first_rows(n, ws), grouped_gemm_ok(x_TH, w_in, w_out)
@@ -763,6 +767,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 first = launch_first(sent.send, m, offsets[0], w_in, w_out, self.activation, trace) \
                     if grouped and sent.early_ok and m else None
             else:
+                pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
                 x_perm = _Dispatch.apply(x_TH, order, pos, k)
@@ -776,7 +781,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 call = RankCall(rank=self.rank, world_size=ws, activation=self.activation, grouped=grouped, save=save,
                                 table=send_table,
                                 sizes=[row[0][self.rank] for row in table], first_rows=m, offsets=offsets,
-                                order=order, pos=pos, kept=kept, top_k=k, capacity_rows=capacity, exchange=exchange,
+                                keys=keys, pos=pos, kept=kept, top_k=k, capacity_rows=capacity, exchange=exchange,
                                 sent=sent, first=first, launch_log=self.launch_log)
                 call.trial, call.trace, call.gather = trial, trace, save  # [Note: MoE no-grad combine]
                 rows = apply_saving(RankChunkExperts, save, x_TH, w_in, w_out, call)
@@ -792,7 +797,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 if ranked and not save:  # the peers' results in send order, the own ones where they were made
                     y = combine_back(call, rows, weights, call.own_results)
                 else:
-                    y = self._combine(rows, pos, order, weights, kept, save, token_major=ranked)
+                    y = self._combine(rows, pos, None if ranked else order, weights, kept, save, token_major=ranked)
             if shared is not None:
                 y = y + shared
         return y.view(B, S, H)

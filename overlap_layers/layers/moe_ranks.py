@@ -60,6 +60,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch path
+    triton = None
+
+from ..runtime.send_rows import place_in_key_order
 from ..runtime.triton_gate import runs_triton
 from .expert_wgrad import grouped_wgrad
 from .first_order import first_order, take
@@ -80,18 +87,20 @@ class RankCall:
     call); ``offsets`` the pieces' grouped-GEMM offsets on the device (:func:`piece_offsets` of
     the same counts and ``first_rows``, launched before the host had them); ``first`` the first
     own piece's ``(y, pre)`` where :func:`launch_first` ran it before the host had the counts;
-    ``order`` the send order of the assignments (token-major index; the first ``kept`` are
-    sent), ``pos`` each assignment's send position (``>= kept``: dropped).
+    ``keys`` each assignment's send-order key (token-major; the experts' count and above:
+    dropped), by which :func:`~overlap_layers.runtime.send_rows.place_in_key_order` placed the
+    forward's rows and places the backward's, ``pos`` each assignment's send row (-1: dropped),
+    ``kept`` the rows sent.
     ``exchange(rows, width, dtype, device, capacity_rows)`` makes a rank all-to-all; ``sent`` is
     the forward's, made and filled (the assignment rows in send order) before the table was
     known, and started with ``table`` as soon as it was (its pulls then run while the host builds
     the rest of the call)."""
 
     def __init__(self, *, rank: int, world_size: int, activation: str, grouped: bool, save: bool, table, sizes,
-                 first_rows: int, offsets, order, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent,
+                 first_rows: int, offsets, keys, pos, kept: int, top_k: int, capacity_rows: int, exchange, sent,
                  first=None, launch_log=None):
         self.rank, self.ws, self.activation, self.grouped, self.save = rank, world_size, activation, grouped, save
-        self.table, self.order, self.pos, self.kept, self.k = table, order, pos, kept, top_k
+        self.table, self.keys, self.pos, self.kept, self.k = table, keys, pos, kept, top_k
         self.piece_sizes = piece_sizes(sizes, rank, first_rows)
         self.offsets, self.first = offsets, first
         self.capacity_rows, self.exchange, self.sent, self.launch_log = capacity_rows, exchange, sent, launch_log
@@ -134,15 +143,40 @@ def piece_sizes(sizes: Sequence[Sequence[int]], rank: int, m: int) -> List[List[
 def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     """``[ws + 2, El]`` int32 grouped-GEMM offsets of the pieces, the cumulative sums of their
     :func:`piece_sizes` (same ``m``), from ``counts [ws, El]`` (rows from source s per local
-    expert of ``rank``) on the counts' device, in a fixed number of kernels and without reading
-    them: the MoE launches them before its host waits for the counts, off the call's critical
-    path."""
-    out = counts.new_empty((counts.shape[0] + 2, counts.shape[1]), dtype=torch.int32)
+    expert of ``rank``; any strides) on the counts' device, without reading them: the MoE launches
+    them before its host waits for the counts. One kernel where Triton runs (a host that launches
+    slower than the device computes is the pace there: session 39's profile of the qwen3 forward
+    at EP 2 had the device idle for 0.6 ms of small launches before the first GEMM), else torch
+    ops."""
+    ws, El = counts.shape
+    out = counts.new_empty((ws + 2, El), dtype=torch.int32)
+    if runs_triton(counts):  # one launch: on the host's critical path before the first GEMM (four below)
+        _piece_offsets_kernel[(1,)](counts, out, rank, m, counts.stride(0), counts.stride(1), WS=ws, EL=El,
+                                    EL_P2=triton.next_power_of_2(El), num_warps=1)
+        return out
     # own, then the peers in step order
     ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])
     torch.clamp(ends[:1], max=m, out=out[:1])  # the first part: own rows [0, m)
     torch.sub(ends[:1], out[:1], out=out[1:2])  # the second part: the rest
     return out
+
+
+if triton is not None:
+    @triton.jit
+    def _piece_offsets_kernel(counts_ptr, out_ptr, rank, m, s0, s1, WS: tl.constexpr, EL: tl.constexpr,
+                              EL_P2: tl.constexpr):
+        """:func:`piece_offsets`: row ``2 + j`` the cumulative counts of source ``(rank + j) % WS``,
+        row 0 those of the own rows clamped to ``m``, row 1 the rest."""
+        e = tl.arange(0, EL_P2)
+        live = e < EL
+        for j in tl.static_range(WS):
+            s = (rank + j) % WS
+            ends = tl.cumsum(tl.load(counts_ptr + s * s0 + e * s1, mask=live, other=0).to(tl.int32), 0)
+            tl.store(out_ptr + (2 + j) * EL + e, ends, mask=live)
+            if j == 0:
+                first = tl.minimum(ends, m)
+                tl.store(out_ptr + e, first, mask=live)
+                tl.store(out_ptr + EL + e, ends - first, mask=live)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -218,9 +252,7 @@ def combine_back(c: RankCall, back: torch.Tensor, weights: torch.Tensor, own) ->
     ``rest`` from its row 0 (:func:`~.moe_combine.combine_rows`, one pass; no copy of the own
     results into ``back``)."""
     first, rest, n_first = own
-    n_own, n = sum(c.piece_sizes[2]), c.pos.numel()
-    return combine_rows(first, back, c.pos, weights, n_own, None if c.kept == n else c.kept, late=rest,
-                        n_first=n_first)
+    return combine_rows(first, back, c.pos, weights, sum(c.piece_sizes[2]), late=rest, n_first=n_first)
 
 
 def forward(c: RankCall, x_TH: torch.Tensor, w_in, w_out, n: int, recorder=None):
@@ -272,7 +304,8 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     input rows' gradients)."""
     n, H = d_rows.shape
     ex = c.exchange(c.kept, H, d_rows.dtype, d_rows.device, c.capacity_rows)
-    torch.index_select(d_rows, 0, c.order[:c.kept], out=ex.send)
+    # each assignment's row where its input row was sent
+    place_in_key_order(d_rows, c.keys, 1, len(c.table) * len(c.piece_sizes[0]), ex.send)  # keys: ws * El
     ex.start(c.table)
     grads = {"w_in": None, "w_out": None}
     own = sum(c.piece_sizes[2])

@@ -48,19 +48,39 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
     top_k``, ``keys`` ``[N]`` integers, ``key_places`` ``[3, E]`` int64. Three kernels where
     Triton runs (no host read: a graph captures them), else torch ops (with a host read). A place
     outside ``dst`` is not written (a safety net for keys that disagree with the counts)."""
-    N, E = keys.numel(), key_places.shape[-1]
-    if (src.dim() != 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or top_k < 1
-            or N != src.shape[0] * top_k or key_places.shape != (3, E) or not dst.is_contiguous()
-            or len({src.device, keys.device, key_places.device, dst.device}) > 1):
-        raise ValueError(f"place_by_key: src {tuple(src.shape)} {src.dtype}, {N} keys, top_k={top_k}, key places "
-                         f"{tuple(key_places.shape)}, dst {tuple(dst.shape)} {dst.dtype}, devices "
-                         f"{sorted({str(t.device) for t in (src, keys, key_places, dst)})}; valid: rows of one width "
-                         "and dtype, top_k >= 1 keys per src row, key places [3, E], a contiguous dst, one device")
+    if key_places.dim() != 2:
+        raise ValueError(f"place_by_key: key places {tuple(key_places.shape)}; valid: [3, E]")
+    return _place(src, keys, top_k, key_places.shape[1], key_places, dst)
+
+
+def place_in_key_order(src: torch.Tensor, keys: torch.Tensor, top_k: int, num_keys: int,
+                       dst: torch.Tensor) -> torch.Tensor:
+    """:func:`place_by_key` with every key's rows after the earlier keys' from row 0 (``A[e] =
+    D[e]`` = the kept assignments of keys before e, no region; keys ``num_keys`` and above
+    dropped), the places made inside the placing kernel: the eager MoE's send rows in the rank
+    exchange's step order (``layers/moe.py``), and its backward's rows in the same places."""
+    return _place(src, keys, top_k, num_keys, None, dst)
+
+
+def _place(src, keys, top_k, E, key_places, dst) -> torch.Tensor:
+    N = keys.numel()
+    shown = "in key order" if key_places is None else tuple(key_places.shape)
+    if (src.dim() != 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or top_k < 1 or E < 1
+            or N != src.shape[0] * top_k or (key_places is not None and key_places.shape != (3, E))
+            or not dst.is_contiguous()
+            or len({t.device for t in (src, keys, dst) + (() if key_places is None else (key_places,))}) > 1):
+        raise ValueError(f"place_by_key: src {tuple(src.shape)} {src.dtype}, {N} keys of {E}, top_k={top_k}, key "
+                         f"places {shown}, dst {tuple(dst.shape)} {dst.dtype}, devices "
+                         f"{sorted({str(t.device) for t in (src, keys, dst)})}; valid: rows of one width "
+                         "and dtype, top_k >= 1 keys per src row, E >= 1 keys, key places [3, E], a contiguous dst, "
+                         "one device")
     pos = torch.empty(N, dtype=torch.int64, device=keys.device)
     if N == 0:
         return pos
     if runs_triton(dst):
-        keys, key_places = keys.contiguous(), key_places.contiguous()
+        keys = keys.contiguous()
+        in_order = key_places is None
+        key_places = keys if in_order else key_places.contiguous()  # (unread in key order)
         nb = triton.cdiv(N, _BLOCK)
         e_p2 = triton.next_power_of_2(E)
         hist = torch.empty(E, nb, dtype=torch.int32, device=keys.device)  # by key, then block
@@ -69,8 +89,8 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
         before = torch.cumsum(hist, 1, dtype=torch.int32)
         W = src.shape[1]
         _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, nb, dst.shape[0],
-                                    TOP_K=top_k, E=E, W=W, BLOCK=_BLOCK, BLOCK_W=min(256, triton.next_power_of_2(W)),
-                                    num_warps=8)
+                                    TOP_K=top_k, E=E, E_P2=e_p2, IN_ORDER=in_order, W=W, BLOCK=_BLOCK,
+                                    BLOCK_W=min(256, triton.next_power_of_2(W)), num_warps=8)
         return pos
     k = keys.to(torch.int64)
     order = torch.sort(k, stable=True).indices
@@ -78,8 +98,9 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
     kept = sk < E
     kc = sk.clamp(max=E - 1)
     per_key = torch.bincount(kc[kept], minlength=E)
-    i = torch.arange(N, device=keys.device) - (torch.cumsum(per_key, 0) - per_key)[kc]
-    A, C, D = key_places
+    before = torch.cumsum(per_key, 0) - per_key
+    i = torch.arange(N, device=keys.device) - before[kc]
+    A, C, D = (before, per_key, before) if key_places is None else key_places
     place = torch.where(kept, torch.where(i < C[kc], A[kc] + i, D[kc] + i), -1)
     pos[order] = place
     ok = (pos >= 0) & (pos < dst.shape[0])
@@ -101,11 +122,12 @@ if triton is not None:
 
     @triton.jit
     def _place_by_key_kernel(src_ptr, keys_ptr, before_ptr, places_ptr, dst_ptr, pos_ptr, N, NB, dst_rows,
-                             TOP_K: tl.constexpr, E: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
-                             BLOCK_W: tl.constexpr):
+                             TOP_K: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, IN_ORDER: tl.constexpr,
+                             W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
         """One block of ``BLOCK`` assignments: each one's index among its key's (the earlier
         blocks' count from ``before``, then the earlier assignments of this block), its place,
-        ``pos`` and its row."""
+        ``pos`` and its row; ``IN_ORDER``: the place is the kept rows of the keys before its key
+        (each key's total, the last column of ``before``) plus that index."""
         b = tl.program_id(0)
         j = tl.arange(0, BLOCK)
         a = b * BLOCK + j
@@ -116,10 +138,15 @@ if triton is not None:
         same_earlier = (key[None, :] == key[:, None]) & (j[None, :] < j[:, None])
         i = tl.sum(same_earlier.to(tl.int64), 1)
         i += tl.load(before_ptr + kc * NB + b - 1, mask=kept & (b > 0), other=0).to(tl.int64)
-        A = tl.load(places_ptr + kc, mask=kept, other=0)
-        C = tl.load(places_ptr + E + kc, mask=kept, other=0)
-        D = tl.load(places_ptr + 2 * E + kc, mask=kept, other=0)
-        place = tl.where(i < C, A + i, D + i)
+        if IN_ORDER:
+            e = tl.arange(0, E_P2)
+            total = tl.load(before_ptr + e * NB + NB - 1, mask=e < E, other=0).to(tl.int64)
+            place = tl.sum(tl.where(e[None, :] < kc[:, None], total[None, :], 0), 1) + i
+        else:
+            A = tl.load(places_ptr + kc, mask=kept, other=0)
+            C = tl.load(places_ptr + E + kc, mask=kept, other=0)
+            D = tl.load(places_ptr + 2 * E + kc, mask=kept, other=0)
+            place = tl.where(i < C, A + i, D + i)
         tl.store(pos_ptr + a, tl.where(kept, place, -1), mask=live)
         ok = kept & (place >= 0) & (place < dst_rows)
         row = (a // TOP_K).to(tl.int64)
