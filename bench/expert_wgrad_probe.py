@@ -17,7 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from overlap_layers.layers import expert_wgrad  # noqa: E402
 
-CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)]
+CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4),
+           (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 5), (256, 128, 32, 8, 4)]
 
 
 def _ms(fn, reps=20):
