@@ -1,9 +1,9 @@
 """The Triton kernels' tests again, on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``):
 CI has no GPU, so otherwise the kernels (heads step, query-chunk merge, slot sum, routing, SwiGLU,
 the table-driven row copy, the send rows' placing, the MoE combine, the experts' weight gradients,
-the rank pieces' offsets, and the MoE's device path end to end against the dense reference) would be checked only on GPU machines. The interpreter runs each
-kernel's indexing, masks and arithmetic on the host; what it cannot show is the compiled code's
-speed.
+the rank pieces' offsets, and the MoE's device path end to end against the dense reference) would
+be checked only on GPU machines. The interpreter runs each kernel's indexing, masks and
+arithmetic on the host; what it cannot show is the compiled code's speed.
 
 Triton comes from the folder ``OVERLAP_TEST_TRITON`` names (``pip install --no-deps --target DIR
 triton``, as README's test command does) and only the child process imports it: this process stays

@@ -13,7 +13,8 @@ with ``+=`` where ``accumulate``, else ``=``; rows past ``ends[-1]`` are not rea
 [Note: expert weight gradients in the GEMM]
 The rank-chunk MoE backward computes each source's weight gradients as its rows arrive
 (``moe_ranks.py``, [Note: MoE weight-gradient accumulation]): with many small experts, one grouped
-GEMM per projection per piece, each after the first then added to the accumulator. On 2x H200
+GEMM per projection per piece; until session 39 each piece after the first then added its result
+to the accumulator. On 2x H200
 (qwen3-30b-a3b, EP 2, 8192 tokens, session 39) the adds of the second piece were two elementwise
 kernels of 273 and 139 us (the accumulators are the layer's whole local expert weights, read twice
 and written once), 0.41 ms of a 6.8 ms forward+backward that the compute-only reference never
@@ -33,13 +34,13 @@ try:
 except ImportError:  # CPU installs: the torch path
     triton = None
 
-_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of five on H200 (session 39)
+_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine on H200 (bench/expert_wgrad_probe.py)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
                   accumulate: bool = True) -> torch.Tensor:
     """``out`` after the module reference (in place); ``ends`` an integer tensor on ``a``'s
-    device (read there on CUDA: no host sync)."""
+    device, read there by the kernel where Triton runs (no host sync), else on the host."""
     G, M, N = out.shape
     if (a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.shape[1] != M or b.shape[1] != N
             or ends.shape != (G,) or a.dtype != b.dtype or ends.dtype.is_floating_point

@@ -85,9 +85,9 @@ from ..runtime import resolve_group, triton_gate
 from ..runtime.collectives import _all_gather as all_gather_rows
 from ..runtime.device_all_to_all import DeviceCountAllToAll
 from ..runtime.exchange import shared_workspace
-from ..runtime.send_rows import place_in_key_order
 from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
+from ..runtime.send_rows import place_in_key_order
 from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take

@@ -31,8 +31,9 @@ expert; own results stay where they are made); backward runs the own rows whole,
 then the peers', which push dx before their weight gradients (the tail). Weight gradients follow
 [Note: MoE weight-gradient accumulation] (``moe_ranks.py``): a GEMM per expert that accumulates,
 or one grouped GEMM per piece, every piece after the first adding into the accumulators in
-its epilogue (one more read of their bytes: [Note: expert weight gradients in the GEMM]). Nothing is copied into the symmetric buffer (the dispatch
-gathers straight into it, once per call) and nothing is summed: ``finish`` (a zero-length
+its epilogue (one more read of their bytes: [Note: expert weight gradients in the GEMM]).
+Nothing is copied into the symmetric buffer (the dispatch gathers straight into it, once per
+call) and nothing is summed: ``finish`` (a zero-length
 event) only waits for the last push. A source's rows over send/recv cost one step of the
 all-to-all (:meth:`MoECostModel.transfer_ms`). Its buffers: over the copy engine the symmetric send rows
 (``A*H*e``, persistent), over send/recv the returned rows.

@@ -333,8 +333,7 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
     with piece(recorder, "finish", 0):
         dx = combine_back(c, ex.finish(), d_rows.new_ones((n // c.k, c.k)), (own_dx, own_dx, own_dx.shape[0]))
     # None: no rows reached this rank's experts
-    return dx, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in),
-                                                                                         ("w_out", w_out)))
+    return dx, *(torch.zeros_like(w) if grads[k] is None else grads[k] for k, w in (("w_in", w_in), ("w_out", w_out)))
 
 
 class RankChunkExperts(torch.autograd.Function):

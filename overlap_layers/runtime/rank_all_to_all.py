@@ -27,8 +27,8 @@ knows the whole table). Two transports implement it:
   (the caller gathers its rows straight into it); peers pull their rows with device-to-device
   copies and push the results back over them, in place ("Memcpy PtoP": the copy engines, no SMs).
   ``send`` is the workspace's, which the next exchange on it overwrites (``shared_send``: rows
-  kept past the call must be copied out). ``finish()`` returns a view of the symmetric buffer, valid until the next exchange on this
-  workspace (read it on the current stream before then).
+  kept past the call must be copied out). ``finish()`` returns a view of the symmetric buffer,
+  valid until the next exchange on this workspace (read it on the current stream before then).
 * :class:`PointToPointAllToAll` (any backend with ``isend``/``irecv``: NCCL, gloo): one
   ``batch_isend_irecv`` per step and direction; how the schedule is tested on CPU.
 
