@@ -444,8 +444,8 @@ def check_moe_rank_chunks(rank, ws, dev):
     """OverlapMoE split by source rank (moe_ranks.py), over the copy engine and over NCCL
     send/recv, float32 (dropless and with capacity drops) and bf16, uneven tokens per rank, two
     calls each (the symmetric buffer reused), against the float64 dense reference; 4 local
-    experts (weight gradients by an accumulating GEMM per expert) and 10 (grouped, then added:
-    [Note: MoE weight-gradient accumulation])."""
+    experts (weight gradients by an accumulating GEMM per expert) and 10 (grouped, each later
+    piece added in its GEMM: [Note: expert weight gradients in the GEMM])."""
     from moe_reference import dense_moe
     from overlap_layers import OverlapMoE
     from overlap_layers.layers.planned import TilePlan
