@@ -81,13 +81,15 @@ def test_heads_kernel_matches_formula(dtype, tol, d, table_batch, chunk, variant
 
 
 def test_heads_kernel_declines_what_it_cannot_run():
-    """Head dims split unevenly and heads of mixed dtypes go to the torch path, and so do CPU
-    tensors unless Triton interprets."""
+    """Head dims split unevenly, heads of mixed dtypes and float64 rows (the kernel computes in
+    float32) go to the torch path, and so do CPU tensors unless Triton interprets."""
     odd = torch.zeros(1, 1, 2, 9, device=DEVICE)
     assert not heads_kernel.move_heads(odd, [torch.zeros(1, 1, 1, 2, 3, device=DEVICE)] * 3, None, 1, 1, 3, False)
     rows = torch.zeros(1, 1, 2, 6, device=DEVICE)
     mixed = [torch.zeros(1, 1, 1, 2, 2, device=DEVICE, dtype=t) for t in (torch.float32, torch.float32, torch.float64)]
     assert not heads_kernel.move_heads(rows, mixed, None, 1, 1, 2, backward=False)
+    wide = [torch.zeros(1, 1, 1, 2, 2, device=DEVICE, dtype=torch.float64) for _ in range(3)]
+    assert not heads_kernel.move_heads(rows.double(), wide, None, 1, 1, 2, backward=False)
     if not triton_gate.INTERPRETED:
         heads = [torch.zeros(1, 1, 1, 2, 2) for _ in range(3)]
         assert not heads_kernel.move_heads(rows.cpu(), heads, None, 1, 1, 2, backward=False)

@@ -117,3 +117,10 @@ def test_triton_merge_equals_torch_merge():
     torch.testing.assert_close(lse, torch.logaddexp(l1, l2), rtol=1e-5, atol=1e-5)
     query_chunks.merge_into(out, lse, o1, l1)  # one piece: a copy into the layout
     assert torch.equal(out, o1) and torch.equal(lse, l1)
+    # float64 pieces keep float64 (the kernel merges in float32: the torch formulas run)
+    o1, o2, l1, l2 = (t.double() for t in (o1, o2, l1, l2))
+    out, lse = torch.empty_like(o1), torch.empty_like(l1)
+    query_chunks.merge_into(out, lse, o1, l1, o2, l2)
+    lse64 = torch.logaddexp(l1, l2)
+    want64 = o1 * (l1 - lse64).exp()[..., None] + o2 * (l2 - lse64).exp()[..., None]
+    torch.testing.assert_close(out, want64, rtol=1e-12, atol=1e-12)

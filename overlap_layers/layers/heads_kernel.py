@@ -35,11 +35,12 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
                tables: Optional[Tuple[torch.Tensor, torch.Tensor]], nq: int, nkv: int, d: int,
                backward: bool) -> bool:
     """The module reference with ``tables`` ``(cos, sin) [b or 1, g, s, d]`` (None: no RoPE), when
-    it can run here (CUDA, Triton, unit strides along d, even d, one dtype for q, k and v);
-    returns whether it ran. One launch for q, k and v ([Note: one heads launch]): on a slow host
+    it can run here (CUDA, Triton, unit strides along d, even d, one dtype for q, k and v, not
+    float64, which the torch path keeps exact where the kernel's float32 would not); returns
+    whether it ran. One launch for q, k and v ([Note: one heads launch]): on a slow host
     each Triton launch costs 60-100 us, more than the kernel of one rank's chunk (measured on the
     H200 machine)."""
-    if not runs_triton(rows_gbsC) or d % 2 or rows_gbsC.stride(-1) != 1:
+    if not runs_triton(rows_gbsC) or d % 2 or rows_gbsC.stride(-1) != 1 or rows_gbsC.dtype == torch.float64:
         return False
     if any(h.stride(-1) != 1 or h.dtype != heads[0].dtype for h in heads):
         return False

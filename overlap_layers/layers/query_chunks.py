@@ -86,8 +86,9 @@ def _piece(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[torch.Tensor,
 
 def merge_into(o_out, lse_out, o1, l1, o2=None, l2=None) -> None:
     """Write ``(o, lse)`` of one piece, or of two merged (module docstring), into ``o_out [b, n,
-    s, d]`` and ``lse_out [b, n, s]`` (any strides)."""
-    if runs_triton(o1):
+    s, d]`` and ``lse_out [b, n, s]`` (any strides); one Triton pass where it runs, but for float64
+    (the kernel merges in float32), else torch ops."""
+    if runs_triton(o1) and o1.dtype != torch.float64:
         _merge_triton(o_out, lse_out, o1, l1, o2, l2)
         return
     if o2 is None:
