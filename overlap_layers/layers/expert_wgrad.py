@@ -40,7 +40,8 @@ _BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine on H2
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
                   accumulate: bool = True) -> torch.Tensor:
     """``out`` after the module reference (in place); ``ends`` an integer tensor on ``a``'s
-    device, read there by the kernel where Triton runs (no host sync), else on the host."""
+    device, read there by the kernel where Triton runs (no host sync); on CUDA without Triton a
+    grouped GEMM and an add (rounded twice), elsewhere a loop over the groups (read on the host)."""
     G, M, N = out.shape
     if (a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.shape[1] != M or b.shape[1] != N
             or ends.shape != (G,) or a.dtype != b.dtype or ends.dtype.is_floating_point
@@ -56,6 +57,9 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: tor
                                 IEEE=a.dtype == torch.float32, INTERPRETED=INTERPRETED, BM=_BM, BN=_BN, BK=_BK,
                                 num_warps=_WARPS, num_stages=_STAGES)
         return out
+    if a.is_cuda:
+        g = torch._grouped_mm(a.t(), b, offs=ends.to(torch.int32))
+        return out.add_(g) if accumulate else out.copy_(g)
     start = 0
     for g, end in enumerate(ends.tolist()):
         part = a[start:end].t().float() @ b[start:end].float()

@@ -230,10 +230,8 @@ def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
         for key, l, r in (("w_in", dh, x), ("w_out", dy, a)):
             if grads[key] is None:
                 grads[key] = _grouped(l.t(), r, offs)
-            elif runs_triton(l):  # added in the GEMM ([Note: expert weight gradients in the GEMM])
+            else:  # added in the GEMM ([Note: expert weight gradients in the GEMM])
                 grouped_wgrad(l, r, offs, grads[key])
-            else:
-                grads[key].add_(_grouped(l.t(), r, offs))
         return
     for key, l, r, shape in (("w_in", dh, x, (dh.shape[1], x.shape[1])), ("w_out", dy, a, (dy.shape[1], a.shape[1]))):
         if grads[key] is None:
