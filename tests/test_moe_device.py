@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_moe import build_from_dense, make_case, reference, rel_err, rounded
+from test_moe import build_from_dense, check, make_case, reference, rel_err, rounded
 
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
@@ -154,6 +154,40 @@ def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routin
             assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
 
 
+def run_device_training(rank, ws, case, opts, dtype):
+    """One training call of the layer's device path with the stand-in exchange: y, dx and every
+    parameter's gradient of sum(y * dy), as ``test_moe.run_layer`` returns them."""
+    layer = build_from_dense(case, dtype, opts)
+    max_tokens = max(b * s for b, s in case["sizes"])
+    made = []
+
+    def exchange(rows, dt, device):
+        made.append(GatheredExchange(rows, layer.hidden_size, dt, layer.num_local_experts))
+        return made[-1]
+
+    layer._device_exchange = exchange
+    x = case["xs"][rank].to(dtype).requires_grad_()
+    y = layer._run_device(x, max_tokens)
+    (y * case["dys"][rank].to(dtype)).sum().backward()
+    return dict(y=y.detach(), dx=x.grad, dtype=y.dtype, aux=None, calls=made[0].calls,
+                nan=any(t.isnan().any().item() for t in (y, x.grad, *(p.grad for p in layer.parameters()))),
+                grads={n: p.grad for n, p in layer.named_parameters()})
+
+
+@pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf,Fs,activation", CASES)
+def test_device_path_training_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation):
+    """[Note: MoE training graphs]: y, dx and the gradients of w_in, w_out, the router and the
+    shared expert equal the dense reference's, through two exchanges per call (forward and
+    backward); no NaN from the stand-in's unwritten rows reaches any of them."""
+    dtype = torch.float32
+    case = make_case(29 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
+                     activation=activation)
+    opts = dict(activation=activation, capacity_factor=cf)
+    results = pools(ws).run(run_device_training, case, opts, dtype)
+    assert [(r["calls"], r["nan"]) for r in results] == [(2, False)] * ws
+    check(results, case, opts, dtype)
+
+
 def graphed_runs(rank, ws):
     """Whether ``_graphed_run`` is None, for aux loss coefficients 0 and 0.1, each without and
     with autograd."""
@@ -168,8 +202,8 @@ def graphed_runs(rank, ws):
 
 
 def test_device_path_is_taken_only_where_it_applies(pool2):
-    """``_graphed_run`` (what ``config.graph_calls`` captures) is None for a training call, an aux
-    loss, and on the CPU (no symmetric memory), so those calls stay eager."""
+    """``_graphed_run`` (what ``config.graph_calls`` captures) is None for an aux loss and on the
+    CPU (no symmetric memory), with autograd or without, so those calls stay eager."""
     assert pool2.run(graphed_runs) == [[True] * 4] * 2
 
 

@@ -76,13 +76,14 @@ def _act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -
 
 
 def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
-                  h_out: Optional[torch.Tensor] = None):
+                  h_out: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None):
     """``(d(loss)/d(pre), act(pre))`` given d(loss)/d(act(pre)): the backward also hands back the
     activation the weight gradient of fc2 needs (for swiglu both come from one fused pass). The
     first into ``out`` if given, which may be ``pre_MI`` (overwritten only after it is read), the
-    second into ``h_out`` if given."""
+    second into ``h_out`` if given. ``rows``: as :func:`_act`'s (swiglu's fused kernel then leaves
+    the rows past it unwritten; the others compute every row)."""
     if kind == "swiglu":
-        return swiglu_backward(pre_MI, dh_MF, out, h_out)
+        return swiglu_backward(pre_MI, dh_MF, out, h_out, rows)
     aten, gelu = torch.ops.aten, kind == "gelu"
     if h_out is None:
         act = F.gelu(pre_MI) if gelu else F.relu(pre_MI)

@@ -598,13 +598,14 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     # ----------------------------------------------------------------- the device path
     def _graphed_run(self, run, shape: tuple, dtype: torch.dtype, save: bool):
-        """[Note: MoE graph calls]: a call without autograd and aux loss, where every rank has
-        symmetric memory and the grouped GEMM takes the operands, captures :meth:`_run_device`
-        where the race has picked it or is timing it; any other call runs eagerly (None)."""
-        if save or self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
+        """[Note: MoE graph calls]: a call without aux loss, where every rank has symmetric memory
+        and the grouped GEMM takes the operands, captures :meth:`_run_device` (with autograd:
+        [Note: MoE training graphs]) where the race has picked it or is timing it; any other call
+        runs eagerly (None)."""
+        if self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
                 or not self._grouped_for(dtype) or not self._copy_engine_available():
             return None
-        if not self._device_race.choose((self._group_shapes, dtype)):
+        if not self._device_race.choose((self._group_shapes, dtype, save)):
             return None
         return lambda plan, trial, trace, x: self._run_device(x, shape[1])
 

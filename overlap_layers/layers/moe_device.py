@@ -115,12 +115,15 @@ qwen3 forward runs faster by the device path and the mixtral one eagerly (sessio
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
+from .expert_wgrad import grouped_wgrad
+from .first_order import first_order, take
+from .mlp import _act_backward
 from .moe_combine import combine_rows
-from .moe_ranks import experts_forward
+from .moe_ranks import _grouped, experts_forward
 
 
 ROUNDS = 2  # timed calls of each path in the race
@@ -194,84 +197,237 @@ def rows_bound(max_tokens: int, top_k: int) -> int:
     return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
 
 
+class SourceCall:
+    """One device-path call's state between its passes: the layer's sizes, the exchange, the
+    routing's ``keys`` and ``counts`` (``[ws, El]`` int32); the forward sets ``pos`` (each
+    assignment's send row, -1 where dropped) and ``ends`` (``[source, El]`` int32: each source's
+    grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
+
+    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        self.activation, self.k = layer.activation, layer.top_k
+        self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
+        self.exchange, self.keys, self.counts = exchange, keys, counts
+        self.pos: Optional[torch.Tensor] = None
+        self.ends: Optional[torch.Tensor] = None
+        # the own rows of the groups from `split` on run last, under the last part's push
+        self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
+
+    def peers(self) -> list:
+        """``(source, part)`` in run order: sources rank + 1, rank + 2, ..., each in its parts."""
+        return [(s, part) for s in ((self.rank + j) % self.ws for j in range(1, self.ws))
+                for part in self.exchange.parts(s)]
+
+    def offsets(self, source: int, groups) -> Tuple[int, int, torch.Tensor]:
+        """``(a, b, offs)``: the groups ``a .. b-1`` (``groups``; None: all) of ``source``'s rows and
+        their grouped-GEMM offsets counted from their first row."""
+        a, b = (0, self.El) if groups is None else groups
+        ends = self.ends[source]
+        return a, b, (ends[a:b] - ends[a - 1] if a else ends[:b])
+
+
+class _Streams:
+    """The exchange's pull and push streams beside the caller's (none off CUDA) and the events by
+    which they order a pass's parts: per peer part index, its rows pulled (``arrived``), its
+    slot read (``read``), its results pushed (``pushed``)."""
+
+    def __init__(self, exchange, cuda: bool) -> None:
+        self.streams = getattr(exchange, "streams", None) if cuda else None
+        self.main = torch.cuda.current_stream() if self.streams else None
+        self.arrived, self.read, self.pushed = {}, {}, {}
+
+    def on(self, index: int):
+        return torch.cuda.stream(self.streams[index]) if self.streams else contextlib.nullcontext()
+
+    def mark(self, events: dict, i: int) -> None:
+        """An event on the current stream."""
+        if self.streams:
+            events[i] = torch.cuda.Event()
+            events[i].record()
+
+    def fork(self) -> None:
+        if self.streams:
+            self.streams[0].wait_stream(self.main)
+
+    def before_part(self, i: int) -> None:
+        """The main stream waits for part i's rows and for the push whose results' memory it may take."""
+        if self.streams:
+            self.main.wait_event(self.arrived[i])
+            if i >= SLOTS:
+                self.main.wait_event(self.pushed[i - SLOTS])
+
+    def push(self, exchange, source: int, results: torch.Tensor, part, i: int) -> None:
+        """The part's region pushed on the push stream, after what the main stream launched."""
+        if self.streams:
+            self.streams[1].wait_stream(self.main)
+        with self.on(1):
+            exchange.push(source, results, part)
+            self.mark(self.pushed, i)
+
+    def join(self) -> None:
+        if self.streams:
+            self.main.wait_stream(self.streams[0])
+            self.main.wait_stream(self.streams[1])
+
+
+def _pulls(c: SourceCall, s: _Streams, peers: list, slots: list):
+    """``pull(i)``: the region of peer part i into its slot, on the pull stream, once the slot's
+    last rows were read; the first ``len(slots)`` are launched here."""
+    def pull(i: int) -> None:
+        with s.on(0):
+            if s.streams and i >= len(slots):
+                s.streams[0].wait_event(s.read[i - len(slots)])
+            c.exchange.pull(peers[i][0], slots[i % len(slots)], peers[i][1])
+            s.mark(s.arrived, i)
+
+    s.fork()
+    for i in range(len(slots)):
+        pull(i)
+    return pull
+
+
+def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
+    """The forward pass (module docstring): ``(own, back, late, added, saved)``, the own results of
+    the groups before ``c.split``, ``back`` (the peers' results at their send rows), ``late``
+    (:func:`~.moe_combine.combine_rows`' ``late`` and ``n_first``, or empty), ``extra()``'s
+    result; with ``save``, ``saved`` holds each part's input rows and pre-activations for
+    :func:`_backward`: "own", each peer part's index, "late". Saving, each peer part keeps a slot
+    of its own, and the own rows are copied out of the send buffer (the next exchange on the
+    workspace overwrites it)."""
+    ex, H, El, rank = c.exchange, x_TH.shape[1], c.El, c.rank
+    c.pos = ex.place(x_TH, c.keys, c.k, c.counts)  # each assignment's row of send (-1: dropped by capacity)
+    ex.ready(c.counts)
+    c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
+    peers = c.peers()
+    slots = [x_TH.new_empty((ex.rows, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
+    s = _Streams(ex, x_TH.is_cuda)
+    pull = _pulls(c, s, peers, slots)
+    w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
+    saved = {}
+
+    def experts(key, rows: torch.Tensor, source: int, groups=None) -> torch.Tensor:
+        a, b, offs = c.offsets(source, groups)
+        y, pre = experts_forward(c.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])
+        if save:
+            saved[key] = (rows, pre)
+        return y
+
+    first = (0, c.split) if c.split < El else None
+    own = experts("own", ex.send[:ex.rows], rank, first)  # in place: the own rows lead the send rows
+    added = extra() if extra is not None else None
+    results = {}  # peer part index -> its results, held until the main stream waited for their push
+    for i, (src, part) in enumerate(peers):
+        s.before_part(i)
+        slot = ex.pull_rest(src, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
+        results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
+        results[i] = experts(i, slot, src, part)
+        s.mark(s.read, i)
+        if i + len(slots) < len(peers):
+            pull(i + len(slots))  # launched after the event it waits for was recorded
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
+    late = {}
+    if c.split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
+        rows = ex.own_rows(c.split, x_TH.new_empty((ex.rows, H)) if save else slots[0])
+        late = dict(late=experts("late", rows, rank, (c.split, El)), n_first=c.ends[rank][c.split - 1])
+    if save:  # under the last push
+        saved["own"] = (saved["own"][0].clone(), saved["own"][1])
+    s.join()
+    return own, ex.finish(), late, added, saved  # own results were not pushed: the combine reads them in place
+
+
+def _backward(c: SourceCall, saved: dict, d_rows: torch.Tensor, w_in, w_out):
+    """``(dx [T, H], dw_in, dw_out)`` for ``d_rows`` ``[T * k, H]``, the gradient of the token-major
+    rows :class:`_SourceExperts` returned: the forward's exchange reversed. Each assignment's row
+    goes where its input row went (the forward's places), each source's rows run as they arrive
+    (the data gradient first, pushed back, then the weight gradients under that push), and one
+    combine pass sums each token's k rows of dx."""
+    ex, H, El, rank = c.exchange, d_rows.shape[1], c.El, c.rank
+    ex.place(d_rows, c.keys, 1, c.counts)  # the forward's places: c.pos
+    ex.ready(c.counts)
+    peers = c.peers()
+    slots = [d_rows.new_empty((ex.rows, H)) for _ in range(min(SLOTS, len(peers)))]
+    s = _Streams(ex, d_rows.is_cuda)
+    pull = _pulls(c, s, peers, slots)
+    dw_in, dw_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+
+    def grads(key, dy: torch.Tensor, source: int, groups=None):
+        """The rows' dx, and a function that adds their weight gradients."""
+        x, pre = saved.pop(key)
+        a, b, offs = c.offsets(source, groups)
+        dh, act = _act_backward(c.activation, pre, _grouped(dy, w_out[a:b], offs), rows=offs[-1:])
+
+        def wgrad() -> None:
+            grouped_wgrad(dh, x, offs, dw_in[a:b])
+            grouped_wgrad(dy, act, offs, dw_out[a:b])
+        return _grouped(dh, w_in[a:b], offs), wgrad
+
+    first = (0, c.split) if c.split < El else None
+    own, wgrad = grads("own", ex.send[:ex.rows], rank, first)
+    wgrad()
+    results = {}
+    for i, (src, part) in enumerate(peers):
+        s.before_part(i)
+        dy = ex.pull_rest(src, slots[i % len(slots)], part)
+        results.pop(i - SLOTS, None)
+        results[i], wgrad = grads(i, dy, src, part)
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
+        wgrad()  # under the push
+        s.mark(s.read, i)
+        if i + len(slots) < len(peers):
+            pull(i + len(slots))
+    late = {}
+    if c.split < El:
+        dx, wgrad = grads("late", ex.own_rows(c.split, slots[0]), rank, (c.split, El))
+        wgrad()
+        late = dict(late=dx, n_first=c.ends[rank][c.split - 1])
+    s.join()
+    back = ex.finish()
+    T = d_rows.shape[0] // c.k
+    dx = combine_rows(own, back, c.pos, d_rows.new_ones((T, c.k)), c.ends[rank][-1], **late)
+    return dx, dw_in, dw_out
+
+
+class _SourceExperts(torch.autograd.Function):
+    """``rows [T * k, H]``: each assignment's expert output, token-major (zero where dropped), for
+    this rank's tokens ``x_TH`` through the device path, differentiable in ``x_TH``, ``w_in`` and
+    ``w_out`` (:func:`_forward` saving, :func:`_backward`); ``c`` a :class:`SourceCall`."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_in, w_out, c: SourceCall):
+        own, back, late, _, saved = _forward(c, x_TH, w_in, w_out, None, save=True)
+        n = x_TH.shape[0] * c.k
+        rows = combine_rows(own, back, c.pos, own.new_ones((n, 1)), c.ends[c.rank][-1], **late)
+        ctx.c, ctx.saved = c, saved
+        ctx.save_for_backward(w_in, w_out)
+        return rows
+
+    @staticmethod
+    @first_order  # [Note: first-order backward]
+    def backward(ctx, d_rows):
+        w_in, w_out = ctx.saved_tensors
+        dx, dw_in, dw_out = _backward(ctx.c, take(ctx, "saved"), d_rows.contiguous(), w_in, w_out)
+        return dx, dw_in, dw_out, None
+
+
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
                       extra: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
-    experts), through ``exchange`` (a ``DeviceCountAllToAll`` of ``layer.num_local_experts``
-    groups, or anything with its ``send``, ``rows``, ``place``, ``ready``, ``recv_counts``,
-    ``parts``, ``pull``, ``pull_rest``, ``push``, ``push_rest``, ``own_rows``, ``finish`` and, for
-    side streams, ``streams``), with no value read on the host."""
-    H = x_TH.shape[1]
-    k, ws, El, rank = layer.top_k, layer.world_size, layer.num_local_experts, layer.rank
+    experts without autograd, after the combine with it), through ``exchange`` (a
+    ``DeviceCountAllToAll`` of ``layer.num_local_experts`` groups, or anything with its ``send``,
+    ``rows``, ``place``, ``ready``, ``recv_counts``, ``parts``, ``pull``, ``pull_rest``, ``push``,
+    ``push_rest``, ``own_rows``, ``finish`` and, for side streams, ``streams``), with no value read
+    on the host. Under autograd ([Note: MoE training graphs]) the experts' rows come back
+    token-major and are weighted in autograd, so that the router gets its gradient."""
+    H, k, ws, El = x_TH.shape[1], layer.top_k, layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
-    counts = counts.view(ws, El).to(torch.int32)
-    pos = exchange.place(x_TH, keys, k, counts)  # each assignment's row of send (-1: dropped by capacity)
-    exchange.ready(counts)
-    ends = torch.cumsum(exchange.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
-    peers = [(s, part) for s in ((rank + j) % ws for j in range(1, ws)) for part in exchange.parts(s)]
-    slots = [x_TH.new_empty((exchange.rows, H)) for _ in range(min(SLOTS, len(peers)))]
-    streams = getattr(exchange, "streams", None) if x_TH.is_cuda else None
-    main = torch.cuda.current_stream() if streams else None
-    arrived, read, pushed = {}, {}, {}  # events per peer index: rows pulled, slot read, results pushed
-
-    def on(stream_index: int):
-        return torch.cuda.stream(streams[stream_index]) if streams else contextlib.nullcontext()
-
-    def mark(events: dict, i: int) -> None:  # an event on the current stream
-        if streams:
-            events[i] = torch.cuda.Event()
-            events[i].record()
-
-    def pull(i: int) -> None:  # the region of peer part i into its slot, once the slot's last rows were read
-        with on(0):
-            if streams and i >= len(slots):
-                streams[0].wait_event(read[i - len(slots)])
-            exchange.pull(peers[i][0], slots[i % len(slots)], peers[i][1])
-            mark(arrived, i)
-
-    if streams:
-        streams[0].wait_stream(main)
-    for i in range(len(slots)):
-        pull(i)
-    w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
-
-    def experts(rows: torch.Tensor, source_ends: torch.Tensor, groups=None) -> torch.Tensor:
-        a, b = (0, El) if groups is None else groups
-        # the rows of groups a .. b-1, from row 0
-        offs = source_ends[a:b] - source_ends[a - 1] if a else source_ends[:b]
-        return experts_forward(layer.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])[0]
-
-    # the own rows of the groups from `split` on run last, under the last part's push
-    split = El // 2 if peers and El > 1 else El
-    first = (0, split) if split < El else None
-    own = experts(exchange.send[:exchange.rows], ends[rank], first)  # in place: the own rows lead the send rows
-    added = extra() if extra is not None else None
-    results = {}  # peer part index -> its results, held until the main stream waited for their push
-    for i, (s, part) in enumerate(peers):
-        if streams:
-            main.wait_event(arrived[i])
-            if i >= SLOTS:
-                main.wait_event(pushed[i - SLOTS])
-        slot = exchange.pull_rest(s, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
-        results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
-        results[i] = experts(slot, ends[s], part)
-        mark(read, i)
-        if i + len(slots) < len(peers):
-            pull(i + len(slots))  # launched after the event it waits for was recorded
-        exchange.push_rest(s, results[i], part)
-        if streams:
-            streams[1].wait_stream(main)
-        with on(1):
-            exchange.push(s, results[i], part)
-            mark(pushed, i)
-    late = {}
-    if split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
-        late = dict(late=experts(exchange.own_rows(split, slots[0]), ends[rank], (split, El)),
-                    n_first=ends[rank][split - 1])
-    if streams:
-        main.wait_stream(streams[0])
-        main.wait_stream(streams[1])
-    back = exchange.finish()  # own results were not pushed: the combine reads them in place
-    y = combine_rows(own, back, pos, weights, ends[rank][-1], **late)  # the own rows: counts[rank]'s sum
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
+        rows = _SourceExperts.apply(x_TH, w_in, w_out, c)
+        y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(-1, k, H)).squeeze(1)
+        added = extra() if extra is not None else None
+    else:
+        own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
+        y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], **late)  # own rows: counts[rank]'s sum
     return y if added is None else y + added

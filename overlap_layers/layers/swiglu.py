@@ -63,14 +63,26 @@ if triton is not None:
             tl.store(h_ptr + idx, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK: tl.constexpr):
-        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK)
+    def _swiglu_bwd_block(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK: tl.constexpr, start=None):
+        idx, mask, g_off, g, u = _gate_up_block(pre_ptr, n, f, BLOCK, start)
         dh = tl.load(dh_ptr + idx, mask=mask).to(tl.float32)
         s = tl.sigmoid(g)
         silu = g * s
         tl.store(dpre_ptr + g_off, (dh * u * s * (1.0 + g * (1.0 - s))).to(dpre_ptr.dtype.element_ty), mask=mask)
         tl.store(dpre_ptr + g_off + f, (dh * silu).to(dpre_ptr.dtype.element_ty), mask=mask)
         tl.store(h_ptr + idx, (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, rows_ptr, HAS_ROWS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        if HAS_ROWS:  # only the first rows (a count on the device), as the forward kernel
+            limit = tl.minimum(n, tl.load(rows_ptr).to(tl.int64) * f)
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+            while start < limit:
+                _swiglu_bwd_block(pre_ptr, dh_ptr, dpre_ptr, h_ptr, limit, f, BLOCK, start)
+                start += tl.num_programs(0) * BLOCK
+        else:
+            _swiglu_bwd_block(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK)
 
 
 def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -92,9 +104,11 @@ def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.T
 
 
 def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
-                    h_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    h_out: Optional[torch.Tensor] = None,
+                    rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dpre [M, 2F], h [M, F])`` of the module reference; ``dpre`` into ``out`` if given, which
-    may be ``pre_MI`` itself (each element is read before it is written), ``h`` into ``h_out``."""
+    may be ``pre_MI`` itself (each element is read before it is written), ``h`` into ``h_out``.
+    ``rows``: as :func:`swiglu`'s (the fused kernel leaves the rows past it unwritten)."""
     gate, up = pre_MI.chunk(2, dim=-1)
     dpre = torch.empty_like(pre_MI) if out is None else out
     h = pre_MI.new_empty(gate.shape) if h_out is None else h_out
@@ -107,7 +121,9 @@ def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[tor
         return dpre, h
     n, f = h.numel(), h.shape[-1]
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](pre_MI, dh_MF, dpre, h, n, f, BLOCK=_BLOCK)
+        grid = triton.cdiv(n, _BLOCK) if rows is None else min(triton.cdiv(n, _BLOCK), _STRIDED)
+        _swiglu_bwd_kernel[(grid,)](pre_MI, dh_MF, dpre, h, n, f, h if rows is None else rows,
+                                    HAS_ROWS=rows is not None, BLOCK=_BLOCK)
     return dpre, h
 
 
