@@ -1125,6 +1125,56 @@ def check_moe_graph_calls(rank, ws, dev):
     return fails
 
 
+def check_moe_training_graph_calls(rank, ws, dev):
+    """[Note: MoE training graphs]: OverlapMoE with config.graph_calls, training calls (bf16, uneven
+    tokens per rank, new tokens and output gradients at every call, dropless and with capacity
+    drops, a shared expert): y against the float64 dense reference, and y, dx and every
+    parameter's gradient against a twin layer's eager calls on the same weights and tensors (the
+    eager path is checked against the dense reference's gradients in check_moe_rank_chunks),
+    through the race's eager calls, capture and replays; the race decided, and the layer keeping
+    a graph if the device path won."""
+    from moe_reference import dense_moe
+    from overlap_layers import OverlapConfig, OverlapMoE
+    g = torch.Generator(device="cpu").manual_seed(31)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    H, F, Fs, El, k, dt = 64, 32, 16, 4, 3, torch.bfloat16
+    rw, wi, wo, swi, swo = r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F), r(2 * Fs, H), r(H, Fs)
+    fails = 0
+    for cf in (None, 0.5):
+        layers = [OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
+                                        capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
+                                        num_tiles=1, config=OverlapConfig(graph_calls=graphs))
+                  for graphs in (True, False)]
+        for step in range(10):
+            tokens = 40 + 24 * rank
+            x, dy = r(1, tokens, H).to(dt), r(1, tokens, H).to(dt)
+            outs = []
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+                xx = x.clone().requires_grad_()
+                y = layer(xx)
+                y.backward(dy)
+                outs.append([("y", y.detach()), ("dx", xx.grad)]
+                            + [(n, p.grad) for n, p in layer.named_parameters()])
+            y_ref, _ = dense_moe(x.double(), *(t.to(dt).double() for t in (rw, wi, wo)), top_k=k, capacity_factor=cf,
+                                 capacity_key="prob", shared_w_in=swi.to(dt).double(),
+                                 shared_w_out=swo.to(dt).double())
+            label = f"moe training graph_calls cf={cf} step {step}"
+            fails += count_fails(rank, label, [("y", outs[0][0][1], y_ref)], 3e-2)
+            fails += count_fails(rank, label + " against eager", [(n, got, want.double()) for (n, got), (_, want)
+                                                                  in zip(*outs)], 5e-2)
+        choices = [race["choice"] for race in layers[0]._device_race._races.values()]
+        if len(choices) != 1 or None in choices or len(layers[0]._call_graphs) != sum(choices):
+            fails += 1
+            print(f"rank {rank} FAIL moe training graph_calls cf={cf}: device path chosen {choices}, "
+                  f"{len(layers[0]._call_graphs)} graphs kept", flush=True)
+        elif rank == 0:
+            print(f"moe training graph_calls cf={cf}: device path chosen {choices}", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -1142,7 +1192,8 @@ def main():
         + check_workspace_kept_on_some_ranks(rank, ws, dev) + check_caller_stream_kept(rank, ws, dev) \
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
         + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev) \
-        + check_device_all_to_all(rank, ws, dev) + check_moe_graph_calls(rank, ws, dev)
+        + check_device_all_to_all(rank, ws, dev) + check_moe_graph_calls(rank, ws, dev) \
+        + check_moe_training_graph_calls(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -51,6 +51,32 @@ def test_fused_swiglu_of_the_first_rows(rows, programs, monkeypatch):
         assert (h[n:] == 7.0).all()
 
 
+@needs_triton
+@pytest.mark.parametrize("rows", [0, 5, 37, 80])
+@pytest.mark.parametrize("programs", [None, 2])
+def test_fused_swiglu_backward_of_the_first_rows(rows, programs, monkeypatch):
+    """The backward with a device row count (the MoE device path's, [Note: MoE training graphs]):
+    the first ``min(rows, M)`` rows of ``dpre`` and ``h`` equal the formulas and the kernel writes
+    nothing past them (both outputs, filled with a marker before, keep it); with ``programs`` 2,
+    each of two programs loops over several of the five blocks."""
+    if programs is not None:
+        monkeypatch.setattr(swiglu_module, "_STRIDED", programs)
+    g = torch.Generator().manual_seed(6)
+    pre = torch.randn(37, 2 * 129, generator=g).to(DEVICE)
+    dh = torch.randn(37, 129, generator=g).to(DEVICE)
+    ga, u = pre.double().chunk(2, -1)
+    s = torch.sigmoid(ga)
+    want_h = ga * s * u
+    want_dpre = torch.cat([dh.double() * u * s * (1 + ga * (1 - s)), dh.double() * ga * s], -1)
+    count = torch.tensor([rows], dtype=torch.int32, device=DEVICE)
+    out, h_out = torch.full_like(pre, 7.0), torch.full_like(dh, 7.0)
+    dpre, h = swiglu_backward(pre, dh, out=out, h_out=h_out, rows=count)
+    n = min(rows, 37)
+    for got, want in ((h, want_h), (dpre, want_dpre)):
+        assert torch.allclose(got[:n].double(), want[:n], rtol=1e-6, atol=1e-6)
+        assert (got[n:] == 7.0).all()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_swiglu_backward_into_pre_itself(fused):
     """``out=pre``: the pre-activation's memory takes ``dpre`` and ``h_out`` takes ``h`` (the
