@@ -485,7 +485,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _init_caches(self) -> None:
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
-        self._aux_zero_of = None  # while it is 0 and not made: the combine weights, or (device, dtype) without a graph
+        self._aux_zero_of = None  # while it is 0 and not made: (device, dtype, whether the call had autograd)
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
@@ -577,11 +577,18 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         None before the first call). With ``aux_loss_coef == 0`` it is 0, still attached to the
         router so that ``aux_loss.backward()`` works on any rank, made when first read."""
         src, self._aux_zero_of = self._aux_zero_of, None
-        if isinstance(src, torch.Tensor):  # the combine weights: [T, k], held by the combine's graph anyway
-            with torch.enable_grad():
-                self._aux = src.sum() * 0.0
-        elif src is not None:  # no graph to hang from (no_grad): nothing held between calls
-            self._aux = torch.zeros((), device=src[0], dtype=src[1])
+        if src is not None:
+            device, dtype, graph = src
+            router = self._local("router_weight")
+            if graph and router.requires_grad:
+                # hung from the router's weight, not from the call's graph: held between calls, that
+                # graph would keep its parameters' gradient nodes, made on the stream of that call,
+                # alive into the next call (which a training graph's capture cannot follow:
+                # [Note: MoE training graphs] in moe_device.py)
+                with torch.enable_grad():
+                    self._aux = router.to(dtype).sum() * 0.0
+            else:
+                self._aux = torch.zeros((), device=device, dtype=dtype, requires_grad=graph)
         return self._aux
 
     @property
@@ -717,7 +724,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self._aux, self._aux_zero_of = self.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
         else:  # 0, made when read (launches off the call's path)
             self._aux = None
-            self._aux_zero_of = weights if weights.requires_grad else (weights.device, weights.dtype)
+            self._aux_zero_of = (weights.device, weights.dtype, weights.requires_grad)
         # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
         # once the counts are on the host ([Note: MoE host syncs]: no sync here).
         if K == 1:  # the routing's own keys (in the step order if asked) and counts
