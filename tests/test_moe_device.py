@@ -207,6 +207,41 @@ def test_device_path_is_taken_only_where_it_applies(pool2):
     assert pool2.run(graphed_runs) == [[True] * 4] * 2
 
 
+def race_finish_points(rank, ws):
+    """Where a racing layer ends its timing: the calls' log (forward returned, backward returned,
+    the gradient hooks left on the parameters) with each ``finish`` of a stand-in race that times
+    every call."""
+    layer = OverlapMoE(8, 8, 4, 2, group=dist.group.WORLD, config=OverlapConfig(graph_calls=True))
+    log = []
+
+    class Race:
+        timing = True
+
+        @staticmethod
+        def finish():
+            log.append("finish")
+
+    layer._device_race = Race()
+    for _ in range(2):
+        y = layer(torch.randn(1, 3, 8, requires_grad=True))
+        log.append("forward")
+        y.sum().backward()
+        log.append("backward")
+        log.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in layer.parameters()))  # none left
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 8))
+    log.append("no_grad")
+    return log
+
+
+def test_race_times_a_training_call_to_the_end_of_its_backward(pool2):
+    """[Note: MoE graph calls: the race]: a training call's timing ends in its backward, once (the
+    hook on the parameters does not stay for later backward passes); a call without autograd's
+    ends with the forward."""
+    want = ["forward", "finish", "backward", 0] * 2 + ["finish", "no_grad"]
+    assert pool2.run(race_finish_points) == [want, want]
+
+
 def race_choices(rank, ws, eager_ms, device_ms):
     """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
     whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls)."""

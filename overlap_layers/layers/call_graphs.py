@@ -246,10 +246,15 @@ class CallGraphs:
         self._where = params
         return int(not self._graphs or params == self._params)
 
-    def forget_last(self) -> None:
-        """Drop the graph of the last call's signature (a layer that found it slower than the
-        eager call; its next calls of that signature do not ask again)."""
-        self._graphs.pop(self._last_key, None)
+    @property
+    def last_key(self):
+        """The last call's signature."""
+        return self._last_key
+
+    def forget_last(self, key=None) -> None:
+        """Drop the graph of the signature ``key`` (default: the last call's; a layer that found it
+        slower than the eager call; its next calls of that signature do not ask again)."""
+        self._graphs.pop(self._last_key if key is None else key, None)
 
     def clear(self) -> None:
         """Drop every graph (their memory pools go with them once no pending backward holds them)."""

@@ -489,6 +489,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
+        self._race_hooks = (None, [])  # a timed training call's gradient hooks (its key, their handles)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -693,9 +694,38 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                "path with the sizes on the device")
         y = self._planned_call(x, shape, dtype, save, fixed,
                                lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
-        if self._device_race.finish() is False:
-            self._call_graphs.forget_last()  # [Note: MoE graph calls: the race]
+        # [Note: MoE graph calls: the race]: a training call is timed to the end of its backward
+        self._end_race_hooks()  # a backward that never came: that call's timing ends here
+        watched = [p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else []) \
+            if save else []
+        if self._device_race.timing and watched:
+            left = [len(watched)]
+
+            def done(*_) -> None:  # as each gradient is made; the last ends the timing
+                left[0] -= 1
+                if not left[0]:
+                    self._end_race_hooks()
+            self._race_hooks = (self._call_graphs.last_key, [
+                t.register_post_accumulate_grad_hook(done) if t.is_leaf else t.register_hook(done) for t in watched])
+        else:
+            self._race_done(None)
         return y
+
+    def _race_done(self, key) -> None:
+        """End the race's timing of a call; drop its signature's graph (``key``; None: the last
+        call's) if the device path lost."""
+        if self._device_race.finish() is False:
+            self._call_graphs.forget_last(key)
+
+    def _end_race_hooks(self) -> None:
+        """Where a timed training call's gradient hooks are still set: remove them (a hook on the
+        parameters would outlive the backward it waits for) and end that call's timing."""
+        key, hooks = self._race_hooks
+        if hooks:
+            for h in hooks:
+                h.remove()
+            self._race_hooks = (None, [])
+            self._race_done(key)
 
     def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``

@@ -162,6 +162,11 @@ class DevicePathRace:
         self._races: dict = {}  # signature -> {"eager": [span], "device": [span], "choice": None | bool}
         self._timing = None  # (the race, its list, the clock's start) of the call being timed
 
+    @property
+    def timing(self) -> bool:
+        """Whether a call is being timed (:meth:`finish` not yet called for it)."""
+        return self._timing is not None
+
     def choose(self, signature) -> bool:
         race = self._races.get(signature)
         if race is None:
