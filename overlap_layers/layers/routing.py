@@ -18,11 +18,9 @@ at its start. The kernel does it all in one launch: a block of rows per program,
 registers, then k passes of an argmax whose ties go to the lower index (the stable sort's order),
 each pass storing its expert, probability and key and adding to the counts (atomic adds on
 integers: exact, in any order). The exponential is Triton's, so the probabilities may differ from
-``torch.softmax``'s in the last bits (the reference holds up to rounding). The backward (the
-weights' normalisation, the selected probabilities' gradients scattered back to their rows,
-softmax's backward) is one kernel too, a block of rows per program: in torch ops it was about ten
-launches (zeros, the normalisation's sums, a clone, the scatter, softmax's backward), 0.2-0.3 ms of
-host time in every training call on the 4x H200 machine (``bench/host_phases.py``, session 40).
+``torch.softmax``'s in the last bits (the reference holds up to rounding). The backward is plain
+torch: the weights' normalisation, the selected probabilities scattered back to their rows, and
+softmax's backward.
 """
 from __future__ import annotations
 
@@ -77,43 +75,6 @@ if triton is not None:
         if NORMALIZE:
             top = top / tl.sum(top, 1)[:, None]  # the padding columns hold 0
         tl.store(weights_ptr + out, top, mask=kmask)
-
-
-if triton is not None:
-    @triton.jit
-    def _route_bwd_kernel(probs_ptr, top_p_ptr, experts_ptr, g_top_ptr, g_w_ptr, g_probs_ptr, out_ptr, T, E,
-                          K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                          NORMALIZE: tl.constexpr, HAS_TOP: tl.constexpr, HAS_W: tl.constexpr,
-                          HAS_PROBS: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_E)
-        ks = tl.arange(0, BLOCK_K)
-        live = rows < T
-        mask = live[:, None] & (cols[None, :] < E)
-        kmask = live[:, None] & (ks[None, :] < K)
-        at = rows[:, None] * E + cols[None, :]
-        kat = rows[:, None] * K + ks[None, :]
-        p = tl.load(probs_ptr + at, mask=mask, other=0.0)
-        top = tl.load(top_p_ptr + kat, mask=kmask, other=0.0)
-        chosen = tl.load(experts_ptr + kat, mask=kmask, other=-1)
-        g_top = tl.zeros([ROWS, BLOCK_K], dtype=p.dtype)
-        if HAS_TOP:
-            g_top = tl.load(g_top_ptr + kat, mask=kmask, other=0.0)
-        if HAS_W:
-            gw = tl.load(g_w_ptr + kat, mask=kmask, other=0.0)
-            if NORMALIZE:
-                s = tl.where(live, tl.sum(top, 1), 1.0)[:, None]  # padding rows: no division by 0
-                g_top = g_top + (gw - tl.sum(gw * top, 1)[:, None] / s) / s
-            else:
-                g_top = g_top + gw
-        g = tl.zeros([ROWS, BLOCK_E], dtype=p.dtype)
-        if HAS_PROBS:
-            g = tl.load(g_probs_ptr + at, mask=mask, other=0.0)
-        for j in tl.static_range(K):  # the k chosen experts of a row are distinct
-            e_j = tl.sum(tl.where(ks[None, :] == j, chosen, 0), 1)
-            g_j = tl.sum(tl.where(ks[None, :] == j, g_top, 0.0), 1)
-            g = tl.where(cols[None, :] == e_j[:, None], g + g_j[:, None], g)
-        tl.store(out_ptr + at, p * (g - tl.sum(g * p, 1)[:, None]), mask=mask)
 
 
 def count(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -171,8 +132,6 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_probs, g_top_p, g_experts, g_weights, g_keys, g_counts):
         probs, top_p, experts = ctx.saved_tensors
-        if fused_available(probs):
-            return _fused_backward(probs, top_p, experts, g_probs, g_top_p, g_weights, ctx.normalize), None, None, None
         g_top = torch.zeros_like(top_p) if g_top_p is None else g_top_p
         if g_weights is not None:
             if ctx.normalize:
@@ -183,23 +142,6 @@ class _Route(torch.autograd.Function):
         g = torch.zeros_like(probs) if g_probs is None else g_probs.clone()
         g.scatter_add_(1, experts, g_top)
         return probs * (g - (g * probs).sum(-1, keepdim=True)), None, None, None
-
-
-def _fused_backward(probs, top_p, experts, g_probs, g_top_p, g_weights, normalize: bool) -> torch.Tensor:
-    """The logits' gradient of :class:`_Route` (its eager backward's formulas) in one kernel; a
-    None gradient is 0."""
-    T, E = probs.shape
-    k = top_p.shape[1]
-    out = torch.empty_like(probs)
-    if T:
-        block_e = triton.next_power_of_2(E)
-        rows = max(1, _ELEMENTS // block_e)
-        given = [t.to(probs.dtype).contiguous() if t is not None else probs for t in (g_top_p, g_weights, g_probs)]
-        _route_bwd_kernel[(triton.cdiv(T, rows),)](probs, top_p, experts, *given, out, T, E, K=k, BLOCK_E=block_e,
-                                                   BLOCK_K=triton.next_power_of_2(k), ROWS=rows, NORMALIZE=normalize,
-                                                   HAS_TOP=g_top_p is not None, HAS_W=g_weights is not None,
-                                                   HAS_PROBS=g_probs is not None)
-    return out
 
 
 def route_topk(logits: torch.Tensor, k: int, normalize: bool, shift: int = 0) -> Tuple[torch.Tensor, ...]:
