@@ -218,7 +218,7 @@ def race_finish_points(rank, ws):
         timing = True
 
         @staticmethod
-        def finish():
+        def finish(nbytes, budget):
             log.append("finish")
 
     layer._device_race = Race()
@@ -228,23 +228,28 @@ def race_finish_points(rank, ws):
         y.sum().backward()
         log.append("backward")
         log.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in layer.parameters()))  # none left
+    layer(torch.randn(1, 3, 8, requires_grad=True))
+    log.append("forward without backward")
     with torch.no_grad():
         layer(torch.randn(1, 3, 8))
     log.append("no_grad")
+    log.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in layer.parameters()))
     return log
 
 
 def test_race_times_a_training_call_to_the_end_of_its_backward(pool2):
     """[Note: MoE graph calls: the race]: a training call's timing ends in its backward, once (the
-    hook on the parameters does not stay for later backward passes); a call without autograd's
-    ends with the forward."""
-    want = ["forward", "finish", "backward", 0] * 2 + ["finish", "no_grad"]
+    hook on the parameters does not stay for later backward passes); one whose backward never
+    comes ends at the next call, before that call's own; a call without autograd's ends with the
+    forward."""
+    want = ["forward", "finish", "backward", 0] * 2 + ["forward without backward", "finish", "finish", "no_grad", 0]
     assert pool2.run(race_finish_points) == [want, want]
 
 
-def race_choices(rank, ws, eager_ms, device_ms):
+def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(0, 0), budget=None):
     """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
-    whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls)."""
+    whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls), each call's graph
+    keeping ``graph_bytes[rank]`` under a memory budget of ``budget`` bytes."""
     from overlap_layers.layers.moe_device import DevicePathRace
     from overlap_layers.runtime.group import shared_agreement
     times = iter(eager_ms[rank] + device_ms[rank])
@@ -257,7 +262,7 @@ def race_choices(rank, ws, eager_ms, device_ms):
     race = DevicePathRace(shared_agreement(dist.group.WORLD), Clock)
     out = []
     for _ in range(9):
-        out.append((race.choose(("sig",)), race.finish()))
+        out.append((race.choose(("sig",)), race.finish(graph_bytes[rank], lambda: budget)))
     return out
 
 
@@ -270,3 +275,13 @@ def test_race_picks_the_faster_path_alike_on_every_rank(pool2, device_ms, wins):
     eager_ms = [[9, 5, 6], [9, 5, 5]]
     want = [(False, None)] * 3 + [(True, None)] * 2 + [(True, wins)] + [(wins, None)] * 3
     assert pool2.run(race_choices, eager_ms, device_ms) == [want, want]
+
+
+@pytest.mark.parametrize("graph_bytes,budget,wins", [((100, 300), 300, True), ((100, 301), 300, False),
+                                                     ((100, 301), None, True)])
+def test_race_keeps_the_device_path_within_the_memory_budget(pool2, graph_bytes, budget, wins):
+    """The faster device path (4.9 against 5 ms) wins only if the largest rank's graph fits the
+    memory budget (none: no limit); the choice is the same on every rank."""
+    eager_ms, device_ms = [[9, 5, 6], [9, 5, 5]], [[50, 4, 4], [50, 4.5, 4.9]]
+    want = [(False, None)] * 3 + [(True, None)] * 2 + [(True, wins)] + [(wins, None)] * 3
+    assert pool2.run(race_choices, eager_ms, device_ms, graph_bytes, budget) == [want, want]

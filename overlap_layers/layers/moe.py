@@ -489,7 +489,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
-        self._race_hooks = (None, [])  # a timed training call's gradient hooks (its key, their handles)
+        self._race_hooks = (None, 0, [])  # a timed training call's gradient hooks (its key, graph bytes, handles)
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
@@ -692,10 +692,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                "split sizes (from the routing) to the host; run it eagerly, or build it with "
                                "OverlapConfig(graph_calls=True), whose calls without autograd replay graphs of a "
                                "path with the sizes on the device")
+        # [Note: MoE graph calls: the race]: a training call is timed to the end of its backward
+        self._end_race_hooks()  # an earlier call's backward that never came: its timing ends here
         y = self._planned_call(x, shape, dtype, save, fixed,
                                lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
-        # [Note: MoE graph calls: the race]: a training call is timed to the end of its backward
-        self._end_race_hooks()  # a backward that never came: that call's timing ends here
         watched = [p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else []) \
             if save else []
         if self._device_race.timing and watched:
@@ -705,27 +705,28 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 left[0] -= 1
                 if not left[0]:
                     self._end_race_hooks()
-            self._race_hooks = (self._call_graphs.last_key, [
+            graphs = self._call_graphs
+            self._race_hooks = (graphs.last_key, graphs.last_nbytes, [
                 t.register_post_accumulate_grad_hook(done) if t.is_leaf else t.register_hook(done) for t in watched])
         else:
-            self._race_done(None)
+            self._race_done(None, self._call_graphs.last_nbytes if self._call_graphs is not None else 0)
         return y
 
-    def _race_done(self, key) -> None:
-        """End the race's timing of a call; drop its signature's graph (``key``; None: the last
-        call's) if the device path lost."""
-        if self._device_race.finish() is False:
+    def _race_done(self, key, nbytes: int) -> None:
+        """End the race's timing of a call (whose graph kept ``nbytes``); drop its signature's graph
+        (``key``; None: the last call's) if the device path lost."""
+        if self._device_race.finish(nbytes, self._budget) is False:
             self._call_graphs.forget_last(key)
 
     def _end_race_hooks(self) -> None:
         """Where a timed training call's gradient hooks are still set: remove them (a hook on the
         parameters would outlive the backward it waits for) and end that call's timing."""
-        key, hooks = self._race_hooks
+        key, nbytes, hooks = self._race_hooks
         if hooks:
             for h in hooks:
                 h.remove()
-            self._race_hooks = (None, [])
-            self._race_done(key)
+            self._race_hooks = (None, 0, [])
+            self._race_done(key, nbytes)
 
     def _route_and_count(self, x_TH, K: int):
         """Routing on the whole local batch and capacity: ``(order, weights, counts)``, ``order``

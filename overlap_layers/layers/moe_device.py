@@ -179,9 +179,11 @@ class DevicePathRace:
         self._timing = (race, race["device" if device else "eager"], self._clock.start())
         return device
 
-    def finish(self) -> Optional[bool]:
-        """End the timing of the call (if timed); returns the choice made at it, if any (the
-        device path lost: False), else None."""
+    def finish(self, nbytes: int = 0, budget: Optional[Callable[[], Optional[int]]] = None) -> Optional[bool]:
+        """End the timing of the call (if timed; its graph kept ``nbytes``); returns the choice made
+        at it, if any (the device path lost: False), else None. The device path wins only if it is
+        faster and, where ``budget()`` gives bytes (the layer's memory budget), its graph's memory
+        on the group's largest rank fits them."""
         if self._timing is None:
             return None
         race, spans, start = self._timing
@@ -190,9 +192,10 @@ class DevicePathRace:
         if len(race["device"]) <= ROUNDS:
             return None
         mine = tuple(round(min(self._clock.read(s) for s in race[path][1:]) * 1e3) for path in ("eager", "device"))
-        rows = self._agreement.gather(mine)
-        eager_us, device_us = max(r[0] for r in rows), max(r[1] for r in rows)
-        race["choice"] = device_us < eager_us
+        rows = self._agreement.gather((*mine, int(nbytes)))
+        eager_us, device_us, most = (max(r[i] for r in rows) for i in range(3))
+        limit = budget() if budget is not None else None
+        race["choice"] = device_us < eager_us and (limit is None or most <= limit)
         return race["choice"]
 
 
