@@ -76,8 +76,8 @@ def parse_args(argv=None):
                         "not moe")
     p.add_argument("--graph-calls", action="store_true",
                    help="CUDA: the layers' config.graph_calls (their calls replay CUDA graphs they capture "
-                        "themselves, forward and backward; moe: calls without autograd only, with their sizes on "
-                        "the device)")
+                        "themselves, forward and backward; moe: calls without aux loss, with their sizes on the "
+                        "device)")
     p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
                    help="the layers' config.sm_carveout (default: an eighth of the SMs where planned; 0: never)")
     p.add_argument("--naive-k", type=int, nargs="+", default=[2], help="fixed K values for the naive mode")

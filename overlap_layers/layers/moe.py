@@ -431,7 +431,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
     _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
-    _graphable = True  # config.graph_calls: calls without autograd, by the device path ([Note: MoE graph calls])
+    _graphable = True  # config.graph_calls: calls by the device path ([Note: MoE graph calls], [Note: MoE training graphs])
     _group_shapes: tuple = ()  # every rank's (batch, seq) in the current call (the graphs' signature)
     _device_workspace = None  # the group's "device_counts" workspace, once the device path runs
     _workspace_purposes = ("exchange", "device_counts")  # the rank chunks' and the device path's
@@ -690,7 +690,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if self._capturing:  # agreed: every rank raises
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
                                "split sizes (from the routing) to the host; run it eagerly, or build it with "
-                               "OverlapConfig(graph_calls=True), whose calls without autograd replay graphs of a "
+                               "OverlapConfig(graph_calls=True), whose calls (without aux loss) replay graphs of a "
                                "path with the sizes on the device")
         # [Note: MoE graph calls: the race]: a training call is timed to the end of its backward
         self._end_race_hooks()  # an earlier call's backward that never came: its timing ends here

@@ -92,9 +92,9 @@ Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
 the copy engine or NCCL is faster than this path.
 
-It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs, no aux loss
-(the layer hands it out as a tensor made by the call, which a replay does not make) and no
-autograd (a training call stays eager). The exchange uses a workspace of its own
+It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs and no aux
+loss (the layer hands it out as a tensor made by the call, which a replay does not make); a call
+with autograd runs it too ([Note: MoE training graphs]). The exchange uses a workspace of its own
 (``shared_workspace(..., "device_counts")``): its peers write its table rows without a signal of
 this rank's call, which data of another exchange in the same buffer would race. The graph's
 signature holds every rank's (batch, seq), so that ranks holding different token counts capture
@@ -110,7 +110,40 @@ call waits for its events (a wait would leave the GPU idle at the next call's st
 eager call's launches would then pay and a replay would not); the last one's read waits. The
 group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
 the path for every later call of the signature; a graph that lost is dropped. On 4x H200 the
-qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31).
+qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31). A training
+call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
+have fired, or at the layer's next call if its backward never came): the eager backward's host
+time is what the device path saves there. The device path wins only if it is also within the
+layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it.
+
+[Note: MoE training graphs]
+A call with autograd runs the device path through :class:`_SourceExperts`, whose rows come back
+token-major and are weighted in autograd (``bmm``), so that the router gets its gradient as in
+the eager call; ``config.graph_calls`` captures its forward and its backward
+(``call_graphs.py``: the saved tensors live in the graphs' pool). What the backward needs stays
+on the device:
+
+* the forward keeps each part's input rows and pre-activations, at the bound of rows: each peer
+  part gets a slot of its own instead of ``SLOTS`` in turn, the second own half a buffer of its
+  own, and the own rows are copied out of the send buffer (the next exchange on the workspace,
+  another layer's or the backward's, overwrites it);
+* the backward places each assignment's output gradient where its input row went (the
+  forward's ``pos``), and reverses the exchange part by part: pull the rows' gradients, the data
+  gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only), push it back to its
+  source, then the weight gradients (``expert_wgrad.grouped_wgrad``, added into zeroed
+  accumulators, the group ranges of the part) under that push; one combine pass sums each
+  token's k rows of dx, the own ones where they were made.
+
+Measured on 4x H200, qwen3-30b-a3b, 8192 tokens per rank, fwd+bwd (session 40,
+``bench/results/session40_h200x4_2026-11-27.md``): at EP 4 the replayed calls ran 7.11 ms, against
+7.37-7.90 eager (host-bound: 6.9-8.3 ms of host per call) and 5.05-5.08 of compute alone, with
+1.09 ms of host. The eager backward's host time is gone, but the device's is not: a profiled
+replay computed 6.52 ms per call against compute-only's 4.92, in the weight-gradient kernel
+(1.73 ms: it runs about 1.4x cuBLAS's time and adds each part into the accumulators, six parts at
+EP 4), the experts' GEMMs split into parts (2.45 ms against 1.84 whole) and the copies, placing
+and combine passes. The race picks either path at EP 4 (within 4% of each other) and the eager one
+at EP 2. The graphs keep 5.1 GiB per layer at EP 4 (the bound of rows per part), against an eager
+peak of 1.5 GiB: ``memory_budget`` bounds it.
 """
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ class PlannedLayer:
     RuntimeError, pending verification pauses until the next eager calls, and the graph keeps the
     plan it captured. The copy-engine workspace keeps every buffer a graph captured
     (``runtime/exchange.py``). ``OverlapMoE``'s calls cannot be captured by the caller: they read
-    their all-to-all sizes on the host (with ``config.graph_calls`` its calls without autograd
+    their all-to-all sizes on the host (with ``config.graph_calls`` its calls without aux loss
     capture a path that does not: [Note: MoE graph calls] in ``moe_device.py``). Replays launch
     no Python, so a plan whose eager calls are host-bound runs at its device time;
     ``config.cuda_graphs`` makes verification compare contenders that way, and
