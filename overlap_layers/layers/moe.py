@@ -696,9 +696,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._end_race_hooks()  # an earlier call's backward that never came: its timing ends here
         y = self._planned_call(x, shape, dtype, save, fixed,
                                lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
-        watched = [p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else []) \
-            if save else []
-        if self._device_race.timing and watched:
+        watched = ([p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else [])) \
+            if save and self._device_race.timing else []  # listed only while a call is timed
+        if watched:
             left = [len(watched)]
 
             def done(*_) -> None:  # as each gradient is made; the last ends the timing
