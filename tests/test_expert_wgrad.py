@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE
-from overlap_layers.layers.expert_wgrad import grouped_wgrad
+from overlap_layers.layers.expert_wgrad import WgradParts, grouped_wgrad, grouped_wgrad_parts
 
 
 def _reference(a, b, ends, out, accumulate):
@@ -49,3 +49,53 @@ def test_grouped_wgrad_refuses_bad_shapes():
         grouped_wgrad(a, b, ends.float(), torch.zeros(2, 4, 5))
     with pytest.raises(ValueError, match="contiguous out"):
         grouped_wgrad(a, b, ends, torch.zeros(2, 5, 4).transpose(1, 2))
+
+
+def _parts_case(dev, dtype, seed):
+    """Three parts of rows (one with NaN rows past its segments, never read) and tables
+    ``[S=3, G=4]``: every group's rows split over the parts, some segments empty."""
+    g = torch.Generator().manual_seed(seed)
+    M, N, rows = 40, 136, (150, 90, 7)
+    wide = [torch.randn(r, M + 8, generator=g).to(dev, dtype) for r in rows]
+    a = [w[:, 8:8 + M] for w in wide]  # row stride M + 8 in every part
+    b = [torch.randn(r, N, generator=g).to(dev, dtype) for r in rows]
+    a[1][80:] = float("nan")
+    b[1][80:] = float("nan")
+    part = [[0, 0, 1, 2], [1, 1, 0, 0], [2, 0, 2, 1]]
+    lo = [[0, 20, 0, 0], [5, 40, 70, 141], [0, 141, 7, 80]]
+    hi = [[20, 70, 5, 7], [40, 80, 141, 150], [0, 150, 7, 80]]
+    as_dev = [torch.tensor(t, device=dev, dtype=torch.int32) for t in (part, lo, hi)]
+    return a, b, (part, lo, hi), as_dev, M, N
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_grouped_wgrad_parts_matches_the_dense_sum(dtype, tol, accumulate):
+    dev = DEVICE or torch.device("cpu")
+    a, b, (part, lo, hi), tables, M, N = _parts_case(dev, dtype, 7)
+    out = torch.randn(4, M, N, generator=torch.Generator().manual_seed(8)).to(dev, dtype)
+    want = out.double().clone() if accumulate else torch.zeros_like(out, dtype=torch.float64)
+    for s in range(3):
+        for grp in range(4):
+            p, i, j = part[s][grp], lo[s][grp], hi[s][grp]
+            want[grp] += a[p][i:j].double().t() @ b[p][i:j].double()
+    got = grouped_wgrad_parts(WgradParts(a, b), *tables, out, accumulate)
+    assert got is out and torch.isfinite(got).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < tol, err
+
+
+def test_grouped_wgrad_parts_refuses_bad_parts_and_tables():
+    a, b = [torch.zeros(6, 4), torch.zeros(3, 4)], [torch.zeros(6, 5), torch.zeros(3, 5)]
+    with pytest.raises(ValueError, match="WgradParts: a"):
+        WgradParts(a, b[:1])
+    with pytest.raises(ValueError, match="WgradParts: a"):
+        WgradParts([a[0], torch.zeros(3, 8)[:, :4]], b)  # another row stride
+    parts = WgradParts(a, b)
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="grouped_wgrad_parts: parts"):
+        grouped_wgrad_parts(parts, t, t, t, torch.zeros(3, 5, 4))
+    with pytest.raises(ValueError, match="of one shape"):
+        grouped_wgrad_parts(parts, t, t, t[:1], torch.zeros(3, 4, 5))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        WgradParts([torch.zeros(6, 9)[:, 1:5], torch.zeros(3, 9)[:, :4]], b)

@@ -152,7 +152,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .expert_wgrad import grouped_wgrad
+from .expert_wgrad import WgradParts, grouped_wgrad_parts
 from .first_order import first_order, take
 from .mlp import _act_backward
 from .moe_combine import combine_rows
@@ -376,56 +376,85 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     return own, ex.finish(), late, added, saved  # own results were not pushed: the combine reads them in place
 
 
+def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~.expert_wgrad.grouped_wgrad_parts`' ``(part, lo, hi)`` ``[source, El]`` for the
+    backward's ``parts`` (``(source, (a, b))`` each, in order): source s's rows of group g lie in
+    the part holding that group, from its first group's first row on. Allocated on the current
+    stream, written on the push stream (which the caller forked)."""
+    held = torch.empty((2, c.ws, c.El), dtype=torch.int64, device=c.ends.device)  # each one's part, first group
+    out = torch.empty((4, c.ws, c.El), dtype=c.ends.dtype, device=c.ends.device)  # starts, base, lo, hi
+    with s.on(1):
+        for p, (src, (a, b)) in enumerate(parts):
+            held[0, src, a:b].fill_(p)
+            held[1, src, a:b].fill_(a)
+        torch.sub(c.ends, c.exchange.recv_counts, out=out[0])
+        torch.gather(out[0], 1, held[1], out=out[1])
+        torch.sub(out[0], out[1], out=out[2])
+        torch.sub(c.ends, out[1], out=out[3])
+    return held[0], out[2], out[3]
+
+
 def _backward(c: SourceCall, saved: dict, d_rows: torch.Tensor, w_in, w_out):
     """``(dx [T, H], dw_in, dw_out)`` for ``d_rows`` ``[T * k, H]``, the gradient of the token-major
     rows :class:`_SourceExperts` returned: the forward's exchange reversed. Each assignment's row
     goes where its input row went (the forward's places), each source's rows run as they arrive
-    (the data gradient first, pushed back, then the weight gradients under that push), and one
-    combine pass sums each token's k rows of dx."""
+    (the data gradient, pushed back to the source), the weight gradients of every part in one pass
+    at the end, under the last push ([Note: expert weight gradients in one pass]), and one combine
+    pass sums each token's k rows of dx."""
     ex, H, El, rank = c.exchange, d_rows.shape[1], c.El, c.rank
     ex.place(d_rows, c.keys, 1, c.counts)  # the forward's places: c.pos
     ex.ready(c.counts)
     peers = c.peers()
-    slots = [d_rows.new_empty((ex.rows, H)) for _ in range(min(SLOTS, len(peers)))]
+    first = (0, c.split)
+    late = (c.split, El) if c.split < El else None
+    # every part's rows stay for the weight gradients: a slot per peer part (all pulled at once),
+    # the own rows in the send buffer, the late ones copied into a buffer of their own
+    slots = [d_rows.new_empty((ex.rows, H)) for _ in peers] + ([d_rows.new_empty((ex.rows, H))] if late else [])
+    keys = ["own", *range(len(peers))] + (["late"] if late else [])
+    groups = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
+    dys = [ex.send[:ex.rows]] + slots
+    acts = [saved[key][1].new_empty((ex.rows, w_out.shape[2])) for key in keys]
     s = _Streams(ex, d_rows.is_cuda)
-    pull = _pulls(c, s, peers, slots)
-    dw_in, dw_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+    _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
+    side = s.streams[1] if s.streams else None
+    if side is not None:  # the weight gradients' tables, on the push stream before its first push
+        side.wait_stream(s.main)
+    tables = _segments(c, groups, s)
+    din = WgradParts([saved[key][1] for key in keys], [saved[key][0] for key in keys], side)  # dh (in pre), x
+    dout = WgradParts(dys, acts, side)
+    written = {}
+    with s.on(1):
+        s.mark(written, 0)
 
-    def grads(key, dy: torch.Tensor, source: int, groups=None):
-        """The rows' dx, and a function that adds their weight gradients."""
-        x, pre = saved.pop(key)
+    def dgrad(p: int, source: int, groups=None) -> torch.Tensor:
+        """Part p's dx; its dh overwrites its pre-activations, its activations go to acts[p]."""
+        x, pre = saved[keys[p]]
         a, b, offs = c.offsets(source, groups)
-        dh, act = _act_backward(c.activation, pre, _grouped(dy, w_out[a:b], offs), rows=offs[-1:])
+        dh, _ = _act_backward(c.activation, pre, _grouped(dys[p], w_out[a:b], offs), out=pre, h_out=acts[p],
+                              rows=offs[-1:])
+        return _grouped(dh, w_in[a:b], offs)
 
-        def wgrad() -> None:
-            grouped_wgrad(dh, x, offs, dw_in[a:b])
-            grouped_wgrad(dy, act, offs, dw_out[a:b])
-        return _grouped(dh, w_in[a:b], offs), wgrad
-
-    first = (0, c.split) if c.split < El else None
-    own, wgrad = grads("own", ex.send[:ex.rows], rank, first)
-    wgrad()
+    own = dgrad(0, rank, first)
     results = {}
     for i, (src, part) in enumerate(peers):
         s.before_part(i)
-        dy = ex.pull_rest(src, slots[i % len(slots)], part)
+        ex.pull_rest(src, slots[i], part)
         results.pop(i - SLOTS, None)
-        results[i], wgrad = grads(i, dy, src, part)
+        results[i] = dgrad(1 + i, src, part)
         ex.push_rest(src, results[i], part)
         s.push(ex, src, results[i], part, i)
-        wgrad()  # under the push
-        s.mark(s.read, i)
-        if i + len(slots) < len(peers):
-            pull(i + len(slots))
-    late = {}
-    if c.split < El:
-        dx, wgrad = grads("late", ex.own_rows(c.split, slots[0]), rank, (c.split, El))
-        wgrad()
-        late = dict(late=dx, n_first=c.ends[rank][c.split - 1])
+    done = {}
+    if late:
+        ex.own_rows(c.split, slots[-1])
+        done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
+    if s.streams:
+        s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
+    dw_in = grouped_wgrad_parts(din, *tables, torch.empty_like(w_in))
+    dw_out = grouped_wgrad_parts(dout, *tables, torch.empty_like(w_out))
     s.join()
     back = ex.finish()
     T = d_rows.shape[0] // c.k
-    dx = combine_rows(own, back, c.pos, d_rows.new_ones((T, c.k)), c.ends[rank][-1], **late)
+    dx = combine_rows(own, back, c.pos, d_rows.new_ones((T, c.k)), c.ends[rank][-1], **done)
     return dx, dw_in, dw_out
 
 
