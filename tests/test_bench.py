@@ -559,3 +559,25 @@ def test_bench_sample_stacks_writes_one_report_per_rank(tmp_path):
     _run_bench(tmp_path, "--layer", "mlp", "--modes", "serial", "--passes", "fwd", "--sample-stacks",
                str(tmp_path / "stacks"))
     assert sorted(os.listdir(tmp_path / "stacks")) == ["stacks_rank0.txt", "stacks_rank1.txt"]
+
+
+def _moe_bench_device_path_by_mode(rank, ws):
+    import torch
+    import torch.distributed as dist
+    from overlap_layers.bench.moe import MoEBench, shapes
+    shape = next(shapes("tiny", None, False, graph_calls=True))
+    b = MoEBench(shape, dist.group.WORLD, torch.device("cpu"), torch.float32, 2)
+    graphs = b.layer._call_graphs
+    out = []
+    for mode, fn in (("serial", lambda: b.layer_fn(1, False)), ("naive", lambda: b.layer_fn(2, True)),
+                     ("rank", lambda: b.rank_fn("nccl", False)), ("auto", lambda: b.layer_fn("auto", False))):
+        fn()()
+        out.append((mode, b.layer._call_graphs is graphs))
+    return graphs is not None, out
+
+
+def test_bench_moe_graph_calls_run_the_device_path_in_auto_only(pool2):
+    # the device path ignores the plan: with --graph-calls only auto may take it (serial stays serial)
+    for has_graphs, modes in pool2.run(_moe_bench_device_path_by_mode):
+        assert has_graphs
+        assert modes == [("serial", False), ("naive", False), ("rank", False), ("auto", True)]

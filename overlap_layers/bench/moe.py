@@ -5,7 +5,8 @@ Each rank holds its own ``[1, tokens, hidden]`` tokens (``tokens`` per rank: 819
 presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
 (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
 
-* ``serial``  - OverlapMoE with K=1 (one dispatch, the experts, one combine);
+* ``serial``  - OverlapMoE with K=1 (one dispatch, the experts, one combine), eager also with
+  ``--graph-calls`` (whose device path, a split by source, runs in ``auto`` only);
 * ``naive``   - a fixed K (``--naive-k``: tiles of the local tokens), no planner;
 * ``auto``    - ``num_tiles="auto"`` (planned, and run until ``layer.verifying`` is False, where
   the layer has a planner; else the layer's own fallback plan);
@@ -109,10 +110,24 @@ class MoEBench(MLPBench):
         self.x = x.to(dtype)
         self.dy = torch.randn_like(self.x)
         self.tokens_local = shape.tokens
+        self._graphs = L._call_graphs  # the device path's graphs (graph_calls): auto's only, :meth:`layer_fn`
         self.planning_ms: Optional[float] = None
         self._routing_counts()
         self.expert_impl = "loop"
         self._compute_inputs = self._make_compute_inputs()
+
+    # ------------------------------------------------------------ our layer
+    def layer_fn(self, k, backward: bool):
+        """As the MLP's, with the device path ([Note: MoE graph calls]), which ignores the plan, in
+        ``auto`` only: with ``graph_calls`` the serial and naive modes run their K eagerly, so that
+        ``serial`` stays the serial layer (the device path has no serial form)."""
+        self.layer._call_graphs = self._graphs if k == "auto" else None
+        return super().layer_fn(k, backward)
+
+    def rank_fn(self, transport: str, backward: bool):
+        """As the MLP's: the eager rank-chunk plan over ``transport`` (not the device path)."""
+        self.layer._call_graphs = None
+        return super().rank_fn(transport, backward)
 
     # ------------------------------------------------------------ routing of the benchmark input
     def _routing_counts(self) -> None:
