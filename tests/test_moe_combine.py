@@ -80,3 +80,35 @@ def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="n_first with late"):
         combine_rows(torch.zeros(4, 8), torch.zeros(4, 8), torch.arange(4), torch.ones(2, 2), 1,
                      late=torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("path", DEVICES)
+@pytest.mark.parametrize("T,k,H,dtype,tol", [(5, 2, 8, torch.float32, 1e-6), (7, 3, 40, torch.float32, 1e-6),
+                                             (6, 8, 1100, torch.bfloat16, 1e-2), (4, 1, 16, torch.bfloat16, 1e-2),
+                                             (0, 2, 8, torch.float32, 0), (6, 3, 24, torch.float64, 1e-12)])
+def test_weigh_rows_and_its_gradients_equal_the_float64_sums(path, T, k, H, dtype, tol, monkeypatch):
+    dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
+    if path == "torch":
+        monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
+    g = torch.Generator().manual_seed(T * 100 + k * 10 + H)
+    rows = torch.randn(T, k, H, generator=g, dtype=torch.float64)
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64)
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    r, w = (t.to(dev, dtype).requires_grad_() for t in (rows, weights))
+    y = moe_combine.weigh_rows(r, w)
+    y.backward(dy.to(dev, dtype))
+    r64, w64 = rows.to(dtype).double(), weights.to(dtype).double()  # the inputs as the layer holds them
+    g64 = dy.to(dtype).double()
+    want = {"y": (w64[:, :, None] * r64).sum(1), "d rows": w64[:, :, None] * g64[:, None, :],
+            "d weights": (r64 * g64[:, None, :]).sum(2)}
+    for name, got in (("y", y), ("d rows", r.grad), ("d weights", w.grad)):
+        assert got.dtype == dtype and got.shape == want[name].shape, name
+        err = (got.double().cpu() - want[name]).norm() / max(want[name].norm().item(), 1e-30)
+        assert err <= tol, (name, err.item())
+
+
+def test_weigh_rows_refuses_mismatched_weights():
+    with pytest.raises(ValueError, match="weigh_rows: rows"):
+        moe_combine.weigh_rows(torch.zeros(3, 2, 4), torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="one dtype"):
+        moe_combine.weigh_rows(torch.zeros(3, 2, 4), torch.zeros(3, 2, dtype=torch.float64))

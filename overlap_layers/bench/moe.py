@@ -15,7 +15,7 @@ presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
   runs it (``moe.route``: the router GEMM, softmax, top-k, the sort keys; one kernel on CUDA) on
   the local tokens, the permutation by expert (a stable sort of the keys, the gather of the
   assignment rows, and the combine as the layer runs it: each token's k rows gathered back and
-  weighed with one ``bmm``; both gathers backpropagate by gathers, as the layer's do), and the
+  weighed by ``weigh_rows``; both gathers backpropagate by gathers, as the layer's do), and the
   local experts on already-dispatched rows: as many as this rank's experts would receive under
   balanced routing (``tokens*top_k/experts`` from each rank per expert; with ``--skew`` the counts
   of the benchmark's own routing instead, so the limit still bounds the skewed run). The experts
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ..config import OverlapConfig
 from ..layers.mlp import _act
 from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, route
+from ..layers.moe_combine import weigh_rows
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes
@@ -221,12 +222,12 @@ class MoEBench(MLPBench):
             pos = torch.empty_like(order)
             pos[order] = torch.arange(order.numel(), device=order.device)  # the inverse permutation
             # what the dispatch sends (its stand-in on return), and the combine as the layer does it: each
-            # token's k rows gathered back, one bmm with its weights; both with the layer's gather-based
+            # token's k rows gathered back and weighted (weigh_rows); both with the layer's gather-based
             # backwards (plain index_select would backpropagate by atomic index_add, 2.2 ms of a 7 ms qwen3
             # EP 4 forward+backward on H200, which the layer never runs)
             x_perm = _Dispatch.apply(x, order, pos, k)
             back = _PermuteRows.apply(x_perm, pos, order).view(-1, k, H)
-            y = torch.bmm(weights.to(x.dtype)[:, None, :], back).squeeze(1)
+            y = weigh_rows(back, weights.to(x.dtype))
             return experts(xr, sizes, offs, w_in, w_out), y
 
         return pass_fn(forward, backward, [inp["dyr"], dy], (x, router, w_in, w_out, xr))

@@ -37,8 +37,9 @@ exchange by expert in its step order, this rank's own experts first) and ``pos``
 The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient gathers each
 token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
 ``y_perm`` back in token-major order with a gather (``_PermuteRows``: a permutation, whose
-gradient is the inverse gather) and weighs each token's k rows with one ``bmm``, in plain
-autograd, so the router gets its gradient through the weights (and the aux loss).
+gradient is the inverse gather) and weighs each token's k rows (``moe_combine.weigh_rows``: one
+kernel each way, [Note: MoE weighted combine]) in autograd, so the router gets its gradient
+through the weights (and the aux loss).
 
 [Note: MoE host syncs]
 An uneven all-to-all needs its split sizes on the host. All K tiles' send counts, per destination
@@ -66,7 +67,7 @@ combine is :func:`~.moe_combine.combine_rows`, one kernel reading each token's k
 they are in send order (the rank exchange's back rows, and its own pieces' results where their
 GEMMs wrote them: ``moe_ranks.combine_back``; the tiles' ``y_perm``), a row past the kept count
 (dropped by capacity) as 0. The grad-mode combine (a gather into token order, zero rows for the
-dropped assignments, a ``bmm``) writes and reads the rows twice more; the rank exchange's gather
+dropped assignments, ``weigh_rows``) writes and reads the rows twice more; the rank exchange's gather
 is the same kernel with unit weights and one row per output, and its backward sums each token's
 k input-row gradients with it ([Note: MoE own results in place] in ``moe_ranks.py``).
 """
@@ -92,7 +93,7 @@ from ..schedule import TileProgram, comm, compute, round_robin, wait
 from .attention_common import init_linear_
 from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
-from .moe_combine import combine_rows
+from .moe_combine import combine_rows, weigh_rows
 from .moe_cost import MoECostModel
 from .moe_device import DevicePathRace, experts_by_source, rows_bound
 from .moe_ranks import (RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first,
@@ -855,8 +856,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             if kept < n:  # dropped assignments: zero rows
                 rows = torch.cat([rows[:kept], rows.new_zeros((n - kept, H))])
             rows = _PermuteRows.apply(rows, pos, order)
-        rows = rows.view(-1, weights.shape[1], H)  # [T, k, H]
-        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+        return weigh_rows(rows.view(-1, weights.shape[1], H), weights.to(rows.dtype))  # [T, k, H] weighted
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

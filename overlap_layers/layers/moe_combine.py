@@ -20,6 +20,19 @@ which the device path first computed by ``torch.where``, ``index_select`` and ``
 462, 140 and 249 us of a 3.65 ms qwen3 forward on 4x H200 (session 31; the ``where`` broadcasts
 its mask and runs as a strided elementwise kernel), reading and writing the rows three times; the
 kernel reads each row once.
+
+:func:`weigh_rows` is the combine's autograd form, for calls whose router needs its gradient
+(``rows [T, k, H]`` token-major, ``weights [T, k]`` of the rows' dtype)::
+
+    y[t]           = sum over j of weights[t, j] * rows[t, j]          (summed in float32, as bmm)
+    d rows[t, j]   = weights[t, j] * dy[t]
+    d weights[t, j] = sum over h of dy[t, h] * rows[t, j, h]           (summed in float32)
+
+[Note: MoE weighted combine]
+Written as ``torch.bmm(weights[:, None], rows)``, its three batched GEMMs (inner or outer size k)
+ran 253, 281 and 310 us of a qwen3-30b-a3b fwd+bwd at EP 4 (8192 tokens, 4x H200, session 41),
+where reading and writing the rows (268 MB) takes about 70 us each way. The kernels read each row
+once forward, and once backward, where they also write its gradient.
 """
 from __future__ import annotations
 
@@ -28,6 +41,7 @@ from typing import Optional, Union
 import torch
 
 from ..runtime.triton_gate import runs_triton
+from .first_order import first_order
 
 try:
     import triton
@@ -73,7 +87,89 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 
+class _WeighRows(torch.autograd.Function):
+    """:func:`weigh_rows` by the kernels (both ways; first derivatives only)."""
+
+    @staticmethod
+    def forward(ctx, rows, weights):
+        T, k, H = rows.shape
+        ctx.save_for_backward(rows, weights)
+        y = rows.new_empty((T, H))
+        if T and H:
+            _weigh_kernel[(T,)](rows, weights, y, H=H, K=k, KP=triton.next_power_of_2(k), BLOCK_H=_block(H, k),
+                                WIDE=rows.dtype == torch.float64, num_warps=4)
+        return y
+
+    @staticmethod
+    @first_order  # [Note: first-order backward]
+    def backward(ctx, dy):
+        rows, weights = ctx.saved_tensors
+        T, k, H = rows.shape
+        d_rows, d_w = torch.empty_like(rows), torch.empty_like(weights)
+        if T and H:
+            _weigh_backward_kernel[(T,)](rows, weights, dy.contiguous(), d_rows, d_w, H=H, K=k,
+                                         KP=triton.next_power_of_2(k), BLOCK_H=_block(H, k),
+                                         WIDE=rows.dtype == torch.float64, num_warps=4)
+        elif T:
+            d_w.zero_()
+        return d_rows, d_w
+
+
+def _block(H: int, k: int) -> int:
+    """Columns per step: about 4096 elements of a token's k rows at once."""
+    return max(16, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(k)))
+
+
+def weigh_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``y [T, H]`` of the module's :func:`weigh_rows` reference for ``rows [T, k, H]`` and
+    ``weights [T, k]`` of one dtype ([Note: MoE weighted combine]); differentiable in both, by the
+    kernels where Triton runs, else by ``bmm``."""
+    if rows.dim() != 3 or weights.shape != rows.shape[:2] or weights.dtype != rows.dtype \
+            or weights.device != rows.device:
+        raise ValueError(f"weigh_rows: rows {tuple(rows.shape)} {rows.dtype}, weights {tuple(weights.shape)} "
+                         f"{weights.dtype}; valid: rows [T, k, H] and weights [T, k] of one dtype and device")
+    if runs_triton(rows):
+        return _WeighRows.apply(rows.contiguous(), weights.contiguous())
+    return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+
+
 if triton is not None:
+    @triton.jit
+    def _weigh_kernel(rows_ptr, w_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      BLOCK_H: tl.constexpr, WIDE: tl.constexpr):
+        """One token per program: its k rows weighted and summed, BLOCK_H columns at a time."""
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        c = tl.arange(0, BLOCK_H)
+        dt = tl.float64 if WIDE else tl.float32
+        w = tl.load(w_ptr + t * K + j, mask=j < K, other=0.0).to(dt)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            cols = h0 + c
+            m = (j[:, None] < K) & (cols[None, :] < H)
+            r = tl.load(rows_ptr + (t * K + j[:, None]) * H + cols[None, :], mask=m, other=0.0).to(dt)
+            tl.store(y_ptr + t * H + cols, tl.sum(w[:, None] * r, axis=0).to(y_ptr.dtype.element_ty), mask=cols < H)
+
+    @triton.jit
+    def _weigh_backward_kernel(rows_ptr, w_ptr, dy_ptr, d_rows_ptr, d_w_ptr, H: tl.constexpr, K: tl.constexpr,
+                               KP: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr):
+        """One token per program: its rows' gradients (its weights times dy) and its weights'
+        (dy's dot with each row, summed over the columns)."""
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        c = tl.arange(0, BLOCK_H)
+        dt = tl.float64 if WIDE else tl.float32
+        w = tl.load(w_ptr + t * K + j, mask=j < K, other=0.0).to(dt)
+        acc = tl.zeros([KP], dtype=dt)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            cols = h0 + c
+            m = (j[:, None] < K) & (cols[None, :] < H)
+            at = (t * K + j[:, None]) * H + cols[None, :]
+            g = tl.load(dy_ptr + t * H + cols, mask=cols < H, other=0.0).to(dt)
+            r = tl.load(rows_ptr + at, mask=m, other=0.0).to(dt)
+            acc += tl.sum(r * g[None, :], axis=1)
+            tl.store(d_rows_ptr + at, (w[:, None] * g[None, :]).to(d_rows_ptr.dtype.element_ty), mask=m)
+        tl.store(d_w_ptr + t * K + j, acc.to(d_w_ptr.dtype.element_ty), mask=j < K)
+
     @triton.jit
     def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_first_arg, n_own_arg, kept_arg,
                         H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr,

@@ -118,7 +118,7 @@ layer's ``memory_budget`` (when one is set): the largest rank's graph memory mus
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, whose rows come back
-token-major and are weighted in autograd (``bmm``), so that the router gets its gradient as in
+token-major and are weighted in autograd (``moe_combine.weigh_rows``), so that the router gets its gradient as in
 the eager call; ``config.graph_calls`` captures its forward and its backward
 (``call_graphs.py``: the saved tensors live in the graphs' pool). What the backward needs stays
 on the device:
@@ -155,7 +155,7 @@ import torch
 from .expert_wgrad import WgradParts, grouped_wgrad_parts
 from .first_order import first_order, take
 from .mlp import _act_backward
-from .moe_combine import combine_rows
+from .moe_combine import combine_rows, weigh_rows
 from .moe_ranks import _grouped, experts_forward
 
 
@@ -489,13 +489,14 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     ``rows``, ``place``, ``ready``, ``recv_counts``, ``parts``, ``pull``, ``pull_rest``, ``push``,
     ``push_rest``, ``own_rows``, ``finish`` and, for side streams, ``streams``), with no value read
     on the host. Under autograd ([Note: MoE training graphs]) the experts' rows come back
-    token-major and are weighted in autograd, so that the router gets its gradient."""
+    token-major and are weighted in autograd (:func:`~.moe_combine.weigh_rows`), so that the router
+    gets its gradient."""
     H, k, ws, El = x_TH.shape[1], layer.top_k, layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
     c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
         rows = _SourceExperts.apply(x_TH, w_in, w_out, c)
-        y = torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(-1, k, H)).squeeze(1)
+        y = weigh_rows(rows.view(-1, k, H), weights.to(rows.dtype))
         added = extra() if extra is not None else None
     else:
         own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
