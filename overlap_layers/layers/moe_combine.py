@@ -34,7 +34,7 @@ ran 253, 281 and 310 us of a qwen3-30b-a3b fwd+bwd at EP 4 (8192 tokens, 4x H200
 where reading and writing the rows (268 MB) takes about 70 us each way. The kernels read each row
 once forward, and once backward, where they also write its gradient: alone on an H200, 73 and 142
 us against bmm's 253 and 594 (qwen3), 51 and 84 against 348 and 2592 (mixtral-8x7b, k 2, H 4096;
-``bench/results/weigh_probe_s41_h200_2026-11-27.json``).
+``bench/results/moe_backward_probe_s41_h200_2026-11-27.json``).
 """
 from __future__ import annotations
 
@@ -119,8 +119,8 @@ class _WeighRows(torch.autograd.Function):
 
 def _block(H: int, k: int) -> int:
     """Columns per step: up to 2048, and at most 16384 elements of a token's k rows at once. On an
-    H200 (session 41, ``bench/results/weigh_probe_s41_h200_2026-11-27.json``) the forward kernel ran
-    qwen3-30b-a3b's rows (k 8, H 2048) in 73 us with 2048 columns and in 170 us with 512."""
+    H200 (session 41, ``bench/moe_backward_probe.py``) the forward kernel ran qwen3-30b-a3b's rows
+    (k 8, H 2048) in 73 us with 2048 columns and in 170 us with 512."""
     return max(16, min(triton.next_power_of_2(H), 2048, 16384 // triton.next_power_of_2(k)))
 
 
