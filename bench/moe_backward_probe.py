@@ -60,7 +60,8 @@ def weigh(name, T, k, H):
             bwd = _us(lambda: moe_combine._weigh_backward_kernel[(T,)](rows, w, dy, d_rows, d_w, **meta))
             chosen = block == moe_combine._block(H, k) and warps == 4
             out["variants"].append(dict(block_h=block, warps=warps, fwd_us=fwd, bwd_us=bwd, chosen=chosen))
-            print(f"  {block:5d} columns, {warps} warps: fwd {fwd:6.1f} us, bwd {bwd:6.1f} us{' (chosen)' if chosen else ''}")
+            mark = " (chosen)" if chosen else ""
+            print(f"  {block:5d} columns, {warps} warps: fwd {fwd:6.1f} us, bwd {bwd:6.1f} us{mark}")
     return out
 
 
