@@ -16,9 +16,11 @@ DEVICES = ["torch"] + (["kernel"] if KERNEL_DEVICE is not None else [])
 
 
 def _want(own, back, pos, weights, n_own, kept, late=None, n_first=None):
+    """``(y, rows)``: the weighted sums in float64, and each assignment's row (0 where not read)."""
     T, k = weights.shape
     n_first = n_own if late is None else n_first
     y = torch.zeros(T, own.shape[1], dtype=torch.float64)
+    rows = torch.zeros(T * k, own.shape[1], dtype=own.dtype)
     for t in range(T):
         for j in range(k):
             p = int(pos[t * k + j])
@@ -26,7 +28,8 @@ def _want(own, back, pos, weights, n_own, kept, late=None, n_first=None):
                 continue
             row = own[p] if p < n_first else late[p - n_first] if p < n_own else back[p]
             y[t] += weights[t, j].to(own.dtype).double() * row.double()
-    return y
+            rows[t * k + j] = row
+    return y, rows
 
 
 @pytest.mark.parametrize("path", DEVICES)
@@ -38,9 +41,11 @@ def _want(own, back, pos, weights, n_own, kept, late=None, n_first=None):
                                                     (0, 2, 8, 0, None, torch.float32),
                                                     (6, 3, 24, 5, 14, torch.float64)])
 @pytest.mark.parametrize("split", [False, True])
-def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, split, monkeypatch):
+@pytest.mark.parametrize("rows_out", [False, True])
+def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype, split, rows_out, monkeypatch):
     """With ``split``, the own rows from ``n_own // 2`` on come from ``late`` (the device path's
-    own rows run last), and every third position is -1 (an assignment not sent)."""
+    own rows run last), and every third position is -1 (an assignment not sent); with
+    ``rows_out``, each assignment's row comes back too, exactly."""
     dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
     if path == "torch":
         monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
@@ -59,7 +64,7 @@ def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype
     if split:
         pos[::3] = -1
     weights = torch.rand(T, k, generator=g)
-    want = _want(own, back, pos, weights, n_own, kept, late if split else None, n_first)
+    want, want_rows = _want(own, back, pos, weights, n_own, kept, late if split else None, n_first)
     if counts == "host":  # as an eager call holds them: the rows end at the counts
         own, back = own[:n_first], back[:n if kept is None else kept]
         n_arg, kept_arg, first_arg = n_own, kept, n_first
@@ -67,8 +72,12 @@ def test_combine_equals_its_definition(path, counts, T, k, H, n_own, kept, dtype
         n_arg, kept_arg = torch.tensor(n_own, device=dev), None if kept is None else torch.tensor(kept, device=dev)
         first_arg = torch.tensor(n_first, device=dev)
     extra = dict(late=late.to(dev), n_first=first_arg) if split else {}
+    if rows_out:
+        extra["rows_out"] = torch.full((T * k, H), float("nan"), dtype=dtype, device=dev)
     got = combine_rows(own.to(dev), back.to(dev), pos.to(dev), weights.to(dev), n_arg, kept_arg, **extra)
     assert got.shape == (T, H) and got.dtype == dtype
+    if rows_out:
+        assert torch.equal(extra["rows_out"].cpu(), want_rows)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)  # float64: summed in float64
     assert torch.allclose(got.double().cpu(), want, rtol=tol, atol=tol)
 
@@ -112,3 +121,41 @@ def test_weigh_rows_refuses_mismatched_weights():
         moe_combine.weigh_rows(torch.zeros(3, 2, 4), torch.zeros(3, 3))
     with pytest.raises(ValueError, match="one dtype"):
         moe_combine.weigh_rows(torch.zeros(3, 2, 4), torch.zeros(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("path", DEVICES)
+@pytest.mark.parametrize("T,k,H,dtype,tol", [(7, 3, 40, torch.float32, 1e-6), (6, 8, 1100, torch.bfloat16, 1e-2),
+                                             (6, 3, 24, torch.float64, 1e-12), (0, 2, 8, torch.float32, 0)])
+def test_weigh_backward_into_places_the_row_gradients(path, T, k, H, dtype, tol, monkeypatch):
+    # every assignment's gradient row at its place; places -1 and past dst are not written
+    dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
+    if path == "torch":
+        monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
+    g = torch.Generator().manual_seed(T * 10 + k)
+    rows = torch.randn(T, k, H, generator=g, dtype=torch.float64).to(dtype)
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64).to(dtype)
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    n_dst = T * k + 2
+    pos = torch.randperm(n_dst, generator=g)[:T * k]
+    pos[::4] = -1
+    if T:
+        pos[1] = n_dst + 5  # outside dst
+    dst = torch.full((n_dst, H), 7.0, dtype=dtype, device=dev)
+    d_w = moe_combine.weigh_backward_into(rows.to(dev), weights.to(dev), dy.to(dev), pos.to(dev), dst)
+    want_dw = (rows.double() * dy.double()[:, None]).sum(-1)
+    err = (d_w.double().cpu() - want_dw).norm() / max(want_dw.norm().item(), 1e-30)
+    assert d_w.dtype == dtype and err <= tol, err.item()
+    want = torch.full((n_dst, H), 7.0, dtype=torch.float64)
+    for a, p in enumerate(pos.tolist()):
+        if 0 <= p < n_dst:
+            want[p] = weights[a // k, a % k].double() * dy[a // k].double()
+    err = (dst.double().cpu() - want).norm() / want.norm()
+    assert err <= tol, err.item()
+
+
+def test_weigh_backward_into_refuses_mismatched_shapes():
+    rows, w, dy = torch.zeros(3, 2, 4), torch.zeros(3, 2), torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="weigh_backward_into: rows"):
+        moe_combine.weigh_backward_into(rows, w, dy[:, :3], torch.zeros(6, dtype=torch.long), torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="one dtype"):
+        moe_combine.weigh_backward_into(rows, w, dy, torch.zeros(6, dtype=torch.long), torch.zeros(8, 4).double())

@@ -54,30 +54,35 @@ except ImportError:  # CPU installs: the torch path
 
 def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
                  n_own: Union[int, torch.Tensor], kept: Union[None, int, torch.Tensor] = None,
-                 late: Optional[torch.Tensor] = None, n_first: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
+                 late: Optional[torch.Tensor] = None, n_first: Union[None, int, torch.Tensor] = None,
+                 rows_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [T, H]`` of the module reference; ``n_own``, ``kept`` and ``n_first`` are host ints or
     one-element integer tensors on the device (``kept`` None: every row kept; all of one kind;
     ``n_first`` given with ``late``). ``own``, ``back`` and ``late`` are ``[*, H]`` of one dtype,
-    ``pos`` ``T*k`` positions."""
+    ``pos`` ``T*k`` positions. ``rows_out`` (``[T*k, H]``, contiguous), where given, gets each
+    assignment's ``row(pos)`` unweighted, token-major (what :func:`weigh_backward_into` reads)."""
     T, k = weights.shape
     H = own.shape[1]
     if late is None:
         late, n_first = own, n_own
     if (own.dtype != back.dtype or late.dtype != own.dtype or back.shape[1] != H or late.shape[1] != H
-            or pos.numel() != T * k or n_first is None):
+            or pos.numel() != T * k or n_first is None
+            or (rows_out is not None and (rows_out.shape != (T * k, H) or rows_out.dtype != own.dtype
+                                          or not rows_out.is_contiguous()))):
         raise ValueError(f"combine_rows: own {tuple(own.shape)} {own.dtype}, back {tuple(back.shape)} {back.dtype}, "
                          f"late {tuple(late.shape)} {late.dtype} from {n_first!r}, pos of {pos.numel()} for weights "
-                         f"{tuple(weights.shape)}; valid: rows of one width and dtype, T*k positions, n_first "
-                         "with late")
+                         f"{tuple(weights.shape)}, rows_out {None if rows_out is None else tuple(rows_out.shape)}; "
+                         "valid: rows of one width and dtype, T*k positions, n_first with late, a contiguous "
+                         "rows_out [T*k, H] of that dtype")
     if runs_triton(own) and own.is_contiguous() and back.is_contiguous() and late.is_contiguous():
         y = own.new_empty((T, H))
         if T:
             block = min(1024, triton.next_power_of_2(H))
             w = weights.to(own.dtype).contiguous()  # rounded by torch, as the reference's cast
-            _combine_kernel[(T,)](own, late, back, pos.contiguous(), w, y, n_first, n_own,
-                                  n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
+            _combine_kernel[(T,)](own, late, back, pos.contiguous(), w, y, y if rows_out is None else rows_out,
+                                  n_first, n_own, n_own if kept is None else kept, H=H, K=k, HAS_KEPT=kept is not None,
                                   LOADED=isinstance(n_own, torch.Tensor), WIDE=own.dtype == torch.float64,
-                                  BLOCK_H=block, num_warps=4)
+                                  ROWS_OUT=rows_out is not None, BLOCK_H=block, num_warps=4)
         return y
     p = pos[:, None]
 
@@ -86,6 +91,8 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
 
     rows = torch.where(p < n_own, torch.where(p < n_first, rows_at(own), rows_at(late, n_first)), rows_at(back))
     rows = torch.where((p >= 0) & (p < kept) if kept is not None else p >= 0, rows, 0)
+    if rows_out is not None:
+        rows_out.copy_(rows)
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), rows.view(T, k, H)).squeeze(1)
 
 
@@ -107,14 +114,47 @@ class _WeighRows(torch.autograd.Function):
     def backward(ctx, dy):
         rows, weights = ctx.saved_tensors
         T, k, H = rows.shape
-        d_rows, d_w = torch.empty_like(rows), torch.empty_like(weights)
-        if T and H:
-            _weigh_backward_kernel[(T,)](rows, weights, dy.contiguous(), d_rows, d_w, H=H, K=k,
-                                         KP=triton.next_power_of_2(k), BLOCK_H=_block(H, k),
-                                         WIDE=rows.dtype == torch.float64, num_warps=4)
-        elif T:
-            d_w.zero_()
-        return d_rows, d_w
+        d_rows = torch.empty_like(rows)
+        return d_rows, _weigh_backward(rows, weights, dy.contiguous(), None, d_rows)
+
+
+def _weigh_backward(rows, weights, dy, pos, dst) -> torch.Tensor:
+    """The kernel's ``d weights``; the rows' gradients into ``dst``: token-major, or each at its
+    ``pos`` where given (none where negative or past ``dst``)."""
+    T, k, H = rows.shape
+    d_w = torch.empty_like(weights)
+    if T and H:
+        _weigh_backward_kernel[(T,)](rows, weights, dy, d_w, dst, dst if pos is None else pos, dst.shape[0], H=H, K=k,
+                                     KP=triton.next_power_of_2(k), BLOCK_H=_block(H, k), HAS_POS=pos is not None,
+                                     WIDE=rows.dtype == torch.float64, num_warps=4)
+    elif T:
+        d_w.zero_()
+    return d_w
+
+
+def weigh_backward_into(rows: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, pos: torch.Tensor,
+                        dst: torch.Tensor) -> torch.Tensor:
+    """:func:`weigh_rows`' backward with the rows' gradients placed: ``d rows[t, j]`` (module
+    reference) into ``dst[pos[t*k + j]]`` (``[rows, H]``, contiguous; an assignment at a negative
+    place, or past ``dst``, is not written), and ``d weights`` returned, from ``rows [T, k, H]``,
+    ``weights [T, k]`` and ``dy [T, H]`` of one dtype: the device path's training call places its
+    output gradient where its input rows went ([Note: MoE weighted combine])."""
+    T, k, H = rows.shape
+    if (weights.shape != (T, k) or dy.shape != (T, H) or pos.numel() != T * k or dst.dim() != 2
+            or dst.shape[1] != H or len({rows.dtype, weights.dtype, dy.dtype, dst.dtype}) != 1
+            or not dst.is_contiguous()):
+        raise ValueError(f"weigh_backward_into: rows {tuple(rows.shape)}, weights {tuple(weights.shape)}, dy "
+                         f"{tuple(dy.shape)}, {pos.numel()} places, dst {tuple(dst.shape)}; valid: rows [T, k, H], "
+                         "weights [T, k], dy [T, H], T*k places and a contiguous dst [*, H], all of one dtype")
+    if runs_triton(rows):
+        return _weigh_backward(rows.contiguous(), weights.contiguous(), dy.contiguous(), pos.contiguous(), dst)
+    wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    d_w = (rows.to(wide) * dy.to(wide)[:, None]).sum(-1).to(weights.dtype)
+    d_rows = (weights.to(wide)[:, :, None] * dy.to(wide)[:, None]).to(dst.dtype).view(T * k, H)
+    p = pos.reshape(-1)
+    ok = (p >= 0) & (p < dst.shape[0])
+    dst[p[ok]] = d_rows[ok]
+    return d_w
 
 
 def _block(H: int, k: int) -> int:
@@ -154,15 +194,23 @@ if triton is not None:
             tl.store(y_ptr + t * H + cols, tl.sum(w[:, None] * r, axis=0).to(y_ptr.dtype.element_ty), mask=cols < H)
 
     @triton.jit
-    def _weigh_backward_kernel(rows_ptr, w_ptr, dy_ptr, d_rows_ptr, d_w_ptr, H: tl.constexpr, K: tl.constexpr,
-                               KP: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr):
-        """One token per program: its rows' gradients (its weights times dy) and its weights'
-        (dy's dot with each row, summed over the columns)."""
+    def _weigh_backward_kernel(rows_ptr, w_ptr, dy_ptr, d_w_ptr, dst_ptr, pos_ptr, dst_rows, H: tl.constexpr,
+                               K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_POS: tl.constexpr,
+                               WIDE: tl.constexpr):
+        """One token per program: its rows' gradients (its weights times dy; token-major, or at
+        their places where ``HAS_POS``) and its weights' (dy's dot with each row, summed over the
+        columns)."""
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, KP)
         c = tl.arange(0, BLOCK_H)
         dt = tl.float64 if WIDE else tl.float32
         w = tl.load(w_ptr + t * K + j, mask=j < K, other=0.0).to(dt)
+        if HAS_POS:
+            place = tl.load(pos_ptr + t * K + j, mask=j < K, other=-1).to(tl.int64)
+            live = (j < K) & (place >= 0) & (place < dst_rows)
+        else:
+            place = t * K + j
+            live = j < K
         acc = tl.zeros([KP], dtype=dt)
         for h0 in tl.static_range(0, H, BLOCK_H):
             cols = h0 + c
@@ -171,16 +219,18 @@ if triton is not None:
             g = tl.load(dy_ptr + t * H + cols, mask=cols < H, other=0.0).to(dt)
             r = tl.load(rows_ptr + at, mask=m, other=0.0).to(dt)
             acc += tl.sum(r * g[None, :], axis=1)
-            tl.store(d_rows_ptr + at, (w[:, None] * g[None, :]).to(d_rows_ptr.dtype.element_ty), mask=m)
+            d = (w[:, None] * g[None, :]).to(dst_ptr.dtype.element_ty)
+            tl.store(dst_ptr + place[:, None] * H + cols[None, :], d, mask=live[:, None] & (cols[None, :] < H))
         tl.store(d_w_ptr + t * K + j, acc.to(d_w_ptr.dtype.element_ty), mask=j < K)
 
     @triton.jit
-    def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, n_first_arg, n_own_arg, kept_arg,
-                        H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr,
-                        WIDE: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, rows_ptr, n_first_arg, n_own_arg,
+                        kept_arg, H: tl.constexpr, K: tl.constexpr, HAS_KEPT: tl.constexpr, LOADED: tl.constexpr,
+                        WIDE: tl.constexpr, ROWS_OUT: tl.constexpr, BLOCK_H: tl.constexpr):
         """One token per program: its k rows, each from ``own``, ``late`` or ``back`` (module
-        docstring); ``n_first_arg``, ``n_own_arg`` and ``kept_arg`` pointers to the counts where
-        ``LOADED``, else the counts; float64 rows (``WIDE``) summed in float64."""
+        docstring), also stored unweighted into ``rows`` where ``ROWS_OUT``; ``n_first_arg``,
+        ``n_own_arg`` and ``kept_arg`` pointers to the counts where ``LOADED``, else the counts;
+        float64 rows (``WIDE``) summed in float64."""
         t = tl.program_id(0).to(tl.int64)
         if LOADED:
             n_first = tl.load(n_first_arg).to(tl.int64)
@@ -203,5 +253,7 @@ if triton is not None:
                 d = tl.load(late_ptr + (p - n_first) * H + cols, mask=cm & live & (p >= n_first) & (p < n_own),
                             other=0.0)
                 b = tl.load(back_ptr + p * H + cols, mask=cm & live & (p >= n_own), other=0.0)
+                if ROWS_OUT:  # one of the three is the row, the others 0: exact
+                    tl.store(rows_ptr + (t * K + j) * H + cols, a + d + b, mask=cm)
                 acc += w * (a.to(acc.dtype) + d.to(acc.dtype) + b.to(acc.dtype))
             tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)

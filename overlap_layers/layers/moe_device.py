@@ -117,22 +117,24 @@ time is what the device path saves there. The device path wins only if it is als
 layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it.
 
 [Note: MoE training graphs]
-A call with autograd runs the device path through :class:`_SourceExperts`, whose rows come back
-token-major and are weighted in autograd (``moe_combine.weigh_rows``), so that the router gets its gradient as in
-the eager call; ``config.graph_calls`` captures its forward and its backward
-(``call_graphs.py``: the saved tensors live in the graphs' pool). What the backward needs stays
-on the device:
+A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
+combine weights, so that the router gets its gradient as in the eager call;
+``config.graph_calls`` captures its forward and its backward (``call_graphs.py``: the saved
+tensors live in the graphs' pool). What the backward needs stays on the device:
 
 * the forward keeps each part's input rows and pre-activations, at the bound of rows: each peer
   part gets a slot of its own instead of ``SLOTS`` in turn, the second own half a buffer of its
   own, and the own rows are copied out of the send buffer (the next exchange on the workspace,
-  another layer's or the backward's, overwrites it);
-* the backward places each assignment's output gradient where its input row went (the
-  forward's ``pos``), and reverses the exchange part by part: pull the rows' gradients, the data
-  gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only), push it back to its
-  source, then the weight gradients (``expert_wgrad.grouped_wgrad``, added into zeroed
-  accumulators, the group ranges of the part) under that push; one combine pass sums each
-  token's k rows of dx, the own ones where they were made.
+  another layer's or the backward's, overwrites it); its combine weights the rows as a call
+  without autograd does and also keeps each assignment's row, token-major, for the weights'
+  gradient ([Note: MoE weighted combine] in ``moe_combine.py``);
+* the backward's first kernel computes the weights' gradient and writes each assignment's output
+  gradient (its weight times dy) where its input row went (the forward's ``pos``), then reverses
+  the exchange part by part: pull the rows' gradients (every part's at once, into a slot each),
+  the data gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only, dh over
+  the pre-activations), push it back to its source; then the weight gradients of every part in
+  one pass ([Note: expert weight gradients in one pass] in ``expert_wgrad.py``), under the last
+  push; one combine pass sums each token's k rows of dx, the own ones where they were made.
 
 Measured on 4x H200, qwen3-30b-a3b, 8192 tokens per rank, fwd+bwd (session 40,
 ``bench/results/session40_h200x4_2026-11-27.md``): at EP 4 the replayed calls ran 7.11 ms, against
@@ -144,6 +146,13 @@ EP 4), the experts' GEMMs split into parts (2.45 ms against 1.84 whole) and the 
 and combine passes. The race picks either path at EP 4 (within 4% of each other) and the eager one
 at EP 2. The graphs keep 5.1 GiB per layer at EP 4 (the bound of rows per part), against an eager
 peak of 1.5 GiB: ``memory_budget`` bounds it.
+
+Session 41 (``bench/results/session41_h200x4_2026-11-27.md``): the weight gradients in one pass
+(1.07 ms of kernel instead of 1.73; same-process A/B of the replayed call, EP 4: 7.47 -> 6.77 ms,
+EP 2: 7.68 -> 6.99), then the combine's weighting by a kernel each way instead of three batched
+GEMMs (0.25 + 0.59 ms -> 0.07 + 0.14): 6.21 against 7.50 before the session. Keeping every
+part's rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at
+EP 4 (4.6 to 5.4 at EP 2).
 """
 from __future__ import annotations
 
@@ -155,7 +164,7 @@ import torch
 from .expert_wgrad import WgradParts, grouped_wgrad_parts
 from .first_order import first_order, take
 from .mlp import _act_backward
-from .moe_combine import combine_rows, weigh_rows
+from .moe_combine import combine_rows, weigh_backward_into
 from .moe_ranks import _grouped, experts_forward
 
 
@@ -394,27 +403,26 @@ def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, 
     return held[0], out[2], out[3]
 
 
-def _backward(c: SourceCall, saved: dict, d_rows: torch.Tensor, w_in, w_out):
-    """``(dx [T, H], dw_in, dw_out)`` for ``d_rows`` ``[T * k, H]``, the gradient of the token-major
-    rows :class:`_SourceExperts` returned: the forward's exchange reversed. Each assignment's row
-    goes where its input row went (the forward's places), each source's rows run as they arrive
+def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out):
+    """``(dx [T, H], dw_in, dw_out)`` with each assignment's output-row gradient already at the
+    place its input row went (the forward's ``c.pos`` in the exchange's send buffer; ``dy [T, H]``
+    gives the shapes): the forward's exchange reversed. Each source's rows run as they arrive
     (the data gradient, pushed back to the source), the weight gradients of every part in one pass
     at the end, under the last push ([Note: expert weight gradients in one pass]), and one combine
     pass sums each token's k rows of dx."""
-    ex, H, El, rank = c.exchange, d_rows.shape[1], c.El, c.rank
-    ex.place(d_rows, c.keys, 1, c.counts)  # the forward's places: c.pos
+    ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
     peers = c.peers()
     first = (0, c.split)
     late = (c.split, El) if c.split < El else None
     # every part's rows stay for the weight gradients: a slot per peer part (all pulled at once),
     # the own rows in the send buffer, the late ones copied into a buffer of their own
-    slots = [d_rows.new_empty((ex.rows, H)) for _ in peers] + ([d_rows.new_empty((ex.rows, H))] if late else [])
+    slots = [dy.new_empty((ex.rows, H)) for _ in peers] + ([dy.new_empty((ex.rows, H))] if late else [])
     keys = ["own", *range(len(peers))] + (["late"] if late else [])
     groups = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
     dys = [ex.send[:ex.rows]] + slots
     acts = [saved[key][1].new_empty((ex.rows, w_out.shape[2])) for key in keys]
-    s = _Streams(ex, d_rows.is_cuda)
+    s = _Streams(ex, dy.is_cuda)
     _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
     side = s.streams[1] if s.streams else None
     if side is not None:  # the weight gradients' tables, on the push stream before its first push
@@ -453,31 +461,35 @@ def _backward(c: SourceCall, saved: dict, d_rows: torch.Tensor, w_in, w_out):
     dw_out = grouped_wgrad_parts(dout, *tables, torch.empty_like(w_out))
     s.join()
     back = ex.finish()
-    T = d_rows.shape[0] // c.k
-    dx = combine_rows(own, back, c.pos, d_rows.new_ones((T, c.k)), c.ends[rank][-1], **done)
+    dx = combine_rows(own, back, c.pos, dy.new_ones((dy.shape[0], c.k)), c.ends[rank][-1], **done)
     return dx, dw_in, dw_out
 
 
 class _SourceExperts(torch.autograd.Function):
-    """``rows [T * k, H]``: each assignment's expert output, token-major (zero where dropped), for
-    this rank's tokens ``x_TH`` through the device path, differentiable in ``x_TH``, ``w_in`` and
-    ``w_out`` (:func:`_forward` saving, :func:`_backward`); ``c`` a :class:`SourceCall`."""
+    """``y [T, H]``: the routed experts' output for this rank's tokens ``x_TH`` with ``weights
+    [T, k]`` (of ``x_TH``'s dtype) through the device path, differentiable in ``x_TH``, ``w_in``,
+    ``w_out`` and ``weights`` (:func:`_forward` saving, :func:`_backward`); ``c`` a
+    :class:`SourceCall`. The combine keeps each assignment's row, token-major, for the weights'
+    gradient, and the backward places each row's gradient where its input row went as it computes
+    that gradient (:func:`~.moe_combine.weigh_backward_into`)."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_in, w_out, c: SourceCall):
+    def forward(ctx, x_TH, w_in, w_out, weights, c: SourceCall):
         own, back, late, _, saved = _forward(c, x_TH, w_in, w_out, None, save=True)
-        n = x_TH.shape[0] * c.k
-        rows = combine_rows(own, back, c.pos, own.new_ones((n, 1)), c.ends[c.rank][-1], **late)
+        rows = own.new_empty((x_TH.shape[0] * c.k, x_TH.shape[1]))
+        y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], rows_out=rows, **late)
         ctx.c, ctx.saved = c, saved
-        ctx.save_for_backward(w_in, w_out)
-        return rows
+        ctx.save_for_backward(w_in, w_out, weights, rows)
+        return y
 
     @staticmethod
     @first_order  # [Note: first-order backward]
-    def backward(ctx, d_rows):
-        w_in, w_out = ctx.saved_tensors
-        dx, dw_in, dw_out = _backward(ctx.c, take(ctx, "saved"), d_rows.contiguous(), w_in, w_out)
-        return dx, dw_in, dw_out, None
+    def backward(ctx, dy):
+        w_in, w_out, weights, rows = ctx.saved_tensors
+        c, dy = ctx.c, dy.contiguous()
+        d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send)
+        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out)
+        return dx, dw_in, dw_out, d_weights, None
 
 
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
@@ -488,15 +500,13 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     ``DeviceCountAllToAll`` of ``layer.num_local_experts`` groups, or anything with its ``send``,
     ``rows``, ``place``, ``ready``, ``recv_counts``, ``parts``, ``pull``, ``pull_rest``, ``push``,
     ``push_rest``, ``own_rows``, ``finish`` and, for side streams, ``streams``), with no value read
-    on the host. Under autograd ([Note: MoE training graphs]) the experts' rows come back
-    token-major and are weighted in autograd (:func:`~.moe_combine.weigh_rows`), so that the router
-    gets its gradient."""
-    H, k, ws, El = x_TH.shape[1], layer.top_k, layer.world_size, layer.num_local_experts
+    on the host. Under autograd ([Note: MoE training graphs]) the combine weights in autograd
+    (:class:`_SourceExperts` takes the weights), so that the router gets its gradient."""
+    ws, El = layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
     c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
-        rows = _SourceExperts.apply(x_TH, w_in, w_out, c)
-        y = weigh_rows(rows.view(-1, k, H), weights.to(rows.dtype))
+        y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
         added = extra() if extra is not None else None
     else:
         own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
