@@ -150,9 +150,12 @@ peak of 1.5 GiB: ``memory_budget`` bounds it.
 Session 41 (``bench/results/session41_h200x4_2026-11-27.md``): the weight gradients in one pass
 (1.07 ms of kernel instead of 1.73; same-process A/B of the replayed call, EP 4: 7.47 -> 6.77 ms,
 EP 2: 7.68 -> 6.99), then the combine's weighting by a kernel each way instead of three batched
-GEMMs (0.25 + 0.59 ms -> 0.07 + 0.14): 6.21 against 7.50 before the session. Keeping every
-part's rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at
-EP 4 (4.6 to 5.4 at EP 2).
+GEMMs (0.25 + 0.59 ms -> 0.07 + 0.14; 6.21 against 7.50 before the session), then the weighting
+fused into the combine and the gradients' placing into the weights' gradient (6.25 -> 6.08). In
+the grid: 5.77 ms at EP 4 against a compute-only 4.51 (1.28x; the reference's combine got the
+same kernels), 5.82 at EP 2 (1.26x), and the race picks this path at both. Keeping every part's
+rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at EP 4 (4.6
+to 5.4 at EP 2).
 """
 from __future__ import annotations
 
