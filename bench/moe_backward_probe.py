@@ -21,20 +21,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from expert_wgrad_probe import _ms  # noqa: E402
 from overlap_layers.layers import moe_combine  # noqa: E402
 from overlap_layers.layers.expert_wgrad import WgradParts, grouped_wgrad, grouped_wgrad_parts  # noqa: E402
 
 
 def _us(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / reps * 1e3
+    return _ms(fn, reps) * 1e3
 
 
 def weigh(name, T, k, H):

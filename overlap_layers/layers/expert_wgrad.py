@@ -171,13 +171,7 @@ if triton is not None:
         """One [BM, BN] tile of one group's gradient per program, the tiles of a group adjacent
         (its rows stay in L2 while they run); float32 operands multiplied in full precision (IEEE),
         as torch's float32 GEMMs are by default, not in TF32."""
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BM)
-        tiles_n = tl.cdiv(N, BN)
-        g = pid // (tiles_m * tiles_n)
-        t = pid % (tiles_m * tiles_n)
-        rm = (t // tiles_n) * BM + tl.arange(0, BM)
-        rn = (t % tiles_n) * BN + tl.arange(0, BN)
+        g, rm, rn = _wgrad_tile(M, N, BM, BN)
         start = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0).to(tl.int64)
         end = tl.load(ends_ptr + g).to(tl.int64)
         rk = tl.arange(0, BK)
@@ -194,6 +188,15 @@ if triton is not None:
         _wgrad_store(acc, out_ptr, g, M, N, rm, rn, ACCUMULATE)
 
     @triton.jit
+    def _wgrad_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+        """This program's group and its tile's rows and columns of the gradient."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BM)
+        tiles_n = tl.cdiv(N, BN)
+        t = pid % (tiles_m * tiles_n)
+        return pid // (tiles_m * tiles_n), (t // tiles_n) * BM + tl.arange(0, BM), (t % tiles_n) * BN + tl.arange(0, BN)
+
+    @triton.jit
     def _wgrad_store(acc, out_ptr, g, M, N, rm, rn, ACCUMULATE: tl.constexpr):
         o = out_ptr + g.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
         om = (rm[:, None] < M) & (rn[None, :] < N)
@@ -207,13 +210,7 @@ if triton is not None:
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """:func:`_wgrad_kernel`'s tiles, each summing its group's segments in turn (their parts'
         addresses read from the tables; ``a_ref``, ``b_ref`` give the element types)."""
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BM)
-        tiles_n = tl.cdiv(N, BN)
-        g = pid // (tiles_m * tiles_n)
-        t = pid % (tiles_m * tiles_n)
-        rm = (t // tiles_n) * BM + tl.arange(0, BM)
-        rn = (t % tiles_n) * BN + tl.arange(0, BN)
+        g, rm, rn = _wgrad_tile(M, N, BM, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if INTERPRETED:  # as in _wgrad_kernel: whiles, the interpreter's for taking no bound from an argument
