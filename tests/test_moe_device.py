@@ -154,9 +154,10 @@ def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routin
             assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
 
 
-def run_device_training(rank, ws, case, opts, dtype):
+def run_device_training(rank, ws, case, opts, dtype, backwards=1):
     """One training call of the layer's device path with the stand-in exchange: y, dx and every
-    parameter's gradient of sum(y * dy), as ``test_moe.run_layer`` returns them."""
+    parameter's gradient of sum(y * dy), as ``test_moe.run_layer`` returns them (accumulated over
+    ``backwards`` backward passes, all but the last with ``retain_graph``)."""
     layer = build_from_dense(case, dtype, opts)
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
@@ -168,7 +169,9 @@ def run_device_training(rank, ws, case, opts, dtype):
     layer._device_exchange = exchange
     x = case["xs"][rank].to(dtype).requires_grad_()
     y = layer._run_device(x, max_tokens)
-    (y * case["dys"][rank].to(dtype)).sum().backward()
+    loss = (y * case["dys"][rank].to(dtype)).sum()
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
     return dict(y=y.detach(), dx=x.grad, dtype=y.dtype, aux=None, calls=made[0].calls,
                 nan=any(t.isnan().any().item() for t in (y, x.grad, *(p.grad for p in layer.parameters()))),
                 grads={n: p.grad for n, p in layer.named_parameters()})
@@ -186,6 +189,21 @@ def test_device_path_training_matches_dense_reference(pools, ws, E, top_k, shape
     results = pools(ws).run(run_device_training, case, opts, dtype)
     assert [(r["calls"], r["nan"]) for r in results] == [(2, False)] * ws
     check(results, case, opts, dtype)
+
+
+def test_device_path_second_backward_with_retain_graph_doubles(pool2):
+    """[Note: first-order backward]: a second backward through a call after ``retain_graph=True``
+    adds the same gradients again (the first left the saved pre-activations as they were)."""
+    ws, E, top_k, shapes, routing, cf, Fs, activation = CASES[0]
+    case = make_case(29 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
+                     activation=activation)
+    opts = dict(activation=activation, capacity_factor=cf)
+    once = pool2.run(run_device_training, case, opts, torch.float32)
+    twice = pool2.run(run_device_training, case, opts, torch.float32, 2)
+    for a, b in zip(once, twice):
+        assert torch.allclose(b["dx"], 2 * a["dx"], rtol=1e-5, atol=1e-6)
+        for name, g in a["grads"].items():
+            assert torch.allclose(b["grads"][name], 2 * g, rtol=1e-5, atol=1e-6), name
 
 
 def graphed_runs(rank, ws):

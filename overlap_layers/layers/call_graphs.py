@@ -36,8 +36,10 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   in the graphs' shared memory pool. So a second forward of a signature whose backward has not
   run yet (pipeline schedules, several micro-batches in flight, or a grad-mode forward whose
   backward never runs, which leaves the signature eager from then on) runs eagerly, and a second
-  backward through a call (``retain_graph``) after a later forward of its signature raises
-  ``RuntimeError`` instead of reading that forward's activations. Eager too: every call under
+  backward through a replayed call (``retain_graph``) raises ``RuntimeError``: the backward graph
+  was captured as a first and only backward, which may consume what it reads (the MLP's rank
+  chunks and the MoE's device path write gradients over their saved pre-activations), and a later
+  forward of the signature may have overwritten its activations. Eager too: every call under
   activation checkpointing (its recomputation must rerun the forward) and every grad-mode call of
   a layer with DTensor parameters;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
@@ -176,14 +178,12 @@ class _Graph:
 class _TrainingGraph:
     """One captured call with autograd: forward and backward graphs sharing a pool, the static
     inputs, output, output gradient and gradients (``grads``: one per input then parameter, None
-    where none is taken); ``pending`` while a forward replay awaits its backward; ``replays``
-    counts the forward replays (a backward checks that its forward's activations are still there)."""
+    where none is taken); ``pending`` while a forward replay awaits its backward."""
 
     def __init__(self, fwd, bwd, inputs: list, output, grad_output, grads: list, nbytes: int) -> None:
         self.fwd, self.bwd, self.inputs, self.output = fwd, bwd, inputs, output
         self.grad_output, self.grads, self.nbytes = grad_output, grads, nbytes
         self.pending = False
-        self.replays = 0
 
     def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
         return _Replayed.apply(self, len(inputs), *inputs, *params)
@@ -198,8 +198,7 @@ class _Replayed(torch.autograd.Function):
         _copy_in(entry.inputs, tensors[:n])
         entry.fwd.replay()
         entry.pending = True
-        entry.replays += 1
-        ctx.entry, ctx.replay = entry, entry.replays
+        ctx.entry, ctx.done = entry, False
         # the backward graph reads the parameters where they are now: keep them (a parameter replaced
         # before the backward stays alive, and one changed in place raises, as in an eager backward)
         ctx.save_for_backward(*tensors[n:])
@@ -210,10 +209,12 @@ class _Replayed(torch.autograd.Function):
     def backward(ctx, grad):
         entry = ctx.entry
         _ = ctx.saved_tensors  # unpacking checks that no parameter changed in place since the forward
-        if entry.replays != ctx.replay:  # a second backward (retain_graph) after a later forward replay
-            raise RuntimeError("overlap_layers graph_calls: this backward's saved activations were overwritten "
-                               "by a later forward of the same call signature (a second backward through a "
-                               "call after the next call's forward); run such calls with graph_calls=False")
+        if ctx.done:  # a second backward (retain_graph): [Note: graph calls]
+            raise RuntimeError("overlap_layers graph_calls: a second backward through a replayed call "
+                               "(retain_graph=True) is not supported: its captured backward may have consumed "
+                               "the saved activations it reads, or a later forward overwritten them; run such "
+                               "calls with graph_calls=False")
+        ctx.done = True
         entry.grad_output.copy_(grad)
         entry.bwd.replay()
         entry.pending = False

@@ -165,7 +165,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .expert_wgrad import WgradParts, grouped_wgrad_parts
-from .first_order import first_order, take
+from .first_order import first_order, keeps_graph, take
 from .mlp import _act_backward
 from .moe_combine import combine_rows, weigh_backward_into
 from .moe_ranks import _grouped, experts_forward
@@ -406,13 +406,14 @@ def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, 
     return held[0], out[2], out[3]
 
 
-def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out):
+def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_place: bool = True):
     """``(dx [T, H], dw_in, dw_out)`` with each assignment's output-row gradient already at the
     place its input row went (the forward's ``c.pos`` in the exchange's send buffer; ``dy [T, H]``
     gives the shapes): the forward's exchange reversed. Each source's rows run as they arrive
     (the data gradient, pushed back to the source), the weight gradients of every part in one pass
     at the end, under the last push ([Note: expert weight gradients in one pass]), and one combine
-    pass sums each token's k rows of dx."""
+    pass sums each token's k rows of dx. ``in_place``: dh overwrites the saved pre-activations
+    (else buffers of its own: a second backward reads them again)."""
     ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
     peers = c.peers()
@@ -422,28 +423,28 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out):
     # the own rows in the send buffer, the late ones copied into a buffer of their own
     slots = [dy.new_empty((ex.rows, H)) for _ in peers] + ([dy.new_empty((ex.rows, H))] if late else [])
     keys = ["own", *range(len(peers))] + (["late"] if late else [])
-    groups = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
+    spans = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
     dys = [ex.send[:ex.rows]] + slots
     acts = [saved[key][1].new_empty((ex.rows, w_out.shape[2])) for key in keys]
+    dhs = [saved[key][1] if in_place else torch.empty_like(saved[key][1]) for key in keys]
     s = _Streams(ex, dy.is_cuda)
     _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
     side = s.streams[1] if s.streams else None
     if side is not None:  # the weight gradients' tables, on the push stream before its first push
         side.wait_stream(s.main)
-    tables = _segments(c, groups, s)
-    din = WgradParts([saved[key][1] for key in keys], [saved[key][0] for key in keys], side)  # dh (in pre), x
+    tables = _segments(c, spans, s)
+    din = WgradParts(dhs, [saved[key][0] for key in keys], side)
     dout = WgradParts(dys, acts, side)
     written = {}
     with s.on(1):
         s.mark(written, 0)
 
     def dgrad(p: int, source: int, groups=None) -> torch.Tensor:
-        """Part p's dx; its dh overwrites its pre-activations, its activations go to acts[p]."""
-        x, pre = saved[keys[p]]
+        """Part p's dx; its dh goes to dhs[p], its activations to acts[p]."""
         a, b, offs = c.offsets(source, groups)
-        dh, _ = _act_backward(c.activation, pre, _grouped(dys[p], w_out[a:b], offs), out=pre, h_out=acts[p],
-                              rows=offs[-1:])
-        return _grouped(dh, w_in[a:b], offs)
+        _act_backward(c.activation, saved[keys[p]][1], _grouped(dys[p], w_out[a:b], offs), out=dhs[p],
+                      h_out=acts[p], rows=offs[-1:])
+        return _grouped(dhs[p], w_in[a:b], offs)
 
     own = dgrad(0, rank, first)
     results = {}
@@ -491,7 +492,7 @@ class _SourceExperts(torch.autograd.Function):
         w_in, w_out, weights, rows = ctx.saved_tensors
         c, dy = ctx.c, dy.contiguous()
         d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send)
-        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out)
+        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out, in_place=not keeps_graph())
         return dx, dw_in, dw_out, d_weights, None
 
 
