@@ -1083,6 +1083,40 @@ def check_device_all_to_all(rank, ws, dev):
     return fails
 
 
+def moe_graph_case(ws, dev, seed):
+    """The MoE graph-call checks' case: ``(r, (router, w_in, w_out, shared_w_in, shared_w_out),
+    H, k, dtype)``, ``r`` making float64 random tensors on ``dev`` (from ``seed``), the weights
+    float64 (4 experts per rank, top-3, hidden 64, ffn 32, shared ffn 16, bf16 calls)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
+    H, F, Fs, El, k, dt = 64, 32, 16, 4, 3, torch.bfloat16
+    return r, (r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F), r(2 * Fs, H), r(H, Fs)), H, k, dt
+
+
+def moe_graph_reference(x, weights, k, cf, dt):
+    """The float64 dense MoE's output for ``x`` with ``weights`` (the case's) rounded to ``dt``."""
+    from moe_reference import dense_moe
+    rw, wi, wo, swi, swo = (t.to(dt).double() for t in weights)
+    return dense_moe(x.double(), rw, wi, wo, top_k=k, capacity_factor=cf, capacity_key="prob", shared_w_in=swi,
+                     shared_w_out=swo)[0]
+
+
+def race_fails(rank, label, layer, races, check_held=False) -> int:
+    """1 (and a FAIL line) unless the MoE layer's race decided its ``races`` signatures and the
+    layer keeps a graph per device-path win (with ``check_held``: and its last call held graph
+    memory exactly where its signature chose the device path), else 0."""
+    choices = [race["choice"] for race in layer._device_race._races.values()]
+    held = layer._call_graphs.last_nbytes
+    if len(choices) != races or None in choices or len(layer._call_graphs) != sum(choices) \
+            or (check_held and bool(held) != choices[-1]):
+        print(f"rank {rank} FAIL {label}: device path chosen {choices}, {len(layer._call_graphs)} graphs kept, "
+              f"last call held {held} graph bytes", flush=True)
+        return 1
+    if rank == 0:
+        print(f"{label}: device path chosen {choices}", flush=True)
+    return 0
+
+
 def check_moe_graph_calls(rank, ws, dev):
     """[Note: MoE graph calls]: OverlapMoE with config.graph_calls, calls without autograd, bf16,
     uneven tokens per rank (one rank's count changing between two shapes, so two signatures), new
@@ -1091,12 +1125,8 @@ def check_moe_graph_calls(rank, ws, dev):
     ([Note: MoE graph calls: the race]) and the calls after it; each signature's race decided, the
     layer keeping a graph for each signature the device path won and the last call replaying
     it if it did."""
-    from moe_reference import dense_moe
     from overlap_layers import OverlapConfig, OverlapMoE
-    g = torch.Generator(device="cpu").manual_seed(23)
-    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
-    H, F, Fs, El, k, dt = 64, 32, 16, 4, 3, torch.bfloat16
-    rw, wi, wo, swi, swo = r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F), r(2 * Fs, H), r(H, Fs)
+    r, (rw, wi, wo, swi, swo), H, k, dt = moe_graph_case(ws, dev, 23)
     fails = 0
     for cf in (None, 0.5):
         layer = OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
@@ -1107,19 +1137,9 @@ def check_moe_graph_calls(rank, ws, dev):
             x = r(1, tokens, H).to(dt)
             with torch.no_grad():
                 y = layer(x)
-            y_ref, _ = dense_moe(x.double(), *(t.to(dt).double() for t in (rw, wi, wo)), top_k=k, capacity_factor=cf,
-                                 capacity_key="prob", shared_w_in=swi.to(dt).double(),
-                                 shared_w_out=swo.to(dt).double())
+            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
             fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
-        choices = [race["choice"] for race in layer._device_race._races.values()]
-        held = layer._call_graphs.last_nbytes
-        if len(choices) != 2 or None in choices or len(layer._call_graphs) != sum(choices) \
-                or bool(held) != choices[-1]:
-            fails += 1
-            print(f"rank {rank} FAIL moe graph_calls cf={cf}: device path chosen {choices}, "
-                  f"{len(layer._call_graphs)} graphs kept, last call held {held} graph bytes", flush=True)
-        elif rank == 0:
-            print(f"moe graph_calls cf={cf}: device path chosen {choices}", flush=True)
+        fails += race_fails(rank, f"moe graph_calls cf={cf}", layer, 2, check_held=True)
     torch.cuda.synchronize()
     dist.barrier()
     return fails
@@ -1133,12 +1153,8 @@ def check_moe_training_graph_calls(rank, ws, dev):
     eager path is checked against the dense reference's gradients in check_moe_rank_chunks),
     through the race's eager calls, capture and replays; the race decided, and the layer keeping
     a graph if the device path won."""
-    from moe_reference import dense_moe
     from overlap_layers import OverlapConfig, OverlapMoE
-    g = torch.Generator(device="cpu").manual_seed(31)
-    r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
-    H, F, Fs, El, k, dt = 64, 32, 16, 4, 3, torch.bfloat16
-    rw, wi, wo, swi, swo = r(El * ws, H), r(El * ws, 2 * F, H), r(El * ws, H, F), r(2 * Fs, H), r(H, Fs)
+    r, (rw, wi, wo, swi, swo), H, k, dt = moe_graph_case(ws, dev, 31)
     fails = 0
     for cf in (None, 0.5):
         layers = [OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
@@ -1156,20 +1172,12 @@ def check_moe_training_graph_calls(rank, ws, dev):
                 y.backward(dy)
                 outs.append([("y", y.detach()), ("dx", xx.grad)]
                             + [(n, p.grad) for n, p in layer.named_parameters()])
-            y_ref, _ = dense_moe(x.double(), *(t.to(dt).double() for t in (rw, wi, wo)), top_k=k, capacity_factor=cf,
-                                 capacity_key="prob", shared_w_in=swi.to(dt).double(),
-                                 shared_w_out=swo.to(dt).double())
+            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
             label = f"moe training graph_calls cf={cf} step {step}"
             fails += count_fails(rank, label, [("y", outs[0][0][1], y_ref)], 3e-2)
             fails += count_fails(rank, label + " against eager", [(n, got, want.double()) for (n, got), (_, want)
                                                                   in zip(*outs)], 5e-2)
-        choices = [race["choice"] for race in layers[0]._device_race._races.values()]
-        if len(choices) != 1 or None in choices or len(layers[0]._call_graphs) != sum(choices):
-            fails += 1
-            print(f"rank {rank} FAIL moe training graph_calls cf={cf}: device path chosen {choices}, "
-                  f"{len(layers[0]._call_graphs)} graphs kept", flush=True)
-        elif rank == 0:
-            print(f"moe training graph_calls cf={cf}: device path chosen {choices}", flush=True)
+        fails += race_fails(rank, f"moe training graph_calls cf={cf}", layers[0], 1)
     torch.cuda.synchronize()
     dist.barrier()
     return fails
