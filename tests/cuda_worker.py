@@ -1117,6 +1117,25 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
     return 0
 
 
+def skewed_tokens(r, router, tokens, H, dt):
+    """``[1, tokens, H]`` whose first choice is expert 0 (rank 0's): every rank sends rank 0 a row
+    per token at least, past the device path's fewest slot rows ([Note: MoE slot rows]) in the
+    graph-call checks' case."""
+    return (4 * router[0].expand(1, tokens, H) + 0.3 * r(1, tokens, H)).to(dt)
+
+
+def slots_fails(rank, label, layer) -> int:
+    """1 (and a FAIL line) if the race chose the device path for the layer's last signature but no
+    call raised its slots ([Note: MoE slot rows]: the skewed call must have run again), else 0."""
+    last = list(layer._device_race._races.values())[-1]["choice"]
+    if last and not any(layer._device_needs.values()):
+        print(f"rank {rank} FAIL {label}: the device path ran a skewed call without raising its slots", flush=True)
+        return 1
+    if rank == 0:
+        print(f"{label}: slots raised for {layer._device_needs}", flush=True)
+    return 0
+
+
 def check_moe_graph_calls(rank, ws, dev):
     """[Note: MoE graph calls]: OverlapMoE with config.graph_calls, calls without autograd, bf16,
     uneven tokens per rank (one rank's count changing between two shapes, so two signatures), new
@@ -1140,6 +1159,13 @@ def check_moe_graph_calls(rank, ws, dev):
             y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
             fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
         fails += race_fails(rank, f"moe graph_calls cf={cf}", layer, 2, check_held=True)
+        for step in range(2):  # past the slots, then replayed with the raised ones
+            x = skewed_tokens(r, rw, 40 + 24 * rank + (16 if rank == 0 else 0), H, dt)
+            with torch.no_grad():
+                y = layer(x)
+            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
+            fails += count_fails(rank, f"moe graph_calls cf={cf} skewed {step}", [("y", y, y_ref)], 3e-2)
+        fails += slots_fails(rank, f"moe graph_calls cf={cf}", layer) if cf is None else 0
     torch.cuda.synchronize()
     dist.barrier()
     return fails
@@ -1161,9 +1187,10 @@ def check_moe_training_graph_calls(rank, ws, dev):
                                         capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
                                         num_tiles=1, config=OverlapConfig(graph_calls=graphs))
                   for graphs in (True, False)]
-        for step in range(10):
+        for step in range(12):  # the last two skewed: past the slots, then replayed with the raised ones
             tokens = 40 + 24 * rank
-            x, dy = r(1, tokens, H).to(dt), r(1, tokens, H).to(dt)
+            x = r(1, tokens, H).to(dt) if step < 10 else skewed_tokens(r, rw, tokens, H, dt)
+            dy = r(1, tokens, H).to(dt)
             outs = []
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
@@ -1178,6 +1205,7 @@ def check_moe_training_graph_calls(rank, ws, dev):
             fails += count_fails(rank, label + " against eager", [(n, got, want.double()) for (n, got), (_, want)
                                                                   in zip(*outs)], 5e-2)
         fails += race_fails(rank, f"moe training graph_calls cf={cf}", layers[0], 1)
+        fails += slots_fails(rank, f"moe training graph_calls cf={cf}", layers[0]) if cf is None else 0
     torch.cuda.synchronize()
     dist.barrier()
     return fails

@@ -11,12 +11,14 @@ itself, the grouped GEMMs on CUDA and the captured replays are checked on GPUs
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_moe import build_from_dense, check, make_case, reference, rel_err, rounded
 
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
-from overlap_layers.layers.moe_device import rows_bound
+from overlap_layers.layers.moe_device import SLOT_STEPS, rows_bound, slot_rows
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table
 from overlap_layers.runtime.send_rows import place_by_key
 
@@ -104,8 +106,9 @@ class GatheredExchange:
         return self.back
 
 
-def run_device(rank, ws, case, opts, dtype):
-    """The layer's device path on this rank's tokens, with the stand-in exchange."""
+def run_device(rank, ws, case, opts, dtype, need=None):
+    """The layer's device path on this rank's tokens, with the stand-in exchange (``need``: the
+    count its slots must hold; None: the bound), and the peak count the call reported."""
     layer = build_from_dense(case, dtype, opts)
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
@@ -118,9 +121,11 @@ def run_device(rank, ws, case, opts, dtype):
     layer._device_exchange = exchange
     x = case["xs"][rank].to(dtype)
     with torch.no_grad():
-        y = layer._run_device(x, max_tokens)
+        y = layer._run_device(x, max_tokens, need)
     assert grouped_gemm_ok(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
-    return dict(y=y, calls=made[0].calls)
+    slot = None if need is None else slot_rows(made[0].rows, made[0].layout.largest_region, need)
+    return dict(y=y, calls=made[0].calls, slot=slot,
+                peak=None if layer._device_peak is None else int(layer._device_peak))
 
 
 CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activation)
@@ -154,10 +159,11 @@ def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routin
             assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
 
 
-def run_device_training(rank, ws, case, opts, dtype, backwards=1):
-    """One training call of the layer's device path with the stand-in exchange: y, dx and every
-    parameter's gradient of sum(y * dy), as ``test_moe.run_layer`` returns them (accumulated over
-    ``backwards`` backward passes, all but the last with ``retain_graph``)."""
+def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None):
+    """One training call of the layer's device path with the stand-in exchange (slots for
+    ``need``, as :func:`run_device`): y, dx and every parameter's gradient of sum(y * dy), as
+    ``test_moe.run_layer`` returns them (accumulated over ``backwards`` backward passes, all but
+    the last with ``retain_graph``)."""
     layer = build_from_dense(case, dtype, opts)
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
@@ -168,7 +174,7 @@ def run_device_training(rank, ws, case, opts, dtype, backwards=1):
 
     layer._device_exchange = exchange
     x = case["xs"][rank].to(dtype).requires_grad_()
-    y = layer._run_device(x, max_tokens)
+    y = layer._run_device(x, max_tokens, need)
     loss = (y * case["dys"][rank].to(dtype)).sum()
     for i in range(backwards):
         loss.backward(retain_graph=i + 1 < backwards)
@@ -204,6 +210,61 @@ def test_device_path_second_backward_with_retain_graph_doubles(pool2):
         assert torch.allclose(b["dx"], 2 * a["dx"], rtol=1e-5, atol=1e-6)
         for name, g in a["grads"].items():
             assert torch.allclose(b["grads"][name], 2 * g, rtol=1e-5, atol=1e-6), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 1 << 22), data=st.data())
+def test_slot_rows_hold_the_peak_and_its_headroom_within_the_bound(rows, data):
+    """[Note: MoE slot rows]: at least the largest region and the peak with 1/8 more, at most the
+    bound, and less than one step above what they need."""
+    least, peak = data.draw(st.integers(0, rows)), data.draw(st.integers(0, 2 * rows))
+    s = slot_rows(rows, least, peak)
+    step = max(1, rows // SLOT_STEPS)
+    assert least <= s <= rows
+    assert s >= min(rows, peak + peak // 8)
+    assert s == least or s == rows or (s % step == 0 and s < peak + peak // 8 + step)
+
+
+def test_slot_rows_bad_arguments_are_value_errors():
+    for args in ((8, 9, 0), (8, -1, 0), (8, 4, -1)):
+        with pytest.raises(ValueError, match="valid: 0 <= least <= rows, peak >= 0"):
+            slot_rows(*args)
+
+
+def rows_between_ranks(case, ws):
+    """``[source, destination]``: the rows each rank sends each rank (every token's top_k experts,
+    no capacity), from the case's router in float64."""
+    E = case["router_weight"].shape[0]
+    out = torch.zeros(ws, ws, dtype=torch.int64)
+    for s, x in enumerate(case["xs"]):
+        top = (x.reshape(-1, x.shape[-1]) @ case["router_weight"].t()).topk(case["top_k"], -1).indices
+        out[s] = torch.bincount((top // (E // ws)).flatten(), minlength=ws)
+    return out
+
+
+@pytest.mark.parametrize("ws,E,top_k,shapes,routing", [(4, 8, 2, "uneven", "skewed"), (2, 4, 3, "even", "skewed"),
+                                                      (4, 8, 2, "even", "random")])
+def test_slots_for_the_peak_give_the_reference_and_smaller_ones_report_it(pools, ws, E, top_k, shapes, routing):
+    """[Note: MoE slot rows]: with the fewest slot rows (the exchange's largest region) every rank
+    reports the largest count of rows one rank sends another (which exceeds them); with slots for that count, fewer rows than the bound, y and the training call's
+    gradients equal the dense reference's and no unwritten row reaches them."""
+    dtype = torch.float32
+    case = make_case(41 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8)
+    opts = dict(activation="swiglu", capacity_factor=None)
+    peak = int(rows_between_ranks(rounded(case, dtype), ws).max())
+    small = pools(ws).run(run_device, case, opts, dtype, 0)
+    assert [r["peak"] for r in small] == [peak] * ws
+    rows = rows_bound(max(b * s for b, s in case["sizes"]), top_k)
+    assert small[0]["slot"] < peak, (small[0]["slot"], peak)  # tokens this few: some rank sends past even shares
+    fitted = pools(ws).run(run_device, case, opts, dtype, peak)
+    assert peak <= fitted[0]["slot"] < rows, (peak, fitted[0]["slot"], rows)
+    for rank, (res, want) in enumerate(zip(fitted, reference(rounded(case, dtype), opts))):
+        assert res["peak"] == peak and not res["y"].isnan().any(), rank
+        if want["y"].numel():
+            assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
+    results = pools(ws).run(run_device_training, case, opts, dtype, 1, peak)
+    assert [r["nan"] for r in results] == [False] * ws
+    check(results, case, opts, dtype)
 
 
 def graphed_runs(rank, ws):

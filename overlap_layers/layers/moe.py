@@ -95,7 +95,7 @@ from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_combine import combine_rows, weigh_rows
 from .moe_cost import MoECostModel
-from .moe_device import DevicePathRace, experts_by_source, rows_bound
+from .moe_device import DevicePathRace, experts_by_source, rows_bound, slot_rows
 from .moe_ranks import (RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first,
                         piece_offsets)
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number, resolve_config,
@@ -490,6 +490,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
+        # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (0: the
+        # exchange's largest region); the device-path call being made (its signature, that count, its
+        # send rows, dtype and device); the one-element tensor its calls write their peak count into
+        self._device_needs: dict = {}
+        self._device_call: Optional[tuple] = None
+        self._device_peak: Optional[torch.Tensor] = None
         self._race_hooks = (None, 0, [])  # a timed training call's gradient hooks (its key, graph bytes, handles)
 
     # ----------------------------------------------------------------- weights
@@ -614,16 +620,42 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if self.aux_loss_coef > 0 or self._weight.device.type != "cuda" or triton_gate.triton is None \
                 or not self._grouped_for(dtype) or not self._copy_engine_available():
             return None
-        if not self._device_race.choose((self._group_shapes, dtype, save)):
+        signature = (self._group_shapes, dtype, save)
+        if not self._device_race.choose(signature):
             return None
-        return lambda plan, trial, trace, x: self._run_device(x, shape[1])
+        need = self._device_needs.get(signature, 0)
+        self._device_call = (signature, need, rows_bound(shape[1], self.top_k), dtype, self._weight.device)
+        if self._device_peak is not None:
+            self._device_peak.zero_()  # a call that does not reach the device path reads 0
+        return lambda plan, trial, trace, x: self._run_device(x, shape[1], need)
 
     def _grouped_for(self, dtype: torch.dtype) -> bool:
         """Whether input rows of ``dtype`` run the experts by grouped GEMMs (:func:`grouped_gemm_ok`)."""
         return grouped_gemm_ok(torch.empty(0, self.hidden_size, dtype=dtype, device="meta"), self.w_in, self.w_out)
 
     def _graph_signature(self) -> tuple:
-        return self._group_shapes  # [Note: MoE graph calls]: ranks with other token counts capture alike
+        # [Note: MoE graph calls]: ranks with other token counts capture alike; [Note: MoE slot rows]
+        return self._group_shapes, self._device_call[1] if self._device_call is not None else None
+
+    def _device_overflowed(self) -> bool:
+        """[Note: MoE slot rows]: whether the call just made by the device path had a count past
+        its slots (its result is not the reference; the same on every rank: the peak is read from
+        the table every rank holds), which raises its signature's need to that count and drops its
+        graph. Reads the peak on the host only where the slots hold fewer than the bound of rows."""
+        call, self._device_call = self._device_call, None
+        if call is None:
+            return False
+        signature, need, rows, dtype, device = call
+        slot = slot_rows(rows, self._device_exchange(rows, dtype, device).layout.largest_region, need)
+        if slot >= rows:
+            return False
+        peak = int(self._device_peak.item())  # the host waits for the call
+        if peak <= slot:
+            return False
+        self._device_needs[signature] = peak
+        if self._call_graphs is not None:
+            self._call_graphs.forget_last()
+        return True
 
     def _graph_stage(self, plan, t: torch.Tensor, role: str):
         return None  # the device path gathers its send rows from x itself; its backward starts from others
@@ -642,15 +674,21 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                                                    dtype, groups=self.num_local_experts)
         return ex
 
-    def _run_device(self, x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    def _run_device(self, x: torch.Tensor, max_tokens: int, need: Optional[int] = None) -> torch.Tensor:
         """One call by :func:`~.moe_device.experts_by_source` ([Note: MoE graph calls]);
-        ``max_tokens``: the group's largest token count this call."""
+        ``max_tokens``: the group's largest token count this call; ``need``: the largest count its
+        slots must hold ([Note: MoE slot rows]; None: the bound of rows), its peak written into
+        ``self._device_peak``."""
         B, S, H = x.shape
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(x.device.type, enabled=False):
             exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
-            y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH))
+            slot = None if need is None else slot_rows(exchange.rows, exchange.layout.largest_region, need)
+            if slot is not None and self._device_peak is None:  # made by a first call, outside a capture
+                self._device_peak = torch.zeros((), dtype=torch.int32, device=x.device)
+            y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
+                                  self._device_peak if slot is not None else None)
         return y.view(B, S, H)
 
     def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
@@ -695,8 +733,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                "path with the sizes on the device")
         # [Note: MoE graph calls: the race]: a training call is timed to the end of its backward
         self._end_race_hooks()  # an earlier call's backward that never came: its timing ends here
-        y = self._planned_call(x, shape, dtype, save, fixed,
-                               lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace))
+        run = lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace)  # noqa: E731
+        self._device_call = None
+        y = self._planned_call(x, shape, dtype, save, fixed, run)
+        while self._device_overflowed():  # agreed: the call again, with slots for its counts (each time more)
+            y = self._planned_call(x, shape, dtype, save, fixed, run)
         watched = ([p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else [])) \
             if save and self._device_race.timing else []  # listed only while a call is timed
         if watched:

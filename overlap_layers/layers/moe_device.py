@@ -30,13 +30,13 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   push; the own rows' results are never pushed (the combine takes them where they are); the
   shared expert runs right after the first own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
-  with offsets computed on the device; its buffer holds the bound of ``rows`` (every row a
-  source has could come here), and the GEMMs and the fused SwiGLU leave the rows past the
+  with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows]),
+  and the GEMMs and the fused SwiGLU leave the rows past the
   offsets' end unread and unwritten;
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
   for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
-  holds the bound (qwen3's: 256 MiB each). At EP 4 (four peer parts) the call keeps six such
+  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 (four peer parts) the call keeps six such
   buffers instead of eight. Two slots (session 32) saved 512 MiB of the graph pool but made each
   pull wait for the experts of the part two before it: 2.48 / 2.42 ms against 1.90 / 1.91 with
   three (qwen3 forward, 4x H200, session 38; graph pool 1912 -> 2424 MiB). At EP 2 (two peer
@@ -116,13 +116,35 @@ have fired, or at the layer's next call if its backward never came): the eager b
 time is what the device path saves there. The device path wins only if it is also within the
 layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it.
 
+[Note: MoE slot rows]
+A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,
+:func:`rows_bound`): with every part's buffers at that bound, qwen3's training graphs kept 6.9 GB
+per layer at EP 4 (session 41), against about a quarter of it that an even routing fills. So the
+buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
+an earlier call of the signature, and 1/8 more; at first the exchange's largest region, which
+even routing fits), and a count past them is found after the call:
+
+* the call clamps each source's grouped-GEMM offsets to the slot (the copies already stop at
+  their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer, and
+  writes the largest count of its table (which every rank holds whole: the same on every rank)
+  into a one-element tensor;
+* the layer reads it on the host after the call, where the slots hold fewer than ``rows`` (one
+  wait per call: the device path has no other); past the slots, the result is dropped, the
+  signature's slots raised to that count, its graph dropped, and the call made again (captured
+  anew: every rank alike, from the same count). The slots only grow, so a signature recaptures
+  at most a few times (each time by at least 1/8), and never past ``rows``, where no count is read.
+
+A result past its slots is never returned: the count that decides is exact, and the call that
+returns ran with slots that hold it. The backward reuses the forward's offsets and slots.
+(Measured: see the session 42 paragraph below.)
+
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
 combine weights, so that the router gets its gradient as in the eager call;
 ``config.graph_calls`` captures its forward and its backward (``call_graphs.py``: the saved
 tensors live in the graphs' pool). What the backward needs stays on the device:
 
-* the forward keeps each part's input rows and pre-activations, at the bound of rows: each peer
+* the forward keeps each part's input rows and pre-activations, at the slot rows: each peer
   part gets a slot of its own instead of ``SLOTS`` in turn, the second own half a buffer of its
   own, and the own rows are copied out of the send buffer (the next exchange on the workspace,
   another layer's or the backward's, overwrites it); its combine weights the rows as a call
@@ -250,18 +272,39 @@ def rows_bound(max_tokens: int, top_k: int) -> int:
     return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
 
 
+SLOT_STEPS = 64  # [Note: MoE slot rows]: slot sizes are multiples of rows / SLOT_STEPS
+SLOT_HEADROOM = 8  # ... of at least the peak and 1/8 more
+
+
+def slot_rows(rows: int, least: int, peak: int) -> int:
+    """[Note: MoE slot rows]: the rows of each part's buffers for calls whose largest count of
+    rows one rank sends another is ``peak``: that and 1/``SLOT_HEADROOM`` more, rounded up to a
+    multiple of ``rows / SLOT_STEPS``, at least ``least`` (the exchange's largest region, which a
+    pull copies whole) and at most ``rows`` (the bound of every count)."""
+    if not 0 <= least <= rows or peak < 0:
+        raise ValueError(f"slot_rows(rows={rows}, least={least}, peak={peak}); valid: 0 <= least <= rows, peak >= 0")
+    unit = max(1, rows // SLOT_STEPS)
+    want = peak + peak // SLOT_HEADROOM
+    return min(rows, max(least, -(-want // unit) * unit))
+
+
 class SourceCall:
     """One device-path call's state between its passes: the layer's sizes, the exchange, the
     routing's ``keys`` and ``counts`` (``[ws, El]`` int32); the forward sets ``pos`` (each
     assignment's send row, -1 where dropped) and ``ends`` (``[source, El]`` int32: each source's
     grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
 
-    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor) -> None:
+    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None) -> None:
         self.activation, self.k = layer.activation, layer.top_k
         self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
         self.exchange, self.keys, self.counts = exchange, keys, counts
+        self.slot = exchange.rows if slot is None else slot  # rows of each part's buffers ([Note: MoE slot rows])
+        if not exchange.layout.largest_region <= self.slot <= exchange.rows:
+            raise ValueError(f"slot={slot}; valid: {exchange.layout.largest_region} .. {exchange.rows} rows (the "
+                             "exchange's largest region .. its bound of rows), or None (the bound)")
         self.pos: Optional[torch.Tensor] = None
         self.ends: Optional[torch.Tensor] = None
+        self.peak: Optional[torch.Tensor] = None  # the forward's largest count of rows one rank sends another
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
 
@@ -350,8 +393,11 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.pos = ex.place(x_TH, c.keys, c.k, c.counts)  # each assignment's row of send (-1: dropped by capacity)
     ex.ready(c.counts)
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
+    c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # every rank's table holds every rank's counts
+    if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
+        c.ends.clamp_(max=c.slot)
     peers = c.peers()
-    slots = [x_TH.new_empty((ex.rows, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
+    slots = [x_TH.new_empty((c.slot, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
     s = _Streams(ex, x_TH.is_cuda)
     pull = _pulls(c, s, peers, slots)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
@@ -365,7 +411,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
         return y
 
     first = (0, c.split) if c.split < El else None
-    own = experts("own", ex.send[:ex.rows], rank, first)  # in place: the own rows lead the send rows
+    own = experts("own", ex.send[:c.slot], rank, first)  # in place: the own rows lead the send rows
     added = extra() if extra is not None else None
     results = {}  # peer part index -> its results, held until the main stream waited for their push
     for i, (src, part) in enumerate(peers):
@@ -380,7 +426,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
         s.push(ex, src, results[i], part, i)
     late = {}
     if c.split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
-        rows = ex.own_rows(c.split, x_TH.new_empty((ex.rows, H)) if save else slots[0])
+        rows = ex.own_rows(c.split, x_TH.new_empty((c.slot, H)) if save else slots[0])
         late = dict(late=experts("late", rows, rank, (c.split, El)), n_first=c.ends[rank][c.split - 1])
     if save:  # under the last push
         saved["own"] = (saved["own"][0].clone(), saved["own"][1])
@@ -421,11 +467,11 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     late = (c.split, El) if c.split < El else None
     # every part's rows stay for the weight gradients: a slot per peer part (all pulled at once),
     # the own rows in the send buffer, the late ones copied into a buffer of their own
-    slots = [dy.new_empty((ex.rows, H)) for _ in peers] + ([dy.new_empty((ex.rows, H))] if late else [])
+    slots = [dy.new_empty((c.slot, H)) for _ in peers] + ([dy.new_empty((c.slot, H))] if late else [])
     keys = ["own", *range(len(peers))] + (["late"] if late else [])
     spans = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
-    dys = [ex.send[:ex.rows]] + slots
-    acts = [saved[key][1].new_empty((ex.rows, w_out.shape[2])) for key in keys]
+    dys = [ex.send[:c.slot]] + slots
+    acts = [saved[key][1].new_empty((c.slot, w_out.shape[2])) for key in keys]
     dhs = [saved[key][1] if in_place else torch.empty_like(saved[key][1]) for key in keys]
     s = _Streams(ex, dy.is_cuda)
     _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
@@ -497,7 +543,8 @@ class _SourceExperts(torch.autograd.Function):
 
 
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
-                      extra: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> torch.Tensor:
+                      extra: Optional[Callable[[], Optional[torch.Tensor]]] = None, slot: Optional[int] = None,
+                      peak_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts without autograd, after the combine with it), through ``exchange`` (a
@@ -505,14 +552,21 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     ``rows``, ``place``, ``ready``, ``recv_counts``, ``parts``, ``pull``, ``pull_rest``, ``push``,
     ``push_rest``, ``own_rows``, ``finish`` and, for side streams, ``streams``), with no value read
     on the host. Under autograd ([Note: MoE training graphs]) the combine weights in autograd
-    (:class:`_SourceExperts` takes the weights), so that the router gets its gradient."""
+    (:class:`_SourceExperts` takes the weights), so that the router gets its gradient.
+
+    ``slot``: the rows of each part's buffers (None: the exchange's bound, ``rows``; [Note: MoE
+    slot rows]). With fewer, the result is the reference only if no rank sends another more rows
+    than ``slot``: the call writes that largest count into ``peak_out`` (a one-element tensor on
+    the device), which the caller reads before it uses the result."""
     ws, El = layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
-    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32))
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
         y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
         added = extra() if extra is not None else None
     else:
         own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
         y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], **late)  # own rows: counts[rank]'s sum
+    if peak_out is not None:
+        peak_out.copy_(c.peak)
     return y if added is None else y + added

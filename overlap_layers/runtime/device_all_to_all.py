@@ -123,6 +123,7 @@ class RegionLayout:
                 order.append((j, part))
                 start += cap
         self.buffer_rows = start
+        self.largest_region = max([cap for _, cap in self._regions.values()], default=0)
         self._index = {seg: k for k, seg in enumerate(order)}
         member = torch.zeros(len(order), ws, groups, dtype=torch.int64)
         for k, (j, part) in enumerate(order):
@@ -467,9 +468,10 @@ class DeviceCountAllToAll:
         return (self.rank - source) % self.ws
 
     def _checked(self, what: str, t: torch.Tensor) -> None:
-        if t.shape[0] < self.rows or t.shape[1:] != self.send.shape[1:] or t.dtype != self.send.dtype:
-            raise ValueError(f"{what} {tuple(t.shape)} {t.dtype}; valid: [>= {self.rows}, {self.send.shape[1]}] "
-                             f"{self.send.dtype} (a source's rows could all come here)")
+        least = self.layout.largest_region
+        if t.shape[0] < least or t.shape[1:] != self.send.shape[1:] or t.dtype != self.send.dtype:
+            raise ValueError(f"{what} {tuple(t.shape)} {t.dtype}; valid: [>= {least}, {self.send.shape[1]}] "
+                             f"{self.send.dtype} (the largest region, which a copy moves whole)")
 
     def _rest(self, source: int, part: Part) -> torch.Tensor:
         self._j(source)
@@ -478,8 +480,9 @@ class DeviceCountAllToAll:
         return self.layout.rest(self._rests, self.rank, source, part)
 
     def own_rows(self, first: int, out: torch.Tensor) -> torch.Tensor:
-        """This rank's rows for its own groups ``first ..`` into ``out`` (``[>= rows, W]``) from
-        row 0, by the kernel (valid from :meth:`ready` to :meth:`finish`); returns ``out``."""
+        """This rank's rows for its own groups ``first ..`` into ``out`` from row 0 (those past its
+        rows are not copied), by the kernel (valid from :meth:`ready` to :meth:`finish`); returns
+        ``out``."""
         self._checked("own_rows: out", out)
         copy_rows_by_table(self.layout.own_tail(self.table[self.rank], self.rank, first), self._sends, out,
                            push=False, pointers=self._send_ptrs, programs=self._programs)
@@ -487,9 +490,10 @@ class DeviceCountAllToAll:
 
     def pull(self, source: int, out: torch.Tensor, part: Part = None) -> torch.Tensor:
         """The region of the rows ``source`` sends this rank in ``part`` (one of
-        :meth:`parts`) into the first rows of ``out`` (``[>= rows, W]``), by the copy engine;
-        with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts` rows each,
-        from row 0). Returns ``out``."""
+        :meth:`parts`) into the first rows of ``out`` (``[>= layout.largest_region, W]``), by the
+        copy engine; with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts`
+        rows each, from row 0) as far as its rows go: ``[rows, W]`` holds them all, a smaller one
+        those before its end ([Note: MoE slot rows] in ``layers/moe_device.py``). Returns ``out``."""
         self._checked("pull: out", out)
         start, cap = self.layout.region(self._j(source), part)
         out[:cap].copy_(self._sends[source][start:start + cap])
