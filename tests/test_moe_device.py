@@ -246,8 +246,8 @@ def rows_between_ranks(case, ws):
                                                       (4, 8, 2, "even", "random")])
 def test_slots_for_the_peak_give_the_reference_and_smaller_ones_report_it(pools, ws, E, top_k, shapes, routing):
     """[Note: MoE slot rows]: with the fewest slot rows (the exchange's largest region) every rank
-    reports the largest count of rows one rank sends another (which exceeds them); with slots for that count, fewer rows than the bound, y and the training call's
-    gradients equal the dense reference's and no unwritten row reaches them."""
+    reports the largest count of rows one rank sends another (which exceeds them); with slots for
+    that count, fewer rows than the bound, y and the training call's gradients equal the dense reference's and no unwritten row reaches them."""
     dtype = torch.float32
     case = make_case(41 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8)
     opts = dict(activation="swiglu", capacity_factor=None)

@@ -36,10 +36,10 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
   for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
-  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 (four peer parts) the call keeps six such
-  buffers instead of eight. Two slots (session 32) saved 512 MiB of the graph pool but made each
-  pull wait for the experts of the part two before it: 2.48 / 2.42 ms against 1.90 / 1.91 with
-  three (qwen3 forward, 4x H200, session 38; graph pool 1912 -> 2424 MiB). At EP 2 (two peer
+  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 (four peer
+  parts) the call keeps six such buffers instead of eight. Two slots (session 32) saved 512 MiB of
+  the graph pool but made each pull wait for the experts of the part two before it: 2.48 / 2.42
+  ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38; graph pool 1912 -> 2424 MiB). At EP 2 (two peer
   parts) the number does not matter;
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the two own results, the others at their places in ``back``, an assignment dropped
