@@ -125,7 +125,7 @@ def run_device(rank, ws, case, opts, dtype, need=None):
     assert grouped_gemm_ok(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
     slot = None if need is None else slot_rows(made[0].rows, made[0].layout.largest_region, need)
     return dict(y=y, calls=made[0].calls, slot=slot,
-                peak=None if layer._device_peak is None else int(layer._device_peak))
+                peak=None if layer._device_peak is None else int(layer._device_peak[0]))
 
 
 CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activation)

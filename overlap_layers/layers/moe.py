@@ -95,7 +95,7 @@ from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_combine import combine_rows, weigh_rows
 from .moe_cost import MoECostModel
-from .moe_device import DevicePathRace, experts_by_source, rows_bound, slot_rows
+from .moe_device import DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
 from .moe_ranks import (RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first,
                         piece_offsets)
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number, resolve_config,
@@ -492,10 +492,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
         # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (0: the
         # exchange's largest region); the device-path call being made (its signature, that count, its
-        # send rows, dtype and device); the one-element tensor its calls write their peak count into
+        # send rows, dtype and device); the host tensor its calls copy their peak count into, and the
+        # event they record after it
         self._device_needs: dict = {}
         self._device_call: Optional[tuple] = None
-        self._device_peak: Optional[torch.Tensor] = None
+        self._device_peak: Optional[tuple] = None
         self._race_hooks = (None, 0, [])  # a timed training call's gradient hooks (its key, graph bytes, handles)
 
     # ----------------------------------------------------------------- weights
@@ -626,7 +627,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         need = self._device_needs.get(signature, 0)
         self._device_call = (signature, need, rows_bound(shape[1], self.top_k), dtype, self._weight.device)
         if self._device_peak is not None:
-            self._device_peak.zero_()  # a call that does not reach the device path reads 0
+            self._device_peak[0].zero_()  # a call that does not reach the device path reads 0 (no copy in flight)
         return lambda plan, trial, trace, x: self._run_device(x, shape[1], need)
 
     def _grouped_for(self, dtype: torch.dtype) -> bool:
@@ -649,7 +650,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         slot = slot_rows(rows, self._device_exchange(rows, dtype, device).layout.largest_region, need)
         if slot >= rows:
             return False
-        peak = int(self._device_peak.item())  # the host waits for the call
+        peak, event = self._device_peak
+        if event is not None:
+            event.synchronize()  # the call's exchange has its counts: the host waits for that much of it
+        elif device.type == "cuda":  # no event a graph records: the whole call
+            torch.cuda.current_stream(device).synchronize()
+        peak = int(peak)
         if peak <= slot:
             return False
         self._device_needs[signature] = peak
@@ -686,9 +692,10 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
             slot = None if need is None else slot_rows(exchange.rows, exchange.layout.largest_region, need)
             if slot is not None and self._device_peak is None:  # made by a first call, outside a capture
-                self._device_peak = torch.zeros((), dtype=torch.int32, device=x.device)
+                cuda = x.device.type == "cuda"
+                self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda), peak_event() if cuda else None)
             y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
-                                  self._device_peak if slot is not None else None)
+                                  self._device_peak if slot is not None and slot < exchange.rows else None)
         return y.view(B, S, H)
 
     def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
@@ -737,6 +744,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._device_call = None
         y = self._planned_call(x, shape, dtype, save, fixed, run)
         while self._device_overflowed():  # agreed: the call again, with slots for its counts (each time more)
+            # dropped first: its graph holds the parameters' gradient nodes, made on this stream, which
+            # the new capture's backward could not follow (as _aux's note says)
+            y = None
             y = self._planned_call(x, shape, dtype, save, fixed, run)
         watched = ([p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else [])) \
             if save and self._device_race.timing else []  # listed only while a call is timed

@@ -266,6 +266,16 @@ class DevicePathRace:
         return race["choice"]
 
 
+def peak_event() -> Optional[torch.cuda.Event]:
+    """[Note: MoE slot rows]: an event that a captured graph records at each replay (``external``),
+    so that the host can wait for the graph's first part only; None where torch makes no such
+    events (the caller then waits for the whole call)."""
+    try:
+        return torch.cuda.Event(external=True)
+    except TypeError:
+        return None
+
+
 def rows_bound(max_tokens: int, top_k: int) -> int:
     """Send rows a rank may need: the group's largest token count, rounded up to a power of two
     (so that nearby counts share an exchange and a capture), times ``top_k``."""
@@ -294,7 +304,8 @@ class SourceCall:
     assignment's send row, -1 where dropped) and ``ends`` (``[source, El]`` int32: each source's
     grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
 
-    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None) -> None:
+    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None,
+                 report: Optional[tuple] = None) -> None:
         self.activation, self.k = layer.activation, layer.top_k
         self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
         self.exchange, self.keys, self.counts = exchange, keys, counts
@@ -305,6 +316,7 @@ class SourceCall:
         self.pos: Optional[torch.Tensor] = None
         self.ends: Optional[torch.Tensor] = None
         self.peak: Optional[torch.Tensor] = None  # the forward's largest count of rows one rank sends another
+        self.report = report  # (tensor, event or None): where the forward copies the peak, then records
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
 
@@ -396,6 +408,10 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # every rank's table holds every rank's counts
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
         c.ends.clamp_(max=c.slot)
+    if c.report is not None:  # the host may read it from here on, while the rest runs
+        c.report[0].copy_(c.peak, non_blocking=True)
+        if c.report[1] is not None:
+            c.report[1].record()
     peers = c.peers()
     slots = [x_TH.new_empty((c.slot, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
     s = _Streams(ex, x_TH.is_cuda)
@@ -544,7 +560,7 @@ class _SourceExperts(torch.autograd.Function):
 
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
                       extra: Optional[Callable[[], Optional[torch.Tensor]]] = None, slot: Optional[int] = None,
-                      peak_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      report: Optional[tuple] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts without autograd, after the combine with it), through ``exchange`` (a
@@ -556,17 +572,16 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
 
     ``slot``: the rows of each part's buffers (None: the exchange's bound, ``rows``; [Note: MoE
     slot rows]). With fewer, the result is the reference only if no rank sends another more rows
-    than ``slot``: the call writes that largest count into ``peak_out`` (a one-element tensor on
-    the device), which the caller reads before it uses the result."""
+    than ``slot``: ``report`` ``(tensor, event or None)``, where given, gets that largest count
+    (copied without a wait: a host tensor should be pinned) and then the event's record, both
+    right after the exchange's counts, so the caller can read it before it uses the result."""
     ws, El = layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
-    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot)
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
         y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
         added = extra() if extra is not None else None
     else:
         own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
         y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], **late)  # own rows: counts[rank]'s sum
-    if peak_out is not None:
-        peak_out.copy_(c.peak)
     return y if added is None else y + added
