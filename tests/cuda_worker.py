@@ -1118,10 +1118,10 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
 
 
 def skewed_tokens(r, router, tokens, H, dt):
-    """``[1, tokens, H]`` whose first choice is expert 0 (rank 0's): every rank sends rank 0 a row
-    per token at least, past the device path's fewest slot rows ([Note: MoE slot rows]) in the
-    graph-call checks' case."""
-    return (4 * router[0].expand(1, tokens, H) + 0.3 * r(1, tokens, H)).to(dt)
+    """``[1, tokens, H]`` whose top 3 are experts 0, 1 and 2 (rank 0's): every rank sends rank 0
+    three rows per token, past an even routing's slot rows ([Note: MoE slot rows]) in the
+    graph-call checks' case (top-3, 4 experts per rank)."""
+    return (4 * router[:3].sum(0).expand(1, tokens, H) + 0.3 * r(1, tokens, H)).to(dt)
 
 
 def slots_fails(rank, label, layer) -> int:

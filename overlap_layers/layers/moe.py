@@ -490,8 +490,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
-        # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (0: the
-        # exchange's largest region); the device-path call being made (its signature, that count, its
+        # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (none: an
+        # even routing's); the device-path call being made (its signature, that count, its
         # send rows, dtype and device); the host tensor its calls copy their peak count into, and the
         # event they record after it
         self._device_needs: dict = {}
@@ -624,8 +624,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         signature = (self._group_shapes, dtype, save)
         if not self._device_race.choose(signature):
             return None
-        need = self._device_needs.get(signature, 0)
-        self._device_call = (signature, need, rows_bound(shape[1], self.top_k), dtype, self._weight.device)
+        rows = rows_bound(shape[1], self.top_k)
+        need = self._device_needs.get(signature, rows // self.world_size)  # at first: an even routing's count
+        self._device_call = (signature, need, rows, dtype, self._weight.device)
         if self._device_peak is not None:
             self._device_peak[0].zero_()  # a call that does not reach the device path reads 0 (no copy in flight)
         return lambda plan, trial, trace, x: self._run_device(x, shape[1], need)

@@ -121,22 +121,29 @@ A graph's buffers have fixed sizes, and a source may send a rank every row it ha
 :func:`rows_bound`): with every part's buffers at that bound, qwen3's training graphs kept 6.9 GB
 per layer at EP 4 (session 41), against about a quarter of it that an even routing fills. So the
 buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
-an earlier call of the signature, and 1/8 more; at first the exchange's largest region, which
-even routing fits), and a count past them is found after the call:
+an earlier call of the signature, and 1/8 more; at first an even routing's count, ``rows / ws``;
+never fewer than the exchange's largest region), and a count past them is found after the call:
 
 * the call clamps each source's grouped-GEMM offsets to the slot (the copies already stop at
-  their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer, and
-  writes the largest count of its table (which every rank holds whole: the same on every rank)
-  into a one-element tensor;
-* the layer reads it on the host after the call, where the slots hold fewer than ``rows`` (one
-  wait per call: the device path has no other); past the slots, the result is dropped, the
-  signature's slots raised to that count, its graph dropped, and the call made again (captured
-  anew: every rank alike, from the same count). The slots only grow, so a signature recaptures
-  at most a few times (each time by at least 1/8), and never past ``rows``, where no count is read.
+  their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer;
+* right after the exchange's counts it copies the largest count of its table (which every rank
+  holds whole: the same on every rank) into pinned host memory and records an event (``external``,
+  so that a replay records it too: :func:`peak_event`);
+* where the slots hold fewer than ``rows``, the layer waits for that event after the call is
+  launched (the first few hundred microseconds of it: the device path's only wait) and reads the
+  count; past the slots, the result is dropped, the signature's slots raised to that count, its
+  graph dropped, and the call made again (captured anew: every rank alike, from the same count).
+  The slots only grow, by more than 1/8 each time, and never past ``rows``, where nothing is read.
 
 A result past its slots is never returned: the count that decides is exact, and the call that
 returns ran with slots that hold it. The backward reuses the forward's offsets and slots.
-(Measured: see the session 42 paragraph below.)
+
+Measured on 4x H200 (session 42, qwen3-30b-a3b, 8192 tokens per rank, replayed fwd+bwd,
+same-process A/B against session 41's code, ``bench/results/session42_h200x4_2026-11-27.md``):
+the training graphs' memory per layer 6.90 -> 2.55 GB at EP 4 and 5.36 -> 3.53 GB at EP 2 (an
+even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms. A first
+version read the count by waiting for the whole forward: 5.93 -> 6.17 ms at EP 4 (the host no
+longer ran ahead to launch the backward).
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
