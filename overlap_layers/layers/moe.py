@@ -84,7 +84,7 @@ from torch import nn
 from ..config import OverlapConfig
 from ..runtime import resolve_group, triton_gate
 from ..runtime.collectives import _all_gather as all_gather_rows
-from ..runtime.device_all_to_all import DeviceCountAllToAll
+from ..runtime.device_all_to_all import DeviceCountAllToAll, region_caps
 from ..runtime.exchange import shared_workspace
 from ..runtime.executor import profiler_range
 from ..runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
@@ -492,7 +492,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
         # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (none: an
         # even routing's); the device-path call being made (its signature, that count, its
-        # send rows, dtype and device); the host tensor its calls copy their peak count into, and the
+        # send rows and device); the host tensor its calls copy their peak count into, and the
         # event they record after it
         self._device_needs: dict = {}
         self._device_call: Optional[tuple] = None
@@ -626,7 +626,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             return None
         rows = rows_bound(shape[1], self.top_k)
         need = self._device_needs.get(signature, rows // self.world_size)  # at first: an even routing's count
-        self._device_call = (signature, need, rows, dtype, self._weight.device)
+        self._device_call = (signature, need, rows, self._weight.device)
         if self._device_peak is not None:
             self._device_peak[0].zero_()  # a call that does not reach the device path reads 0 (no copy in flight)
         return lambda plan, trial, trace, x: self._run_device(x, shape[1], need)
@@ -647,8 +647,9 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         call, self._device_call = self._device_call, None
         if call is None:
             return False
-        signature, need, rows, dtype, device = call
-        slot = slot_rows(rows, self._device_exchange(rows, dtype, device).layout.largest_region, need)
+        signature, need, rows, device = call
+        slot = slot_rows(rows, max(region_caps(self.world_size, rows, self.num_local_experts).values(), default=0),
+                         need)
         if slot >= rows:
             return False
         peak, event = self._device_peak

@@ -103,6 +103,27 @@ _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits
 Part = Optional[Tuple[int, int]]  # a range of groups (first, end); None: every group
 
 
+def last_peer_parts(groups: int) -> List[Part]:
+    """The parts of a destination's last peer's rows: ``LAST_PARTS`` ranges of groups, as even as
+    the groups allow (one part, None, where that is one)."""
+    parts = min(LAST_PARTS, groups)
+    if parts <= 1:
+        return [None]
+    cuts = [groups * i // parts for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def region_caps(ws: int, rows: int, groups: int, slack: float = SLACK) -> dict:
+    """``{(j, part): cap}`` in send order: the rows of each region of :class:`RegionLayout` (the
+    part's even share of ``rows`` and ``slack`` more, at most ``rows``)."""
+    caps = {}
+    for j in range(1, ws):
+        for part in last_peer_parts(groups) if j == 1 else [None]:
+            a, b = (0, groups) if part is None else part
+            caps[j, part] = min(rows, math.ceil(rows * (b - a) * (1 + slack) / (ws * groups)))
+    return caps
+
+
 class RegionLayout:
     """Where each of a source's send rows lies in its send buffer (module docstring), for ``ws``
     ranks, ``rows`` send rows at most per rank and ``groups`` groups per rank. Host side:
@@ -115,13 +136,10 @@ class RegionLayout:
         self._regions = {}  # (j, part) -> (start, cap)
         order = [(0, None)]  # the source's segments in send order: its own rows, then each (j, part)
         start = rows
-        for j in range(1, ws):
-            for part in self.parts_at(j):
-                a, b = (0, groups) if part is None else part
-                cap = min(rows, math.ceil(rows * (b - a) * (1 + slack) / (ws * groups)))
-                self._regions[j, part] = (start, cap)
-                order.append((j, part))
-                start += cap
+        for (j, part), cap in region_caps(ws, rows, groups, slack).items():
+            self._regions[j, part] = (start, cap)
+            order.append((j, part))
+            start += cap
         self.buffer_rows = start
         self.largest_region = max([cap for _, cap in self._regions.values()], default=0)
         self._index = {seg: k for k, seg in enumerate(order)}
@@ -143,11 +161,7 @@ class RegionLayout:
         """The parts of the rows a source sends the rank ``j`` after it (``0 < j < ws``): for
         ``j = 1`` (the destination's last peer) ``LAST_PARTS`` ranges of groups, as even as the
         groups allow, else one part of every group."""
-        parts = min(LAST_PARTS, self.groups) if j == 1 else 1
-        if parts == 1:
-            return [None]
-        cuts = [self.groups * i // parts for i in range(parts + 1)]
-        return list(zip(cuts[:-1], cuts[1:]))
+        return last_peer_parts(self.groups) if j == 1 else [None]
 
     def region(self, j: int, part: Part) -> Tuple[int, int]:
         """(first row, rows) of that part's region in the source's send buffer."""
