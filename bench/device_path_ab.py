@@ -3,8 +3,9 @@ between two versions of the library: training calls (forward and backward) repla
 graphs ``config.graph_calls`` captures, with the race ([Note: MoE graph calls: the race]) replaced
 by one that always picks the device path (``--eager``: never), interleaved rounds of ``--calls``
 calls (old, new, then new, old, ...; the first round warms up), the median over rounds of the
-slowest rank's time per call. Also the relative difference of the two sides' gradients (``x``'s,
-then each parameter's) after one call on the same weights and tokens, and each side's graph bytes.
+slowest rank's time per call (``--forward``: calls without autograd). Also the relative difference
+of the two sides' gradients (``x``'s, then each parameter's; ``--forward``: of their outputs) after
+one call on the same weights and tokens, and each side's graph bytes.
 
 The old version is a copy of the package (``git archive OLD overlap_layers | tar x -C .ab_old``).
 From the repo root, on a GPU machine with symmetric memory:
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--eager", action="store_true", help="both sides eager (the race never picks the device path)")
+    p.add_argument("--forward", action="store_true", help="calls without autograd (compares the outputs)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     local = int(os.environ["LOCAL_RANK"])
@@ -76,21 +78,25 @@ def main() -> None:
         layers[name] = pkg.OverlapMoE.from_dense(*dense, top_k=k, group=dist.group.WORLD, num_tiles=1,
                                                  config=pkg.OverlapConfig(graph_calls=True))
         layers[name]._device_race = Fixed(not a.eager)
-    grads, peak = {}, {}
-    for name, layer in layers.items():
-        for _ in range(3):  # the first captures
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            layer(x).backward(dy)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    def call(layer):  # one call; returns what the two sides compare
+        if a.forward:
+            with torch.no_grad():
+                return [layer(x)]
         layer.zero_grad(set_to_none=True)
         x.grad = None
         layer(x).backward(dy)
+        return [x.grad.clone()] + [q.grad.clone() for q in layer.parameters() if q.grad is not None]
+
+    grads, peak = {}, {}
+    for name, layer in layers.items():
+        for _ in range(3):  # the first captures
+            call(layer)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads[name] = call(layer)
         torch.cuda.synchronize()
         peak[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        grads[name] = [x.grad.clone()] + [q.grad.clone() for q in layer.parameters() if q.grad is not None]
     diff = [((g1.float() - g0.float()).norm() / g0.float().norm().clamp_min(1e-30)).item()
             for g0, g1 in zip(grads["old"], grads["new"])]
     times = {"old": [], "new": []}
@@ -100,7 +106,11 @@ def main() -> None:
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(a.calls):
-                layer(x).backward(dy)
+                if a.forward:
+                    with torch.no_grad():
+                        layer(x)
+                else:
+                    layer(x).backward(dy)
             torch.cuda.synchronize()
             ms = torch.tensor([(time.perf_counter() - t) / a.calls * 1e3], device=dev)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)
@@ -109,14 +119,15 @@ def main() -> None:
     res = {n: statistics.median(v) for n, v in times.items()}
     pool = {n: getattr(m._call_graphs, "last_nbytes", None) for n, m in layers.items() if m._call_graphs is not None}
     if rank == 0:
-        print(f"{a.preset} ep{ws} {'eager' if a.eager else 'device'}: old {res['old']:.3f} new {res['new']:.3f} ms "
+        kind = ("eager" if a.eager else "device") + (" fwd" if a.forward else "")
+        print(f"{a.preset} ep{ws} {kind}: old {res['old']:.3f} new {res['new']:.3f} ms "
               f"(new/old {res['new'] / res['old']:.3f}); rounds old {[round(t, 3) for t in times['old']]} new "
               f"{[round(t, 3) for t in times['new']]}; grad rel diff {[f'{d:.1e}' for d in diff]}; "
               f"peak MiB {peak}; graph bytes {pool}", flush=True)
         if a.out:
             with open(a.out, "w") as f:
-                json.dump(dict(preset=a.preset, ep=ws, tokens=a.tokens, times=times, median=res, grad_rel_diff=diff,
-                               peak_mib=peak, graph_bytes=pool), f, indent=1)
+                json.dump(dict(preset=a.preset, ep=ws, tokens=a.tokens, forward=a.forward, times=times, median=res,
+                               grad_rel_diff=diff, peak_mib=peak, graph_bytes=pool), f, indent=1)
     dist.destroy_process_group()
 
 

@@ -58,12 +58,19 @@ def _sent(table, s, d, part):
     return list(range(start, start + int(table[s, d, a:b].sum())))
 
 
+@pytest.fixture(params=[1, 2])
+def last_parts(request, monkeypatch):
+    """The last peer's rows in one part or two (``LAST_PARTS``)."""
+    monkeypatch.setattr(device_all_to_all, "LAST_PARTS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("ws,groups,rows,width,dtype", [
     (2, 1, 5, 3, torch.float32), (4, 1, 13, 40, torch.bfloat16), (3, 1, 9, 7, torch.float64),
     (8, 1, 6, 24, torch.float16), (2, 1, 7, 1100, torch.float32), (2, 3, 11, 16, torch.float32),
     (4, 5, 23, 40, torch.bfloat16), (3, 2, 9, 1100, torch.float16), (2, 4, 64, 8, torch.float32)])
 @pytest.mark.parametrize("kind", ["random", "even", "skewed"])
-def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, kind):
+def test_place_pull_push_equal_the_all_to_all(ws, groups, rows, width, dtype, kind, last_parts):
     """Every rank places its send rows (``key_places``, ``place_by_key``) in a NaN buffer, pulls each
     peer's parts (region, then overflow) and pushes 3 x + 1 of them back: each pulled part holds
     exactly the rows its source sends in it, by group; each rank's ``back`` holds 3 x + 1 at the
@@ -326,7 +333,7 @@ def test_exchange_checks_its_arguments_and_its_workspace():
         ex.ready(counts)
 
 
-def test_exchange_over_one_process_workspace_equals_the_all_to_all():
+def test_exchange_over_one_process_workspace_equals_the_all_to_all(last_parts):
     """``DeviceCountAllToAll`` of every rank over one shared stand-in buffer (3 ranks, 4 groups,
     counts past some regions): places, ``ready``, then each rank pulls every peer's parts and
     pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places, and

@@ -8,6 +8,8 @@ which every row the exchange does not write is NaN: a row read past the received
 pushed to the wrong place, or a dropped assignment not masked shows as NaN in y. The exchange
 itself, the grouped GEMMs on CUDA and the captured replays are checked on GPUs
 (``tests/cuda_worker.py`` check_moe_graph_calls)."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from test_moe import build_from_dense, check, make_case, reference, rel_err, rou
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.moe_device import SLOT_STEPS, rows_bound, slot_rows
+from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table
 from overlap_layers.runtime.send_rows import place_by_key
 
@@ -106,9 +109,27 @@ class GatheredExchange:
         return self.back
 
 
-def run_device(rank, ws, case, opts, dtype, need=None):
+@contextlib.contextmanager
+def last_peer_parts(n):
+    """The exchange's last peer in ``n`` parts (``device_all_to_all.LAST_PARTS``; None: as it is)
+    within the block."""
+    kept = device_all_to_all.LAST_PARTS
+    device_all_to_all.LAST_PARTS = kept if n is None else n
+    try:
+        yield
+    finally:
+        device_all_to_all.LAST_PARTS = kept
+
+
+def run_device(rank, ws, case, opts, dtype, need=None, parts=None):
     """The layer's device path on this rank's tokens, with the stand-in exchange (``need``: the
-    count its slots must hold; None: the bound), and the peak count the call reported."""
+    count its slots must hold, None: the bound; the last peer in ``parts`` parts), and the peak
+    count the call reported."""
+    with last_peer_parts(parts):
+        return _run_device(rank, case, opts, dtype, need)
+
+
+def _run_device(rank, case, opts, dtype, need):
     layer = build_from_dense(case, dtype, opts)
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
@@ -136,20 +157,22 @@ CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activa
     (4, 4, 1, "zero_seq", "skewed", None, None, "swiglu"),
     (2, 4, 2, "even", "skewed", 0.5, None, "swiglu"),
     (4, 8, 2, "uneven", "random", 0.75, 4, "swiglu"),
-    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in two parts of 4
+    (2, 16, 3, "uneven", "random", None, None, "swiglu"),  # the last peer's 8 groups in one part, or two of 4
     (4, 16, 2, "even", "random", 0.75, None, "swiglu"),
 ]
 
 
+@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf,Fs,activation", CASES)
-def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation):
+def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation, parts):
     """y on every rank equals the reference on its tokens (capacity drops and the shared expert
-    included), through one exchange per call; no NaN from the stand-in's unwritten rows reaches y."""
+    included), through one exchange per call, the last peer's rows in one part or two; no NaN
+    from the stand-in's unwritten rows reaches y."""
     dtype = torch.float32
     case = make_case(17 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
                      activation=activation)
     opts = dict(activation=activation, capacity_factor=cf)
-    results = pools(ws).run(run_device, case, opts, dtype)
+    results = pools(ws).run(run_device, case, opts, dtype, None, parts)
     ref = reference(rounded(case, dtype), opts)
     for rank, (res, want) in enumerate(zip(results, ref)):
         assert res["calls"] == 1
@@ -159,11 +182,16 @@ def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routin
             assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
 
 
-def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None):
+def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None, parts=None):
     """One training call of the layer's device path with the stand-in exchange (slots for
-    ``need``, as :func:`run_device`): y, dx and every parameter's gradient of sum(y * dy), as
-    ``test_moe.run_layer`` returns them (accumulated over ``backwards`` backward passes, all but
-    the last with ``retain_graph``)."""
+    ``need`` and the last peer's ``parts``, as :func:`run_device`): y, dx and every parameter's
+    gradient of sum(y * dy), as ``test_moe.run_layer`` returns them (accumulated over
+    ``backwards`` backward passes, all but the last with ``retain_graph``)."""
+    with last_peer_parts(parts):
+        return _run_device_training(rank, case, opts, dtype, backwards, need)
+
+
+def _run_device_training(rank, case, opts, dtype, backwards, need):
     layer = build_from_dense(case, dtype, opts)
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
@@ -183,16 +211,19 @@ def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None):
                 grads={n: p.grad for n, p in layer.named_parameters()})
 
 
+@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("ws,E,top_k,shapes,routing,cf,Fs,activation", CASES)
-def test_device_path_training_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation):
+def test_device_path_training_matches_dense_reference(pools, ws, E, top_k, shapes, routing, cf, Fs, activation,
+                                                      parts):
     """[Note: MoE training graphs]: y, dx and the gradients of w_in, w_out, the router and the
     shared expert equal the dense reference's, through two exchanges per call (forward and
-    backward); no NaN from the stand-in's unwritten rows reaches any of them."""
+    backward), the last peer's rows in one part or two; no NaN from the stand-in's unwritten rows
+    reaches any of them."""
     dtype = torch.float32
     case = make_case(29 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8, Fs=Fs,
                      activation=activation)
     opts = dict(activation=activation, capacity_factor=cf)
-    results = pools(ws).run(run_device_training, case, opts, dtype)
+    results = pools(ws).run(run_device_training, case, opts, dtype, 1, None, parts)
     assert [(r["calls"], r["nan"]) for r in results] == [(2, False)] * ws
     check(results, case, opts, dtype)
 
@@ -247,7 +278,8 @@ def rows_between_ranks(case, ws):
 def test_slots_for_the_peak_give_the_reference_and_smaller_ones_report_it(pools, ws, E, top_k, shapes, routing):
     """[Note: MoE slot rows]: with the fewest slot rows (the exchange's largest region) every rank
     reports the largest count of rows one rank sends another (which exceeds them); with slots for
-    that count, fewer rows than the bound, y and the training call's gradients equal the dense reference's and no unwritten row reaches them."""
+    that count, fewer rows than the bound, y and the training call's gradients equal the dense
+    reference's and no unwritten row reaches them."""
     dtype = torch.float32
     case = make_case(41 + ws + E, ws=ws, E=E, top_k=top_k, shapes=shapes, routing=routing, F=8)
     opts = dict(activation="swiglu", capacity_factor=None)

@@ -24,11 +24,12 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   region, none when routing is near even, by a kernel on the main stream just before the part's
   experts, where no GEMM holds the SMs it would wait for); each part's rows run as they arrive,
   and their results are pushed back (region on the push stream by the copy engine, the rest by
-  the kernel on the main stream) while the next part's run; the last peer's groups come in two
-  parts, and the own rows of the second half of the groups run last (copied from the send buffer
-  to the start of a slot by the kernel, every slot being free by then), under the last part's
-  push; the own rows' results are never pushed (the combine takes them where they are); the
-  shared expert runs right after the first own rows, under the first pulls;
+  the kernel on the main stream) while the next part's run; the last peer's groups come in
+  ``LAST_PARTS`` parts (two until session 42, now one: ``device_all_to_all.py``), and the own
+  rows of the second half of the groups run last (copied from the send buffer to the start of a
+  slot by the kernel, every slot being free by then), under the last part's push; the own rows'
+  results are never pushed (the combine takes them where they are); the shared expert runs right
+  after the first own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows]),
   and the GEMMs and the fused SwiGLU leave the rows past the

@@ -7,8 +7,8 @@ table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; 
 rank s). Rank s's rows in send order are its rows by destination, then group, destinations in the
 order s, s + 1, ... ; the rows it sends d = s + j (j > 0) come in the parts ``parts_at(j)`` (ranges
 of groups: all G in one part, except for j = 1 where G > 1, in ``LAST_PARTS`` ranges: a
-destination's last peer, whose rows it runs and returns part by part). Each send row has a place in s's send
-buffer ``[buffer_rows, W]`` (:class:`RegionLayout`)::
+destination's last peer, whose rows it runs and returns part by part; one part by default).
+Each send row has a place in s's send buffer ``[buffer_rows, W]`` (:class:`RegionLayout`)::
 
     rows [0, rows)            s's rows for itself, in send order, then the overflow rows of each
                               part below, in send order
@@ -87,8 +87,13 @@ TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
 # parts of a destination's last peer's rows: the last part's push has nothing beside it, and each part
 # costs its own kernels and gaps. Replayed qwen3 forward at EP 2 (2x H200, session 37, alternating
-# runs): 1.981 and 1.980 ms with 2 parts, 2.174 and 2.169 with 4 (the last push 196 us against 99)
-LAST_PARTS = 2
+# runs): 1.981 and 1.980 ms with 2 parts, 2.174 and 2.169 with 4 (the last push 196 us against 99).
+# Since the own rows' second half runs last, under that push, and the backward's weight gradients run
+# under its last push, 1 part against 2 (4x H200, session 42, same-process A/B, replayed qwen3):
+# fwd+bwd 5.907 / 5.926 ms at EP 4 and 6.207 / 6.187, 6.194 / 6.192 at EP 2; forward 1.929 / 1.951
+# at EP 4 and 1.837 / 1.838 at EP 2; the training graphs 2.33 / 2.55 GB at EP 4 and 2.87 / 3.49 GB
+# at EP 2 (a buffer set less per call). So one part; the tests run two as well
+LAST_PARTS = 1
 _ROWS = 8  # rows a program copies at a time
 # programs: in the MoE's replayed qwen3 forward (4x H200, session 32) 64 ran it in 2.757 ms against
 # 2.833 with 32 (the probe's knee: 173 GB/s, 11% off a GEMM beside it): there the pulls set the
