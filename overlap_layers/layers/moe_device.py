@@ -142,9 +142,9 @@ returns ran with slots that hold it. The backward reuses the forward's offsets a
 Measured on 4x H200 (session 42, qwen3-30b-a3b, 8192 tokens per rank, replayed fwd+bwd,
 same-process A/B against session 41's code, ``bench/results/session42_h200x4_2026-11-27.md``):
 the training graphs' memory per layer 6.90 -> 2.55 GB at EP 4 and 5.36 -> 3.53 GB at EP 2 (an
-even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms. A first
-version read the count by waiting for the whole forward: 5.93 -> 6.17 ms at EP 4 (the host no
-longer ran ahead to launch the backward).
+even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms (then 2.33 and 2.87 GB with the
+last peer in one part: ``LAST_PARTS``). A first version read the count by waiting for the whole
+forward: 5.93 -> 6.17 ms at EP 4 (the host no longer ran ahead to launch the backward).
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
