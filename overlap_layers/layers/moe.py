@@ -648,8 +648,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if call is None:
             return False
         signature, need, rows, device = call
-        slot = slot_rows(rows, max(region_caps(self.world_size, rows, self.num_local_experts).values(), default=0),
-                         need)
+        slot = self._device_slot(rows, need)
         if slot >= rows:
             return False
         peak, event = self._device_peak
@@ -664,6 +663,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if self._call_graphs is not None:
             self._call_graphs.forget_last()
         return True
+
+    def _device_slot(self, rows: int, need: int) -> int:
+        """[Note: MoE slot rows]: the slot rows of a call with ``rows`` send rows whose slots must
+        hold ``need`` (at least the exchange's largest region)."""
+        return slot_rows(rows, max(region_caps(self.world_size, rows, self.num_local_experts).values(), default=0),
+                         need)
 
     def _graph_stage(self, plan, t: torch.Tensor, role: str):
         return None  # the device path gathers its send rows from x itself; its backward starts from others
@@ -692,10 +697,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         x_TH = x.reshape(B * S, H)
         with torch.autocast(x.device.type, enabled=False):
             exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
-            slot = None if need is None else slot_rows(exchange.rows, exchange.layout.largest_region, need)
+            slot = None if need is None else self._device_slot(exchange.rows, need)
             if slot is not None and self._device_peak is None:  # made by a first call, outside a capture
                 cuda = x.device.type == "cuda"
-                self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda), peak_event() if cuda else None)
+                self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda),
+                                     peak_event() if cuda else None)
             y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
                                   self._device_peak if slot is not None and slot < exchange.rows else None)
         return y.view(B, S, H)

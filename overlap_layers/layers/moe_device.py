@@ -32,16 +32,16 @@ replayed ([Note: graph calls] in ``call_graphs.py``):
   after the first own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
   with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows]),
-  and the GEMMs and the fused SwiGLU leave the rows past the
-  offsets' end unread and unwritten;
+  and the GEMMs and the fused SwiGLU leave the rows past the offsets' end unread and unwritten;
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
   for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
-  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 (four peer
-  parts) the call keeps six such buffers instead of eight. Two slots (session 32) saved 512 MiB of
-  the graph pool but made each pull wait for the experts of the part two before it: 2.48 / 2.42
-  ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38; graph pool 1912 -> 2424 MiB). At EP 2 (two peer
-  parts) the number does not matter;
+  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 with four peer
+  parts (the last peer in two) the call kept six such buffers instead of eight. Two slots (session
+  32) saved 512 MiB of the graph pool but made each pull wait for the experts of the part two
+  before it: 2.48 / 2.42 ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38;
+  graph pool 1912 -> 2424 MiB). With as many peer parts as slots or fewer (EP 2, and EP 4 with the
+  last peer in one part) the number does not matter;
 * the combine (``moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the two own results, the others at their places in ``back``, an assignment dropped
   by capacity, placed at -1, as 0) and sums them weighted.
@@ -142,9 +142,10 @@ returns ran with slots that hold it. The backward reuses the forward's offsets a
 Measured on 4x H200 (session 42, qwen3-30b-a3b, 8192 tokens per rank, replayed fwd+bwd,
 same-process A/B against session 41's code, ``bench/results/session42_h200x4_2026-11-27.md``):
 the training graphs' memory per layer 6.90 -> 2.55 GB at EP 4 and 5.36 -> 3.53 GB at EP 2 (an
-even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms (then 2.33 and 2.87 GB with the
-last peer in one part: ``LAST_PARTS``). A first version read the count by waiting for the whole
-forward: 5.93 -> 6.17 ms at EP 4 (the host no longer ran ahead to launch the backward).
+even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms (then
+2.33 and 2.87 GB with the last peer in one part: ``LAST_PARTS``). A first version read the count
+by waiting for the whole forward: 5.93 -> 6.17 ms at EP 4 (the host no longer ran ahead to launch
+the backward).
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
@@ -323,8 +324,7 @@ class SourceCall:
                              "exchange's largest region .. its bound of rows), or None (the bound)")
         self.pos: Optional[torch.Tensor] = None
         self.ends: Optional[torch.Tensor] = None
-        self.peak: Optional[torch.Tensor] = None  # the forward's largest count of rows one rank sends another
-        self.report = report  # (tensor, event or None): where the forward copies the peak, then records
+        self.report = report  # (tensor, event or None): where the forward copies its peak count, then records
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
 
@@ -413,11 +413,10 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.pos = ex.place(x_TH, c.keys, c.k, c.counts)  # each assignment's row of send (-1: dropped by capacity)
     ex.ready(c.counts)
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
-    c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # every rank's table holds every rank's counts
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
         c.ends.clamp_(max=c.slot)
-    if c.report is not None:  # the host may read it from here on, while the rest runs
-        c.report[0].copy_(c.peak, non_blocking=True)
+    if c.report is not None:  # the largest count (every rank's table holds every rank's), read from here on
+        c.report[0].copy_(ex.table.sum(2, dtype=torch.int32).amax(), non_blocking=True)
         if c.report[1] is not None:
             c.report[1].record()
     peers = c.peers()
