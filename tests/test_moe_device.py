@@ -141,10 +141,12 @@ def _run_device(rank, case, opts, dtype, need):
 
     layer._device_exchange = exchange
     x = case["xs"][rank].to(dtype)
+    slot = None if need is None else layer._device_slot(rows_bound(max_tokens, layer.top_k), need)
     with torch.no_grad():
-        y = layer._run_device(x, max_tokens, need)
+        y = layer._run_device(x, max_tokens, slot)
     assert grouped_gemm_ok(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
-    slot = None if need is None else slot_rows(made[0].rows, made[0].layout.largest_region, need)
+    # the layer's slot rows from the exchange's regions as its layout has them
+    assert slot is None or slot == slot_rows(made[0].rows, made[0].layout.largest_region, need)
     return dict(y=y, calls=made[0].calls, slot=slot,
                 peak=None if layer._device_peak is None else int(layer._device_peak[0]))
 
@@ -202,7 +204,8 @@ def _run_device_training(rank, case, opts, dtype, backwards, need):
 
     layer._device_exchange = exchange
     x = case["xs"][rank].to(dtype).requires_grad_()
-    y = layer._run_device(x, max_tokens, need)
+    y = layer._run_device(x, max_tokens,
+                          None if need is None else layer._device_slot(rows_bound(max_tokens, layer.top_k), need))
     loss = (y * case["dys"][rank].to(dtype)).sum()
     for i in range(backwards):
         loss.backward(retain_graph=i + 1 < backwards)

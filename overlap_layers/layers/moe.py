@@ -491,8 +491,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
         self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
         # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (none: an
-        # even routing's); the device-path call being made (its signature, that count, its
-        # send rows and device); the host tensor its calls copy their peak count into, and the
+        # even routing's); the device-path call being made (its signature, slot rows and send rows);
+        # the host tensor its calls copy their peak count into, and the
         # event they record after it
         self._device_needs: dict = {}
         self._device_call: Optional[tuple] = None
@@ -626,10 +626,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             return None
         rows = rows_bound(shape[1], self.top_k)
         need = self._device_needs.get(signature, rows // self.world_size)  # at first: an even routing's count
-        self._device_call = (signature, need, rows, self._weight.device)
+        slot = self._device_slot(rows, need)
+        self._device_call = (signature, slot, rows)
         if self._device_peak is not None:
             self._device_peak[0].zero_()  # a call that does not reach the device path reads 0 (no copy in flight)
-        return lambda plan, trial, trace, x: self._run_device(x, shape[1], need)
+        return lambda plan, trial, trace, x: self._run_device(x, shape[1], slot)
 
     def _grouped_for(self, dtype: torch.dtype) -> bool:
         """Whether input rows of ``dtype`` run the experts by grouped GEMMs (:func:`grouped_gemm_ok`)."""
@@ -647,15 +648,14 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         call, self._device_call = self._device_call, None
         if call is None:
             return False
-        signature, need, rows, device = call
-        slot = self._device_slot(rows, need)
+        signature, slot, rows = call
         if slot >= rows:
             return False
         peak, event = self._device_peak
         if event is not None:
             event.synchronize()  # the call's exchange has its counts: the host waits for that much of it
-        elif device.type == "cuda":  # no event a graph records: the whole call
-            torch.cuda.current_stream(device).synchronize()
+        elif self._weight.device.type == "cuda":  # no event a graph records: the whole call
+            torch.cuda.current_stream(self._weight.device).synchronize()
         peak = int(peak)
         if peak <= slot:
             return False
@@ -687,17 +687,16 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                                                                    dtype, groups=self.num_local_experts)
         return ex
 
-    def _run_device(self, x: torch.Tensor, max_tokens: int, need: Optional[int] = None) -> torch.Tensor:
+    def _run_device(self, x: torch.Tensor, max_tokens: int, slot: Optional[int] = None) -> torch.Tensor:
         """One call by :func:`~.moe_device.experts_by_source` ([Note: MoE graph calls]);
-        ``max_tokens``: the group's largest token count this call; ``need``: the largest count its
-        slots must hold ([Note: MoE slot rows]; None: the bound of rows), its peak written into
-        ``self._device_peak``."""
+        ``max_tokens``: the group's largest token count this call; ``slot``: the rows of each part's
+        buffers (:meth:`_device_slot`, [Note: MoE slot rows]; None: the bound of rows), with fewer
+        than the bound its peak count written into ``self._device_peak``."""
         B, S, H = x.shape
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(x.device.type, enabled=False):
             exchange = self._device_exchange(rows_bound(max_tokens, self.top_k), x_TH.dtype, x.device)
-            slot = None if need is None else self._device_slot(exchange.rows, need)
             if slot is not None and self._device_peak is None:  # made by a first call, outside a capture
                 cuda = x.device.type == "cuda"
                 self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda),
