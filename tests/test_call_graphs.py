@@ -41,7 +41,7 @@ def captured(monkeypatch):
     """Every capture succeeds (a :class:`_Replay`), or fails where ``fail`` says; returns the log."""
     log = {"captures": [], "fail": False, "stages": []}
 
-    def capture(inputs, fn, params, owner, stage=None):
+    def capture(inputs, fn, params, owner, stage=None, deferred=()):
         log["stages"].append(stage)
         if log["fail"]:
             return None, "RuntimeError: stand-in"
@@ -244,6 +244,58 @@ def test_a_backward_after_a_later_forward_replay_raises():
     entry.call([torch.randn(2, 4, requires_grad=True)], [w])
     with pytest.raises(RuntimeError, match="or a later forward overwritten them"):
         y1.backward(dy)
+
+
+def test_deferred_gradients_run_after_each_backward_replay():
+    """[Note: deferred gradients]: w's gradient left out of the stand-in backward graph comes from
+    the closure, run once per backward replay after it (reading the static tensors the replays
+    wrote), into memory of its own: each call's gradients equal those of ``x @ w``."""
+    w = torch.randn(4, 3, requires_grad=True)
+    static = call_graphs._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
+    lin = _Linear(static[0])
+    fwd, bwd = lin.graphs(w.detach())
+    runs = []
+
+    def compute():  # reads the static output gradient the backward replay was given
+        runs.append(1)
+        return (static[0].detach().t() @ lin.dy,)
+    entry = call_graphs._TrainingGraph(fwd, bwd, static, lin.y, lin.dy, [lin.dx, None], 0, [(compute, [1])])
+    grads = []
+    for _ in range(2):
+        x, dy = torch.randn(2, 4, requires_grad=True), torch.randn(2, 3)
+        w.grad = None
+        entry.call([x], [w]).backward(dy)
+        assert torch.allclose(x.grad, dy @ w.detach().t()) and torch.allclose(w.grad, x.detach().t() @ dy)
+        grads.append(w.grad)
+    assert len(runs) == 2 and grads[0].data_ptr() != grads[1].data_ptr()
+
+
+def test_deferred_slots_find_each_placeholder_or_raise():
+    """The capture's gradients name where each placeholder came back (those places emptied for the
+    closure's results); one that another op took raises instead of leaving its zeros."""
+    m1, m2, other = torch.zeros(()).expand(2, 3), torch.zeros(()).expand(3), torch.ones(2)
+    compute = object()
+    grads = [other, m2, None, m1]
+    assert call_graphs._deferred_slots(grads, [(compute, (m1, m2))]) == [(compute, [3, 1])]
+    assert grads == [other, None, None, None]
+    with pytest.raises(RuntimeError, match="placeholder went through another op"):
+        call_graphs._deferred_slots([m1.clone()], [(compute, (m1,))])
+
+
+def test_defer_hands_out_placeholders_only_inside_a_capture(monkeypatch):
+    """Outside a capture of this object's (or on a stream not capturing) ``defer`` gives None and
+    the caller computes; inside, broadcast zeros of the gradients' shapes, recorded with the
+    closure."""
+    graphs, w = CallGraphs(_Agreement()), torch.randn(4, 3)
+    compute = lambda: (w,)  # noqa: E731
+    assert graphs.defer(compute, (w,)) is None
+    graphs._deferring = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graphs.defer(compute, (w,)) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    (mark,) = graphs.defer(compute, (w,))
+    assert mark.shape == w.shape and mark.dtype == w.dtype and mark.stride() == (0, 0) and not mark.any()
+    assert graphs._deferring == [(compute, (mark,))]
 
 
 def test_a_replayed_training_call_is_first_order():

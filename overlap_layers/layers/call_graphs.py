@@ -44,9 +44,25 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   a layer with DTensor parameters;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
   its memory pool while it is kept: for training the call's intermediates, its saved activations
-  and its gradients (as much again as the parameters that require grad), which the backward
-  copies out; without autograd its output, in a pool the layers share ([Note: shared no-grad
-  pool]).
+  and its gradients (as much again as the parameters that require grad, but those it leaves to
+  run after the replay: [Note: deferred gradients]), which the backward copies out; without
+  autograd its output, in a pool the layers share ([Note: shared no-grad pool]).
+
+[Note: deferred gradients]
+A gradient a backward graph computes lands in the graph's memory, so the replay must copy it out
+(the next replay overwrites it), and the pool holds it between replays: for the MoE device path
+([Note: MoE training graphs] in ``moe_device.py``) the experts' weight gradients, 300 MB per layer
+of qwen3-30b-a3b at EP 4, whose copies took 143 us of a 5.9 ms call (4x H200, session 43). A
+layer's backward may instead hand such gradients to :meth:`CallGraphs.defer` while its backward
+is captured: it gets placeholders to return (zeros broadcast to the gradients' shapes, no memory),
+and the closure it gave runs after each replay of that backward, on the calling stream, its
+results taking the placeholders' places among the gradients: computed into fresh memory, which
+autograd then takes as it is. What the closure reads must stay valid from the replay to its run:
+memory of the graph's pool it keeps referenced (the pool then gives it to nothing else), or
+memory no other work writes in between. Each placeholder must come back from the capture as the
+gradient of an input or a parameter (a placeholder that went through another op, e.g. a cast
+under autocast, would give that op's result of zeros): otherwise the capture fails, and the
+signature runs eagerly on every rank, as any failed capture does.
 
 [Note: shared no-grad pool]
 A graph keeps its pool between replays. With a pool per layer, a model's graph memory would be the
@@ -178,11 +194,15 @@ class _Graph:
 class _TrainingGraph:
     """One captured call with autograd: forward and backward graphs sharing a pool, the static
     inputs, output, output gradient and gradients (``grads``: one per input then parameter, None
-    where none is taken); ``pending`` while a forward replay awaits its backward."""
+    where none is taken or where ``deferred`` gives it); ``deferred``: ``(compute, indices)`` pairs,
+    ``compute()`` returning after the backward replay the gradients at ``indices`` of ``grads``
+    ([Note: deferred gradients]); ``pending`` while a forward replay awaits its backward."""
 
-    def __init__(self, fwd, bwd, inputs: list, output, grad_output, grads: list, nbytes: int) -> None:
+    def __init__(self, fwd, bwd, inputs: list, output, grad_output, grads: list, nbytes: int,
+                 deferred: Sequence[tuple] = ()) -> None:
         self.fwd, self.bwd, self.inputs, self.output = fwd, bwd, inputs, output
         self.grad_output, self.grads, self.nbytes = grad_output, grads, nbytes
+        self.deferred = list(deferred)
         self.pending = False
 
     def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -218,7 +238,28 @@ class _Replayed(torch.autograd.Function):
         entry.grad_output.copy_(grad)
         entry.bwd.replay()
         entry.pending = False
-        return (None, None, *(None if g is None else g.clone() for g in entry.grads))
+        grads = [None if g is None else g.clone() for g in entry.grads]
+        for compute, indices in entry.deferred:  # [Note: deferred gradients]
+            for i, g in zip(indices, compute()):
+                grads[i] = g
+        return (None, None, *grads)
+
+
+def _deferred_slots(grads: list, deferred: Sequence[tuple]) -> list:
+    """``(compute, indices)`` for each ``(compute, marks)`` that :meth:`CallGraphs.defer` handed
+    out during a backward capture: where in ``grads`` (the capture's gradients) each placeholder
+    came back, those places set to None. Raises ``RuntimeError`` for a placeholder that is not one
+    of ``grads`` (another op took it: [Note: deferred gradients])."""
+    out = []
+    for compute, marks in deferred:
+        indices = [next((i for i, g in enumerate(grads) if g is m), None) for m in marks]
+        if None in indices:
+            raise RuntimeError("graph_calls: a deferred gradient's placeholder went through another op (a cast "
+                               "of the parameter?) instead of reaching an input or parameter")
+        for i in indices:
+            grads[i] = None
+        out.append((compute, indices))
+    return out
 
 
 MAX_MOVES = 3  # parameter moves without a replay between them after which a layer stops capturing
@@ -236,6 +277,7 @@ class CallGraphs:
         self._where: Optional[tuple] = None  # where they are at this call (params_kept's argument)
         self.last_nbytes = 0  # device memory the graph of the last call keeps (0: ran eagerly)
         self._last_key: Optional[Hashable] = None  # the signature of the last call that asked for a graph
+        self._deferring: Optional[list] = None  # during a capture: what defer() handed out
 
     def __len__(self) -> int:
         return sum(g is not None for g in self._graphs.values())
@@ -271,6 +313,17 @@ class CallGraphs:
             warnings.warn(f"graph_calls: the layer's parameters moved to new memory at {MAX_MOVES} calls in a row "
                           "(a wrapper that gathers them every call?); its calls run eagerly from now on", stacklevel=4)
 
+    def defer(self, compute: Callable[[], Sequence[torch.Tensor]], like: Sequence[torch.Tensor]) -> Optional[tuple]:
+        """[Note: deferred gradients]: while this object captures a backward, placeholders for the
+        gradients ``compute()`` will return (one per tensor of ``like``, of its shape, dtype and
+        device) for the caller's backward to return; ``compute`` then runs after each replay of
+        that backward. None otherwise (the caller computes them itself)."""
+        if self._deferring is None or not torch.cuda.is_current_stream_capturing():
+            return None
+        marks = tuple(t.new_zeros(()).expand(t.shape) for t in like)
+        self._deferring.append((compute, marks))
+        return marks
+
     @property
     def capturing(self) -> bool:
         """Whether calls still capture and replay (False once the parameters moved too often)."""
@@ -295,7 +348,11 @@ class CallGraphs:
             graph = self._graphs[key]
             self._moves = 0  # the kept graphs outlived a call: the parameters stay put
         else:
-            graph, error = self._capture(inputs, fn, params, self._agreement, stage)
+            self._deferring = []
+            try:
+                graph, error = self._capture(inputs, fn, params, self._agreement, stage, self._deferring)
+            finally:
+                self._deferring = None
             if not min(row[0] for row in self._agreement.gather((int(graph is not None),))):
                 graph = None
                 warnings.warn(f"graph_calls: capturing a call failed on some rank ({error or 'not this one'}); "
@@ -312,11 +369,13 @@ class CallGraphs:
 
     @staticmethod
     def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]],
-                 owner, stage: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None):
+                 owner, stage: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None,
+                 deferred: Sequence[tuple] = ()):
         """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
         side stream (with ``params``, forward and backward), then captured: into a pool of its own
         with ``params``, else into ``owner``'s :func:`shared_pool`; the first input's copy and the
-        output gradient where ``stage`` says after the run (which made the place)."""
+        output gradient where ``stage`` says after the run (which made the place). ``deferred``:
+        the list :meth:`defer` appends to, read after the backward's capture."""
         dev = inputs[0].device
         training = params is not None
         static = _static(inputs, training)
@@ -355,9 +414,11 @@ class CallGraphs:
                 taken = iter(torch.autograd.grad(out, needs, grad_out, allow_unused=True))
             grads = [next(taken) if t is not None and t.requires_grad else None for t in static]
             grads += [next(taken) for _ in params]
+            later = _deferred_slots(grads, deferred)
             return _TrainingGraph(fwd, bwd, static, out.detach(), grad_out, grads,
                                   _nbytes(made, reserved, dev) + (0 if staged is not None else
-                                                                  grad_out.numel() * grad_out.element_size())), ""
+                                                                  grad_out.numel() * grad_out.element_size()),
+                                  later), ""
         except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
             # a failed op inside a capture surfaces as the capture's end failing: name the op's error too
             first = e.__context__

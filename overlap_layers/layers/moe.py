@@ -701,8 +701,11 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 cuda = x.device.type == "cuda"
                 self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda),
                                      peak_event() if cuda else None)
+            # the weights' gradients wait for no replay's copy where they reach the parameters as they are
+            defer = self._call_graphs.defer if self._call_graphs is not None and w_in is self.w_in \
+                and w_out is self.w_out else None
             y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
-                                  self._device_peak if slot is not None and slot < exchange.rows else None)
+                                  self._device_peak if slot is not None and slot < exchange.rows else None, defer)
         return y.view(B, S, H)
 
     def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:

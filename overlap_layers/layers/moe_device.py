@@ -314,7 +314,7 @@ class SourceCall:
     grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
 
     def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None,
-                 report: Optional[tuple] = None) -> None:
+                 report: Optional[tuple] = None, defer: Optional[Callable] = None) -> None:
         self.activation, self.k = layer.activation, layer.top_k
         self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
         self.exchange, self.keys, self.counts = exchange, keys, counts
@@ -325,6 +325,7 @@ class SourceCall:
         self.pos: Optional[torch.Tensor] = None
         self.ends: Optional[torch.Tensor] = None
         self.report = report  # (tensor, event or None): where the forward copies its peak count, then records
+        self.defer = defer  # CallGraphs.defer of the weights' owner, or None ([Note: deferred gradients])
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
 
@@ -480,9 +481,11 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     place its input row went (the forward's ``c.pos`` in the exchange's send buffer; ``dy [T, H]``
     gives the shapes): the forward's exchange reversed. Each source's rows run as they arrive
     (the data gradient, pushed back to the source), the weight gradients of every part in one pass
-    at the end, under the last push ([Note: expert weight gradients in one pass]), and one combine
-    pass sums each token's k rows of dx. ``in_place``: dh overwrites the saved pre-activations
-    (else buffers of its own: a second backward reads them again)."""
+    at the end, under the last push ([Note: expert weight gradients in one pass]; or, where
+    ``c.defer`` takes them, after the replay of the backward being captured: the placeholders it
+    gives are returned), and one combine pass sums each token's k rows of dx. ``in_place``: dh
+    overwrites the saved pre-activations (else buffers of its own: a second backward reads them
+    again)."""
     ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
     peers = c.peers()
@@ -528,10 +531,17 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     if late:
         ex.own_rows(c.split, slots[-1])
         done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
-    if s.streams:
-        s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
-    dw_in = grouped_wgrad_parts(din, *tables, torch.empty_like(w_in))
-    dw_out = grouped_wgrad_parts(dout, *tables, torch.empty_like(w_out))
+
+    def weight_grads() -> tuple:
+        return (grouped_wgrad_parts(din, *tables, torch.empty_like(w_in)),
+                grouped_wgrad_parts(dout, *tables, torch.empty_like(w_out)))
+
+    marks = c.defer(weight_grads, (w_in, w_out)) if c.defer is not None else None
+    if marks is None:
+        if s.streams:
+            s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
+        marks = weight_grads()
+    dw_in, dw_out = marks
     s.join()
     back = ex.finish()
     dx = combine_rows(own, back, c.pos, dy.new_ones((dy.shape[0], c.k)), c.ends[rank][-1], **done)
@@ -567,7 +577,7 @@ class _SourceExperts(torch.autograd.Function):
 
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
                       extra: Optional[Callable[[], Optional[torch.Tensor]]] = None, slot: Optional[int] = None,
-                      report: Optional[tuple] = None) -> torch.Tensor:
+                      report: Optional[tuple] = None, defer: Optional[Callable] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts without autograd, after the combine with it), through ``exchange`` (a
@@ -581,10 +591,14 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
     slot rows]). With fewer, the result is the reference only if no rank sends another more rows
     than ``slot``: ``report`` ``(tensor, event or None)``, where given, gets that largest count
     (copied without a wait: a host tensor should be pinned) and then the event's record, both
-    right after the exchange's counts, so the caller can read it before it uses the result."""
+    right after the exchange's counts, so the caller can read it before it uses the result.
+
+    ``defer``: a ``CallGraphs.defer`` ([Note: deferred gradients] in ``call_graphs.py``) the
+    backward hands the weights' gradients to (only where ``w_in`` and ``w_out`` are the
+    parameters themselves, whose gradients autograd returns as they are)."""
     ws, El = layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
-    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report)
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report, defer)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
         y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
         added = extra() if extra is not None else None
