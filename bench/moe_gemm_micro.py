@@ -9,10 +9,15 @@
    from symmetric memory; profile the layer to see them beside its GEMMs.)
 2. Host time per launch of the ops a rank piece issues (grouped GEMM, the fused swiglu, a gather,
    a device-to-device copy, an event, a stream wait): where the eager MoE's host time goes.
+3. ``--counts``: each projection's grouped GEMM alone (the preset's local experts at EP 4) by
+   rows per call, with every group's rows even, drawn uniformly at random (as a routing spreads
+   them: most groups end in a part tile), or those drawn rounded down to 128 (whole tiles only),
+   and the random ones beside copy-engine traffic (64 MiB device-to-device copies on a side
+   stream): what the device path's parts lose against one whole GEMM (session 43).
 
-    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--out OUT.json]
+    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts] [--out OUT.json]
 
-Prints two tables and writes them as JSON.
+Prints its tables and writes them as JSON.
 """
 import argparse
 import json
@@ -52,14 +57,65 @@ def host_us(fn, reps: int = 300) -> float:
     return dt / reps * 1e6
 
 
+def by_counts(groups: int, H: int, F: int, dev) -> list:
+    """Table 3 (module docstring): per rows and counts' kind, each projection's time (us) and
+    its time per 16384 counted rows."""
+    bf, side = torch.bfloat16, torch.cuda.Stream(dev)
+    g = torch.Generator().manual_seed(0)
+    w_in_t = torch.randn((groups, H, 2 * F), dtype=bf, device=dev) * 0.02
+    w_out_t = torch.randn((groups, F, H), dtype=bf, device=dev) * 0.02
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+
+    def beside_copies(fn):
+        def run():
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    dst.copy_(src)
+            fn()
+        return run
+    out = []
+    for rows in (65536, 32768, 16384, 8192):
+        x = torch.randn((rows, H), dtype=bf, device=dev)
+        a = torch.randn((rows, F), dtype=bf, device=dev)
+        drawn = torch.bincount(torch.randint(0, groups, (rows,), generator=g), minlength=groups)
+        for kind, counts, copies in (("even", torch.full((groups,), rows // groups), False), ("random", drawn, False),
+                                     ("random, rounded to 128", drawn // 128 * 128, False),
+                                     ("random, beside copies", drawn, True)):
+            offs = torch.cumsum(counts, 0).to(device=dev, dtype=torch.int32)
+            n = int(counts.sum())
+            wrap = beside_copies if copies else (lambda fn: fn)
+            gate_up = device_ms(wrap(lambda: torch._grouped_mm(x, w_in_t, offs=offs))) * 1e3
+            down = device_ms(wrap(lambda: torch._grouped_mm(a, w_out_t, offs=offs))) * 1e3
+            out.append({"rows": rows, "kind": kind, "counted": n, "gate_up_us": gate_up, "down_us": down,
+                        "gate_up_us_per_16k": gate_up * 16384 / n, "down_us_per_16k": down * 16384 / n})
+        torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     from overlap_layers.bench.moe import PRESETS
     from overlap_layers.layers.mlp import _act
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--counts", action="store_true", help="table 3 only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     H, F = PRESETS[args.preset]["hidden"], PRESETS[args.preset]["ffn"]
+    if args.counts:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        rows = by_counts(PRESETS[args.preset]["experts"] // 4, H, F, dev)
+        print(f"{'rows':>6} {'counts':>24} {'counted':>8} {'gate_up us':>10} {'down us':>8} "
+              f"{'per 16k':>8} {'per 16k':>8}")
+        for r in rows:
+            print(f"{r['rows']:6d} {r['kind']:>24} {r['counted']:8d} {r['gate_up_us']:10.1f} {r['down_us']:8.1f} "
+                  f"{r['gate_up_us_per_16k']:8.1f} {r['down_us_per_16k']:8.1f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
+                                    "device": torch.cuda.get_device_name(dev)}, "by_counts": rows}, f, indent=1)
+        return
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     bf = torch.bfloat16
