@@ -187,6 +187,21 @@ the grid: 5.77 ms at EP 4 against a compute-only 4.51 (1.28x; the reference's co
 same kernels), 5.82 at EP 2 (1.26x), and the race picks this path at both. Keeping every part's
 rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at EP 4 (4.6
 to 5.4 at EP 2).
+
+Session 43 (``bench/results/session43_h200x4_2026-11-27.md``): where the layer's graph calls
+capture the backward, the weight gradients run after its replay ([Note: deferred gradients] in
+``call_graphs.py``), into fresh memory instead of the graph's, which each replay copied out (143
+us at EP 4, twice that at EP 2): 5.94 -> 5.81 ms at EP 4, 6.21 -> 5.94 at EP 2, the graphs 2.33 ->
+1.99 and 2.87 -> 2.26 GB; they no longer run under the last push, which the own rows of the late
+groups still mostly cover. The peak count's copy to the host then moved from the experts' stream
+(10-13 us between its kernels) to the push stream: 5.84 -> 5.80 ms. What stays exposed at EP 2 is
+each pass's first pull (the peer's whole rows, 410 us, under 330 us of the first own rows); the
+peer in two parts (``LAST_PARTS = 2``) measured the same (5.955 against 5.948 ms, forward 1.840
+against 1.848), as it did in session 42. The split GEMMs themselves run about 35% slower per row
+than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows per expert per part lose
+about 19% to the size and 25% to the groups' part tiles, and more beside copy-engine traffic;
+the remedy would be a receive layout by expert (each expert's rows from every source in one
+group), which changes the exchange's regions, the pulls and the backward's tables.
 """
 from __future__ import annotations
 
@@ -325,6 +340,7 @@ class SourceCall:
         self.pos: Optional[torch.Tensor] = None
         self.ends: Optional[torch.Tensor] = None
         self.report = report  # (tensor, event or None): where the forward copies its peak count, then records
+        self.peak: Optional[torch.Tensor] = None  # that count on the device, while the copy may be in flight
         self.defer = defer  # CallGraphs.defer of the weights' owner, or None ([Note: deferred gradients])
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
@@ -416,13 +432,17 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
         c.ends.clamp_(max=c.slot)
+    s = _Streams(ex, x_TH.is_cuda)
     if c.report is not None:  # the largest count (every rank's table holds every rank's), read from here on
-        c.report[0].copy_(ex.table.sum(2, dtype=torch.int32).amax(), non_blocking=True)
-        if c.report[1] is not None:
-            c.report[1].record()
+        c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # c holds it: the push stream reads it
+        if s.streams:  # copied there (its first push comes later), not between the experts' kernels
+            s.streams[1].wait_stream(s.main)
+        with s.on(1):
+            c.report[0].copy_(c.peak, non_blocking=True)
+            if c.report[1] is not None:
+                c.report[1].record()
     peers = c.peers()
     slots = [x_TH.new_empty((c.slot, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
-    s = _Streams(ex, x_TH.is_cuda)
     pull = _pulls(c, s, peers, slots)
     w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
     saved = {}
