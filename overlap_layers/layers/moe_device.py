@@ -165,7 +165,9 @@ tensors live in the graphs' pool). What the backward needs stays on the device:
   the data gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only, dh over
   the pre-activations), push it back to its source; then the weight gradients of every part in
   one pass ([Note: expert weight gradients in one pass] in ``expert_wgrad.py``), under the last
-  push; one combine pass sums each token's k rows of dx, the own ones where they were made.
+  push, or, in the layer's graph calls, after the backward's replay ([Note: deferred gradients]
+  in ``call_graphs.py``); one combine pass sums each token's k rows of dx, the own ones where
+  they were made.
 
 Measured on 4x H200, qwen3-30b-a3b, 8192 tokens per rank, fwd+bwd (session 40,
 ``bench/results/session40_h200x4_2026-11-27.md``): at EP 4 the replayed calls ran 7.11 ms, against
