@@ -184,17 +184,33 @@ def test_device_path_matches_dense_reference(pools, ws, E, top_k, shapes, routin
             assert rel_err(res["y"], want["y"]) < 5e-5, (rank, rel_err(res["y"], want["y"]))
 
 
-def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None, parts=None):
+def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None, parts=None, frozen=()):
     """One training call of the layer's device path with the stand-in exchange (slots for
     ``need`` and the last peer's ``parts``, as :func:`run_device`): y, dx and every parameter's
     gradient of sum(y * dy), as ``test_moe.run_layer`` returns them (accumulated over
-    ``backwards`` backward passes, all but the last with ``retain_graph``)."""
+    ``backwards`` backward passes, all but the last with ``retain_graph``); the parameters
+    ``frozen`` require no grad."""
     with last_peer_parts(parts):
-        return _run_device_training(rank, case, opts, dtype, backwards, need)
+        return _run_device_training(rank, case, opts, dtype, backwards, need, frozen)
 
 
-def _run_device_training(rank, case, opts, dtype, backwards, need):
+class _OfferLog:
+    """A ``CallGraphs`` outside a capture, as the backward sees it: records the shapes of the
+    gradients offered to :meth:`~overlap_layers.layers.call_graphs.CallGraphs.defer` and takes none."""
+
+    def __init__(self):
+        self.offered = []
+
+    def defer(self, compute, like):
+        self.offered.append([tuple(t.shape) for t in like])
+        return None
+
+
+def _run_device_training(rank, case, opts, dtype, backwards, need, frozen=()):
     layer = build_from_dense(case, dtype, opts)
+    for name in frozen:
+        getattr(layer, name).requires_grad_(False)
+    layer._call_graphs = log = _OfferLog()
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
 
@@ -210,8 +226,9 @@ def _run_device_training(rank, case, opts, dtype, backwards, need):
     for i in range(backwards):
         loss.backward(retain_graph=i + 1 < backwards)
     return dict(y=y.detach(), dx=x.grad, dtype=y.dtype, aux=None, calls=made[0].calls,
-                nan=any(t.isnan().any().item() for t in (y, x.grad, *(p.grad for p in layer.parameters()))),
-                grads={n: p.grad for n, p in layer.named_parameters()})
+                nan=any(t.isnan().any().item() for t in (y, x.grad, *(p.grad for p in layer.parameters()))
+                        if t is not None),
+                grads={n: p.grad for n, p in layer.named_parameters()}, offered=log.offered)
 
 
 @pytest.mark.parametrize("parts", [1, 2])
@@ -229,6 +246,24 @@ def test_device_path_training_matches_dense_reference(pools, ws, E, top_k, shape
     results = pools(ws).run(run_device_training, case, opts, dtype, 1, None, parts)
     assert [(r["calls"], r["nan"]) for r in results] == [(2, False)] * ws
     check(results, case, opts, dtype)
+
+
+@pytest.mark.parametrize("frozen", [("w_out",), ("w_in",), ("w_in", "w_out")])
+def test_device_path_training_with_frozen_expert_weights(pool2, frozen):
+    """Experts' weights that require no grad get none, nor are they offered to be deferred (autograd
+    would drop the placeholder, and the capture fail), and every other gradient is what the call
+    with all of them trainable gives (checked against the dense reference above)."""
+    case = make_case(41, ws=2, E=4, top_k=2, shapes="uneven", routing="random", F=8, activation="swiglu")
+    opts = dict(activation="swiglu", capacity_factor=None)
+    every = pool2.run(run_device_training, case, opts, torch.float32)
+    some = pool2.run(run_device_training, case, opts, torch.float32, 1, None, None, frozen)
+    shapes = {"w_in": (4 // 2, 2 * 8, 8), "w_out": (4 // 2, 8, 8)}  # local experts' [El, 2F, H], [El, H, F]
+    for a, b in zip(every, some):
+        assert a["offered"] == [[shapes["w_in"], shapes["w_out"]]]
+        assert b["offered"] == ([[shapes[n] for n in ("w_in", "w_out") if n not in frozen]] if len(frozen) < 2 else [])
+        assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
+        for name, g in b["grads"].items():
+            assert (g is None) if name in frozen else torch.equal(g, a["grads"][name]), name
 
 
 def test_device_path_second_backward_with_retain_graph_doubles(pool2):

@@ -498,8 +498,9 @@ def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, 
     return held[0], out[2], out[3]
 
 
-def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_place: bool = True):
-    """``(dx [T, H], dw_in, dw_out)`` with each assignment's output-row gradient already at the
+def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_place: bool = True,
+              wants: Tuple[bool, bool] = (True, True)):
+    """``(dx [T, H], dw_in, dw_out)`` (a weight's None where ``wants`` says so) with each assignment's output-row gradient already at the
     place its input row went (the forward's ``c.pos`` in the exchange's send buffer; ``dy [T, H]``
     gives the shapes): the forward's exchange reversed. Each source's rows run as they arrive
     (the data gradient, pushed back to the source), the weight gradients of every part in one pass
@@ -553,17 +554,19 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     if late:
         ex.own_rows(c.split, slots[-1])
         done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
+    wanted = [(parts, w) for parts, w, want in ((din, w_in, wants[0]), (dout, w_out, wants[1])) if want]
 
     def weight_grads() -> tuple:
-        return (grouped_wgrad_parts(din, *tables, torch.empty_like(w_in)),
-                grouped_wgrad_parts(dout, *tables, torch.empty_like(w_out)))
+        return tuple(grouped_wgrad_parts(parts, *tables, torch.empty_like(w)) for parts, w in wanted)
 
-    marks = c.defer(weight_grads, (w_in, w_out)) if c.defer is not None else None
-    if marks is None:
+    # deferred only where each comes back as a gradient: one autograd drops is not handed out
+    grads = c.defer(weight_grads, [w for _, w in wanted]) if c.defer is not None and wanted else None
+    if grads is None:
         if s.streams:
             s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
-        marks = weight_grads()
-    dw_in, dw_out = marks
+        grads = weight_grads()
+    grads = iter(grads)
+    dw_in, dw_out = (next(grads) if want else None for want in wants)
     s.join()
     back = ex.finish()
     dx = combine_rows(own, back, c.pos, dy.new_ones((dy.shape[0], c.k)), c.ends[rank][-1], **done)
@@ -593,7 +596,8 @@ class _SourceExperts(torch.autograd.Function):
         w_in, w_out, weights, rows = ctx.saved_tensors
         c, dy = ctx.c, dy.contiguous()
         d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send)
-        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out, in_place=not keeps_graph())
+        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out, in_place=not keeps_graph(),
+                                      wants=tuple(ctx.needs_input_grad[1:3]))
         return dx, dw_in, dw_out, d_weights, None
 
 
