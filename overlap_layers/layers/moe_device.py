@@ -501,8 +501,9 @@ def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, 
 def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_place: bool = True,
               wants: Tuple[bool, bool] = (True, True)):
     """``(dx [T, H], dw_in, dw_out)`` (a weight's None where ``wants`` says so) with each
-    assignment's output-row gradient already at the place its input row went (the forward's ``c.pos`` in the exchange's send buffer; ``dy [T, H]``
-    gives the shapes): the forward's exchange reversed. Each source's rows run as they arrive
+    assignment's output-row gradient already at the place its input row went (the forward's
+    ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes): the forward's
+    exchange reversed. Each source's rows run as they arrive
     (the data gradient, pushed back to the source), the weight gradients of every part in one pass
     at the end, under the last push ([Note: expert weight gradients in one pass]; or, where
     ``c.defer`` takes them, after the replay of the backward being captured: the placeholders it
