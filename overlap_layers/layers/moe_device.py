@@ -199,7 +199,9 @@ groups still mostly cover. The peak count's copy to the host then moved from the
 (10-13 us between its kernels) to the push stream: 5.84 -> 5.80 ms. What stays exposed at EP 2 is
 each pass's first pull (the peer's whole rows, 410 us, under 330 us of the first own rows); the
 peer in two parts (``LAST_PARTS = 2``) measured the same (5.955 against 5.948 ms, forward 1.840
-against 1.848), as it did in session 42. The split GEMMs themselves run about 35% slower per row
+against 1.848), as it did in session 42: its profile has no wait for the first pull, but the peer's
+experts as two grouped GEMMs of half the experts each took 664 us against 614 as one (the
+forward 1496 us from its first GEMM to its combine, against 1505). The split GEMMs themselves run about 35% slower per row
 than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows per expert per part lose
 about 19% to the size and 25% to the groups' part tiles, and more beside copy-engine traffic;
 the remedy would be a receive layout by expert (each expert's rows from every source in one
