@@ -14,8 +14,16 @@
    them: most groups end in a part tile), or those drawn rounded down to 128 (whole tiles only),
    and the random ones beside copy-engine traffic (64 MiB device-to-device copies on a side
    stream): what the device path's parts lose against one whole GEMM (session 43).
+4. ``--layout``: one rank's experts (gate/up, the fused swiglu, down) over every source's rows at
+   EP ``--ep``, each source's counts per expert drawn as a routing draws them, in ``ep`` launches
+   three ways: by source (the device path's parts: about rows / (ep * experts) rows per group),
+   by source with the parts on two streams (a part's GEMMs free to start in the previous part's
+   last wave), and by chunk of experts over fixed regions (each (source, expert) a region of an
+   even routing's share and 1/8 more, rows past a count unwritten and computed anyway, the counts
+   past a region in one more launch); and as one whole launch with the rows packed by expert (the
+   bound). Written in session 43 for the receive layout by expert, not yet run.
 
-    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts] [--out OUT.json]
+    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts | --layout [--ep 4]] [--out OUT.json]
 
 Prints its tables and writes them as JSON.
 """
@@ -93,15 +101,82 @@ def by_counts(groups: int, H: int, F: int, dev) -> list:
     return out
 
 
+def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, dev) -> dict:
+    """Table 4 (module docstring): ms per layout for one rank's ``experts / ep`` local experts."""
+    from overlap_layers.layers.mlp import _act
+    El, bf = experts // ep, torch.bfloat16
+    per_source = tokens * top_k // ep  # rows each source sends this rank under an even routing
+    g = torch.Generator().manual_seed(0)
+    counts = torch.stack([torch.bincount(torch.randint(0, El, (per_source,), generator=g), minlength=El)
+                          for _ in range(ep)])  # [source, expert]
+    cap = -(-(-(-per_source * 9 // (8 * El))) // 8) * 8  # an even share and 1/8 more, up to a multiple of 8 rows
+    w_in_t = torch.randn((El, H, 2 * F), dtype=bf, device=dev) * 0.02
+    w_out_t = torch.randn((El, F, H), dtype=bf, device=dev) * 0.02
+    chunk = El // ep
+
+    def experts_of(x, w_a, w_b, offs):
+        return torch._grouped_mm(_act("swiglu", torch._grouped_mm(x, w_a, offs=offs)), w_b, offs=offs)
+
+    def ends(c):
+        return torch.cumsum(c, 0).to(device=dev, dtype=torch.int32)
+    by_source = [(torch.randn((per_source, H), dtype=bf, device=dev), ends(counts[s])) for s in range(ep)]
+    regions = torch.full((chunk,), ep * cap)
+    by_chunk = [(torch.randn((chunk * ep * cap, H), dtype=bf, device=dev), ends(regions)) for _ in range(ep)]
+    over = (counts - cap).clamp(min=0).sum(0)  # [expert]: the rows past their regions
+    rest = (torch.randn((int(over.sum()), H), dtype=bf, device=dev), ends(over)) if int(over.sum()) else None
+    packed = (torch.randn((ep * per_source, H), dtype=bf, device=dev), ends(counts.sum(0)))
+    streams = [torch.cuda.current_stream(dev), torch.cuda.Stream(dev)]
+
+    def sources():
+        for x, offs in by_source:
+            experts_of(x, w_in_t, w_out_t, offs)
+
+    def sources_two_streams():
+        for s, (x, offs) in enumerate(by_source):
+            with torch.cuda.stream(streams[s % 2]):
+                experts_of(x, w_in_t, w_out_t, offs)
+        streams[0].wait_stream(streams[1])
+
+    def chunks():
+        for j, (x, offs) in enumerate(by_chunk):
+            experts_of(x, w_in_t[j * chunk:(j + 1) * chunk], w_out_t[j * chunk:(j + 1) * chunk], offs)
+        if rest is not None:
+            experts_of(rest[0], w_in_t, w_out_t, rest[1])
+
+    streams[1].wait_stream(streams[0])
+    out = {name: device_ms(fn) for name, fn in (("by source", sources), ("by source, two streams", sources_two_streams),
+                                               ("by chunk over regions", chunks),
+                                               ("packed by expert, one launch",
+                                                lambda: experts_of(packed[0], w_in_t, w_out_t, packed[1])))}
+    return {"ep": ep, "local_experts": El, "rows_per_source": per_source, "region_rows": cap,
+            "rows_past_regions": int(over.sum()), "ms": out}
+
+
 def main() -> None:
     from overlap_layers.bench.moe import PRESETS
     from overlap_layers.layers.mlp import _act
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--counts", action="store_true", help="table 3 only")
+    p.add_argument("--layout", action="store_true", help="table 4 only")
+    p.add_argument("--ep", type=int, default=4, help="table 4's expert-parallel size")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     H, F = PRESETS[args.preset]["hidden"], PRESETS[args.preset]["ffn"]
+    if args.layout:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        preset = PRESETS[args.preset]
+        res = by_layout(preset["experts"], args.ep, preset["tokens"], preset["top_k"], H, F, dev)
+        print(f"EP {res['ep']}: {res['local_experts']} local experts, {res['rows_per_source']} rows per source, "
+              f"regions of {res['region_rows']} rows, {res['rows_past_regions']} rows past them")
+        for name, ms in res["ms"].items():
+            print(f"{name:>30} {ms:8.3f} ms")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
+                                    "device": torch.cuda.get_device_name(dev)}, "by_layout": res}, f, indent=1)
+        return
     if args.counts:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
