@@ -162,37 +162,33 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=4, help="table 4's expert-parallel size")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    H, F = PRESETS[args.preset]["hidden"], PRESETS[args.preset]["ffn"]
+    preset = PRESETS[args.preset]
+    H, F = preset["hidden"], preset["ffn"]
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+
+    def write(**tables) -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
+                                    "device": torch.cuda.get_device_name(dev)}, **tables}, f, indent=1)
     if args.layout:
-        dev = torch.device("cuda", 0)
-        torch.cuda.set_device(dev)
-        preset = PRESETS[args.preset]
         res = by_layout(preset["experts"], args.ep, preset["tokens"], preset["top_k"], H, F, dev)
         print(f"EP {res['ep']}: {res['local_experts']} local experts, {res['rows_per_source']} rows per source, "
               f"regions of {res['region_rows']} rows, {res['rows_past_regions']} rows past them")
         for name, ms in res["ms"].items():
             print(f"{name:>30} {ms:8.3f} ms")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
-                                    "device": torch.cuda.get_device_name(dev)}, "by_layout": res}, f, indent=1)
+        write(by_layout=res)
         return
     if args.counts:
-        dev = torch.device("cuda", 0)
-        torch.cuda.set_device(dev)
-        rows = by_counts(PRESETS[args.preset]["experts"] // 4, H, F, dev)
+        rows = by_counts(preset["experts"] // 4, H, F, dev)
         print(f"{'rows':>6} {'counts':>24} {'counted':>8} {'gate_up us':>10} {'down us':>8} "
               f"{'per 16k':>8} {'per 16k':>8}")
         for r in rows:
             print(f"{r['rows']:6d} {r['kind']:>24} {r['counted']:8d} {r['gate_up_us']:10.1f} {r['down_us']:8.1f} "
                   f"{r['gate_up_us_per_16k']:8.1f} {r['down_us_per_16k']:8.1f}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
-                                    "device": torch.cuda.get_device_name(dev)}, "by_counts": rows}, f, indent=1)
+        write(by_counts=rows)
         return
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
     bf = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     side = torch.cuda.Stream(dev)
@@ -237,11 +233,7 @@ def main() -> None:
     for r in gemm_rows:
         print(f"{r['groups']:6d} {r['rows_per_group']:8d} {r['ms']:8.3f} {r['us_per_1k_rows']:10.2f}")
     print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"preset": args.preset, "torch": torch.__version__,
-                                "device": torch.cuda.get_device_name(dev)},
-                       "grouped_gemm": gemm_rows, "host_us": host}, f, indent=1)
+    write(grouped_gemm=gemm_rows, host_us=host)
 
 
 if __name__ == "__main__":

@@ -201,11 +201,11 @@ each pass's first pull (the peer's whole rows, 410 us, under 330 us of the first
 peer in two parts (``LAST_PARTS = 2``) measured the same (5.955 against 5.948 ms, forward 1.840
 against 1.848), as it did in session 42: its profile has no wait for the first pull, but the peer's
 experts as two grouped GEMMs of half the experts each took 664 us against 614 as one (the
-forward 1496 us from its first GEMM to its combine, against 1505). The split GEMMs themselves run about 35% slower per row
-than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows per expert per part lose
-about 19% to the size and 25% to the groups' part tiles, and more beside copy-engine traffic;
-the remedy would be a receive layout by expert (each expert's rows from every source in one
-group), which changes the exchange's regions, the pulls and the backward's tables.
+forward 1496 us from its first GEMM to its combine, against 1505). The split GEMMs themselves
+run about 35% slower per row than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows
+per expert per part lose about 19% to the size and 25% to the groups' part tiles, and more beside
+copy-engine traffic; the remedy would be a receive layout by expert (each expert's rows from every
+source in one group), which changes the exchange's regions, the pulls and the backward's tables.
 """
 from __future__ import annotations
 
@@ -505,13 +505,12 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     """``(dx [T, H], dw_in, dw_out)`` (a weight's None where ``wants`` says so) with each
     assignment's output-row gradient already at the place its input row went (the forward's
     ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes): the forward's
-    exchange reversed. Each source's rows run as they arrive
-    (the data gradient, pushed back to the source), the weight gradients of every part in one pass
-    at the end, under the last push ([Note: expert weight gradients in one pass]; or, where
-    ``c.defer`` takes them, after the replay of the backward being captured: the placeholders it
-    gives are returned), and one combine pass sums each token's k rows of dx. ``in_place``: dh
-    overwrites the saved pre-activations (else buffers of its own: a second backward reads them
-    again)."""
+    exchange reversed. Each source's rows run as they arrive (the data gradient, pushed back to
+    the source), the weight gradients of every part in one pass at the end, under the last push
+    ([Note: expert weight gradients in one pass]; or, where ``c.defer`` takes them, after the
+    replay of the backward being captured: the placeholders it gives are returned), and one
+    combine pass sums each token's k rows of dx. ``in_place``: dh overwrites the saved
+    pre-activations (else buffers of its own: a second backward reads them again)."""
     ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
     peers = c.peers()
@@ -531,8 +530,9 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     if side is not None:  # the weight gradients' tables, on the push stream before its first push
         side.wait_stream(s.main)
     tables = _segments(c, spans, s)
-    din = WgradParts(dhs, [saved[key][0] for key in keys], side)
-    dout = WgradParts(dys, acts, side)
+    # the weight gradients autograd wants: (their parts, the weight)
+    wanted = [(WgradParts(a, b, side), w) for a, b, w, want in (
+        (dhs, [saved[key][0] for key in keys], w_in, wants[0]), (dys, acts, w_out, wants[1])) if want]
     written = {}
     with s.on(1):
         s.mark(written, 0)
@@ -557,7 +557,6 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     if late:
         ex.own_rows(c.split, slots[-1])
         done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
-    wanted = [(parts, w) for parts, w, want in ((din, w_in, wants[0]), (dout, w_out, wants[1])) if want]
 
     def weight_grads() -> tuple:
         return tuple(grouped_wgrad_parts(parts, *tables, torch.empty_like(w)) for parts, w in wanted)

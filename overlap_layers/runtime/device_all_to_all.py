@@ -92,7 +92,9 @@ SLACK = 0.125  # a region's rows beyond its part's even share of the rows
 # under its last push, 1 part against 2 (4x H200, session 42, same-process A/B, replayed qwen3):
 # fwd+bwd 5.907 / 5.926 ms at EP 4 and 6.207 / 6.187, 6.194 / 6.192 at EP 2; forward 1.929 / 1.951
 # at EP 4 and 1.837 / 1.838 at EP 2; the training graphs 2.33 / 2.55 GB at EP 4 and 2.87 / 3.49 GB
-# at EP 2 (a buffer set less per call). So one part; the tests run two as well
+# at EP 2 (a buffer set less per call). So one part; the tests run two as well. Session 43, the weight
+# gradients after the replay: 2 parts against 1 at EP 2 5.955 / 5.948 ms, forward 1.840 / 1.848; the
+# first pull no longer waited, but the peer's experts as two grouped GEMMs took 664 us against 614
 LAST_PARTS = 1
 _ROWS = 8  # rows a program copies at a time
 # programs: in the MoE's replayed qwen3 forward (4x H200, session 32) 64 ran it in 2.757 ms against
