@@ -95,7 +95,7 @@ from .first_order import first_order, keeps_graph, take
 from .mlp import ACTIVATIONS, _act
 from .moe_combine import combine_rows, weigh_rows
 from .moe_cost import MoECostModel
-from .moe_device import PART_STREAMS, DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
+from .moe_device import DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
 from .moe_ranks import (RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first,
                         piece_offsets)
 from .planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number, resolve_config,
@@ -704,10 +704,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             # the weights' gradients wait for no replay's copy where they reach the parameters as they are
             defer = self._call_graphs.defer if self._call_graphs is not None and w_in is self.w_in \
                 and w_out is self.w_out else None
-            streams = self._streams.get(x.device, PART_STREAMS - 1)  # [Note: MoE part streams]
             y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
-                                  self._device_peak if slot is not None and slot < exchange.rows else None, defer,
-                                  streams[0] if streams else None)
+                                  self._device_peak if slot is not None and slot < exchange.rows else None, defer)
         return y.view(B, S, H)
 
     def _shared_expert(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:

@@ -223,7 +223,6 @@ from .moe_ranks import _grouped, experts_forward
 
 ROUNDS = 2  # timed calls of each path in the race
 SLOTS = 3  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
-PART_STREAMS = 2  # the compute streams the peers' parts alternate on ([Note: MoE part streams])
 MAX_SIGNATURES = 64  # races kept per layer
 
 
@@ -334,7 +333,7 @@ class SourceCall:
     grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
 
     def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None,
-                 report: Optional[tuple] = None, defer: Optional[Callable] = None, aux=None) -> None:
+                 report: Optional[tuple] = None, defer: Optional[Callable] = None) -> None:
         self.activation, self.k = layer.activation, layer.top_k
         self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
         self.exchange, self.keys, self.counts = exchange, keys, counts
@@ -347,7 +346,6 @@ class SourceCall:
         self.report = report  # (tensor, event or None): where the forward copies its peak count, then records
         self.peak: Optional[torch.Tensor] = None  # that count on the device, while the copy may be in flight
         self.defer = defer  # CallGraphs.defer of the weights' owner, or None ([Note: deferred gradients])
-        self.aux = aux  # a second compute stream for the peers' parts, or None ([Note: MoE part streams])
         # the own rows of the groups from `split` on run last, under the last part's push
         self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
 
@@ -365,15 +363,13 @@ class SourceCall:
 
 
 class _Streams:
-    """The exchange's pull and push streams beside the caller's (none off CUDA), the compute
-    streams of the peers' parts (the caller's, and ``aux`` where given: [Note: MoE part
-    streams]) and the events by which they order a pass's parts: per peer part index, its rows
-    pulled (``arrived``), its slot read (``read``), its results pushed (``pushed``)."""
+    """The exchange's pull and push streams beside the caller's (none off CUDA) and the events by
+    which they order a pass's parts: per peer part index, its rows pulled (``arrived``), its
+    slot read (``read``), its results pushed (``pushed``)."""
 
-    def __init__(self, exchange, cuda: bool, aux=None) -> None:
+    def __init__(self, exchange, cuda: bool) -> None:
         self.streams = getattr(exchange, "streams", None) if cuda else None
         self.main = torch.cuda.current_stream() if self.streams else None
-        self.compute = [self.main] + ([aux] if aux is not None and self.streams else [])
         self.arrived, self.read, self.pushed = {}, {}, {}
 
     def on(self, index: int):
@@ -387,53 +383,27 @@ class _Streams:
 
     def fork(self) -> None:
         if self.streams:
-            for stream in (self.streams[0], *self.compute[1:]):
-                stream.wait_stream(self.main)
+            self.streams[0].wait_stream(self.main)
 
-    @contextlib.contextmanager
-    def part(self, i: int):
-        """Peer part i's compute stream (its index + 1 among ``compute``: the first peer part beside
-        the own rows' tail), after part i's rows and the push whose results' memory it may take
-        (its rows' results, popped by the caller, were ``SLOTS`` parts before)."""
-        if not self.streams:
-            yield
-            return
-        stream = self.compute[(i + 1) % len(self.compute)]
-        stream.wait_event(self.arrived[i])
-        if i >= SLOTS:
-            stream.wait_event(self.pushed[i - SLOTS])
-        with torch.cuda.stream(stream):
-            yield
-
-    def last(self, parts: int, slots: Optional[int] = None) -> None:
-        """After the ``parts`` peer parts, before the main stream allocates again: it waits for the
-        push of the last results popped (their memory may be taken), and with ``slots`` (their
-        count, where the own rows' late part reuses slot 0) for the last read of slot 0. With one
-        compute stream both are in its order already."""
-        if self.streams and len(self.compute) > 1:
-            if parts > SLOTS:
-                self.main.wait_event(self.pushed[parts - 1 - SLOTS])
-            if slots and parts:
-                self.main.wait_event(self.read[(parts - 1) // slots * slots])
-
-    def parts_done(self) -> None:
-        """The main stream waits for every part's compute (not for their pushes)."""
+    def before_part(self, i: int) -> None:
+        """The main stream waits for part i's rows and for the push whose results' memory it may take."""
         if self.streams:
-            for stream in self.compute[1:]:
-                self.main.wait_stream(stream)
+            self.main.wait_event(self.arrived[i])
+            if i >= SLOTS:
+                self.main.wait_event(self.pushed[i - SLOTS])
 
     def push(self, exchange, source: int, results: torch.Tensor, part, i: int) -> None:
-        """The part's region pushed on the push stream, after what the current stream launched."""
+        """The part's region pushed on the push stream, after what the main stream launched."""
         if self.streams:
-            self.streams[1].wait_stream(torch.cuda.current_stream())
+            self.streams[1].wait_stream(self.main)
         with self.on(1):
             exchange.push(source, results, part)
             self.mark(self.pushed, i)
 
     def join(self) -> None:
         if self.streams:
-            for stream in (*self.streams, *self.compute[1:]):
-                self.main.wait_stream(stream)
+            self.main.wait_stream(self.streams[0])
+            self.main.wait_stream(self.streams[1])
 
 
 def _pulls(c: SourceCall, s: _Streams, peers: list, slots: list):
@@ -466,7 +436,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
         c.ends.clamp_(max=c.slot)
-    s = _Streams(ex, x_TH.is_cuda, c.aux)
+    s = _Streams(ex, x_TH.is_cuda)
     if c.report is not None:  # the largest count (every rank's table holds every rank's), read from here on
         c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # c holds it: the push stream reads it
         if s.streams:  # copied there (its first push comes later), not between the experts' kernels
@@ -493,18 +463,17 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     added = extra() if extra is not None else None
     results = {}  # peer part index -> its results, held until the main stream waited for their push
     for i, (src, part) in enumerate(peers):
-        with s.part(i):
-            slot = ex.pull_rest(src, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
-            results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
-            results[i] = experts(i, slot, src, part)
-            s.mark(s.read, i)
-            if i + len(slots) < len(peers):
-                pull(i + len(slots))  # launched after the event it waits for was recorded
-            ex.push_rest(src, results[i], part)
-            s.push(ex, src, results[i], part, i)
+        s.before_part(i)
+        slot = ex.pull_rest(src, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
+        results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
+        results[i] = experts(i, slot, src, part)
+        s.mark(s.read, i)
+        if i + len(slots) < len(peers):
+            pull(i + len(slots))  # launched after the event it waits for was recorded
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
     late = {}
-    s.last(len(peers), len(slots) if c.split < El and not save else None)
-    if c.split < El:  # once every pull landed and every slot was read, slot 0 takes them
+    if c.split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
         rows = ex.own_rows(c.split, x_TH.new_empty((c.slot, H)) if save else slots[0])
         late = dict(late=experts("late", rows, rank, (c.split, El)), n_first=c.ends[rank][c.split - 1])
     if save:  # under the last push
@@ -555,7 +524,7 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     dys = [ex.send[:c.slot]] + slots
     acts = [saved[key][1].new_empty((c.slot, w_out.shape[2])) for key in keys]
     dhs = [saved[key][1] if in_place else torch.empty_like(saved[key][1]) for key in keys]
-    s = _Streams(ex, dy.is_cuda, c.aux)
+    s = _Streams(ex, dy.is_cuda)
     _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
     side = s.streams[1] if s.streams else None
     if side is not None:  # the weight gradients' tables, on the push stream before its first push
@@ -578,14 +547,13 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     own = dgrad(0, rank, first)
     results = {}
     for i, (src, part) in enumerate(peers):
-        with s.part(i):
-            ex.pull_rest(src, slots[i], part)
-            results.pop(i - SLOTS, None)
-            results[i] = dgrad(1 + i, src, part)
-            ex.push_rest(src, results[i], part)
-            s.push(ex, src, results[i], part, i)
+        s.before_part(i)
+        ex.pull_rest(src, slots[i], part)
+        results.pop(i - SLOTS, None)
+        results[i] = dgrad(1 + i, src, part)
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
     done = {}
-    s.last(len(peers))
     if late:
         ex.own_rows(c.split, slots[-1])
         done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
@@ -598,7 +566,6 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     if grads is None:
         if s.streams:
             s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
-            s.parts_done()
         grads = weight_grads()
     grads = iter(grads)
     dw_in, dw_out = (next(grads) if want else None for want in wants)
@@ -638,7 +605,7 @@ class _SourceExperts(torch.autograd.Function):
 
 def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
                       extra: Optional[Callable[[], Optional[torch.Tensor]]] = None, slot: Optional[int] = None,
-                      report: Optional[tuple] = None, defer: Optional[Callable] = None, aux=None) -> torch.Tensor:
+                      report: Optional[tuple] = None, defer: Optional[Callable] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
     plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
     experts without autograd, after the combine with it), through ``exchange`` (a
@@ -656,13 +623,10 @@ def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torc
 
     ``defer``: a ``CallGraphs.defer`` ([Note: deferred gradients] in ``call_graphs.py``) the
     backward hands the weights' gradients to (only where ``w_in`` and ``w_out`` are the
-    parameters themselves, whose gradients autograd returns as they are).
-
-    ``aux``: a second CUDA stream on which every other peer part runs, from the first ([Note: MoE
-    part streams]; None: every part on the caller's stream)."""
+    parameters themselves, whose gradients autograd returns as they are)."""
     ws, El = layer.world_size, layer.num_local_experts
     keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
-    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report, defer, aux)
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report, defer)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
         y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
         added = extra() if extra is not None else None
