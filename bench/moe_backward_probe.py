@@ -4,14 +4,15 @@
   backward kernels for a grid of columns per step and warps, against ``torch.bmm`` (what the
   layer ran before) and the bandwidth floor at 3.5 TB/s, at qwen3-30b-a3b's and mixtral-8x7b's
   rows (8192 tokens; k 8, H 2048 and k 2, H 4096);
-* the device path's weight gradients at qwen3-30b-a3b, EP 4 ([Note: expert weight gradients in
-  one pass] in ``layers/expert_wgrad.py``): 32 local experts, four sources of 16384 rows (random
-  experts), the own and the last source in two parts as the exchange has them; one pass over the
-  parts (``grouped_wgrad_parts``), one accumulating ``grouped_wgrad`` per part after a zero fill
-  (session 40's backward), and ``torch._grouped_mm`` over the same rows made contiguous (what the
-  compute-only reference runs).
+* the device path's weight gradients at qwen3-30b-a3b, EP 4 and 2 ([Note: expert weight
+  gradients in one pass] in ``layers/expert_wgrad.py``): 128 / EP local experts, EP sources of
+  65536 / EP rows (random experts), the own rows in two parts and each peer's whole, as the
+  backward has them; one pass over the parts (``grouped_wgrad_parts``; ``--old PKG``: another
+  copy's too, ``--configs``: with a few tile configurations), one accumulating ``grouped_wgrad``
+  per part after a zero fill (session 40's backward), and the same rows made contiguous, by
+  ``grouped_wgrad`` and by ``torch._grouped_mm`` (what the compute-only reference runs).
 
-    python bench/moe_backward_probe.py [--out FILE.json]
+    python bench/moe_backward_probe.py [--wgrad] [--old .ab_old/X/overlap_layers] [--configs] [--out FILE.json]
 """
 import argparse
 import json
@@ -21,9 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from expert_wgrad_probe import _ms  # noqa: E402
-from overlap_layers.layers import moe_combine  # noqa: E402
-from overlap_layers.layers.expert_wgrad import WgradParts, grouped_wgrad, grouped_wgrad_parts  # noqa: E402
+from expert_wgrad_probe import CONFIGS, _ms  # noqa: E402
+from overlap_layers.layers import expert_wgrad, moe_combine  # noqa: E402
+from overlap_layers.layers.expert_wgrad import grouped_wgrad  # noqa: E402
 
 
 def _us(fn, reps=20):
@@ -58,10 +59,15 @@ def weigh(name, T, k, H):
     return out
 
 
-def wgrad(name, M, N, G=32, sources=4, per=16384):
+def wgrad(name, M, N, ep, old=None, configs=()):
+    """One weight's gradient over the device path's parts at qwen3-30b-a3b, EP ``ep`` (module
+    docstring), in us: one pass over the parts (and the ``old`` package's, where given; and this
+    package's with each of ``configs``), one accumulating ``grouped_wgrad`` per part, the same
+    rows contiguous by ``grouped_wgrad`` (one segment per group) and by ``torch._grouped_mm``."""
     dev, dt = "cuda", torch.bfloat16
-    parts = [(0, 0, G // 2), (0, G // 2, G), *[(s, 0, G) for s in range(1, sources - 1)],
-             (sources - 1, 0, G // 2), (sources - 1, G // 2, G)]
+    G, sources, per = 128 // ep, ep, 8192 * 8 // ep
+    # as the backward has them: the own rows in two parts (first and last), each peer whole
+    parts = [(0, 0, G // 2), *[(s, 0, G) for s in range(1, sources)], (0, G // 2, G)]
     g = torch.Generator().manual_seed(0)
     counts = torch.stack([torch.bincount(torch.randint(0, G, (per,), generator=g), minlength=G)
                           for _ in range(sources)]).int().to(dev)  # [source, G]
@@ -74,31 +80,68 @@ def wgrad(name, M, N, G=32, sources=4, per=16384):
         held[1, src, lo:hi] = lo
     starts = ends - counts
     base = starts.gather(1, held[1])
-    table, out = WgradParts(a, b), torch.empty(G, M, N, device=dev, dtype=dt)
-    one = _us(lambda: grouped_wgrad_parts(table, held[0], starts - base, ends - base, out), 10)
+    tables = (held[0], starts - base, ends - base)
+    out = torch.empty(G, M, N, device=dev, dtype=dt)
+    want = torch.zeros(G, M, N, device=dev, dtype=torch.float32)
+    for p, (src, lo, hi) in enumerate(parts):
+        offs = ends[src, lo:hi] - (ends[src, lo - 1] if lo else 0)
+        want[lo:hi] += torch._grouped_mm(a[p].t(), b[p], offs=offs).float()
+
+    def one_pass(module):
+        parts_ = module.WgradParts(a, b)
+        module.grouped_wgrad_parts(parts_, *tables, out)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        return _us(lambda: module.grouped_wgrad_parts(parts_, *tables, out), 10), err
+
+    res = dict(weight=name, ep=ep, G=G, M=M, N=N, rows=int(counts.sum()), parts=len(parts))
+    res["one_pass_us"], res["one_pass_err"] = one_pass(expert_wgrad)
+    if old is not None:
+        res["old_one_pass_us"], res["old_one_pass_err"] = one_pass(old.layers.expert_wgrad)
+    kept = (expert_wgrad._BM, expert_wgrad._BN, expert_wgrad._BK, expert_wgrad._WARPS, expert_wgrad._STAGES)
+    for cfg in configs:
+        expert_wgrad._BM, expert_wgrad._BN, expert_wgrad._BK, expert_wgrad._WARPS, expert_wgrad._STAGES = cfg
+        try:
+            res["one_pass_" + "x".join(map(str, cfg))] = one_pass(expert_wgrad)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile here
+            res["one_pass_" + "x".join(map(str, cfg))] = repr(e)[:80]
+    expert_wgrad._BM, expert_wgrad._BN, expert_wgrad._BK, expert_wgrad._WARPS, expert_wgrad._STAGES = kept
 
     def per_part():
         out.zero_()
         for p, (src, lo, hi) in enumerate(parts):
             grouped_wgrad(a[p], b[p], ends[src, lo:hi] - (ends[src, lo - 1] if lo else 0), out[lo:hi])
-    each = _us(per_part, 10)
+    res["per_part_us"] = _us(per_part, 10)
     total = int(counts.sum())
     a_all, b_all = torch.randn(total, M, device=dev, dtype=dt), torch.randn(total, N, device=dev, dtype=dt)
     offs = counts.sum(0).cumsum(0).int()
-    dense = _us(lambda: torch._grouped_mm(a_all.t(), b_all, offs=offs), 10)
-    print(f"{name} [{G}, {M}, {N}], {total} rows: one pass {one:.0f} us, per part ({len(parts)}) {each:.0f} us, "
-          f"torch grouped_mm on contiguous rows {dense:.0f} us")
-    return dict(weight=name, G=G, M=M, N=N, rows=total, parts=len(parts), one_pass_us=one, per_part_us=each,
-                torch_grouped_mm_us=dense)
+    res["contiguous_triton_us"] = _us(lambda: grouped_wgrad(a_all, b_all, offs, out, False), 10)
+    res["torch_grouped_mm_us"] = _us(lambda: torch._grouped_mm(a_all.t(), b_all, offs=offs), 10)
+    print(f"{name} EP {ep} [{G}, {M}, {N}], {total} rows in {len(parts)} parts: one pass {res['one_pass_us']:.0f} us"
+          + (f" (old {res['old_one_pass_us']:.0f})" if old is not None else "")
+          + f", per part {res['per_part_us']:.0f}; contiguous: Triton {res['contiguous_triton_us']:.0f}, "
+          f"torch grouped_mm {res['torch_grouped_mm_us']:.0f} us", flush=True)
+    for cfg in configs:
+        print(f"  {'x'.join(map(str, cfg))}: {res['one_pass_' + 'x'.join(map(str, cfg))]}", flush=True)
+    return res
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--wgrad", action="store_true", help="the weight gradients only")
+    p.add_argument("--old", default=None, help="another copy of the package, whose one pass is timed beside")
+    p.add_argument("--configs", action="store_true", help="the one pass with each of a few tile configurations")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    old = None
+    if args.old:
+        from inproc_ab import load_old
+        old = load_old(args.old)
+    configs = CONFIGS if args.configs else ()
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-               weigh_rows=[weigh("qwen3-30b-a3b", 8192, 8, 2048), weigh("mixtral-8x7b", 8192, 2, 4096)],
-               wgrad=[wgrad("w_in", 1536, 2048), wgrad("w_out", 2048, 768)])
+               wgrad=[wgrad(name, M, N, ep, old, configs) for ep in (4, 2)
+                      for name, M, N in (("w_in", 1536, 2048), ("w_out", 2048, 768))])
+    if not args.wgrad:
+        res["weigh_rows"] = [weigh("qwen3-30b-a3b", 8192, 8, 2048), weigh("mixtral-8x7b", 8192, 2, 4096)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

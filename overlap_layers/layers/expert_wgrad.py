@@ -141,9 +141,12 @@ def grouped_wgrad_parts(parts: WgradParts, part: torch.Tensor, lo: torch.Tensor,
         S = part.shape[0]
         if G and M and N:
             grid = (G * triton.cdiv(M, _BM) * triton.cdiv(N, _BN),)
+            ea, eb = a0.element_size(), b0.element_size()
             _wgrad_parts_kernel[grid](out, parts.table[0], parts.table[1], a0, b0, part.contiguous(), lo.contiguous(),
                                       hi.contiguous(), S, G, M, N, a0.stride(0), b0.stride(0),
                                       ACCUMULATE=accumulate, IEEE=a0.dtype == torch.float32, INTERPRETED=INTERPRETED,
+                                      SP=triton.next_power_of_2(S), EA=ea, EB=eb,
+                                      ALIGNED=a0.stride(0) * ea % 16 == 0 and b0.stride(0) * eb % 16 == 0,
                                       BM=_BM, BN=_BN, BK=_BK, num_warps=_WARPS, num_stages=_STAGES)
         return out
     acc = out.float() if accumulate else torch.zeros(out.shape, dtype=torch.float32, device=out.device)
@@ -207,32 +210,57 @@ if triton is not None:
     @triton.jit
     def _wgrad_parts_kernel(out_ptr, a_table, b_table, a_ref, b_ref, part_ptr, lo_ptr, hi_ptr, S, G, M, N, sa, sb,
                             ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+                            SP: tl.constexpr, EA: tl.constexpr, EB: tl.constexpr, ALIGNED: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """:func:`_wgrad_kernel`'s tiles, each summing its group's segments in turn (their parts'
-        addresses read from the tables; ``a_ref``, ``b_ref`` give the element types)."""
+        """:func:`_wgrad_kernel`'s tiles, each over its group's segments as one run of rows ([Note:
+        one run of rows]): ``SP`` (a power of two, at least ``S``) segments' parts and bounds
+        loaded once, each row's address from its segment's (the parts' addresses from the tables;
+        ``a_ref``, ``b_ref`` give the element types, ``EA``, ``EB`` their bytes; ``ALIGNED``: every
+        row 16-byte aligned)."""
         g, rm, rn = _wgrad_tile(M, N, BM, BN)
+        t = tl.arange(0, SP)
+        real = t < S
+        p = tl.load(part_ptr + t * G + g, mask=real, other=0)
+        lo = tl.load(lo_ptr + t * G + g, mask=real, other=0).to(tl.int64)
+        n = tl.load(hi_ptr + t * G + g, mask=real, other=0).to(tl.int64) - lo
+        ends = tl.cumsum(n, 0)  # each segment's end in the run
+        total = tl.sum(n, 0)
+        # row v of the run, in segment t, is row lo[t] + v - (ends[t] - n[t]) of its part: at byte
+        # address first[t] + v * stride
+        a_first = tl.load(a_table + p, mask=real, other=0) + (lo - ends + n) * sa * EA
+        b_first = tl.load(b_table + p, mask=real, other=0) + (lo - ends + n) * sb * EB
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if INTERPRETED:  # as in _wgrad_kernel: whiles, the interpreter's for taking no bound from an argument
-            s = 0
-            while s < S:
-                p = tl.load(part_ptr + s * G + g)
-                k0 = tl.load(lo_ptr + s * G + g).to(tl.int64)
-                end = tl.load(hi_ptr + s * G + g).to(tl.int64)
-                a_ptr = tl.load(a_table + p).to(tl.pointer_type(a_ref.dtype.element_ty))
-                b_ptr = tl.load(b_table + p).to(tl.pointer_type(b_ref.dtype.element_ty))
-                while k0 < end:
-                    acc = _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, k0 + rk, end, rm, rn, IEEE, INTERPRETED)
-                    k0 += BK
-                s += 1
-        else:
-            for s in range(0, S):
-                p = tl.load(part_ptr + s * G + g)
-                start = tl.load(lo_ptr + s * G + g).to(tl.int64)
-                end = tl.load(hi_ptr + s * G + g).to(tl.int64)
-                a_ptr = tl.multiple_of(tl.load(a_table + p).to(tl.pointer_type(a_ref.dtype.element_ty)), 16)
-                b_ptr = tl.multiple_of(tl.load(b_table + p).to(tl.pointer_type(b_ref.dtype.element_ty)), 16)
-                for i in range(0, tl.cdiv(end - start, BK)):
-                    acc = _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, start + i * BK + rk, end, rm, rn, IEEE,
-                                      INTERPRETED)
+        if INTERPRETED:  # as in _wgrad_kernel: a while, the interpreter's for taking no bound from a load
+            k0 = 0
+            while k0 < total:
+                acc = _wgrad_run_step(acc, a_first, b_first, ends, t, total, k0 + rk, sa, sb, M, N, rm, rn, a_ref, b_ref,
+                                      EA, EB, ALIGNED, IEEE, INTERPRETED)
+                k0 += BK
+        else:  # compiled: one for over the whole run, which Triton pipelines
+            for i in range(0, tl.cdiv(total, BK)):
+                acc = _wgrad_run_step(acc, a_first, b_first, ends, t, total, i * BK + rk, sa, sb, M, N, rm, rn, a_ref,
+                                      b_ref, EA, EB, ALIGNED, IEEE, INTERPRETED)
         _wgrad_store(acc, out_ptr, g, M, N, rm, rn, ACCUMULATE)
+
+    @triton.jit
+    def _wgrad_run_step(acc, a_first, b_first, ends, t, total, v, sa, sb, M, N, rm, rn, a_ref, b_ref,
+                        EA: tl.constexpr, EB: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+        """``acc`` plus the rows ``v`` (``[BK]``) of the run: each row's segment is the count of
+        segments ending at or before it (empty ones included), its address that segment's first
+        plus the row times the stride."""
+        v = v.to(tl.int64)
+        live = v < total
+        pick = t[None, :] == tl.sum((ends[None, :] <= v[:, None]).to(tl.int32), 1)[:, None]  # [BK, SP]
+        ra = (tl.sum(tl.where(pick, a_first[None, :], 0), 1) + v * sa * EA).to(tl.pointer_type(a_ref.dtype.element_ty))
+        rb = (tl.sum(tl.where(pick, b_first[None, :], 0), 1) + v * sb * EB).to(tl.pointer_type(b_ref.dtype.element_ty))
+        if ALIGNED:
+            ra = tl.multiple_of(ra, 16)
+            rb = tl.multiple_of(rb, 16)
+        at = tl.load(ra[:, None] + rm[None, :], mask=live[:, None] & (rm[None, :] < M), other=0.0)
+        bt = tl.load(rb[:, None] + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)
+        if INTERPRETED:  # as in _wgrad_step
+            at = at.to(tl.float32)
+            bt = bt.to(tl.float32)
+        return tl.dot(tl.trans(at), bt, acc, input_precision="ieee" if IEEE or INTERPRETED else "tf32")
