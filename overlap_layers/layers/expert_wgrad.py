@@ -141,12 +141,10 @@ def grouped_wgrad_parts(parts: WgradParts, part: torch.Tensor, lo: torch.Tensor,
         S = part.shape[0]
         if G and M and N:
             grid = (G * triton.cdiv(M, _BM) * triton.cdiv(N, _BN),)
-            ea, eb = a0.element_size(), b0.element_size()
             _wgrad_parts_kernel[grid](out, parts.table[0], parts.table[1], a0, b0, part.contiguous(), lo.contiguous(),
                                       hi.contiguous(), S, G, M, N, a0.stride(0), b0.stride(0),
                                       ACCUMULATE=accumulate, IEEE=a0.dtype == torch.float32, INTERPRETED=INTERPRETED,
-                                      SP=triton.next_power_of_2(S), EA=ea, EB=eb,
-                                      ALIGNED=a0.stride(0) * ea % 16 == 0 and b0.stride(0) * eb % 16 == 0,
+                                      SP=triton.next_power_of_2(S),
                                       BM=_BM, BN=_BN, BK=_BK, num_warps=_WARPS, num_stages=_STAGES)
         return out
     acc = out.float() if accumulate else torch.zeros(out.shape, dtype=torch.float32, device=out.device)
@@ -210,57 +208,45 @@ if triton is not None:
     @triton.jit
     def _wgrad_parts_kernel(out_ptr, a_table, b_table, a_ref, b_ref, part_ptr, lo_ptr, hi_ptr, S, G, M, N, sa, sb,
                             ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
-                            SP: tl.constexpr, EA: tl.constexpr, EB: tl.constexpr, ALIGNED: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """:func:`_wgrad_kernel`'s tiles, each over its group's segments as one run of rows ([Note:
-        one run of rows]): ``SP`` (a power of two, at least ``S``) segments' parts and bounds
-        loaded once, each row's address from its segment's (the parts' addresses from the tables;
-        ``a_ref``, ``b_ref`` give the element types, ``EA``, ``EB`` their bytes; ``ALIGNED``: every
-        row 16-byte aligned)."""
+                            SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """:func:`_wgrad_kernel`'s tiles, each over its group's segments in one loop of steps ([Note:
+        one loop over the segments]): ``SP`` (a power of two, at least ``S``) segments' parts and
+        bounds loaded once, each step's segment and rows picked from them (the parts' addresses
+        from the tables; ``a_ref``, ``b_ref`` give the element types)."""
         g, rm, rn = _wgrad_tile(M, N, BM, BN)
         t = tl.arange(0, SP)
         real = t < S
         p = tl.load(part_ptr + t * G + g, mask=real, other=0)
         lo = tl.load(lo_ptr + t * G + g, mask=real, other=0).to(tl.int64)
-        n = tl.load(hi_ptr + t * G + g, mask=real, other=0).to(tl.int64) - lo
-        ends = tl.cumsum(n, 0)  # each segment's end in the run
-        total = tl.sum(n, 0)
-        # row v of the run, in segment t, is row lo[t] + v - (ends[t] - n[t]) of its part: at byte
-        # address first[t] + v * stride
-        a_first = tl.load(a_table + p, mask=real, other=0) + (lo - ends + n) * sa * EA
-        b_first = tl.load(b_table + p, mask=real, other=0) + (lo - ends + n) * sb * EB
+        hi = tl.load(hi_ptr + t * G + g, mask=real, other=0).to(tl.int64)
+        steps = (hi - lo + BK - 1) // BK
+        last = tl.cumsum(steps, 0)  # each segment's end, in steps
+        rows0 = lo - (last - steps) * BK  # the step i of segment t starts at row rows0 + i * BK of its part
+        a_at = tl.load(a_table + p, mask=real, other=0)
+        b_at = tl.load(b_table + p, mask=real, other=0)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        total = tl.sum(steps, 0)
         if INTERPRETED:  # as in _wgrad_kernel: a while, the interpreter's for taking no bound from a load
-            k0 = 0
-            while k0 < total:
-                acc = _wgrad_run_step(acc, a_first, b_first, ends, t, total, k0 + rk, sa, sb, M, N, rm, rn, a_ref, b_ref,
-                                      EA, EB, ALIGNED, IEEE, INTERPRETED)
-                k0 += BK
-        else:  # compiled: one for over the whole run, which Triton pipelines
-            for i in range(0, tl.cdiv(total, BK)):
-                acc = _wgrad_run_step(acc, a_first, b_first, ends, t, total, i * BK + rk, sa, sb, M, N, rm, rn, a_ref,
-                                      b_ref, EA, EB, ALIGNED, IEEE, INTERPRETED)
+            i = 0
+            while i < total:
+                acc = _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm,
+                                        rn, IEEE, INTERPRETED)
+                i += 1
+        else:  # compiled: one for over every segment's steps, which Triton pipelines
+            for i in range(0, total):
+                acc = _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm,
+                                        rn, IEEE, INTERPRETED)
         _wgrad_store(acc, out_ptr, g, M, N, rm, rn, ACCUMULATE)
 
     @triton.jit
-    def _wgrad_run_step(acc, a_first, b_first, ends, t, total, v, sa, sb, M, N, rm, rn, a_ref, b_ref,
-                        EA: tl.constexpr, EB: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
-        """``acc`` plus the rows ``v`` (``[BK]``) of the run: each row's segment is the count of
-        segments ending at or before it (empty ones included), its address that segment's first
-        plus the row times the stride."""
-        v = v.to(tl.int64)
-        live = v < total
-        pick = t[None, :] == tl.sum((ends[None, :] <= v[:, None]).to(tl.int32), 1)[:, None]  # [BK, SP]
-        ra = (tl.sum(tl.where(pick, a_first[None, :], 0), 1) + v * sa * EA).to(tl.pointer_type(a_ref.dtype.element_ty))
-        rb = (tl.sum(tl.where(pick, b_first[None, :], 0), 1) + v * sb * EB).to(tl.pointer_type(b_ref.dtype.element_ty))
-        if ALIGNED:
-            ra = tl.multiple_of(ra, 16)
-            rb = tl.multiple_of(rb, 16)
-        at = tl.load(ra[:, None] + rm[None, :], mask=live[:, None] & (rm[None, :] < M), other=0.0)
-        bt = tl.load(rb[:, None] + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)
-        if INTERPRETED:  # as in _wgrad_step
-            at = at.to(tl.float32)
-            bt = bt.to(tl.float32)
-        return tl.dot(tl.trans(at), bt, acc, input_precision="ieee" if IEEE or INTERPRETED else "tf32")
+    def _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm, rn,
+                          IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Step ``i`` of the loop: in the segment of the steps ending after it (the first such),
+        rows ``rows0 + i * BK ..`` up to its ``hi``."""
+        pick = t == tl.sum((last <= i).to(tl.int32), 0)
+        start = tl.sum(tl.where(pick, rows0, 0), 0) + i * rk.shape[0]
+        end = tl.sum(tl.where(pick, hi, 0), 0)
+        a_ptr = tl.multiple_of(tl.sum(tl.where(pick, a_at, 0), 0).to(tl.pointer_type(a_ref.dtype.element_ty)), 16)
+        b_ptr = tl.multiple_of(tl.sum(tl.where(pick, b_at, 0), 0).to(tl.pointer_type(b_ref.dtype.element_ty)), 16)
+        return _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, start + rk, end, rm, rn, IEEE, INTERPRETED)
