@@ -144,7 +144,6 @@ def grouped_wgrad_parts(parts: WgradParts, part: torch.Tensor, lo: torch.Tensor,
             _wgrad_parts_kernel[grid](out, parts.table[0], parts.table[1], a0, b0, part.contiguous(), lo.contiguous(),
                                       hi.contiguous(), S, G, M, N, a0.stride(0), b0.stride(0),
                                       ACCUMULATE=accumulate, IEEE=a0.dtype == torch.float32, INTERPRETED=INTERPRETED,
-                                      SP=triton.next_power_of_2(S),
                                       BM=_BM, BN=_BN, BK=_BK, num_warps=_WARPS, num_stages=_STAGES)
         return out
     acc = out.float() if accumulate else torch.zeros(out.shape, dtype=torch.float32, device=out.device)
@@ -208,45 +207,32 @@ if triton is not None:
     @triton.jit
     def _wgrad_parts_kernel(out_ptr, a_table, b_table, a_ref, b_ref, part_ptr, lo_ptr, hi_ptr, S, G, M, N, sa, sb,
                             ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
-                            SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """:func:`_wgrad_kernel`'s tiles, each over its group's segments in one loop of steps ([Note:
-        one loop over the segments]): ``SP`` (a power of two, at least ``S``) segments' parts and
-        bounds loaded once, each step's segment and rows picked from them (the parts' addresses
-        from the tables; ``a_ref``, ``b_ref`` give the element types)."""
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """:func:`_wgrad_kernel`'s tiles, each summing its group's segments in turn (their parts'
+        addresses read from the tables; ``a_ref``, ``b_ref`` give the element types)."""
         g, rm, rn = _wgrad_tile(M, N, BM, BN)
-        t = tl.arange(0, SP)
-        real = t < S
-        p = tl.load(part_ptr + t * G + g, mask=real, other=0)
-        lo = tl.load(lo_ptr + t * G + g, mask=real, other=0).to(tl.int64)
-        hi = tl.load(hi_ptr + t * G + g, mask=real, other=0).to(tl.int64)
-        steps = (hi - lo + BK - 1) // BK
-        last = tl.cumsum(steps, 0)  # each segment's end, in steps
-        rows0 = lo - (last - steps) * BK  # the step i of segment t starts at row rows0 + i * BK of its part
-        a_at = tl.load(a_table + p, mask=real, other=0)
-        b_at = tl.load(b_table + p, mask=real, other=0)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        total = tl.sum(steps, 0)
-        if INTERPRETED:  # as in _wgrad_kernel: a while, the interpreter's for taking no bound from a load
-            i = 0
-            while i < total:
-                acc = _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm,
-                                        rn, IEEE, INTERPRETED)
-                i += 1
-        else:  # compiled: one for over every segment's steps, which Triton pipelines
-            for i in range(0, total):
-                acc = _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm,
-                                        rn, IEEE, INTERPRETED)
+        if INTERPRETED:  # as in _wgrad_kernel: whiles, the interpreter's for taking no bound from an argument
+            s = 0
+            while s < S:
+                p = tl.load(part_ptr + s * G + g)
+                k0 = tl.load(lo_ptr + s * G + g).to(tl.int64)
+                end = tl.load(hi_ptr + s * G + g).to(tl.int64)
+                a_ptr = tl.load(a_table + p).to(tl.pointer_type(a_ref.dtype.element_ty))
+                b_ptr = tl.load(b_table + p).to(tl.pointer_type(b_ref.dtype.element_ty))
+                while k0 < end:
+                    acc = _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, k0 + rk, end, rm, rn, IEEE, INTERPRETED)
+                    k0 += BK
+                s += 1
+        else:
+            for s in tl.range(0, S, flatten=True):  # nested loops flattened: one pipeline
+                p = tl.load(part_ptr + s * G + g)
+                start = tl.load(lo_ptr + s * G + g).to(tl.int64)
+                end = tl.load(hi_ptr + s * G + g).to(tl.int64)
+                a_ptr = tl.multiple_of(tl.load(a_table + p).to(tl.pointer_type(a_ref.dtype.element_ty)), 16)
+                b_ptr = tl.multiple_of(tl.load(b_table + p).to(tl.pointer_type(b_ref.dtype.element_ty)), 16)
+                for i in range(0, tl.cdiv(end - start, BK)):
+                    acc = _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, start + i * BK + rk, end, rm, rn, IEEE,
+                                      INTERPRETED)
         _wgrad_store(acc, out_ptr, g, M, N, rm, rn, ACCUMULATE)
-
-    @triton.jit
-    def _wgrad_parts_step(acc, i, t, last, rows0, hi, a_at, b_at, a_ref, b_ref, sa, sb, M, N, rk, rm, rn,
-                          IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Step ``i`` of the loop: in the segment of the steps ending after it (the first such),
-        rows ``rows0 + i * BK ..`` up to its ``hi``."""
-        pick = t == tl.sum((last <= i).to(tl.int32), 0)
-        start = tl.sum(tl.where(pick, rows0, 0), 0) + i * rk.shape[0]
-        end = tl.sum(tl.where(pick, hi, 0), 0)
-        a_ptr = tl.multiple_of(tl.sum(tl.where(pick, a_at, 0), 0).to(tl.pointer_type(a_ref.dtype.element_ty)), 16)
-        b_ptr = tl.multiple_of(tl.sum(tl.where(pick, b_at, 0), 0).to(tl.pointer_type(b_ref.dtype.element_ty)), 16)
-        return _wgrad_step(acc, a_ptr, b_ptr, sa, sb, M, N, start + rk, end, rm, rn, IEEE, INTERPRETED)
