@@ -226,7 +226,7 @@ if triton is not None:
                     k0 += BK
                 s += 1
         else:
-            for s in tl.range(0, S, flatten=True):  # nested loops flattened: one pipeline
+            for s in range(0, S):
                 p = tl.load(part_ptr + s * G + g)
                 start = tl.load(lo_ptr + s * G + g).to(tl.int64)
                 end = tl.load(hi_ptr + s * G + g).to(tl.int64)
