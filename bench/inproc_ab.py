@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -103,12 +104,16 @@ def preset_of(layer: str, preset, cuda: bool) -> str:
 
 
 def plan_of(pk, name: str):
-    """The TilePlan of package ``pk`` named ``serial``, ``rank_ce``, ``rank_nccl`` or ``kN``."""
+    """The TilePlan of package ``pk`` named ``serial``, ``rank_ce``, ``rank_nccl`` or ``kN[sS][cC]``
+    (N batch tiles over NCCL on S compute streams, default 2, the GEMMs leaving C SMs free in
+    both passes, default none)."""
     TilePlan = pk.layers.planned.TilePlan
     if name == "serial":
         return TilePlan(1)
-    if name[0] == "k" and name[1:].isdigit():
-        return TilePlan(int(name[1:]))
+    tiles = re.fullmatch(r"k(\d+)(?:s(\d+))?(?:c(\d+))?", name)
+    if tiles:
+        k, s, c = tiles.groups()
+        return TilePlan(int(k), num_streams=int(s or 2), carveout=(int(c), int(c)) if c else ())
     return TilePlan(1, decomposition="rank", transport=name.split("_")[1].replace("ce", "copy_engine"))
 
 
@@ -118,7 +123,8 @@ def parse_args():
     p.add_argument("--layer", choices=("moe", "attention", "mlp"), default="moe")
     p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b (moe), llama3-8b (attention, mlp)")
     p.add_argument("--plans", default="rank_ce,serial",
-                   help="comma list of serial, rank_ce, rank_nccl, kN (N batch tiles over NCCL)")
+                   help="comma list of serial, rank_ce, rank_nccl, kN[sS][cC] (N batch tiles over NCCL, S "
+                        "compute streams, C SMs left free by the GEMMs)")
     p.add_argument("--passes", default="fwd,fwdbwd")
     p.add_argument("--tokens", type=int, default=None, help="moe: tokens per rank (default: the preset's)")
     p.add_argument("--batch", type=int, default=None, help="attention: sequences (default: the preset's first)")
