@@ -206,6 +206,17 @@ run about 35% slower per row than the whole ones (``bench/moe_gemm_micro.py --co
 per expert per part lose about 19% to the size and 25% to the groups' part tiles, and more beside
 copy-engine traffic; the remedy would be a receive layout by expert (each expert's rows from every
 source in one group), which changes the exchange's regions, the pulls and the backward's tables.
+
+Session 44 (``bench/results/session44_h200_2026-11-27.md``) measured two ways to win back the
+split GEMMs' loss, and kept neither. One rank's experts alone, forward (``moe_gemm_micro.py
+--layout``, EP 4 / EP 2, ms): by source 1.322 / 1.216, by source with the parts alternating
+between two streams 1.209 / 1.216, by chunks of experts over fixed regions of every source's rows
+1.228 / 1.364, packed by expert in one launch 1.024 / 1.154. The regions layout would win less at
+EP 4 than its redesign costs, and lose at EP 2. The two streams, in the layer (the peers' parts
+alternating between the caller's stream and a second one, bit-identical results): 5.80 -> 5.95 ms
+at EP 4 (forward 1.89 -> 1.97), 5.83 -> 6.26 at EP 2. Beside its neighbour, each part's GEMMs end
+later, and so do the pushes that wait for them: the overlap fills the SMs but lengthens the
+chain from each pull to its push, which is what bounds the call.
 """
 from __future__ import annotations
 
