@@ -1,0 +1,157 @@
+"""Would a grouped GEMM with smaller row tiles run the MoE device path's parts faster?
+
+The device path runs each source's rows as they arrive: at qwen3-30b-a3b, EP 4, a part holds
+about 512 rows per expert, and ``torch._grouped_mm`` runs it about 35% slower per row than one
+GEMM over every source's rows (``bench/moe_gemm_micro.py --counts``, session 43; [Note: MoE
+training graphs] in ``layers/moe_device.py``). Part of that is each group's last row tile: a
+routing's counts rarely fill it. This times, on one GPU, the experts' two forward projections
+(``x [R, H] @ w_in^T``, ``h [R, F] @ w_out^T``, per expert) over one part and over the whole rows,
+by ``torch._grouped_mm`` and by a Triton grouped GEMM with a few tile shapes, 64-row tiles among
+them (the last tile's waste halves, each weight tile is read by twice as many programs).
+
+Reference: ``y[rows of g] = x[rows of g] @ w[g]`` for each group ``g`` (rows by ``offs``, the
+groups' ends); the script prints each kernel's relative error against ``torch._grouped_mm``.
+
+    python bench/grouped_mm_tiles_probe.py [--ep 4] [--out FILE.json]
+    TRITON_INTERPRET=1 python bench/grouped_mm_tiles_probe.py --tiny     # CPU: the kernel's numerics
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4),
+           (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)]  # (BM, BN, BK, warps, stages)
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, w_ptr, y_ptr, ends_ptr, tile_group_ptr, tile_row_ptr, N, sxm, swg, swk, swn, sym,
+                    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One [BM, BN] tile of one group's output per program: the row tiles of a group adjacent
+    (its weight stays in L2 while they run), the column tiles of a row tile adjacent (its rows
+    too)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    t = pid // tiles_n
+    g = tl.load(tile_group_ptr + t)
+    end = tl.load(ends_ptr + g)
+    rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+    rn = (pid % tiles_n) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    live = rm < end
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + (k0 + rk)[None, :],
+                    mask=live[:, None] & ((k0 + rk)[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + g.to(tl.int64) * swg + (k0 + rk)[:, None] * swk + rn[None, :] * swn,
+                    mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=live[:, None] & (rn[None, :] < N))
+
+
+def tile_map(counts: torch.Tensor, BM: int, device) -> tuple:
+    """``(tile_group, tile_row)``: each row tile's group and first row (from the host's counts:
+    a probe, not the layer, which would build them on the device)."""
+    starts = torch.cumsum(counts, 0) - counts
+    tiles = (counts + BM - 1) // BM
+    group = torch.repeat_interleave(torch.arange(len(counts)), tiles)
+    first = torch.repeat_interleave(starts, tiles)
+    within = torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    return group.to(device, torch.int32), (first + within * BM).to(device, torch.int32)
+
+
+def triton_grouped(x, w, offs, maps, cfg, out):
+    """``out`` = the module reference, ``w [G, K, N]`` (any strides), ``maps`` from :func:`tile_map`."""
+    BM, BN, BK, warps, stages = cfg
+    group, rows = maps
+    K, N = w.shape[1], w.shape[2]
+    grid = (len(group) * triton.cdiv(N, BN),)
+    _grouped_kernel[grid](x, w, out, offs, group, rows, N, x.stride(0), w.stride(0), w.stride(1), w.stride(2),
+                          out.stride(0), K=K, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
+def tiny() -> None:
+    """The kernel against a float64 loop on the CPU (under Triton's interpreter)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([70, 0, 131, 1, 64])
+    G, K, N = len(counts), 48, 40
+    x = torch.randn(int(counts.sum()) + 3, K, generator=g)
+    w = torch.randn(G, N, K, generator=g).transpose(1, 2)  # [G, K, N], as the layer's w_in.transpose(-2, -1)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    for cfg in ((32, 32, 16, 4, 2), (16, 64, 16, 4, 2)):
+        out = torch.full((x.shape[0], N), float("nan"))
+        triton_grouped(x, w, offs, tile_map(counts, cfg[0], "cpu"), cfg, out)
+        want = torch.cat([x[int(offs[i] - counts[i]):int(offs[i])].double() @ w[i].double() for i in range(G)])
+        err = ((out[:len(want)].double() - want).norm() / want.norm()).item()
+        print(f"tiny {cfg}: relative error {err:.1e}, rows past the groups untouched: "
+              f"{bool(out[len(want):].isnan().all())}")
+        assert err < 1e-5 and out[len(want):].isnan().all()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", type=int, default=4)
+    p.add_argument("--tiny", action="store_true", help="check the kernel on the CPU under the interpreter")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.tiny:
+        return tiny()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, F, E, k, T = 2048, 768, 128, 8, 8192  # qwen3-30b-a3b, tokens per rank
+    El, per = E // args.ep, T * k // args.ep
+    g = torch.Generator().manual_seed(0)
+    part = torch.bincount(torch.randint(0, El, (per,), generator=g), minlength=El)  # one source's part
+    whole = sum(torch.bincount(torch.randint(0, El, (per,), generator=g), minlength=El)
+                for _ in range(args.ep - 1)) + part
+    w_in_t = (torch.randn(El, 2 * F, H, device=dev, dtype=dt) * 0.02).transpose(1, 2)  # [El, H, 2F]
+    w_out_t = (torch.randn(El, H, F, device=dev, dtype=dt) * 0.02).transpose(1, 2)  # [El, F, H]
+    rows = []
+    for rows_name, counts in (("part", part), ("whole", whole)):
+        R = int(counts.sum())
+        offs = torch.cumsum(counts, 0).to(dev, torch.int32)
+        for proj, w in (("gate/up", w_in_t), ("down", w_out_t)):
+            x = torch.randn(R, w.shape[1], device=dev, dtype=dt)
+            want = torch._grouped_mm(x, w, offs=offs)
+            row = dict(rows=rows_name, projection=proj, R=R, groups=El,
+                       grouped_mm_ms=_ms(lambda: torch._grouped_mm(x, w, offs=offs)))
+            for cfg in CONFIGS:
+                maps, out = tile_map(counts, cfg[0], dev), torch.empty_like(want)
+                name = "triton_" + "x".join(map(str, cfg))
+                try:
+                    triton_grouped(x, w, offs, maps, cfg, out)
+                    err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+                    row[name] = (_ms(lambda: triton_grouped(x, w, offs, maps, cfg, out)), err)
+                except Exception as e:  # noqa: BLE001 - a configuration that does not compile here
+                    row[name] = repr(e)[:80]
+            rows.append(row)
+            best = min((v[0], n) for n, v in row.items() if n.startswith("triton_") and isinstance(v, tuple))
+            print(f"EP {args.ep} {rows_name:5s} {proj:7s} {R:6d} rows: grouped_mm {row['grouped_mm_ms'] * 1e3:6.0f} us,"
+                  f" best Triton {best[0] * 1e3:6.0f} us ({best[1][7:]})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ep=args.ep, rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
