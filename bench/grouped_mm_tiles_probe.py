@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from expert_wgrad_probe import _ms  # noqa: E402
 
 CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4),
            (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)]  # (BM, BN, BK, warps, stages)
@@ -76,18 +77,6 @@ def triton_grouped(x, w, offs, maps, cfg, out):
     _grouped_kernel[grid](x, w, out, offs, group, rows, N, x.stride(0), w.stride(0), w.stride(1), w.stride(2),
                           out.stride(0), K=K, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return out
-
-
-def _ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def tiny() -> None:
