@@ -32,20 +32,29 @@ CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (64
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, w_ptr, y_ptr, ends_ptr, tile_group_ptr, tile_row_ptr, N, sxm, swg, swk, swn, sym,
-                    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One [BM, BN] tile of one group's output per program: the row tiles of a group adjacent
-    (its weight stays in L2 while they run), the column tiles of a row tile adjacent (its rows
-    too)."""
+def _grouped_kernel(x_ptr, w_ptr, y_ptr, ends_ptr, tile_ends_ptr, G, N, sxm, swg, swk, swn, sym, K: tl.constexpr,
+                    GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One [BM, BN] tile of one group's output per program, found on the device as a captured
+    call would (no count read on the host): the grid covers a bound of row tiles, the program's
+    group is the count of groups whose row tiles end at or before its tile (``tile_ends``, the
+    running sum of each group's tiles), and tiles past the last do nothing. The row tiles of a
+    group are adjacent (its weight stays in L2 while they run), the column tiles of a row tile
+    too (its rows)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     t = pid // tiles_n
-    g = tl.load(tile_group_ptr + t)
+    gi = tl.arange(0, GP)
+    tile_ends = tl.load(tile_ends_ptr + gi, mask=gi < G, other=2 ** 30)
+    g = tl.sum((tile_ends <= t).to(tl.int32), 0)
+    real = g < G
+    g = tl.minimum(g, G - 1)
+    first_tile = tl.where(g > 0, tl.load(tile_ends_ptr + tl.maximum(g - 1, 0)), 0)
+    start = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
     end = tl.load(ends_ptr + g)
-    rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+    rm = start + (t - first_tile) * BM + tl.arange(0, BM)
     rn = (pid % tiles_n) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    live = rm < end
+    live = (rm < end) & real
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + (k0 + rk)[None, :],
@@ -57,25 +66,19 @@ def _grouped_kernel(x_ptr, w_ptr, y_ptr, ends_ptr, tile_group_ptr, tile_row_ptr,
              mask=live[:, None] & (rn[None, :] < N))
 
 
-def tile_map(counts: torch.Tensor, BM: int, device) -> tuple:
-    """``(tile_group, tile_row)``: each row tile's group and first row (from the host's counts:
-    a probe, not the layer, which would build them on the device)."""
-    starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + BM - 1) // BM
-    group = torch.repeat_interleave(torch.arange(len(counts)), tiles)
-    first = torch.repeat_interleave(starts, tiles)
-    within = torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
-    return group.to(device, torch.int32), (first + within * BM).to(device, torch.int32)
-
-
-def triton_grouped(x, w, offs, maps, cfg, out):
-    """``out`` = the module reference, ``w [G, K, N]`` (any strides), ``maps`` from :func:`tile_map`."""
+def triton_grouped(x, w, offs, cfg, out):
+    """``out`` = the module reference for ``x [R, K]`` (rows past ``offs[-1]`` are not read or
+    written), ``w [G, K, N]`` (any strides), ``offs [G]`` int32 on the device. Two small ops on
+    the device (each group's row tiles, summed) and the kernel over a bound of ``R / BM + G`` row
+    tiles: nothing read on the host."""
     BM, BN, BK, warps, stages = cfg
-    group, rows = maps
-    K, N = w.shape[1], w.shape[2]
-    grid = (len(group) * triton.cdiv(N, BN),)
-    _grouped_kernel[grid](x, w, out, offs, group, rows, N, x.stride(0), w.stride(0), w.stride(1), w.stride(2),
-                          out.stride(0), K=K, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    G, K, N = w.shape
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tile_ends = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0, dtype=torch.int32)
+    grid = ((triton.cdiv(x.shape[0], BM) + G) * triton.cdiv(N, BN),)
+    _grouped_kernel[grid](x, w, out, offs, tile_ends, G, N, x.stride(0), w.stride(0), w.stride(1), w.stride(2),
+                          out.stride(0), K=K, GP=triton.next_power_of_2(G), BM=BM, BN=BN, BK=BK, num_warps=warps,
+                          num_stages=stages)
     return out
 
 
@@ -89,7 +92,7 @@ def tiny() -> None:
     offs = torch.cumsum(counts, 0).to(torch.int32)
     for cfg in ((32, 32, 16, 4, 2), (16, 64, 16, 4, 2)):
         out = torch.full((x.shape[0], N), float("nan"))
-        triton_grouped(x, w, offs, tile_map(counts, cfg[0], "cpu"), cfg, out)
+        triton_grouped(x, w, offs, cfg, out)
         want = torch.cat([x[int(offs[i] - counts[i]):int(offs[i])].double() @ w[i].double() for i in range(G)])
         err = ((out[:len(want)].double() - want).norm() / want.norm()).item()
         print(f"tiny {cfg}: relative error {err:.1e}, rows past the groups untouched: "
@@ -124,12 +127,11 @@ def main() -> None:
             row = dict(rows=rows_name, projection=proj, R=R, groups=El,
                        grouped_mm_ms=_ms(lambda: torch._grouped_mm(x, w, offs=offs)))
             for cfg in CONFIGS:
-                maps, out = tile_map(counts, cfg[0], dev), torch.empty_like(want)
-                name = "triton_" + "x".join(map(str, cfg))
+                out, name = torch.empty_like(want), "triton_" + "x".join(map(str, cfg))
                 try:
-                    triton_grouped(x, w, offs, maps, cfg, out)
+                    triton_grouped(x, w, offs, cfg, out)
                     err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-                    row[name] = (_ms(lambda: triton_grouped(x, w, offs, maps, cfg, out)), err)
+                    row[name] = (_ms(lambda: triton_grouped(x, w, offs, cfg, out)), err)
                 except Exception as e:  # noqa: BLE001 - a configuration that does not compile here
                     row[name] = repr(e)[:80]
             rows.append(row)
