@@ -7,7 +7,8 @@ training graphs] in ``layers/moe_device.py``). Part of that is each group's last
 routing's counts rarely fill it. This times, on one GPU, the experts' two forward projections
 (``x [R, H] @ w_in^T``, ``h [R, F] @ w_out^T``, per expert) over one part and over the whole rows,
 by ``torch._grouped_mm`` and by a Triton grouped GEMM with a few tile shapes, 64-row tiles among
-them (the last tile's waste halves, each weight tile is read by twice as many programs).
+them (the last tile's waste halves, each weight tile is read by twice as many programs); and the
+backward's two data-gradient GEMMs (``dy @ w_out``, ``dh @ w_in``) alike.
 
 Reference: ``y[rows of g] = x[rows of g] @ w[g]`` for each group ``g`` (rows by ``offs``, the
 groups' ends); the script prints each kernel's relative error against ``torch._grouped_mm``.
@@ -88,9 +89,9 @@ def tiny() -> None:
     counts = torch.tensor([70, 0, 131, 1, 64])
     G, K, N = len(counts), 48, 40
     x = torch.randn(int(counts.sum()) + 3, K, generator=g)
-    w = torch.randn(G, N, K, generator=g).transpose(1, 2)  # [G, K, N], as the layer's w_in.transpose(-2, -1)
+    w_t = torch.randn(G, N, K, generator=g).transpose(1, 2)  # [G, K, N], as the forward's w_in.transpose(-2, -1)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    for cfg in ((32, 32, 16, 4, 2), (16, 64, 16, 4, 2)):
+    for cfg, w in (((32, 32, 16, 4, 2), w_t), ((16, 64, 16, 4, 2), w_t.contiguous())):  # and as the dgrad's w
         out = torch.full((x.shape[0], N), float("nan"))
         triton_grouped(x, w, offs, cfg, out)
         want = torch.cat([x[int(offs[i] - counts[i]):int(offs[i])].double() @ w[i].double() for i in range(G)])
@@ -115,13 +116,14 @@ def main() -> None:
     part = torch.bincount(torch.randint(0, El, (per,), generator=g), minlength=El)  # one source's part
     whole = sum(torch.bincount(torch.randint(0, El, (per,), generator=g), minlength=El)
                 for _ in range(args.ep - 1)) + part
-    w_in_t = (torch.randn(El, 2 * F, H, device=dev, dtype=dt) * 0.02).transpose(1, 2)  # [El, H, 2F]
-    w_out_t = (torch.randn(El, H, F, device=dev, dtype=dt) * 0.02).transpose(1, 2)  # [El, F, H]
+    w_in = torch.randn(El, 2 * F, H, device=dev, dtype=dt) * 0.02
+    w_out = torch.randn(El, H, F, device=dev, dtype=dt) * 0.02
     rows = []
     for rows_name, counts in (("part", part), ("whole", whole)):
         R = int(counts.sum())
         offs = torch.cumsum(counts, 0).to(dev, torch.int32)
-        for proj, w in (("gate/up", w_in_t), ("down", w_out_t)):
+        for proj, w in (("gate/up", w_in.transpose(1, 2)), ("down", w_out.transpose(1, 2)),  # the forward
+                        ("dgrad down", w_out), ("dgrad gate/up", w_in)):  # the backward's data gradients
             x = torch.randn(R, w.shape[1], device=dev, dtype=dt)
             want = torch._grouped_mm(x, w, offs=offs)
             row = dict(rows=rows_name, projection=proj, R=R, groups=El,
