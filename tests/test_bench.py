@@ -388,6 +388,23 @@ def test_inproc_ab_dry_run(tmp_path, layer):
         assert 0 < r["old_host_ms"] <= r["old_ms"] * 1.001 and 0 < r["new_host_ms"] <= r["new_ms"] * 1.001
 
 
+def test_inproc_ab_plan_names():
+    """``bench/inproc_ab.py``'s plan names: batch tiles with their compute streams and carveout."""
+    import importlib.util
+    import overlap_layers
+    from overlap_layers.layers.planned import TilePlan
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("inproc_ab", os.path.join(root, "bench", "inproc_ab.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.plan_of(overlap_layers, "k4") == TilePlan(4)
+    assert mod.plan_of(overlap_layers, "k6s1") == TilePlan(6, num_streams=1)
+    assert mod.plan_of(overlap_layers, "k8s1c16") == TilePlan(8, num_streams=1, carveout=(16, 16))
+    assert mod.plan_of(overlap_layers, "k2c8") == TilePlan(2, carveout=(8, 8))
+    assert mod.plan_of(overlap_layers, "serial").is_serial
+    assert mod.plan_of(overlap_layers, "rank_ce") == TilePlan(1, decomposition="rank", transport="copy_engine")
+
+
 def _host_phases():
     import importlib.util
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
