@@ -30,7 +30,7 @@ where they are (no copy into one buffer): the kernel reads their addresses from 
 (:class:`WgradParts`, filled on the device so that a graph can capture it).
 
 Each tile runs one loop per segment, which Triton pipelines anew, and ends each segment with a
-part step. Over the same rows made contiguous (one segment per group) the kernel takes 606 us for
+partial step. Over the same rows made contiguous (one segment per group) the kernel takes 606 us for
 dW_in at EP 4, against 703 over the parts and 589 for ``torch._grouped_mm`` (1x H200,
 ``bench/moe_backward_probe.py --wgrad``, session 44). Three ways to run a group's segments as one
 loop measured no better: each step's segment picked from the segments' bounds in registers (921
