@@ -137,7 +137,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a configuration that does not compile here
                     row[name] = repr(e)[:80]
             rows.append(row)
-            best = min((v[0], n) for n, v in row.items() if n.startswith("triton_") and isinstance(v, tuple))
+            best = min(((v[0], n) for n, v in row.items() if n.startswith("triton_") and isinstance(v, tuple)),
+                       default=(float("nan"), "triton_none compiled"))
             print(f"EP {args.ep} {rows_name:5s} {proj:7s} {R:6d} rows: grouped_mm {row['grouped_mm_ms'] * 1e3:6.0f} us,"
                   f" best Triton {best[0] * 1e3:6.0f} us ({best[1][7:]})", flush=True)
     if args.out:
