@@ -22,6 +22,7 @@ from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_o
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.planned import TilePlan
+from overlap_layers.sim import analytic_model
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 # The capacity order ([Note: capacity order] in moe_reference.py): by the top-k router probability
@@ -507,6 +508,37 @@ def test_constructor_shapes(pool2):
         assert dense == dict(router_weight=(8, 8), w_in=(8, 12, 8), w_out=(8, 8, 6), shared_w_in=(8, 8),
                              shared_w_out=(8, 4)), dense
     assert torch.equal(res[0][2], res[1][2]), "the replicated router differs across ranks"
+
+
+def _grouped_setups(rank, ws):
+    """Each grouped GEMM the layer times for its planner, run once: ``(key, (m, n, k), relative
+    error)`` against a float64 product per expert, rows spread evenly, with the layer's weights as
+    the cost model's gemms order them (gate/up and down transposed, then their data gradients)."""
+    torch.manual_seed(0)
+    layer = OverlapMoE(8, 4, 8, 2, group=dist.group.WORLD)
+    cm = layer._cost_model((16, torch.float32), analytic_model("cpu"))
+    setups = layer._grouped_setups(cm, torch.float32)
+    w_in, w_out = layer.w_in.detach().double(), layer.w_out.detach().double()
+    weights = (w_in.transpose(-2, -1), w_out.transpose(-2, -1), w_out, w_in)
+    out = []
+    for key, (m, n, k, i) in sorted(cm.grouped_ops().items()):
+        torch.manual_seed(1)
+        y = setups[key]()()
+        torch.manual_seed(1)
+        x = torch.randn(m, k).double()  # the setup's rows, drawn first
+        bounds = [e * m // w_in.shape[0] for e in range(w_in.shape[0] + 1)]
+        want = torch.cat([x[a:b] @ weights[i][e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        out.append((key, tuple(y.shape), (m, n), ((y.double() - want).norm() / want.norm()).item()))
+    return out
+
+
+def test_grouped_gemm_timings_run_the_priced_gemms(pool2):
+    """[Note: grouped GEMMs read every expert's weights]: the setups the layer times at its first
+    call compute, for every key the cost model prices, that grouped GEMM on the layer's weights."""
+    for res in pool2.run(_grouped_setups):
+        assert len(res) >= 8, res  # tiles and rank pieces, four GEMMs each
+        for key, shape, want_shape, err in res:
+            assert shape == want_shape and err < 1e-5, (key, shape, want_shape, err)
 
 
 # ------------------------------------------------------------------ bad input

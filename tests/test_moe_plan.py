@@ -76,14 +76,15 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop():
 
 
 def test_grouped_experts_cost_one_gemm_per_projection():
-    """Grouped, the experts of a tile cost one GEMM per projection over all its rows; per expert,
-    El GEMMs of r rows each (more fixed costs)."""
+    """Grouped, the experts of a tile cost one GEMM per projection over all its rows, plus a read of
+    the other local expert's weights; per expert, El GEMMs of r rows each (more fixed costs)."""
     per_expert, grouped = mixtral_ep4(1.0, 100.0), mixtral_ep4(1.0, 100.0, grouped=True)
     md, a = grouped.model, 4096
     gathers = md.mem_ms(4 * a * 4096 * 2) + md.mem_ms(a * (2 * 14336 + 14336) * 2)
+    other_weights = (2 * 14336 * 4096 + 4096 * 14336) * 2 / 3e9  # the second local expert's, at 3000 GB/s
     assert grouped.op_ms(a, "experts") == pytest.approx(md.gemm_ms(a, 2 * 14336, 4096) + md.gemm_ms(a, 4096, 14336)
-                                                        + gathers)
-    assert per_expert.op_ms(a, "experts") > grouped.op_ms(a, "experts")
+                                                        + other_weights + gathers)
+    assert per_expert.op_ms(a, "experts") - grouped.op_ms(a, "experts") == pytest.approx(2 * 0.01 - other_weights)
 
 
 @given(n=st.integers(0, 50), k=st.integers(1, 9))
@@ -183,8 +184,80 @@ def test_rank_chunks_skip_the_regrouping_gathers():
     serial = cm.op_ms(a, "experts")
     ranked = cm.rank_chunk_ms(backward=False, transport="copy_engine", sources=1)[0]
     assert cm.chunk_bytes() == 33554432
-    # five pieces (own halves, three peers): five GEMM pairs, each with its fixed cost, against one
-    assert ranked == pytest.approx(serial - cm.model.mem_ms(4 * a * cm.H * cm.e) + 8 * 0.01, rel=1e-6)
+    # five pieces (own halves, three peers): five grouped GEMM pairs, each with its fixed cost and a
+    # read of the three other local experts' weights, against one
+    reads = 3 * (2 * 2048 * 4096 + 4096 * 2048) * 2 / 3e9
+    assert ranked == pytest.approx(serial - cm.model.mem_ms(4 * a * cm.H * cm.e) + 4 * (2 * 0.01 + reads), rel=1e-6)
+
+
+def _qwen3_ep4(**model) -> MoECostModel:
+    hw = HardwareModel(**{**dict(gemm_tflops=700.0, gemm_fixed_ms=0.01, mem_gbps=4000.0, launch_ms=0.005,
+                                 interference=1.0, comm={k: (0.02, 150.0) for k in COMM_KINDS}), **model})
+    return MoECostModel(tokens=8192, world_size=4, hidden=2048, n_in=2 * 768, ffn=768, experts=128, top_k=8,
+                        elt=2, model=hw, grouped=True)
+
+
+def test_grouped_gemms_read_every_experts_weights():
+    """[Note: grouped GEMMs read every expert's weights]: unmeasured, a grouped GEMM of one tile
+    costs the dense GEMM of its shape plus a read of the other 31 local experts' weights, whatever
+    its rows; so K tiles pay K reads, which moves the best K down (all-to-alls at 600 GB/s)."""
+    cm = _qwen3_ep4(comm={k: (0.02, 600.0) for k in COMM_KINDS})
+    md, a = cm.model, 16384
+    gate_up = md.gemm_ms(a, 1536, 2048) + 31 * 1536 * 2048 * 2 / 4e9
+    down = md.gemm_ms(a, 2048, 768) + 31 * 2048 * 768 * 2 / 4e9
+    assert cm.op_ms(a, "experts") == pytest.approx(gate_up + down + md.mem_ms(4 * a * 2048 * 2)
+                                                   + md.mem_ms(a * (1536 + 768) * 2), rel=1e-9)
+    free = _qwen3_ep4(comm={k: (0.02, 600.0) for k in COMM_KINDS})  # as if measured at the dense GEMMs' times
+    free.model = HardwareModel(**{**vars(md), "op_measured": {
+        key: md.gemm_ms(m, n, k) for key, (m, n, k, _) in free.grouped_ops().items()}})
+    for training in (False, True):
+        slow = choose(plan_candidates(cm, programs, training=training)).candidate.num_tiles
+        fast = choose(plan_candidates(free, programs, training=training)).candidate.num_tiles
+        assert slow < fast, (training, slow, fast)
+
+
+def test_measured_grouped_gemms_replace_the_estimate():
+    """A grouped GEMM the layer timed (``op_measured`` under ``grouped_mm:m,n,k,El,w``, ``w`` t for
+    the forward's transposed weights, c for the data gradient's) costs what was measured."""
+    cm = _qwen3_ep4(op_measured={"grouped_mm:16384,1536,2048,32,t": 0.195, "grouped_mm:16384,2048,768,32,t": 0.112,
+                                 "grouped_mm:16384,768,2048,32,c": 0.104, "grouped_mm:16384,2048,1536,32,c": 0.188})
+    md, a = cm.model, 16384
+    assert cm.op_ms(a, "experts") == pytest.approx(0.195 + 0.112 + md.mem_ms(4 * a * 2048 * 2)
+                                                   + md.mem_ms(a * (1536 + 768) * 2), rel=1e-9)
+    dgrads = cm.op_ms(a, "experts_bwd") - cm._wgrad_ms(a) - md.mem_ms(4 * a * 2048 * 2)
+    assert dgrads == pytest.approx(0.104 + 0.188 + md.mem_ms(a * (2 * 1536 + 768) * 2), rel=1e-9)
+
+
+class _Reads(dict):
+    """A dict that records the keys looked up."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.asked = set()
+
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_layer_measures_every_gemm_the_planner_prices(grouped):
+    """Every GEMM the candidates are priced by (batch tiles and rank pieces, forward and
+    backward) is one the layer times at its first call: dense ones by shape
+    (``gemm_shapes``), grouped ones by key (``grouped_ops``); none of the grouped forward or
+    data-gradient GEMMs is timed as a dense GEMM."""
+    cm = _qwen3_ep4()
+    cm.grouped = grouped
+    timed = _Reads({key: 1.0 for key in cm.grouped_ops()})  # as the layer's first call leaves them
+    cm.model = HardwareModel(**{**vars(cm.model), "gemm_measured": _Reads(), "op_measured": timed})
+    plan_candidates(cm, programs, training=True)
+    for backward in (False, True):
+        cm.rank_chunk_ms(backward=backward, transport="copy_engine", sources=1)
+    grouped_asked = {k for k in cm.model.op_measured.asked if k.startswith("grouped_mm:")}
+    assert grouped_asked == set(cm.grouped_ops()) and bool(grouped_asked) == grouped
+    assert cm.model.gemm_measured.asked == cm.gemm_shapes()
+    assert grouped == ((cm.rows * cm.k, 1536, 2048, 0) in set(cm.grouped_ops().values()) and
+                       not any(s[1:] in ((1536, 2048), (2048, 768)) for s in cm.gemm_shapes()))
 
 
 def test_rank_piece_offsets_by_hand():

@@ -731,7 +731,24 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
-        return self._copy_engine_setups(cm)  # GEMMs are measured; the rest is costed by bandwidth
+        """The copy engine's ops and the grouped GEMMs ([Note: grouped GEMMs read every expert's
+        weights] in ``moe_cost.py``); dense GEMMs are measured by shape, the rest costed by
+        bandwidth."""
+        return {**self._copy_engine_setups(cm), **self._grouped_setups(cm, dtype)}
+
+    def _grouped_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
+        """Per :meth:`MoECostModel.grouped_ops` key, a setup of that grouped GEMM as the layer runs
+        it: on its own weights (the forward's as transposed views), rows spread evenly over the
+        local experts."""
+        w_in, w_out = self.w_in.detach().to(dtype), self.w_out.detach().to(dtype)
+        weights = (w_in.transpose(-2, -1), w_out.transpose(-2, -1), w_out, w_in)  # MoECostModel.gemms' order
+        El, dev = w_in.shape[0], w_in.device
+
+        def setup(m: int, k: int, i: int):
+            x = torch.randn(m, k, dtype=dtype, device=dev)
+            offs = torch.tensor([(e + 1) * m // El for e in range(El)], dtype=torch.int32, device=dev)
+            return lambda: torch._grouped_mm(x, weights[i], offs=offs)
+        return {key: (lambda m=m, k=k, i=i: setup(m, k, i)) for key, (m, n, k, i) in cm.grouped_ops().items()}
 
     def _config_digest(self) -> int:
         key = (self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,

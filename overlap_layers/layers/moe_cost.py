@@ -9,20 +9,41 @@ I expert fc1 width (2*ffn for swiglu), F = ffn, e bytes per element:
 op           time                                         memory allocated (freed after)
 ===========  ===========================================  ==============================
 dispatch     all-to-all of A*H*e                          received rows, A*H*e (experts)
-experts      GEMM (A, I, H) + GEMM (A, H, F) (grouped)    act and out, A*(I+F+H)*e (combine)
+experts      GGEMM (A, I, H) + GGEMM (A, H, F) (grouped)  act and out, A*(I+F+H)*e (combine)
              or El x (GEMM (r, I, H) + GEMM (r, H, F))
              + memory A*(I+F)*e + two row gathers 4*A*H*e
 combine      all-to-all of A*H*e                          combined rows, A*H*e (kept: the output)
 dispatch_bwd all-to-all of A*H*e                          A*H*e (experts_bwd)
 experts_bwd  2 GEMMs dgrad + 2 wgrad (grouped: the dgrads   A*(I+F+H)*e (combine_bwd)
-             as one GEMM each, the wgrads as one with
+             as one GGEMM each, the wgrads as one with
              El*H / El*I output rows and r deep; else
              El x 4 GEMMs) + act' + two row gathers
 combine_bwd  all-to-all of A*H*e
 ===========  ===========================================  ==============================
 
+GGEMM (m, n, k): a grouped GEMM of m rows spread evenly over the El local experts, ``[m, k] @
+w[e] [k, n]``, as the layer measured it at its first call, else priced by
+:meth:`MoECostModel.grouped_ms` ([Note: grouped GEMMs read every expert's weights]).
+
 Routing, the permutation and the weighted combine run once per call whatever K is, so they are
 left out (they do not change the choice).
+
+[Note: grouped GEMMs read every expert's weights]
+A grouped GEMM reads all El experts' weights whatever its row count, where the dense GEMM of
+the same ``(m, n, k)`` reads one expert's: a tile or rank piece of the experts costs, beyond its
+rows, one read of the weights. Measured on one H200 (``bench/grouped_mm_tiles_probe.py``,
+qwen3-30b-a3b, ``torch._grouped_mm``, session 45), one source's part (16384 rows over 32
+experts) against every source's rows (65536): the forward's gate/up GEMM 195 against 582 us, the
+down GEMM 112 against 371, the data gradients 104 / 314 and 188 / 642. Fitting ``t = a*rows +
+b`` gives b = 66, 26, 34 and 37 us, where reading the GEMM's weights once takes 42 (201 MB), 21,
+21 and 42 us at 4.8 TB/s (EP 2, 32768 rows over 64 experts against 65536: b = 94, 19, 71, 32
+against 84, 42, 42, 84): each part costs about one more read of the weights. Before,
+the model priced a grouped GEMM as the dense one (the whole rows' rate) and so saw no cost in
+splitting the experts into tiles or pieces. Now the layer times each grouped GEMM the candidates
+need (:meth:`MoECostModel.grouped_ops`, on its own weights); unmeasured, a grouped GEMM costs the
+dense GEMM plus a read of the other El-1 experts' weights at the model's memory bandwidth.
+Smaller row tiles do not recover the loss: a Triton grouped GEMM with 64-row tiles ran 15-50%
+slower than ``torch._grouped_mm`` on every one of these GEMMs.
 
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
@@ -40,11 +61,15 @@ all-to-all (:meth:`MoECostModel.transfer_ms`). Its buffers: over the copy engine
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from ..sim import HardwareModel
+from .candidates import TILE_CHOICES
 from .mlp_cost import MLPCostModel
 from .moe_ranks import LOOP_WGRAD_EXPERTS
+from .tiling import tile_bounds
+
+GROUPED_WEIGHTS = "ttcc"  # the grouped GEMMs' weights: transposed views (forward), contiguous (dgrad)
 
 
 class MoECostModel(MLPCostModel):
@@ -74,6 +99,48 @@ class MoECostModel(MLPCostModel):
     def act_ops(self, tile_choices=()) -> Dict[str, Tuple[str, int]]:
         return {}  # the activation is costed by bandwidth here
 
+    def _row_counts(self, tile_choices) -> Set[int]:
+        """The assignment rows of every tile and rank piece the candidates cost."""
+        tiles = {self.gathered(b - a) for k in tile_choices for a, b in tile_bounds(self.rows, k)}
+        return tiles | set(self.piece_rows())
+
+    def grouped_key(self, m: int, n: int, k: int, i: int) -> str:
+        """The ``op_measured`` key of GGEMM ``(m, n, k)``, the ``i``-th of :meth:`gemms` (0 gate/up,
+        1 down, 2 and 3 their data gradients)."""
+        return f"grouped_mm:{m},{n},{k},{self.El},{GROUPED_WEIGHTS[i]}"
+
+    def grouped_ops(self, tile_choices=TILE_CHOICES) -> Dict[str, Tuple[int, int, int, int]]:
+        """Grouped: the forward's and the data gradient's GGEMMs of every tile and piece the
+        candidates cost, ``key: (m, n, k, i)`` (:meth:`grouped_key`)."""
+        if not self.grouped:
+            return {}
+        return {self.grouped_key(*g, i): (*g, i) for a in self._row_counts(tile_choices)
+                for i, g in enumerate(self.gemms(a)[:4])}
+
+    def gemm_shapes(self, tile_choices=TILE_CHOICES) -> Set[Tuple[int, int, int]]:
+        """The dense GEMMs the model prices (grouped: the weight gradients' alone; the rest are
+        :meth:`grouped_ops`)."""
+        if not self.grouped:
+            return super().gemm_shapes(tile_choices)
+        return {s for a in self._row_counts(tile_choices) for s in self.gemms(a)[4:]}
+
+    def grouped_ms(self, m: int, n: int, k: int, i: int) -> float:
+        """GGEMM ``(m, n, k)``, the ``i``-th of :meth:`gemms`: measured, else the dense GEMM plus a
+        read of the other El-1 experts' weights ([Note: grouped GEMMs read every expert's
+        weights])."""
+        md = self.model
+        got = md.op_measured.get(self.grouped_key(m, n, k, i))
+        if got is not None:
+            return got
+        return md.gemm_ms(m, n, k) + (self.El - 1) * n * k * self.e / (md.mem_gbps * 1e6)
+
+    def _pair_ms(self, a: int, first: int) -> float:
+        """The two GEMMs ``gemms(a)[first:first + 2]``: grouped, two GGEMMs; else El of each."""
+        md, g = self.model, self.gemms(a)
+        if self.grouped:
+            return sum(self.grouped_ms(*g[i], i) for i in (first, first + 1))
+        return self.El * (md.gemm_ms(*g[first]) + md.gemm_ms(*g[first + 1]))
+
     def op_ms(self, a: int, name: str) -> float:
         gathers = self.model.mem_ms(4 * a * self.H * self.e)  # grouping the received rows by expert and back
         if name == "experts":
@@ -83,14 +150,10 @@ class MoECostModel(MLPCostModel):
         raise KeyError(name)
 
     def _forward_ms(self, a: int) -> float:
-        md, g = self.model, self.gemms(a)
-        n = 1 if self.grouped else self.El
-        return n * (md.gemm_ms(*g[0]) + md.gemm_ms(*g[1])) + md.mem_ms(a * (self.I + self.F) * self.e)
+        return self._pair_ms(a, 0) + self.model.mem_ms(a * (self.I + self.F) * self.e)
 
     def _dgrad_ms(self, a: int) -> float:
-        md, g = self.model, self.gemms(a)
-        n = 1 if self.grouped else self.El
-        return n * (md.gemm_ms(*g[2]) + md.gemm_ms(*g[3])) + md.mem_ms(a * (2 * self.I + self.F) * self.e)
+        return self._pair_ms(a, 2) + self.model.mem_ms(a * (2 * self.I + self.F) * self.e)
 
     def _wgrad_ms(self, a: int) -> float:
         md, g = self.model, self.gemms(a)
