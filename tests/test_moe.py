@@ -533,7 +533,7 @@ def _grouped_setups(rank, ws):
 
 
 def test_grouped_gemm_timings_run_the_priced_gemms(pool2):
-    """[Note: grouped GEMMs read every expert's weights]: the setups the layer times at its first
+    """[Note: grouped GEMMs cost more than dense ones]: the setups the layer times at its first
     call compute, for every key the cost model prices, that grouped GEMM on the layer's weights."""
     for res in pool2.run(_grouped_setups):
         assert len(res) >= 8, res  # tiles and rank pieces, four GEMMs each

@@ -197,8 +197,8 @@ def _qwen3_ep4(**model) -> MoECostModel:
                         elt=2, model=hw, grouped=True)
 
 
-def test_grouped_gemms_read_every_experts_weights():
-    """[Note: grouped GEMMs read every expert's weights]: unmeasured, a grouped GEMM of one tile
+def test_unmeasured_grouped_gemms_add_a_read_of_the_weights():
+    """[Note: grouped GEMMs cost more than dense ones]: unmeasured, a grouped GEMM of one tile
     costs the dense GEMM of its shape plus a read of the other 31 local experts' weights, whatever
     its rows; so K tiles pay K reads, which moves the best K down (all-to-alls at 600 GB/s)."""
     cm = _qwen3_ep4(comm={k: (0.02, 600.0) for k in COMM_KINDS})

@@ -731,9 +731,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return _forward_program(call, None, None), _backward_program(call, None, None, Accumulator({}))
 
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
-        """The copy engine's ops and the grouped GEMMs ([Note: grouped GEMMs read every expert's
-        weights] in ``moe_cost.py``); dense GEMMs are measured by shape, the rest costed by
-        bandwidth."""
+        """The copy engine's ops and the grouped GEMMs ([Note: grouped GEMMs cost more than dense
+        ones] in ``moe_cost.py``); dense GEMMs are measured by shape, the rest costed by bandwidth."""
         return {**self._copy_engine_setups(cm), **self._grouped_setups(cm, dtype)}
 
     def _grouped_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:

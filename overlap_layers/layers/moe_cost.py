@@ -23,27 +23,27 @@ combine_bwd  all-to-all of A*H*e
 
 GGEMM (m, n, k): a grouped GEMM of m rows spread evenly over the El local experts, ``[m, k] @
 w[e] [k, n]``, as the layer measured it at its first call, else priced by
-:meth:`MoECostModel.grouped_ms` ([Note: grouped GEMMs read every expert's weights]).
+:meth:`MoECostModel.grouped_ms` ([Note: grouped GEMMs cost more than dense ones]).
 
 Routing, the permutation and the weighted combine run once per call whatever K is, so they are
 left out (they do not change the choice).
 
-[Note: grouped GEMMs read every expert's weights]
-A grouped GEMM reads all El experts' weights whatever its row count, where the dense GEMM of
-the same ``(m, n, k)`` reads one expert's: a tile or rank piece of the experts costs, beyond its
-rows, one read of the weights. Measured on one H200 (``bench/grouped_mm_tiles_probe.py``,
-qwen3-30b-a3b, ``torch._grouped_mm``, session 45), one source's part (16384 rows over 32
-experts) against every source's rows (65536): the forward's gate/up GEMM 195 against 582 us, the
-down GEMM 112 against 371, the data gradients 104 / 314 and 188 / 642. Fitting ``t = a*rows +
-b`` gives b = 66, 26, 34 and 37 us, where reading the GEMM's weights once takes 42 (201 MB), 21,
-21 and 42 us at 4.8 TB/s (EP 2, 32768 rows over 64 experts against 65536: b = 94, 19, 71, 32
-against 84, 42, 42, 84): each part costs about one more read of the weights. Before,
-the model priced a grouped GEMM as the dense one (the whole rows' rate) and so saw no cost in
-splitting the experts into tiles or pieces. Now the layer times each grouped GEMM the candidates
-need (:meth:`MoECostModel.grouped_ops`, on its own weights); unmeasured, a grouped GEMM costs the
-dense GEMM plus a read of the other El-1 experts' weights at the model's memory bandwidth.
-Smaller row tiles do not recover the loss: a Triton grouped GEMM with 64-row tiles ran 15-50%
-slower than ``torch._grouped_mm`` on every one of these GEMMs.
+[Note: grouped GEMMs cost more than dense ones]
+A grouped GEMM of m rows over El experts costs more than the dense GEMM of the same ``(m, n,
+k)``: it reads every expert's weights, and each group ends in a partial row tile. On one H200
+(session 45, qwen3-30b-a3b at EP 4, ``torch._grouped_mm``, rows spread evenly over 32 experts,
+as the first call times them), gate/up ``(m, 1536, 2048)``, us grouped against dense: 92 / 72 at
+8192 rows (256 per expert), 151 / 94 at 10920 (341: three 128-row tiles, the last part full),
+158 / 136 at 16384, 297 / 266 at 32768, 576 / 540 at 65536; the other three GEMMs alike. With
+random counts, as routing gives, a part costs more still (``bench/grouped_mm_tiles_probe.py``:
+195 us at 16384 rows, against 582 for all 65536). Priced as the dense GEMM, as before this
+session, a tile or rank piece of the experts looked 5-60% cheaper than it is, and splitting them
+looked free of cost. So the layer times each grouped GEMM the candidates need at its first call
+(:meth:`MoECostModel.grouped_ops`, on its own weights); unmeasured (off CUDA, or without
+``config.measure``), one costs the dense GEMM plus a read of the other El-1 experts' weights at
+the model's memory bandwidth, which overestimates these by 7-60% (on the safe side: splitting
+must then win clearly). Smaller row tiles do not help here: a Triton grouped GEMM with 64-row
+tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of the probe.
 
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
@@ -126,8 +126,7 @@ class MoECostModel(MLPCostModel):
 
     def grouped_ms(self, m: int, n: int, k: int, i: int) -> float:
         """GGEMM ``(m, n, k)``, the ``i``-th of :meth:`gemms`: measured, else the dense GEMM plus a
-        read of the other El-1 experts' weights ([Note: grouped GEMMs read every expert's
-        weights])."""
+        read of the other El-1 experts' weights ([Note: grouped GEMMs cost more than dense ones])."""
         md = self.model
         got = md.op_measured.get(self.grouped_key(m, n, k, i))
         if got is not None:

@@ -217,6 +217,12 @@ alternating between the caller's stream and a second one, bit-identical results)
 at EP 4 (forward 1.89 -> 1.97), 5.83 -> 6.26 at EP 2. Beside its neighbour, each part's GEMMs end
 later, and so do the pushes that wait for them: the overlap fills the SMs but lengthens the
 chain from each pull to its push, which is what bounds the call.
+
+Session 45 asked whether smaller row tiles would recover the parts' partial tiles: a Triton
+grouped GEMM with 64- or 128-row tiles, its tiles found on the device as a replay needs, ran
+15-50% slower than ``torch._grouped_mm`` on every part and whole
+(``bench/grouped_mm_tiles_probe.py``; [Note: grouped GEMMs cost more than dense ones] in
+``moe_cost.py``), so the parts keep ``torch._grouped_mm``.
 """
 from __future__ import annotations
 
