@@ -43,7 +43,10 @@ looked free of cost. So the layer times each grouped GEMM the candidates need at
 ``config.measure``), one costs the dense GEMM plus a read of the other El-1 experts' weights at
 the model's memory bandwidth, which overestimates these by 7-60% (on the safe side: splitting
 must then win clearly). Smaller row tiles do not help here: a Triton grouped GEMM with 64-row
-tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of the probe.
+tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of the probe. On
+Hopper ``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group
+(its row count over the groups, not the offsets) or N is at most 128, where it takes 64x128
+(``aten/src/ATen/native/cuda/GroupMM.cu``): a caller cannot ask for the smaller tiles.
 
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
