@@ -13,7 +13,14 @@ backward's two data-gradient GEMMs (``dy @ w_out``, ``dh @ w_in``) alike.
 Reference: ``y[rows of g] = x[rows of g] @ w[g]`` for each group ``g`` (rows by ``offs``, the
 groups' ends); the script prints each kernel's relative error against ``torch._grouped_mm``.
 
-    python bench/grouped_mm_tiles_probe.py [--ep 4] [--out FILE.json]
+``--spread``: instead of Triton, ``torch._grouped_mm`` on its smaller tiles. On Hopper it takes
+CUTLASS's 128x256 tiles unless the input's rows per group (its rows over the groups) or N is at
+most 128, where it takes 64x128 ping-pong tiles (``aten/src/ATen/native/cuda/GroupMM.cu``). Each
+group spread over ``s`` slots (the first holds its rows, the others none; the weights a strided
+view whose slot ``s*g`` is ``w[g]``; the last group has one slot, the view ending where ``w``
+ends) brings the rows per group to 128 or fewer.
+
+    python bench/grouped_mm_tiles_probe.py [--ep 4] [--spread] [--out FILE.json]
     TRITON_INTERPRET=1 python bench/grouped_mm_tiles_probe.py --tiny     # CPU: the kernel's numerics
 """
 import argparse
@@ -83,6 +90,20 @@ def triton_grouped(x, w, offs, cfg, out):
     return out
 
 
+def spread_operands(w, offs, spread: int):
+    """``(weights, offs)`` for ``torch._grouped_mm`` that give ``torch._grouped_mm(x, w,
+    offs=offs)`` with each group spread over ``spread`` slots (module docstring): the weights a
+    strided view of ``w`` (no copy), each group's end repeated."""
+    G, K, N = w.shape
+    if w.stride(0) % spread:
+        raise ValueError(f"spread={spread}: must divide the weights' group stride {w.stride(0)}")
+    slots = spread * (G - 1) + 1
+    view = w.as_strided((slots, K, N), (w.stride(0) // spread, w.stride(1), w.stride(2)))
+    repeats = torch.full((G,), spread, device=offs.device)
+    repeats[-1] = 1
+    return view, offs.repeat_interleave(repeats, output_size=slots)
+
+
 def tiny() -> None:
     """The kernel against a float64 loop on the CPU (under Triton's interpreter)."""
     g = torch.Generator().manual_seed(0)
@@ -99,12 +120,22 @@ def tiny() -> None:
         print(f"tiny {cfg}: relative error {err:.1e}, rows past the groups untouched: "
               f"{bool(out[len(want):].isnan().all())}")
         assert err < 1e-5 and out[len(want):].isnan().all()
+        if hasattr(torch, "_grouped_mm") and cfg[1] == 64:  # the contiguous weights: a 16-byte aligned layout
+            xs = x[:, :32].contiguous()
+            ws = w[:, :32, :].contiguous()
+            view, offs_s = spread_operands(ws, offs, 4)
+            spread = torch._grouped_mm(xs, view, offs=offs_s)[:len(want)].double()
+            want_s = torch.cat([xs[int(offs[i] - counts[i]):int(offs[i])].double() @ ws[i].double() for i in range(G)])
+            err = ((spread - want_s).norm() / want_s.norm()).item()
+            print(f"tiny spread over 4 slots: relative error {err:.1e}")
+            assert err < 1e-5
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--tiny", action="store_true", help="check the kernel on the CPU under the interpreter")
+    p.add_argument("--spread", action="store_true", help="torch._grouped_mm's smaller tiles instead of Triton")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.tiny:
@@ -119,7 +150,8 @@ def main() -> None:
     w_in = torch.randn(El, 2 * F, H, device=dev, dtype=dt) * 0.02
     w_out = torch.randn(El, H, F, device=dev, dtype=dt) * 0.02
     rows = []
-    for rows_name, counts in (("part", part), ("whole", whole)):
+    even = torch.full((El,), per // El)  # a part of balanced routing: every group whole row tiles at EP 4
+    for rows_name, counts in (("part", part), ("whole", whole)) + ((("even", even),) if args.spread else ()):
         R = int(counts.sum())
         offs = torch.cumsum(counts, 0).to(dev, torch.int32)
         for proj, w in (("gate/up", w_in.transpose(1, 2)), ("down", w_out.transpose(1, 2)),  # the forward
@@ -128,6 +160,20 @@ def main() -> None:
             want = torch._grouped_mm(x, w, offs=offs)
             row = dict(rows=rows_name, projection=proj, R=R, groups=El,
                        grouped_mm_ms=_ms(lambda: torch._grouped_mm(x, w, offs=offs)))
+            if args.spread:
+                spread = 1
+                while R // (spread * (El - 1) + 1) > 128:  # torch's rows per group (integer division)
+                    spread *= 2
+                view, offs_s = spread_operands(w, offs, spread)
+                got = torch._grouped_mm(x, view, offs=offs_s)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                row.update(spread=spread, spread_ms=_ms(lambda: torch._grouped_mm(x, view, offs=offs_s)),
+                           spread_err=err)
+                rows.append(row)
+                print(f"EP {args.ep} {rows_name:5s} {proj:13s} {R:6d} rows: grouped_mm "
+                      f"{row['grouped_mm_ms'] * 1e3:6.0f} us, spread over {spread} {row['spread_ms'] * 1e3:6.0f} us "
+                      f"(error {err:.1e})", flush=True)
+                continue
             for cfg in CONFIGS:
                 out, name = torch.empty_like(want), "triton_" + "x".join(map(str, cfg))
                 try:
