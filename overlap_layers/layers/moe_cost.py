@@ -46,7 +46,9 @@ must then win clearly). Smaller row tiles do not help here: a Triton grouped GEM
 tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of the probe. On
 Hopper ``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group
 (its row count over the groups, not the offsets) or N is at most 128, where it takes 64x128
-(``aten/src/ATen/native/cuda/GroupMM.cu``): a caller cannot ask for the smaller tiles.
+(``aten/src/ATen/native/cuda/GroupMM.cu``). Spreading each group over slots of a strided view
+of the weights gets those (the probe's ``--spread``): 25-45% slower than the large tiles on
+every part and whole, with random and with even counts.
 
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``mlp_cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece
