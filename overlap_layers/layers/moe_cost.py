@@ -47,7 +47,7 @@ tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of th
 Hopper ``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group
 (its row count over the groups, not the offsets) or N is at most 128, where it takes 64x128
 (``aten/src/ATen/native/cuda/GroupMM.cu``). Spreading each group over slots of a strided view
-of the weights gets those (the probe's ``--spread``): 25-45% slower than the large tiles on
+of the weights gets those (the probe's ``--spread``): 19-43% slower than the large tiles on
 every part and whole, with random and with even counts.
 
 The rank-chunk plan (``moe_ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk

@@ -222,7 +222,7 @@ Session 45 asked whether smaller row tiles would recover the parts' partial tile
 grouped GEMM with 64- or 128-row tiles, its tiles found on the device as a replay needs, ran
 15-50% slower than ``torch._grouped_mm`` on every part and whole
 (``bench/grouped_mm_tiles_probe.py``; [Note: grouped GEMMs cost more than dense ones] in
-``moe_cost.py``), and so did ``torch._grouped_mm``'s own 64x128 tiles (25-45%), so the parts keep
+``moe_cost.py``), and so did ``torch._grouped_mm``'s own 64x128 tiles (19-43%), so the parts keep
 its 128x256 tiles and their partial last tiles: with random counts a part's gate/up GEMM took
 194 us at EP 4 against 165 with even counts (every group four whole tiles).
 """
