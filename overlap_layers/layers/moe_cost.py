@@ -33,21 +33,24 @@ A grouped GEMM of m rows over El experts costs more than the dense GEMM of the s
 k)``: it reads every expert's weights, and each group ends in a partial row tile. On one H200
 (session 45, qwen3-30b-a3b at EP 4, ``torch._grouped_mm``, rows spread evenly over 32 experts,
 as the first call times them), gate/up ``(m, 1536, 2048)``, us grouped against dense: 92 / 72 at
-8192 rows (256 per expert), 151 / 94 at 10920 (341: three 128-row tiles, the last part full),
-158 / 136 at 16384, 297 / 266 at 32768, 576 / 540 at 65536; over all four GEMMs and eight row
-counts the grouped one took 1.03-1.70x the dense one
+8192 rows (256 per expert), 151 / 94 at 10920 (341 per expert: two whole 128-row tiles and a
+partial third), 158 / 136 at 16384, 297 / 266 at 32768, 576 / 540 at 65536. Over all four GEMMs
+and eight row counts the grouped one took 1.03-1.70x the dense one
 (``bench/results/grouped_vs_dense_first_call_qwen3_ep4_s45_h200x4_2026-11-27.json``). With random
 counts, as routing gives, a part costs more still (``bench/grouped_mm_tiles_probe.py``: 195 us at
 16384 rows, against 582 for all 65536). Priced as the dense GEMM, as before this session, a tile
-or rank piece of the experts looked cheaper than it is, the more so the smaller it is. So the
-layer times each grouped GEMM the candidates need at its first call
-(:meth:`MoECostModel.grouped_ops`, on its own weights); unmeasured (off CUDA, or without
+or rank piece of the experts looked cheaper than it is, the more so the smaller it is.
+
+So the layer times each grouped GEMM the candidates need at its first call
+(:meth:`MoECostModel.grouped_ops`, on its own weights). Unmeasured (off CUDA, or without
 ``config.measure``), one costs the dense GEMM plus a read of the other El-1 experts' weights at
-the model's memory bandwidth (2500 GB/s nominal): 0.98-1.63x the measured times of those 32, so
-mostly on the safe side, where splitting must win clearly. Smaller row tiles do not help here: a Triton grouped GEMM with 64-row
-tiles ran 15-50% slower than ``torch._grouped_mm`` on every part and whole of the probe. On
-Hopper ``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group
-(its row count over the groups, not the offsets) or N is at most 128, where it takes 64x128
+the model's memory bandwidth (2500 GB/s nominal): 0.98-1.63x the measured times of those 32,
+mostly on the safe side, where splitting must win clearly.
+
+Smaller row tiles do not help here. A Triton grouped GEMM with 64-row tiles ran 15-50% slower
+than ``torch._grouped_mm`` on every part and whole of the probe. On Hopper
+``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group (its row
+count over the groups, not the offsets) or N is at most 128, where it takes 64x128
 (``aten/src/ATen/native/cuda/GroupMM.cu``). Spreading each group over slots of a strided view
 of the weights gets those (the probe's ``--spread``): 19-43% slower than the large tiles on
 every part and whole, with random and with even counts.
