@@ -20,7 +20,7 @@ from moe_reference import dense_moe, route
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapConfig, OverlapMoE
-from overlap_layers.layers.moe import grouped_gemm_ok
+from overlap_layers.layers.moe import grouped_gemm_ok, routed_ends
 from overlap_layers.layers.planned import TilePlan
 from overlap_layers.sim import analytic_model
 
@@ -511,9 +511,10 @@ def test_constructor_shapes(pool2):
 
 
 def _grouped_setups(rank, ws):
-    """Each grouped GEMM the layer times for its planner, run once: ``(key, (m, n, k), relative
-    error)`` against a float64 product per expert, rows spread evenly, with the layer's weights as
-    the cost model's gemms order them (gate/up and down transposed, then their data gradients)."""
+    """Each grouped GEMM the layer times for its planner, run once: ``(key, (m, n), relative
+    error)`` against a float64 product per expert, the rows grouped by ``routed_ends``, with the
+    layer's weights as the cost model's gemms order them (gate/up and down transposed, then their
+    data gradients)."""
     torch.manual_seed(0)
     layer = OverlapMoE(8, 4, 8, 2, group=dist.group.WORLD)
     cm = layer._cost_model((16, torch.float32), analytic_model("cpu"))
@@ -526,10 +527,18 @@ def _grouped_setups(rank, ws):
         y = setups[key]()()
         torch.manual_seed(1)
         x = torch.randn(m, k).double()  # the setup's rows, drawn first
-        bounds = [e * m // w_in.shape[0] for e in range(w_in.shape[0] + 1)]
+        bounds = [0] + routed_ends(m, w_in.shape[0]).tolist()
         want = torch.cat([x[a:b] @ weights[i][e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
         out.append((key, tuple(y.shape), (m, n), ((y.double() - want).norm() / want.norm()).item()))
     return out
+
+
+def test_routed_ends_are_random_counts_of_every_row():
+    """Offsets of every row over every group, the same on each draw, not all equal."""
+    ends = routed_ends(1000, 8)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert ends.dtype == torch.int32 and int(ends[-1]) == 1000 and bool((counts >= 0).all())
+    assert torch.equal(ends, routed_ends(1000, 8)) and len(set(counts.tolist())) > 1
 
 
 def test_grouped_gemm_timings_run_the_priced_gemms(pool2):

@@ -231,6 +231,16 @@ def grouped_gemm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) ->
     return all(d * e % 16 == 0 for d in (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2]))
 
 
+def routed_ends(rows: int, groups: int) -> torch.Tensor:
+    """Grouped-GEMM offsets (int32, each group's end) of ``rows`` rows routed uniformly at random
+    over ``groups`` experts: the counts balanced routing gives, each group's last row tile mostly
+    partial ([Note: grouped GEMMs cost more than dense ones] in ``moe_cost.py``). Seeded, so every
+    rank draws the same."""
+    g = torch.Generator().manual_seed(rows)
+    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=g), minlength=groups)
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
 class HostReader:
     """Reads small tensors on the host ([Note: MoE host syncs]): :meth:`start` launches the copy
     and returns a function that waits for it and gives the flat list. On CUDA the copy goes into a
@@ -737,15 +747,15 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _grouped_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
         """Per :meth:`MoECostModel.grouped_ops` key, a setup of that grouped GEMM as the layer runs
-        it: on its own weights (the forward's as transposed views), rows spread evenly over the
-        local experts."""
+        it: on its own weights (the forward's as transposed views), the rows routed at random
+        (:func:`routed_ends`)."""
         w_in, w_out = self.w_in.detach().to(dtype), self.w_out.detach().to(dtype)
         weights = (w_in.transpose(-2, -1), w_out.transpose(-2, -1), w_out, w_in)  # MoECostModel.gemms' order
         El, dev = w_in.shape[0], w_in.device
 
         def setup(m: int, k: int, i: int):
             x = torch.randn(m, k, dtype=dtype, device=dev)
-            offs = torch.tensor([(e + 1) * m // El for e in range(El)], dtype=torch.int32, device=dev)
+            offs = routed_ends(m, El).to(dev)
             return lambda: torch._grouped_mm(x, weights[i], offs=offs)
         return {key: (lambda m=m, k=k, i=i: setup(m, k, i)) for key, (m, n, k, i) in cm.grouped_ops().items()}
 

@@ -42,10 +42,12 @@ counts, as routing gives, a part costs more still (``bench/grouped_mm_tiles_prob
 or rank piece of the experts looked cheaper than it is, the more so the smaller it is.
 
 So the layer times each grouped GEMM the candidates need at its first call
-(:meth:`MoECostModel.grouped_ops`, on its own weights). Unmeasured (off CUDA, or without
-``config.measure``), one costs the dense GEMM plus a read of the other El-1 experts' weights at
-the model's memory bandwidth (2500 GB/s nominal): 0.98-1.63x the measured times of those 32,
-mostly on the safe side, where splitting must win clearly.
+(:meth:`MoECostModel.grouped_ops`, on its own weights), with its rows routed at random over the
+experts (``moe.routed_ends``), as the times above were not: the parts' partial tiles are part of
+their cost. Unmeasured (off CUDA, or without ``config.measure``), one costs the dense GEMM plus
+a read of the other El-1 experts' weights at the model's memory bandwidth (2500 GB/s nominal):
+0.98-1.63x the (even-count) times of those 32, mostly on the safe side, where splitting must win
+clearly.
 
 Smaller row tiles do not help here. A Triton grouped GEMM with 64-row tiles ran 15-50% slower
 than ``torch._grouped_mm`` on every part and whole of the probe. On Hopper
