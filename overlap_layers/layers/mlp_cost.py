@@ -183,14 +183,13 @@ class MLPCostModel:
                                                   backward=True))
         return out
 
+    def row_counts(self, tile_choices=TILE_CHOICES) -> Set[int]:
+        """The gathered rows of every tile and rank piece the candidates cost."""
+        tiles = {self.gathered(b - a) for k in tile_choices for a, b in tile_bounds(self.rows, k)}
+        return tiles | set(self.piece_rows())
+
     def gemm_shapes(self, tile_choices=TILE_CHOICES) -> Set[Tuple[int, int, int]]:
-        shapes = set()
-        for k in tile_choices:
-            for a, b in tile_bounds(self.rows, k):
-                shapes.update(self.gemms(self.gathered(b - a)))
-        for m in self.piece_rows():
-            shapes.update(self.gemms(m))
-        return shapes
+        return {s for m in self.row_counts(tile_choices) for s in self.gemms(m)}
 
     # ----------------------------------------------------------------- rank chunks ([Note: rank-chunk cost])
     def chunk_rows(self) -> int:

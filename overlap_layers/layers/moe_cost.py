@@ -79,7 +79,6 @@ from ..sim import HardwareModel
 from .candidates import TILE_CHOICES
 from .mlp_cost import MLPCostModel
 from .moe_ranks import LOOP_WGRAD_EXPERTS
-from .tiling import tile_bounds
 
 GROUPED_WEIGHTS = "ttcc"  # the grouped GEMMs' weights: transposed views (forward), contiguous (dgrad)
 
@@ -111,11 +110,6 @@ class MoECostModel(MLPCostModel):
     def act_ops(self, tile_choices=()) -> Dict[str, Tuple[str, int]]:
         return {}  # the activation is costed by bandwidth here
 
-    def _row_counts(self, tile_choices) -> Set[int]:
-        """The assignment rows of every tile and rank piece the candidates cost."""
-        tiles = {self.gathered(b - a) for k in tile_choices for a, b in tile_bounds(self.rows, k)}
-        return tiles | set(self.piece_rows())
-
     def grouped_key(self, m: int, n: int, k: int, i: int) -> str:
         """The ``op_measured`` key of GGEMM ``(m, n, k)``, the ``i``-th of :meth:`gemms` (0 gate/up,
         1 down, 2 and 3 their data gradients)."""
@@ -126,15 +120,14 @@ class MoECostModel(MLPCostModel):
         candidates cost, ``key: (m, n, k, i)`` (:meth:`grouped_key`)."""
         if not self.grouped:
             return {}
-        return {self.grouped_key(*g, i): (*g, i) for a in self._row_counts(tile_choices)
+        return {self.grouped_key(*g, i): (*g, i) for a in self.row_counts(tile_choices)
                 for i, g in enumerate(self.gemms(a)[:4])}
 
     def gemm_shapes(self, tile_choices=TILE_CHOICES) -> Set[Tuple[int, int, int]]:
         """The dense GEMMs the model prices (grouped: the weight gradients' alone; the rest are
         :meth:`grouped_ops`)."""
-        if not self.grouped:
-            return super().gemm_shapes(tile_choices)
-        return {s for a in self._row_counts(tile_choices) for s in self.gemms(a)[4:]}
+        first = 4 if self.grouped else 0
+        return {s for a in self.row_counts(tile_choices) for s in self.gemms(a)[first:]}
 
     def grouped_ms(self, m: int, n: int, k: int, i: int) -> float:
         """GGEMM ``(m, n, k)``, the ``i``-th of :meth:`gemms`: measured, else the dense GEMM plus a
