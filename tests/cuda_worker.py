@@ -997,7 +997,8 @@ def check_device_all_to_all(rank, ws, dev):
     seed per step), eagerly and replayed from a CUDA graph captured once and given other counts
     and rows at each replay: the send rows placed from their keys (``place``), the pulls of
     every peer's parts (regions on the pull stream, overflow on the main one), then the pushes of
-    each row's result (3 x + 1) back, which ``finish`` returns at the rows' places. Three groups
+    each row's result (3 x + 1) back, which ``finish`` returns at the rows' places (the own rows
+    at theirs, untouched). Three groups
     per rank; the steps alternate between counts past the regions and counts that fit them."""
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
     from overlap_layers.runtime.exchange import shared_workspace
@@ -1075,6 +1076,8 @@ def check_device_all_to_all(rank, ws, dev):
                 ok = ok and torch.equal(pulled[s, p, :want.shape[0]], want)
         own, n = int(t[rank, rank].sum()), int(t[rank].sum())
         ok = ok and torch.equal(back[places[own:n].to(dev)], send_rows(step, rank)[own:n] * 3 + 1)
+        # back is send: the own rows stay at their places ([Note: results where their rows were])
+        ok = ok and torch.equal(back[places[:own].to(dev)], send_rows(step, rank)[:own])
         if not ok:
             fails += 1
             print(f"rank {rank} FAIL device all-to-all step {step} ({'replayed' if graph else 'eager'})", flush=True)
@@ -1114,6 +1117,20 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
         return 1
     if rank == 0:
         print(f"{label}: device path chosen {choices}", flush=True)
+    return 0
+
+
+def eager_workspace_fails(rank, label, layer, dev) -> int:
+    """1 (and a FAIL line) if the race chose the device path for the layer's last signature but
+    the layer still holds its eager calls' workspace, or (no other layer alive to hold it, after a
+    collection) the group's "exchange" workspace still has bytes, else 0."""
+    from overlap_layers.runtime.exchange import held_workspace_bytes
+    gc.collect()
+    held = held_workspace_bytes(dist.group.WORLD, dev, "exchange")
+    if list(layer._device_race._races.values())[-1]["choice"] and (layer._workspace is not None or held):
+        print(f"rank {rank} FAIL {label}: the device path won, but the eager workspace is held "
+              f"({layer._workspace is not None}, {held} bytes)", flush=True)
+        return 1
     return 0
 
 
@@ -1159,6 +1176,7 @@ def check_moe_graph_calls(rank, ws, dev):
             y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
             fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
         fails += race_fails(rank, f"moe graph_calls cf={cf}", layer, 2, check_held=True)
+        fails += eager_workspace_fails(rank, f"moe graph_calls cf={cf}", layer, dev)
         for step in range(2 if cf is None else 0):  # past the slots, then replayed with the raised ones
             # (not with capacity: its drops among tokens of near-equal probability differ from the reference's)
             x = skewed_tokens(r, rw, 40 + 24 * rank + (16 if rank == 0 else 0), H, dt)

@@ -311,7 +311,8 @@ def test_exchange_checks_its_arguments_and_its_workspace():
     exchange made before the workspace grew raises instead of writing into a freed buffer."""
     w = _Workspace(2, 0)
     ex = DeviceCountAllToAll(w, 5, 3, torch.float32)
-    assert w.nbytes >= 4 * 4 + 2 * 8 * 3 * 4 and ex.send.shape == ex.back.shape == (8, 3)  # 5 rows, a region of 3
+    assert ex.send.shape == (8, 3) and ex.back is ex.send  # 5 rows, a region of 3; results where their rows were
+    assert w.nbytes == 256 + 8 * 3 * 4  # the table (16 bytes, on a 256-byte boundary), then one buffer of rows
     counts = torch.tensor([1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"valid: \[2, 1\] torch.int32"):
         ex.ready(counts.long())
@@ -336,7 +337,8 @@ def test_exchange_checks_its_arguments_and_its_workspace():
 def test_exchange_over_one_process_workspace_equals_the_all_to_all(last_parts):
     """``DeviceCountAllToAll`` of every rank over one shared stand-in buffer (3 ranks, 4 groups,
     counts past some regions): places, ``ready``, then each rank pulls every peer's parts and
-    pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places, and
+    pushes 3 x + 1 back; each rank's ``back`` holds 3 x + 1 at its peer rows' places and its own
+    rows, untouched, at theirs, nothing else written ([Note: results where their rows were]), and
     ``own_rows`` gives its own rows of the last groups from row 0."""
     ws, G, rows, W = 3, 4, 24, 6
     bufs = {}
@@ -351,7 +353,6 @@ def test_exchange_over_one_process_workspace_equals_the_all_to_all(last_parts):
         rows_of.append(src[in_order])
         places.append(ex.place(src, keys, 1, table[r])[in_order])
     for r, ex in enumerate(exs):
-        ex.back.fill_(float("nan"))
         ex.ready(table[r])
     over = 0
     for r, ex in enumerate(exs):
@@ -374,7 +375,12 @@ def test_exchange_over_one_process_workspace_equals_the_all_to_all(last_parts):
         exs[0].own_rows(0, torch.zeros(rows, W))
     for r, ex in enumerate(exs):
         own, n = int(table[r, r].sum()), int(table[r].sum())
-        assert torch.equal(ex.finish()[places[r][own:n]], rows_of[r][own:n] * 3 + 1), r
+        back = ex.finish()
+        assert torch.equal(back[places[r][own:n]], rows_of[r][own:n] * 3 + 1), r
+        assert torch.equal(back[places[r][:own]], rows_of[r][:own]), r
+        placed = torch.zeros(back.shape[0], dtype=torch.bool)
+        placed[places[r][:n]] = True
+        assert back[~placed].isnan().all(), r
 
 
 @settings(max_examples=25, deadline=None)

@@ -33,14 +33,15 @@ class GatheredExchange:
     (``RegionLayout``): ``ready`` gathers every rank's counts and send buffer, ``pull`` and
     ``pull_rest`` (and ``own_rows``) copy from them, and each ``push`` or ``push_rest`` (every rank pushes alike: to
     the source ``j`` ranks on, the same part) gathers every rank's results and keeps those for
-    this rank's rows. What it does not write is NaN, its own rows' places in ``back`` included;
-    ``finish`` checks that every peer's parts were pushed once by each kind of push."""
+    this rank's rows. ``back`` is ``send``, as in the exchange ([Note: results where their rows
+    were]); ``ready`` sets every row of it but the own rows to NaN (peers may overwrite them from
+    then on), so a read of a peer row's input there after ``ready`` shows; ``finish`` checks that
+    every peer's parts were pushed once by each kind of push."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
         self.layout = RegionLayout(self.ws, rows, groups, torch.device("cpu"))
-        self.send = torch.full((self.layout.buffer_rows, width), float("nan"), dtype=dtype)
-        self.back = torch.full((self.layout.buffer_rows, width), float("nan"), dtype=dtype)
+        self.send = self.back = torch.full((self.layout.buffer_rows, width), float("nan"), dtype=dtype)
         self.calls = 0
 
     def _gather(self, t):
@@ -58,7 +59,7 @@ class GatheredExchange:
         assert counts.dtype == torch.int32 and counts.shape == (self.ws, self.groups)
         self.table = torch.stack(self._gather(counts))  # [source, destination, group]
         self.sends = self._gather(self.send)
-        self.back.fill_(float("nan"))
+        self.send[int(counts[self.rank].sum()):].fill_(float("nan"))
         self.pushed, self.calls = [], self.calls + 1
 
     @property
@@ -393,6 +394,34 @@ def test_race_times_a_training_call_to_the_end_of_its_backward(pool2):
     forward."""
     want = ["forward", "finish", "backward", 0] * 2 + ["forward without backward", "finish", "finish", "no_grad", 0]
     assert pool2.run(race_finish_points) == [want, want]
+
+
+def workspace_held_after(rank, ws, choice):
+    """Whether a layer still holds its eager calls' workspace (a stand-in) after a call at whose
+    end a stand-in race returns ``choice``."""
+    layer = OverlapMoE(8, 8, 4, 2, group=dist.group.WORLD, config=OverlapConfig(graph_calls=True))
+    held = object()
+
+    class Race:
+        timing = True
+
+        @staticmethod
+        def finish(nbytes, budget):
+            layer._workspace = held  # as the race's eager calls left it
+            return choice
+
+    layer._device_race = Race()
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 8))
+    return layer._workspace is held
+
+
+@pytest.mark.parametrize("choice,held", [(True, False), (False, True), (None, True)])
+def test_race_won_by_the_device_path_lets_go_of_the_eager_workspace(pool2, choice, held):
+    """[Note: MoE graph calls: the race]: the call at which the device path wins drops the layer's
+    hold on its eager calls' symmetric workspace; one at which it loses, or nothing was decided,
+    keeps it."""
+    assert pool2.run(workspace_held_after, choice) == [held, held]
 
 
 def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(0, 0), budget=None):

@@ -802,9 +802,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _race_done(self, key, nbytes: int) -> None:
         """End the race's timing of a call (whose graph kept ``nbytes``); drop its signature's graph
-        (``key``; None: the last call's) if the device path lost."""
-        if self._device_race.finish(nbytes, self._budget) is False:
+        (``key``; None: the last call's) if the device path lost, else, if it won, the layer's hold
+        on the eager calls' symmetric workspace ([Note: MoE graph calls: the race])."""
+        choice = self._device_race.finish(nbytes, self._budget)
+        if choice is False:
             self._call_graphs.forget_last(key)
+        elif choice:
+            self._workspace = None
 
     def _end_race_hooks(self) -> None:
         """Where a timed training call's gradient hooks are still set: remove them (a hook on the

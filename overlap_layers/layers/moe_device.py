@@ -115,7 +115,12 @@ qwen3 forward runs faster by the device path and the mixtral one eagerly (sessio
 call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
 have fired, or at the layer's next call if its backward never came): the eager backward's host
 time is what the device path saves there. The device path wins only if it is also within the
-layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it.
+layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it. Once
+it wins, the layer lets go of the symmetric workspace of its eager copy-engine calls (the group's
+"exchange" workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group
+holds it, and grown again, a collective at the same call on every rank, by the next eager call
+that needs it (a rank that kept it alive longer makes every rank release theirs first:
+``RankChunkPlans._after_agreement``).
 
 [Note: MoE slot rows]
 A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,

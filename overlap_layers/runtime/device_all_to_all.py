@@ -16,11 +16,12 @@ Each send row has a place in s's send buffer ``[buffer_rows, W]`` (:class:`Regio
                               even share of ``rows`` and 1/8 more): the part's first ``cap`` rows
 
     pull(s, part)       : out[i] = the i-th row s sends r in that part, i < its count
-    push(s, part, res)  : back_s[the place of that row] = res[i]
+    push(s, part, res)  : send_s[the place of that row] = res[i]   (``back``: ``send`` itself)
     recv_counts         = table[:, r]                    ([source][group])
 
 so once every rank has pushed its results for every source and part, ``back`` holds, at the place
-of each of r's send rows to a peer, the result its destination computed for it.
+of each of r's send rows to a peer, the result its destination computed for it, and at the places
+of its own rows those rows, untouched ([Note: results where their rows were]).
 
 A region's rows move by a copy of the whole region on the copy engine (its size is fixed on the
 host, so a graph captures it; rows past the part's count are copied too and never read); the
@@ -52,19 +53,32 @@ retired its blocks, and slowed the GEMMs it ran beside (session 32; at EP 2, ses
 against 1.67 of compute alone, the GEMMs beside the copies 15-30% slower, the pull of the first
 half waiting 360 us for the own rows' first GEMM). Fixed regions let the copy engine take the
 bulk, at the cost of the regions' memory: ``buffer_rows`` is ``rows`` times 1.56 at EP 2 and 1.84
-at EP 4, for ``send`` and ``back`` each.
+at EP 4 (until session 46 for ``send`` and ``back`` each).
 
 Signals, on the workspace's signal pad: per call and peer, channel TABLE "my row of your table
 and my send rows are in place" (put by ``ready`` after the table copies, waited before any pull)
 and channel BACK "I have pulled from you and pushed my results for your rows into your ``back``"
 (put by ``finish``, after every pull and push, waited before it returns). Reuse without barriers:
 a rank writes its send rows and table rows (next call) only after waiting every peer's BACK, put
-after the peer's last reads of them (its pulls) and of its own table (its segments); ``back`` is
-written by peers only after this rank's next TABLE, so it stays valid until the next ``ready``.
+after the peer's last reads of them (its pulls), its last writes of results there (its pushes) and
+its last reads of its own table (its segments); ``back`` is written by peers only after this
+rank's next TABLE, so it stays valid until the next ``place``.
 Every exchange on one workspace runs in the same order on every rank, its signals in one stream
 order (a call's ``ready`` may run on a side stream that waited for the previous ``finish``).
 The exchange has a workspace of its own (``runtime/exchange.py``): peers write its table with no
 signal of this rank's call, which another exchange's data in the same buffer would race.
+
+[Note: results where their rows were]
+A peer's result for a send row lands at that row's place in ``send``: ``back`` is ``send`` itself
+(until session 46 a buffer of its own beside it, as large). That is safe without another signal:
+the only rank that writes a place is the destination of its row, which pulled the row before it
+computed the result it pushes there (its pull, experts and push in its streams' order), and the
+places of different rows, the regions' tails included, never overlap. The own rows' places are
+never pushed to, so they hold the own rows for the whole call (the MoE reads them in place, and
+in its backward after the last push). The price is that a call's ``send`` rows are gone once
+peers have pushed: nothing may read a peer row's input from ``send`` after ``ready``, except the
+pulls. The workspace holds ``buffer_rows`` rows once instead of twice: at qwen3-30b-a3b's shape
+(EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) 471 MiB less per group.
 """
 from __future__ import annotations
 
@@ -407,9 +421,9 @@ class DeviceCountAllToAll:
     any streams that follow ``ready``; a pull's two steps write other rows), and :meth:`finish`
     after them. Nothing reads a size on the host, so a CUDA graph can capture a call and replay it
     with other counts. The workspace layout: the table (``[ws, ws, groups]`` int32), then
-    ``send``, then ``back`` (``[layout.buffer_rows, W]`` each); the exchange holds views of the
-    workspace's buffer, so one made before the workspace grew raises ``RuntimeError`` (make
-    another). ``streams``: the workspace's pull and push streams."""
+    ``send`` (``[layout.buffer_rows, W]``), which is also ``back`` ([Note: results where their
+    rows were]); the exchange holds views of the workspace's buffer, so one made before the
+    workspace grew raises ``RuntimeError`` (make another). ``streams``: the workspace's pull and push streams."""
 
     def __init__(self, workspace, rows: int, width: int, dtype: torch.dtype, groups: int = 1) -> None:
         w = self.w = workspace
@@ -419,16 +433,14 @@ class DeviceCountAllToAll:
         send_off = _aligned(self.ws * self.ws * groups * 4)
         self.layout = RegionLayout(self.ws, rows, groups, w.device)
         buffer = (self.layout.buffer_rows, width)
-        back_off = send_off + _aligned(buffer[0] * width * elt)
-        self.nbytes = back_off + buffer[0] * width * elt
+        self.nbytes = send_off + buffer[0] * width * elt
         w.reserve(self.nbytes)
         self.table = w.view(self.rank, shape, torch.int32, 0)
         self._table_rows = [w.view(q, shape, torch.int32, 0)[self.rank] for q in range(self.ws)]
         self._table_ptrs = remote_pointers(self._table_rows)
         self._sends = [w.view(q, buffer, dtype, send_off) for q in range(self.ws)]
-        self._backs = [w.view(q, buffer, dtype, back_off) for q in range(self.ws)]
-        self.send, self.back = self._sends[self.rank], self._backs[self.rank]
-        self._send_ptrs, self._back_ptrs = remote_pointers(self._sends), remote_pointers(self._backs)
+        self.send = self.back = self._sends[self.rank]  # results land where their rows were
+        self._send_ptrs = remote_pointers(self._sends)
         self._handle = w.handle
         self.streams = (w.pull_stream, w.push_stream)
         self._rests: Optional[torch.Tensor] = None  # RegionLayout.rests of this call's table, once made
@@ -533,18 +545,18 @@ class DeviceCountAllToAll:
         region of ``source``'s ``back``, by the copy engine."""
         self._checked("push: results", results)
         start, cap = self.layout.region(self._j(source), part)
-        self._backs[source][start:start + cap].copy_(results[:cap])
+        self._sends[source][start:start + cap].copy_(results[:cap])
 
     def push_rest(self, source: int, results: torch.Tensor, part: Part = None) -> None:
         """The results for the rows of :meth:`pull_rest` into ``source``'s ``back``, by the kernel."""
         self._checked("push_rest: results", results)
-        copy_rows_by_table(self._rest(source, part), self._backs, results, push=True, pointers=self._back_ptrs,
+        copy_rows_by_table(self._rest(source, part), self._sends, results, push=True, pointers=self._send_ptrs,
                            programs=self._programs)
 
     def finish(self) -> torch.Tensor:
         """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
         ``back``: at the place of each of this rank's send rows to a peer, its result (valid
-        until the next :meth:`ready` on this workspace)."""
+        until this rank's next :meth:`place` on this workspace; at its own rows' places, those rows)."""
         self._signal(BACK)
         self._rests = None
         return self.back
