@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from kernel_device import DEVICE as KERNEL_DEVICE
 from overlap_layers.runtime import device_all_to_all
-from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, RegionLayout, copy_rows_by_table
+from overlap_layers.runtime.device_all_to_all import (DeviceCountAllToAll, RegionLayout, copy_rows_by_table,
+                                                      own_diverts)
 from overlap_layers.runtime.send_rows import place_by_key
 
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
@@ -218,6 +219,66 @@ def test_place_by_key_matches_its_definition(ws, groups, tokens, top_k, width, d
     with pytest.raises(ValueError, match="valid: rows of one width and dtype, top_k >= 1 keys per src row"):
         place_by_key(torch.zeros(3, 4, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), 2,
                      lay.key_places(counts.to(DEVICE), 0), dst[:, :4])
+
+
+@pytest.mark.parametrize("ws,groups,split,room", [(2, 4, 2, None), (3, 2, 1, None), (4, 1, 1, None),
+                                                   (2, 4, 3, 5), (3, 5, 5, None), (3, 5, 5, 4)])
+def test_place_by_key_diverts_the_own_rows(ws, groups, split, room):
+    """Diverts ``(0, split, out1)`` and ``(split, groups, out2)`` (the own rows' two halves; one
+    divert where ``split`` is every group): each own row in its half's buffer at its defined
+    place less the kept own rows of the keys before that half's, every other row at its defined
+    place in ``dst``, ``pos`` as without diverts, nothing else written; with ``room`` rows per
+    buffer, those past them not written. Bad diverts are ValueErrors saying what is valid."""
+    g = torch.Generator().manual_seed(ws * 100 + groups * 10 + split)
+    E, tokens, top_k, W = ws * groups, 30, 2, 6
+    lay = RegionLayout(ws, tokens * top_k, groups, DEVICE)
+    keys = torch.randint(0, E + 1, (tokens * top_k,), generator=g)
+    keys[torch.rand(tokens * top_k, generator=g) < 0.3] = 0  # some own rows past a small buffer
+    source = 1
+    counts = torch.zeros(ws, groups, dtype=torch.int32)
+    for e in keys[keys < E].tolist():
+        counts[(source + e // groups) % ws, e % groups] += 1
+    src = torch.randn(tokens, W, generator=g).to(DEVICE)
+    rows = room or tokens * top_k
+    dst = torch.full((lay.buffer_rows, W), float("nan"), device=DEVICE)
+    outs = [torch.full((rows, W), float("nan"), device=DEVICE) for _ in range(2)]
+    spans = [(0, split), (split, groups)] if split < groups else [(0, groups)]
+    pos = place_by_key(src, keys.to(DEVICE), top_k, lay.key_places(counts.to(DEVICE), source), dst,
+                       [(lo, hi, out) for (lo, hi), out in zip(spans, outs)])
+    want = _defined_places(lay, keys.tolist(), ws, groups)
+    assert pos.tolist() == want
+    expect = [torch.full_like(dst, float("nan"))] + [torch.full_like(o, float("nan")) for o in outs]
+    for a, p in enumerate(want):
+        if p < 0:
+            continue
+        half = next((h for h, (lo, hi) in enumerate(spans) if lo <= keys[a] < hi), None)
+        if half is None:
+            expect[0][p] = src[a // top_k]
+            continue
+        at = p - int((keys[keys < spans[half][0]]).numel())  # the kept own rows of the keys before the half's
+        if at < rows:
+            expect[1 + half][at] = src[a // top_k]
+    for got, exp in zip([dst] + outs, expect):
+        assert torch.equal(got.nan_to_num(-7), exp.nan_to_num(-7))
+    assert room is None or not outs[0].isnan().any()  # some rows did not fit: that buffer is full
+    places = lay.key_places(counts.to(DEVICE), source)
+    for bad in ([(0, 1, outs[0]), (0, 2, outs[1])], [(0, 1, outs[0])] * 3, [(1, 0, outs[0])],
+                [(0, 1, outs[0][:, :2].contiguous())], [(0, 1, outs[0][:, ::2])]):
+        with pytest.raises(ValueError, match="valid: at most 2 disjoint key ranges"):
+            place_by_key(src, keys.to(DEVICE), top_k, places, dst, bad)
+
+
+def test_own_diverts_split_the_own_keys_in_two():
+    """``own_diverts``: the own keys (send-order 0 .. groups-1) before ``split`` to the first
+    buffer, the rest to the late one (none where ``split`` is every group); no ``own``, none; a split
+    outside 1 .. groups, or a late buffer given or missing against it, a ValueError."""
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3)
+    assert own_diverts(4, None) == []
+    assert [(lo, hi, o is a) for lo, hi, o in own_diverts(4, (4, a, None))] == [(0, 4, True)]
+    assert [(lo, hi, o is b) for lo, hi, o in own_diverts(4, (1, a, b))] == [(0, 1, False), (1, 4, True)]
+    for bad in ((0, a, b), (5, a, b), (2, a, None), (4, a, b)):
+        with pytest.raises(ValueError, match="valid: 0 < split <= 4, a late buffer exactly where split < 4"):
+            own_diverts(4, bad)
 
 
 @settings(max_examples=25, deadline=None)

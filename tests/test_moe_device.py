@@ -22,7 +22,7 @@ from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe import grouped_gemm_ok
 from overlap_layers.layers.moe_device import SLOT_STEPS, rows_bound, slot_rows
 from overlap_layers.runtime import device_all_to_all
-from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table
+from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table, own_diverts
 from overlap_layers.runtime.send_rows import place_by_key
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
@@ -49,8 +49,10 @@ class GatheredExchange:
         dist.all_gather(out, t.contiguous())
         return out
 
-    def place(self, src, keys, top_k, counts):
-        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send)
+    def place(self, src, keys, top_k, counts, own=None):
+        self.send.fill_(float("nan"))  # nothing of an earlier call stays readable here
+        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send,
+                            own_diverts(self.groups, own))
 
     def parts(self, source):
         return self.layout.parts_at((self.rank - source) % self.ws)

@@ -159,9 +159,8 @@ combine weights, so that the router gets its gradient as in the eager call;
 tensors live in the graphs' pool). What the backward needs stays on the device:
 
 * the forward keeps each part's input rows and pre-activations, at the slot rows: each peer
-  part gets a slot of its own instead of ``SLOTS`` in turn, the second own half a buffer of its
-  own, and the own rows are copied out of the send buffer (the next exchange on the workspace,
-  another layer's or the backward's, overwrites it); its combine weights the rows as a call
+  part gets a slot of its own instead of ``SLOTS`` in turn, and each own half's rows go straight
+  to a buffer of their own ([Note: own rows kept apart]); its combine weights the rows as a call
   without autograd does and also keeps each assignment's row, token-major, for the weights'
   gradient ([Note: MoE weighted combine] in ``moe_combine.py``);
 * the backward's first kernel computes the weights' gradient and writes each assignment's output
@@ -230,6 +229,20 @@ grouped GEMM with 64- or 128-row tiles, its tiles found on the device as a repla
 ``moe_cost.py``), and so did ``torch._grouped_mm``'s own 64x128 tiles (19-43%), so the parts keep
 its 128x256 tiles and their partial last tiles: with random counts a part's gate/up GEMM took
 194 us at EP 4 against 165 with even counts (every group four whole tiles).
+
+[Note: own rows kept apart]
+A call without autograd runs its first own rows in place in the send buffer and copies the late
+ones into slot 0 once every pull has landed. A training call keeps its own rows for the weights'
+gradient past the next exchange on the workspace (another layer's, or its own backward's), which
+overwrites the send buffer: until session 46 it copied them out at the end of the forward (a
+clone of the send buffer's slot rows, under the last push), beside the late rows' copy into a
+buffer of their own. Now the placing kernel puts the own rows of each half straight into a buffer
+of its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
+:func:`~overlap_layers.runtime.send_rows.place_by_key`), where the experts read them and the
+backward finds them: neither copy runs, and the training graphs keep one buffer of slot rows less
+(qwen3-30b-a3b at EP 4, 8192 tokens per rank: 76 MiB). ``pos`` is unchanged, so the combine and
+the backward, which writes the own rows' gradients at their places in the send buffer, are too.
+Rows past a buffer are not written, as past any slot ([Note: MoE slot rows]).
 """
 from __future__ import annotations
 
@@ -452,10 +465,12 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     (:func:`~.moe_combine.combine_rows`' ``late`` and ``n_first``, or empty), ``extra()``'s
     result; with ``save``, ``saved`` holds each part's input rows and pre-activations for
     :func:`_backward`: "own", each peer part's index, "late". Saving, each peer part keeps a slot
-    of its own, and the own rows are copied out of the send buffer (the next exchange on the
-    workspace overwrites it)."""
+    of its own, and the own rows go to buffers of their own ([Note: own rows kept apart])."""
     ex, H, El, rank = c.exchange, x_TH.shape[1], c.El, c.rank
-    c.pos = ex.place(x_TH, c.keys, c.k, c.counts)  # each assignment's row of send (-1: dropped by capacity)
+    own_in = (c.split, x_TH.new_empty((c.slot, H)), x_TH.new_empty((c.slot, H)) if c.split < El else None) \
+        if save else None
+    # each assignment's row of send (-1: dropped by capacity); saving, the own rows go to own_in's buffers
+    c.pos = ex.place(x_TH, c.keys, c.k, c.counts, own=own_in)
     ex.ready(c.counts)
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
@@ -483,7 +498,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
         return y
 
     first = (0, c.split) if c.split < El else None
-    own = experts("own", ex.send[:c.slot], rank, first)  # in place: the own rows lead the send rows
+    own = experts("own", own_in[1] if save else ex.send[:c.slot], rank, first)  # else in place: they lead send's
     added = extra() if extra is not None else None
     results = {}  # peer part index -> its results, held until the main stream waited for their push
     for i, (src, part) in enumerate(peers):
@@ -498,10 +513,8 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
         s.push(ex, src, results[i], part, i)
     late = {}
     if c.split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
-        rows = ex.own_rows(c.split, x_TH.new_empty((c.slot, H)) if save else slots[0])
+        rows = own_in[2] if save else ex.own_rows(c.split, slots[0])
         late = dict(late=experts("late", rows, rank, (c.split, El)), n_first=c.ends[rank][c.split - 1])
-    if save:  # under the last push
-        saved["own"] = (saved["own"][0].clone(), saved["own"][1])
     s.join()
     return own, ex.finish(), late, added, saved  # own results were not pushed: the combine reads them in place
 

@@ -258,6 +258,21 @@ class RegionLayout:
         return rests[source, self._index[j, part]].view(4, 1)
 
 
+def own_diverts(groups: int, own: Optional[Tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> list:
+    """:func:`~.send_rows.place_by_key`'s diverts for a source's rows for itself (its send-order
+    keys ``0 .. groups-1``) given as ``own`` ``(split, first, late)``: those of its groups before
+    ``split`` go to ``first``, those from ``split`` on to ``late`` (None where ``split`` is
+    ``groups``), each from its row 0 and clipped at its rows, instead of the send buffer; none
+    where ``own`` is None."""
+    if own is None:
+        return []
+    split, first, late = own
+    if not 0 < split <= groups or (late is None) != (split == groups):
+        raise ValueError(f"own split={split}, late {'None' if late is None else 'given'}; valid: 0 < split <= "
+                         f"{groups}, a late buffer exactly where split < {groups}")
+    return [(0, split, first)] + ([(split, groups, late)] if late is not None else [])
+
+
 def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
     """The ``[ws]`` int64 addresses of ``remotes`` on their device, for :func:`copy_rows_by_table`
     (made once, outside a capture: a host-to-device copy cannot be captured)."""
@@ -459,12 +474,15 @@ class DeviceCountAllToAll:
         """The parts (ranges of groups) in which the peer ``source``'s rows come to this rank."""
         return self.layout.parts_at(self._j(source))
 
-    def place(self, src: torch.Tensor, keys: torch.Tensor, top_k: int, counts: torch.Tensor) -> torch.Tensor:
+    def place(self, src: torch.Tensor, keys: torch.Tensor, top_k: int, counts: torch.Tensor,
+              own: Optional[Tuple[int, torch.Tensor, Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """This rank's send rows into ``send`` (:func:`~.send_rows.place_by_key`: the rows of
         ``src`` ``[T, W]`` for its ``T * top_k`` assignments with ``keys``, their send-order
         indices, dropped at ``ws * groups`` and above; ``counts`` the kept ones', ``[ws, groups]``
-        int32 as :meth:`ready` takes). Returns each assignment's row of ``send`` (-1: dropped)."""
-        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send)
+        int32 as :meth:`ready` takes). Returns each assignment's row of ``send`` (-1: dropped).
+        ``own``: None, or its rows for itself elsewhere (:func:`own_diverts`)."""
+        return place_by_key(src, keys, top_k, self.layout.key_places(counts, self.rank), self.send,
+                            own_diverts(self.groups, own))
 
     def ready(self, counts: torch.Tensor) -> None:
         """Start a call: ``counts`` (``[ws, groups]`` int32 on the device, or ``[ws]`` with one

@@ -12,7 +12,10 @@ group, :class:`~.device_all_to_all.RegionLayout`) or ``E`` and above (dropped), 
     pos[a]     = place, or -1 where a is dropped
 
 so the kept rows lie in send order (by key, each key's rows in assignment order), each part's
-first rows in its region, exactly where the layout puts a source's rows in send order.
+first rows in its region, exactly where the layout puts a source's rows in send order. A divert
+``(lo, hi, out)`` (keys with no region: the source's own rows) takes the rows of keys ``lo ..
+hi-1`` out of ``dst``: they go to ``out[place - D[lo]]`` instead (from its row 0), ``pos`` still
+giving their places in ``dst``'s terms ([Note: own rows kept apart] in ``layers/moe_device.py``).
 
 [Note: placing without a sort]
 Until session 38 the device path sorted the assignments by key (CUB's radix sort, about ten
@@ -28,6 +31,8 @@ along the blocks (a [2048, 128] table's first dim): that scan alone took 359 us.
 """
 from __future__ import annotations
 
+from typing import Sequence, Tuple
+
 import torch
 
 from .triton_gate import runs_triton
@@ -39,18 +44,31 @@ except ImportError:  # CPU installs: the torch path
     triton = None
 
 _BLOCK = 32  # assignments per program: its rows are copied as one [_BLOCK, BLOCK_W] tile per step
+_DIVERTS = 2  # key ranges a placing may take out of dst (the MoE's own rows of its two halves)
 
 
 def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: torch.Tensor,
-                 dst: torch.Tensor) -> torch.Tensor:
+                 dst: torch.Tensor, diverts: Sequence[Tuple[int, int, torch.Tensor]] = ()) -> torch.Tensor:
     """Place the assignments' rows (module docstring) into ``dst`` (``[rows, W]``, contiguous) and
     return ``pos`` (``[N]`` int64). ``src`` is ``[T, W]`` of ``dst``'s dtype with ``N = T *
-    top_k``, ``keys`` ``[N]`` integers, ``key_places`` ``[3, E]`` int64. Three kernels where
-    Triton runs (no host read: a graph captures them), else torch ops (with a host read). A place
-    outside ``dst`` is not written (a safety net for keys that disagree with the counts)."""
+    top_k``, ``keys`` ``[N]`` integers, ``key_places`` ``[3, E]`` int64; ``diverts``: at most two
+    ``(lo, hi, out)``, disjoint key ranges of keys without a region whose rows go to ``out``
+    (contiguous, ``dst``'s width and dtype) instead. Three kernels where Triton runs (no host
+    read: a graph captures them), else torch ops (with a host read). A place outside its buffer
+    is not written (a safety net for keys that disagree with the counts, and for counts past a
+    divert's rows: [Note: MoE slot rows] in ``layers/moe_device.py``)."""
     if key_places.dim() != 2:
         raise ValueError(f"place_by_key: key places {tuple(key_places.shape)}; valid: [3, E]")
-    return _place(src, keys, top_k, key_places.shape[1], key_places, dst)
+    E = key_places.shape[1]
+    spans = sorted((lo, hi) for lo, hi, _ in diverts)
+    if len(diverts) > _DIVERTS or any(not 0 <= lo < hi <= E for lo, hi in spans) \
+            or any(a[1] > b[0] for a, b in zip(spans, spans[1:])) \
+            or any(not out.is_contiguous() or out.shape[1:] != dst.shape[1:] or out.dtype != dst.dtype
+                   or out.device != dst.device for _, _, out in diverts):
+        raise ValueError(f"place_by_key: diverts {[(lo, hi, tuple(o.shape), o.dtype) for lo, hi, o in diverts]}; "
+                         f"valid: at most {_DIVERTS} disjoint key ranges 0 <= lo < hi <= {E}, each to a contiguous "
+                         f"buffer of dst's width, dtype and device {tuple(dst.shape[1:])} {dst.dtype} {dst.device}")
+    return _place(src, keys, top_k, E, key_places, dst, list(diverts))
 
 
 def place_in_key_order(src: torch.Tensor, keys: torch.Tensor, top_k: int, num_keys: int,
@@ -59,10 +77,10 @@ def place_in_key_order(src: torch.Tensor, keys: torch.Tensor, top_k: int, num_ke
     D[e]`` = the kept assignments of keys before e, no region; keys ``num_keys`` and above
     dropped), the places made inside the placing kernel: the eager MoE's send rows in the rank
     exchange's step order (``layers/moe.py``), and its backward's rows in the same places."""
-    return _place(src, keys, top_k, num_keys, None, dst)
+    return _place(src, keys, top_k, num_keys, None, dst, [])
 
 
-def _place(src, keys, top_k, E, key_places, dst) -> torch.Tensor:
+def _place(src, keys, top_k, E, key_places, dst, diverts) -> torch.Tensor:
     N = keys.numel()
     shown = "in key order" if key_places is None else tuple(key_places.shape)
     if (src.dim() != 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or top_k < 1 or E < 1
@@ -88,9 +106,12 @@ def _place(src, keys, top_k, E, key_places, dst) -> torch.Tensor:
         # [e, b]: key e in blocks 0 .. b, summed along the last dim ([Note: placing without a sort])
         before = torch.cumsum(hist, 1, dtype=torch.int32)
         W = src.shape[1]
+        (lo1, hi1, out1), (lo2, hi2, out2) = (diverts + [(0, 0, dst)] * _DIVERTS)[:_DIVERTS]
         _place_by_key_kernel[(nb,)](src.contiguous(), keys, before, key_places, dst, pos, N, nb, dst.shape[0],
+                                    out1, out1.shape[0], out2, out2.shape[0],
                                     TOP_K=top_k, E=E, E_P2=e_p2, IN_ORDER=in_order, W=W, BLOCK=_BLOCK,
-                                    BLOCK_W=min(256, triton.next_power_of_2(W)), num_warps=8)
+                                    BLOCK_W=min(256, triton.next_power_of_2(W)), LO1=lo1, HI1=hi1, LO2=lo2, HI2=hi2,
+                                    num_warps=8)
         return pos
     k = keys.to(torch.int64)
     order = torch.sort(k, stable=True).indices
@@ -103,8 +124,16 @@ def _place(src, keys, top_k, E, key_places, dst) -> torch.Tensor:
     A, C, D = (before, per_key, before) if key_places is None else key_places
     place = torch.where(kept, torch.where(i < C[kc], A[kc] + i, D[kc] + i), -1)
     pos[order] = place
-    ok = (pos >= 0) & (pos < dst.shape[0])
-    dst[pos[ok]] = src[torch.div(torch.arange(N, device=keys.device), top_k, rounding_mode="floor")[ok]]
+    rows = torch.div(torch.arange(N, device=keys.device), top_k, rounding_mode="floor")
+    main = pos >= 0
+    for lo, hi, out in diverts:
+        mine = (k >= lo) & (k < hi) & main
+        main &= ~mine
+        at = pos - D[lo]
+        ok = mine & (at < out.shape[0])
+        out[at[ok]] = src[rows[ok]]
+    ok = main & (pos < dst.shape[0])
+    dst[pos[ok]] = src[rows[ok]]
     return pos
 
 
@@ -122,12 +151,16 @@ if triton is not None:
 
     @triton.jit
     def _place_by_key_kernel(src_ptr, keys_ptr, before_ptr, places_ptr, dst_ptr, pos_ptr, N, NB, dst_rows,
+                             out1_ptr, out1_rows, out2_ptr, out2_rows,
                              TOP_K: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, IN_ORDER: tl.constexpr,
-                             W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                             W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                             LO1: tl.constexpr, HI1: tl.constexpr, LO2: tl.constexpr, HI2: tl.constexpr):
         """One block of ``BLOCK`` assignments: each one's index among its key's (the earlier
         blocks' count from ``before``, then the earlier assignments of this block), its place,
         ``pos`` and its row; ``IN_ORDER``: the place is the kept rows of the keys before its key
-        (each key's total, the last column of ``before``) plus that index."""
+        (each key's total, the last column of ``before``) plus that index. Keys ``LO1 .. HI1-1``
+        (and ``LO2 .. HI2-1``) go to ``out1`` (``out2``) from the place of key LO1's first row
+        (LO2's) on: the diverts (module docstring; empty ranges where none)."""
         b = tl.program_id(0)
         j = tl.arange(0, BLOCK)
         a = b * BLOCK + j
@@ -148,11 +181,21 @@ if triton is not None:
             D = tl.load(places_ptr + 2 * E + kc, mask=kept, other=0)
             place = tl.where(i < C, A + i, D + i)
         tl.store(pos_ptr + a, tl.where(kept, place, -1), mask=live)
-        ok = kept & (place >= 0) & (place < dst_rows)
+        in1 = kept & (key >= LO1) & (key < HI1)
+        in2 = kept & (key >= LO2) & (key < HI2)
+        at1 = place - tl.load(places_ptr + 2 * E + LO1)  # (an empty range's LO is 0: a key's D)
+        at2 = place - tl.load(places_ptr + 2 * E + LO2)
+        ok = kept & ~in1 & ~in2 & (place >= 0) & (place < dst_rows)
+        ok1 = in1 & (at1 >= 0) & (at1 < out1_rows)
+        ok2 = in2 & (at2 >= 0) & (at2 < out2_rows)
         row = (a // TOP_K).to(tl.int64)
         c_off = tl.arange(0, BLOCK_W)
         for c0 in tl.static_range(0, W, BLOCK_W):
             c = c0 + c_off
-            m = ok[:, None] & (c < W)[None, :]
-            v = tl.load(src_ptr + row[:, None] * W + c[None, :], mask=m)
-            tl.store(dst_ptr + place[:, None] * W + c[None, :], v, mask=m)
+            cm = (c < W)[None, :]
+            v = tl.load(src_ptr + row[:, None] * W + c[None, :], mask=(ok | ok1 | ok2)[:, None] & cm)
+            tl.store(dst_ptr + place[:, None] * W + c[None, :], v, mask=ok[:, None] & cm)
+            if HI1 > LO1:
+                tl.store(out1_ptr + at1[:, None] * W + c[None, :], v, mask=ok1[:, None] & cm)
+            if HI2 > LO2:
+                tl.store(out2_ptr + at2[:, None] * W + c[None, :], v, mask=ok2[:, None] & cm)
