@@ -124,10 +124,12 @@ def test_weigh_rows_refuses_mismatched_weights():
 
 
 @pytest.mark.parametrize("path", DEVICES)
+@pytest.mark.parametrize("divert", [False, True])
 @pytest.mark.parametrize("T,k,H,dtype,tol", [(7, 3, 40, torch.float32, 1e-6), (6, 8, 1100, torch.bfloat16, 1e-2),
                                              (6, 3, 24, torch.float64, 1e-12), (0, 2, 8, torch.float32, 0)])
-def test_weigh_backward_into_places_the_row_gradients(path, T, k, H, dtype, tol, monkeypatch):
-    # every assignment's gradient row at its place; places -1 and past dst are not written
+def test_weigh_backward_into_places_the_row_gradients(path, divert, T, k, H, dtype, tol, monkeypatch):
+    # every assignment's gradient row at its place; places -1 and past dst are not written; with a
+    # divert, those of places 3 .. 3 + T - 1 at out[place - 3] instead, out's first T - 2 rows only
     dev = KERNEL_DEVICE if path == "kernel" else torch.device("cpu")
     if path == "torch":
         monkeypatch.setattr(moe_combine, "runs_triton", lambda t: False)
@@ -141,16 +143,25 @@ def test_weigh_backward_into_places_the_row_gradients(path, T, k, H, dtype, tol,
     if T:
         pos[1] = n_dst + 5  # outside dst
     dst = torch.full((n_dst, H), 7.0, dtype=dtype, device=dev)
-    d_w = moe_combine.weigh_backward_into(rows.to(dev), weights.to(dev), dy.to(dev), pos.to(dev), dst)
+    lo, hi, n_out = 3, 3 + T, max(T - 2, 0)
+    out = torch.full((n_out, H), 5.0, dtype=dtype, device=dev)
+    d_w = moe_combine.weigh_backward_into(rows.to(dev), weights.to(dev), dy.to(dev), pos.to(dev), dst,
+                                          (torch.tensor([lo, hi], device=dev), out) if divert else None)
     want_dw = (rows.double() * dy.double()[:, None]).sum(-1)
     err = (d_w.double().cpu() - want_dw).norm() / max(want_dw.norm().item(), 1e-30)
     assert d_w.dtype == dtype and err <= tol, err.item()
-    want = torch.full((n_dst, H), 7.0, dtype=torch.float64)
+    want, want_out = torch.full((n_dst, H), 7.0, dtype=torch.float64), torch.full((n_out, H), 5.0, dtype=torch.float64)
     for a, p in enumerate(pos.tolist()):
-        if 0 <= p < n_dst:
-            want[p] = weights[a // k, a % k].double() * dy[a // k].double()
-    err = (dst.double().cpu() - want).norm() / want.norm()
-    assert err <= tol, err.item()
+        row = weights[a // k, a % k].double() * dy[a // k].double()
+        if divert and lo <= p < hi:
+            if p - lo < n_out:
+                want_out[p - lo] = row
+        elif 0 <= p < n_dst:
+            want[p] = row
+    for got, exp in ((dst, want), (out, want_out)):
+        err = (got.double().cpu() - exp).norm() / max(exp.norm().item(), 1e-30)
+        assert err <= tol, err.item()
+    assert not divert or not T or (want_out != 5.0).any()  # the divert took rows
 
 
 def test_weigh_backward_into_refuses_mismatched_shapes():
@@ -159,3 +170,8 @@ def test_weigh_backward_into_refuses_mismatched_shapes():
         moe_combine.weigh_backward_into(rows, w, dy[:, :3], torch.zeros(6, dtype=torch.long), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="one dtype"):
         moe_combine.weigh_backward_into(rows, w, dy, torch.zeros(6, dtype=torch.long), torch.zeros(8, 4).double())
+    for bounds, out in ((torch.tensor([1, 2, 3]), torch.zeros(4, 4)), (torch.tensor([1.0, 2.0]), torch.zeros(4, 4)),
+                        (torch.tensor([1, 2]), torch.zeros(4, 3)), (torch.tensor([1, 2]), torch.zeros(4, 8)[:, ::2])):
+        with pytest.raises(ValueError, match="a divert's contiguous \\[\\*, H\\] after its two integer bounds"):
+            moe_combine.weigh_backward_into(rows, w, dy, torch.zeros(6, dtype=torch.long), torch.zeros(8, 4),
+                                            (bounds, out))

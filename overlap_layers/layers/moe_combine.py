@@ -38,7 +38,7 @@ us against bmm's 253 and 594 (qwen3), 51 and 84 against 348 and 2592 (mixtral-8x
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -118,14 +118,17 @@ class _WeighRows(torch.autograd.Function):
         return d_rows, _weigh_backward(rows, weights, dy.contiguous(), None, d_rows)
 
 
-def _weigh_backward(rows, weights, dy, pos, dst) -> torch.Tensor:
+def _weigh_backward(rows, weights, dy, pos, dst, divert=None) -> torch.Tensor:
     """The kernel's ``d weights``; the rows' gradients into ``dst``: token-major, or each at its
-    ``pos`` where given (none where negative or past ``dst``)."""
+    ``pos`` where given (none where negative or past ``dst``), those of ``divert``'s places into
+    its buffer (:func:`weigh_backward_into`)."""
     T, k, H = rows.shape
     d_w = torch.empty_like(weights)
+    bounds, out = divert if divert is not None else (d_w, dst)
     if T and H:
-        _weigh_backward_kernel[(T,)](rows, weights, dy, d_w, dst, dst if pos is None else pos, dst.shape[0], H=H, K=k,
-                                     KP=triton.next_power_of_2(k), BLOCK_H=_block(H, k), HAS_POS=pos is not None,
+        _weigh_backward_kernel[(T,)](rows, weights, dy, d_w, dst, dst if pos is None else pos, dst.shape[0],
+                                     bounds, out, out.shape[0], H=H, K=k, KP=triton.next_power_of_2(k),
+                                     BLOCK_H=_block(H, k), HAS_POS=pos is not None, DIVERT=divert is not None,
                                      WIDE=rows.dtype == torch.float64, num_warps=4)
     elif T:
         d_w.zero_()
@@ -133,26 +136,41 @@ def _weigh_backward(rows, weights, dy, pos, dst) -> torch.Tensor:
 
 
 def weigh_backward_into(rows: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, pos: torch.Tensor,
-                        dst: torch.Tensor) -> torch.Tensor:
+                        dst: torch.Tensor, divert: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """:func:`weigh_rows`' backward with the rows' gradients placed: ``d rows[t, j]`` (module
     reference) into ``dst[pos[t*k + j]]`` (``[rows, H]``, contiguous; an assignment at a negative
     place, or past ``dst``, is not written), and ``d weights`` returned, from ``rows [T, k, H]``,
     ``weights [T, k]`` and ``dy [T, H]`` of one dtype: the device path's training call places its
-    output gradient where its input rows went ([Note: MoE weighted combine])."""
+    output gradient where its input rows went ([Note: MoE weighted combine]). ``divert``: None, or
+    ``(bounds, out)``, ``bounds`` two integers on the device ``(lo, hi)`` and ``out`` ``[*, H]``
+    (contiguous, ``dst``'s dtype): the rows of places ``lo .. hi-1`` go to ``out[place - lo]``
+    instead (none past its rows; [Note: own rows kept apart] in ``moe_device.py``)."""
     T, k, H = rows.shape
+    out = divert[1] if divert is not None else dst
     if (weights.shape != (T, k) or dy.shape != (T, H) or pos.numel() != T * k or dst.dim() != 2
-            or dst.shape[1] != H or len({rows.dtype, weights.dtype, dy.dtype, dst.dtype}) != 1
-            or not dst.is_contiguous()):
+            or dst.shape[1] != H or len({rows.dtype, weights.dtype, dy.dtype, dst.dtype, out.dtype}) != 1
+            or not dst.is_contiguous() or out.dim() != 2 or out.shape[1] != H or not out.is_contiguous()
+            or divert is not None and (divert[0].numel() != 2 or divert[0].is_floating_point())):
         raise ValueError(f"weigh_backward_into: rows {tuple(rows.shape)}, weights {tuple(weights.shape)}, dy "
-                         f"{tuple(dy.shape)}, {pos.numel()} places, dst {tuple(dst.shape)}; valid: rows [T, k, H], "
-                         "weights [T, k], dy [T, H], T*k places and a contiguous dst [*, H], all of one dtype")
+                         f"{tuple(dy.shape)}, {pos.numel()} places, dst {tuple(dst.shape)}, divert "
+                         f"{None if divert is None else (tuple(divert[0].shape), tuple(out.shape))}; valid: rows "
+                         "[T, k, H], weights [T, k], dy [T, H], T*k places, a contiguous dst [*, H] and a divert's "
+                         "contiguous [*, H] after its two integer bounds, all of one dtype")
     if runs_triton(rows):
-        return _weigh_backward(rows.contiguous(), weights.contiguous(), dy.contiguous(), pos.contiguous(), dst)
+        return _weigh_backward(rows.contiguous(), weights.contiguous(), dy.contiguous(), pos.contiguous(), dst,
+                               None if divert is None else (divert[0].reshape(2).contiguous(), out))
     wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
     d_w = (rows.to(wide) * dy.to(wide)[:, None]).sum(-1).to(weights.dtype)
     d_rows = (weights.to(wide)[:, :, None] * dy.to(wide)[:, None]).to(dst.dtype).view(T * k, H)
-    p = pos.reshape(-1)
-    ok = (p >= 0) & (p < dst.shape[0])
+    p = pos.reshape(-1).to(torch.int64)
+    ok = p >= 0
+    if divert is not None:
+        lo, hi = divert[0].reshape(2).tolist()
+        mine = ok & (p >= lo) & (p < hi)
+        ok &= ~mine
+        fits = mine & (p - lo < out.shape[0])
+        out[p[fits] - lo] = d_rows[fits]
+    ok &= p < dst.shape[0]
     dst[p[ok]] = d_rows[ok]
     return d_w
 
@@ -194,11 +212,12 @@ if triton is not None:
             tl.store(y_ptr + t * H + cols, tl.sum(w[:, None] * r, axis=0).to(y_ptr.dtype.element_ty), mask=cols < H)
 
     @triton.jit
-    def _weigh_backward_kernel(rows_ptr, w_ptr, dy_ptr, d_w_ptr, dst_ptr, pos_ptr, dst_rows, H: tl.constexpr,
-                               K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_POS: tl.constexpr,
-                               WIDE: tl.constexpr):
+    def _weigh_backward_kernel(rows_ptr, w_ptr, dy_ptr, d_w_ptr, dst_ptr, pos_ptr, dst_rows, bounds_ptr, out_ptr,
+                               out_rows, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
+                               HAS_POS: tl.constexpr, DIVERT: tl.constexpr, WIDE: tl.constexpr):
         """One token per program: its rows' gradients (its weights times dy; token-major, or at
-        their places where ``HAS_POS``) and its weights' (dy's dot with each row, summed over the
+        their places where ``HAS_POS``, those of places ``bounds[0] .. bounds[1]-1`` into ``out``
+        from its row 0 where ``DIVERT``) and its weights' (dy's dot with each row, summed over the
         columns)."""
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, KP)
@@ -211,6 +230,12 @@ if triton is not None:
         else:
             place = t * K + j
             live = j < K
+        if DIVERT:
+            lo = tl.load(bounds_ptr).to(tl.int64)
+            mine = (j < K) & (place >= lo) & (place < tl.load(bounds_ptr + 1).to(tl.int64))
+            live = live & ~mine
+            out_at = place - lo
+            mine = mine & (out_at < out_rows)
         acc = tl.zeros([KP], dtype=dt)
         for h0 in tl.static_range(0, H, BLOCK_H):
             cols = h0 + c
@@ -221,6 +246,8 @@ if triton is not None:
             acc += tl.sum(r * g[None, :], axis=1)
             d = (w[:, None] * g[None, :]).to(dst_ptr.dtype.element_ty)
             tl.store(dst_ptr + place[:, None] * H + cols[None, :], d, mask=live[:, None] & (cols[None, :] < H))
+            if DIVERT:
+                tl.store(out_ptr + out_at[:, None] * H + cols[None, :], d, mask=mine[:, None] & (cols[None, :] < H))
         tl.store(d_w_ptr + t * K + j, acc.to(d_w_ptr.dtype.element_ty), mask=j < K)
 
     @triton.jit

@@ -164,7 +164,8 @@ tensors live in the graphs' pool). What the backward needs stays on the device:
   without autograd does and also keeps each assignment's row, token-major, for the weights'
   gradient ([Note: MoE weighted combine] in ``moe_combine.py``);
 * the backward's first kernel computes the weights' gradient and writes each assignment's output
-  gradient (its weight times dy) where its input row went (the forward's ``pos``), then reverses
+  gradient (its weight times dy) where its input row went (the forward's ``pos``; the late own
+  rows' into a buffer of their own: [Note: own rows kept apart]), then reverses
   the exchange part by part: pull the rows' gradients (every part's at once, into a slot each),
   the data gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only, dh over
   the pre-activations), push it back to its source; then the weight gradients of every part in
@@ -239,10 +240,16 @@ clone of the send buffer's slot rows, under the last push), beside the late rows
 buffer of their own. Now the placing kernel puts the own rows of each half straight into a buffer
 of its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
 :func:`~overlap_layers.runtime.send_rows.place_by_key`), where the experts read them and the
-backward finds them: neither copy runs, and the training graphs keep one buffer of slot rows less
-(qwen3-30b-a3b at EP 4, 8192 tokens per rank: 76 MiB). ``pos`` is unchanged, so the combine and
-the backward, which writes the own rows' gradients at their places in the send buffer, are too.
-Rows past a buffer are not written, as past any slot ([Note: MoE slot rows]).
+backward finds them, and neither copy runs (the buffers are as many as before: the clone's place
+is the first half's). Same-process A/B, replayed qwen3-30b-a3b fwd+bwd, 8192 tokens per rank
+(4x H200, session 46): 5.774 -> 5.742 ms at EP 4, 5.885 -> 5.823 at EP 2, gradients
+bit-identical, graph memory 1930 -> 1898 MiB at EP 4 (2158 at EP 2 either way). ``pos`` is
+unchanged, so the combine is too. The backward does the same for its late own rows:
+the kernel that weighs the output gradient (``weigh_backward_into``) puts their rows' gradients
+straight into a buffer of their own (its ``divert``: their places, ``n_first .. n_own``), and the
+rest at their places in the send buffer, where the first own rows' are read in place; until then
+the late ones were copied out of it on the experts' stream, between the last peer part and their
+data gradient. Rows past a buffer are not written, as past any slot ([Note: MoE slot rows]).
 """
 from __future__ import annotations
 
@@ -537,12 +544,13 @@ def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, 
     return held[0], out[2], out[3]
 
 
-def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_place: bool = True,
-              wants: Tuple[bool, bool] = (True, True)):
+def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[torch.Tensor], w_in, w_out,
+              in_place: bool = True, wants: Tuple[bool, bool] = (True, True)):
     """``(dx [T, H], dw_in, dw_out)`` (a weight's None where ``wants`` says so) with each
     assignment's output-row gradient already at the place its input row went (the forward's
-    ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes): the forward's
-    exchange reversed. Each source's rows run as they arrive (the data gradient, pushed back to
+    ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes), but the own rows'
+    of the groups from ``c.split`` on, which ``late_dy`` (``[c.slot, H]``; None where there are no
+    such groups) holds from row 0 ([Note: own rows kept apart]): the forward's exchange reversed. Each source's rows run as they arrive (the data gradient, pushed back to
     the source), the weight gradients of every part in one pass at the end, under the last push
     ([Note: expert weight gradients in one pass]; or, where ``c.defer`` takes them, after the
     replay of the backward being captured: the placeholders it gives are returned), and one
@@ -554,8 +562,8 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
     first = (0, c.split)
     late = (c.split, El) if c.split < El else None
     # every part's rows stay for the weight gradients: a slot per peer part (all pulled at once),
-    # the own rows in the send buffer, the late ones copied into a buffer of their own
-    slots = [dy.new_empty((c.slot, H)) for _ in peers] + ([dy.new_empty((c.slot, H))] if late else [])
+    # the own rows in the send buffer, the late ones in late_dy
+    slots = [dy.new_empty((c.slot, H)) for _ in peers] + ([late_dy] if late else [])
     keys = ["own", *range(len(peers))] + (["late"] if late else [])
     spans = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
     dys = [ex.send[:c.slot]] + slots
@@ -592,7 +600,6 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, w_in, w_out, in_plac
         s.push(ex, src, results[i], part, i)
     done = {}
     if late:
-        ex.own_rows(c.split, slots[-1])
         done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
 
     def weight_grads() -> tuple:
@@ -634,8 +641,10 @@ class _SourceExperts(torch.autograd.Function):
     def backward(ctx, dy):
         w_in, w_out, weights, rows = ctx.saved_tensors
         c, dy = ctx.c, dy.contiguous()
-        d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send)
-        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, w_in, w_out, in_place=not keeps_graph(),
+        late_dy = dy.new_empty((c.slot, dy.shape[1])) if c.split < c.El else None  # [Note: own rows kept apart]
+        late = (c.ends[c.rank, [c.split - 1, c.El - 1]], late_dy) if late_dy is not None else None
+        d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send, late)
+        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, late_dy, w_in, w_out, in_place=not keeps_graph(),
                                       wants=tuple(ctx.needs_input_grad[1:3]))
         return dx, dw_in, dw_out, d_weights, None
 
