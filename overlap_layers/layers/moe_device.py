@@ -550,11 +550,12 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[to
     assignment's output-row gradient already at the place its input row went (the forward's
     ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes), but the own rows'
     of the groups from ``c.split`` on, which ``late_dy`` (``[c.slot, H]``; None where there are no
-    such groups) holds from row 0 ([Note: own rows kept apart]): the forward's exchange reversed. Each source's rows run as they arrive (the data gradient, pushed back to
-    the source), the weight gradients of every part in one pass at the end, under the last push
-    ([Note: expert weight gradients in one pass]; or, where ``c.defer`` takes them, after the
-    replay of the backward being captured: the placeholders it gives are returned), and one
-    combine pass sums each token's k rows of dx. ``in_place``: dh overwrites the saved
+    such groups) holds from row 0 ([Note: own rows kept apart]): the forward's exchange reversed.
+    Each source's rows run as they arrive (the data gradient, pushed back to the source), the
+    weight gradients of every part in one pass at the end, under the last push ([Note: expert
+    weight gradients in one pass]; or, where ``c.defer`` takes them, after the replay of the
+    backward being captured: the placeholders it gives are returned), and one combine pass sums
+    each token's k rows of dx. ``in_place``: dh overwrites the saved
     pre-activations (else buffers of its own: a second backward reads them again)."""
     ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
@@ -642,7 +643,9 @@ class _SourceExperts(torch.autograd.Function):
         w_in, w_out, weights, rows = ctx.saved_tensors
         c, dy = ctx.c, dy.contiguous()
         late_dy = dy.new_empty((c.slot, dy.shape[1])) if c.split < c.El else None  # [Note: own rows kept apart]
-        late = (c.ends[c.rank, [c.split - 1, c.El - 1]], late_dy) if late_dy is not None else None
+        # the late rows' places (a stack of views: an index list would copy from the host, which a capture forbids)
+        ends = c.ends[c.rank]
+        late = (torch.stack((ends[c.split - 1], ends[-1])), late_dy) if late_dy is not None else None
         d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send, late)
         dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, late_dy, w_in, w_out, in_place=not keeps_graph(),
                                       wants=tuple(ctx.needs_input_grad[1:3]))
