@@ -243,12 +243,12 @@ of its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
 backward finds them, and neither copy runs (the buffers are as many as before: the clone's place
 is the first half's). Same-process A/B, replayed qwen3-30b-a3b fwd+bwd, 8192 tokens per rank
 (4x H200, session 46): 5.774 -> 5.742 ms at EP 4, 5.885 -> 5.823 at EP 2, gradients
-bit-identical. ``pos`` is unchanged, so the combine is too. The backward does the same for its late own rows:
-the kernel that weighs the output gradient (``weigh_backward_into``) puts their rows' gradients
-straight into a buffer of their own (its ``divert``: their places, ``n_first .. n_own``), and the
-rest at their places in the send buffer, where the first own rows' are read in place; until then
-the late ones were copied out of it on the experts' stream, between the last peer part and their
-data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at EP 2, bit-identical).
+bit-identical. ``pos`` is unchanged, so the combine is too. The backward does the same for its
+late own rows: the kernel that weighs the output gradient (``weigh_backward_into``) puts their
+rows' gradients straight into a buffer of their own (its ``divert``: their places, ``n_first ..
+n_own``) and the rest at their places in the send buffer, where the first own rows' are read in
+place; until then the late ones were copied out of it on the experts' stream, between the last
+peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at EP 2, bit-identical).
 Rows past a buffer are not written, as past any slot ([Note: MoE slot rows]). The graphs keep
 what they kept: both A/Bs read the second side's graphs 32 MiB smaller at EP 4 (1898 against
 1930 MiB; 2158 at EP 2 on both sides), the second A/B also where no buffer changed, so the
@@ -558,8 +558,8 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[to
     weight gradients of every part in one pass at the end, under the last push ([Note: expert
     weight gradients in one pass]; or, where ``c.defer`` takes them, after the replay of the
     backward being captured: the placeholders it gives are returned), and one combine pass sums
-    each token's k rows of dx. ``in_place``: dh overwrites the saved
-    pre-activations (else buffers of its own: a second backward reads them again)."""
+    each token's k rows of dx. ``in_place``: dh overwrites the saved pre-activations (else
+    buffers of its own: a second backward reads them again)."""
     ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
     ex.ready(c.counts)
     peers = c.peers()

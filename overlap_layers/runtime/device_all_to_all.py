@@ -74,11 +74,13 @@ A peer's result for a send row lands at that row's place in ``send``: ``back`` i
 the only rank that writes a place is the destination of its row, which pulled the row before it
 computed the result it pushes there (its pull, experts and push in its streams' order), and the
 places of different rows, the regions' tails included, never overlap. The own rows' places are
-never pushed to, so they hold the own rows for the whole call (the MoE reads them in place, and
-in its backward after the last push). The price is that a call's ``send`` rows are gone once
-peers have pushed: nothing may read a peer row's input from ``send`` after ``ready``, except the
-pulls. The workspace holds ``buffer_rows`` rows once instead of twice: at qwen3-30b-a3b's shape
-(EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) 471 MiB less per group.
+never pushed to, so what ``place`` put there stays for the whole call (the MoE's own rows, read in
+place, and in its backward after the last push). The price is that a call's ``send`` rows are
+gone once peers have pushed: nothing may read a peer row's input from ``send`` after ``ready``,
+except the pulls. The workspace holds ``buffer_rows`` rows once instead of twice: at
+qwen3-30b-a3b's shape (EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) the group's
+workspace went from 944 to 472 MiB, and the device's free memory rose as much (4x H200, session
+46, ``bench/moe_memory_probe.py``).
 """
 from __future__ import annotations
 
@@ -438,7 +440,8 @@ class DeviceCountAllToAll:
     with other counts. The workspace layout: the table (``[ws, ws, groups]`` int32), then
     ``send`` (``[layout.buffer_rows, W]``), which is also ``back`` ([Note: results where their
     rows were]); the exchange holds views of the workspace's buffer, so one made before the
-    workspace grew raises ``RuntimeError`` (make another). ``streams``: the workspace's pull and push streams."""
+    workspace grew raises ``RuntimeError`` (make another). ``streams``: the workspace's pull and
+    push streams."""
 
     def __init__(self, workspace, rows: int, width: int, dtype: torch.dtype, groups: int = 1) -> None:
         w = self.w = workspace
@@ -574,7 +577,8 @@ class DeviceCountAllToAll:
     def finish(self) -> torch.Tensor:
         """End the call (the BACK signals, on the stream the pulls and pushes joined); returns
         ``back``: at the place of each of this rank's send rows to a peer, its result (valid
-        until this rank's next :meth:`place` on this workspace; at its own rows' places, those rows)."""
+        until this rank's next :meth:`place` on this workspace; at its own rows' places, what
+        :meth:`place` put there)."""
         self._signal(BACK)
         self._rests = None
         return self.back

@@ -130,7 +130,7 @@ def _place(src, keys, top_k, E, key_places, dst, diverts) -> torch.Tensor:
         mine = (k >= lo) & (k < hi) & main
         main &= ~mine
         at = pos - D[lo]
-        ok = mine & (at < out.shape[0])
+        ok = mine & (at >= 0) & (at < out.shape[0])
         out[at[ok]] = src[rows[ok]]
     ok = main & (pos < dst.shape[0])
     dst[pos[ok]] = src[rows[ok]]
