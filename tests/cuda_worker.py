@@ -8,6 +8,7 @@ import gc
 import math
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -1120,6 +1121,16 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
     return 0
 
 
+def capture_warning_fails(rank, label, caught) -> int:
+    """1 (and a FAIL line) if a graph capture failed (its warning among ``caught``: the signature
+    then runs eagerly and the race counts it lost, so no other check would show it), else 0."""
+    failed = [str(w.message) for w in caught if "capturing a call failed" in str(w.message)]
+    if failed:
+        print(f"rank {rank} FAIL {label}: {failed[0][:300]}", flush=True)
+        return 1
+    return 0
+
+
 def eager_workspace_fails(rank, label, layer, dev) -> int:
     """1 (and a FAIL line) if the race chose the device path for the layer's last signature but
     the layer still holds its eager calls' workspace, or (no other layer alive to hold it, after a
@@ -1160,31 +1171,34 @@ def check_moe_graph_calls(rank, ws, dev):
     every call against the float64 dense reference, the race's eager calls, capture and replays
     ([Note: MoE graph calls: the race]) and the calls after it; each signature's race decided, the
     layer keeping a graph for each signature the device path won and the last call replaying
-    it if it did."""
+    it if it did; no capture failed."""
     from overlap_layers import OverlapConfig, OverlapMoE
     r, (rw, wi, wo, swi, swo), H, k, dt = moe_graph_case(ws, dev, 23)
     fails = 0
-    for cf in (None, 0.5):
-        layer = OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
-                                      capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
-                                      num_tiles=1, config=OverlapConfig(graph_calls=True))
-        for step in range(16):
-            tokens = 40 + 24 * rank + (16 if rank == 0 and step >= 8 else 0)  # a second signature from step 8
-            x = r(1, tokens, H).to(dt)
-            with torch.no_grad():
-                y = layer(x)
-            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
-            fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
-        fails += race_fails(rank, f"moe graph_calls cf={cf}", layer, 2, check_held=True)
-        fails += eager_workspace_fails(rank, f"moe graph_calls cf={cf}", layer, dev)
-        for step in range(2 if cf is None else 0):  # past the slots, then replayed with the raised ones
-            # (not with capacity: its drops among tokens of near-equal probability differ from the reference's)
-            x = skewed_tokens(r, rw, 40 + 24 * rank + (16 if rank == 0 else 0), H, dt)
-            with torch.no_grad():
-                y = layer(x)
-            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
-            fails += count_fails(rank, f"moe graph_calls cf={cf} skewed {step}", [("y", y, y_ref)], 3e-2)
-        fails += slots_fails(rank, f"moe graph_calls cf={cf}", layer) if cf is None else 0
+    with warnings.catch_warnings(record=True) as caught:  # a failed capture runs eagerly: only its warning shows
+        warnings.simplefilter("always")
+        for cf in (None, 0.5):
+            layer = OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
+                                          capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
+                                          num_tiles=1, config=OverlapConfig(graph_calls=True))
+            for step in range(16):
+                tokens = 40 + 24 * rank + (16 if rank == 0 and step >= 8 else 0)  # a second signature from step 8
+                x = r(1, tokens, H).to(dt)
+                with torch.no_grad():
+                    y = layer(x)
+                y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
+                fails += count_fails(rank, f"moe graph_calls cf={cf} step {step}", [("y", y, y_ref)], 3e-2)
+            fails += race_fails(rank, f"moe graph_calls cf={cf}", layer, 2, check_held=True)
+            fails += eager_workspace_fails(rank, f"moe graph_calls cf={cf}", layer, dev)
+            for step in range(2 if cf is None else 0):  # past the slots, then replayed with the raised ones
+                # (not with capacity: its drops among tokens of near-equal probability differ from the reference's)
+                x = skewed_tokens(r, rw, 40 + 24 * rank + (16 if rank == 0 else 0), H, dt)
+                with torch.no_grad():
+                    y = layer(x)
+                y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
+                fails += count_fails(rank, f"moe graph_calls cf={cf} skewed {step}", [("y", y, y_ref)], 3e-2)
+            fails += slots_fails(rank, f"moe graph_calls cf={cf}", layer) if cf is None else 0
+    fails += capture_warning_fails(rank, "moe graph_calls", caught)
     torch.cuda.synchronize()
     dist.barrier()
     return fails
@@ -1196,35 +1210,38 @@ def check_moe_training_graph_calls(rank, ws, dev):
     drops, a shared expert): y against the float64 dense reference, and y, dx and every
     parameter's gradient against a twin layer's eager calls on the same weights and tensors (the
     eager path is checked against the dense reference's gradients in check_moe_rank_chunks),
-    through the race's eager calls, capture and replays; the race decided, and the layer keeping
-    a graph if the device path won."""
+    through the race's eager calls, capture and replays; the race decided, the layer keeping
+    a graph if the device path won, and no capture failed."""
     from overlap_layers import OverlapConfig, OverlapMoE
     r, (rw, wi, wo, swi, swo), H, k, dt = moe_graph_case(ws, dev, 31)
     fails = 0
-    for cf in (None, 0.5):
-        layers = [OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
-                                        capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
-                                        num_tiles=1, config=OverlapConfig(graph_calls=graphs))
-                  for graphs in (True, False)]
-        for step in range(12 if cf is None else 10):  # the last two skewed (as in check_moe_graph_calls)
-            tokens = 40 + 24 * rank
-            x = r(1, tokens, H).to(dt) if step < 10 else skewed_tokens(r, rw, tokens, H, dt)
-            dy = r(1, tokens, H).to(dt)
-            outs = []
-            for layer in layers:
-                layer.zero_grad(set_to_none=True)
-                xx = x.clone().requires_grad_()
-                y = layer(xx)
-                y.backward(dy)
-                outs.append([("y", y.detach()), ("dx", xx.grad)]
-                            + [(n, p.grad) for n, p in layer.named_parameters()])
-            y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
-            label = f"moe training graph_calls cf={cf} step {step}"
-            fails += count_fails(rank, label, [("y", outs[0][0][1], y_ref)], 3e-2)
-            fails += count_fails(rank, label + " against eager", [(n, got, want.double()) for (n, got), (_, want)
-                                                                  in zip(*outs)], 5e-2)
-        fails += race_fails(rank, f"moe training graph_calls cf={cf}", layers[0], 1)
-        fails += slots_fails(rank, f"moe training graph_calls cf={cf}", layers[0]) if cf is None else 0
+    with warnings.catch_warnings(record=True) as caught:  # a failed capture runs eagerly: only its warning shows
+        warnings.simplefilter("always")
+        for cf in (None, 0.5):
+            layers = [OverlapMoE.from_dense(rw.to(dt), wi.to(dt), wo.to(dt), top_k=k, group=dist.group.WORLD,
+                                            capacity_factor=cf, shared_w_in=swi.to(dt), shared_w_out=swo.to(dt),
+                                            num_tiles=1, config=OverlapConfig(graph_calls=graphs))
+                      for graphs in (True, False)]
+            for step in range(12 if cf is None else 10):  # the last two skewed (as in check_moe_graph_calls)
+                tokens = 40 + 24 * rank
+                x = r(1, tokens, H).to(dt) if step < 10 else skewed_tokens(r, rw, tokens, H, dt)
+                dy = r(1, tokens, H).to(dt)
+                outs = []
+                for layer in layers:
+                    layer.zero_grad(set_to_none=True)
+                    xx = x.clone().requires_grad_()
+                    y = layer(xx)
+                    y.backward(dy)
+                    outs.append([("y", y.detach()), ("dx", xx.grad)]
+                                + [(n, p.grad) for n, p in layer.named_parameters()])
+                y_ref = moe_graph_reference(x, (rw, wi, wo, swi, swo), k, cf, dt)
+                label = f"moe training graph_calls cf={cf} step {step}"
+                fails += count_fails(rank, label, [("y", outs[0][0][1], y_ref)], 3e-2)
+                fails += count_fails(rank, label + " against eager", [(n, got, want.double()) for (n, got), (_, want)
+                                                                      in zip(*outs)], 5e-2)
+            fails += race_fails(rank, f"moe training graph_calls cf={cf}", layers[0], 1)
+            fails += slots_fails(rank, f"moe training graph_calls cf={cf}", layers[0]) if cf is None else 0
+    fails += capture_warning_fails(rank, "moe training graph_calls", caught)
     torch.cuda.synchronize()
     dist.barrier()
     return fails

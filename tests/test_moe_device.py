@@ -426,7 +426,7 @@ def test_race_won_by_the_device_path_lets_go_of_the_eager_workspace(pool2, choic
     assert pool2.run(workspace_held_after, choice) == [held, held]
 
 
-def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(0, 0), budget=None):
+def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(1, 1), budget=None):
     """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
     whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls), each call's graph
     keeping ``graph_bytes[rank]`` under a memory budget of ``budget`` bytes."""
@@ -458,10 +458,12 @@ def test_race_picks_the_faster_path_alike_on_every_rank(pool2, device_ms, wins):
 
 
 @pytest.mark.parametrize("graph_bytes,budget,wins", [((100, 300), 300, True), ((100, 301), 300, False),
-                                                     ((100, 301), None, True)])
+                                                     ((100, 301), None, True), ((0, 0), None, False),
+                                                     ((100, 0), None, False)])
 def test_race_keeps_the_device_path_within_the_memory_budget(pool2, graph_bytes, budget, wins):
     """The faster device path (4.9 against 5 ms) wins only if the largest rank's graph fits the
-    memory budget (none: no limit); the choice is the same on every rank."""
+    memory budget (none: no limit), and only if its deciding call replayed a graph on every rank
+    (0 bytes: it ran eagerly, its capture having failed); the choice is the same on every rank."""
     eager_ms, device_ms = [[9, 5, 6], [9, 5, 5]], [[50, 4, 4], [50, 4.5, 4.9]]
     want = [(False, None)] * 3 + [(True, None)] * 2 + [(True, wins)] + [(wins, None)] * 3
     assert pool2.run(race_choices, eager_ms, device_ms, graph_bytes, budget) == [want, want]

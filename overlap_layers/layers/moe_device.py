@@ -115,7 +115,9 @@ qwen3 forward runs faster by the device path and the mixtral one eagerly (sessio
 call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
 have fired, or at the layer's next call if its backward never came): the eager backward's host
 time is what the device path saves there. The device path wins only if it is also within the
-layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it. Once
+layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it; and
+only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly: in
+session 46 a broken capture won such a race by noise, with no graph kept). Once
 it wins, the layer lets go of the symmetric workspace of its eager copy-engine calls (the group's
 "exchange" workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group
 holds it, and grown again, a collective at the same call on every rank, by the next eager call
@@ -322,8 +324,9 @@ class DevicePathRace:
         return device
 
     def finish(self, nbytes: int = 0, budget: Optional[Callable[[], Optional[int]]] = None) -> Optional[bool]:
-        """End the timing of the call (if timed; its graph kept ``nbytes``); returns the choice made
-        at it, if any (the device path lost: False), else None. The device path wins only if it is
+        """End the timing of the call (if timed; its graph kept ``nbytes``, 0 where the call ran
+        eagerly); returns the choice made at it, if any (the device path lost: False), else None.
+        The device path wins only if its deciding call replayed a graph on every rank, it is
         faster and, where ``budget()`` gives bytes (the layer's memory budget), its graph's memory
         on the group's largest rank fits them."""
         if self._timing is None:
@@ -337,7 +340,8 @@ class DevicePathRace:
         rows = self._agreement.gather((*mine, int(nbytes)))
         eager_us, device_us, most = (max(r[i] for r in rows) for i in range(3))
         limit = budget() if budget is not None else None
-        race["choice"] = device_us < eager_us and (limit is None or most <= limit)
+        replayed = min(r[2] for r in rows) > 0  # else its capture failed, and it timed eager calls
+        race["choice"] = replayed and device_us < eager_us and (limit is None or most <= limit)
         return race["choice"]
 
 
