@@ -34,9 +34,10 @@ class GatheredExchange:
     ``pull_rest`` (and ``own_rows``) copy from them, and each ``push`` or ``push_rest`` (every rank pushes alike: to
     the source ``j`` ranks on, the same part) gathers every rank's results and keeps those for
     this rank's rows. ``back`` is ``send``, as in the exchange ([Note: results where their rows
-    were]); ``ready`` sets every row of it but the own rows to NaN (peers may overwrite them from
-    then on), so a read of a peer row's input there after ``ready`` shows; ``finish`` checks that
-    every peer's parts were pushed once by each kind of push."""
+    were]); ``place`` sets all of it to NaN before it places, and ``ready`` every row but the own
+    rows (peers may overwrite them from then on), so a read there of a row ``place`` did not put
+    (own rows it put elsewhere, an earlier call's) or of a peer row's input after ``ready`` shows;
+    ``finish`` checks that every peer's parts were pushed once by each kind of push."""
 
     def __init__(self, rows, width, dtype, groups):
         self.ws, self.rank, self.rows, self.groups = dist.get_world_size(), dist.get_rank(), rows, groups
