@@ -117,11 +117,11 @@ have fired, or at the layer's next call if its backward never came): the eager b
 time is what the device path saves there. The device path wins only if it is also within the
 layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it; and
 only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly: in
-session 46 a broken capture won such a race by noise, with no graph kept). Once
-it wins, the layer lets go of the symmetric workspace of its eager copy-engine calls (the group's
-"exchange" workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group
-holds it, and grown again, a collective at the same call on every rank, by the next eager call
-that needs it (a rank that kept it alive longer makes every rank release theirs first:
+session 46 a broken capture won such a race by noise, with no graph kept). Once it wins, the
+layer lets go of the symmetric workspace of its eager copy-engine calls (the group's "exchange"
+workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group holds it,
+and grown again, a collective at the same call on every rank, by the next eager call that needs
+it (a rank that kept it alive longer makes every rank release theirs first:
 ``RankChunkPlans._after_agreement``).
 
 [Note: MoE slot rows]
@@ -250,9 +250,9 @@ late own rows: the kernel that weighs the output gradient (``weigh_backward_into
 rows' gradients straight into a buffer of their own (its ``divert``: their places, ``n_first ..
 n_own``) and the rest at their places in the send buffer, where the first own rows' are read in
 place; until then the late ones were copied out of it on the experts' stream, between the last
-peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at EP 2, bit-identical).
-Rows past a buffer are not written, as past any slot ([Note: MoE slot rows]). The graphs keep
-what they kept: both A/Bs read the second side's graphs 32 MiB smaller at EP 4 (1898 against
+peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at
+EP 2, bit-identical). Rows past a buffer are not written, as past any slot ([Note: MoE slot
+rows]). The graphs keep what they kept: both A/Bs read the second side's graphs 32 MiB smaller at EP 4 (1898 against
 1930 MiB; 2158 at EP 2 on both sides), the second A/B also where no buffer changed, so the
 difference is one of allocation order, not of the code.
 """
