@@ -6,20 +6,21 @@ allocator's reserved bytes, the bytes the last call's graph kept, and the race's
 ([Note: MoE graph calls: the race] in ``layers/moe_device.py``). One line per call on rank 0, and
 the rows as JSON. Run from the repo root on a GPU machine with symmetric memory (EP = the ranks):
 
-    torchrun --nproc-per-node 4 bench/moe_memory_probe.py --preset qwen3-30b-a3b --out OUT.json
+    PYTHONPATH=. torchrun --nproc-per-node 4 bench/moe_memory_probe.py --preset qwen3-30b-a3b --out OUT.json
 
-(``PYTHONPATH`` set to a copy of an older package probes that one instead.)
+(``PYTHONPATH`` set to a copy of an older package probes that one instead.) Its ranks start by
+``overlap_layers.launch.run_ranks``.
 """
 import argparse
 import gc
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.bench.moe import PRESETS
+from overlap_layers.launch import run_ranks
 from overlap_layers.runtime.exchange import held_workspace_bytes
 
 MIB = 2 ** 20
@@ -31,11 +32,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None, help="per rank (default: the preset's)")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--out", default=None)
-    a = p.parse_args()
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    run_ranks(probe, p.parse_args())
+
+
+def probe(dev: torch.device, a) -> None:
+    """The probe on this rank (``run_ranks``: under torchrun, NCCL on this rank's GPU)."""
     group, rank = dist.group.WORLD, dist.get_rank()
     s = PRESETS[a.preset]
     torch.manual_seed(0)
@@ -64,7 +65,6 @@ def main() -> None:
             with open(a.out, "w") as f:
                 json.dump({"preset": a.preset, "world_size": dist.get_world_size(), "torch": torch.__version__,
                            "device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
