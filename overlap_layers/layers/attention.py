@@ -311,15 +311,6 @@ def _halves(ex, block: int, j: int, rows: int) -> list:
     return [(None, (0, rows))]
 
 
-def _pull_halves(ex, block: int, j: int, rows: int) -> list:
-    """``(half, (first row, end row))`` of step ``j``'s QKV pieces in ``block`` (of ``rows``
-    rows): the exchange's halves for its first pull ([Note: halved first pull] in
-    ``runtime/exchange.py``), else one piece of every row."""
-    if ex.first_halves is not None and (j, block) == (1, 0):
-        return list(enumerate(ex.first_halves))
-    return [(None, (0, rows))]
-
-
 def _logged(c: "_Call", i: int, j: int, k: int, name: str, direction: str) -> None:
     if c.launch_log is not None:  # rank-independent, like every log entry
         c.launch_log.append((f"step{j}" if k == 1 else f"tile{i}.step{j}", name, direction))
@@ -350,8 +341,7 @@ class _RankChunkAttention(torch.autograd.Function):
         bounds = tile_bounds(call.batch, call.plan.num_tiles)
         blocks, k = [(b0 * call.s, b1 * call.s) for b0, b1 in bounds], len(bounds)
         # the own rows go into the kept buffer only for the one-tile backward's QKV weight gradient
-        ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks, split_last=True,
-                           split_first=True)
+        ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks, split_last=True)
         ws, r = ex.ws, ex.rank
         graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
@@ -361,21 +351,17 @@ class _RankChunkAttention(torch.autograd.Function):
             # without qk-norm each rank's rows are RoPE'd into the core's buffers as they arrive
             pre = call.tile_heads(x_TH, b0, b1) if call.q_norm is None else None
             for j in range(ws):
-                pieces = _pull_halves(ex, i, j, b - a)
-                for half, (lo, hi) in pieces:
-                    with piece(rec, "qkv", step_tag(j, i, k, half), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
-                        xin = x_TH[a + lo:a + hi] if j == 0 else ex.pull(j, i, half)[0]
-                        out = qkv_all[(r + j) % ws, lo:hi]
-                        if b_qkv is None:
-                            torch.mm(xin, w_qkv.t(), out=out)
-                        else:
-                            torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
-                        if hi < b - a:  # the first half of a halved pull: the rest needs every row
-                            continue
-                        if pre is not None:
-                            call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
-                        if call.diagonal_first:
-                            diags[(r + j) % ws] = call.diagonal_chunk(pre[0], (r + j) % ws)
+                with piece(rec, "qkv", step_tag(j, i, k), f"overlap::attn::qkv_chunk[{i}.{(r + j) % ws}]"):
+                    xin = x_TH[a:b] if j == 0 else ex.pull(j, i)[0]
+                    out = qkv_all[(r + j) % ws]
+                    if b_qkv is None:
+                        torch.mm(xin, w_qkv.t(), out=out)
+                    else:
+                        torch.addmm(b_qkv, xin, w_qkv.t(), out=out)
+                    if pre is not None:
+                        call.chunk_heads(qkv_gbsC, (r + j) % ws, *pre)
+                    if call.diagonal_first:
+                        diags[(r + j) % ws] = call.diagonal_chunk(pre[0], (r + j) % ws)
                 _logged(call, i, j, k, "qkv", "fwd")
             qkv_MC = qkv_all.view(ws * (b - a), -1)
             if call.query_chunks:  # each projection runs after its rows' query chunk: [Note: query-chunk core]

@@ -24,10 +24,7 @@ sources and ``push(j, p, i)`` fills rows ``blocks[i]`` of q's slot; ``finish`` n
 With ``split_last`` (and a last block of two rows or more), the last push, step ws-1 of the last
 block, comes in two halves, ``push(j, p, i, half=0)`` then ``half=1``, rows ``halves`` of the
 block, so that the first half's transfer runs while the second half is computed ([Note: halved
-last push]). With ``split_first`` (and a first block of two rows or more), the first pull, step 1
-of the first block, comes in two halves the same way, ``pull(1, 0, half=0)`` then ``half=1``, rows
-``first_halves`` of the block, so that compute on the first half starts while the second half is
-in flight ([Note: halved first pull]); ``pull(1, 0)`` waits for both and returns the whole block.
+last push]).
 
 Every rank issues steps in the same order (pulls block by block, 1..ws-1 each, at creation, then
 pushes as it calls them: block by block, in step order), so matching is by construction. Two
@@ -71,17 +68,6 @@ kernel, queued between the two copies, waited 23 us for an SM beside the own pro
 and held back the second copy by as much; the sum in two kernels took 51 us for 45; and the sum
 cannot start before the stream joins the pushes anyway. The same wait for an SM is why the
 signals stay off the compute stream's busy stretches.
-
-[Note: halved first pull]
-The mirror of the halved last push. The attention forward's own rows (QKV projection, heads step,
-diagonal core piece: about 125 us at llama3-8b TP 4) are all it has before the first peer's rows
-arrive; that pull (about 95 us) starts only once every peer signalled its sources, so it ended
-95 us after the own work did (H100, all ranks profiled, session 47), with the compute stream idle
-meanwhile. In halves, the first half's QKV projection starts half a transfer earlier, while the
-second half is in flight. Every rank halves the same pull (step 1 of the first block, rows split
-at ``(b - a) // 2``), so the transfers match by construction; no signal is added, only an event
-between the two copies on the pull stream. The backward and the MLP do not halve: their own
-rows' work outlasts the first pull.
 
 What the first pull waits for: the last rank to finish its previous call. Profiled on every rank
 (session 36, 4x H200, the llama3-8b attention's fwd+bwd replayed, TP 4), the backward passes
@@ -138,41 +124,6 @@ def push_tag(block: int, step, blocks: int, half: Optional[int] = None):
 def _push_step(n: int, world_size: int) -> Tuple[int, int]:
     """``(step, block)`` of the n-th push: block by block, steps 1..ws-1 in each."""
     return n % (world_size - 1) + 1, n // (world_size - 1)
-
-
-def _first_halves(blocks: List[Tuple[int, int]], split_first: bool) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
-    """The halves of the first pull (step 1 of the first block), rows relative to that block, or
-    None: pulled whole ([Note: halved first pull])."""
-    a, b = blocks[0]
-    if not split_first or b - a < 2:
-        return None
-    h = (b - a) // 2
-    return (0, h), (h, b - a)
-
-
-def _pull_parts(j: int, block: int, rows: int, first_halves) -> List[Tuple[Optional[int], int, int]]:
-    """``(half, first row, end row)`` of the copies of step ``j``'s pull of ``block`` (of ``rows``
-    rows), rows relative to the block: two halves for a halved first pull, else one (half None)."""
-    if first_halves is None or (j, block) != (1, 0):
-        return [(None, 0, rows)]
-    return [(h, lo, hi) for h, (lo, hi) in enumerate(first_halves)]
-
-
-def _pull_keys(pulled: dict, j: int, block: int, half: Optional[int]) -> List[tuple]:
-    """The keys of ``pulled`` (``(step, block, half)``) that ``pull(j, block, half)`` waits for,
-    after checking that the request names a pull still to come: a halved pull asked whole waits
-    for both halves."""
-    keys = [k for k in pulled if k[:2] == (j, block) and (half is None or k[2] == half)]
-    assert keys, f"pull (step, block, half) {(j, block, half)} was taken already or does not exist"
-    return keys
-
-
-def _pull_rows(a: int, b: int, half: Optional[int], first_halves) -> Tuple[int, int]:
-    """Rows of ``[a, b)`` (a block) that a pull of ``half`` returns."""
-    if half is None:
-        return a, b
-    lo, hi = first_halves[half]
-    return a + lo, a + hi
 
 
 class _PushOrder:
@@ -232,7 +183,7 @@ class PointToPointExchange:
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
                  keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
-                 split_last: bool = False, split_first: bool = False):
+                 split_last: bool = False):
         self.group, self.ws, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.recorder = recorder  # an OpRecorder: marks each wait and push on the current stream
         self._g = [dist.get_global_rank(group, i) for i in range(self.ws)]
@@ -243,16 +194,14 @@ class PointToPointExchange:
         self.slots = x.new_empty((self.ws, *partial_shape))
         self.own_partial = self.slots[self.rank]
         self.blocks = _blocks(blocks, x.shape[0])
-        self.first_halves = _first_halves(self.blocks, split_first)  # the first pull's halves, or None
         self._pull_works, self._push_works, self._keep = {}, [], []
         for i, (a, b) in enumerate(self.blocks):
             for j, q, s in peers(self.rank, self.ws):
-                for half, lo, hi in _pull_parts(j, i, b - a, self.first_halves):
-                    ops = []
-                    for src, dst in zip(self.sources, self.gathered):
-                        ops += [dist.P2POp(dist.isend, src[a + lo:a + hi], self._g[s], group),
-                                dist.P2POp(dist.irecv, dst[q, a + lo:a + hi], self._g[q], group)]
-                    self._pull_works[j, i, half] = dist.batch_isend_irecv(ops)
+                ops = []
+                for src, dst in zip(self.sources, self.gathered):
+                    ops += [dist.P2POp(dist.isend, src[a:b], self._g[s], group),
+                            dist.P2POp(dist.irecv, dst[q, a:b], self._g[q], group)]
+                self._pull_works[j, i] = dist.batch_isend_irecv(ops)
         self._order = _PushOrder(self.blocks, self.ws, split_last)
         self.halves = self._order.halves  # the last push's halves (rows of its block), or None
 
@@ -267,13 +216,12 @@ class PointToPointExchange:
     def reduce_early(self, rows: Optional[int] = None) -> None:
         """Nothing: :meth:`finish` waits for the pushes and sums (see the module docstring)."""
 
-    def pull(self, j: int, block: int = 0, half: Optional[int] = None) -> List[torch.Tensor]:
-        for key in _pull_keys(self._pull_works, j, block, half):
-            for w in self._pull_works.pop(key):
-                w.wait()
+    def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
+        for w in self._pull_works.pop((j, block)):
+            w.wait()
         if self.recorder is not None:
-            self.recorder.mark("pull", push_tag(block, j, len(self.blocks), half), "comm")
-        q, (a, b) = (self.rank + j) % self.ws, _pull_rows(*self.blocks[block], half, self.first_halves)
+            self.recorder.mark("pull", block_tag(block, j, len(self.blocks)), "comm")
+        q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
     def push(self, j: int, partial: torch.Tensor, block: int = 0, half: Optional[int] = None) -> None:
@@ -432,8 +380,7 @@ class CopyEngineExchange:
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
                  partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,
-                 blocks: Optional[Sequence[Tuple[int, int]]] = None, split_last: bool = False,
-                 split_first: bool = False):
+                 blocks: Optional[Sequence[Tuple[int, int]]] = None, split_last: bool = False):
         w = self.w = workspace
         rec = self.recorder = recorder  # an OpRecorder: times each copy on its stream
         self.ws, self.rank = w.ws, w.rank
@@ -450,7 +397,6 @@ class CopyEngineExchange:
         self.own_partial = self.slots[self.rank]
         self.gathered = _gathered(self.sources, self.ws)
         self.blocks = _blocks(blocks, self.sources[0].shape[0])
-        self.first_halves = _first_halves(self.blocks, split_first)  # the first pull's halves, or None
         compute = torch.cuda.current_stream(w.device)
         w.pull_stream.wait_stream(compute)
         self._pulled = {}
@@ -471,16 +417,15 @@ class CopyEngineExchange:
                 w.handle.wait_signal(q, PULL)
             for i, (a, b) in enumerate(self.blocks):
                 for j, q, _ in peers(self.rank, self.ws):
-                    for half, lo, hi in _pull_parts(j, i, b - a, self.first_halves):
-                        tok = rec.begin("pull", push_tag(i, j, len(self.blocks), half), "comm",
-                                        stream=w.pull_stream) if rec is not None else None
-                        for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
-                            g[q, a + lo:a + hi].copy_(w.view(q, tuple(src.shape), dtype, off)[a + lo:a + hi])
-                        if tok is not None:
-                            rec.end(tok, stream=w.pull_stream)
-                        ev = torch.cuda.Event()
-                        ev.record(w.pull_stream)
-                        self._pulled[j, i, half] = ev
+                    tok = rec.begin("pull", block_tag(i, j, len(self.blocks)), "comm", stream=w.pull_stream) \
+                        if rec is not None else None
+                    for src, g, off in zip(self.sources, self.gathered, self._src_offsets):
+                        g[q, a:b].copy_(w.view(q, tuple(src.shape), dtype, off)[a:b])
+                    if tok is not None:
+                        rec.end(tok, stream=w.pull_stream)
+                    ev = torch.cuda.Event()
+                    ev.record(w.pull_stream)
+                    self._pulled[j, i] = ev
             # after the pulls: a copy beside the GEMMs runs at a third of its speed (measured: 51 us for
             # 16), and before the signals it delayed every pull by that much
             _keep_own(self.gathered, self.sources, self.rank, keep_gathered)
@@ -497,11 +442,9 @@ class CopyEngineExchange:
         torch.cuda.current_stream(self.w.device).wait_event(self._kept)
         return self.gathered[i]
 
-    def pull(self, j: int, block: int = 0, half: Optional[int] = None) -> List[torch.Tensor]:
-        for key in _pull_keys(self._pulled, j, block, half):  # one stream: the last event implies the rest
-            ev = self._pulled.pop(key)
-        torch.cuda.current_stream(self.w.device).wait_event(ev)
-        q, (a, b) = (self.rank + j) % self.ws, _pull_rows(*self.blocks[block], half, self.first_halves)
+    def pull(self, j: int, block: int = 0) -> List[torch.Tensor]:
+        torch.cuda.current_stream(self.w.device).wait_event(self._pulled.pop((j, block)))
+        q, (a, b) = (self.rank + j) % self.ws, self.blocks[block]
         return [g[q, a:b] for g in self.gathered]
 
     def push(self, j: int, partial: torch.Tensor, block: int = 0, half: Optional[int] = None) -> None:
