@@ -44,12 +44,14 @@ def _interpreted(tests) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.timeout(900)  # the child's own limit (setup.cfg's 300 s per test cut it at 2x load)
 def test_triton_kernels_under_the_interpreter():
     summary = _interpreted(KERNEL_TESTS)
     # every kernel test ran: none skipped (a skip would mean the child found no Triton)
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
 
 
+@pytest.mark.timeout(900)
 def test_layers_with_their_kernels_under_the_interpreter():
     summary = _interpreted(LAYER_TESTS)
     assert " passed" in summary and "failed" not in summary, summary
