@@ -252,9 +252,9 @@ n_own``) and the rest at their places in the send buffer, where the first own ro
 place; until then the late ones were copied out of it on the experts' stream, between the last
 peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at
 EP 2, bit-identical). Rows past a buffer are not written, as past any slot
-([Note: MoE slot rows]). The graphs keep what they kept: both A/Bs read the second side's graphs 32 MiB smaller at EP 4 (1898 against
-1930 MiB; 2158 at EP 2 on both sides), the second A/B also where no buffer changed, so the
-difference is one of allocation order, not of the code.
+([Note: MoE slot rows]). The graphs keep what they kept: both A/Bs read the second side's graphs
+32 MiB smaller at EP 4 (1898 against 1930 MiB; 2158 at EP 2 on both sides), the second A/B also
+where no buffer changed, so the difference is one of allocation order, not of the code.
 """
 from __future__ import annotations
 

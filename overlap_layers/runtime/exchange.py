@@ -81,10 +81,10 @@ compute stream waiting for this rank's PULL signals before its first GEMM (+0.2%
 A third was the first pull in two halves, the mirror of the halved last push, so that the first
 peer's QKV projection could start on half its rows (session 47, 4x H100, same-call A/B, three
 rounds, two at 70b): attention 8b forward -0.2%, fwd+bwd -0.2%, 70b fwd+bwd +0.4%, against a
-prediction of -3.5% for the 8b forward; not kept. The profile it came from (every rank, second of two calls)
-shows why: the compute stream waited for that pull 95, 23, 2 and 164 us on ranks 0-3. The gap is
-the wait for the last rank's signal; the last rank itself (rank 2) has none, its own rows' work
-outlasting the pull, and the other ranks' waits only move to their next wait on it.
+prediction of -3.5% for the 8b forward; not kept. The profile it came from (every rank, second
+of two calls) shows why: the compute stream waited for that pull 95, 23, 2 and 164 us on ranks
+0-3. The gap is the wait for the last rank's signal; the last rank itself (rank 2) has none, its
+own rows' work outlasting the pull, and the other ranks' waits only move to their next wait on it.
 """
 from __future__ import annotations
 
