@@ -71,7 +71,6 @@ wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q besid
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -126,7 +125,6 @@ class _Call:
         self.exchange = None  # the exchange factory of a rank-chunk plan
         self.query_chunks = False  # rank chunks run the core by query chunks (set by the layer's call)
         self.diagonal_first = False  # ... each chunk's diagonal piece in its QKV piece (set likewise)
-        self.proj_stream = None  # rank chunks on CUDA: the stream of the peers' projections and pushes
 
     def tables(self, b0: int, b1: int, dtype: torch.dtype):
         """RoPE's cos, sin ``[b or 1, g*s, d]`` of batch rows b0..b1 in ``dtype``, or None."""
@@ -300,18 +298,6 @@ class _TiledAttention(torch.autograd.Function):
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 
 
-@contextlib.contextmanager
-def _beside(side):
-    """Run the block on ``side`` after everything queued so far on the current stream (None: on
-    the current stream)."""
-    if side is None:
-        yield
-        return
-    side.wait_stream(torch.cuda.current_stream(side.device))
-    with torch.cuda.stream(side):
-        yield
-
-
 def _own_last(ws: int) -> list:
     return list(range(1, ws)) + [0]
 
@@ -357,7 +343,6 @@ class _RankChunkAttention(torch.autograd.Function):
         # the own rows go into the kept buffer only for the one-tile backward's QKV weight gradient
         ex = call.exchange([x_TH], (T, H), (keep_xg and k == 1,), rec, blocks=blocks, split_last=True)
         ws, r = ex.ws, ex.rank
-        side = call.proj_stream if call.query_chunks else None
         graphs, o_ins = [], []  # per tile: the core's recorded graph, or the query-chunk core's saved tensors
         for i, ((b0, b1), (a, b)) in enumerate(zip(bounds, blocks)):
             diags = {}  # query chunk -> its diagonal piece, run as its rows arrive ([Note: query-chunk core])
@@ -404,13 +389,10 @@ class _RankChunkAttention(torch.autograd.Function):
                         if call.query_chunks and lo == 0:
                             call.core_chunk(pre[0], q, o_gbsnd, lse, diags.pop(q, None))
                         if j:
-                            with _beside(side):
-                                ex.push(j, torch.mm(o_all[q, lo:hi], w_o.t()), i, half)
+                            ex.push(j, torch.mm(o_all[q, lo:hi], w_o.t()), i, half)
                         else:
                             torch.mm(o_all[r], w_o.t(), out=ex.own_partial[a:b])
                 _logged(call, i, j, k, "proj", "fwd")
-        if side is not None:
-            torch.cuda.current_stream(x_TH.device).wait_stream(side)
         y_TH = finish(ex, rec)
         if call.save:
             ctx.graphs, ctx.blocks = graphs, blocks
@@ -757,8 +739,6 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         call.query_chunks = self._query_chunk_core(x.dtype, x.device)
         call.diagonal_first = call.query_chunks and self.causal and plan.decomposition == "rank" and \
             self._diagonal_first(x.shape, x.dtype, save, plan.transport)
-        if call.query_chunks and plan.decomposition == "rank" and x.device.type == "cuda":
-            call.proj_stream = self._streams.get(x.device, 2)[1]
         call.trial, call.trace = trial, trace
         with torch.autocast(x.device.type, enabled=False):
             fn = self._function(plan, call, x.device, _TiledAttention, _RankChunkAttention)
