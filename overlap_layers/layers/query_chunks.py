@@ -37,6 +37,16 @@ pulls (llama3-70b: 64 MiB pulls against 8192-wide projections) it only holds the
 pieces' outputs (50 MiB more in the graph's pool there), so the layer runs it where its cost
 model finds the pull longer (``AttentionCostModel.diagonal_first``).
 
+The projections stay on the core's stream. Between the chunks' kernels the slowest rank's
+forward idles 7-20 us at a time, mostly around a memset that cuDNN or cuBLAS puts before its
+kernel, which takes 4-9 us while a peer copy is in flight (session 47's profile). Session 48 put
+the peers' projections and their pushes on a second stream, so that the next chunk's core could
+run in those gaps (same-call A/B, 4x H200, graph calls, three rounds at 8b and two at 70b;
+``bench/results/ab_proj_stream_*``). Predicted: 8b forward -3%, fwd+bwd -1%. Measured: 8b
+forward +7.9% (1.291 -> 1.393 ms), fwd+bwd +0.2%, 70b fwd+bwd +0.3%. Beside the next chunk's
+core, a projection ends later, and so does its push; the last one is then no longer hidden
+under the own rows' work. Reverted.
+
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton
 kernel on CUDA (reads both pieces, writes the output in any layout), else torch formulas.
