@@ -7,6 +7,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pool import WorkerPool  # noqa: E402
+from interpreted_runs import start_collected, stop_all  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -35,7 +36,12 @@ def pools():
     return _pool
 
 
+def pytest_collection_finish(session):
+    start_collected(session.config, session.items)  # the interpreted runs, beside the rest of the suite
+
+
 def pytest_sessionfinish(session, exitstatus):
+    stop_all(session.config)
     for p in _pools.values():
         p.close()
     _pools.clear()
