@@ -62,9 +62,9 @@ class InterpretedRun:
 
 def start_collected(config, items) -> None:
     """Start the run of every collected test of :data:`RUNS` (``OVERLAP_TEST_TRITON`` set)."""
-    triton_dir = os.environ.get("OVERLAP_TEST_TRITON")
     if config.option.collectonly:
         return
+    triton_dir = os.environ.get("OVERLAP_TEST_TRITON")
     names = {item.originalname for item in items if item.path.name == MODULE}
     config.stash[_STARTED] = {name: InterpretedRun(RUNS[name], triton_dir)
                               for name in RUNS if name in names and triton_dir}
