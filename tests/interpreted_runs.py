@@ -52,7 +52,9 @@ class InterpretedRun:
             self.stop()
             raise
         self._out.seek(0)
-        return code, self._out.read()
+        out = self._out.read()
+        self._out.close()
+        return code, out
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -81,7 +83,8 @@ def summary_of(config, name: str) -> str:
     if not triton_dir:
         pytest.skip("OVERLAP_TEST_TRITON is not set (README's test command installs Triton there)")
     runs = config.stash.setdefault(_STARTED, {})
-    run = runs.get(name) or runs.setdefault(name, InterpretedRun(RUNS[name], triton_dir))
-    code, out = run.result()
+    if name not in runs:
+        runs[name] = InterpretedRun(RUNS[name], triton_dir)
+    code, out = runs[name].result()
     assert code == 0, out[-6000:]
     return out.strip().splitlines()[-1]
