@@ -160,6 +160,40 @@ def test_bench_cpu_block(tmp_path):
     assert {r["layer"] for r in recs} == {"block"} and "K=1 + K=1" in proc.stdout
 
 
+def _block_reference_runs_the_norms(rank, ws):
+    import torch
+    import torch.distributed as dist
+    from overlap_layers.bench import attention as attn_bench
+    from overlap_layers.bench.block import BlockBench
+    base = attn_bench.PRESETS["tiny"]
+    shape = attn_bench.AttentionShape("tiny", base["hidden"], base["heads"], base["kv_heads"], base["head_dim"], 2,
+                                      base["seq"], layer="block")
+    b = BlockBench(shape, dist.group.WORLD, torch.device("cpu"), torch.float32, [2])
+    L, got = b.layer, []
+    for name in ("attn_norm", "mlp_norm"):
+        norm = getattr(L, name)
+        norm.register_forward_hook(lambda m, i, o, name=name: got.append((name, "fwd", tuple(i[0].shape))))
+        norm.weight.register_post_accumulate_grad_hook(lambda p, name=name: got.append((name, "grad", tuple(p.grad.shape))))
+    out = []
+    for backward in (False, True):
+        got.clear()
+        b.compute_fn(backward)()
+        out.append((sorted(got), [n.weight.grad for n in (L.attn_norm, L.mlp_norm)]))
+    return tuple(b.x.shape), out
+
+
+def test_bench_block_reference_runs_the_norms(pool2):
+    """The block's compute-only reference runs both norms of the block on this rank's rows, and
+    backward their weights' gradients ([Note: the block's compute-only reference]); the grads are
+    cleared after each call, as every reference's are."""
+    for x_shape, ((fwd, fwd_grads), (fwdbwd, fwdbwd_grads)) in pool2.run(_block_reference_runs_the_norms):
+        h = x_shape[-1]
+        assert fwd == [("attn_norm", "fwd", x_shape), ("mlp_norm", "fwd", x_shape)]
+        assert fwdbwd == [("attn_norm", "fwd", x_shape), ("attn_norm", "grad", (h,)),
+                          ("mlp_norm", "fwd", x_shape), ("mlp_norm", "grad", (h,))]
+        assert fwd_grads == fwdbwd_grads == [None, None]
+
+
 def test_bench_layer_list_and_args():
     from overlap_layers.bench.cli import _shapes, parse_args
     args = parse_args(["--layer", "mlp,attention", "--preset", "llama3-8b", "llama3-70b"])

@@ -3,15 +3,26 @@ the attention and MLP benches of the same preset.
 
 Modes as for the MLP (``overlap_layers.bench.mlp``): ``serial`` / ``naive`` / ``auto`` set K on
 both sublayers, ``rank`` / ``rank_ce`` pin the rank-chunk plan on both; ``compute`` is the
-attention's and the MLP's compute-only references run back to back and ``comm`` their
-collectives back to back, so the limit is max(compute, comm) of the two sublayers together (the
-norms and residual adds, a few memory passes, are left out of the reference). No ``asynctp``.
+attention's and the MLP's compute-only references run back to back, then the block's own math on
+this rank's rows (:meth:`BlockBench.residual_fn`: both norms and both residual adds, and their
+backward), and ``comm`` the sublayers' collectives back to back, so the limit is max(compute,
+comm) of the whole block. No ``asynctp``.
+
+[Note: the block's compute-only reference]
+Until session 49 the reference left the norms and residual adds out (a few memory passes). They
+are compute the block runs on every call: at llama3-8b, TP 4, 16384 tokens,
+each is a pass or two over this rank's ``[4096, 4096]`` rows, and the block's auto ran 280 us
+slower than the attention's and the MLP's auto together (11.663 ms against 4.251 + 7.132, 4x
+H200, session 48) where the reference, without them, was their sum (10.541 against 3.737 +
+6.802). Without them the limit credited the block with less work than it does.
 Records carry each sublayer's plan (``attention_plan``, ``mlp_plan``) and the most tiles either
 cuts a call into (``tiles``: batch tiles, times the ranks for rank chunks).
 """
 from __future__ import annotations
 
 from typing import Callable, List, Optional
+
+import torch
 
 from ..layers.block import OverlapTransformerBlock
 from ..layers.planned import TilePlan
@@ -80,8 +91,26 @@ class BlockBench:
         return {}
 
     def compute_fn(self, backward: bool):
-        fa, fm = self.attn.compute_fn(backward), self.mlp.compute_fn(backward)
-        return lambda: (fa(), fm())
+        fa, fm, fr = self.attn.compute_fn(backward), self.mlp.compute_fn(backward), self.residual_fn(backward)
+        return lambda: (fa(), fm(), fr())
+
+    def residual_fn(self, backward: bool):
+        """The block's math besides its sublayers, on this rank's rows ``x`` (no communication):
+        ``h = x + a; y = h + m`` and the norms ``attn_norm(x)``, ``mlp_norm(h)`` (the block's own
+        modules), with ``a`` and ``m`` standing for the sublayers' outputs (constants); backward,
+        ``y``'s gradient and stand-ins for the sublayers' input gradients through both norms
+        (their weights' gradients too) and the residual sums into ``x``'s gradient, as the
+        block's backward does ([Note: the block's compute-only reference])."""
+        L = self.layer
+        x = self.x.detach().requires_grad_(backward)
+        a, m, g_attn, g_mlp = (torch.randn_like(self.x) for _ in range(4))
+
+        def forward():
+            h = x + a
+            return h + m, L.attn_norm(x), L.mlp_norm(h)
+
+        norms = [p for n in (L.attn_norm, L.mlp_norm) for p in n.parameters()]
+        return pass_fn(forward, backward, [self.dy, g_attn, g_mlp], [x, *norms])
 
     def comm_fn(self, backward: bool):
         fa, fm = self.attn.comm_fn(backward), self.mlp.comm_fn(backward)
