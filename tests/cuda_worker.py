@@ -1247,6 +1247,39 @@ def check_moe_training_graph_calls(rank, ws, dev):
     return fails
 
 
+def check_aligned_trials(rank, ws, dev):
+    """[Note: aligned trials]: a prequeued region holding an all-reduce, its start on the last rank
+    delayed by 40 ms of host time. Without ``align`` the other ranks' regions count the wait for
+    it; with it none does."""
+    import time
+    from overlap_layers.runtime.timing import Stopwatch, rank_barrier
+    align, fails = rank_barrier(dist.group.WORLD), 0
+    if align is None:
+        print(f"rank {rank} FAIL aligned trials: no barrier on an NCCL group of {ws}", flush=True)
+        return 1
+    t = torch.ones(1 << 20, device=dev)
+    dist.all_reduce(t)  # the communicator is up
+    got = {}
+    for name, a in (("plain", None), ("aligned", align)):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == ws - 1:
+            time.sleep(0.04)
+        w = Stopwatch(dev, 20.0, a)
+        w.start()
+        dist.all_reduce(t)
+        w.stop()
+        got[name] = w.elapsed_ms()
+    worst = torch.tensor([got["plain"], got["aligned"]], device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    plain, aligned = worst.tolist()
+    if not (plain > 15.0 and aligned < 5.0):
+        print(f"rank {rank} FAIL aligned trials: the slowest rank's region took {plain:.2f} ms plain and "
+              f"{aligned:.2f} aligned (want > 15 and < 5: a 40 ms late host)", flush=True)
+        fails += 1
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -1265,7 +1298,7 @@ def main():
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
         + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev) \
         + check_device_all_to_all(rank, ws, dev) + check_moe_graph_calls(rank, ws, dev) \
-        + check_moe_training_graph_calls(rank, ws, dev)
+        + check_moe_training_graph_calls(rank, ws, dev) + check_aligned_trials(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()

@@ -418,13 +418,31 @@ def test_capture_neither_plans_nor_advances_verification():
 
 
 def test_prequeued_trials_carry_the_prequeue_to_their_stopwatch():
-    cache = PlanCache(_OneRank(), trials=1, prequeue_ms=20.0)
+    align = object()  # [Note: aligned trials]: what runs after the sleep (a barrier of the ranks' devices)
+    cache = PlanCache(_OneRank(), trials=1, prequeue_ms=20.0, align=align)
     make = lambda key: MLPPlan(2, reason="planned")  # noqa: E731
     for _ in range(3):  # the warm-up cycle and the first of two calls in a row are not timed
         assert cache.get("k", make, _serial, torch.device("cpu"))[1] is None
     _, trial = cache.get("k", make, _serial, torch.device("cpu"))
-    assert trial is not None and trial.fwd.prequeue_ms == 20.0
-    assert PlanCache(_OneRank()).prequeue_ms == 0.0
+    assert trial is not None and trial.fwd.prequeue_ms == 20.0 and trial.fwd.align is align
+    bwd = trial.fwd.sibling()  # the backward's stopwatch
+    assert bwd is not trial.fwd and (bwd.prequeue_ms, bwd.align, bwd.done) == (20.0, align, False)
+    assert PlanCache(_OneRank()).prequeue_ms == 0.0 and PlanCache(_OneRank()).align is None
+
+
+def _layers_align(rank, ws):
+    """Whether a layer's trials align their ranks' devices, eager and replayed (graph calls), on
+    this gloo group; and the barrier of a group of one."""
+    from overlap_layers.runtime.timing import rank_barrier
+    eager = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
+    replayed = OverlapMLP(16, 8 * ws, group=dist.group.WORLD, config=OverlapConfig(graph_calls=True))
+    alone = dist.new_group([rank], use_local_synchronization=True)
+    return eager._plans.align, replayed._plans.align, replayed._plans.prequeue_ms > 0, rank_barrier(alone)
+
+
+def test_trials_align_only_nccl_groups(pool2):
+    """rank_barrier: none on gloo (CPU collectives block the host, which times them) or for one rank."""
+    assert pool2.run(_layers_align) == [(None, None, True, None)] * 2
 
 
 def _capture_on(rank, ws, capturing_ranks, plan_first):

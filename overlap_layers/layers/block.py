@@ -41,7 +41,6 @@ from torch.nn.modules import module as _module_hooks
 
 from ..config import OverlapConfig
 from ..runtime import resolve_group
-from ..runtime.timing import Stopwatch
 from ..runtime.trace import TraceJob
 from .attention import OverlapAttention
 from .copying import copy_module
@@ -236,7 +235,7 @@ class OverlapTransformerBlock(nn.Module):
         plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
-            trial.bwd = Stopwatch(x.device, trial.fwd.prequeue_ms)
+            trial.bwd = trial.fwd.sibling()
             n1 = OnBackward.apply(n1, trial.bwd.stop)
         if trial is not None:
             trial.fwd.start()

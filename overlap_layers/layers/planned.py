@@ -34,7 +34,7 @@ from ..runtime.calibrate import calibrate, measure_gemms, measure_ops
 from ..runtime.carveout import carve_passes, carveout_available, default_carveout, gemm_sm_carveout
 from ..runtime.calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
 from ..runtime import StreamPool, execute, shared_agreement
-from ..runtime.timing import Stopwatch
+from ..runtime.timing import rank_barrier
 from ..runtime.trace import TraceJob, write_chrome_trace
 from torch.utils.weak import WeakTensorKeyDictionary
 from ..sim import analytic_model, choose
@@ -241,7 +241,7 @@ def recorded_pass(call, *, backward: bool, device: torch.device):
     trace, trial = call.trace, (call.trial if backward else None)
     recorder = None if trace is None else (trace.start_backward() if backward else trace.fwd)
     if trial is not None:
-        trial.bwd = Stopwatch(device, trial.fwd.prequeue_ms)
+        trial.bwd = trial.fwd.sibling()
         trial.bwd.start()
     yield recorder
     if trial is not None:
@@ -422,7 +422,8 @@ class PlannedLayer:
         self.plan: Optional[TilePlan] = None
         replayed = config.cuda_graphs or config.graph_calls
         self._plans = PlanCache(self._agreement, size=_PLAN_CACHE_SIZE, verify=config.verify_first_calls,
-                                margin=config.margin, prequeue_ms=_PREQUEUE_MS if replayed else 0.0)
+                                margin=config.margin, prequeue_ms=_PREQUEUE_MS if replayed else 0.0,
+                                align=rank_barrier(self.group) if replayed else None)
         self._call_graphs = CallGraphs(self._agreement) if config.graph_calls and self._graphable else None
         self._hw: dict = {}
         self._last_call: Optional[tuple] = None  # (key, units) of the last call

@@ -49,8 +49,9 @@ A call captured into a CUDA graph (``capturing``, agreed like the key) can neith
 it runs the key's current plan (the planned plan while verification is pending), takes no trial
 and does not advance the verification, which goes on at the next eager calls; a key with no plan
 yet raises RuntimeError on every rank. With ``prequeue_ms``, each trial's stopwatches queue the
-call ahead of the device first (:class:`Stopwatch`), so contenders are compared as CUDA-graph
-replays would run them; without it, as a steady eager loop runs them: the larger of a trial's
+call ahead of the device first (:class:`Stopwatch`), then wait for every rank's device to get
+there (``align``: [Note: aligned trials] in ``runtime/timing.py``), so contenders are compared as
+CUDA-graph replays would run them; without it, as a steady eager loop runs them: the larger of a trial's
 device time and its host time (:func:`~overlap_layers.runtime.timing.total_ms`).
 """
 from __future__ import annotations
@@ -111,10 +112,10 @@ class PlanCache:
     """The plans of one layer, per key; see the module docstring and [Note: first-call verification]."""
 
     def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3,
-                 margin: float = 0.0, prequeue_ms: float = 0.0) -> None:
+                 margin: float = 0.0, prequeue_ms: float = 0.0, align: Optional[Callable[[], None]] = None) -> None:
         self._agreement = agreement
         self._size, self._verify, self._trials, self._margin = size, verify, trials, margin
-        self.prequeue_ms = prequeue_ms
+        self.prequeue_ms, self.align = prequeue_ms, align  # the trials' stopwatches': [Note: aligned trials]
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self.last_key: Optional[Hashable] = None
 
@@ -175,7 +176,7 @@ class PlanCache:
             i = pos // 2 if cycle % 2 == 0 else n - 1 - pos // 2
             if pos % 2 == 0:
                 return entry.contenders[i], None
-            trial = Trial(entry.contenders[i], i, Stopwatch(device, self.prequeue_ms))
+            trial = Trial(entry.contenders[i], i, Stopwatch(device, self.prequeue_ms, self.align))
             entry.trials.append(trial)
             return trial.plan, trial
         entry.plan = self._decide(entry, *timed)

@@ -9,36 +9,57 @@ with the stop event, and only when it is read.
 With ``prequeue_ms`` (CUDA), :meth:`start` first puts a sleep kernel of that length on the
 stream, so the host queues the region while the device waits: the region then runs as it would
 replayed from a CUDA graph, without the gaps of a host that launches slower than the device
-runs (the sleep itself is outside the region).
+runs (the sleep itself is outside the region). ``align`` (a callable, :func:`rank_barrier`) then
+makes the stream wait until every rank's stream has come that far, so that a region with
+collectives starts at the same moment on every rank's device ([Note: aligned trials]).
 
 :func:`total_ms` is what the regions cost a steady eager loop: the larger of their device time and
 the host's wall time from :meth:`start` to :meth:`stop` (a host that launches slower than the
 device runs sets the pace of back-to-back calls; the device time alone, measured while a previous
 call's work is still queued, would hide that). With ``prequeue_ms`` it is the device time: the
 region is timed as a replay runs, and the host's time is the sleep's.
+
+[Note: aligned trials]
+Each rank's sleep starts when its own host gets there, so a prequeued region starts on each
+device at its host's time plus the sleep; a rank whose host came later starts later, and its
+peers' regions wait for it at their first collective or signal, which their time then counts:
+the lateness of a host, not the plan. The hosts' lateness grows with the host work since their
+last meeting (the layer's agreement at each call), which differs by plan: a rank-chunk call
+launches about three times the kernels of a K=1 call. In session 49 (4x H200, the block's
+llama3-8b attention, graph calls) first-call verification timed rank chunks at 5.19-5.98 ms on
+every trial and kept K=1 (4.94 ms); replayed, rank chunks ran 4.04-4.25 ms and K=1 about 4.97
+(the block at 12.18 ms against 11.55 with rank chunks). Session 34 saw the same pick. So the
+layers' trials end their prequeue with a barrier of the group's devices (a one-element
+all-reduce on the current stream), after the sleep and before the start mark: every region
+then starts when the last rank's does, and times what the plan costs.
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 
 _SLEEP_CYCLES_PER_MS = 2_000_000  # 2 GHz, at or above the SM clock of current GPUs: sleeps at least as asked
 
 
 class Stopwatch:
-    def __init__(self, device: torch.device, prequeue_ms: float = 0.0) -> None:
+    def __init__(self, device: torch.device, prequeue_ms: float = 0.0,
+                 align: Optional[Callable[[], None]] = None) -> None:
         self._cuda = device.type == "cuda"
         self.prequeue_ms = prequeue_ms
+        self.align = align  # run after the prequeue's sleep (CUDA): [Note: aligned trials]
         self._start = self._stop = None
         self._host_start = self._host_stop = 0.0  # the host clock at start and stop
 
     def start(self) -> None:
         if self._cuda and self.prequeue_ms > 0:
             torch.cuda._sleep(int(self.prequeue_ms * _SLEEP_CYCLES_PER_MS))
+            if self.align is not None:
+                self.align()
         self._host_start = time.perf_counter()
         self._start = self._mark()
 
@@ -53,6 +74,11 @@ class Stopwatch:
             ev.record()
             return ev
         return time.perf_counter()
+
+    def sibling(self) -> "Stopwatch":
+        """A new stopwatch on the same device with the same prequeue and alignment (a trial's
+        backward pass, timed as its forward)."""
+        return Stopwatch(torch.device("cuda" if self._cuda else "cpu"), self.prequeue_ms, self.align)
 
     @property
     def done(self) -> bool:
@@ -70,6 +96,20 @@ class Stopwatch:
     def host_ms(self) -> float:
         """The host's wall time from start to stop (``inf`` if it never stopped)."""
         return (self._host_stop - self._host_start) * 1e3 if self._stop is not None else math.inf
+
+
+def rank_barrier(group) -> Optional[Callable[[], None]]:
+    """A callable that makes the current CUDA stream wait until every rank of ``group`` has
+    called it (a one-element all-reduce), or None where there is nothing to align: a group of
+    one, or one without NCCL (CPU and gloo time on the host, where the collectives block).
+    Every rank must call it at the same point ([Note: aligned trials]: the layers' trials,
+    which every rank takes at the same calls)."""
+    if dist.get_world_size(group) == 1 or "nccl" not in str(dist.get_backend(group)):
+        return None
+
+    def align() -> None:
+        dist.all_reduce(torch.ones(1, device=torch.cuda.current_device()), group=group)
+    return align
 
 
 def total_ms(*watches: Optional[Stopwatch]) -> float:
