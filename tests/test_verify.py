@@ -210,18 +210,29 @@ class _PeerStalled:
 
 def test_a_stall_on_another_rank_extends_verification_on_this_one():
     """Disturbed is decided on the gathered times, each trial the slowest rank's: this rank's
-    trials are steady, the peer's first two K=2 trials stalled, so this rank extends too (one
-    stalled trial would leave two good ones: no extension)."""
-    ms = {2: [1.0, 1.0, 1.0] * 2, 1: [2.0] * 6}
-    ks, plan = _verify(PlanCache(_PeerStalled(at=(0, 1), factor=50.0), trials=3), ms, 2 + 24)
-    assert ms == {2: [], 1: []} and "twice as many" in plan.reason and plan.num_tiles == 2
-    # the record names the slowest rank of each trial: the peer (rank 1) for the stalled ones
-    (_, _, _, k2), (_, _, _, k1) = plan.verification
-    assert k2 == ((1, 50.0), (1, 50.0)) + ((0, 1.0),) * 4 and k1 == ((0, 2.0),) * 6
-    for agreement in (_OneRank(), _PeerStalled(at=(1,), factor=50.0)):
-        ms = {2: [1.0, 1.0, 1.0], 1: [2.0] * 3}
-        ks, plan = _verify(PlanCache(agreement, trials=3), ms, 2 + 12)
-        assert ms == {2: [], 1: []} and "twice as many" not in plan.reason and plan.num_tiles == 2
+    trials are steady, the peer's first K=2 trial (or first two) stalled, so this rank extends
+    too; with every rank steady it does not."""
+    for at in ((0,), (0, 1)):
+        ms = {2: [1.0, 1.0, 1.0] * 2, 1: [2.0] * 6}
+        ks, plan = _verify(PlanCache(_PeerStalled(at=at, factor=50.0), trials=3), ms, 2 + 24)
+        assert ms == {2: [], 1: []} and "twice as many" in plan.reason and plan.num_tiles == 2
+        # the record names the slowest rank of each trial: the peer (rank 1) for the stalled ones
+        (_, _, _, k2), (_, _, _, k1) = plan.verification
+        assert k2 == ((1, 50.0),) * len(at) + ((0, 1.0),) * (6 - len(at)) and k1 == ((0, 2.0),) * 6
+    ms = {2: [1.0, 1.0, 1.0], 1: [2.0] * 3}
+    ks, plan = _verify(PlanCache(_OneRank(), trials=3), ms, 2 + 12)
+    assert ms == {2: [], 1: []} and "twice as many" not in plan.reason and plan.num_tiles == 2
+
+
+def test_two_slow_trials_alike_and_a_stall_take_the_second_round():
+    """Session 49's wrong pick, replayed: rank chunks (here K=2) timed 5.98, 5.65 and a 353 ms
+    stall against a best of about 4 ms elsewhere, K=1 steady at 4.94. Two slow trials within 20%
+    of each other used to count as steady, and K=1 was kept; the stall now takes the second
+    round, whose trials find K=2 at 4.04."""
+    ms = {2: [5.98, 5.65, 353.0] + [4.12, 4.04, 6.24], 1: [4.94, 5.04, 4.98] * 2}
+    ks, plan = _verify(PlanCache(_OneRank(), trials=3), ms, 2 + 24)
+    assert ks == [2, 1] + ROUND + VERIFY_EXTRA  # the second round goes on alternating
+    assert ms == {2: [], 1: []} and plan.num_tiles == 2 and "twice as many" in plan.reason
 
 
 def test_steady_trials_decide_after_one_round():

@@ -23,15 +23,15 @@ region is timed as a replay runs, and the host's time is the sleep's.
 Each rank's sleep starts when its own host gets there, so a prequeued region starts on each
 device at its host's time plus the sleep; a rank whose host came later starts later, and its
 peers' regions wait for it at their first collective or signal, which their time then counts:
-the lateness of a host, not the plan. The hosts' lateness grows with the host work since their
-last meeting (the layer's agreement at each call), which differs by plan: a rank-chunk call
-launches about three times the kernels of a K=1 call. In session 49 (4x H200, the block's
-llama3-8b attention, graph calls) first-call verification timed rank chunks at 5.19-5.98 ms on
-every trial and kept K=1 (4.94 ms); replayed, rank chunks ran 4.04-4.25 ms and K=1 about 4.97
-(the block at 12.18 ms against 11.55 with rank chunks). Session 34 saw the same pick. So the
-layers' trials end their prequeue with a barrier of the group's devices (a one-element
-all-reduce on the current stream), after the sleep and before the start mark: every region
-then starts when the last rank's does, and times what the plan costs.
+the lateness of a host, not the plan. So the layers' trials end their prequeue with a barrier of
+the group's devices (a one-element all-reduce on the current stream), after the sleep and before
+the start mark: every region starts when the last rank's does. A region that waited 40 ms for a
+late host reads under 5 ms with it (``tests/cuda_worker.py``, ``check_aligned_trials``). In the
+block's llama3-8b verification (4x H200, graph calls, three runs a side, session 49) every
+contender's best trial came out 2-4% lower with it (rank chunks 3.86-3.95 ms against 4.05-4.09,
+K=2 4.67-4.73 against 4.75-4.84, K=1 4.72-4.81 against 4.80-4.92) and the picks were the same
+(rank chunks in all six). It does not remove the slow eager trials of rank chunks (5-9 ms, [Note:
+first-call verification] in ``layers/planning.py``): those are not a late start.
 """
 from __future__ import annotations
 
