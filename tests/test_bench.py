@@ -173,7 +173,8 @@ def _block_reference_runs_the_norms(rank, ws):
     for name in ("attn_norm", "mlp_norm"):
         norm = getattr(L, name)
         norm.register_forward_hook(lambda m, i, o, name=name: got.append((name, "fwd", tuple(i[0].shape))))
-        norm.weight.register_post_accumulate_grad_hook(lambda p, name=name: got.append((name, "grad", tuple(p.grad.shape))))
+        norm.weight.register_post_accumulate_grad_hook(
+            lambda p, name=name: got.append((name, "grad", tuple(p.grad.shape))))
     out = []
     for backward in (False, True):
         got.clear()

@@ -58,8 +58,8 @@ and does not advance the verification, which goes on at the next eager calls; a 
 yet raises RuntimeError on every rank. With ``prequeue_ms``, each trial's stopwatches queue the
 call ahead of the device first (:class:`Stopwatch`), then wait for every rank's device to get
 there (``align``: [Note: aligned trials] in ``runtime/timing.py``), so contenders are compared as
-CUDA-graph replays would run them; without it, as a steady eager loop runs them: the larger of a trial's
-device time and its host time (:func:`~overlap_layers.runtime.timing.total_ms`).
+CUDA-graph replays would run them; without it, as a steady eager loop runs them: the larger of a
+trial's device time and its host time (:func:`~overlap_layers.runtime.timing.total_ms`).
 """
 from __future__ import annotations
 
