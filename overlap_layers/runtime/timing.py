@@ -49,7 +49,7 @@ _SLEEP_CYCLES_PER_MS = 2_000_000  # 2 GHz, at or above the SM clock of current G
 class Stopwatch:
     def __init__(self, device: torch.device, prequeue_ms: float = 0.0,
                  align: Optional[Callable[[], None]] = None) -> None:
-        self._cuda = device.type == "cuda"
+        self.device, self._cuda = device, device.type == "cuda"
         self.prequeue_ms = prequeue_ms
         self.align = align  # run after the prequeue's sleep (CUDA): [Note: aligned trials]
         self._start = self._stop = None
@@ -78,7 +78,7 @@ class Stopwatch:
     def sibling(self) -> "Stopwatch":
         """A new stopwatch on the same device with the same prequeue and alignment (a trial's
         backward pass, timed as its forward)."""
-        return Stopwatch(torch.device("cuda" if self._cuda else "cpu"), self.prequeue_ms, self.align)
+        return Stopwatch(self.device, self.prequeue_ms, self.align)
 
     @property
     def done(self) -> bool:
