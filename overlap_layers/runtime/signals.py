@@ -67,7 +67,7 @@ class StreamSignals:
         self._write, self._wait = write, wait
         if self.stream_ops:
             n = world_size * channels
-            self._pads = [handle.get_signal_pad(p, (n,), torch.int32) for p in range(world_size)]
+            self._pads = [handle.get_signal_pad(p, (n,), torch.uint32) for p in range(world_size)]
 
     def put(self, dst: int, channel: int) -> None:
         """Tell ``dst`` (on its ``channel``) that the current stream's earlier work is done."""
