@@ -8,7 +8,6 @@ from hypothesis import given, settings, strategies as st
 
 from overlap_layers.layers.moe import _backward_program, _Call, _forward_program, regroup_index, tile_index
 from overlap_layers.layers.tiling import tile_bounds
-from overlap_layers.runtime.signals import SIGNAL_THERE_AND_BACK
 from overlap_layers.layers.moe_cost import MoECostModel
 from overlap_layers.layers.candidates import plan_candidates
 from overlap_layers.layers.planned import TilePlan
@@ -130,7 +129,7 @@ def _rank_moe(peer_copy_ms: float, experts: int = 32) -> MoECostModel:
     ``peer_copy_ms``; every (grouped) GEMM takes 1 ms and memory passes are free. 16 local
     experts: a piece's weight gradients are one grouped GEMM per projection."""
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
-                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, SIGNAL_THERE_AND_BACK: 0.0})
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
     return MoECostModel(tokens=8, world_size=2, hidden=4, n_in=8, ffn=4, experts=experts, top_k=2, elt=2, model=hw,
                         grouped=True)
 
@@ -178,7 +177,7 @@ def test_rank_chunks_skip_the_regrouping_gathers():
     expert (each source's rows arrive grouped), so with free communication the rank-chunk
     forward beats K=1's experts by exactly those gathers."""
     hw = HardwareModel(gemm_tflops=600.0, gemm_fixed_ms=0.01, mem_gbps=3000.0, launch_ms=0.0, interference=1.0,
-                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:33554432": 0.0, SIGNAL_THERE_AND_BACK: 0.0})
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:33554432": 0.0, "signal": 0.0})
     cm = MoECostModel(tokens=8192, world_size=4, hidden=4096, n_in=2 * 2048, ffn=2048, experts=16, top_k=2, elt=2,
                       model=hw, grouped=True)
     a = cm.rows * cm.k

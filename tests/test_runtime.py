@@ -200,29 +200,6 @@ def test_workspace_bytes_aligns_each_source_and_counts_every_slot():
             assert (j, r) in {(jj, ss) for jj, _, ss in peers(q, ws)}
 
 
-def test_stream_signals_without_stream_operations_use_the_handles_kernels():
-    """[Note: signals without SMs]: a handle whose type has no ``stream_write_value32`` (older
-    torch) keeps the handle's put and wait kernels, with the peer and channel as given."""
-    from overlap_layers.runtime.signals import StreamSignals
-    calls = []
-
-    class Handle:
-        def put_signal(self, dst, channel):
-            calls.append(("put", dst, channel))
-
-        def wait_signal(self, src, channel):
-            calls.append(("wait", src, channel))
-
-        def get_signal_pad(self, *args):
-            raise AssertionError("no signal pad is needed without stream operations")
-
-    sig = StreamSignals(Handle(), world_size=4, rank=1)
-    assert not sig.stream_ops
-    sig.put(2, 1)
-    sig.wait(3, 0)
-    assert calls == [("put", 2, 1), ("wait", 3, 0)]
-
-
 def agreement_rows(rank, ws):
     """Gathers through the shared-memory mailbox and through gloo, several calls in a row (both
     parities reused), int and float rows and a row of three rounds."""

@@ -8,7 +8,6 @@ from hypothesis import given, settings, strategies as st
 
 import overlap_layers.sim.simulator as simulator_module
 from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wait
-from overlap_layers.runtime.signals import SIGNAL_THERE_AND_BACK
 from overlap_layers.sim import Costs, simulate
 
 
@@ -221,7 +220,7 @@ def _rank_cm(peer_copy_ms: float, ws: int = 2, interference: float = 1.0):
     from overlap_layers.layers.mlp_cost import MLPCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=interference,
-                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, SIGNAL_THERE_AND_BACK: 0.0})
+                       comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
     return MLPCostModel(rows=8, world_size=ws, hidden=4, n_in=8, f_local=4, elt=2, sequence_parallel=True, model=hw)
 
 
@@ -290,7 +289,7 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 6.0, SIGNAL_THERE_AND_BACK: 0.0, "core:1x4:q1kv1d4:causal": 2.0})
+                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0})
     cm = AttentionCostModel(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
                             sequence_parallel=True, causal=True, model=hw)
     tl = cm.rank_chunk_timeline(backward=False, transport="copy_engine", sources=1, tiles=2)
@@ -317,7 +316,7 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 6.0, SIGNAL_THERE_AND_BACK: 0.0, "core:1x4:q1kv1d4:causal": 2.0,
+                       op_measured={"peer_copy:64": 6.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0,
                                     "heads:1x4:q1kv1d4:causal": 1.0})
     shape = dict(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
                  sequence_parallel=True, causal=True, model=hw)
@@ -349,7 +348,7 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     causal core's share (2c+1)/ws^2 of its FLOPs."""
     from overlap_layers.layers.attention_cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
-    measured = {"peer_copy:32": 2.0, SIGNAL_THERE_AND_BACK: 0.0, "core:1x4:q1kv1d4:causal": 2.0, "heads:1x4:q1kv1d4:causal": 0.0,
+    measured = {"peer_copy:32": 2.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0, "heads:1x4:q1kv1d4:causal": 0.0,
                 "chunk0:1x4:q1kv1d4:causal": 0.5, "chunk1:1x4:q1kv1d4:causal": 1.5}
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured=measured)
@@ -391,7 +390,7 @@ def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=9.6e-5, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
-                       op_measured={"peer_copy:64": 0.5, SIGNAL_THERE_AND_BACK: 0.0, "core_bwd:2x4:q1kv1d4:causal": 4.0})
+                       op_measured={"peer_copy:64": 0.5, "signal": 0.0, "core_bwd:2x4:q1kv1d4:causal": 4.0})
     assert hw.mem_ms(3 * 64) == pytest.approx(2.0)  # the sum reads ws slots and writes one: (ws+1)*T*H*e
     cm = AttentionCostModel(batch=2, seq_local=2, world_size=2, hidden=8, heads=1, kv_heads=1, head_dim=4, elt=2,
                             sequence_parallel=True, causal=True, model=hw)

@@ -45,7 +45,7 @@ transfer of ``b`` bytes is the measured peer copy (``"peer_copy:b"``) over the c
 send/recv estimated as an all-gather step (``all_gather`` of ``ws*b`` bytes over ws-1 steps)
 over NCCL, which also slows every piece by the interference factor. The copy engine adds the
 copies of the sources into the symmetric buffer (on the pull stream, beside the first piece) and
-one signal's latency (half of ``SIGNAL_THERE_AND_BACK``) before the first pull and after the last push. Peak memory:
+one signal round trip (``"signal"``) before the first pull and after the last push. Peak memory:
 the serial plan's, plus the partial slots (``ws*T*H*e``; in the persistent symmetric workspace
 for the copy engine, with the sources), minus the activation of ws-1 chunks (a piece holds ``h``
 for its own ``T`` rows, the serial layer for all ``ws*T``).
@@ -55,7 +55,6 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..runtime.exchange import block_tag, push_tag, workspace_bytes
-from ..runtime.signals import SIGNAL_THERE_AND_BACK
 from ..schedule import TileProgram, round_robin
 from ..sim import Costs, HardwareModel, Timeline, simulate
 from ..sim.simulator import Event, timeline_from_events
@@ -274,7 +273,7 @@ class MLPCostModel:
         md, ws, chunk = self.model, self.ws, self.chunk_bytes()
         ce = transport == "copy_engine"
         slow = 1.0 if ce else md.interference
-        signal = md.op_ms(SIGNAL_THERE_AND_BACK, 0) / 2 if ce else 0.0
+        signal = md.op_ms("signal", 0) if ce else 0.0
         events = []
 
         def add(name, tag, stream, start, ms):

@@ -22,7 +22,6 @@ import torch
 
 from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
                                 staged_source, symmetric_memory_status)
-from ..runtime.signals import SIGNAL_THERE_AND_BACK
 from ..sim import Candidate
 
 
@@ -174,7 +173,7 @@ class RankChunkPlans:
 
     def _copy_engine_setups(self, cm) -> dict:
         """Timed ops of the copy-engine cost, when the planner will use it: a peer copy of one
-        chunk, a signal to a neighbour and one back (:data:`SIGNAL_THERE_AND_BACK`)."""
+        chunk, a signal round trip."""
         if "copy_engine" not in self._rank_transports():
             return {}
         dev = self._weight.device
@@ -190,16 +189,14 @@ class RankChunkPlans:
 
         def signal():
             ws_obj.reserve(1)
-            before, after = (self.rank - 1) % self.world_size, peer
+            send_to, recv_from = (self.rank - 1) % self.world_size, peer
 
-            def there_and_back():  # a flag is put again only after its wait: [Note: signals without SMs]
-                ws_obj.signals.put(before, 0)
-                ws_obj.signals.wait(after, 0)
-                ws_obj.signals.put(after, 1)
-                ws_obj.signals.wait(before, 1)
-            return there_and_back
+            def round_trip():
+                ws_obj.handle.put_signal(send_to, 0)
+                ws_obj.handle.wait_signal(recv_from, 0)
+            return round_trip
 
-        return {f"peer_copy:{nbytes}": copy, SIGNAL_THERE_AND_BACK: signal}
+        return {f"peer_copy:{nbytes}": copy, "signal": signal}
 
     def _rank_candidates(self, cm, batch: list, *, training: bool) -> list:
         """One candidate per transport and backward strategy ([Note: rank-chunk cost])."""

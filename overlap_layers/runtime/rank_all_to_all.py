@@ -183,9 +183,9 @@ class CopyEngineAllToAll:
         w.pull_stream.wait_stream(torch.cuda.current_stream(w.device))
         with torch.cuda.stream(w.pull_stream):
             for _, _, s in peers(self.rank, self.ws):
-                w.signals.put(s, PULL)
+                w.handle.put_signal(s, PULL)
             for _, q, _ in peers(self.rank, self.ws):  # every peer first: the pulls of a step form a permutation
-                w.signals.wait(q, PULL)
+                w.handle.wait_signal(q, PULL)
 
     def start(self, counts: Sequence[Sequence[int]]) -> None:
         w, lay = self.w, _Layout(counts, self.rank)
@@ -230,7 +230,7 @@ class CopyEngineAllToAll:
             a = lay.send_start[q][self.rank]
             if rows.shape[0]:
                 self._peer_rows(q, a, a + rows.shape[0]).copy_(rows)
-            w.signals.put(q, PUSH)
+            w.handle.put_signal(q, PUSH)
         self._left -= 1
 
     def finish(self) -> torch.Tensor:
@@ -238,5 +238,5 @@ class CopyEngineAllToAll:
         compute = torch.cuda.current_stream(self.w.device)
         compute.wait_stream(self.w.push_stream)
         for _, _, s in peers(self.rank, self.ws):
-            self.w.signals.wait(s, PUSH)
+            self.w.handle.wait_signal(s, PUSH)
         return self.send
