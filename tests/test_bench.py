@@ -195,6 +195,37 @@ def test_bench_block_reference_runs_the_norms(pool2):
         assert fwd_grads == fwdbwd_grads == [None, None]
 
 
+def _warm_calls(rank, ws):
+    import time
+    import torch
+    import torch.distributed as dist
+    from overlap_layers.bench.runner import time_samples
+    calls = []
+
+    def fn():  # rank 0 is the slow one: the warm-up must follow its times on every rank
+        calls.append(1)
+        time.sleep(0.004 if rank == 0 else 0.0)
+    out = []
+    for warm_ms in (0.0, 30.0):
+        calls.clear()
+        samples = time_samples(fn, torch.device("cpu"), dist.group.WORLD, warmup=1, iters=2, repeats=2,
+                               warm_ms=warm_ms)
+        out.append((len(calls), samples))
+    return out
+
+
+def test_bench_warm_up_runs_for_its_time_alike_on_every_rank(pool2):
+    """[Note: warm device]: untimed repeats until their times (max over ranks) add up to
+    ``warm_ms``, the same number on every rank though one rank's calls take 4 ms and the other's
+    none; no extra call without it."""
+    (cold, warm), (cold1, warm1) = pool2.run(_warm_calls)
+    assert cold[0] == cold1[0] == 1 + 2 * 2
+    assert warm[0] == warm1[0]
+    extra = warm[0] - cold[0]  # repeats of 2 calls, each repeat >= 8 ms: at most 4 reach 30 ms
+    assert 2 <= extra <= 8 and extra % 2 == 0, extra
+    assert all(s >= 4.0 for s in warm[1] + warm1[1]) and warm[1] == warm1[1]
+
+
 def test_bench_layer_list_and_args():
     from overlap_layers.bench.cli import _shapes, parse_args
     args = parse_args(["--layer", "mlp,attention", "--preset", "llama3-8b", "llama3-70b"])

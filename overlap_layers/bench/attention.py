@@ -222,7 +222,7 @@ class UlyssesBench(AttentionBench):
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
     b = (UlyssesBench if shape.layer == "ulysses" else AttentionBench)(shape, group, device, dtype, naive_k)
     ks = list(dict.fromkeys(b.cap_k(k) for k in naive_k))
-    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, log, profile)
+    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, log, profile, warm_ms)

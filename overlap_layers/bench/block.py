@@ -122,9 +122,9 @@ class BlockBench:
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
     b = BlockBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), layer="block", ffn=b.mlp.s.ffn)
     ks = list(dict.fromkeys(b.attn.cap_k(k) for k in naive_k))
     return run_modes(b, fields, [m for m in modes if m != "asynctp"], passes, ks, warmup, iters, repeats, log,
-                     profile)
+                     profile, warm_ms)

@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--warm-ms", type=float, default=None, metavar="MS",
+                   help="untimed device time each mode runs before its repeats (default 1000 on CUDA, 0 on CPU)")
     p.add_argument("--nprocs", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile --profile-calls calls of every mode (rank 0): DIR/<shape>_<pass>_<mode>.json "
@@ -139,6 +141,7 @@ def _grid(device: torch.device, args) -> None:
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     iters = args.iters if args.iters is not None else (10 if cuda else 3)
     repeats = args.repeats if args.repeats is not None else (5 if cuda else 3)
+    warm_ms = args.warm_ms if args.warm_ms is not None else (1000.0 if cuda else 0.0)  # [Note: warm device]
     modes = [m for m in args.modes.split(",") if m]
     passes = [p for p in args.passes.split(",") if p]
     bad = [m for m in modes if m not in MODES] + [p for p in passes if p not in ("fwd", "fwdbwd")]
@@ -162,7 +165,8 @@ def _grid(device: torch.device, args) -> None:
             run = {"mlp": bench_shape, "moe": moe_bench.bench_shape, "block": block_bench.bench_shape}.get(
                 layer, attn_bench.bench_shape)
             recs = run(shape, group, device, dtype, modes, passes, args.naive_k, warmup, iters, repeats, log,
-                       Profile(args.profile, args.profile_calls, args.profile_all_ranks) if args.profile else None)
+                       Profile(args.profile, args.profile_calls, args.profile_all_ranks) if args.profile else None,
+                       warm_ms)
             if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                 records.extend(recs)
                 _write(args, cuda, world, records, out)

@@ -217,10 +217,10 @@ class MLPBench:
 
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs,
                   graph_calls=shape.graph_calls, config_sm_carveout=shape.sm_carveout)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
-                     repeats, log, profile)
+                     repeats, log, profile, warm_ms)

@@ -259,8 +259,8 @@ def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: s
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
+                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
     b = MoEBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), expert_impl=b.expert_impl, busiest_expert_share=b.busiest_expert_share,
                   recv_imbalance=b.recv_imbalance)
-    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, log, profile)
+    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, log, profile, warm_ms)

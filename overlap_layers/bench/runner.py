@@ -1,8 +1,19 @@
 """The benchmark's shared machinery: timing across ranks, peak memory of one call, and the loop
 over modes that turns one layer's bench object into records (DESIGN.md, Benchmarks).
 
-Each time is the median over repeats of the max over ranks of the mean of ``iters`` calls;
-limit = max(compute, comm).
+Each time is the median over repeats of the max over ranks of the mean of ``iters`` calls, taken
+once the device runs warm ([Note: warm device]); limit = max(compute, comm).
+
+[Note: warm device]
+A GPU that idled for a moment (between two modes: building the next one, planning, collecting
+garbage) runs its first tens of milliseconds of load at a higher clock than it sustains. On the
+4x H200 machine the compute-only reference of the llama3-8b MLP (TP 4, 8192 tokens, fwd+bwd) read
+2.87 ms in its first repeat and 3.26-3.33 from its fourth on, in each of six runs (session 50); the
+first repeat of every mode read 3-5% low in session 49. With five warm-up calls and five repeats of
+ten calls, a mode's median could sit on that slope, and each mode at a different place on it: the
+ratio of two modes moved with the order they ran in. So each mode first runs untimed repeats for
+``warm_ms`` of device time (the CLI's ``--warm-ms``: 1000 on CUDA, 0 on CPU), and its timed
+repeats read the sustained state that a training run sees.
 """
 from __future__ import annotations
 
@@ -80,32 +91,39 @@ def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repe
     return statistics.median(time_samples(fn, device, group, warmup, iters, repeats))
 
 
-def time_samples(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> List[float]:
+def time_samples(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int,
+                 warm_ms: float = 0.0) -> List[float]:
     """Each repeat's max over ranks of the mean time of ``iters`` calls, in ms (:func:`time_fn`'s
-    samples: a spread between them tells a passing stall from a steady state)."""
+    samples: a spread between them tells a passing stall from a steady state). ``warmup`` calls
+    first, then untimed repeats until they add up to ``warm_ms`` ([Note: warm device])."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / iters
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            ms = (time.perf_counter() - t0) * 1e3 / iters
-        t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        samples.append(float(t))
-    return samples
+    spent = 0.0
+    while spent < warm_ms:  # every rank adds the same (max over ranks) times: all run the same calls
+        spent += _sample(fn, device, group, iters) * iters
+    return [_sample(fn, device, group, iters) for _ in range(repeats)]
+
+
+def _sample(fn: Callable[[], None], device, group, iters: int) -> float:
+    """The max over ranks of the mean time of ``iters`` calls of ``fn``, in ms."""
+    dist.barrier(group=group)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        ms = (time.perf_counter() - t0) * 1e3 / iters
+    t = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
 
 
 def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
@@ -217,10 +235,11 @@ def graph_replay(fn: Callable[[], None], device, warmup: int = 3) -> Callable[[]
 
 
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
-              log: Callable[[str], None], profile: Optional[Profile] = None) -> List[dict]:
+              log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
     ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`).
-    ``profile``: each timed mode is then also profiled (:func:`profile_calls`). With
+    ``profile``: each timed mode is then also profiled (:func:`profile_calls`). ``warm_ms``: untimed
+    repeats before each mode's timed ones ([Note: warm device]). With
     ``fields["cuda_graphs"]`` every mode is timed as :func:`graph_replay` (peak memory from an
     eager call of the same plan)."""
     graphs = bool(fields.get("cuda_graphs")) and b.device.type == "cuda"
@@ -262,7 +281,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 if graphs:
                     fn = graph_replay(eager, device)
                 with full_collections() as timed_gc:
-                    samples = time_samples(fn, device, group, warmup, iters, repeats)
+                    samples = time_samples(fn, device, group, warmup, iters, repeats, warm_ms)
                 times[mode] = statistics.median(samples)
             except Exception as e:  # noqa: BLE001
                 if mode != "asynctp":
@@ -315,7 +334,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if times.get("compute") is not None and times.get("comm") is not None else None
         for mode, ms in times.items():
             rec = dict(fields, world_size=b.ws, dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
-                       limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
+                       warm_ms=warm_ms, limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
                        ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
                        predicted_ms=None)
             if mode.startswith("naive"):
