@@ -85,6 +85,16 @@ prediction of -3.5% for the 8b forward; not kept. The profile it came from (ever
 of two calls) shows why: the compute stream waited for that pull 95, 23, 2 and 164 us on ranks
 0-3. The gap is the wait for the last rank's signal; the last rank itself (rank 2) has none, its
 own rows' work outlasting the pull, and the other ranks' waits only move to their next wait on it.
+
+The signals are the handle's kernels of one warp, which beside a GEMM holding every SM start only
+once an SM frees. A fourth change put and waited them as stream memory operations instead, which
+take no SM (``cuStreamWriteValue32`` through the handle's ``stream_write_value32`` on the peer's
+signal pad, ``cuStreamWaitValue32`` through the driver library, then a write of 0): a probe of the
+protocol passed at 2 and 4 ranks, eagerly and replayed, but same-call A/Bs (session 50, 4x H200,
+three rounds, rank chunks pinned, fwd+bwd replayed) read the attention 8b -0.3% and the MLP 8b
+(8192 tokens) +1.5%, each within its compute-only row's drift of +0.3% and +1.9% in the same
+runs; not kept. A plain write of 1 would also need every flag's next put to follow its reset,
+which the exchanges give but the planner's timed signal (a put-then-wait ring, repeated) does not.
 """
 from __future__ import annotations
 
