@@ -226,6 +226,18 @@ def test_bench_warm_up_runs_for_its_time_alike_on_every_rank(pool2):
     assert all(s >= 4.0 for s in warm[1] + warm1[1]) and warm[1] == warm1[1]
 
 
+def test_bench_warm_up_of_a_callable_that_takes_no_time_ends(monkeypatch):
+    """[Note: warm device]: the untimed repeats stop at ``MAX_WARM_REPEATS`` when the callable's
+    times never add up to ``warm_ms`` (no hang)."""
+    import torch
+    from overlap_layers.bench import runner
+    taken = []
+    monkeypatch.setattr(runner, "MAX_WARM_REPEATS", 7)
+    monkeypatch.setattr(runner, "_sample", lambda fn, device, group, iters: taken.append(1) or 0.0)
+    assert runner.time_samples(lambda: None, torch.device("cpu"), None, 0, 3, 2, warm_ms=1.0) == [0.0, 0.0]
+    assert len(taken) == 7 + 2
+
+
 def test_bench_layer_list_and_args():
     from overlap_layers.bench.cli import _shapes, parse_args
     args = parse_args(["--layer", "mlp,attention", "--preset", "llama3-8b", "llama3-70b"])

@@ -8,12 +8,16 @@ once the device runs warm ([Note: warm device]); limit = max(compute, comm).
 A GPU that idled for a moment (between two modes: building the next one, planning, collecting
 garbage) runs its first tens of milliseconds of load at a higher clock than it sustains. On the
 4x H200 machine the compute-only reference of the llama3-8b MLP (TP 4, 8192 tokens, fwd+bwd) read
-2.87 ms in its first repeat and 3.26-3.33 from its fourth on, in each of six runs (session 50); the
-first repeat of every mode read 3-5% low in session 49. With five warm-up calls and five repeats of
-ten calls, a mode's median could sit on that slope, and each mode at a different place on it: the
-ratio of two modes moved with the order they ran in. So each mode first runs untimed repeats for
-``warm_ms`` of device time (the CLI's ``--warm-ms``: 1000 on CUDA, 0 on CPU), and its timed
-repeats read the sustained state that a training run sees.
+2.87 ms in its first repeat and 3.26-3.33 from its fourth on, in each of six runs (session 50); in
+session 49 the first repeat of most llama3-8b modes read 1-6% low. With five warm-up calls and five
+repeats of ten calls, a mode's median could sit on that slope, and each mode at a different place on
+it: the ratio of two modes moved with the order they ran in. So each mode first runs untimed repeats
+for ``warm_ms`` of device time (the CLI's ``--warm-ms``: 1000 on CUDA, 0 on CPU; at most
+:data:`MAX_WARM_REPEATS` of them, for a callable that takes no time), and its timed repeats read
+the sustained state that a training run sees. Measured both ways in one call (session 50, two runs
+each, attention 8b and MLP 8b at TP 4, fwd+bwd replayed): warm, every mode read 1-4% slower and its
+repeats flat, and the ratios to the limit moved by less than two runs' spread (the MLP's 1.5 points
+lower, the attention's 0.9 higher), where 2-6% lower had been predicted for the MLP.
 """
 from __future__ import annotations
 
@@ -86,6 +90,9 @@ def pass_fn(forward: Callable, backward: bool, grads: Sequence[torch.Tensor],
     return run
 
 
+MAX_WARM_REPEATS = 10_000  # untimed repeats of a mode at most ([Note: warm device])
+
+
 def time_fn(fn: Callable[[], None], device, group, warmup: int, iters: int, repeats: int) -> float:
     """Median over ``repeats`` of (max over ranks of the mean time of ``iters`` calls), in ms."""
     return statistics.median(time_samples(fn, device, group, warmup, iters, repeats))
@@ -99,9 +106,10 @@ def time_samples(fn: Callable[[], None], device, group, warmup: int, iters: int,
     for _ in range(warmup):
         fn()
     _sync(device)
-    spent = 0.0
-    while spent < warm_ms:  # every rank adds the same (max over ranks) times: all run the same calls
+    spent, n = 0.0, 0
+    while spent < warm_ms and n < MAX_WARM_REPEATS:  # every rank adds the same (max over ranks) times
         spent += _sample(fn, device, group, iters) * iters
+        n += 1
     return [_sample(fn, device, group, iters) for _ in range(repeats)]
 
 
