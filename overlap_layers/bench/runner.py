@@ -14,11 +14,11 @@ repeats of ten calls, a mode's median could sit on that slope, and each mode at 
 it: the ratio of two modes moved with the order they ran in. So each mode first runs untimed repeats
 for ``warm_ms`` of device time (the CLI's ``--warm-ms``: 1000 on CUDA, 0 on CPU; at most
 :data:`MAX_WARM_REPEATS` of them, for a callable that takes no time), and its timed repeats read
-the sustained state that a training run sees. Measured both ways, alternating (session 50, two runs
-each, attention 8b and MLP 8b at TP 4 in a call each, fwd+bwd replayed): warm, auto, serial and compute-only read
-0.5-4% slower (comm-only 4% faster), auto's and serial's repeats flat, and the ratios to the limit
-moved by less than two runs' spread (the MLP's 1.2 points lower, the attention's 0.9 higher), where
-2-6% lower had been predicted for the MLP.
+the sustained state that a training run sees. Measured both ways, alternating (session 50, two
+runs each, attention 8b and MLP 8b at TP 4 in a call each, fwd+bwd replayed): warm, auto, serial
+and compute-only read 0.5-4% slower (comm-only 4% faster), auto's and serial's repeats flat, and
+the ratios to the limit moved by less than two runs' spread (the MLP's 1.2 points lower, the
+attention's 0.9 higher), where 2-6% lower had been predicted for the MLP.
 """
 from __future__ import annotations
 
