@@ -23,10 +23,11 @@ G, B, S, NQ, NKV, D = 2, 2, 4096, 16, 4, 128
 
 
 def load(path: str):
-    spec = importlib.util.spec_from_file_location("old_heads_kernel", os.path.join(path, "layers", "heads_kernel.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The heads kernel module of the package at ``path``, imported as ``ol_old`` (its imports are
+    relative, as :func:`inproc_ab.load_old` does it)."""
+    from inproc_ab import load_old
+    load_old(path)
+    return importlib.import_module("ol_old.layers.heads_kernel")
 
 
 def graphed_us(fn, n: int = 50, replays: int = 5) -> float:

@@ -54,12 +54,8 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     cos, sin = tables if tables is not None else (rows_gbsC, rows_gbsC)  # unread without RoPE
     t_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     q, k, v = heads
-    elt = q.element_size()
-    k_off, v_off = k.data_ptr() - q.data_ptr(), v.data_ptr() - q.data_ptr()
-    if k_off % elt or v_off % elt:  # k and v are reached from q by element offsets
-        return False
     _heads_kernel[(triton.cdiv(R, _ROWS), nq + 2 * nkv)](
-        rows_gbsC, q, k_off // elt, v_off // elt, cos, sin, R, b, s,
+        rows_gbsC, q, k, v, cos, sin, R, b, s,
         *rows_gbsC.stride()[:3], *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], t_b, cos.stride(-3),
         cos.stride(-2), NQ=nq, NKV=nkv, HALF=half, HP=triton.next_power_of_2(half), ROWS=_ROWS,
         ROPE=tables is not None, BACKWARD=backward)
@@ -68,20 +64,24 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
 
 if triton is not None:
     @triton.jit
-    def _heads_kernel(rows, q, k_off, v_off, cos, sin, R, b, s, r_g, r_b, r_s, q_b, q_n, q_g, q_s, k_b, k_n, k_g,
-                      k_s, v_b, v_n, v_g, v_s, t_b, t_g, t_s, NQ: tl.constexpr, NKV: tl.constexpr,
+    def _heads_kernel(rows, q, k, v, cos, sin, R, b, s, r_g, r_b, r_s, q_b, q_n, q_g, q_s, k_b, k_n, k_g, k_s,
+                      v_b, v_n, v_g, v_s, t_b, t_g, t_s, NQ: tl.constexpr, NKV: tl.constexpr,
                       HALF: tl.constexpr, HP: tl.constexpr, ROWS: tl.constexpr, ROPE: tl.constexpr,
                       BACKWARD: tl.constexpr):
-        # [Note: one heads launch]: the program's head is q's, k's or v's by its column; k and v
-        # are reached from q's pointer by their element offsets, and every address is chosen by
-        # selects of values, not by a branch, so the compiler keeps what it knows of each stride's
-        # divisibility (a branch lost it: the stores ran unvectorized, the forward 33% slower than
-        # three launches; H100). Only RoPE or the copy (v) is a branch.
+        # [Note: one heads launch]: the program's head is q's, k's or v's by its column; its
+        # pointer and strides are chosen by selects, not by a branch, so the compiler keeps what it
+        # knows of each stride's divisibility (a branch lost it: the stores ran unvectorized, the
+        # forward 33% slower than three launches; H100). Only RoPE or the copy (v) is a branch.
+        # The kernel takes k's and v's pointers, not their element offsets from q's: an offset is
+        # an integer argument, and Triton compiles one variant for offsets within int32 and another
+        # beyond, so where the caching allocator put k and v chose between variants at run time: a
+        # compile (400 ms) or a module load (up to 70 ms of host time) inside some call long after
+        # the first, which stalled first-call verification's trials (session 51, 4x H200).
         col = tl.program_id(1)  # the head's place in the rows: q heads, then k, then v
         is_q = col < NQ
         is_k = (col >= NQ) & (col < NQ + NKV)
         head = tl.where(is_q, col, tl.where(is_k, col - NQ, col - NQ - NKV)).to(tl.int64)
-        base = tl.where(is_q, 0, tl.where(is_k, k_off, v_off)).to(tl.int64)
+        heads = tl.where(is_q, q, tl.where(is_k, k, v))
         h_b = tl.where(is_q, q_b, tl.where(is_k, k_b, v_b)).to(tl.int64)
         h_n = tl.where(is_q, q_n, tl.where(is_k, k_n, v_n)).to(tl.int64)
         h_g = tl.where(is_q, q_g, tl.where(is_k, k_g, v_g)).to(tl.int64)
@@ -93,10 +93,10 @@ if triton is not None:
         cols = tl.arange(0, HP)
         m = (r < R)[:, None] & (cols < HALF)[None, :]
         row = (gi * r_g + bi * r_b + t * r_s + col * (2 * HALF))[:, None] + cols[None, :]
-        hd = (base + bi * h_b + head * h_n + gi * h_g + t * h_s)[:, None] + cols[None, :]
+        hd = (bi * h_b + head * h_n + gi * h_g + t * h_s)[:, None] + cols[None, :]
         if BACKWARD:
-            x1 = tl.load(q + hd, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(q + hd + HALF, mask=m, other=0.0).to(tl.float32)
+            x1 = tl.load(heads + hd, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(heads + hd + HALF, mask=m, other=0.0).to(tl.float32)
         else:
             x1 = tl.load(rows + row, mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(rows + row + HALF, mask=m, other=0.0).to(tl.float32)
@@ -119,5 +119,5 @@ if triton is not None:
             tl.store(rows + row, y1.to(rows.dtype.element_ty), mask=m)
             tl.store(rows + row + HALF, y2.to(rows.dtype.element_ty), mask=m)
         else:
-            tl.store(q + hd, y1.to(q.dtype.element_ty), mask=m)
-            tl.store(q + hd + HALF, y2.to(q.dtype.element_ty), mask=m)
+            tl.store(heads + hd, y1.to(heads.dtype.element_ty), mask=m)
+            tl.store(heads + hd + HALF, y2.to(heads.dtype.element_ty), mask=m)

@@ -316,7 +316,7 @@ def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], loca
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["remote_rows", "local_rows"])  # bounds; they change when the slot grows
     def _segments_kernel(seg_ptr, remote_ptrs, local_ptr, remote_rows, local_rows, W: tl.constexpr, NSEG: tl.constexpr,
                          NSEG_P2: tl.constexpr, PUSH: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK_W: tl.constexpr):

@@ -149,7 +149,7 @@ if triton is not None:
         h = tl.sum((key[:, None] == e[None, :]).to(tl.int32), 0)
         tl.store(hist_ptr + e * NB + b, h, mask=e < E)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["dst_rows", "out1_rows", "out2_rows"])  # bounds that vary with routing
     def _place_by_key_kernel(src_ptr, keys_ptr, before_ptr, places_ptr, dst_ptr, pos_ptr, N, NB, dst_rows,
                              out1_ptr, out1_rows, out2_ptr, out2_rows,
                              TOP_K: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, IN_ORDER: tl.constexpr,
