@@ -49,16 +49,16 @@ alike, so no extra round) and kept K=1 at 4.94, and the block ran 12.18 ms (11.5
 run, with rank chunks; 4x H200). Rank chunks' eager trials there are often slow, not only by
 single stalls: of 39 trials in eight verifications of that row (session 49), 21 read 5-9 ms (or a
 stall of hundreds) against a best of 3.9-4.1, with or without [Note: aligned trials]; K=1's and
-K=2's read within 10% of their best. Why was not found. Any disturbed trial now takes the
-second round, so a wrong pick needs six slow trials in a row instead of three. A probe of every
-trial's window (session 50, the block 8b at TP 2 on 2x H200, graph calls, 27 trials a rank) found
-one stalled trial, the same one on both ranks (499 ms forward, 436 backward, against 2.2-2.5 and
-4.6-5.0): in each of its passes Python's collector ran three times, where three other trials saw
-one collection each and ran at speed, and the caching allocator made no device call in any
-stalled window. A collection that slow is itself a stall or a symptom of one (a Triton compile or a
-cuDNN graph build allocates enough Python objects to set off collections); the probe did not count
-compiles. The 5-9 ms trials of session 49 did not occur at TP 2 (one 3.54 ms forward against
-2.2-2.5, with 26 ms of host time and no collection).
+K=2's read within 10% of their best. Any disturbed trial now takes the second round, so a wrong
+pick needs six slow trials in a row instead of three. What disturbed them was found in session 51
+(the block 8b at TP 4, 4x H200, every trial window probed with a stack sampler and a count of
+Triton compiles; session 50 had seen only three Python collections in a stalled pass at TP 2, a
+symptom): the attention's heads kernel compiled (400 ms) or loaded (up to 70 ms of host time, the
+pass up to 4x slower on the device) a new variant inside a trial, because where the allocator put
+k and v chose the variant ([Note: one heads launch] in ``heads_kernel.py``). Before the fix the
+attention's rank-chunk trials read 3.96-8.46 ms and one 407 (both verifications took the second
+round); after it, in six verifications, no window saw a compile and every contender's trials read
+within 3% of its best, without a second round. The second round stays, for stalls of other causes.
 
 A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
 it runs the key's current plan (the planned plan while verification is pending), takes no trial
