@@ -1280,6 +1280,73 @@ def check_aligned_trials(rank, ws, dev):
     return fails
 
 
+def _compiled_variants(dev) -> int:
+    """Kernel variants the package's Triton functions have compiled (or loaded) for ``dev`` so far."""
+    from triton.runtime.jit import JITFunction
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("overlap_layers"):
+            for obj in list(vars(mod).values()):
+                if isinstance(obj, JITFunction):
+                    caches = obj.device_caches.get(dev.index)
+                    n += 0 if caches is None else len(caches[0])
+    return n
+
+
+SPACERS_MIB = (0, 4608, 37, 2253, 5222, 701, 4608, 0)  # held across one call each: other placements
+
+
+def check_no_late_compiles(rank, ws, dev):
+    """Once a layer has run a shape (two calls), later calls of that shape compile and load no
+    Triton variant, whatever the caching allocator's placement (a spacer of up to 5 GiB held across
+    each call) and the routing (a fresh input each call): a variant chosen at run time compiles or
+    loads its module inside some later call, which stalled first-call verification's trials for
+    hundreds of milliseconds ([Note: one heads launch] in ``layers/heads_kernel.py``). bf16, forward
+    and backward: the attention's rank chunks over the copy engine (RoPE by the heads kernel) and
+    K=2, the MLP's rank chunks, the MoE's rank chunks over the copy engine (the combine's counts
+    change with the routing)."""
+    from overlap_layers import OverlapAttention, OverlapMoE
+    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.runtime import triton_gate
+    if triton_gate.triton is None:
+        return 0
+    group, bf16, fails = dist.group.WORLD, torch.bfloat16, 0
+    torch.manual_seed(17)  # the same weights on every rank
+    H, E, F = 256, 4 * ws, 128
+    router, w_in, w_out = (torch.randn(*shape, device=dev) * 0.1 for shape in ((E, H), (E, 2 * F, H), (E, H, F)))
+    cases = [("attention rank chunks", OverlapAttention(H, 8, 4, group=group, device=dev, dtype=bf16),
+              MLPPlan(1, decomposition="rank", transport="copy_engine"), (2, 64, H)),
+             ("attention K=2", OverlapAttention(H, 8, 4, group=group, device=dev, dtype=bf16), MLPPlan(2), (2, 64, H)),
+             ("mlp rank chunks", OverlapMLP(H, 512, group=group, device=dev, dtype=bf16),
+              MLPPlan(1, decomposition="rank", transport="copy_engine"), (2, 64, H)),
+             ("moe rank chunks", OverlapMoE.from_dense(router.to(bf16), w_in.to(bf16), w_out.to(bf16), top_k=2,
+                                                       group=group),
+              TilePlan(1, decomposition="rank", transport="copy_engine"), (1, 96, H))]
+    g = torch.Generator(device="cpu").manual_seed(100 + rank)  # inputs, and so routing, differ by rank and call
+    for label, layer, plan, shape in cases:
+        layer.pin_plan(plan)
+
+        def call():
+            x = torch.randn(*shape, generator=g).to(dev, bf16).requires_grad_()
+            layer(x).float().square().sum().backward()
+        for _ in range(2):
+            call()
+        before = _compiled_variants(dev)
+        for i in range(16):
+            spacer = torch.empty(SPACERS_MIB[i % len(SPACERS_MIB)] << 20, dtype=torch.uint8, device=dev)
+            call()
+            del spacer
+        torch.cuda.synchronize()
+        after = _compiled_variants(dev)
+        if after != before:
+            fails += 1
+            print(f"rank {rank} FAIL {label}: {after - before} Triton variants compiled after the first calls",
+                  flush=True)
+        fails += fell_back(rank, layer, plan)
+    torch.cuda.empty_cache()  # the spacers' cached blocks
+    return fails
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -1298,7 +1365,8 @@ def main():
         + check_copies_and_edge_calls(rank, ws, dev) + check_graph_calls(rank, ws, dev) \
         + check_graph_calls_block(rank, ws, dev) + check_graph_calls_shared_pool(rank, ws, dev) \
         + check_device_all_to_all(rank, ws, dev) + check_moe_graph_calls(rank, ws, dev) \
-        + check_moe_training_graph_calls(rank, ws, dev) + check_aligned_trials(rank, ws, dev)
+        + check_moe_training_graph_calls(rank, ws, dev) + check_aligned_trials(rank, ws, dev) \
+        + check_no_late_compiles(rank, ws, dev)
     t = torch.tensor([fails], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()
