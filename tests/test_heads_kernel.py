@@ -110,7 +110,8 @@ def test_heads_kernel_compiles_one_variant_wherever_its_heads_are():
     tables64 = tuple(torch.randn(1, g * s, d, generator=gen, dtype=torch.float64).to(dtype).double() for _ in range(2))
     leaf = rows64.clone().requires_grad_()
     want = reference_heads(leaf, *(t.unflatten(1, (g, s)) for t in tables64), nq, nkv, d)
-    grads64 = [torch.randn(b, n, g, s, d, generator=gen, dtype=torch.float64).to(dtype).double() for n in (nq, nkv, nkv)]
+    grads64 = [torch.randn(b, n, g, s, d, generator=gen, dtype=torch.float64).to(dtype).double()
+               for n in (nq, nkv, nkv)]
     want_grad = torch.autograd.grad(want, leaf, grads64)[0]
     rows, tables = rows64.to(DEVICE, dtype), tuple(t.to(DEVICE, dtype) for t in tables64)
     sizes = [b * n * g * s * d for n in (nq, nkv, nkv)]

@@ -250,7 +250,7 @@ if triton is not None:
                 tl.store(out_ptr + out_at[:, None] * H + cols[None, :], d, mask=mine[:, None] & (cols[None, :] < H))
         tl.store(d_w_ptr + t * K + j, acc.to(d_w_ptr.dtype.element_ty), mask=j < K)
 
-    # the counts are bounds, never strides: specialized on their values (==1, divisible by 16)
+    # the counts are bounds, never strides: specialized on their values (==1, divisible by 16),
     # they would compile a variant per routing outcome, inside whatever call first routed so
     @triton.jit(do_not_specialize=["n_first_arg", "n_own_arg", "kept_arg"])
     def _combine_kernel(own_ptr, late_ptr, back_ptr, pos_ptr, w_ptr, y_ptr, rows_ptr, n_first_arg, n_own_arg,
