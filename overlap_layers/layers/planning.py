@@ -35,10 +35,10 @@ The minimum over trials ignores one stalled trial: the grid runs of sessions 33-
 one trial of 200-800 ms in most verifications of rank chunks (a host stall on some rank, its cause
 found in session 51, below; not Python's full collections, which no rank ran in those runs of
 session 35, ``gc_full_ms`` in the bench; a stack sampler found Triton compiles, cuDNN graph builds
-and slow first backward passes in the layers' first calls, bench/results/session35_*). Two disturbed trials of three decided
-wrongly: in one run the block's attention timed rank chunks at 6.14, 4.98 and 298 ms, where the
-same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94 ms; the block then ran at 1.18x of
-its limit instead of about 1.11). So where some contender has a trial slower than its best by
+and slow first backward passes in the layers' first calls, bench/results/session35_*). Two
+disturbed trials of three decided wrongly: in one run the block's attention timed rank chunks at
+6.14, 4.98 and 298 ms, where the same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94
+ms; the block then ran at 1.18x of its limit instead of about 1.11). So where some contender has a trial slower than its best by
 more than ``STALL`` (20%; with ``trials`` >= 2), the decision waits, once, for ``trials`` more
 cycles (the alternation goes on), and then takes the minimum over every trial. The check uses the
 gathered times, so every rank extends alike. In the next run of that row the first round read 425,
