@@ -35,30 +35,30 @@ The minimum over trials ignores one stalled trial: the grid runs of sessions 33-
 one trial of 200-800 ms in most verifications of rank chunks (a host stall on some rank, its cause
 found in session 51, below; not Python's full collections, which no rank ran in those runs of
 session 35, ``gc_full_ms`` in the bench; a stack sampler found Triton compiles, cuDNN graph builds
-and slow first backward passes in the layers' first calls, bench/results/session35_*). Two
-disturbed trials of three decided wrongly: in one run the block's attention timed rank chunks at
-6.14, 4.98 and 298 ms, where the same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94
-ms; the block then ran at 1.18x of its limit instead of about 1.11). So where some contender has a trial slower than its best by
-more than ``STALL`` (20%; with ``trials`` >= 2), the decision waits, once, for ``trials`` more
-cycles (the alternation goes on), and then takes the minimum over every trial. The check uses the
-gathered times, so every rank extends alike. In the next run of that row the first round read 425,
-6.78 and 4.11 ms, the extra one 4.12, 4.08 and 4.06: rank chunks kept, the block at 1.12x (session
-34). Until session 49 a round was disturbed only where a contender had fewer than two trials
-within ``STALL`` of its best; then the same row timed rank chunks at 5.98, 5.65 and 353 ms (two
-alike, so no extra round) and kept K=1 at 4.94, and the block ran 12.18 ms (11.55 in the next
-run, with rank chunks; 4x H200). Rank chunks' eager trials there are often slow, not only by
-single stalls: of 39 trials in eight verifications of that row (session 49), 21 read 5-9 ms (or a
-stall of hundreds) against a best of 3.9-4.1, with or without [Note: aligned trials]; K=1's and
-K=2's read within 10% of their best. Any disturbed trial now takes the second round, so a wrong
-pick needs six slow trials in a row instead of three. What disturbed them was found in session 51
-(the block 8b at TP 4, 4x H200, every trial window probed with a stack sampler and a count of
-Triton compiles; session 50 had seen only three Python collections in a stalled pass at TP 2, a
-symptom): the attention's heads kernel compiled (400 ms) or loaded (up to 70 ms of host time, the
-pass up to 4x slower on the device) a new variant inside a trial, because where the allocator put
-k and v chose the variant ([Note: one heads launch] in ``heads_kernel.py``). Before the fix the
-attention's rank-chunk trials read 3.96-8.46 ms and one 407 (both verifications took the second
-round); after it, in six verifications, no window saw a compile and every contender's trials read
-within 3% of its best, without a second round. The second round stays, for stalls of other causes.
+and slow first backward passes in the layers' first calls, bench/results/session35_*). Two disturbed
+trials of three decided wrongly: in one run the block's attention timed rank chunks at 6.14, 4.98
+and 298 ms, where the same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94 ms; the block
+then ran at 1.18x of its limit instead of about 1.11). So where some contender has a trial slower
+than its best by more than ``STALL`` (20%; with ``trials`` >= 2), the decision waits, once, for
+``trials`` more cycles (the alternation goes on), and then takes the minimum over every trial. The
+check uses the gathered times, so every rank extends alike. In the next run of that row the first
+round read 425, 6.78 and 4.11 ms, the extra one 4.12, 4.08 and 4.06: rank chunks kept, the block at
+1.12x (session 34). Until session 49 a round was disturbed only where a contender had fewer than two
+trials within ``STALL`` of its best; then the same row timed rank chunks at 5.98, 5.65 and 353 ms
+(two alike, so no extra round) and kept K=1 at 4.94, and the block ran 12.18 ms (11.55 in the next
+run, with rank chunks; 4x H200). Rank chunks' eager trials there are often slow, not only by single
+stalls: of 39 trials in eight verifications of that row (session 49), 21 read 5-9 ms (or a stall of
+hundreds) against a best of 3.9-4.1, with or without [Note: aligned trials]; K=1's and K=2's read
+within 10% of their best. Any disturbed trial now takes the second round, so a wrong pick needs six
+slow trials in a row instead of three. What disturbed them was found in session 51 (the block 8b at
+TP 4, 4x H200, every trial window probed with a stack sampler and a count of Triton compiles;
+session 50 had seen only three Python collections in a stalled pass at TP 2, a symptom): the
+attention's heads kernel compiled (400 ms) or loaded (up to 70 ms of host time, the pass up to 4x
+slower on the device) a new variant inside a trial, because where the allocator put k and v chose
+the variant ([Note: one heads launch] in ``heads_kernel.py``). Before the fix the attention's
+rank-chunk trials read 3.96-8.46 ms and one 407 (both verifications took the second round); after
+it, in six verifications, no window saw a compile and every contender's trials read within 3% of its
+best, without a second round. The second round stays, for stalls of other causes.
 
 A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
 it runs the key's current plan (the planned plan while verification is pending), takes no trial
