@@ -175,25 +175,3 @@ def test_weigh_backward_into_refuses_mismatched_shapes():
         with pytest.raises(ValueError, match="a divert's contiguous \\[\\*, H\\] after its two integer bounds"):
             moe_combine.weigh_backward_into(rows, w, dy, torch.zeros(6, dtype=torch.long), torch.zeros(8, 4),
                                             (bounds, out))
-
-
-@pytest.mark.skipif(KERNEL_DEVICE is None or KERNEL_DEVICE.type != "cuda",
-                    reason="counts the compiled variants of the CUDA kernel")
-def test_combine_compiles_one_variant_whatever_the_counts():
-    """The host counts change with routing from call to call; each must reuse the first call's
-    compiled kernel (a variant per count's divisibility would compile inside some later call),
-    and each must equal the definition."""
-    T, k, H, dtype = 8, 2, 64, torch.bfloat16
-    g = torch.Generator().manual_seed(5)
-    rows = torch.randn(T * k, H, generator=g).to(dtype)
-    pos, weights = torch.randperm(T * k, generator=g), torch.rand(T, k, generator=g)
-    cache = moe_combine._combine_kernel.device_caches[torch.cuda.current_device()][0]
-    variants = []
-    for n_own, kept in ((5, 15), (16, 16), (1, 1), (0, 7)):  # not divisible by 16, divisible, one, none own
-        own, back = rows.clone(), rows.clone() * 2
-        want, _ = _want(own, back, pos, weights, n_own, kept)
-        got = combine_rows(own[:n_own].to(KERNEL_DEVICE), back[:kept].to(KERNEL_DEVICE), pos.to(KERNEL_DEVICE),
-                           weights.to(KERNEL_DEVICE), n_own, kept)
-        assert torch.allclose(got.double().cpu(), want, rtol=1e-2, atol=1e-2), (n_own, kept)
-        variants.append(len(cache))
-    assert variants[1:] == variants[:1] * 3, f"compiled variants after each call: {variants}"
