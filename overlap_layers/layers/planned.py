@@ -49,9 +49,9 @@ from .tiling import effective_num_tiles
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _PLAN_CACHE_SIZE = 32
 # How far ahead of the device a verification trial queues each pass with config.cuda_graphs: above the
-# host time of one pass of any capturable layer here (at most about 6 ms at TP 4 on H200: bench
-# ``host`` column, bench/results/graphs_h200x4_2026-11-26.md), and short, since every timed pass of
-# every layer waits this long once (about 18 passes per layer and shape).
+# host time of one pass of any capturable layer here (at most about 6 ms at TP 4 on H200, the bench's
+# ``host`` column: docs/measurements.md, CUDA graphs), and short, since every timed pass of every layer
+# waits this long once (about 18 passes per layer and shape).
 _PREQUEUE_MS = 10.0
 
 
@@ -108,8 +108,8 @@ class TilePlan:
 
 
 # A serial plan is timed against rivals predicted within this fraction of it. The model's error is
-# this large: on 4x H200 (TP 4, llama3-8b MLP) rank chunks over the copy engine were predicted 7-25%
-# slower than K=1 and ran 5-19% faster as CUDA-graph replays (bench/results/graphs_h200x4_2026-11-26.md).
+# this large: rank chunks over the copy engine predicted up to 25% slower than K=1 can run faster
+# (measured: see docs/measurements.md, Planner).
 VERIFY_CLOSE = 0.25
 
 
@@ -145,9 +145,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
             continue
         kinds.setdefault(kind, []).append(c)
     # The model favours many tiles (it does not see NCCL slowed beside the GEMMs, nor the host's cost
-    # per tile): with P2P disabled on 2x H200 it put K=6 and K=8 ahead of K=4, which ran 6-16% faster
-    # (bench/results/session22_h200x2_2026-11-26.md). So a plan of K >= 4 is also timed against the
-    # best plan of at most half its tiles, not only against the best-predicted K below it.
+    # per tile): with P2P disabled it can put K=6 and K=8 ahead of a K=4 that runs faster (measured: see
+    # docs/measurements.md, Planner). So a plan of K >= 4 is also timed against the best plan of at most
+    # half its tiles, not only against the best-predicted K below it.
     for kind, cands in list(kinds.items()):
         half = [c for c in cands if 2 * c.num_tiles <= plan.num_tiles]
         if kind[-1] == "fewer tiles" and half and best(half) is not best(cands):

@@ -29,7 +29,7 @@ class Candidate:
     predicted_ms: float
     exposed_comm_ms: float
     peak_bytes: int
-    decomposition: str = "batch"  # or "rank": split by source rank (DESIGN.md 4, remedy a)
+    decomposition: str = "batch"  # or "rank": split by source rank (docs/architecture.md, Transports)
     transport: str = "nccl"  # or "copy_engine"
 
     @property
