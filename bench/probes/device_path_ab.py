@@ -10,9 +10,9 @@ one call on the same weights and tokens, and each side's graph bytes.
 The old version is a copy of the package (``git archive OLD overlap_layers | tar x -C .ab_old``).
 From the repo root, on a GPU machine with symmetric memory:
 
-    torchrun --nproc-per-node 4 bench/device_path_ab.py .ab_old/overlap_layers --out OUT.json
+    torchrun --nproc-per-node 4 bench/probes/device_path_ab.py .ab_old/overlap_layers --out OUT.json
 
-(``bench/inproc_ab.py`` does the same for the layers' eager plans.)
+(``bench/probes/inproc_ab.py`` does the same for the layers' eager plans.)
 """
 import argparse
 import json
@@ -24,7 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package, as "new"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)  # the repo's package, as "new"
 import overlap_layers as new  # noqa: E402
 from inproc_ab import load_old  # noqa: E402
 from overlap_layers.bench.moe import PRESETS  # noqa: E402

@@ -7,7 +7,7 @@
 # The old version is a copy of the package, made here (no git history on the device machine):
 #   git archive OLD_REV overlap_layers | tar x -C .ab_old    # .ab_old: a git-ignored folder
 # then on the device machine (carry .ab_old), from the repo root:
-#   bash bench/gpu_ab.sh OUTDIR .ab_old --layer mlp --preset llama3-8b --tp 4 --graphs --modes compute,rank_ce
+#   bash bench/probes/gpu_ab.sh OUTDIR .ab_old --layer mlp --preset llama3-8b --tp 4 --graphs --modes compute,rank_ce
 # ROUNDS (default 2) sets the old/new pairs. The runs' JSONs and logs end up in one OUTDIR/ab.tgz (a device
 # call brings back only a few files from $OUT; the table is printed before packing).
 # AB_ENV_OLD / AB_ENV_NEW: VAR=value words for one side's runs only, for an A/B of a setting rather than

@@ -2,7 +2,7 @@
 # The whole test suite on a GPU machine in four parallel pytest processes, split by file: the CUDA
 # checks (which use every GPU) in one, the compile tests in another, the rest halved. One process
 # needed more than 270 s on 2x H200 (the compile and CUDA tests dominate); four take about 3 min.
-#   bash bench/gpu_tests.sh [OUTDIR]     # SUITE_S: each shard's time limit (default 330 s)
+#   bash bench/probes/gpu_tests.sh [OUTDIR]     # SUITE_S: each shard's time limit (default 330 s)
 # Each shard's log goes to OUTDIR/suite_N.txt; the summary lines are printed at the end.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"

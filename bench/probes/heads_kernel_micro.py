@@ -8,7 +8,7 @@ rank's chunk, forward (rows to heads, RoPE) and backward. With an old copy of th
 (``git archive OLD overlap_layers | tar x -C .ab_old``) it times the old kernel beside the current
 one and checks that both write the same bits.
 
-    python bench/heads_kernel_micro.py [.ab_old/overlap_layers]
+    python bench/probes/heads_kernel_micro.py [.ab_old/overlap_layers]
 """
 import importlib.util
 import os
@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)  # the repo's package
 from overlap_layers.layers import heads_kernel  # noqa: E402
 
 G, B, S, NQ, NKV, D = 2, 2, 4096, 16, 4, 128

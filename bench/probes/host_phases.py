@@ -14,11 +14,11 @@ Where a rank waits for another (the agreement's host gather, ``HostMailbox.gathe
 the other rank's lag, not work; a device-bound loop that fills the launch queue shows its wait in
 whatever launch blocks.
 
-    torchrun --nproc-per-node 2 bench/host_phases.py --layer attention --preset llama3-8b --plan rank_ce
+    torchrun --nproc-per-node 2 bench/probes/host_phases.py --layer attention --preset llama3-8b --plan rank_ce
 
 Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.exchange:CopyEngineExchange.push``
 or ``torch:mm``; a function imported by name into another module must be named where it is called.
-Shapes are those of ``bench/inproc_ab.py`` (off CUDA: 2 gloo ranks, tiny presets).
+Shapes are those of ``bench/probes/inproc_ab.py`` (off CUDA: 2 gloo ranks, tiny presets).
 """
 import argparse
 import functools
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # inproc_ab's shapes
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)  # the repo's package
 from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
 
 from overlap_layers.launch import run_ranks  # noqa: E402
@@ -87,7 +88,7 @@ def wrap(path: str, acc: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layer", choices=("moe", "attention", "mlp"), default="attention")
-    p.add_argument("--preset", default=None, help="as bench/inproc_ab.py")
+    p.add_argument("--preset", default=None, help="as bench/probes/inproc_ab.py")
     p.add_argument("--plan", default="rank_ce", help="serial, rank_ce, rank_nccl or kN")
     p.add_argument("--backward", action="store_true", help="forward and backward (default: forward, no_grad)")
     p.add_argument("--wrap", default="", help="comma list of more functions; 'none': wrap nothing")

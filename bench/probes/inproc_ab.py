@@ -1,7 +1,7 @@
 """Same-process A/B of two versions of the library on one layer shape (MoE, attention or MLP).
 
 Eager calls that are host-bound, or nearly, time differently from one process launch to the next
-(on 4xH200 one MoE code measured 2.7 and 4.4 ms per call in two runs of ``bench/gpu_ab.sh``; on
+(on 4xH200 one MoE code measured 2.7 and 4.4 ms per call in two runs of ``bench/probes/gpu_ab.sh``; on
 2xH200 one attention plan 2.36 to 2.69), which hides changes of 5-10%. Here both versions run in
 the same processes, interleaved round by round (old, new, then new, old, ...), each round a timed
 loop of ``--calls`` back-to-back calls of a layer with the same weights and inputs; the first
@@ -13,7 +13,7 @@ of one call of each; writes the per-round times as JSON.
 The old version is a copy of the package (``git archive OLD overlap_layers | tar x -C .ab_old``),
 imported under another name. From the repo root, on the GPU machine:
 
-    torchrun --nproc-per-node 2 bench/inproc_ab.py .ab_old/overlap_layers --layer attention \\
+    torchrun --nproc-per-node 2 bench/probes/inproc_ab.py .ab_old/overlap_layers --layer attention \\
         --preset llama3-8b --plans rank_ce,serial --out OUT/attention_inproc_ab.json
 
 Shapes are the per-layer benchmark's presets (``--layer moe``: ``--tokens`` per rank;
@@ -32,7 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's package, as "new"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)  # the repo's package, as "new"
 from overlap_layers.launch import run_ranks  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 1. Grouped-GEMM time per row of the expert projections (``torch._grouped_mm``, the shapes of a
    preset, bf16, with the fused swiglu between) by groups (local experts) and rows per group:
-   does a piece of fewer rows per expert cost more per row? (Session 21's version also timed
+   does a piece of fewer rows per expert cost more per row? (An earlier version also timed
    them beside a copy from a second device, issued as a cross-device ``copy_``; PyTorch orders
    such a copy against both devices' current streams, so the two ran back to back and that
    column said nothing about contention: removed. The layer's own pulls are same-device copies
@@ -13,7 +13,8 @@
    rows per call, with every group's rows even, drawn uniformly at random (as a routing spreads
    them: most groups end in a part tile), or those drawn rounded down to 128 (whole tiles only),
    and the random ones beside copy-engine traffic (64 MiB device-to-device copies on a side
-   stream): what the device path's parts lose against one whole GEMM (session 43).
+   stream): what the device path's parts lose against one whole GEMM (about 35% per row at
+   qwen3-30b-a3b, EP 4, on H200).
 4. ``--layout``: one rank's experts (gate/up, the fused swiglu, down) over every source's rows at
    EP ``--ep``, each source's counts per expert drawn as a routing draws them, in ``ep`` launches
    three ways: by source (the device path's parts: about rows / (ep * experts) rows per group),
@@ -21,11 +22,12 @@
    last wave), and by chunk of experts over fixed regions (each (source, expert) a region of an
    even routing's share and 1/8 more, rows past a count unwritten and computed anyway, the counts
    past a region in one more launch); and as one whole launch with the rows packed by expert (the
-   bound). Session 44 (1x H200, qwen3, ms, EP 4 / EP 2): 1.322 / 1.216 by source, 1.209 / 1.216 on
-   two streams, 1.228 / 1.364 over regions, 1.024 / 1.154 packed ([Note: MoE training graphs]'
-   session 44 paragraph in ``layers/moe_device.py`` says what the layer made of them).
+   bound). On 1x H200 (2026-11-27; qwen3, ms, EP 4 / EP 2): 1.322 / 1.216 by source, 1.209 / 1.216
+   on two streams, 1.228 / 1.364 over regions, 1.024 / 1.154 packed ([Note: MoE training graphs]
+   in ``layers/moe_device.py`` says what the layer made of them).
 
-    python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts | --layout [--ep 4]] [--out OUT.json]
+    python bench/probes/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts | --layout [--ep 4]] \
+        [--out OUT.json]
 
 Prints its tables and writes them as JSON.
 """
@@ -37,7 +39,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)
 
 
 def device_ms(fn, reps: int = 20) -> float:

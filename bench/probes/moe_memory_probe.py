@@ -6,7 +6,7 @@ allocator's reserved bytes, the bytes the last call's graph kept, and the race's
 ([Note: MoE graph calls: the race] in ``layers/moe_device.py``). One line per call on rank 0, and
 the rows as JSON. Run from the repo root on a GPU machine with symmetric memory (EP = the ranks):
 
-    PYTHONPATH=. torchrun --nproc-per-node 4 bench/moe_memory_probe.py --preset qwen3-30b-a3b --out OUT.json
+    PYTHONPATH=. torchrun --nproc-per-node 4 bench/probes/moe_memory_probe.py --preset qwen3-30b-a3b --out OUT.json
 
 (``PYTHONPATH`` set to a copy of an older package probes that one instead.) Its ranks start by
 ``overlap_layers.launch.run_ranks``.

@@ -7,13 +7,16 @@ Environment: ``PROBE_BLAS`` (``cublaslt`` or ``cublas``: ``torch.backends.cuda.p
 applies to cuBLASLt GEMMs only). Both apply to every mode, the compute-only reference included.
 
     NCCL_P2P_DISABLE=1 PROBE_BLAS=cublaslt PROBE_CARVEOUT=16 torchrun --nproc-per-node 2 \\
-        bench/sm_carveout_probe.py --preset llama3-8b --tp 2 --transport nccl --modes naive,compute
+        bench/probes/sm_carveout_probe.py --preset llama3-8b --tp 2 --transport nccl --modes naive,compute
 """
 import os
+import sys
 
 import torch
 
-from overlap_layers.bench.cli import main
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
+sys.path.insert(0, ROOT)  # the repo's package
+from overlap_layers.bench.cli import main  # noqa: E402
 
 if os.environ.get("PROBE_BLAS"):
     torch.backends.cuda.preferred_blas_library(os.environ["PROBE_BLAS"])

@@ -1,9 +1,9 @@
 """Where a profiled call's time goes on the device, from a bench trace (``--profile DIR``).
 
-Usage: ``python bench/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CALLS: the
-``--profile-calls`` of the bench run), ``python bench/trace_breakdown.py --timeline
+Usage: ``python bench/probes/trace_breakdown.py CALLS TRACE.json [TRACE.json ...]`` (CALLS: the
+``--profile-calls`` of the bench run), ``python bench/probes/trace_breakdown.py --timeline
 TRACE.json`` (a trace of one call) for the order of its kernels, or ``python
-bench/trace_breakdown.py --host CALLS TRACE.json`` for where the host's time goes. Per trace, per
+bench/probes/trace_breakdown.py --host CALLS TRACE.json`` for where the host's time goes. Per trace, per
 call (us):
 
 * ``span``: first device event to last, divided by the calls;
@@ -21,8 +21,8 @@ compute that ran meanwhile. In a communication-bound call those gaps are what it
 compute kernel to the last): its start, its length, the compute kernels before and after it and
 the copies, signals or collectives that ran meanwhile. In a compute-bound call (rank chunks over
 the copy engine) these gaps, the sums and the copies outside the graphs are what it loses against
-the compute-only reference (session 33: the MLP's fwd+bwd, 140 us of gaps per call on a slow
-rank).
+the compute-only reference (the llama3-8b MLP's fwd+bwd at TP 4 on H200: 140 us of gaps per call
+on a slow rank).
 
 ``--host`` sums, per call, the host time of each ``bench::call`` range, of the executor's
 ``overlap::<program>::<op>`` ranges by op (the time to launch that op: its Python, its torch ops'
@@ -30,8 +30,8 @@ dispatch and its kernel launches), the rest of the call outside them (agreement,
 building programs, autograd), and lists the torch ops with the most host time (inclusive, so
 nested ops count in their callers too). An eager call whose host time reaches its device time is
 host-bound, and this says which ops cost it. The profiler's own cost per op inflates these host
-times 2-5x (H200 machine, session 25): they rank the ops, but ``bench/host_phases.py`` times the
-host without a profiler.
+times 2-5x (on an H200 machine's host): they rank the ops, but ``bench/probes/host_phases.py``
+times the host without a profiler.
 
 A call whose ``compute`` is close to the compute-only reference's and whose ``idle`` is large is
 host-bound; ``comm only`` is exposed communication; ``compute`` above the reference's is
