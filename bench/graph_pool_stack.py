@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_layers import OverlapAttention, OverlapConfig, OverlapMLP
-from overlap_layers.layers.mlp import MLPPlan
+from overlap_layers.layers.mlp.layer import MLPPlan
 
 local = int(os.environ["LOCAL_RANK"])
 torch.cuda.set_device(local)

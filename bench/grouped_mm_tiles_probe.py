@@ -3,7 +3,7 @@
 The device path runs each source's rows as they arrive: at qwen3-30b-a3b, EP 4, a part holds
 about 512 rows per expert, and ``torch._grouped_mm`` runs it about 35% slower per row than one
 GEMM over every source's rows (``bench/moe_gemm_micro.py --counts``, session 43; [Note: MoE
-training graphs] in ``layers/moe_device.py``). Part of that is each group's last row tile: a
+training graphs] in ``layers/moe/device.py``). Part of that is each group's last row tile: a
 routing's counts rarely fill it. This times, on one GPU, the experts' two forward projections
 (``x [R, H] @ w_in^T``, ``h [R, F] @ w_out^T``, per expert) over one part and over the whole rows,
 by ``torch._grouped_mm`` and by a Triton grouped GEMM with a few tile shapes, 64-row tiles among

@@ -36,26 +36,26 @@ from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
 
 from overlap_layers.launch import run_ranks  # noqa: E402
 
-COMMON = ("overlap_layers.layers.planned:PlannedLayer._agree", "overlap_layers.layers.planned:PlannedLayer._planned_call",
+COMMON = ("overlap_layers.planning.planned:PlannedLayer._agree", "overlap_layers.planning.planned:PlannedLayer._planned_call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
           "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
           "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",
           "overlap_layers.runtime.exchange:CopyEngineExchange.push",
           "overlap_layers.runtime.exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
 PER_LAYER = {
-    "attention": ("overlap_layers.layers.attention:OverlapAttention.forward",
-                  "overlap_layers.layers.attention:OverlapAttention._run",
-                  "overlap_layers.layers.attention:_RankChunkAttention._forward",
-                  "overlap_layers.layers.attention:_TiledAttention.forward",
-                  "overlap_layers.layers.attention:_Call.chunk_heads", "overlap_layers.layers.attention:_Call.core_chunk",
-                  "overlap_layers.layers.attention:_Call.core", "overlap_layers.layers.query_chunks:_piece",
-                  "overlap_layers.layers.query_chunks:_merge_triton", "overlap_layers.layers.attention_core:move_heads"),
-    "mlp": ("overlap_layers.layers.mlp:OverlapMLP.forward", "overlap_layers.layers.mlp:OverlapMLP._run"),
-    "moe": ("overlap_layers.layers.moe:OverlapMoE.forward", "overlap_layers.layers.moe:OverlapMoE._run",
-            "overlap_layers.layers.moe:OverlapMoE._route_and_count", "overlap_layers.layers.moe:route",
-            "overlap_layers.layers.moe:all_gather_rows", "overlap_layers.layers.moe:HostReader.start",
-            "overlap_layers.layers.moe:piece_offsets", "overlap_layers.layers.moe:launch_first",
-            "overlap_layers.layers.moe_ranks:forward", "overlap_layers.layers.moe_ranks:experts_forward",
+    "attention": ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
+                  "overlap_layers.layers.attention.layer:OverlapAttention._run",
+                  "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
+                  "overlap_layers.layers.attention.layer:_TiledAttention.forward",
+                  "overlap_layers.layers.attention.layer:_Call.chunk_heads", "overlap_layers.layers.attention.layer:_Call.core_chunk",
+                  "overlap_layers.layers.attention.layer:_Call.core", "overlap_layers.layers.attention.query_chunks:_piece",
+                  "overlap_layers.layers.attention.query_chunks:_merge_triton", "overlap_layers.layers.attention.core:move_heads"),
+    "mlp": ("overlap_layers.layers.mlp.layer:OverlapMLP.forward", "overlap_layers.layers.mlp.layer:OverlapMLP._run"),
+    "moe": ("overlap_layers.layers.moe.layer:OverlapMoE.forward", "overlap_layers.layers.moe.layer:OverlapMoE._run",
+            "overlap_layers.layers.moe.layer:OverlapMoE._route_and_count", "overlap_layers.layers.moe.layer:route",
+            "overlap_layers.layers.moe.layer:all_gather_rows", "overlap_layers.layers.moe.layer:HostReader.start",
+            "overlap_layers.layers.moe.layer:piece_offsets", "overlap_layers.layers.moe.layer:launch_first",
+            "overlap_layers.layers.moe.ranks:forward", "overlap_layers.layers.moe.ranks:experts_forward",
             "overlap_layers.runtime.rank_all_to_all:CopyEngineAllToAll.start"),
 }
 

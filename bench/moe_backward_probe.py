@@ -1,11 +1,11 @@
 """Two kernels of the MoE's training calls timed alone on one GPU (session 41):
 
-* ``weigh_rows`` ([Note: MoE weighted combine] in ``layers/moe_combine.py``): its forward and
+* ``weigh_rows`` ([Note: MoE weighted combine] in ``layers/moe/combine.py``): its forward and
   backward kernels for a grid of columns per step and warps, against ``torch.bmm`` (what the
   layer ran before) and the bandwidth floor at 3.5 TB/s, at qwen3-30b-a3b's and mixtral-8x7b's
   rows (8192 tokens; k 8, H 2048 and k 2, H 4096);
 * the device path's weight gradients at qwen3-30b-a3b, EP 4 and 2 ([Note: expert weight
-  gradients in one pass] in ``layers/expert_wgrad.py``): 128 / EP local experts, EP sources of
+  gradients in one pass] in ``kernels/expert_wgrad.py``): 128 / EP local experts, EP sources of
   65536 / EP rows (random experts), the own rows in two parts and each peer's whole, as the
   backward has them; one pass over the parts (``grouped_wgrad_parts``; ``--old PKG``: another
   copy's too, ``--configs``: with a few tile configurations), one accumulating ``grouped_wgrad``
@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from expert_wgrad_probe import CONFIGS, _ms  # noqa: E402
-from overlap_layers.layers import expert_wgrad, moe_combine  # noqa: E402
-from overlap_layers.layers.expert_wgrad import grouped_wgrad  # noqa: E402
+from overlap_layers.kernels import expert_wgrad  # noqa: E402
+from overlap_layers.layers.moe import combine as moe_combine  # noqa: E402
+from overlap_layers.kernels.expert_wgrad import grouped_wgrad  # noqa: E402
 
 
 def _us(fn, reps=20):
@@ -96,7 +97,9 @@ def wgrad(name, M, N, ep, old=None, configs=()):
     res = dict(weight=name, ep=ep, G=G, M=M, N=N, rows=int(counts.sum()), parts=len(parts))
     res["one_pass_us"], res["one_pass_err"] = one_pass(expert_wgrad)
     if old is not None:
-        res["old_one_pass_us"], res["old_one_pass_err"] = one_pass(old.layers.expert_wgrad)
+        from inproc_ab import submodule
+        res["old_one_pass_us"], res["old_one_pass_err"] = one_pass(submodule(old.__name__, "kernels.expert_wgrad",
+                                                                                  "layers.expert_wgrad"))
     kept = (expert_wgrad._BM, expert_wgrad._BN, expert_wgrad._BK, expert_wgrad._WARPS, expert_wgrad._STAGES)
     for cfg in configs:
         expert_wgrad._BM, expert_wgrad._BN, expert_wgrad._BK, expert_wgrad._WARPS, expert_wgrad._STAGES = cfg

@@ -23,7 +23,7 @@
    past a region in one more launch); and as one whole launch with the rows packed by expert (the
    bound). Session 44 (1x H200, qwen3, ms, EP 4 / EP 2): 1.322 / 1.216 by source, 1.209 / 1.216 on
    two streams, 1.228 / 1.364 over regions, 1.024 / 1.154 packed ([Note: MoE training graphs]'
-   session 44 paragraph in ``layers/moe_device.py`` says what the layer made of them).
+   session 44 paragraph in ``layers/moe/device.py`` says what the layer made of them).
 
     python bench/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts | --layout [--ep 4]] [--out OUT.json]
 
@@ -105,7 +105,7 @@ def by_counts(groups: int, H: int, F: int, dev) -> list:
 
 def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, dev) -> dict:
     """Table 4 (module docstring): ms per layout for one rank's ``experts / ep`` local experts."""
-    from overlap_layers.layers.mlp import _act
+    from overlap_layers.layers.mlp.layer import _act
     El, bf = experts // ep, torch.bfloat16
     per_source = tokens * top_k // ep  # rows each source sends this rank under an even routing
     g = torch.Generator().manual_seed(0)
@@ -156,7 +156,7 @@ def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, de
 
 def main() -> None:
     from overlap_layers.bench.moe import PRESETS
-    from overlap_layers.layers.mlp import _act
+    from overlap_layers.layers.mlp.layer import _act
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--counts", action="store_true", help="table 3 only")

@@ -25,7 +25,7 @@ class OverlapConfig:
     ``measure``: calibrate on the device (CUDA: collectives, GEMMs and memory-bound ops, the
     GEMM slowdown beside NCCL) instead of nominal numbers. ``verify_first_calls``: the first calls
     for a new shape bucket time the planned plan against K=1 and keep the faster
-    ([Note: first-call verification] in ``layers/planning.py``). ``cache_dir``: where calibrations
+    ([Note: first-call verification] in ``planning/plan_cache.py``). ``cache_dir``: where calibrations
     persist as JSON (None: ``$XDG_CACHE_HOME/overlap_layers`` or ``~/.cache/overlap_layers``).
     ``transport``: how rank-chunk plans exchange rows (``OverlapMLP``, ``OverlapAttention`` with
     sequence parallelism): "auto" lets the planner use the copy engine (symmetric memory, CUDA)
@@ -33,7 +33,7 @@ class OverlapConfig:
     K=1); where it is unavailable, or in a layer without that path, a warning says so and NCCL
     runs. ``cuda_graphs``: the layer's calls will be replayed from CUDA graphs, so host time does
     not count: first-call verification then times each contender with the call queued ahead of
-    the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
+    the device, as a replay runs ([Note: CUDA graphs] in ``planning/planned.py``). Every layer but
     ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
     this flag; it only changes what verification measures. ``graph_calls``: the layer captures its
     own eager calls into CUDA graphs, one per call signature once its plan is settled, and replays
@@ -42,7 +42,7 @@ class OverlapConfig:
     verification then measures as with ``cuda_graphs``. Each kept graph holds the call's
     intermediates (training: its saved activations and gradient buffers too; at most 8 signatures
     per layer). No effect off CUDA, in ``OverlapMoE`` and ``UlyssesAttention``, under activation
-    checkpointing, or in calls the caller captures ([Note: graph calls] in ``layers/call_graphs.py``).
+    checkpointing, or in calls the caller captures ([Note: graph calls] in ``planning/call_graphs.py``).
     ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
     NCCL collectives and whose communication the model predicts to take at least half as long as
     its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the

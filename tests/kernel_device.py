@@ -3,7 +3,7 @@ Triton's interpreter (``test_triton_interpreted.py`` runs them so in CPU-only CI
 import pytest
 import torch
 
-from overlap_layers.runtime import triton_gate
+from overlap_layers.kernels import triton_gate
 
 if triton_gate.triton is not None and torch.cuda.is_available():
     DEVICE = torch.device("cuda")

@@ -470,7 +470,7 @@ def test_inproc_ab_plan_names():
     """``bench/inproc_ab.py``'s plan names: batch tiles with their compute streams and carveout."""
     import importlib.util
     import overlap_layers
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.planned import TilePlan
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("inproc_ab", os.path.join(root, "bench", "inproc_ab.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -531,9 +531,9 @@ def test_host_phases_dry_run():
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
     calls = {ln.split()[-1]: float(ln.split()[3]) for ln in lines[1:]}
-    for name in ("overlap_layers.layers.attention:OverlapAttention.forward",
-                 "overlap_layers.layers.attention:_RankChunkAttention._forward",
-                 "overlap_layers.layers.planned:PlannedLayer._agree"):
+    for name in ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
+                 "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
+                 "overlap_layers.planning.planned:PlannedLayer._agree"):
         assert calls[name] == 1.0
 
 

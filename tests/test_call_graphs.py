@@ -4,8 +4,8 @@ checks real replays against eager twins (tests/cuda_worker.py check_graph_calls)
 import pytest
 import torch
 
-from overlap_layers.layers import call_graphs
-from overlap_layers.layers.call_graphs import CallGraphs
+from overlap_layers.planning import call_graphs
+from overlap_layers.planning.call_graphs import CallGraphs
 
 
 class _Agreement:
@@ -312,7 +312,7 @@ def staged_roles(rank, ws):
     import torch.distributed as dist
 
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE
-    from overlap_layers.layers.mlp import MLPPlan
+    from overlap_layers.layers.mlp.layer import MLPPlan
     from test_device_all_to_all import _Workspace  # a stand-in of the symmetric workspace
     g = dist.group.WORLD
 

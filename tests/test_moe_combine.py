@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
-from overlap_layers.layers import moe_combine
-from overlap_layers.layers.moe_combine import combine_rows
+from overlap_layers.layers.moe import combine as moe_combine
+from overlap_layers.layers.moe.combine import combine_rows
 
 DEVICES = ["torch"] + (["kernel"] if KERNEL_DEVICE is not None else [])
 

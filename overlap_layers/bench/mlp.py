@@ -5,7 +5,7 @@ Modes (DESIGN.md, Benchmarks):
 * ``serial``  - OverlapMLP with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``), no planner;
 * ``auto``    - ``num_tiles="auto"``;
-* ``rank`` / ``rank_ce`` - the layer split by source rank (``rank_chunks.py``), pinned, over
+* ``rank`` / ``rank_ce`` - the layer split by source rank (``layers/common/rank_chunks.py``), pinned, over
   NCCL send/recv / over the copy engine (CUDA symmetric memory; NCCL where unavailable);
 * ``asynctp`` - CUDA only: forward with ``torch.ops.symm_mem.fused_all_gather_matmul`` +
   ``fused_matmul_reduce_scatter``; forward+backward as torchtitan enables it
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import OverlapConfig
-from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
+from ..layers.mlp.layer import OverlapMLP, _act  # plain PyTorch ops of the dense activation
 from ..runtime.collectives import _all_gather, _reduce_scatter
 from .runner import Profile, pass_fn, run_modes
 
@@ -109,12 +109,12 @@ class MLPBench:
     def has_rank_chunks(self) -> bool:
         """Whether the layer has the rank-chunk plan for this shape (rows split by source rank:
         sequence parallel, or the MoE's exchange; 2+ ranks)."""
-        from ..layers.rank_plans import RankChunkPlans
+        from ..planning.rank_plans import RankChunkPlans
         return isinstance(self.layer, RankChunkPlans) and self.layer._source_split and self.ws > 1
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""
-        from ..layers.planned import TilePlan
+        from ..planning.planned import TilePlan
         layer = self.layer
         layer.plan = None
         layer.pin_plan(TilePlan(1, decomposition="rank", transport=transport))

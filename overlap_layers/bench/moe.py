@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import OverlapConfig
-from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, route
-from ..layers.moe_combine import weigh_rows
+from ..layers.mlp.layer import _act
+from ..layers.moe.combine import weigh_rows
+from ..layers.moe.layer import OverlapMoE, _Dispatch, _PermuteRows, route
 from ..runtime.collectives import _all_gather as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, pass_fn, run_modes

@@ -191,7 +191,7 @@ class Profile:
 
 def verification_info(plan) -> Optional[List[dict]]:
     """A plan's first-call verification as JSON (``plan.verification``, see
-    :func:`~overlap_layers.layers.planning.verification_record`): per contender its label, the
+    :func:`~overlap_layers.planning.plan_cache.verification_record`): per contender its label, the
     time the decision compared, this rank's trials and each trial's slowest rank; None if it was
     not verified."""
     record = getattr(plan, "verification", ()) if plan is not None else ()

@@ -94,12 +94,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..layers.attention import OverlapAttention
-from ..layers.attention_common import PARAMS
-from ..layers.mlp import OverlapMLP
-from ..layers.moe import OverlapMoE
-from ..layers.block import OverlapTransformerBlock
-from ..layers.ulysses import UlyssesAttention
+from ..layers.attention.common import PARAMS
+from ..layers.attention.layer import OverlapAttention
+from ..layers.attention.ulysses import UlyssesAttention
+from ..layers.block.layer import OverlapTransformerBlock
+from ..layers.mlp.layer import OverlapMLP
+from ..layers.moe.layer import OverlapMoE
 
 
 @dataclass(frozen=True)

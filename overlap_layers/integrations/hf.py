@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
-from ..layers.attention_core import QK_NORM_EPS
+from ..layers.attention.core import QK_NORM_EPS
 from ..runtime import resolve_group
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 

@@ -101,7 +101,7 @@ from torch import nn
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
-from ..layers.attention_common import is_causal_mask
+from ..layers.attention.common import is_causal_mask
 from ..runtime import resolve_group
 from .hf import _parse_plan, _Unswappable, check_swap_args, replace_modules
 

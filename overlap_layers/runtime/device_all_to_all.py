@@ -1,6 +1,6 @@
 """An all-to-all whose row counts never reach the host, so that a CUDA graph can replay it with
 new counts at each replay: the MoE's exchange in graph-replayed calls ([Note: sync-free
-exchange], ``layers/moe_device.py``), split by source rank, its bulk on the copy engine.
+exchange], ``layers/moe/device.py``), split by source rank, its bulk on the copy engine.
 
 Reference, for rank r of ws ranks, with G groups per rank (the MoE's local experts) and the count
 table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; row s comes from
@@ -35,7 +35,7 @@ symmetric memory: each rank writes its row of the table into every rank's table 
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
-``layers/moe.py``), so its calls stay eager, and on the 4x H200 machine its qwen3 shape is
+``layers/moe/layer.py``), so its calls stay eager, and on the 4x H200 machine its qwen3 shape is
 host-bound at 2.3x the limit (an eager call launches ~100 ops at 20-50 us of host each). Graph
 replay needs every size on the device: the copy engine takes its sizes from the host, an SM kernel
 does not. Measured before building this (``bench/peer_pull_probe.py``, 4x H200, 4096 rows of 2048
@@ -43,7 +43,7 @@ bf16 from each of 3 peers, 48 MiB per rank, session 30): copy-engine pulls 187 u
 Triton pull with 32 CTAs 290 us (173 GB/s), 64 CTAs 247 us, 132 CTAs 236 us; five GEMMs of 1797 us
 ran 1926 us beside the copy engine's pulls and 1994 us beside the 32-CTA kernel's. The exchange is
 split by source so that the MoE can run each source's rows as they arrive and push their results
-while the next source's run (``layers/moe_device.py``, [Note: MoE graph calls]): a whole exchange
+while the next source's run (``layers/moe/device.py``, [Note: MoE graph calls]): a whole exchange
 before the experts and another after them ran the qwen3 forward in 4.23 ms against 3.74 eager (4x
 H200, session 31).
 
@@ -89,9 +89,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..kernels.send_rows import place_by_key
+from ..kernels.triton_gate import runs_triton
 from .exchange import _aligned
-from .send_rows import place_by_key
-from .triton_gate import runs_triton
 
 try:
     import triton
@@ -547,7 +547,7 @@ class DeviceCountAllToAll:
         :meth:`parts`) into the first rows of ``out`` (``[>= layout.largest_region, W]``), by the
         copy engine; with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts`
         rows each, from row 0) as far as its rows go: ``[rows, W]`` holds them all, a smaller one
-        those before its end ([Note: MoE slot rows] in ``layers/moe_device.py``). Returns ``out``."""
+        those before its end ([Note: MoE slot rows] in ``layers/moe/device.py``). Returns ``out``."""
         self._checked("pull: out", out)
         start, cap = self.layout.region(self._j(source), part)
         out[:cap].copy_(self._sends[source][start:start + cap])

@@ -107,7 +107,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .slot_sum import sum_slots
+from ..kernels.slot_sum import sum_slots
 
 PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
 
@@ -273,7 +273,7 @@ class SymmetricWorkspace:
     A CUDA graph that captured an exchange copies into this buffer, and its peers' graphs into
     theirs, at every replay: once captured, a buffer outgrown later is kept (with its handle)
     rather than freed, and growing during a capture raises RuntimeError ([Note: CUDA graphs] in
-    ``layers/planned.py``)."""
+    ``planning/planned.py``)."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
@@ -373,7 +373,7 @@ def held_workspace_bytes(group, device: torch.device, purpose: str = "exchange")
 def staged_source(workspace: SymmetricWorkspace, x: torch.Tensor) -> Optional[torch.Tensor]:
     """Where :class:`CopyEngineExchange` copies a first source with ``x``'s elements, as a tensor
     of ``x``'s shape in this rank's buffer (a contiguous source there is not copied again:
-    [Note: staged input] in ``layers/call_graphs.py``); None while the buffer is smaller."""
+    [Note: staged input] in ``planning/call_graphs.py``); None while the buffer is smaller."""
     if workspace.handle is None or workspace.nbytes < _aligned(x.numel() * x.element_size()):
         return None
     return workspace.view(workspace.rank, (x.numel(),), x.dtype, 0).view(x.shape)

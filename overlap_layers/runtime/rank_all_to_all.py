@@ -1,6 +1,6 @@
 """Rank-chunk all-to-all: rows dispatched to their destination ranks, taken one source rank at a
 time, and each destination's results returned in place, so that compute on one source's rows hides
-the transfer of the next (the MoE's expert exchange, ``layers/moe_ranks.py``).
+the transfer of the next (the MoE's expert exchange, ``layers/moe/ranks.py``).
 
 Reference, for rank r of a group of ws ranks, with the count table ``counts[s][d]`` (rows rank s
 sends to rank d; the same table on every rank) and r's send rows ``send [sum_d counts[r][d], W]``

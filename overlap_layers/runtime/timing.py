@@ -31,8 +31,8 @@ block's llama3-8b verification (4x H200, graph calls, three runs a side, session
 contender's best trial came out 2-4% lower with it (rank chunks 3.86-3.95 ms against 4.05-4.09,
 K=2 4.67-4.73 against 4.75-4.84, K=1 4.72-4.81 against 4.80-4.92) and the picks were the same
 (rank chunks in all six). It does not remove the slow eager trials of rank chunks (5-9 ms, [Note:
-first-call verification] in ``layers/planning.py``): those were not a late start but Triton
-compiles and module loads inside the trial ([Note: one heads launch] in ``layers/heads_kernel.py``).
+first-call verification] in ``planning/plan_cache.py``): those were not a late start but Triton
+compiles and module loads inside the trial ([Note: one heads launch] in ``kernels/heads.py``).
 """
 from __future__ import annotations
 

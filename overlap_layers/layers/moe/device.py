@@ -1,0 +1,692 @@
+"""An MoE call with every size on the device, so that ``config.graph_calls`` can capture it and
+replay it ([Note: MoE graph calls]).
+
+Reference: :func:`experts_by_source` returns what :class:`~overlap_layers.layers.moe.layer.OverlapMoE`'s
+eager call returns (``layers/moe/layer.py``'s module docstring), up to rounding: for each token, the sum over
+its kept assignments of the combine weight times its expert's output (0 for an assignment dropped
+by capacity), plus the shared expert's output.
+
+[Note: MoE graph calls]
+An eager MoE call reads its all-to-all sizes on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``):
+on the 4x H200 machine the qwen3-30b-a3b forward (EP 4, 8192 tokens) took 3.75 ms against a limit
+of 1.65, host-bound (session 26). With ``config.graph_calls``, a call without autograd whose
+exchange can run over symmetric memory runs this path instead, captured once per signature and
+replayed ([Note: graph calls] in ``planning/call_graphs.py``):
+
+* routing, capacity and the send order as the eager call's (one tile), the send rows gathered
+  straight into their places in the exchange's send buffer (``place``, without a sort: the own rows first,
+  each peer part's first rows in its fixed region, the rest after the own rows);
+* :class:`~overlap_layers.runtime.device_all_to_all.DeviceCountAllToAll` with one group per local
+  expert, split by source rank: the send order puts this rank's rows for its own experts first
+  (the eager rank exchange's step order), so they run in place in the send buffer while the
+  peers' rows are pulled on the workspace's pull stream (each part's region by the copy engine,
+  in the order rank + 1, rank + 2, ...: the ranks' reads spread over the peers; the rows past the
+  region, none when routing is near even, by a kernel on the main stream just before the part's
+  experts, where no GEMM holds the SMs it would wait for); each part's rows run as they arrive,
+  and their results are pushed back (region on the push stream by the copy engine, the rest by
+  the kernel on the main stream) while the next part's run; the last peer's groups come in
+  ``LAST_PARTS`` parts (two until session 42, now one: ``device_all_to_all.py``), and the own
+  rows of the second half of the groups run last (copied from the send buffer to the start of a
+  slot by the kernel, every slot being free by then), under the last part's push; the own rows'
+  results are never pushed (the combine takes them where they are); the shared expert runs right
+  after the first own rows, under the first pulls;
+* each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
+  with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows]),
+  and the GEMMs and the fused SwiGLU leave the rows past the offsets' end unread and unwritten;
+* memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
+  read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
+  for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
+  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 with four peer
+  parts (the last peer in two) the call kept six such buffers instead of eight. Two slots (session
+  32) saved 512 MiB of the graph pool but made each pull wait for the experts of the part two
+  before it: 2.48 / 2.42 ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38;
+  graph pool 1912 -> 2424 MiB). With as many peer parts as slots or fewer (EP 2, and EP 4 with the
+  last peer in one part) the number does not matter;
+* the combine (``layers/moe/combine.py``): one kernel reads each token's k result rows where they are
+  (own rows in the two own results, the others at their places in ``back``, an assignment dropped
+  by capacity, placed at -1, as 0) and sums them weighted.
+
+Measured on 4x H200 (session 31, ``bench/results/session31_h200x4_2026-11-27.md``), qwen3
+forward: one pull of every source's rows, the experts, one push ran in 4.23 ms against 3.74 eager
+(with the kernel's copies at about 190 GB/s, a whole exchange on each side of the experts costs
+more than the host it saves); by source, with the own rows copied and pushed like a peer's, 3.48
+ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
+serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
+half of the own experts last, under that push, did not pay (2.89 ms) and was reverted.
+
+Session 32 (``bench/results/session32_h200x4_2026-11-27.md``):
+
+* the last peer's groups in two halves (predicted: half that push hidden, -0.1 ms): -0.01 ms and
+  -0.4% in two calls. A copy kernel starts only when the GEMM beside it retires its blocks (the
+  GEMM holds every SM's registers), so the pulls, not the last push, set the pace;
+* in a replay's profile (3.46 ms) the first GEMM started 620 us in: routing and the send gather
+  took 190 us, then the main stream wrote the table (three peer-to-peer copies, 233 us) and
+  waited for the peers' signals (130 us). Writing the table and signalling on the pull stream
+  while the own rows' experts ran cost 0.1 ms instead: the signal kernels, then the pulls, waited
+  for the GEMMs' SMs. So the table is written and signalled first, as before, by one kernel
+  storing into every rank's table (predicted -0.2 ms; measured -1.2%: the first signal now waits
+  for the slowest peer instead);
+* the copy kernel on 64 programs instead of 32, the pulls being the pace: 2.83 -> 2.76 ms, 1.67x
+  the limit.
+
+Session 36: the experts' grouped GEMMs leaving SMs free for the copy kernels (torch's grouped GEMM
+takes the SM carveout, ``runtime/carveout.py``) ran the replayed qwen3 forward at 2.81 ms with 16
+free SMs and 2.96 with 32, against 2.74 with none (two runs each, one machine): the copies gained
+less than the GEMMs lost, so the GEMMs keep every SM. At that shape this path overlaps little:
+2.74 ms against 1.65 of compute alone (and 1.27 of communication alone in session 31).
+
+Session 37 (2x H200, EP 2, ``bench/results/session37_h200x2_2026-11-27.md``): with every row on
+the kernel the replayed qwen3 forward ran 2.32 ms against 1.67 of compute alone. Its profile: the
+GEMMs beside the copy kernels 15-30% slower (the kernel takes 64 SMs when it gets them), the first
+pull waiting 360 us for the own rows' first GEMM to retire, the last half's push (224 us) exposed.
+With the bulk on the copy engine (``device_all_to_all.py``: fixed regions per part): 2.10 against
+2.33 in one call, 1.98 against 2.34 in another (with the SwiGLU's grid below), 2.00 in the grid:
+1.18x the limit. The last peer in four parts instead of two ran 2.17 (each part adds its kernels
+and gaps; the SwiGLU, launched on the bound's grid, cost 53 us per part however few rows it had
+until its programs strided over the counted rows). The regions cost memory: the workspace grew
+from 768 to 1056 MiB at that shape. Then the own rows of the second half of the groups last,
+under the last push (predicted -0.15 ms): 1.950 against 1.980-1.993 ms in one call (-1.9%), the
+graph pool 1658 -> 1914 MiB; the copy of those rows into a slot took 81 us of what it saved. Not
+measured at EP 4 (no 4-GPU machine was lent).
+
+Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
+:class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
+the copy engine or NCCL is faster than this path.
+
+It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs and no aux
+loss (the layer hands it out as a tensor made by the call, which a replay does not make); a call
+with autograd runs it too ([Note: MoE training graphs]). The exchange uses a workspace of its own
+(``shared_workspace(..., "device_counts")``): its peers write its table rows without a signal of
+this rank's call, which data of another exchange in the same buffer would race. The graph's
+signature holds every rank's (batch, seq), so that ranks holding different token counts capture
+at the same calls. The plan the layer verified on its eager calls does not apply: this path always
+splits by source.
+
+[Note: MoE graph calls: the race]
+At the first calls of a signature whose plan is settled, the layer times both: ``ROUNDS + 1``
+eager calls, then ``ROUNDS + 1`` calls of the device path (the first captures), each from an event
+recorded before its first launch to one after its output (the eager call's host syncs and
+launches included: its GPU idles while the host launches), the first of each not counted. No
+call waits for its events (a wait would leave the GPU idle at the next call's start, which the
+eager call's launches would then pay and a replay would not); the last one's read waits. The
+group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
+the path for every later call of the signature; a graph that lost is dropped. On 4x H200 the
+qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31). A training
+call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
+have fired, or at the layer's next call if its backward never came): the eager backward's host
+time is what the device path saves there. The device path wins only if it is also within the
+layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it; and
+only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly: in
+session 46 a broken capture won such a race by noise, with no graph kept). Once it wins, the
+layer lets go of the symmetric workspace of its eager copy-engine calls (the group's "exchange"
+workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group holds it,
+and grown again, a collective at the same call on every rank, by the next eager call that needs
+it (a rank that kept it alive longer makes every rank release theirs first:
+``RankChunkPlans._after_agreement``).
+
+[Note: MoE slot rows]
+A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,
+:func:`rows_bound`): with every part's buffers at that bound, qwen3's training graphs kept 6.9 GB
+per layer at EP 4 (session 41), against about a quarter of it that an even routing fills. So the
+buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
+an earlier call of the signature, and 1/8 more; at first an even routing's count, ``rows / ws``;
+never fewer than the exchange's largest region), and a count past them is found after the call:
+
+* the call clamps each source's grouped-GEMM offsets to the slot (the copies already stop at
+  their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer;
+* right after the exchange's counts it copies the largest count of its table (which every rank
+  holds whole: the same on every rank) into pinned host memory and records an event (``external``,
+  so that a replay records it too: :func:`peak_event`);
+* where the slots hold fewer than ``rows``, the layer waits for that event after the call is
+  launched (the first few hundred microseconds of it: the device path's only wait) and reads the
+  count; past the slots, the result is dropped, the signature's slots raised to that count, its
+  graph dropped, and the call made again (captured anew: every rank alike, from the same count).
+  The slots only grow, by more than 1/8 each time, and never past ``rows``, where nothing is read.
+
+A result past its slots is never returned: the count that decides is exact, and the call that
+returns ran with slots that hold it. The backward reuses the forward's offsets and slots.
+
+Measured on 4x H200 (session 42, qwen3-30b-a3b, 8192 tokens per rank, replayed fwd+bwd,
+same-process A/B against session 41's code, ``bench/results/session42_h200x4_2026-11-27.md``):
+the training graphs' memory per layer 6.90 -> 2.55 GB at EP 4 and 5.36 -> 3.53 GB at EP 2 (an
+even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms (then
+2.33 and 2.87 GB with the last peer in one part: ``LAST_PARTS``). A first version read the count
+by waiting for the whole forward: 5.93 -> 6.17 ms at EP 4 (the host no longer ran ahead to launch
+the backward).
+
+[Note: MoE training graphs]
+A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
+combine weights, so that the router gets its gradient as in the eager call;
+``config.graph_calls`` captures its forward and its backward (``planning/call_graphs.py``: the saved
+tensors live in the graphs' pool). What the backward needs stays on the device:
+
+* the forward keeps each part's input rows and pre-activations, at the slot rows: each peer
+  part gets a slot of its own instead of ``SLOTS`` in turn, and each own half's rows go straight
+  to a buffer of their own ([Note: own rows kept apart]); its combine weights the rows as a call
+  without autograd does and also keeps each assignment's row, token-major, for the weights'
+  gradient ([Note: MoE weighted combine] in ``layers/moe/combine.py``);
+* the backward's first kernel computes the weights' gradient and writes each assignment's output
+  gradient (its weight times dy) where its input row went (the forward's ``pos``; the late own
+  rows' into a buffer of their own: [Note: own rows kept apart]), then reverses
+  the exchange part by part: pull the rows' gradients (every part's at once, into a slot each),
+  the data gradient (two grouped GEMMs and SwiGLU's backward on the counted rows only, dh over
+  the pre-activations), push it back to its source; then the weight gradients of every part in
+  one pass ([Note: expert weight gradients in one pass] in ``kernels/expert_wgrad.py``), under the last
+  push, or, in the layer's graph calls, after the backward's replay ([Note: deferred gradients]
+  in ``planning/call_graphs.py``); one combine pass sums each token's k rows of dx, the own ones where
+  they were made.
+
+Measured on 4x H200, qwen3-30b-a3b, 8192 tokens per rank, fwd+bwd (session 40,
+``bench/results/session40_h200x4_2026-11-27.md``): at EP 4 the replayed calls ran 7.11 ms, against
+7.37-7.90 eager (host-bound: 6.9-8.3 ms of host per call) and 5.05-5.08 of compute alone, with
+1.09 ms of host. The eager backward's host time is gone, but the device's is not: a profiled
+replay computed 6.52 ms per call against compute-only's 4.92, in the weight-gradient kernel
+(1.73 ms: it runs about 1.4x cuBLAS's time and adds each part into the accumulators, six parts at
+EP 4), the experts' GEMMs split into parts (2.45 ms against 1.84 whole) and the copies, placing
+and combine passes. The race picks either path at EP 4 (within 4% of each other) and the eager one
+at EP 2. The graphs keep 5.1 GiB per layer at EP 4 (the bound of rows per part), against an eager
+peak of 1.5 GiB: ``memory_budget`` bounds it.
+
+Session 41 (``bench/results/session41_h200x4_2026-11-27.md``): the weight gradients in one pass
+(1.07 ms of kernel instead of 1.73; same-process A/B of the replayed call, EP 4: 7.47 -> 6.77 ms,
+EP 2: 7.68 -> 6.99), then the combine's weighting by a kernel each way instead of three batched
+GEMMs (0.25 + 0.59 ms -> 0.07 + 0.14; 6.21 against 7.50 before the session), then the weighting
+fused into the combine and the gradients' placing into the weights' gradient (6.25 -> 6.08). In
+the grid: 5.77 ms at EP 4 against a compute-only 4.51 (1.28x; the reference's combine got the
+same kernels), 5.82 at EP 2 (1.26x), and the race picks this path at both. Keeping every part's
+rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at EP 4 (4.6
+to 5.4 at EP 2).
+
+Session 43 (``bench/results/session43_h200x4_2026-11-27.md``): where the layer's graph calls
+capture the backward, the weight gradients run after its replay ([Note: deferred gradients] in
+``planning/call_graphs.py``), into fresh memory instead of the graph's, which each replay copied out (143
+us at EP 4, twice that at EP 2): 5.94 -> 5.81 ms at EP 4, 6.21 -> 5.94 at EP 2, the graphs 2.33 ->
+1.99 and 2.87 -> 2.26 GB; they no longer run under the last push, which the own rows of the late
+groups still mostly cover. The peak count's copy to the host then moved from the experts' stream
+(10-13 us between its kernels) to the push stream: 5.84 -> 5.80 ms. What stays exposed at EP 2 is
+each pass's first pull (the peer's whole rows, 410 us, under 330 us of the first own rows); the
+peer in two parts (``LAST_PARTS = 2``) measured the same (5.955 against 5.948 ms, forward 1.840
+against 1.848), as it did in session 42: its profile has no wait for the first pull, but the peer's
+experts as two grouped GEMMs of half the experts each took 664 us against 614 as one (the
+forward 1496 us from its first GEMM to its combine, against 1505). The split GEMMs themselves
+run about 35% slower per row than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows
+per expert per part lose about 19% to the size and 25% to the groups' part tiles, and more beside
+copy-engine traffic; the remedy would be a receive layout by expert (each expert's rows from every
+source in one group), which changes the exchange's regions, the pulls and the backward's tables.
+
+Session 44 (``bench/results/session44_h200_2026-11-27.md``) measured two ways to win back the
+split GEMMs' loss, and kept neither. One rank's experts alone, forward (``moe_gemm_micro.py
+--layout``, EP 4 / EP 2, ms): by source 1.322 / 1.216, by source with the parts alternating
+between two streams 1.209 / 1.216, by chunks of experts over fixed regions of every source's rows
+1.228 / 1.364, packed by expert in one launch 1.024 / 1.154. The regions layout would win less at
+EP 4 than its redesign costs, and lose at EP 2. The two streams, in the layer (the peers' parts
+alternating between the caller's stream and a second one, bit-identical results): 5.80 -> 5.95 ms
+at EP 4 (forward 1.89 -> 1.97), 5.83 -> 6.26 at EP 2. Beside its neighbour, each part's GEMMs end
+later, and so do the pushes that wait for them: the overlap fills the SMs but lengthens the
+chain from each pull to its push, which is what bounds the call.
+
+Session 45 asked whether smaller row tiles would recover the parts' partial tiles: a Triton
+grouped GEMM with 64- or 128-row tiles, its tiles found on the device as a replay needs, ran
+15-50% slower than ``torch._grouped_mm`` on every part and whole
+(``bench/grouped_mm_tiles_probe.py``; [Note: grouped GEMMs cost more than dense ones] in
+``layers/moe/cost.py``), and so did ``torch._grouped_mm``'s own 64x128 tiles (19-43%), so the parts keep
+its 128x256 tiles and their partial last tiles: with random counts a part's gate/up GEMM took
+194 us at EP 4 against 165 with even counts (every group four whole tiles).
+
+[Note: own rows kept apart]
+A call without autograd runs its first own rows in place in the send buffer and copies the late
+ones into slot 0 once every pull has landed. A training call keeps its own rows for the weights'
+gradient past the next exchange on the workspace (another layer's, or its own backward's), which
+overwrites the send buffer: until session 46 it copied them out at the end of the forward (a
+clone of the send buffer's slot rows, under the last push), beside the late rows' copy into a
+buffer of their own. Now the placing kernel puts the own rows of each half straight into a buffer
+of its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
+:func:`~overlap_layers.kernels.send_rows.place_by_key`), where the experts read them and the
+backward finds them, and neither copy runs (the buffers are as many as before: the clone's place
+is the first half's). Same-process A/B, replayed qwen3-30b-a3b fwd+bwd, 8192 tokens per rank
+(4x H200, session 46): 5.774 -> 5.742 ms at EP 4, 5.885 -> 5.823 at EP 2, gradients
+bit-identical. ``pos`` is unchanged, so the combine is too. The backward does the same for its
+late own rows: the kernel that weighs the output gradient (``weigh_backward_into``) puts their
+rows' gradients straight into a buffer of their own (its ``divert``: their places, ``n_first ..
+n_own``) and the rest at their places in the send buffer, where the first own rows' are read in
+place; until then the late ones were copied out of it on the experts' stream, between the last
+peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at
+EP 2, bit-identical). Rows past a buffer are not written, as past any slot
+([Note: MoE slot rows]). The graphs keep what they kept: both A/Bs read the second side's graphs
+32 MiB smaller at EP 4 (1898 against 1930 MiB; 2158 at EP 2 on both sides), the second A/B also
+where no buffer changed, so the difference is one of allocation order, not of the code.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ...kernels.expert_wgrad import WgradParts, grouped_wgrad_parts
+from ...planning.first_order import first_order, keeps_graph, take
+from ..mlp.layer import _act_backward
+from .combine import combine_rows, weigh_backward_into
+from .ranks import _grouped, experts_forward
+
+
+ROUNDS = 2  # timed calls of each path in the race
+SLOTS = 3  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
+MAX_SIGNATURES = 64  # races kept per layer
+
+
+class EventClock:
+    """The race's clock: :meth:`start` and :meth:`stop` record events on the current stream
+    (no wait), :meth:`read` the milliseconds between them (waits for the second)."""
+
+    @staticmethod
+    def start() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def stop(start: torch.cuda.Event) -> tuple:
+        return start, EventClock.start()
+
+    @staticmethod
+    def read(span: tuple) -> float:
+        span[1].synchronize()
+        return span[0].elapsed_time(span[1])
+
+
+class DevicePathRace:
+    """[Note: MoE graph calls: the race]: per signature, whether its calls run the device path.
+    :meth:`choose` at a call says which path it runs (and starts timing it while racing),
+    :meth:`finish` after the call stops the timing and, after the last timed call, decides."""
+
+    def __init__(self, agreement, clock=EventClock) -> None:
+        self._agreement = agreement
+        self._clock = clock
+        self._races: dict = {}  # signature -> {"eager": [span], "device": [span], "choice": None | bool}
+        self._timing = None  # (the race, its list, the clock's start) of the call being timed
+
+    @property
+    def timing(self) -> bool:
+        """Whether a call is being timed (:meth:`finish` not yet called for it)."""
+        return self._timing is not None
+
+    def choose(self, signature) -> bool:
+        race = self._races.get(signature)
+        if race is None:
+            if len(self._races) >= MAX_SIGNATURES:  # the oldest is raced again if it comes back
+                self._races.pop(next(iter(self._races)))
+            race = self._races[signature] = {"eager": [], "device": [], "choice": None}
+        if race["choice"] is not None:
+            return race["choice"]
+        device = len(race["eager"]) > ROUNDS
+        self._timing = (race, race["device" if device else "eager"], self._clock.start())
+        return device
+
+    def finish(self, nbytes: int = 0, budget: Optional[Callable[[], Optional[int]]] = None) -> Optional[bool]:
+        """End the timing of the call (if timed; its graph kept ``nbytes``, 0 where the call ran
+        eagerly); returns the choice made at it, if any (the device path lost: False), else None.
+        The device path wins only if its deciding call replayed a graph on every rank, it is
+        faster and, where ``budget()`` gives bytes (the layer's memory budget), its graph's memory
+        on the group's largest rank fits them."""
+        if self._timing is None:
+            return None
+        race, spans, start = self._timing
+        self._timing = None
+        spans.append(self._clock.stop(start))
+        if len(race["device"]) <= ROUNDS:
+            return None
+        mine = tuple(round(min(self._clock.read(s) for s in race[path][1:]) * 1e3) for path in ("eager", "device"))
+        rows = self._agreement.gather((*mine, int(nbytes)))
+        eager_us, device_us, most = (max(r[i] for r in rows) for i in range(3))
+        limit = budget() if budget is not None else None
+        replayed = min(r[2] for r in rows) > 0  # else its capture failed, and it timed eager calls
+        race["choice"] = replayed and device_us < eager_us and (limit is None or most <= limit)
+        return race["choice"]
+
+
+def peak_event() -> Optional[torch.cuda.Event]:
+    """[Note: MoE slot rows]: an event that a captured graph records at each replay (``external``),
+    so that the host can wait for the graph's first part only; None where torch makes no such
+    events (the caller then waits for the whole call)."""
+    try:
+        return torch.cuda.Event(external=True)
+    except TypeError:
+        return None
+
+
+def rows_bound(max_tokens: int, top_k: int) -> int:
+    """Send rows a rank may need: the group's largest token count, rounded up to a power of two
+    (so that nearby counts share an exchange and a capture), times ``top_k``."""
+    return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
+
+
+SLOT_STEPS = 64  # [Note: MoE slot rows]: slot sizes are multiples of rows / SLOT_STEPS
+SLOT_HEADROOM = 8  # ... of at least the peak and 1/8 more
+
+
+def slot_rows(rows: int, least: int, peak: int) -> int:
+    """[Note: MoE slot rows]: the rows of each part's buffers for calls whose largest count of
+    rows one rank sends another is ``peak``: that and 1/``SLOT_HEADROOM`` more, rounded up to a
+    multiple of ``rows / SLOT_STEPS``, at least ``least`` (the exchange's largest region, which a
+    pull copies whole) and at most ``rows`` (the bound of every count)."""
+    if not 0 <= least <= rows or peak < 0:
+        raise ValueError(f"slot_rows(rows={rows}, least={least}, peak={peak}); valid: 0 <= least <= rows, peak >= 0")
+    unit = max(1, rows // SLOT_STEPS)
+    want = peak + peak // SLOT_HEADROOM
+    return min(rows, max(least, -(-want // unit) * unit))
+
+
+class SourceCall:
+    """One device-path call's state between its passes: the layer's sizes, the exchange, the
+    routing's ``keys`` and ``counts`` (``[ws, El]`` int32); the forward sets ``pos`` (each
+    assignment's send row, -1 where dropped) and ``ends`` (``[source, El]`` int32: each source's
+    grouped-GEMM offsets), which the backward reuses (its rows go where the forward's went)."""
+
+    def __init__(self, layer, exchange, keys: torch.Tensor, counts: torch.Tensor, slot: Optional[int] = None,
+                 report: Optional[tuple] = None, defer: Optional[Callable] = None) -> None:
+        self.activation, self.k = layer.activation, layer.top_k
+        self.ws, self.El, self.rank = layer.world_size, layer.num_local_experts, layer.rank
+        self.exchange, self.keys, self.counts = exchange, keys, counts
+        self.slot = exchange.rows if slot is None else slot  # rows of each part's buffers ([Note: MoE slot rows])
+        if not exchange.layout.largest_region <= self.slot <= exchange.rows:
+            raise ValueError(f"slot={slot}; valid: {exchange.layout.largest_region} .. {exchange.rows} rows (the "
+                             "exchange's largest region .. its bound of rows), or None (the bound)")
+        self.pos: Optional[torch.Tensor] = None
+        self.ends: Optional[torch.Tensor] = None
+        self.report = report  # (tensor, event or None): where the forward copies its peak count, then records
+        self.peak: Optional[torch.Tensor] = None  # that count on the device, while the copy may be in flight
+        self.defer = defer  # CallGraphs.defer of the weights' owner, or None ([Note: deferred gradients])
+        # the own rows of the groups from `split` on run last, under the last part's push
+        self.split = self.El // 2 if self.ws > 1 and self.El > 1 else self.El
+
+    def peers(self) -> list:
+        """``(source, part)`` in run order: sources rank + 1, rank + 2, ..., each in its parts."""
+        return [(s, part) for s in ((self.rank + j) % self.ws for j in range(1, self.ws))
+                for part in self.exchange.parts(s)]
+
+    def offsets(self, source: int, groups) -> Tuple[int, int, torch.Tensor]:
+        """``(a, b, offs)``: the groups ``a .. b-1`` (``groups``; None: all) of ``source``'s rows and
+        their grouped-GEMM offsets counted from their first row."""
+        a, b = (0, self.El) if groups is None else groups
+        ends = self.ends[source]
+        return a, b, (ends[a:b] - ends[a - 1] if a else ends[:b])
+
+
+class _Streams:
+    """The exchange's pull and push streams beside the caller's (none off CUDA) and the events by
+    which they order a pass's parts: per peer part index, its rows pulled (``arrived``), its
+    slot read (``read``), its results pushed (``pushed``)."""
+
+    def __init__(self, exchange, cuda: bool) -> None:
+        self.streams = getattr(exchange, "streams", None) if cuda else None
+        self.main = torch.cuda.current_stream() if self.streams else None
+        self.arrived, self.read, self.pushed = {}, {}, {}
+
+    def on(self, index: int):
+        return torch.cuda.stream(self.streams[index]) if self.streams else contextlib.nullcontext()
+
+    def mark(self, events: dict, i: int) -> None:
+        """An event on the current stream."""
+        if self.streams:
+            events[i] = torch.cuda.Event()
+            events[i].record()
+
+    def fork(self) -> None:
+        if self.streams:
+            self.streams[0].wait_stream(self.main)
+
+    def before_part(self, i: int) -> None:
+        """The main stream waits for part i's rows and for the push whose results' memory it may take."""
+        if self.streams:
+            self.main.wait_event(self.arrived[i])
+            if i >= SLOTS:
+                self.main.wait_event(self.pushed[i - SLOTS])
+
+    def push(self, exchange, source: int, results: torch.Tensor, part, i: int) -> None:
+        """The part's region pushed on the push stream, after what the main stream launched."""
+        if self.streams:
+            self.streams[1].wait_stream(self.main)
+        with self.on(1):
+            exchange.push(source, results, part)
+            self.mark(self.pushed, i)
+
+    def join(self) -> None:
+        if self.streams:
+            self.main.wait_stream(self.streams[0])
+            self.main.wait_stream(self.streams[1])
+
+
+def _pulls(c: SourceCall, s: _Streams, peers: list, slots: list):
+    """``pull(i)``: the region of peer part i into its slot, on the pull stream, once the slot's
+    last rows were read; the first ``len(slots)`` are launched here."""
+    def pull(i: int) -> None:
+        with s.on(0):
+            if s.streams and i >= len(slots):
+                s.streams[0].wait_event(s.read[i - len(slots)])
+            c.exchange.pull(peers[i][0], slots[i % len(slots)], peers[i][1])
+            s.mark(s.arrived, i)
+
+    s.fork()
+    for i in range(len(slots)):
+        pull(i)
+    return pull
+
+
+def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
+    """The forward pass (module docstring): ``(own, back, late, added, saved)``, the own results of
+    the groups before ``c.split``, ``back`` (the peers' results at their send rows), ``late``
+    (:func:`~.moe_combine.combine_rows`' ``late`` and ``n_first``, or empty), ``extra()``'s
+    result; with ``save``, ``saved`` holds each part's input rows and pre-activations for
+    :func:`_backward`: "own", each peer part's index, "late". Saving, each peer part keeps a slot
+    of its own, and the own rows go to buffers of their own ([Note: own rows kept apart])."""
+    ex, H, El, rank = c.exchange, x_TH.shape[1], c.El, c.rank
+    own_in = (c.split, x_TH.new_empty((c.slot, H)), x_TH.new_empty((c.slot, H)) if c.split < El else None) \
+        if save else None
+    # each assignment's row of send (-1: dropped by capacity); saving, the own rows go to own_in's buffers
+    c.pos = ex.place(x_TH, c.keys, c.k, c.counts, own=own_in)
+    ex.ready(c.counts)
+    c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
+    if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
+        c.ends.clamp_(max=c.slot)
+    s = _Streams(ex, x_TH.is_cuda)
+    if c.report is not None:  # the largest count (every rank's table holds every rank's), read from here on
+        c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # c holds it: the push stream reads it
+        if s.streams:  # copied there (its first push comes later), not between the experts' kernels
+            s.streams[1].wait_stream(s.main)
+        with s.on(1):
+            c.report[0].copy_(c.peak, non_blocking=True)
+            if c.report[1] is not None:
+                c.report[1].record()
+    peers = c.peers()
+    slots = [x_TH.new_empty((c.slot, H)) for _ in range(len(peers) if save else min(SLOTS, len(peers)))]
+    pull = _pulls(c, s, peers, slots)
+    w_in_t, w_out_t = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
+    saved = {}
+
+    def experts(key, rows: torch.Tensor, source: int, groups=None) -> torch.Tensor:
+        a, b, offs = c.offsets(source, groups)
+        y, pre = experts_forward(c.activation, True, rows, None, offs, w_in_t[a:b], w_out_t[a:b], offs[-1:])
+        if save:
+            saved[key] = (rows, pre)
+        return y
+
+    first = (0, c.split) if c.split < El else None
+    own = experts("own", own_in[1] if save else ex.send[:c.slot], rank, first)  # else in place: they lead send's
+    added = extra() if extra is not None else None
+    results = {}  # peer part index -> its results, held until the main stream waited for their push
+    for i, (src, part) in enumerate(peers):
+        s.before_part(i)
+        slot = ex.pull_rest(src, slots[i % len(slots)], part)  # on this stream: a kernel beside no GEMM
+        results.pop(i - SLOTS, None)  # pushed: its memory may hold these results
+        results[i] = experts(i, slot, src, part)
+        s.mark(s.read, i)
+        if i + len(slots) < len(peers):
+            pull(i + len(slots))  # launched after the event it waits for was recorded
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
+    late = {}
+    if c.split < El:  # every pull landed and every slot was read (this stream's order): slot 0 takes them
+        rows = own_in[2] if save else ex.own_rows(c.split, slots[0])
+        late = dict(late=experts("late", rows, rank, (c.split, El)), n_first=c.ends[rank][c.split - 1])
+    s.join()
+    return own, ex.finish(), late, added, saved  # own results were not pushed: the combine reads them in place
+
+
+def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~.expert_wgrad.grouped_wgrad_parts`' ``(part, lo, hi)`` ``[source, El]`` for the
+    backward's ``parts`` (``(source, (a, b))`` each, in order): source s's rows of group g lie in
+    the part holding that group, from its first group's first row on. Allocated on the current
+    stream, written on the push stream (which the caller forked)."""
+    held = torch.empty((2, c.ws, c.El), dtype=torch.int64, device=c.ends.device)  # each one's part, first group
+    out = torch.empty((4, c.ws, c.El), dtype=c.ends.dtype, device=c.ends.device)  # starts, base, lo, hi
+    with s.on(1):
+        for p, (src, (a, b)) in enumerate(parts):
+            held[0, src, a:b].fill_(p)
+            held[1, src, a:b].fill_(a)
+        torch.sub(c.ends, c.exchange.recv_counts, out=out[0])
+        torch.gather(out[0], 1, held[1], out=out[1])
+        torch.sub(out[0], out[1], out=out[2])
+        torch.sub(c.ends, out[1], out=out[3])
+    return held[0], out[2], out[3]
+
+
+def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[torch.Tensor], w_in, w_out,
+              in_place: bool = True, wants: Tuple[bool, bool] = (True, True)):
+    """``(dx [T, H], dw_in, dw_out)`` (a weight's None where ``wants`` says so) with each
+    assignment's output-row gradient already at the place its input row went (the forward's
+    ``c.pos`` in the exchange's send buffer; ``dy [T, H]`` gives the shapes), but the own rows'
+    of the groups from ``c.split`` on, which ``late_dy`` (``[c.slot, H]``; None where there are no
+    such groups) holds from row 0 ([Note: own rows kept apart]): the forward's exchange reversed.
+    Each source's rows run as they arrive (the data gradient, pushed back to the source), the
+    weight gradients of every part in one pass at the end, under the last push ([Note: expert
+    weight gradients in one pass]; or, where ``c.defer`` takes them, after the replay of the
+    backward being captured: the placeholders it gives are returned), and one combine pass sums
+    each token's k rows of dx. ``in_place``: dh overwrites the saved pre-activations (else
+    buffers of its own: a second backward reads them again)."""
+    ex, H, El, rank = c.exchange, dy.shape[1], c.El, c.rank
+    ex.ready(c.counts)
+    peers = c.peers()
+    first = (0, c.split)
+    late = (c.split, El) if c.split < El else None
+    # every part's rows stay for the weight gradients: a slot per peer part (all pulled at once),
+    # the own rows in the send buffer, the late ones in late_dy
+    slots = [dy.new_empty((c.slot, H)) for _ in peers] + ([late_dy] if late else [])
+    keys = ["own", *range(len(peers))] + (["late"] if late else [])
+    spans = [(rank, first)] + [(src, part or (0, El)) for src, part in peers] + ([(rank, late)] if late else [])
+    dys = [ex.send[:c.slot]] + slots
+    acts = [saved[key][1].new_empty((c.slot, w_out.shape[2])) for key in keys]
+    dhs = [saved[key][1] if in_place else torch.empty_like(saved[key][1]) for key in keys]
+    s = _Streams(ex, dy.is_cuda)
+    _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
+    side = s.streams[1] if s.streams else None
+    if side is not None:  # the weight gradients' tables, on the push stream before its first push
+        side.wait_stream(s.main)
+    tables = _segments(c, spans, s)
+    # the weight gradients autograd wants: (their parts, the weight)
+    wanted = [(WgradParts(a, b, side), w) for a, b, w, want in (
+        (dhs, [saved[key][0] for key in keys], w_in, wants[0]), (dys, acts, w_out, wants[1])) if want]
+    written = {}
+    with s.on(1):
+        s.mark(written, 0)
+
+    def dgrad(p: int, source: int, groups=None) -> torch.Tensor:
+        """Part p's dx; its dh goes to dhs[p], its activations to acts[p]."""
+        a, b, offs = c.offsets(source, groups)
+        _act_backward(c.activation, saved[keys[p]][1], _grouped(dys[p], w_out[a:b], offs), out=dhs[p],
+                      h_out=acts[p], rows=offs[-1:])
+        return _grouped(dhs[p], w_in[a:b], offs)
+
+    own = dgrad(0, rank, first)
+    results = {}
+    for i, (src, part) in enumerate(peers):
+        s.before_part(i)
+        ex.pull_rest(src, slots[i], part)
+        results.pop(i - SLOTS, None)
+        results[i] = dgrad(1 + i, src, part)
+        ex.push_rest(src, results[i], part)
+        s.push(ex, src, results[i], part, i)
+    done = {}
+    if late:
+        done = dict(late=dgrad(len(keys) - 1, rank, late), n_first=c.ends[rank][c.split - 1])
+
+    def weight_grads() -> tuple:
+        return tuple(grouped_wgrad_parts(parts, *tables, torch.empty_like(w)) for parts, w in wanted)
+
+    # deferred only where each comes back as a gradient: one autograd drops is not handed out
+    grads = c.defer(weight_grads, [w for _, w in wanted]) if c.defer is not None and wanted else None
+    if grads is None:
+        if s.streams:
+            s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
+        grads = weight_grads()
+    grads = iter(grads)
+    dw_in, dw_out = (next(grads) if want else None for want in wants)
+    s.join()
+    back = ex.finish()
+    dx = combine_rows(own, back, c.pos, dy.new_ones((dy.shape[0], c.k)), c.ends[rank][-1], **done)
+    return dx, dw_in, dw_out
+
+
+class _SourceExperts(torch.autograd.Function):
+    """``y [T, H]``: the routed experts' output for this rank's tokens ``x_TH`` with ``weights
+    [T, k]`` (of ``x_TH``'s dtype) through the device path, differentiable in ``x_TH``, ``w_in``,
+    ``w_out`` and ``weights`` (:func:`_forward` saving, :func:`_backward`); ``c`` a
+    :class:`SourceCall`. The combine keeps each assignment's row, token-major, for the weights'
+    gradient, and the backward places each row's gradient where its input row went as it computes
+    that gradient (:func:`~.moe_combine.weigh_backward_into`)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_in, w_out, weights, c: SourceCall):
+        own, back, late, _, saved = _forward(c, x_TH, w_in, w_out, None, save=True)
+        rows = own.new_empty((x_TH.shape[0] * c.k, x_TH.shape[1]))
+        y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], rows_out=rows, **late)
+        ctx.c, ctx.saved = c, saved
+        ctx.save_for_backward(w_in, w_out, weights, rows)
+        return y
+
+    @staticmethod
+    @first_order  # [Note: first-order backward]
+    def backward(ctx, dy):
+        w_in, w_out, weights, rows = ctx.saved_tensors
+        c, dy = ctx.c, dy.contiguous()
+        late_dy = dy.new_empty((c.slot, dy.shape[1])) if c.split < c.El else None  # [Note: own rows kept apart]
+        # the late rows' places (a stack of views: an index list would copy from the host, which a capture forbids)
+        ends = c.ends[c.rank]
+        late = (torch.stack((ends[c.split - 1], ends[-1])), late_dy) if late_dy is not None else None
+        d_weights = weigh_backward_into(rows.view(-1, c.k, dy.shape[1]), weights, dy, c.pos, c.exchange.send, late)
+        dx, dw_in, dw_out = _backward(c, take(ctx, "saved"), dy, late_dy, w_in, w_out, in_place=not keeps_graph(),
+                                      wants=tuple(ctx.needs_input_grad[1:3]))
+        return dx, dw_in, dw_out, d_weights, None
+
+
+def experts_by_source(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, exchange,
+                      extra: Optional[Callable[[], Optional[torch.Tensor]]] = None, slot: Optional[int] = None,
+                      report: Optional[tuple] = None, defer: Optional[Callable] = None) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` for this rank's tokens ``x_TH`` (module docstring),
+    plus ``extra()`` where it returns a tensor (the shared expert: launched after the own rows'
+    experts without autograd, after the combine with it), through ``exchange`` (a
+    ``DeviceCountAllToAll`` of ``layer.num_local_experts`` groups, or anything with its ``send``,
+    ``rows``, ``place``, ``ready``, ``recv_counts``, ``parts``, ``pull``, ``pull_rest``, ``push``,
+    ``push_rest``, ``own_rows``, ``finish`` and, for side streams, ``streams``), with no value read
+    on the host. Under autograd ([Note: MoE training graphs]) the combine weights in autograd
+    (:class:`_SourceExperts` takes the weights), so that the router gets its gradient.
+
+    ``slot``: the rows of each part's buffers (None: the exchange's bound, ``rows``; [Note: MoE
+    slot rows]). With fewer, the result is the reference only if no rank sends another more rows
+    than ``slot``: ``report`` ``(tensor, event or None)``, where given, gets that largest count
+    (copied without a wait: a host tensor should be pinned) and then the event's record, both
+    right after the exchange's counts, so the caller can read it before it uses the result.
+
+    ``defer``: a ``CallGraphs.defer`` ([Note: deferred gradients] in ``planning/call_graphs.py``) the
+    backward hands the weights' gradients to (only where ``w_in`` and ``w_out`` are the
+    parameters themselves, whose gradients autograd returns as they are)."""
+    ws, El = layer.world_size, layer.num_local_experts
+    keys, weights, counts = layer._route_keys(x_TH, 1, step_order=True)  # own experts' keys first
+    c = SourceCall(layer, exchange, keys, counts.view(ws, El).to(torch.int32), slot, report, defer)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w_in, w_out, weights)):
+        y = _SourceExperts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), c)
+        added = extra() if extra is not None else None
+    else:
+        own, back, late, added, _ = _forward(c, x_TH, w_in, w_out, extra, save=False)
+        y = combine_rows(own, back, c.pos, weights, c.ends[c.rank][-1], **late)  # own rows: counts[rank]'s sum
+    return y if added is None else y + added
