@@ -36,7 +36,8 @@ from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
 
 from overlap_layers.launch import run_ranks  # noqa: E402
 
-COMMON = ("overlap_layers.planning.planned:PlannedLayer._agree", "overlap_layers.planning.planned:PlannedLayer._planned_call",
+COMMON = ("overlap_layers.planning.planned:PlannedLayer._agree",
+          "overlap_layers.planning.planned:PlannedLayer._planned_call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
           "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
           "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",
@@ -47,9 +48,12 @@ PER_LAYER = {
                   "overlap_layers.layers.attention.layer:OverlapAttention._run",
                   "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
                   "overlap_layers.layers.attention.layer:_TiledAttention.forward",
-                  "overlap_layers.layers.attention.layer:_Call.chunk_heads", "overlap_layers.layers.attention.layer:_Call.core_chunk",
-                  "overlap_layers.layers.attention.layer:_Call.core", "overlap_layers.layers.attention.query_chunks:_piece",
-                  "overlap_layers.layers.attention.query_chunks:_merge_triton", "overlap_layers.layers.attention.core:move_heads"),
+                  "overlap_layers.layers.attention.layer:_Call.chunk_heads",
+                  "overlap_layers.layers.attention.layer:_Call.core_chunk",
+                  "overlap_layers.layers.attention.layer:_Call.core",
+                  "overlap_layers.layers.attention.query_chunks:_piece",
+                  "overlap_layers.layers.attention.query_chunks:merge_fused",
+                  "overlap_layers.layers.attention.core:move_heads"),
     "mlp": ("overlap_layers.layers.mlp.layer:OverlapMLP.forward", "overlap_layers.layers.mlp.layer:OverlapMLP._run"),
     "moe": ("overlap_layers.layers.moe.layer:OverlapMoE.forward", "overlap_layers.layers.moe.layer:OverlapMoE._run",
             "overlap_layers.layers.moe.layer:OverlapMoE._route_and_count", "overlap_layers.layers.moe.layer:route",

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from expert_wgrad_probe import CONFIGS, _ms  # noqa: E402
 from overlap_layers.kernels import expert_wgrad  # noqa: E402
-from overlap_layers.layers.moe import combine as moe_combine  # noqa: E402
+from overlap_layers.kernels import moe_combine  # noqa: E402
 from overlap_layers.kernels.expert_wgrad import grouped_wgrad  # noqa: E402
 
 

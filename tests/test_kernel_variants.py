@@ -10,7 +10,7 @@ import torch
 
 from kernel_device import DEVICE
 from overlap_layers.kernels import heads as heads_kernel
-from overlap_layers.layers.moe import combine as moe_combine
+from overlap_layers.kernels import moe_combine
 from overlap_layers.layers.attention.core import heads_backward_into, heads_into
 from overlap_layers.layers.moe.combine import combine_rows
 from test_heads_kernel import reference_heads

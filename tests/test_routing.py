@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from kernel_device import DEVICE, needs_triton
 from moe_reference import route as reference_route
-from overlap_layers.layers.moe.routing import fused_available, route_topk, route_topk_eager
+from overlap_layers.kernels.routing import fused_available, route_topk_reference as route_topk_eager
+from overlap_layers.layers.moe.routing import route_topk
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,8 @@ import torch
 
 from kernel_device import DEVICE, needs_triton
 from overlap_layers.kernels import swiglu as swiglu_module
-from overlap_layers.kernels.swiglu import fused_available, swiglu, swiglu_backward, swiglu_recorded
+from overlap_layers.kernels.swiglu import fused_available, swiglu, swiglu_backward
+from overlap_layers.layers.common.activations import swiglu_recorded
 
 
 @needs_triton

@@ -1,8 +1,9 @@
 """The experts' weight gradients of a piece of rows, added into the accumulator inside the GEMM
 (Triton on CUDA, torch ops elsewhere).
 
-Reference (``a [R, M]``, ``b [R, N]``: rows grouped by expert, ``ends [G]`` the groups' ends, so
-group ``g`` is rows ``ends[g-1] .. ends[g]`` (from 0 for the first); ``out [G, M, N]``)::
+Reference (:func:`grouped_wgrad_reference`; ``a [R, M]``, ``b [R, N]``: rows grouped by expert,
+``ends [G]`` the groups' ends, so group ``g`` is rows ``ends[g-1] .. ends[g]`` (from 0 for the
+first); ``out [G, M, N]``)::
 
     out[g] (+)= a[ends[g-1]:ends[g]].T @ b[ends[g-1]:ends[g]]      (summed in float32, the sum
                                                                    with out's old value too, and
@@ -10,9 +11,9 @@ group ``g`` is rows ``ends[g-1] .. ends[g]`` (from 0 for the first); ``out [G, M
 
 with ``+=`` where ``accumulate``, else ``=``; rows past ``ends[-1]`` are not read.
 
-:func:`grouped_wgrad_parts`' reference (rows of one group spread over ``P`` parts: ``a_p [R_p, M]``,
-``b_p [R_p, N]``; ``part``, ``lo``, ``hi`` ``[S, G]``: segment ``s`` of group ``g`` is the rows
-``lo[s, g] .. hi[s, g]`` of part ``part[s, g]``)::
+:func:`grouped_wgrad_parts`' reference (:func:`grouped_wgrad_parts_reference`; rows of one group
+spread over ``P`` parts: ``a_p [R_p, M]``, ``b_p [R_p, N]``; ``part``, ``lo``, ``hi`` ``[S, G]``:
+segment ``s`` of group ``g`` is the rows ``lo[s, g] .. hi[s, g]`` of part ``part[s, g]``)::
 
     out[g] (+)= sum over s of a_part[lo:hi].T @ b_part[lo:hi]     (part = part[s, g], and so on;
                                                                    summed in float32 over every
@@ -52,7 +53,7 @@ form, hence the kernel.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -90,6 +91,13 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: tor
     if a.is_cuda:
         g = torch._grouped_mm(a.t(), b, offs=ends.to(torch.int32))
         return out.add_(g) if accumulate else out.copy_(g)
+    return grouped_wgrad_reference(a, b, ends, out, accumulate)
+
+
+def grouped_wgrad_reference(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                            accumulate: bool = True) -> torch.Tensor:
+    """The module reference in torch ops, a loop over the groups (``ends`` read on the host):
+    ``out`` in place."""
     start = 0
     for g, end in enumerate(ends.tolist()):
         part = a[start:end].t().float() @ b[start:end].float()
@@ -154,10 +162,18 @@ def grouped_wgrad_parts(parts: WgradParts, part: torch.Tensor, lo: torch.Tensor,
                                       ACCUMULATE=accumulate, IEEE=a0.dtype == torch.float32, INTERPRETED=INTERPRETED,
                                       BM=_BM, BN=_BN, BK=_BK, num_warps=_WARPS, num_stages=_STAGES)
         return out
+    return grouped_wgrad_parts_reference(parts.a, parts.b, part, lo, hi, out, accumulate)
+
+
+def grouped_wgrad_parts_reference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], part: torch.Tensor,
+                                  lo: torch.Tensor, hi: torch.Tensor, out: torch.Tensor,
+                                  accumulate: bool = False) -> torch.Tensor:
+    """The module's second reference in torch ops, a loop over the segments (read on the host),
+    for the parts ``a`` and ``b``: ``out`` in place."""
     acc = out.float() if accumulate else torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     for s_part, s_lo, s_hi in zip(part.tolist(), lo.tolist(), hi.tolist()):
         for g, (p, i, j) in enumerate(zip(s_part, s_lo, s_hi)):
-            acc[g] += parts.a[p][i:j].t().float() @ parts.b[p][i:j].float()
+            acc[g] += a[p][i:j].t().float() @ b[p][i:j].float()
     return out.copy_(acc)
 
 

@@ -1,8 +1,8 @@
 """The attention core's heads step as one Triton kernel for q, k and v (CUDA): rank-major
 projected rows to the core's head layout with RoPE, and its transpose for the backward.
 
-Reference (what :func:`move_heads` must equal, up to one rounding): ``attention_core._move_heads``'
-torch path. For rows ``[g, b, s, C]`` (C = (nq + 2*nkv)*d, head h of a group starting at column
+Reference (what :func:`move_heads` must equal, up to one rounding): :func:`move_heads_reference`,
+its torch path. For rows ``[g, b, s, C]`` (C = (nq + 2*nkv)*d, head h of a group starting at column
 ``lo*d``), heads ``[b, n, g, s, d]`` and tables ``cos, sin [b or 1, g, s, d]`` with halves ``c1,
 c2, s1, s2``::
 
@@ -29,6 +29,43 @@ except ImportError:  # CPU installs: the torch path
     triton = None
 
 _ROWS = 64  # rows of one program
+
+
+def head_views(qkv_gbsC: torch.Tensor, nq: int, nkv: int, d: int):
+    """q, k, v of rank-major rows ``qkv [g, b, s, C]`` as ``[b, n, g, s, d]`` views (no copy)."""
+    def heads(lo: int, n: int) -> torch.Tensor:
+        return qkv_gbsC[..., lo * d:(lo + n) * d].unflatten(-1, (n, d)).permute(1, 3, 0, 2, 4)
+    return heads(0, nq), heads(nq, nkv), heads(nq + nkv, nkv)
+
+
+def rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              transpose: bool = False) -> torch.Tensor:
+    """RoPE of ``x`` into ``out`` per half, with ``x = [x1, x2]`` and the tables' halves ``c1, c2,
+    s1, s2``: ``[x1*c1 - x2*s1, x2*c2 + x1*s2]`` (= ``x*cos + rotate_half(x)*sin``), or with
+    ``transpose`` its transpose ``[x1*c1 + x2*s2, x2*c2 - x1*s1]`` (the backward). Four
+    half-width kernels writing ``out``'s halves in place: no concatenation, no rotated copy."""
+    h = x.shape[-1] // 2
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    torch.mul(x1, c1, out=o1).addcmul_(x2, s2 if transpose else s1, value=1 if transpose else -1)
+    torch.mul(x2, c2, out=o2).addcmul_(x1, s1 if transpose else s2, value=-1 if transpose else 1)
+    return out
+
+
+def move_heads_reference(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
+                         tables: Optional[Tuple[torch.Tensor, torch.Tensor]], nq: int, nkv: int, d: int,
+                         backward: bool) -> None:
+    """The module reference in torch ops (the path where :func:`move_heads` does not run): rows
+    ``[g, b, s, C]`` to the heads ``(q, k, v) [b, n, g, s, d]`` with RoPE on q and k (``tables``
+    ``(cos, sin) [b or 1, g, s, d]``, None: no RoPE), or (``backward``) the heads' gradients back
+    to the rows with RoPE's transpose."""
+    tables = None if tables is None else tuple(t[:, None] for t in tables)
+    for n, (rows, head) in enumerate(zip(head_views(rows_gbsC, nq, nkv, d), heads)):
+        src, dst = (head, rows) if backward else (rows, head)
+        if n == 2 or tables is None:  # v, or no RoPE
+            dst.copy_(src)
+        else:
+            rope_into(dst, src, *tables, transpose=backward)
 
 
 def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],

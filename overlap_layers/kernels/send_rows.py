@@ -1,10 +1,10 @@
 """The MoE device path's send rows into their places in the exchange's send buffer, straight from
 the routing's keys: no sort of the assignments (``layers/moe/device.py``).
 
-Reference, for the assignments ``a = 0 .. N-1`` (token-major: assignment a is row ``a // top_k``
+Reference (:func:`place_reference`), for the assignments ``a = 0 .. N-1`` (token-major: assignment a is row ``a // top_k``
 of ``src``) with ``keys[a]`` in ``0 .. E-1`` (the send-order index of its destination rank and
-group, :class:`~.device_all_to_all.RegionLayout`) or ``E`` and above (dropped), and the layout's
-:meth:`~.device_all_to_all.RegionLayout.key_places` ``(A, C, D)`` of the source's counts::
+group, :class:`~overlap_layers.runtime.device_all_to_all.RegionLayout`) or ``E`` and above (dropped), and the layout's
+:meth:`~overlap_layers.runtime.device_all_to_all.RegionLayout.key_places` ``(A, C, D)`` of the source's counts::
 
     i          = the number of assignments before a with the same key
     place      = A[key] + i  if i < C[key]  else  D[key] + i      (the region, then past it)
@@ -92,10 +92,10 @@ def _place(src, keys, top_k, E, key_places, dst, diverts) -> torch.Tensor:
                          f"{sorted({str(t.device) for t in (src, keys, dst)})}; valid: rows of one width "
                          "and dtype, top_k >= 1 keys per src row, E >= 1 keys, key places [3, E], a contiguous dst, "
                          "one device")
-    pos = torch.empty(N, dtype=torch.int64, device=keys.device)
     if N == 0:
-        return pos
+        return torch.empty(N, dtype=torch.int64, device=keys.device)
     if runs_triton(dst):
+        pos = torch.empty(N, dtype=torch.int64, device=keys.device)
         keys = keys.contiguous()
         in_order = key_places is None
         key_places = keys if in_order else key_places.contiguous()  # (unread in key order)
@@ -113,6 +113,16 @@ def _place(src, keys, top_k, E, key_places, dst, diverts) -> torch.Tensor:
                                     BLOCK_W=min(256, triton.next_power_of_2(W)), LO1=lo1, HI1=hi1, LO2=lo2, HI2=hi2,
                                     num_warps=8)
         return pos
+    return place_reference(src, keys, top_k, E, key_places, dst, diverts)
+
+
+def place_reference(src: torch.Tensor, keys: torch.Tensor, top_k: int, E: int, key_places, dst: torch.Tensor,
+                    diverts: Sequence[Tuple[int, int, torch.Tensor]] = ()) -> torch.Tensor:
+    """The module reference in torch ops (a stable sort of the keys; the masked copies read their
+    sizes on the host): ``pos``, the rows placed into ``dst`` and the diverts' buffers (``E``
+    keys; ``key_places`` None: :func:`place_in_key_order`'s places)."""
+    N = keys.numel()
+    pos = torch.empty(N, dtype=torch.int64, device=keys.device)
     k = keys.to(torch.int64)
     order = torch.sort(k, stable=True).indices
     sk = k[order]

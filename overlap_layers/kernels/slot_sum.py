@@ -1,8 +1,8 @@
 """The sum of an exchange's partial slots, the last step of a rank-chunk reduce-scatter.
 
-Reference (what :func:`sum_slots` must equal): ``torch.sum(slots, 0, out=out)`` for ``slots [n, R,
-C]`` whose rows are contiguous (a row block of the exchange's slots) and ``out [R, C]``, summed in
-float32 for half types and rounded once.
+Reference (what :func:`sum_slots` must equal; :func:`sum_slots_reference`): ``torch.sum(slots, 0,
+out=out)`` for ``slots [n, R, C]`` whose rows are contiguous (a row block of the exchange's slots)
+and ``out [R, C]``, summed in float32 for half types and rounded once.
 
 On CUDA one Triton kernel reads every slot once and writes the sum once; torch's reduction over
 the leading dimension ran at about half the memory bandwidth (73 us for four 32 MiB slots on an
@@ -35,12 +35,17 @@ def _fused(slots: torch.Tensor, out: torch.Tensor) -> bool:
             and 0 < n <= 16)
 
 
+def sum_slots_reference(slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The module reference in torch ops: ``torch.sum`` over the slots into ``out``."""
+    return torch.sum(slots, 0, out=out)
+
+
 def sum_slots(slots: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out = slots.sum(0)`` (module docstring; a new tensor when ``out`` is None); returns ``out``."""
     if out is None:
         out = slots.new_empty(slots.shape[1:])
     if not _fused(slots, out):
-        return torch.sum(slots, 0, out=out)
+        return sum_slots_reference(slots, out)
     numel = out.numel()
     if numel:
         _sum_kernel[(triton.cdiv(numel, _BLOCK),)](slots, out, numel, slots.stride(0), N=slots.shape[0],

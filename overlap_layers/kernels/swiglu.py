@@ -1,7 +1,8 @@
 """SwiGLU and its backward as one pass over memory each (Triton on CUDA, eager elsewhere).
 
-Reference (``pre [M, 2F]`` = gate columns then up columns, ``dh [M, F]``), computed in float32
-and rounded once to ``pre``'s dtype::
+Reference (``pre [M, 2F]`` = gate columns then up columns, ``dh [M, F]``; in torch ops
+:func:`swiglu_reference` and :func:`swiglu_backward_reference`), computed in float32 and rounded
+once to ``pre``'s dtype::
 
     h     = silu(g) * u                      with g = pre[:, :F], u = pre[:, F:], s = sigmoid(g)
     dpre  = [dh * u * s * (1 + g * (1 - s)),  dh * g * s]      (d gate, d up)
@@ -85,14 +86,32 @@ if triton is not None:
             _swiglu_bwd_block(pre_ptr, dh_ptr, dpre_ptr, h_ptr, n, f, BLOCK)
 
 
+def swiglu_reference(pre_MI: torch.Tensor) -> torch.Tensor:
+    """``h [M, F]`` of the module reference in torch ops (the eager path)."""
+    gate, up = pre_MI.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def swiglu_backward_reference(pre_MI: torch.Tensor, dh_MF: torch.Tensor, dpre: torch.Tensor,
+                              h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dpre [M, 2F], h [M, F])`` of the module reference in torch ops (the eager path), into
+    ``dpre`` (which may be ``pre_MI`` itself: written after every read of it) and ``h``."""
+    gate, up = pre_MI.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    d_up = dh_MF * silu
+    d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
+    torch.mul(silu, up, out=h)
+    torch.cat([d_gate, d_up], dim=-1, out=dpre)  # after every read of pre_MI (dpre may be it)
+    return dpre, h
+
+
 def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h [M, F]`` of the module reference (no autograd: call it outside recorded regions).
     ``rows``: a one-element integer tensor on the device; where given, the fused kernel computes
     only the first ``rows`` rows and leaves the others unwritten (the eager path computes all)."""
-    gate, up = pre_MI.chunk(2, dim=-1)
     if not fused_available(pre_MI):
-        return F.silu(gate).mul_(up)
-    h = pre_MI.new_empty(gate.shape)
+        return swiglu_reference(pre_MI)
+    h = pre_MI.new_empty(pre_MI.chunk(2, dim=-1)[0].shape)
     n, f = h.numel(), h.shape[-1]
     if n:
         # with a device count, a grid of the bound's blocks cost 50 us however few rows ran (the
@@ -109,42 +128,13 @@ def swiglu_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[tor
     """``(dpre [M, 2F], h [M, F])`` of the module reference; ``dpre`` into ``out`` if given, which
     may be ``pre_MI`` itself (each element is read before it is written), ``h`` into ``h_out``.
     ``rows``: as :func:`swiglu`'s (the fused kernel leaves the rows past it unwritten)."""
-    gate, up = pre_MI.chunk(2, dim=-1)
     dpre = torch.empty_like(pre_MI) if out is None else out
-    h = pre_MI.new_empty(gate.shape) if h_out is None else h_out
+    h = pre_MI.new_empty(pre_MI.chunk(2, dim=-1)[0].shape) if h_out is None else h_out
     if not (fused_available(pre_MI) and dh_MF.is_contiguous() and dpre.is_contiguous() and h.is_contiguous()):
-        silu = F.silu(gate)
-        d_up = dh_MF * silu
-        d_gate = torch.ops.aten.silu_backward(dh_MF * up, gate)
-        torch.mul(silu, up, out=h)
-        torch.cat([d_gate, d_up], dim=-1, out=dpre)  # after every read of pre_MI (out may be it)
-        return dpre, h
+        return swiglu_backward_reference(pre_MI, dh_MF, dpre, h)
     n, f = h.numel(), h.shape[-1]
     if n:
         grid = triton.cdiv(n, _BLOCK) if rows is None else min(triton.cdiv(n, _BLOCK), _STRIDED)
         _swiglu_bwd_kernel[(grid,)](pre_MI, dh_MF, dpre, h, n, f, h if rows is None else rows,
                                     HAS_ROWS=rows is not None, BLOCK=_BLOCK)
     return dpre, h
-
-
-class _SwiGLU(torch.autograd.Function):
-    """``h`` recorded by autograd with the fused kernels both ways (first derivatives only)."""
-
-    @staticmethod
-    def forward(ctx, pre_MI):
-        ctx.save_for_backward(pre_MI)
-        return swiglu(pre_MI)
-
-    @staticmethod
-    def backward(ctx, dh_MF):
-        (pre_MI,) = ctx.saved_tensors
-        return swiglu_backward(pre_MI, dh_MF.contiguous())[0]
-
-
-def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
-    """``h`` for a region autograd records: fused where :func:`fused_available`, else the eager
-    formula (which also supports higher derivatives)."""
-    if fused_available(pre_MI):
-        return _SwiGLU.apply(pre_MI)
-    gate, up = pre_MI.chunk(2, dim=-1)
-    return F.silu(gate) * up

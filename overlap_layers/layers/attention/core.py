@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ...kernels.heads import move_heads
+from ...kernels.heads import move_heads, move_heads_reference, rope_into
 
 QK_NORM_EPS = 1e-6
 
@@ -47,42 +47,22 @@ def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tenso
     return _Rope.apply(x_bhSd, cos, sin)
 
 
-def _rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               transpose: bool = False) -> torch.Tensor:
-    """RoPE of ``x`` into ``out`` per half, with ``x = [x1, x2]`` and the tables' halves ``c1, c2,
-    s1, s2``: ``[x1*c1 - x2*s1, x2*c2 + x1*s2]`` (= ``x*cos + rotate_half(x)*sin``), or with
-    ``transpose`` its transpose ``[x1*c1 + x2*s2, x2*c2 - x1*s1]`` (the backward). Four
-    half-width kernels writing ``out``'s halves in place: no concatenation, no rotated copy."""
-    h = x.shape[-1] // 2
-    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
-    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
-    torch.mul(x1, c1, out=o1).addcmul_(x2, s2 if transpose else s1, value=1 if transpose else -1)
-    torch.mul(x2, c2, out=o2).addcmul_(x1, s1 if transpose else s2, value=-1 if transpose else 1)
-    return out
-
-
 class _Rope(torch.autograd.Function):
-    """RoPE with a hand-written backward, its transpose (:func:`_rope_into`). Autograd of the
-    forward's slices would instead build a zero-filled full-size gradient per slice and add them
-    (about a dozen full-width kernels per tensor); this takes four half-width ones."""
+    """RoPE with a hand-written backward, its transpose
+    (:func:`~overlap_layers.kernels.heads.rope_into`). Autograd of the forward's slices would
+    instead build a zero-filled full-size gradient per slice and add them (about a dozen
+    full-width kernels per tensor); this takes four half-width ones."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rope_into(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, cos, sin)
+        return rope_into(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        return _rope_into(torch.empty(g.shape, dtype=g.dtype, device=g.device), g, cos, sin, transpose=True), \
+        return rope_into(torch.empty(g.shape, dtype=g.dtype, device=g.device), g, cos, sin, transpose=True), \
             None, None
-
-
-def _head_views(qkv_gbsC: torch.Tensor, nq: int, nkv: int, d: int):
-    """q, k, v of rank-major rows ``qkv [g, b, s, C]`` as ``[b, n, g, s, d]`` views (no copy)."""
-    def heads(lo: int, n: int) -> torch.Tensor:
-        return qkv_gbsC[..., lo * d:(lo + n) * d].unflatten(-1, (n, d)).permute(1, 3, 0, 2, 4)
-    return heads(0, nq), heads(nq, nkv), heads(nq + nkv, nkv)
 
 
 def _move_heads(rows_gbsC: torch.Tensor, heads, cos_sin, nq: int, nkv: int, d: int, backward: bool) -> None:
@@ -90,15 +70,8 @@ def _move_heads(rows_gbsC: torch.Tensor, heads, cos_sin, nq: int, nkv: int, d: i
     and k, or (``backward``) the heads' gradients back to the rows with RoPE's transpose."""
     g, s = rows_gbsC.shape[0], rows_gbsC.shape[2]
     tables = None if cos_sin is None else tuple(t.unflatten(1, (g, s)) for t in cos_sin)
-    if move_heads(rows_gbsC, heads, tables, nq, nkv, d, backward):  # one Triton kernel for q, k and v (CUDA)
-        return
-    tables = None if tables is None else tuple(t[:, None] for t in tables)
-    for n, (rows, head) in enumerate(zip(_head_views(rows_gbsC, nq, nkv, d), heads)):
-        src, dst = (head, rows) if backward else (rows, head)
-        if n == 2 or tables is None:  # v, or no RoPE
-            dst.copy_(src)
-        else:
-            _rope_into(dst, src, *tables, transpose=backward)
+    if not move_heads(rows_gbsC, heads, tables, nq, nkv, d, backward):  # one Triton kernel for q, k and v (CUDA)
+        move_heads_reference(rows_gbsC, heads, tables, nq, nkv, d, backward)
 
 
 def heads_into(qkv_gbsC: torch.Tensor, q, k, v, cos_sin, nq: int, nkv: int, d: int) -> None:

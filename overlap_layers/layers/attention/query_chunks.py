@@ -49,7 +49,8 @@ under the own rows' work. Reverted.
 
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton
-kernel on CUDA (reads both pieces, writes the output in any layout), else torch formulas.
+kernel on CUDA (reads both pieces, writes the output in any layout: ``kernels/query_chunks.py``),
+else torch formulas.
 """
 from __future__ import annotations
 
@@ -57,13 +58,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...kernels.query_chunks import merge_fused, merge_reference
 from ...kernels.triton_gate import runs_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: the torch merge
-    triton = None
 
 _aten = torch.ops.aten
 
@@ -99,15 +95,9 @@ def merge_into(o_out, lse_out, o1, l1, o2=None, l2=None) -> None:
     s, d]`` and ``lse_out [b, n, s]`` (any strides); one Triton pass where it runs, but for float64
     (the kernel merges in float32), else torch ops."""
     if runs_triton(o1) and o1.dtype != torch.float64:
-        _merge_triton(o_out, lse_out, o1, l1, o2, l2)
-        return
-    if o2 is None:
-        o_out.copy_(o1)
-        lse_out.copy_(l1)
-        return
-    lse = torch.logaddexp(l1, l2)
-    o_out.copy_(o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1))
-    lse_out.copy_(lse)
+        merge_fused(o_out, lse_out, o1, l1, o2, l2)
+    else:
+        merge_reference(o_out, lse_out, o1, l1, o2, l2)
 
 
 def diagonal(q, k, v, c: int, s: int, *, scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -145,47 +135,3 @@ def core_backward(do, q, k, v, o, lse, *, causal: bool, scale: Optional[float]):
             do, q, k, v, o, lse.unsqueeze(-1), seed, seed, None, None, None, S, Sk, 0.0, causal, scale=scale)
     return _aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
                                                                      scale=scale)
-
-
-_ROWS = 64  # rows of one merge program
-
-if triton is not None:
-    @triton.jit
-    def _merge_kernel(o1, l1, o2, l2, out, lout, s, nh, d,
-                      o1_b, o1_h, o1_s, l1_b, l1_h, l1_s, o2_b, o2_h, o2_s, l2_b, l2_h, l2_s,
-                      out_b, out_h, out_s, lo_b, lo_h, lo_s, TWO: tl.constexpr, D: tl.constexpr,
-                      ROWS: tl.constexpr):
-        bh = tl.program_id(1)
-        b, h = bh // nh, bh % nh
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, D)
-        rm, m = rows < s, (rows < s)[:, None] & (cols < d)[None, :]
-        la = tl.load(l1 + b * l1_b + h * l1_h + rows * l1_s, mask=rm, other=0.0).to(tl.float32)
-        x = tl.load(o1 + b * o1_b + h * o1_h + rows[:, None] * o1_s + cols[None, :], mask=m, other=0.0)
-        x = x.to(tl.float32)
-        if TWO:
-            lb = tl.load(l2 + b * l2_b + h * l2_h + rows * l2_s, mask=rm, other=0.0).to(tl.float32)
-            y = tl.load(o2 + b * o2_b + h * o2_h + rows[:, None] * o2_s + cols[None, :], mask=m, other=0.0)
-            top = tl.maximum(la, lb)
-            ea, eb = tl.exp(la - top), tl.exp(lb - top)
-            tot = ea + eb
-            x = x * (ea / tot)[:, None] + y.to(tl.float32) * (eb / tot)[:, None]
-            la = top + tl.log(tot)
-        tl.store(out + b * out_b + h * out_h + rows[:, None] * out_s + cols[None, :],
-                 x.to(out.dtype.element_ty), mask=m)
-        tl.store(lout + b * lo_b + h * lo_h + rows * lo_s, la.to(lout.dtype.element_ty), mask=rm)
-
-
-def _merge_triton(o_out, lse_out, o1, l1, o2, l2) -> None:
-    b, nh, s, d = o1.shape
-    two = o2 is not None
-    if not two:
-        o2, l2 = o1, l1
-    for t in (o_out, o1, o2):
-        assert t.stride(3) == 1, "the merge reads and writes rows of d contiguous elements"
-    if b * nh * s == 0:
-        return
-    _merge_kernel[(triton.cdiv(s, _ROWS), b * nh)](
-        o1, l1, o2, l2, o_out, lse_out, s, nh, d,
-        *o1.stride()[:3], *l1.stride(), *o2.stride()[:3], *l2.stride(), *o_out.stride()[:3], *lse_out.stride(),
-        TWO=two, D=triton.next_power_of_2(d), ROWS=_ROWS)

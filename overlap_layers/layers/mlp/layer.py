@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import OverlapConfig
-from ...kernels.swiglu import swiglu, swiglu_backward, swiglu_recorded
+from ...kernels.swiglu import swiglu, swiglu_backward
 from ...planning.first_order import first_order, keeps_graph
 from ...planning.plan_cache import Trial
 from ...planning.planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, recorded_pass,
@@ -53,6 +53,7 @@ from ...runtime import resolve_group
 from ...runtime.collectives import _all_gather as all_gather_rows
 from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
+from ..common.activations import swiglu_recorded
 from ..common.cost import MLPCostModel
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  row_forward, weight_grad)

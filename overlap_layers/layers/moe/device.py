@@ -476,7 +476,7 @@ def _pulls(c: SourceCall, s: _Streams, peers: list, slots: list):
 def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     """The forward pass (module docstring): ``(own, back, late, added, saved)``, the own results of
     the groups before ``c.split``, ``back`` (the peers' results at their send rows), ``late``
-    (:func:`~.moe_combine.combine_rows`' ``late`` and ``n_first``, or empty), ``extra()``'s
+    (:func:`~.combine.combine_rows`' ``late`` and ``n_first``, or empty), ``extra()``'s
     result; with ``save``, ``saved`` holds each part's input rows and pre-activations for
     :func:`_backward`: "own", each peer part's index, "late". Saving, each peer part keeps a slot
     of its own, and the own rows go to buffers of their own ([Note: own rows kept apart])."""
@@ -534,7 +534,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
 
 
 def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`~.expert_wgrad.grouped_wgrad_parts`' ``(part, lo, hi)`` ``[source, El]`` for the
+    """:func:`~overlap_layers.kernels.expert_wgrad.grouped_wgrad_parts`' ``(part, lo, hi)`` ``[source, El]`` for the
     backward's ``parts`` (``(source, (a, b))`` each, in order): source s's rows of group g lie in
     the part holding that group, from its first group's first row on. Allocated on the current
     stream, written on the push stream (which the caller forked)."""
@@ -633,7 +633,7 @@ class _SourceExperts(torch.autograd.Function):
     ``w_out`` and ``weights`` (:func:`_forward` saving, :func:`_backward`); ``c`` a
     :class:`SourceCall`. The combine keeps each assignment's row, token-major, for the weights'
     gradient, and the backward places each row's gradient where its input row went as it computes
-    that gradient (:func:`~.moe_combine.weigh_backward_into`)."""
+    that gradient (:func:`~.combine.weigh_backward_into`)."""
 
     @staticmethod
     def forward(ctx, x_TH, w_in, w_out, weights, c: SourceCall):

@@ -63,7 +63,7 @@ device computes while the host reads the counts and starts the exchange.
 
 [Note: MoE no-grad combine]
 A call without autograd needs no token-major rows (only the router's gradient reads them): its
-combine is :func:`~.moe_combine.combine_rows`, one kernel reading each token's k result rows where
+combine is :func:`~.combine.combine_rows`, one kernel reading each token's k result rows where
 they are in send order (the rank exchange's back rows, and its own pieces' results where their
 GEMMs wrote them: ``moe_ranks.combine_back``; the tiles' ``y_perm``), a row past the kept count
 (dropped by capacity) as 0. The grad-mode combine (a gather into token order, zero rows for the
@@ -83,6 +83,7 @@ from torch import nn
 
 from ...config import OverlapConfig
 from ...kernels import triton_gate
+from ...kernels.routing import count, key_dtype
 from ...kernels.send_rows import place_in_key_order
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number,
@@ -102,7 +103,7 @@ from .combine import combine_rows, weigh_rows
 from .cost import MoECostModel
 from .device import DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
 from .ranks import RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first, piece_offsets
-from .routing import count, key_dtype, route_topk
+from .routing import route_topk
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
 
@@ -326,7 +327,7 @@ class _Call:
 
     def experts(self, x_g: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out) -> torch.Tensor:
         """Rows grouped by local expert (``sizes`` rows each; ``offs`` their cumulative ends on the
-        device) through their experts (:func:`~.moe_ranks.experts_forward`: one grouped GEMM per
+        device) through their experts (:func:`~.ranks.experts_forward`: one grouped GEMM per
         projection where :func:`grouped_gemm_ok`, else a GEMM pair per expert)."""
         return experts_forward(self.activation, grouped_gemm_ok(x_g, w_in, w_out), x_g, sizes, offs,
                                w_in.transpose(-2, -1), w_out.transpose(-2, -1))[0]
@@ -698,7 +699,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         return ex
 
     def _run_device(self, x: torch.Tensor, max_tokens: int, slot: Optional[int] = None) -> torch.Tensor:
-        """One call by :func:`~.moe_device.experts_by_source` ([Note: MoE graph calls]);
+        """One call by :func:`~.device.experts_by_source` ([Note: MoE graph calls]);
         ``max_tokens``: the group's largest token count this call; ``slot``: the rows of each part's
         buffers (:meth:`_device_slot`, [Note: MoE slot rows]; None: the bound of rows), with fewer
         than the bound its peak count written into ``self._device_peak``."""
@@ -939,7 +940,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         """``y [T, H]``: each token's kept result rows weighted, from ``rows`` in send order (the
         first ``kept`` valid), or token-major (``token_major``: the rank exchange's, with zero
         rows where dropped); with ``save`` in autograd (the module docstring), else by
-        :func:`~.moe_combine.combine_rows` ([Note: MoE no-grad combine])."""
+        :func:`~.combine.combine_rows` ([Note: MoE no-grad combine])."""
         n, H = pos.numel(), rows.shape[1]
         if not save:
             return combine_rows(rows, rows, pos, weights, kept, None if kept == n else kept)

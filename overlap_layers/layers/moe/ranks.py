@@ -60,13 +60,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: the torch path
-    triton = None
-
 from ...kernels.expert_wgrad import grouped_wgrad
+from ...kernels.moe_ranks import piece_offsets_fused, piece_offsets_reference
 from ...kernels.send_rows import place_in_key_order
 from ...kernels.triton_gate import runs_triton
 from ...planning.first_order import first_order, take
@@ -148,35 +143,9 @@ def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     slower than the device computes is the pace there: session 39's profile of the qwen3 forward
     at EP 2 had the device idle for 0.6 ms of small launches before the first GEMM), else torch
     ops."""
-    ws, El = counts.shape
-    out = counts.new_empty((ws + 2, El), dtype=torch.int32)
-    if runs_triton(counts):  # one launch: on the host's critical path before the first GEMM (four below)
-        _piece_offsets_kernel[(1,)](counts, out, rank, m, counts.stride(0), counts.stride(1), WS=ws, EL=El,
-                                    EL_P2=triton.next_power_of_2(El), num_warps=1)
-        return out
-    # own, then the peers in step order
-    ends = torch.cumsum(torch.roll(counts, -rank, 0), 1, dtype=torch.int32, out=out[2:])
-    torch.clamp(ends[:1], max=m, out=out[:1])  # the first part: own rows [0, m)
-    torch.sub(ends[:1], out[:1], out=out[1:2])  # the second part: the rest
-    return out
-
-
-if triton is not None:
-    @triton.jit
-    def _piece_offsets_kernel(counts_ptr, out_ptr, rank, m, s0, s1, WS: tl.constexpr, EL: tl.constexpr,
-                              EL_P2: tl.constexpr):
-        """:func:`piece_offsets`: row ``2 + j`` the cumulative counts of source ``(rank + j) % WS``,
-        row 0 those of the own rows clamped to ``m``, row 1 the rest."""
-        e = tl.arange(0, EL_P2)
-        live = e < EL
-        for j in tl.static_range(WS):
-            s = (rank + j) % WS
-            ends = tl.cumsum(tl.load(counts_ptr + s * s0 + e * s1, mask=live, other=0).to(tl.int32), 0)
-            tl.store(out_ptr + (2 + j) * EL + e, ends, mask=live)
-            if j == 0:
-                first = tl.minimum(ends, m)
-                tl.store(out_ptr + e, first, mask=live)
-                tl.store(out_ptr + EL + e, ends - first, mask=live)
+    if runs_triton(counts):  # one launch: on the host's critical path before the first GEMM (four in torch)
+        return piece_offsets_fused(counts, rank, m)
+    return piece_offsets_reference(counts, rank, m)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -247,7 +216,7 @@ def combine_back(c: RankCall, back: torch.Tensor, weights: torch.Tensor, own) ->
     token-major, grouped k per token) weighted and summed, zero where dropped: the peers' from
     ``back`` in send order, the own rows' (send rows ``[0, own rows)``) where their pieces left them,
     ``own = (first rows, rest, n_first)``: rows ``[0, n_first)`` in ``first``, the others in
-    ``rest`` from its row 0 (:func:`~.moe_combine.combine_rows`, one pass; no copy of the own
+    ``rest`` from its row 0 (:func:`~.combine.combine_rows`, one pass; no copy of the own
     results into ``back``)."""
     first, rest, n_first = own
     return combine_rows(first, back, c.pos, weights, sum(c.piece_sizes[2]), late=rest, n_first=n_first)
