@@ -25,7 +25,7 @@ from overlap_layers import OverlapMoE  # noqa: E402
 from overlap_layers.bench.moe import PRESETS  # noqa: E402
 from overlap_layers.layers.moe import layer as moe_mod, ranks as moe_ranks  # noqa: E402
 from overlap_layers.launch import run_ranks  # noqa: E402
-from overlap_layers.planning.planned import TilePlan  # noqa: E402
+from overlap_layers.planning.plan import TilePlan  # noqa: E402
 from overlap_layers.runtime import exchange, rank_all_to_all as ra  # noqa: E402
 
 CALLS = 20

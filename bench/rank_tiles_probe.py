@@ -10,7 +10,7 @@ import os
 
 from overlap_layers.bench.cli import main
 from overlap_layers.bench.mlp import MLPBench, pass_fn
-from overlap_layers.planning.planned import TilePlan
+from overlap_layers.planning.plan import TilePlan
 
 
 def rank_fn(self, transport: str, backward: bool):

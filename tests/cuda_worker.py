@@ -449,7 +449,7 @@ def check_moe_rank_chunks(rank, ws, dev):
     piece added in its GEMM: [Note: expert weight gradients in the GEMM])."""
     from moe_reference import dense_moe
     from overlap_layers import OverlapMoE
-    from overlap_layers.planning.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cpu").manual_seed(11)
     r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
@@ -546,7 +546,7 @@ def check_fused_block(rank, ws, dev):
     for every call of the block's verification (fused and in turn) and the call after it."""
     from block_reference import EPS, NKV, NQ, THETA, make_case, reference
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock, finalize_grads
-    from overlap_layers.planning.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     torch.backends.cuda.matmul.allow_tf32 = False
     fails, group = 0, dist.group.WORLD
     c = make_case(8, S=4 * ws, norm="layernorm")
@@ -1306,7 +1306,7 @@ def check_no_late_compiles(rank, ws, dev):
     K=2, the MLP's rank chunks, the MoE's rank chunks over the copy engine (the combine's counts
     change with the routing)."""
     from overlap_layers import OverlapAttention, OverlapMoE
-    from overlap_layers.planning.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     from overlap_layers.kernels import triton_gate
     if triton_gate.triton is None:
         return 0

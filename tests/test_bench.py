@@ -470,7 +470,7 @@ def test_inproc_ab_plan_names():
     """``bench/inproc_ab.py``'s plan names: batch tiles with their compute streams and carveout."""
     import importlib.util
     import overlap_layers
-    from overlap_layers.planning.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("inproc_ab", os.path.join(root, "bench", "inproc_ab.py"))
     mod = importlib.util.module_from_spec(spec)

@@ -34,7 +34,7 @@ from attention_reference import dense_attention
 from moe_reference import dense_moe
 from overlap_layers import (OverlapAttention, OverlapConfig, OverlapMLP, OverlapMoE, UlyssesAttention, finalize_grads,
                             reduce_replicated_grads)
-from overlap_layers.planning.planned import TilePlan
+from overlap_layers.planning.plan import TilePlan
 from pool import RankFailure, call_each
 from test_mlp import dense_mlp, shard_in
 from test_verify import VERIFY_KS

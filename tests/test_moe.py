@@ -21,7 +21,7 @@ from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_o
 
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe.layer import grouped_gemm_ok, routed_ends
-from overlap_layers.planning.planned import TilePlan
+from overlap_layers.planning.plan import TilePlan
 from overlap_layers.sim import analytic_model
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}

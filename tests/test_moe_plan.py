@@ -10,7 +10,7 @@ from overlap_layers.layers.moe.layer import _backward_program, _Call, _forward_p
 from overlap_layers.planning.tiling import tile_bounds
 from overlap_layers.layers.moe.cost import MoECostModel
 from overlap_layers.planning.candidates import plan_candidates
-from overlap_layers.planning.planned import TilePlan
+from overlap_layers.planning.plan import TilePlan
 from overlap_layers.layers.common.tp_program import Accumulator
 from overlap_layers.sim import COMM_KINDS, HardwareModel, choose
 

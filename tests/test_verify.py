@@ -244,7 +244,7 @@ def test_steady_trials_decide_after_one_round():
 
 
 def test_contenders_add_a_runner_up_within_the_budget():
-    from overlap_layers.planning.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
              Candidate(4, False, (), (), 8.5, 0.4, 300), Candidate(8, False, (), (), 8.2, 0.3, 900))
@@ -257,7 +257,7 @@ def test_contenders_add_a_runner_up_within_the_budget():
 
 
 def test_contenders_add_the_best_rank_plan_and_verify_a_close_serial_plan():
-    from overlap_layers.planning.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     serial = Candidate(1, False, (), (), 10.0, 1.0, 500)
     ce = Candidate(1, False, (), (), 9.8, 0.1, 600, decomposition="rank", transport="copy_engine")
@@ -509,7 +509,7 @@ def test_total_ms_of_trial_passes(prequeue_ms, device, host, want):
 def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
     """A batch-tiled plan is timed against the best-predicted K below it and the best above it
     (on 4x H200 with P2P disabled the model put K=8 next to K=4 while K=2 ran faster), then K=1."""
-    from overlap_layers.planning.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
                   ((1, 12.0), (2, 9.0), (3, 9.5), (4, 8.0), (6, 8.9), (8, 8.8)))
@@ -523,7 +523,7 @@ def test_contenders_of_many_tiles_add_the_best_of_at_most_half():
     """A plan of K >= 4 is also timed against the best-predicted plan of at most K/2 tiles where
     that is not already the best-predicted K below it (with P2P disabled on 2x H200 the model put
     K=6 and 8 ahead of K=4, which ran faster)."""
-    from overlap_layers.planning.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
                   ((1, 12.0), (2, 9.4), (3, 9.6), (4, 9.0), (6, 8.2), (8, 8.0)))

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..layers.block.layer import OverlapTransformerBlock
-from ..planning.planned import TilePlan
+from ..planning.plan import TilePlan
 from .attention import AttentionBench, AttentionShape
 from .mlp import PRESETS, MLPBench, Shape
 from .runner import Profile, pass_fn, run_modes, verification_info

@@ -114,7 +114,7 @@ class MLPBench:
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""
-        from ..planning.planned import TilePlan
+        from ..planning.plan import TilePlan
         layer = self.layer
         layer.plan = None
         layer.pin_plan(TilePlan(1, decomposition="rank", transport=transport))

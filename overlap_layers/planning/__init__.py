@@ -2,6 +2,6 @@
 simulated, calibration on the device and its disk cache, measured traces, first-call
 verification, and the machinery every planned layer shares (:class:`.planned.PlannedLayer`:
 per-call agreement, plan cache, CUDA-graph calls, ``torch.compile`` calls, copies)."""
-from .planned import TilePlan
+from .plan import TilePlan
 
 __all__ = ["TilePlan"]

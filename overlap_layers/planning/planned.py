@@ -1,4 +1,5 @@
-"""What every planned layer shares: the tile plan type and the planning methods (a mixin).
+"""What every planned layer shares: the planning methods (a mixin); the tile plan type is in
+``plan.py``, a call's checks in ``checks.py`` and its passes in ``calls.py``.
 
 Reference: a :class:`PlannedLayer` with ``num_tiles="auto"`` runs, for each call, the plan its
 :class:`~overlap_layers.planning.plan_cache.PlanCache` holds for the call's key (the layer's shape
@@ -15,36 +16,35 @@ giving the device), and ends its constructor with :meth:`_init_layer`.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import warnings
 import weakref
 import zlib
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import OverlapConfig, check_num_tiles
-from ..runtime import StreamPool, execute, shared_agreement
-from ..runtime.carveout import carve_passes, carveout_available, default_carveout, gemm_sm_carveout
+from ..runtime import StreamPool, shared_agreement
+from ..runtime.carveout import carve_passes, carveout_available, default_carveout
 from ..runtime.group import first_disagreement
 from ..runtime.timing import rank_barrier
+from ..sim import analytic_model, choose
 from .calibrate import calibrate, measure_gemms, measure_ops
 from .calibration_cache import cache_key, cache_path, default_cache_dir, load_agreed, store
-from .trace import TraceJob, write_chrome_trace
-from torch.utils.weak import WeakTensorKeyDictionary
-from ..sim import analytic_model, choose
-from ..sim.planner import plan_label
 from .call_graphs import CallGraphs
+from .calls import capturing_graph, in_backward_pass, saved_tensor_hooks_active
 from .candidates import plan_candidates
 from .compiled import can_compile, compiled_call, register_layer
 from .copying import copy_module
+from .plan import TilePlan, contenders, plan_of
 from .plan_cache import PlanCache
 from .tiling import effective_num_tiles
+from .trace import TraceJob, write_chrome_trace
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _PLAN_CACHE_SIZE = 32
@@ -53,210 +53,6 @@ _PLAN_CACHE_SIZE = 32
 # ``host`` column, bench/results/graphs_h200x4_2026-11-26.md), and short, since every timed pass of
 # every layer waits this long once (about 18 passes per layer and shape).
 _PREQUEUE_MS = 10.0
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    """What one call of a layer runs: tiles, buckets per collective, backward strategy.
-
-    ``predicted_ms`` / ``predicted_peak_bytes`` / ``reason`` / ``candidates`` explain a planner's
-    choice (None / empty for a fixed or pinned plan), and ``verification`` the first-call
-    verification's numbers (:class:`~overlap_layers.planning.plan_cache.PlanCache`); none of them
-    changes what runs."""
-
-    num_tiles: int
-    buckets_fwd: tuple = ()
-    buckets_bwd: tuple = ()
-    regather: bool = False  # backward re-gathers x instead of saving the gathered input
-    num_streams: int = 2
-    transport: str = "nccl"  # or "copy_engine" (rank decomposition only)
-    decomposition: str = "batch"  # or "rank": split by source rank (MLP, attention; layers/common/rank_chunks.py)
-    # SMs the GEMMs leave free in (forward, backward) where the plan overlaps NCCL collectives with
-    # them (:attr:`carved_sms`; [Note: SM carveout]); changes no collective
-    carveout: tuple = ()
-    predicted_ms: Optional[float] = field(default=None, compare=False)
-    predicted_peak_bytes: Optional[int] = field(default=None, compare=False)
-    reason: str = field(default="", compare=False)
-    candidates: tuple = field(default=(), compare=False, repr=False)
-    verification: tuple = field(default=(), compare=False, repr=False)
-
-    @property
-    def buckets(self) -> dict:
-        return {"fwd": dict(self.buckets_fwd), "bwd": dict(self.buckets_bwd)}
-
-    @property
-    def is_serial(self) -> bool:
-        return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
-                and self.decomposition == "batch")
-
-    def carved_sms(self, backward: bool) -> int:
-        """SMs the pass's GEMMs leave free: :attr:`carveout`'s, where the plan overlaps NCCL
-        collectives with its GEMMs (batch tiles, K > 1); else 0."""
-        overlaps = self.num_tiles > 1 and self.decomposition == "batch" and self.transport == "nccl"
-        return self.carveout[int(backward)] if overlaps and self.carveout else 0
-
-    @property
-    def label(self) -> str:
-        """See :func:`~overlap_layers.sim.planner.plan_label`."""
-        return plan_label(self.decomposition, self.transport, self.num_tiles)
-
-    def digest(self) -> int:
-        """Equal on every rank for plans that run the same collectives (``hash()`` is salted)."""
-        key = (self.num_tiles, self.buckets_fwd, self.buckets_bwd, self.regather, self.num_streams, self.transport,
-               self.decomposition)
-        return zlib.crc32(repr(key).encode())
-
-
-# A serial plan is timed against rivals predicted within this fraction of it. The model's error is
-# this large: on 4x H200 (TP 4, llama3-8b MLP) rank chunks over the copy engine were predicted 7-25%
-# slower than K=1 and ran 5-19% faster as CUDA-graph replays (bench/results/graphs_h200x4_2026-11-26.md).
-VERIFY_CLOSE = 0.25
-
-
-def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
-    """What first-call verification times, the plain layer (K=1) last, each carrying ``plan``'s
-    explanation and its own prediction. For a tiled ``plan``: ``plan``, the best-predicted
-    candidate within ``budget`` (the planner's memory budget, as :func:`~overlap_layers.sim.choose`
-    applies it) of each other kind (batch tiles with fewer tiles than a batch-tiled ``plan``, with
-    at most half as many where the best of those is another plan, and with more; or with another
-    K > 1; rank chunks per transport), then K=1. For a serial
-    ``plan``: the same rivals, only those predicted at most :data:`VERIFY_CLOSE` slower than K=1
-    (the model cannot tell them apart), then K=1; or ``[plan]`` alone."""
-    def as_plan(c):
-        return plan_of(c, reason=plan.reason, candidates=plan.candidates, carveout=plan.carveout,
-                       num_streams=plan.num_streams)
-
-    def best(cands):
-        return min(cands, key=lambda c: (c.predicted_ms, c.num_tiles))
-
-    serial = next((c for c in plan.candidates if c.is_serial), None)
-    kinds = {}
-    for c in plan.candidates:
-        kind = (c.decomposition, c.transport)
-        if c.decomposition == "batch":
-            same = c.num_tiles == 1 or (plan.decomposition == "batch" and c.num_tiles == plan.num_tiles)
-            if plan.decomposition == "batch" and plan.num_tiles > 1:  # the model may misjudge either way
-                kind += ("fewer tiles" if c.num_tiles < plan.num_tiles else "more tiles",)
-        else:
-            same = kind == (plan.decomposition, plan.transport)
-        if same or (budget is not None and c.peak_bytes > budget):
-            continue
-        if plan.is_serial and (serial is None or c.predicted_ms > serial.predicted_ms * (1 + VERIFY_CLOSE)):
-            continue
-        kinds.setdefault(kind, []).append(c)
-    # The model favours many tiles (it does not see NCCL slowed beside the GEMMs, nor the host's cost
-    # per tile): with P2P disabled on 2x H200 it put K=6 and K=8 ahead of K=4, which ran 6-16% faster
-    # (bench/results/session22_h200x2_2026-11-26.md). So a plan of K >= 4 is also timed against the
-    # best plan of at most half its tiles, not only against the best-predicted K below it.
-    for kind, cands in list(kinds.items()):
-        half = [c for c in cands if 2 * c.num_tiles <= plan.num_tiles]
-        if kind[-1] == "fewer tiles" and half and best(half) is not best(cands):
-            kinds[kind[:-1] + ("half the tiles",)] = half
-    rivals = [as_plan(best(cands)) for _, cands in sorted(kinds.items())]
-    if plan.is_serial:
-        return [*rivals, plan] if rivals else [plan]
-    return [plan, *rivals, as_plan(serial) if serial else TilePlan(1, reason=plan.reason)]
-
-
-def plan_of(c, *, reason: str, candidates: tuple, carveout: tuple = (), num_streams: int = 2) -> TilePlan:
-    """The plan that runs candidate ``c`` (a :class:`~overlap_layers.sim.Candidate`)."""
-    return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, num_streams, transport=c.transport,
-                    decomposition=c.decomposition, carveout=carveout, predicted_ms=c.predicted_ms,
-                    predicted_peak_bytes=c.peak_bytes, reason=reason, candidates=candidates)
-
-
-def resolve_config(config: Optional[OverlapConfig], num_tiles):
-    """``(config, K or "auto")`` from a layer's ``config=`` and ``num_tiles=`` arguments (an explicit
-    ``num_tiles`` overrides ``config.num_tiles``); ValueError on anything else."""
-    if config is None:
-        config = OverlapConfig()
-    elif not isinstance(config, OverlapConfig):
-        raise ValueError(f"config={config!r}; must be an overlap_layers.OverlapConfig or None")
-    return config, check_num_tiles(config.num_tiles if num_tiles is None else num_tiles)
-
-
-def finite_number(v, zero_ok: bool = False) -> bool:
-    """Whether ``v`` is a real number (an int or a float, not a bool), finite and positive (or
-    zero, with ``zero_ok``): the check of the layers' float arguments."""
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v < math.inf
-            and (v >= 0 if zero_ok else v > 0))
-
-
-def check_dtype(dtype) -> None:
-    """ValueError unless a layer's ``dtype=`` is None (torch's default) or a floating-point
-    ``torch.dtype`` (its parameters require grad)."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r}; must be None (torch's default) or a floating-point torch.dtype")
-
-
-def apply_saving(fn, save: bool, *args):
-    """``fn.apply(*args)`` (an autograd Function), recording its graph only when ``save``."""
-    if save:
-        return fn.apply(*args)
-    with torch.no_grad():
-        return fn.apply(*args)
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks are installed (a checkpointed region, or activation offloading)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward node now (e.g. a checkpoint's recomputation)."""
-    return torch._C._current_autograd_node() is not None
-
-
-X_ERRORS = {
-    1: "input must be 3-D [batch, seq, hidden]",
-    2: "input hidden dim must equal hidden_size",
-    3: "input dtype must be floating and equal the weights' dtype outside autocast",
-    4: "input must be on the weights' device",
-}
-
-
-def capturing_graph(x: torch.Tensor) -> bool:
-    """Whether this call on ``x`` is being captured into a CUDA graph ([Note: CUDA graphs])."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def x_error(x, hidden_size: int, weight: torch.Tensor) -> int:
-    """This rank's error code for a layer input ``x`` (0 if fine; keys of :data:`X_ERRORS`)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        return 1
-    if x.shape[-1] != hidden_size:
-        return 2
-    if x.device != weight.device:
-        return 4
-    if not x.is_floating_point() or (x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)):
-        return 3
-    return 0
-
-
-@contextlib.contextmanager
-def recorded_pass(call, *, backward: bool, device: torch.device):
-    """One pass of a layer call: yields the ``OpRecorder`` for ``export_trace(measured=True)``
-    (None unless ``call.trace`` is set); in backward, times the pass for first-call verification
-    when ``call.trial`` is set, and writes the trace at the end."""
-    trace, trial = call.trace, (call.trial if backward else None)
-    recorder = None if trace is None else (trace.start_backward() if backward else trace.fwd)
-    if trial is not None:
-        trial.bwd = trial.fwd.sibling()
-        trial.bwd.start()
-    yield recorder
-    if trial is not None:
-        trial.bwd.stop()
-    if backward and trace is not None:
-        trace.write()
-
-
-def run_tiles(call, schedule, envs, label: str, *, backward: bool, device: torch.device) -> None:
-    """``execute`` one pass of a layer call on ``call.streams`` (``call.group``, ``call.launch_log``)
-    as a :func:`recorded_pass`."""
-    with recorded_pass(call, backward=backward, device=device) as recorder, \
-            gemm_sm_carveout(call.plan.carved_sms(backward)):
-        execute(schedule, envs, call.group, streams=call.streams, label=label, trace=call.launch_log,
-                recorder=recorder)
 
 
 class PlannedLayer:
@@ -565,9 +361,9 @@ class PlannedLayer:
             return self._empty_output(x, dtype)
         trial = None
         key = self._replay_key if self._replay_key is not None else x
-        in_backward = _in_backward()
+        in_backward = in_backward_pass()
         replay = self._plan_of_input.get(key) if in_backward and isinstance(key, torch.Tensor) else None
-        hooked = save and _saved_tensor_hooks_active()  # a checkpointed region: [Note: recompute]
+        hooked = save and saved_tensor_hooks_active()  # a checkpointed region: [Note: recompute]
         pkey = self._plan_key(shape[:2], dtype, save)
         queue = self._checkpointed_plans.setdefault(pkey, deque()) if hooked else None
         if fixed is not None:

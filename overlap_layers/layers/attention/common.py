@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ...planning.planned import X_ERRORS, finite_number, x_error
+from ...planning.checks import X_ERRORS, finite_number, x_error
 from .core import rope_cos_sin
 
 INPUT_ERRORS = {

@@ -78,9 +78,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config import OverlapConfig
+from ...planning.calls import apply_saving, recorded_pass, run_tiles
+from ...planning.checks import check_dtype, resolve_config
 from ...planning.first_order import first_order, keeps_graph, take
-from ...planning.planned import (PlannedLayer, TilePlan, apply_saving, check_dtype, recorded_pass, resolve_config,
-                                 run_tiles)
+from ...planning.plan import TilePlan
+from ...planning.planned import PlannedLayer
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group

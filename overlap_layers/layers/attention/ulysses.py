@@ -54,8 +54,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config import OverlapConfig
+from ...planning.calls import run_tiles
+from ...planning.checks import check_dtype, resolve_config
 from ...planning.first_order import first_order, keeps_graph, take
-from ...planning.planned import PlannedLayer, TilePlan, check_dtype, resolve_config, run_tiles
+from ...planning.plan import TilePlan
+from ...planning.planned import PlannedLayer
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
 from ...schedule import TileProgram, comm, compute, round_robin, wait

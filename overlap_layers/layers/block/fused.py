@@ -54,8 +54,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ...planning.calls import run_tiles
 from ...planning.first_order import first_order, keeps_graph, take
-from ...planning.planned import run_tiles
 from ...planning.tiling import tile_bounds
 from ...schedule import TileProgram, compute, round_robin, scoped
 from ..attention.layer import _Call as AttentionCall
@@ -98,7 +98,7 @@ def norm(kind: str, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
 
 class FusedCall:
     """What :class:`FusedBlock` needs besides tensors: the sublayers' calls at the block's K, the
-    norm's kind and eps, and the run's settings for :func:`~overlap_layers.planning.planned.run_tiles`."""
+    norm's kind and eps, and the run's settings for :func:`~overlap_layers.planning.calls.run_tiles`."""
 
     def __init__(self, attn: AttentionCall, mlp: MLPCall, norm_kind: str, eps: float) -> None:
         self.attn, self.mlp, self.norm_kind, self.eps = attn, mlp, norm_kind, eps

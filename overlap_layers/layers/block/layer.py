@@ -40,10 +40,10 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from ...config import OverlapConfig
+from ...planning.calls import apply_saving, in_backward_pass, saved_tensor_hooks_active
+from ...planning.checks import X_ERRORS, check_dtype, finite_number, x_error
 from ...planning.copying import copy_module
 from ...planning.plan_cache import PlanCache
-from ...planning.planned import (X_ERRORS, _in_backward, _saved_tensor_hooks_active, apply_saving, check_dtype,
-                                 finite_number, x_error)
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
 from ..attention.layer import OverlapAttention
@@ -275,8 +275,8 @@ class OverlapTransformerBlock(nn.Module):
         if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
                 or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
             return False
-        return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or _in_backward()
-                    or (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
+        return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or in_backward_pass()
+                    or (torch.is_grad_enabled() and saved_tensor_hooks_active()))
 
     def _block_plan(self, x, agreed, mlp_saves: bool):
         """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its

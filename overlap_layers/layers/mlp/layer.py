@@ -42,10 +42,12 @@ from torch import nn
 
 from ...config import OverlapConfig
 from ...kernels.swiglu import swiglu, swiglu_backward
+from ...planning.calls import apply_saving, recorded_pass, run_tiles
+from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
 from ...planning.first_order import first_order, keeps_graph
+from ...planning.plan import TilePlan
 from ...planning.plan_cache import Trial
-from ...planning.planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, recorded_pass,
-                                 resolve_config, run_tiles, x_error)
+from ...planning.planned import PlannedLayer
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...planning.trace import TraceJob

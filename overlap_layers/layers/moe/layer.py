@@ -85,9 +85,11 @@ from ...config import OverlapConfig
 from ...kernels import triton_gate
 from ...kernels.routing import count, key_dtype
 from ...kernels.send_rows import place_in_key_order
+from ...planning.calls import apply_saving, run_tiles
+from ...planning.checks import X_ERRORS, check_dtype, finite_number, resolve_config, x_error
 from ...planning.first_order import first_order, keeps_graph, take
-from ...planning.planned import (X_ERRORS, PlannedLayer, TilePlan, apply_saving, check_dtype, finite_number,
-                                 resolve_config, run_tiles, x_error)
+from ...planning.plan import TilePlan
+from ...planning.planned import PlannedLayer
 from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
 from ...runtime.collectives import _all_gather as all_gather_rows

@@ -64,8 +64,8 @@ from ...kernels.expert_wgrad import grouped_wgrad
 from ...kernels.moe_ranks import piece_offsets_fused, piece_offsets_reference
 from ...kernels.send_rows import place_in_key_order
 from ...kernels.triton_gate import runs_triton
+from ...planning.calls import recorded_pass
 from ...planning.first_order import first_order, take
-from ...planning.planned import recorded_pass
 from ..common.rank_chunks import piece, piece_tag
 from ..mlp.layer import _act, _act_backward
 from .combine import combine_rows
