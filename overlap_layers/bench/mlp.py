@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from ..config import OverlapConfig
 from ..layers.mlp.layer import OverlapMLP, _act  # plain PyTorch ops of the dense activation
+from ..planning.plan import TilePlan
+from ..planning.rank_plans import RankChunkPlans
 from ..runtime.collectives import _all_gather, _reduce_scatter
 from .runner import Profile, pass_fn, run_modes
 
@@ -109,12 +111,10 @@ class MLPBench:
     def has_rank_chunks(self) -> bool:
         """Whether the layer has the rank-chunk plan for this shape (rows split by source rank:
         sequence parallel, or the MoE's exchange; 2+ ranks)."""
-        from ..planning.rank_plans import RankChunkPlans
         return isinstance(self.layer, RankChunkPlans) and self.layer._source_split and self.ws > 1
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""
-        from ..planning.plan import TilePlan
         layer = self.layer
         layer.plan = None
         layer.pin_plan(TilePlan(1, decomposition="rank", transport=transport))

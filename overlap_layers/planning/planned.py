@@ -41,6 +41,7 @@ from .calls import capturing_graph, in_backward_pass, saved_tensor_hooks_active
 from .candidates import plan_candidates
 from .compiled import can_compile, compiled_call, register_layer
 from .copying import copy_module
+from .dtensor import as_dtensor_params, dtensor_forward
 from .plan import TilePlan, contenders, plan_of
 from .plan_cache import PlanCache
 from .tiling import effective_num_tiles
@@ -104,7 +105,7 @@ class PlannedLayer:
     def _local(self, name: str):
         """Parameter ``name`` (or None) as the ``group=`` layout's local tensor the compute uses: the
         parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]
-        in overlap_layers.integrations.dtensor)."""
+        in ``planning/dtensor.py``)."""
         p = getattr(self, name)
         view = self._local_views.get(name)
         return p if view is None else view(p)
@@ -112,7 +113,6 @@ class PlannedLayer:
     def _as_dtensors(self, mesh, axis) -> None:
         """With ``mesh=``, hold the parameters as DTensors on the mesh axis (no-op for None)."""
         if mesh is not None:
-            from ..integrations.dtensor import as_dtensor_params  # integrations import the layers
             as_dtensor_params(self, mesh, axis)
 
     # ----------------------------------------------------------------- DTensor inputs
@@ -123,7 +123,7 @@ class PlannedLayer:
     def dtensor_io(forward: Callable) -> Callable:
         """Decorator of a layer's ``forward(self, x, ...)``: a plain ``x`` runs ``forward`` unchanged;
         a DTensor ``x`` runs it on ``x``'s local tensor and returns a DTensor with ``x``'s placements
-        ([Note: DTensor inputs] in overlap_layers.integrations.dtensor). While ``torch.compile``
+        ([Note: DTensor inputs] in ``planning/dtensor.py``). While ``torch.compile``
         traces, the call becomes one opaque op ([Note: compiled calls] in .compiled)."""
         @functools.wraps(forward)
         def wrapper(self, x, *args, **kwargs):
@@ -133,7 +133,6 @@ class PlannedLayer:
                     return compiled_call(self, x, extras)
             if not isinstance(x, DTensor):
                 return forward(self, x, *args, **kwargs)
-            from ..integrations.dtensor import dtensor_forward  # integrations import the layers
             return dtensor_forward(self, functools.partial(forward, self), x, *args, **kwargs)
         return wrapper
 

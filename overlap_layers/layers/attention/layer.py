@@ -71,15 +71,17 @@ wgrad      dwo += dy_q.T @ o[q] beside the pulls; dwqkv += dqkv[q].T @ x_q besid
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
 from ...planning.calls import apply_saving, recorded_pass, run_tiles
 from ...planning.checks import check_dtype, resolve_config
+from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.plan import TilePlan
 from ...planning.planned import PlannedLayer
@@ -494,7 +496,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     them (:func:`overlap_layers.finalize_grads` does, for every layer in a module).
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (replicated KV heads: a Replicate of the dense ``wk``...); see
-    overlap_layers.integrations.dtensor.
+    overlap_layers.planning.dtensor.
 
     Input ``[batch, seq_local, hidden]`` with ``sequence_parallel`` (rank r holds positions
     ``r*seq_local ..``), else the replicated ``[batch, seq, hidden]``; the output has the input's
@@ -545,6 +547,22 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     def _q_heads(self) -> range:
         return range(self.rank * self.num_heads_local, (self.rank + 1) * self.num_heads_local)
+
+    def _dtensor_layouts(self) -> Dict[str, Layout]:
+        """[Note: DTensor parameters] (``planning/dtensor.py``): ``wk``, ``wv``, ``bk``, ``bv``
+        Shard(0) if ``num_kv_heads >= ws``, else a Replicate of the dense tensor whose rows of this
+        rank's head it computes with."""
+        d = self.head_dim
+        heads = self._kv_heads()
+        kv = Layout(Shard(0)) if self.num_kv_heads >= self.world_size else \
+            Layout(Replicate(), rows=slice(heads.start * d, heads.stop * d))
+        return {"wq": Layout(Shard(0)), "bq": Layout(Shard(0)), "wk": kv, "wv": kv, "bk": kv, "bv": kv,
+                "wo": Layout(Shard(1)), "bo": Layout(Replicate()), "q_norm": Layout(Replicate()),
+                "k_norm": Layout(Replicate())}
+
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs]: the sequence shard with sequence parallelism, else replicated."""
+        return (Shard(1),) if self.sequence_parallel else (Replicate(),)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -717,7 +735,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
         return self._call_with_positions(x, self._agree_input(x, position_ids, position_embeddings, attention_mask),

@@ -47,15 +47,17 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
 from ...planning.calls import run_tiles
 from ...planning.checks import check_dtype, resolve_config
+from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.plan import TilePlan
 from ...planning.planned import PlannedLayer
@@ -363,6 +365,14 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         self._indices: dict = {}  # (heads, field, device) -> index tensor, so a call copies no index to the device
 
     # ----------------------------------------------------------------- weights
+    def _dtensor_layouts(self) -> Dict[str, Layout]:
+        """[Note: DTensor parameters] (``planning/dtensor.py``): whole on every rank."""
+        return {n: Layout(Replicate()) for n in PARAMS}
+
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs]: the sequence shard."""
+        return (Shard(1),)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Initialise as ``nn.Linear`` layers q, k, v, o (weight then bias each, in that order)
@@ -471,7 +481,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
         err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,

@@ -37,12 +37,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.modules import module as _module_hooks
 
 from ...config import OverlapConfig
 from ...planning.calls import apply_saving, in_backward_pass, saved_tensor_hooks_active
 from ...planning.checks import X_ERRORS, check_dtype, finite_number, x_error
 from ...planning.copying import copy_module
+from ...planning.dtensor import axis_mesh, dtensor_forward, local
 from ...planning.plan_cache import PlanCache
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
@@ -72,7 +74,7 @@ class BlockNorm(nn.Module):
             else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = _local(self.weight), _local(self.bias)
+        w, b = local(self.weight), local(self.bias)
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (self.hidden_size,), w, self.eps)
         return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
@@ -89,13 +91,7 @@ def _check_norm(norm, norm_eps) -> None:
 
 
 def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
-
-
-def _local(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    from ...integrations.dtensor import local  # integrations import the layers
-    return local(p)
 
 
 class OverlapTransformerBlock(nn.Module):
@@ -212,7 +208,6 @@ class OverlapTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
         if _is_dtensor(x):  # Shard(1) with sequence parallelism, else Replicate: [Note: DTensor inputs]
-            from ...integrations.dtensor import dtensor_forward  # integrations import the layers
             return dtensor_forward(self, self._forward, x, position_ids, position_embeddings, attention_mask)
         return self._forward(x, position_ids, position_embeddings, attention_mask)
 
@@ -325,8 +320,8 @@ class OverlapTransformerBlock(nn.Module):
         asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
             call.trace = TraceJob(asked, n1.device)
-        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, _local(self.mlp_norm.weight),
-                   _local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, local(self.mlp_norm.weight),
+                   local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
         if call.trace is not None:
             call.trace.write()  # the forward's; the backward writes again with both passes
@@ -355,6 +350,11 @@ class OverlapTransformerBlock(nn.Module):
         return {"attn_norm": norm(self.attn_norm), "attention": self.attention.to_dense(),
                 "mlp_norm": norm(self.mlp_norm), "mlp": self.mlp.to_dense()}
 
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs] (``planning/dtensor.py``): the sequence shard with sequence
+        parallelism, else replicated."""
+        return (Shard(1),) if self.sequence_parallel else (Replicate(),)
+
     def extra_repr(self) -> str:
         return f"sequence_parallel={self.sequence_parallel}, moe={isinstance(self.mlp, OverlapMoE)}"
 
@@ -366,9 +366,6 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _replicate_norms(block: OverlapTransformerBlock, mesh, axis) -> None:
     """With ``mesh=``: the norms' parameters as Replicate DTensors on the mesh axis, like every
     replicated parameter of the sublayers."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    from ...integrations.dtensor import axis_mesh
     m = axis_mesh(mesh, axis)
     for norm in (block.attn_norm, block.mlp_norm):
         for name in ("weight", "bias"):

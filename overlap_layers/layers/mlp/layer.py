@@ -33,17 +33,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
 from ...kernels.swiglu import swiglu, swiglu_backward
 from ...planning.calls import apply_saving, recorded_pass, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
+from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph
 from ...planning.plan import TilePlan
 from ...planning.plan_cache import Trial
@@ -246,7 +248,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     :func:`overlap_layers.finalize_grads` before the optimizer step. Without sequence
     parallelism every rank sees every token and ``b_out.grad`` is already complete.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
-    the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.integrations.dtensor.
+    the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.planning.dtensor.
 
     ``num_tiles`` (overrides ``config.num_tiles``) is K, or "auto". Set ``launch_log`` to a list
     to record the order in which ops were launched (a debugging aid).
@@ -300,6 +302,19 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
     def _shard_out(self, dense_w_out: torch.Tensor) -> torch.Tensor:
         fl, r = self.ffn_hidden_size // self.world_size, self.rank
         return dense_w_out[:, r * fl:(r + 1) * fl]
+
+    def _dtensor_layouts(self) -> Dict[str, Layout]:
+        """[Note: DTensor parameters] (``planning/dtensor.py``): swiglu's ``w_in``, ``b_in`` as
+        ``[2, F, H]`` / ``[2, F]`` (gate, up) Shard(1); other activations' Shard(0)."""
+        fl, H = self.ffn_hidden_size // self.world_size, self.hidden_size
+        swiglu = self.activation == "swiglu"
+        return {"w_in": Layout(Shard(1), (2, fl, H)) if swiglu else Layout(Shard(0)),
+                "b_in": Layout(Shard(1), (2, fl)) if swiglu else Layout(Shard(0)),
+                "w_out": Layout(Shard(1)), "b_out": Layout(Replicate())}
+
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs]: the sequence shard with sequence parallelism, else replicated."""
+        return (Shard(1),) if self.sequence_parallel else (Replicate(),)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -388,7 +403,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
                 "b_out": b_out.detach().clone() if b_out is not None else None}
 
     # ----------------------------------------------------------------- forward
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
         return self._planned_call(x, shape, dtype, save, fixed,

@@ -75,11 +75,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
 from ...kernels import triton_gate
@@ -87,6 +88,7 @@ from ...kernels.routing import count, key_dtype
 from ...kernels.send_rows import place_in_key_order
 from ...planning.calls import apply_saving, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, finite_number, resolve_config, x_error
+from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.plan import TilePlan
 from ...planning.planned import PlannedLayer
@@ -427,7 +429,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
     the shared expert's gradients hold *this rank's tokens'* contribution (the data-parallel
     reduction over the group sums them); expert gradients hold every rank's tokens routed to them.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters (experts Shard(0),
-    the rest Replicate); see overlap_layers.integrations.dtensor.
+    the rest Replicate); see overlap_layers.planning.dtensor.
 
     Input ``[batch, seq, hidden]``: this rank's own tokens (the count may differ across ranks and
     may be 0); output the same shape. Capacity drops order by the router probability (before
@@ -513,6 +515,16 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._race_hooks = (None, 0, [])  # a timed training call's gradient hooks (its key, graph bytes, handles)
 
     # ----------------------------------------------------------------- weights
+    def _dtensor_layouts(self) -> Dict[str, Layout]:
+        """[Note: DTensor parameters] (``planning/dtensor.py``): the experts Shard(0) over experts,
+        the router and the shared expert Replicate."""
+        return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
+                "shared_w_in": Layout(Replicate()), "shared_w_out": Layout(Replicate())}
+
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs]: tokens split across the group, by batch or by sequence."""
+        return (Shard(0), Shard(1))
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Router and experts as ``nn.Linear`` (no bias) would initialise them under the same seed,
@@ -767,7 +779,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
         return zlib.crc32(repr(key).encode())
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (integrations/dtensor.py)
+    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
                                                 extra=(self._config_digest(),), extra_names=("layer config",),
