@@ -38,7 +38,9 @@ class _Programs:
     """The MLP's real tile programs, built by a layer-free helper (no process group needed)."""
 
     def __init__(self, sp=True):
-        from overlap_layers.layers.mlp.layer import _Call, _backward_program, _forward_program
+        from overlap_layers.layers.mlp.layer import MLPCall as _Call
+        from overlap_layers.layers.mlp.layer import mlp_backward_program as _backward_program
+        from overlap_layers.layers.mlp.layer import mlp_forward_program as _forward_program
         self.sp, self._f, self._b, self._Call = sp, _forward_program, _backward_program, _Call
 
     def __call__(self, k, save, regather):

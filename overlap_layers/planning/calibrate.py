@@ -20,7 +20,7 @@ from typing import Callable, Dict, Hashable, Iterable, Mapping, Tuple
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import _all_gather, _reduce_scatter
+from ..runtime.collectives import all_gather_single, reduce_scatter_single
 from ..runtime.group import Agreement
 from ..sim import COMM_KINDS, HardwareModel, analytic_model
 
@@ -79,9 +79,9 @@ def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
             full = torch.randn((n // 64) // ws * ws, 64, dtype=dtype, device=device)
             part = full[: full.shape[0] // ws].clone()
             if kind == "all_gather":
-                fn = lambda full=full, part=part: _all_gather(full, part, group=group)  # noqa: E731
+                fn = lambda full=full, part=part: all_gather_single(full, part, group=group)  # noqa: E731
             elif kind == "reduce_scatter":
-                fn = lambda full=full, part=part: _reduce_scatter(part, full, group=group)  # noqa: E731
+                fn = lambda full=full, part=part: reduce_scatter_single(part, full, group=group)  # noqa: E731
             elif kind == "all_reduce":
                 fn = lambda full=full: dist.all_reduce(full, group=group)  # noqa: E731
             else:
@@ -104,7 +104,7 @@ def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
         side.wait_stream(torch.cuda.current_stream())
         start.record()
         with torch.cuda.stream(side):
-            works = [_all_gather(full, part, group=group, async_op=True) for _ in range(4)]
+            works = [all_gather_single(full, part, group=group, async_op=True) for _ in range(4)]
         for _ in range(8):
             torch.mm(a, b)
         gemms_done.record()  # the GEMMs' own time, not the collectives' tail

@@ -93,7 +93,7 @@ from ..kernels.device_all_to_all import (CTAS, copy_rows_fused, copy_rows_refere
                                          remote_pointers, rests_fused, write_table_rows)
 from ..kernels.send_rows import place_by_key
 from ..kernels.triton_gate import runs_triton
-from .exchange import _aligned
+from .exchange import aligned
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
@@ -298,7 +298,7 @@ class DeviceCountAllToAll:
         self.ws, self.rank, self.rows, self.groups = w.ws, w.rank, rows, groups
         elt = dtype.itemsize
         shape = (self.ws, self.ws, groups)
-        send_off = _aligned(self.ws * self.ws * groups * 4)
+        send_off = aligned(self.ws * self.ws * groups * 4)
         self.layout = RegionLayout(self.ws, rows, groups, w.device)
         buffer = (self.layout.buffer_rows, width)
         self.nbytes = send_off + buffer[0] * width * elt

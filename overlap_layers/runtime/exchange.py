@@ -374,12 +374,12 @@ def staged_source(workspace: SymmetricWorkspace, x: torch.Tensor) -> Optional[to
     """Where :class:`CopyEngineExchange` copies a first source with ``x``'s elements, as a tensor
     of ``x``'s shape in this rank's buffer (a contiguous source there is not copied again:
     [Note: staged input] in ``planning/call_graphs.py``); None while the buffer is smaller."""
-    if workspace.handle is None or workspace.nbytes < _aligned(x.numel() * x.element_size()):
+    if workspace.handle is None or workspace.nbytes < aligned(x.numel() * x.element_size()):
         return None
     return workspace.view(workspace.rank, (x.numel(),), x.dtype, 0).view(x.shape)
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to 256 (each source starts on a 256-byte boundary)."""
     return -(-nbytes // 256) * 256
 
@@ -387,7 +387,7 @@ def _aligned(nbytes: int) -> int:
 def workspace_bytes(world_size: int, source_shapes: Sequence[Tuple[int, ...]], partial_shape: Tuple[int, ...],
                     elt: int) -> int:
     """Symmetric bytes one exchange needs: its sources and ``world_size`` partial slots."""
-    return sum(_aligned(math.prod(s) * elt) for s in source_shapes) + world_size * math.prod(partial_shape) * elt
+    return sum(aligned(math.prod(s) * elt) for s in source_shapes) + world_size * math.prod(partial_shape) * elt
 
 
 class CopyEngineExchange:
@@ -408,7 +408,7 @@ class CopyEngineExchange:
         self._src_offsets, off = [], 0
         for s in self.sources:
             self._src_offsets.append(off)
-            off += _aligned(s.numel() * elt)
+            off += aligned(s.numel() * elt)
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]

@@ -88,7 +88,7 @@ from ...planning.planned import PlannedLayer
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
-from ...runtime.collectives import _all_gather as all_gather_rows
+from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.exchange import block_tag
 from ...schedule import TileProgram, round_robin
 from ..common.rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
@@ -113,7 +113,7 @@ def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
                          f"or divide it (then KV heads are replicated)")
 
 
-class _Call:
+class AttentionCall:
     """Everything one call needs besides tensors (passed through the autograd Function)."""
 
     def __init__(self, layer: "OverlapAttention", plan: TilePlan, save: bool, streams, cos_sin, batch: int,
@@ -205,7 +205,7 @@ class _Call:
         return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * b * s, self.nq * d)
 
 
-def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
+def attention_forward_program(c: AttentionCall, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
     keep_xg = c.save and c.sp and not c.plan.regather
 
     def core(env):
@@ -223,7 +223,7 @@ def _forward_program(c: _Call, w_qkv, b_qkv, w_o, bounds) -> TileProgram:
                            ("core", core), ("proj", row_forward(c.sp, "o_in", w_o, c.save)))
 
 
-def _backward_program(c: _Call, w_qkv, w_o, grads: dict, norms: list) -> TileProgram:
+def attention_backward_program(c: AttentionCall, w_qkv, w_o, grads: dict, norms: list) -> TileProgram:
     sp, regather = c.sp, c.sp and c.plan.regather
     xin = "xg" if sp else "x"
     accumulate = Accumulator(grads)
@@ -252,14 +252,14 @@ class _TiledAttention(torch.autograd.Function):
     autograd routes their gradients here)."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
+    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: AttentionCall):
         T, H = x_TH.shape
         s = call.s
         bounds = tile_bounds(call.batch, call.plan.num_tiles)
         out_TH = x_TH.new_empty((T, H))
         envs = [{"tile": i, "x": x_TH[b0 * s:b1 * s], "y_out": out_TH[b0 * s:b1 * s]}
                 for i, (b0, b1) in enumerate(bounds)]
-        program = _forward_program(call, w_qkv, b_qkv, w_o, bounds)
+        program = attention_forward_program(call, w_qkv, b_qkv, w_o, bounds)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
         run_tiles(call, sched, envs, "attn", backward=False, device=x_TH.device)
         if call.save:
@@ -273,7 +273,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
-        c: _Call = ctx.call
+        c: AttentionCall = ctx.call
         x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
         n, s, bounds = ctx.n, c.s, ctx.bounds
         o_ins, xgs = rest[:n], rest[n:]
@@ -296,7 +296,7 @@ class _TiledAttention(torch.autograd.Function):
                 env["x"] = x_TH[b0 * s:b1 * s]
             envs.append(env)
         del graphs, o_ins, xgs, rest
-        program = _backward_program(c, w_qkv, w_o, grads, norms)
+        program = attention_backward_program(c, w_qkv, w_o, grads, norms)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
         run_tiles(c, sched, envs, "attn_bwd", backward=True, device=dy_TH.device)
         d_norms = [grads.get("norm0"), grads.get("norm1")] if norms else [None, None]
@@ -316,7 +316,7 @@ def _halves(ex, block: int, j: int, rows: int) -> list:
     return [(None, (0, rows))]
 
 
-def _logged(c: "_Call", i: int, j: int, k: int, name: str, direction: str) -> None:
+def _logged(c: "AttentionCall", i: int, j: int, k: int, name: str, direction: str) -> None:
     if c.launch_log is not None:  # rank-independent, like every log entry
         c.launch_log.append((f"step{j}" if k == 1 else f"tile{i}.step{j}", name, direction))
 
@@ -329,7 +329,7 @@ class _RankChunkAttention(torch.autograd.Function):
     hides the next tile's pulls and the previous tile's pushes."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: _Call):
+    def forward(ctx, x_TH, w_qkv, b_qkv, w_o, q_norm, k_norm, call: AttentionCall):
         with recorded_pass(call, backward=False, device=x_TH.device) as rec:
             return _RankChunkAttention._forward(ctx, x_TH, w_qkv, b_qkv, w_o, call, rec)
 
@@ -340,7 +340,7 @@ class _RankChunkAttention(torch.autograd.Function):
             return _RankChunkAttention._backward(ctx, dy_TH, rec)
 
     @staticmethod
-    def _forward(ctx, x_TH, w_qkv, b_qkv, w_o, call: _Call, rec):
+    def _forward(ctx, x_TH, w_qkv, b_qkv, w_o, call: AttentionCall, rec):
         T, H = x_TH.shape
         keep_xg = call.save and not call.plan.regather
         bounds = tile_bounds(call.batch, call.plan.num_tiles)
@@ -409,7 +409,7 @@ class _RankChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy_TH, rec):
-        c: _Call = ctx.call
+        c: AttentionCall = ctx.call
         x_TH, w_qkv, w_o, *rest = ctx.saved_tensors
         graphs, blocks = take(ctx, "graphs"), ctx.blocks
         k = len(blocks)
@@ -697,8 +697,9 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
                                   query_chunks=self._query_chunk_core(dtype, self.wq.device))
 
     def _programs(self, k: int, save: bool, regather: bool):
-        call = _Call(self, TilePlan(k, regather=regather), save, None, None, 1, 1)
-        return _forward_program(call, None, None, None, []), _backward_program(call, None, None, {}, [])
+        call = AttentionCall(self, TilePlan(k, regather=regather), save, None, None, 1, 1)
+        return (attention_forward_program(call, None, None, None, []),
+                attention_backward_program(call, None, None, {}, []))
 
     def _op_setups(self, cm: AttentionCostModel, dtype: torch.dtype) -> dict:
         """The attention core (forward, its heads step alone, and backward of a recorded graph) per
@@ -707,7 +708,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
         def setup(name, b):
             cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, dev, dtype, None, None)
-            call = _Call(self, TilePlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
+            call = AttentionCall(self, TilePlan(1), name == "core_bwd", None, cos_sin, b, cm.s)
             if call.q_norm is not None:
                 call.q_norm, call.k_norm = (p.detach().to(dtype) for p in (call.q_norm, call.k_norm))
             qkv = torch.randn(cm.g * b * cm.s, C, dtype=dtype, device=dev)
@@ -772,7 +773,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     def _prepare(self, x, plan: TilePlan, save: bool, streams, position_ids, position_embeddings) -> tuple:
         """``(x, call, w_qkv, b_qkv, wo, bo)`` of one call under ``plan`` on ``streams``: ``x`` and
         the weights in the call's dtype (autocast's, :meth:`_call_tensors`), the q, k and v
-        projections concatenated, and its :class:`_Call` (RoPE tables, qk-norm weights). The
+        projections concatenated, and its :class:`AttentionCall` (RoPE tables, qk-norm weights). The
         layer's own call and the fused block's (``layers/block/layer.py``) share it."""
         x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
         B, s, _ = x.shape
@@ -782,7 +783,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
             cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids,
                                  position_embeddings)
-        call = _Call(self, plan, save, streams, cos_sin, B, s)
+        call = AttentionCall(self, plan, save, streams, cos_sin, B, s)
         call.q_norm, call.k_norm = q_norm, k_norm
         return x, call, w_qkv, b_qkv, wo, bo
 

@@ -58,13 +58,13 @@ from ...planning.calls import run_tiles
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.tiling import tile_bounds
 from ...schedule import TileProgram, compute, round_robin, scoped
-from ..attention.layer import _Call as AttentionCall
-from ..attention.layer import _backward_program as attention_backward
-from ..attention.layer import _forward_program as attention_forward
+from ..attention.layer import AttentionCall
+from ..attention.layer import attention_backward_program as attention_backward
+from ..attention.layer import attention_forward_program as attention_forward
 from ..common.tp_program import Accumulator, recording_graph
-from ..mlp.layer import _Call as MLPCall
-from ..mlp.layer import _backward_program as mlp_backward
-from ..mlp.layer import _forward_program as mlp_forward
+from ..mlp.layer import MLPCall
+from ..mlp.layer import mlp_backward_program as mlp_backward
+from ..mlp.layer import mlp_forward_program as mlp_forward
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,8 @@ from ...planning.plan_cache import PlanCache
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
 from ..attention.layer import OverlapAttention
+from ..mlp.layer import MLPCall
 from ..mlp.layer import OverlapMLP
-from ..mlp.layer import _Call as MLPCall
 from ..moe.layer import OverlapMoE
 from ..moe.tokens import gather_tokens, split_tokens
 from .fused import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans

@@ -37,12 +37,10 @@ from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
-from ...kernels.swiglu import swiglu, swiglu_backward
 from ...planning.calls import apply_saving, recorded_pass, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
 from ...planning.dtensor import Layout
@@ -54,54 +52,17 @@ from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
-from ...runtime.collectives import _all_gather as all_gather_rows
+from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
-from ..common.activations import swiglu_recorded
+from ..common.activations import ACTIVATIONS, act, act_backward
 from ..common.cost import MLPCostModel
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  row_forward, weight_grad)
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
-ACTIVATIONS = ("swiglu", "gelu", "relu")
-
-# Error codes carried in the agreement gather, so every rank raises when one rank's input is bad.
-
-
-def _act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """act(pre); swiglu runs fused on CUDA (``kernels/swiglu.py``), without autograd on the first ``rows``
-    rows only where given (a count on the device; the other rows are then unwritten)."""
-    if kind == "swiglu":
-        if torch.is_grad_enabled() and pre_MI.requires_grad:
-            return swiglu_recorded(pre_MI)
-        return swiglu(pre_MI, rows)
-    if kind == "gelu":
-        return F.gelu(pre_MI)
-    return F.relu(pre_MI)
-
-
-def _act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
-                  h_out: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None):
-    """``(d(loss)/d(pre), act(pre))`` given d(loss)/d(act(pre)): the backward also hands back the
-    activation the weight gradient of fc2 needs (for swiglu both come from one fused pass). The
-    first into ``out`` if given, which may be ``pre_MI`` (overwritten only after it is read), the
-    second into ``h_out`` if given. ``rows``: as :func:`_act`'s (swiglu's fused kernel then leaves
-    the rows past it unwritten; the others compute every row)."""
-    if kind == "swiglu":
-        return swiglu_backward(pre_MI, dh_MF, out, h_out, rows)
-    aten, gelu = torch.ops.aten, kind == "gelu"
-    if h_out is None:
-        act = F.gelu(pre_MI) if gelu else F.relu(pre_MI)
-    else:  # before ``out``, which may be pre_MI, is written
-        act = aten.gelu.out(pre_MI, out=h_out) if gelu else torch.clamp(pre_MI, min=0, out=h_out)
-    if out is None:
-        return (aten.gelu_backward(dh_MF, pre_MI) if gelu else aten.threshold_backward(dh_MF, pre_MI, 0)), act
-    return (aten.gelu_backward.grad_input(dh_MF, pre_MI, grad_input=out) if gelu
-            else aten.threshold_backward.grad_input(dh_MF, pre_MI, 0, grad_input=out)), act
-
-
 @dataclass
-class _Call:
+class MLPCall:
     """Everything one call needs besides tensors (passed through the autograd Function)."""
 
     group: object
@@ -116,18 +77,19 @@ class _Call:
     exchange: Optional[Callable] = None  # (sources, partial_shape, keep, recorder) -> an exchange (rank plans)
 
 
-def _forward_program(c: _Call, w_in, b_in, w_out) -> TileProgram:
+def mlp_forward_program(c: MLPCall, w_in, b_in, w_out) -> TileProgram:
     keep_xg = c.save and c.sequence_parallel and not c.plan.regather
 
-    def act(env):
-        env["h"] = _act(c.activation, env["pre"] if c.save else env.pop("pre"))
+    def activation(env):
+        env["h"] = act(c.activation, env["pre"] if c.save else env.pop("pre"))
 
     return forward_program("mlp", c.sequence_parallel,
-                           ("fc1", column_forward(c.sequence_parallel, keep_xg, w_in, b_in, "pre")), ("act", act),
+                           ("fc1", column_forward(c.sequence_parallel, keep_xg, w_in, b_in, "pre")),
+                           ("act", activation),
                            ("fc2", row_forward(c.sequence_parallel, "h", w_out)))
 
 
-def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> TileProgram:
+def mlp_backward_program(c: MLPCall, w_in, w_out, grads: dict, has_b_in: bool) -> TileProgram:
     sp, regather = c.sequence_parallel, c.sequence_parallel and c.plan.regather
     xin = "xg" if sp else "x"
     accumulate = Accumulator(grads)
@@ -136,7 +98,7 @@ def _backward_program(c: _Call, w_in, w_out, grads: dict, has_b_in: bool) -> Til
         env["dh"] = torch.mm(env["dyg"] if sp else env["dy"], w_out)
 
     def act_bwd(env):
-        env["dpre"], env["h"] = _act_backward(c.activation, env.pop("pre"), env.pop("dh"))
+        env["dpre"], env["h"] = act_backward(c.activation, env.pop("pre"), env.pop("dh"))
 
     return backward_program("mlp_bwd", sp, regather, ("dgrad2", dgrad2), ("act_bwd", act_bwd),
                             ("dgrad1", column_dgrad(sp, "dpre", w_in)),
@@ -149,12 +111,12 @@ class _TiledMLP(torch.autograd.Function):
     """Tiled, overlapped TP MLP without ``b_out`` (added outside, see OverlapMLP.forward)."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
+    def forward(ctx, x_TH, w_in, b_in, w_out, call: MLPCall):
         T, H = x_TH.shape
         bounds = tile_bounds(T, call.plan.num_tiles)
         out_TH = x_TH.new_empty((T, H))
         envs = [{"x": x_TH[a:b], "y_out": out_TH[a:b]} for a, b in bounds]
-        program = _forward_program(call, w_in, b_in, w_out)
+        program = mlp_forward_program(call, w_in, b_in, w_out)
         sched = round_robin(program, len(bounds), buckets=dict(call.plan.buckets_fwd))
         run_tiles(call, sched, envs, "mlp", backward=False, device=x_TH.device)
         if call.save:
@@ -167,7 +129,7 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
-        c: _Call = ctx.call
+        c: MLPCall = ctx.call
         x_TH, w_in, w_out, *rest = ctx.saved_tensors
         n = ctx.n
         pres, xgs = rest[:n], rest[n:]
@@ -186,7 +148,7 @@ class _TiledMLP(torch.autograd.Function):
                 env["x"] = x_TH[a:b]
             envs.append(env)
         del pres, xgs, rest
-        program = _backward_program(c, w_in, w_out, grads, ctx.has_b_in)
+        program = mlp_backward_program(c, w_in, w_out, grads, ctx.has_b_in)
         sched = round_robin(program, n, buckets=dict(c.plan.buckets_bwd))
         run_tiles(c, sched, envs, "mlp_bwd", backward=True, device=dy_TH.device)
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
@@ -196,13 +158,13 @@ class _RankChunkMLP(torch.autograd.Function):
     """The SP MLP split by source rank (``layers/common/rank_chunks.py``), without ``b_out``."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_in, b_in, w_out, call: _Call):
+    def forward(ctx, x_TH, w_in, b_in, w_out, call: MLPCall):
         T, H = x_TH.shape
         keep_xg = call.save and not call.plan.regather
         with recorded_pass(call, backward=False, device=x_TH.device) as recorder:
             ex = call.exchange([x_TH], (T, H), (keep_xg,), recorder)
             pre_all = x_TH.new_empty((ex.ws, T, w_in.shape[0])) if call.save else None  # no grad: per piece
-            y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(_act, call.activation), pre_all,
+            y_TH = rank_chunks.forward(ex, x_TH, w_in, b_in, w_out, partial(act, call.activation), pre_all,
                                        call.launch_log, recorder)
         if call.save:  # the own rows as kept in the gathered buffer: the input may be a graph's staged one
             ctx.save_for_backward(ex.gathered[0][ex.rank] if keep_xg else x_TH, w_in, w_out, pre_all,
@@ -213,7 +175,7 @@ class _RankChunkMLP(torch.autograd.Function):
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, dy_TH):
-        c: _Call = ctx.call
+        c: MLPCall = ctx.call
         x_TH, w_in, w_out, pre_all, *xg = ctx.saved_tensors
         dy_TH = dy_TH.contiguous()
         T, H = x_TH.shape
@@ -229,7 +191,7 @@ class _RankChunkMLP(torch.autograd.Function):
                 return ex.whole(1) if c.plan.regather else xg[0]
 
             dx_TH = rank_chunks.backward(ex, dy_TH, x_all, pre_all, w_in, w_out,
-                                         partial(_act_backward, c.activation), grads, c.launch_log, recorder,
+                                         partial(act_backward, c.activation), grads, c.launch_log, recorder,
                                          in_place=not keeps_graph())
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
@@ -425,10 +387,10 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         return plan.regather  # else it reads the own rows kept in the gathered x (_RankChunkMLP)
 
     def _programs(self, k: int, save: bool, regather: bool):
-        call = _Call(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,
+        call = MLPCall(self.group, self.activation, self.sequence_parallel, MLPPlan(k, regather=regather), save,
                      None, None)
-        return (_forward_program(call, None, None, None),
-                _backward_program(call, None, None, {}, self.b_in is not None))
+        return (mlp_forward_program(call, None, None, None),
+                mlp_backward_program(call, None, None, {}, self.b_in is not None))
 
     def _cost_model(self, key: tuple, hw) -> MLPCostModel:
         rows, dtype = key[0], key[1]
@@ -444,9 +406,9 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         def setup(name, m):
             pre = torch.randn(m, cm.I, dtype=dtype, device=dev)
             if name == "act":
-                return lambda: _act(self.activation, pre)
+                return lambda: act(self.activation, pre)
             dh = torch.randn(m, cm.F, dtype=dtype, device=dev)
-            return lambda: _act_backward(self.activation, pre, dh)
+            return lambda: act_backward(self.activation, pre, dh)
 
         return {**{key: (lambda spec=spec: setup(*spec)) for key, spec in cm.act_ops().items()},
                 **self._copy_engine_setups(cm)}
@@ -456,7 +418,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         dev = x.device.type
         x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
         B, S, H = x.shape
-        call = _Call(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
+        call = MLPCall(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
                      streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                      launch_log=self.launch_log, trial=trial, trace=trace)

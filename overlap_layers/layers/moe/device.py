@@ -265,9 +265,9 @@ import torch
 
 from ...kernels.expert_wgrad import WgradParts, grouped_wgrad_parts
 from ...planning.first_order import first_order, keeps_graph, take
-from ..mlp.layer import _act_backward
+from ..common.activations import act_backward
 from .combine import combine_rows, weigh_backward_into
-from .ranks import _grouped, experts_forward
+from .ranks import grouped_mm, experts_forward
 
 
 ROUNDS = 2  # timed calls of each path in the race
@@ -593,9 +593,9 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[to
     def dgrad(p: int, source: int, groups=None) -> torch.Tensor:
         """Part p's dx; its dh goes to dhs[p], its activations to acts[p]."""
         a, b, offs = c.offsets(source, groups)
-        _act_backward(c.activation, saved[keys[p]][1], _grouped(dys[p], w_out[a:b], offs), out=dhs[p],
+        act_backward(c.activation, saved[keys[p]][1], grouped_mm(dys[p], w_out[a:b], offs), out=dhs[p],
                       h_out=acts[p], rows=offs[-1:])
-        return _grouped(dhs[p], w_in[a:b], offs)
+        return grouped_mm(dhs[p], w_in[a:b], offs)
 
     own = dgrad(0, rank, first)
     results = {}

@@ -34,9 +34,9 @@ source's rows run as they arrive, and the results come back in place, in send or
 Routing, capacity and the permutations stay outside, on the whole call: ``order`` sorts the
 token-major assignments into send order (by tile, then expert, dropped ones last; for the rank
 exchange by expert in its step order, this rank's own experts first) and ``pos`` is its inverse.
-The dispatch rows are ``x_perm = x[order // k]`` (``_Dispatch``: its gradient gathers each
+The dispatch rows are ``x_perm = x[order // k]`` (``Dispatch``: its gradient gathers each
 token's k rows by ``pos`` and sums them, no atomic scatter-add); the combine puts
-``y_perm`` back in token-major order with a gather (``_PermuteRows``: a permutation, whose
+``y_perm`` back in token-major order with a gather (``PermuteRows``: a permutation, whose
 gradient is the inverse gather) and weighs each token's k rows (``moe_combine.weigh_rows``: one
 kernel each way, [Note: MoE weighted combine]) in autograd, so the router gets its gradient
 through the weights (and the aux loss).
@@ -94,15 +94,15 @@ from ...planning.plan import TilePlan
 from ...planning.planned import PlannedLayer
 from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
-from ...runtime.collectives import _all_gather as all_gather_rows
+from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.device_all_to_all import DeviceCountAllToAll, region_caps
 from ...runtime.exchange import shared_workspace
 from ...runtime.executor import profiler_range
 from ...runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ...schedule import TileProgram, comm, compute, round_robin, wait
 from ..attention.common import init_linear_
+from ..common.activations import ACTIVATIONS, act
 from ..common.tp_program import Accumulator, recording_graph
-from ..mlp.layer import ACTIVATIONS, _act
 from .combine import combine_rows, weigh_rows
 from .cost import MoECostModel
 from .device import DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
@@ -184,7 +184,7 @@ def regroup_index(counts: torch.Tensor, size: int) -> torch.Tensor:
     return p + shift[group]
 
 
-class _PermuteRows(torch.autograd.Function):
+class PermuteRows(torch.autograd.Function):
     """``x[index]`` for a permutation ``index`` of x's rows (``inverse`` its inverse): the gradient
     is a gather too, not an atomic scatter."""
 
@@ -199,7 +199,7 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-class _Dispatch(torch.autograd.Function):
+class Dispatch(torch.autograd.Function):
     """The assignment rows ``x[order // k]`` (``order`` sorts the token-major assignments into
     send order; ``pos`` is its inverse). The gradient of each token sums its k rows, by a gather
     and a sum rather than an atomic scatter-add."""
@@ -738,7 +738,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if self.shared_w_in is None:
             return None
         sw_in, sw_out = self._local("shared_w_in").to(x_TH.dtype), self._local("shared_w_out").to(x_TH.dtype)
-        return _act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
+        return act(self.activation, x_TH @ sw_in.t()) @ sw_out.t()
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         tokens = shape[0] * shape[1]
@@ -916,7 +916,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
                 mine = gathered.view(ws, K, ws, -1)[:, :, self.rank].transpose(0, 1)  # [tile, source, El]
                 tensors = _tile_tensors(mine, ws * max_tokens * k)
-                x_perm = _Dispatch.apply(x_TH, order, pos, k)
+                x_perm = Dispatch.apply(x_TH, order, pos, k)
             shared = self._shared_expert(x_TH)
             with profiler_range("overlap::moe::read_counts"):
                 table = count_table(read(), ws, K)  # [src][tile][dst][El]
@@ -961,7 +961,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if not token_major:
             if kept < n:  # dropped assignments: zero rows
                 rows = torch.cat([rows[:kept], rows.new_zeros((n - kept, H))])
-            rows = _PermuteRows.apply(rows, pos, order)
+            rows = PermuteRows.apply(rows, pos, order)
         return weigh_rows(rows.view(-1, weights.shape[1], H), weights.to(rows.dtype))  # [T, k, H] weighted
 
     def extra_repr(self) -> str:

@@ -66,8 +66,8 @@ from ...kernels.send_rows import place_in_key_order
 from ...kernels.triton_gate import runs_triton
 from ...planning.calls import recorded_pass
 from ...planning.first_order import first_order, take
+from ..common.activations import act, act_backward
 from ..common.rank_chunks import piece, piece_tag
-from ..mlp.layer import _act, _act_backward
 from .combine import combine_rows
 
 LOOP_WGRAD_EXPERTS = 8  # [Note: MoE weight-gradient accumulation]
@@ -148,7 +148,7 @@ def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     return piece_offsets_reference(counts, rank, m)
 
 
-def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
@@ -158,13 +158,14 @@ def experts_forward(activation: str, grouped: bool, x: torch.Tensor, sizes: Opti
     the grouped path needs, where rows of ``x`` past the last end give meaningless rows);
     ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass).
     ``act_rows``: on the grouped path without autograd, the activation's row count on the device
-    (``offs[-1:]``: the rows past it are then not computed at all, :func:`~.mlp._act`)."""
+    (``offs[-1:]``: the rows past it are then not computed at all,
+    :func:`~overlap_layers.layers.common.activations.act`)."""
     if grouped:
-        pre = _grouped(x, w_in_t, offs)
-        return _grouped(_act(activation, pre, act_rows), w_out_t, offs), pre
+        pre = grouped_mm(x, w_in_t, offs)
+        return grouped_mm(act(activation, pre, act_rows), w_out_t, offs), pre
     pre = torch.cat([rows @ w_in_t[e] for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
         x.new_empty((0, w_in_t.shape[2]))
-    a = _act(activation, pre)
+    a = act(activation, pre)
     y = torch.cat([rows @ w_out_t[e] for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
         x.new_empty((0, w_out_t.shape[2]))
     return y, pre
@@ -185,10 +186,10 @@ def experts_dgrad(c: RankCall, dy, pre, sizes, offs, w_in, w_out):
     """``(dx, dh, a)``: the data gradient of :func:`experts_forward` and what its weight
     gradients need (``dh`` = d(loss)/d(pre), ``a`` = act(pre))."""
     if c.grouped:
-        dh, a = _act_backward(c.activation, pre, _grouped(dy, w_out, offs))
-        return _grouped(dh, w_in, offs), dh, a
+        dh, a = act_backward(c.activation, pre, grouped_mm(dy, w_out, offs))
+        return grouped_mm(dh, w_in, offs), dh, a
     da = torch.cat([rows @ w_out[e] for e, rows in enumerate(dy.split(sizes))])
-    dh, a = _act_backward(c.activation, pre, da)
+    dh, a = act_backward(c.activation, pre, da)
     return torch.cat([rows @ w_in[e] for e, rows in enumerate(dh.split(sizes))]), dh, a
 
 
@@ -198,7 +199,7 @@ def experts_wgrad(c: RankCall, grads: dict, x, dy, dh, a, sizes, offs) -> None:
     if c.grouped and len(sizes) > LOOP_WGRAD_EXPERTS:
         for key, l, r in (("w_in", dh, x), ("w_out", dy, a)):
             if grads[key] is None:
-                grads[key] = _grouped(l.t(), r, offs)
+                grads[key] = grouped_mm(l.t(), r, offs)
             else:  # added in the GEMM ([Note: expert weight gradients in the GEMM])
                 grouped_wgrad(l, r, offs, grads[key])
         return
@@ -289,12 +290,12 @@ def backward(c: RankCall, d_rows: torch.Tensor, saved: dict, w_in, w_out, record
                 if j:
                     ex.push(j, dy)
                 continue
-            dx, dh, act = experts_dgrad(c, dy, pre, sizes, offs[i], w_in, w_out)
+            dx, dh, acts = experts_dgrad(c, dy, pre, sizes, offs[i], w_in, w_out)
             if j:
                 ex.push(j, dx)
             else:
                 own_dx = dx
-            experts_wgrad(c, grads, x, dy, dh, act, sizes, offs[i])
+            experts_wgrad(c, grads, x, dy, dh, acts, sizes, offs[i])
         if c.launch_log is not None:
             c.launch_log.append((f"step{j}[{tag}]", "rank_chunk", "bwd"))
     with piece(recorder, "finish", 0):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...runtime.collectives import _all_gather as all_gather_rows
+from ...runtime.collectives import all_gather_single as all_gather_rows
 
 
 def token_bounds(n: int, ws: int, rank: int):
