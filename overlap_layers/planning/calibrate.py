@@ -5,11 +5,11 @@ each rank and then max-reduced over the group through the host-side agreement, s
 plans from the same numbers ([Note: agreement]). On CPU nothing is measured: the analytic model
 is used.
 
-Each repeat is queued behind a sleep kernel and runs the op :data:`_IN_A_ROW` times in a row
-(:func:`_time_ms`), so a number is the device's time for the op, as in a busy stream or a CUDA
-graph, without the host's launch latency in it (the cost model adds launch costs itself). The
-count is a constant: ops that are collectives (or signal round trips) must run as many times on
-every rank, so no rank may derive it from its own timings.
+Each repeat is queued behind a sleep kernel and runs the op ``IN_A_ROW`` times in a row
+(:func:`~overlap_layers.runtime.timing.device_ms`), so a number is the device's time for the op,
+as in a busy stream or a CUDA graph, without the host's launch latency in it (the cost model adds
+launch costs itself). The count is a constant: ops that are collectives (or signal round trips)
+must run as many times on every rank, so no rank may derive it from its own timings.
 """
 from __future__ import annotations
 
@@ -22,29 +22,8 @@ import torch.distributed as dist
 
 from ..runtime.collectives import all_gather_single, reduce_scatter_single
 from ..runtime.group import Agreement
+from ..runtime.timing import beside_ms, device_ms
 from ..sim import COMM_KINDS, HardwareModel, analytic_model
-
-
-_PREQUEUE_CYCLES = 2_000_000  # a sleep of about 1 ms (at 2 GHz or less): longer than queuing one sample
-_IN_A_ROW = 4  # the same on every rank: the op may be a collective
-
-
-def _time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
-    """Median over ``reps`` samples of ``fn``'s device time (ms); a sample is :data:`_IN_A_ROW`
-    calls in a row queued behind a sleep kernel, its time divided by the calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_PREQUEUE_CYCLES)
-        a.record()
-        for _ in range(_IN_A_ROW):
-            fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / _IN_A_ROW)
-    return statistics.median(samples)
 
 
 def measure_ops(setups: Mapping[Hashable, Callable[[], Callable[[], object]]], agreement: Agreement
@@ -53,7 +32,7 @@ def measure_ops(setups: Mapping[Hashable, Callable[[], Callable[[], object]]], a
     callable to time (inputs are freed before the next key). Keys are sorted by their repr so
     every rank reduces the same vector; every rank must pass the same keys."""
     keys = sorted(setups, key=repr)
-    return dict(zip(keys, agreement.max([_time_ms(setups[k]()) for k in keys])))
+    return dict(zip(keys, agreement.max([device_ms(setups[k]()) for k in keys])))
 
 
 def measure_gemms(shapes: Iterable[Tuple[int, int, int]], dtype, device, agreement: Agreement
@@ -86,7 +65,7 @@ def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
                 fn = lambda full=full: dist.all_reduce(full, group=group)  # noqa: E731
             else:
                 fn = lambda full=full: dist.all_to_all_single(torch.empty_like(full), full, group=group)  # noqa: E731
-            times.append((full.numel() * elt, _time_ms(fn)))
+            times.append((full.numel() * elt, device_ms(fn)))
         (b0, t0), (b1, t1) = times
         gbps = (b1 - b0) / max(t1 - t0, 1e-6) / 1e6
         alpha = max(t0 - b0 / (gbps * 1e6), 0.001)
@@ -96,22 +75,9 @@ def calibrate(group, device, dtype, agreement: Agreement) -> HardwareModel:
     b = torch.randn(4096, 4096, dtype=dtype, device=device)
     full = torch.empty(ws * 4096, 4096, dtype=dtype, device=device)
     part = full[:4096].clone()
-    alone = _time_ms(lambda: [torch.mm(a, b) for _ in range(8)])
-    side = torch.cuda.Stream(device=device)
-    samples = []
-    for _ in range(5):
-        start, gemms_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        side.wait_stream(torch.cuda.current_stream())
-        start.record()
-        with torch.cuda.stream(side):
-            works = [all_gather_single(full, part, group=group, async_op=True) for _ in range(4)]
-        for _ in range(8):
-            torch.mm(a, b)
-        gemms_done.record()  # the GEMMs' own time, not the collectives' tail
-        for w in works:
-            w.wait()
-        torch.cuda.synchronize(device)
-        samples.append(start.elapsed_time(gemms_done))
+    alone = device_ms(lambda: [torch.mm(a, b) for _ in range(8)])
+    samples = beside_ms(lambda: [torch.mm(a, b) for _ in range(8)],
+                        lambda: [all_gather_single(full, part, group=group, async_op=True) for _ in range(4)], device)
     together = statistics.median(samples[1:])
     flops = 2 * 8192 * 4096 * 4096 * 8
     tflops = flops / (alone * 1e9)

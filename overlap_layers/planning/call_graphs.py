@@ -71,18 +71,18 @@ attention layer's no-grad graph and 0.58 GB for an MLP's, session 28; about 33 G
 A no-grad replay uses its pool only while it runs: its inputs are copied into static tensors
 outside the pool, and its output is copied out before the call returns, on the same stream; what
 stays allocated in the pool between replays is each graph's output, which no other capture is
-given. So the no-grad graphs of all layers of a group (its shared agreement) on one device
-capture into one pool (:func:`shared_pool`), and a model holds its largest call's intermediates
-and each graph's output, not the sum: four attention and four MLP layers of llama3-8b (TP 4,
-16384 tokens, rank chunks over the copy engine) kept 1034 MiB of graphs instead of 3824, at the
-same speed (15.57 ms per stack against 15.58; ``bench/graph_pool_stack.py``, session 29). A
-capture is given only blocks freed on its own stream, so what a plan's side streams (each
-layer's own) freed is not shared. Sharing needs the group's layers to run one after another on
-one stream, which the copy-engine exchange asks already ([Note: exchange signals]): two layers
-replayed at once on two streams would write the same memory. (The stream cannot be part of the
-signature: it differs between ranks, and a new signature captures, which gathers.) Training
-graphs keep a pool each: their saved activations live from the forward replay to the backward,
-across other layers' replays.
+given. So the no-grad graphs of all layers of a group (its shared agreement) on one device capture
+into one pool (:func:`~overlap_layers.runtime.graph_capture.shared_pool`), and a model holds its
+largest call's intermediates and each graph's output, not the sum: four attention and four MLP
+layers of llama3-8b (TP 4, 16384 tokens, rank chunks over the copy engine) kept 1034 MiB of graphs
+instead of 3824, at the same speed (15.57 ms per stack against 15.58;
+``bench/graph_pool_stack.py``, session 29). A capture is given only blocks freed on its own
+stream, so what a plan's side streams (each layer's own) freed is not shared. Sharing needs the
+group's layers to run one after another on one stream, which the copy-engine exchange asks already
+([Note: exchange signals]): two layers replayed at once on two streams would write the same
+memory. (The stream cannot be part of the signature: it differs between ranks, and a new signature
+captures, which gathers.) Training graphs keep a pool each: their saved activations live from the
+forward replay to the backward, across other layers' replays.
 
 [Note: staged input]
 A copy-engine rank-chunk call first copies its input into this rank's symmetric buffer, where
@@ -116,79 +116,13 @@ history only, so every rank captures and replays at the same calls.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, List, Optional, Sequence
 
 import torch
 
+from ..runtime.graph_capture import Captured, capture, capture_error, copy_in
 from .first_order import first_order
-
-
-_NO_GRAD_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> {device: _SharedPool}
-
-
-class _SharedPool:
-    """A pool handle and the graphs captured into it (weakly). The allocator keeps a pool only
-    while a graph captured into it lives: a capture into the handle of a pool whose graphs are all
-    gone fails an internal assert (``use_count > 0`` in ``beginAllocateToPool``; seen when a
-    benchmark freed one layer and built the next), so such a handle is never handed out again."""
-
-    def __init__(self) -> None:
-        self.handle = torch.cuda.graph_pool_handle()
-        self.graphs: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def shared_pool(owner, device: torch.device) -> _SharedPool:
-    """The memory pool the no-grad graphs of ``owner``'s layers (their group's shared agreement)
-    capture into on ``device`` ([Note: shared no-grad pool]): made at the first capture, and again
-    once every graph captured into it is gone; dropped with ``owner``. A capture adds its graph to
-    the pool's ``graphs``."""
-    pools = _NO_GRAD_POOLS.setdefault(owner, {})
-    pool = pools.get(device)
-    if pool is None or not pool.graphs:
-        pool = pools[device] = _SharedPool()
-    return pool
-
-
-def _static(inputs: Sequence[Optional[torch.Tensor]], grad: bool) -> list:
-    """Copies of ``inputs`` the graphs read (with ``grad``, requiring grad where the input does)."""
-    return [None if t is None else t.detach().clone().requires_grad_(grad and t.requires_grad) for t in inputs]
-
-
-def _needs(static: Sequence[Optional[torch.Tensor]], params: Optional[List[torch.Tensor]]) -> list:
-    """What a training call's backward differentiates: the static inputs that require grad, then
-    the parameters."""
-    return [t for t in static if t is not None and t.requires_grad] + list(params or ())
-
-
-def _copy_in(static: Sequence[Optional[torch.Tensor]], inputs: Sequence[Optional[torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for s, t in zip(static, inputs):
-            if s is not None:
-                s.copy_(t)
-
-
-def _nbytes(static: Sequence[Optional[torch.Tensor]], reserved_before: int, device) -> int:
-    """What a capture keeps: the pool's growth since ``reserved_before`` and the static inputs
-    it made."""
-    return torch.cuda.memory_reserved(device) - reserved_before + sum(
-        t.numel() * t.element_size() for t in static if t is not None)
-
-
-class _Graph:
-    """One captured call without autograd: the graph, its static inputs and output; ``nbytes``
-    the device memory it keeps (its pool, which holds the call's intermediates, and the inputs)."""
-
-    pending = False  # never: a call without autograd has no backward to wait for
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, output: torch.Tensor, nbytes: int) -> None:
-        self.graph, self.inputs, self.output, self.nbytes = graph, inputs, output, nbytes
-
-    def call(self, inputs: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]) -> torch.Tensor:
-        _copy_in(self.inputs, inputs)
-        self.graph.replay()
-        return self.output.clone()
 
 
 class _TrainingGraph:
@@ -215,7 +149,7 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, entry: _TrainingGraph, n: int, *tensors):
-        _copy_in(entry.inputs, tensors[:n])
+        copy_in(entry.inputs, tensors[:n])
         entry.fwd.replay()
         entry.pending = True
         ctx.entry, ctx.done = entry, False
@@ -371,56 +305,16 @@ class CallGraphs:
     def _capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Optional[List[torch.Tensor]],
                  owner, stage: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None,
                  deferred: Sequence[tuple] = ()):
-        """``(graph or None, error text)``: ``fn`` run once on static copies of ``inputs`` on a
-        side stream (with ``params``, forward and backward), then captured: into a pool of its own
-        with ``params``, else into ``owner``'s :func:`shared_pool`; the first input's copy and the
-        output gradient where ``stage`` says after the run (which made the place). ``deferred``:
-        the list :meth:`defer` appends to, read after the backward's capture."""
-        dev = inputs[0].device
-        training = params is not None
-        static = _static(inputs, training)
+        """``(graph or None, error text)``: the call captured
+        (:func:`~overlap_layers.runtime.graph_capture.capture`), with ``params`` as a
+        :class:`_TrainingGraph` whose deferred gradients are those :meth:`defer` appended to
+        ``deferred`` during the backward's capture."""
+        captured, error = capture(inputs, fn, params, owner, stage)
+        if not isinstance(captured, Captured):
+            return captured, error
         try:
-            side = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                out = fn(*static)
-                if training:
-                    torch.autograd.grad(out, _needs(static, params), torch.zeros_like(out), allow_unused=True)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            del out
-            first = None if stage is None else stage(static[0], "training_input" if training else "input")
-            if first is not None:
-                with torch.no_grad():
-                    first.copy_(static[0])
-                static[0] = first.detach().requires_grad_(static[0].requires_grad)
-            needs = _needs(static, params)
-            made = static if first is None else [None, *static[1:]]  # the static inputs holding memory of their own
-            shared = None if training else shared_pool(owner, dev)
-            pool = torch.cuda.graph_pool_handle() if training else shared.handle
-            fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(fwd, pool=pool):
-                reserved = torch.cuda.memory_reserved(dev)  # after the capture's own cache release
-                out = fn(*static)
-            if not isinstance(out, torch.Tensor):
-                return None, f"the call returned {type(out).__name__}, not a tensor"
-            if not training:
-                graph = _Graph(fwd, static, out, _nbytes(made, reserved, dev))
-                shared.graphs.add(graph)
-                return graph, ""
-            staged = None if stage is None else stage(out, "output_grad")
-            grad_out = torch.empty_like(out) if staged is None else staged
-            bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bwd, pool=pool):
-                taken = iter(torch.autograd.grad(out, needs, grad_out, allow_unused=True))
-            grads = [next(taken) if t is not None and t.requires_grad else None for t in static]
-            grads += [next(taken) for _ in params]
-            later = _deferred_slots(grads, deferred)
-            return _TrainingGraph(fwd, bwd, static, out.detach(), grad_out, grads,
-                                  _nbytes(made, reserved, dev) + (0 if staged is not None else
-                                                                  grad_out.numel() * grad_out.element_size()),
-                                  later), ""
+            later = _deferred_slots(captured.grads, deferred)
         except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
-            # a failed op inside a capture surfaces as the capture's end failing: name the op's error too
-            first = e.__context__
-            during = f" (during: {type(first).__name__}: {str(first)[:200]})" if first is not None else ""
-            return None, f"{type(e).__name__}: {str(e)[:200]}{during}"
+            return None, capture_error(e)
+        return _TrainingGraph(captured.fwd, captured.bwd, captured.inputs, captured.output, captured.grad_output,
+                              captured.grads, captured.nbytes, later), ""

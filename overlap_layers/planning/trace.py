@@ -9,11 +9,11 @@ the same ``(name, tile, stream)``, so ``to_chrome_trace()`` and
 from __future__ import annotations
 
 import json
-import time
 from typing import List, Mapping, Optional, Union
 
 import torch
 
+from ..runtime.timing import stamp, stamps_ms
 from ..sim.simulator import Event, Timeline, TileTag, chrome_trace, timeline_from_events
 
 
@@ -66,11 +66,7 @@ class OpRecorder:
         self._ref = self._stamp(None)
 
     def _stamp(self, stream):
-        if not self._cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
-        return ev
+        return stamp(self.device, stream)
 
     def begin(self, name: str, tile: TileTag, stream_name: str, stream=None) -> int:
         self._ops.append([name, tile, stream_name, self._stamp(stream), None])
@@ -98,10 +94,8 @@ class OpRecorder:
         return timeline_from_events([Event(op[0], op[1], op[2], a - t0, b - t0)
                                      for op, (a, b) in zip(self._ops, ms)])
 
-    def _ms(self, stamp) -> float:
-        if self._cuda:
-            return self._ref.elapsed_time(stamp)
-        return (stamp - self._ref) * 1e3
+    def _ms(self, at) -> float:
+        return stamps_ms(self._ref, at)
 
     def __len__(self) -> int:
         return len(self._ops)

@@ -136,7 +136,7 @@ never fewer than the exchange's largest region), and a count past them is found 
   their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer;
 * right after the exchange's counts it copies the largest count of its table (which every rank
   holds whole: the same on every rank) into pinned host memory and records an event (``external``,
-  so that a replay records it too: :func:`peak_event`);
+  so that a replay records it too: :func:`~overlap_layers.runtime.streams.peak_event`);
 * where the slots hold fewer than ``rows``, the layer waits for that event after the call is
   launched (the first few hundred microseconds of it: the device path's only wait) and reads the
   count; past the slots, the result is dropped, the signature's slots raised to that count, its
@@ -258,13 +258,14 @@ where no buffer changed, so the difference is one of allocation order, not of th
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from ...kernels.expert_wgrad import WgradParts, grouped_wgrad_parts
 from ...planning.first_order import first_order, keeps_graph, take
+from ...runtime.streams import PartStreams
+from ...runtime.timing import EventClock
 from ..common.activations import act_backward
 from .combine import combine_rows, weigh_backward_into
 from .ranks import grouped_mm, experts_forward
@@ -273,26 +274,6 @@ from .ranks import grouped_mm, experts_forward
 ROUNDS = 2  # timed calls of each path in the race
 SLOTS = 3  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
 MAX_SIGNATURES = 64  # races kept per layer
-
-
-class EventClock:
-    """The race's clock: :meth:`start` and :meth:`stop` record events on the current stream
-    (no wait), :meth:`read` the milliseconds between them (waits for the second)."""
-
-    @staticmethod
-    def start() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @staticmethod
-    def stop(start: torch.cuda.Event) -> tuple:
-        return start, EventClock.start()
-
-    @staticmethod
-    def read(span: tuple) -> float:
-        span[1].synchronize()
-        return span[0].elapsed_time(span[1])
 
 
 class DevicePathRace:
@@ -343,16 +324,6 @@ class DevicePathRace:
         replayed = min(r[2] for r in rows) > 0  # else its capture failed, and it timed eager calls
         race["choice"] = replayed and device_us < eager_us and (limit is None or most <= limit)
         return race["choice"]
-
-
-def peak_event() -> Optional[torch.cuda.Event]:
-    """[Note: MoE slot rows]: an event that a captured graph records at each replay (``external``),
-    so that the host can wait for the graph's first part only; None where torch makes no such
-    events (the caller then waits for the whole call)."""
-    try:
-        return torch.cuda.Event(external=True)
-    except TypeError:
-        return None
 
 
 def rows_bound(max_tokens: int, top_k: int) -> int:
@@ -413,57 +384,13 @@ class SourceCall:
         return a, b, (ends[a:b] - ends[a - 1] if a else ends[:b])
 
 
-class _Streams:
-    """The exchange's pull and push streams beside the caller's (none off CUDA) and the events by
-    which they order a pass's parts: per peer part index, its rows pulled (``arrived``), its
-    slot read (``read``), its results pushed (``pushed``)."""
-
-    def __init__(self, exchange, cuda: bool) -> None:
-        self.streams = getattr(exchange, "streams", None) if cuda else None
-        self.main = torch.cuda.current_stream() if self.streams else None
-        self.arrived, self.read, self.pushed = {}, {}, {}
-
-    def on(self, index: int):
-        return torch.cuda.stream(self.streams[index]) if self.streams else contextlib.nullcontext()
-
-    def mark(self, events: dict, i: int) -> None:
-        """An event on the current stream."""
-        if self.streams:
-            events[i] = torch.cuda.Event()
-            events[i].record()
-
-    def fork(self) -> None:
-        if self.streams:
-            self.streams[0].wait_stream(self.main)
-
-    def before_part(self, i: int) -> None:
-        """The main stream waits for part i's rows and for the push whose results' memory it may take."""
-        if self.streams:
-            self.main.wait_event(self.arrived[i])
-            if i >= SLOTS:
-                self.main.wait_event(self.pushed[i - SLOTS])
-
-    def push(self, exchange, source: int, results: torch.Tensor, part, i: int) -> None:
-        """The part's region pushed on the push stream, after what the main stream launched."""
-        if self.streams:
-            self.streams[1].wait_stream(self.main)
-        with self.on(1):
-            exchange.push(source, results, part)
-            self.mark(self.pushed, i)
-
-    def join(self) -> None:
-        if self.streams:
-            self.main.wait_stream(self.streams[0])
-            self.main.wait_stream(self.streams[1])
-
-
-def _pulls(c: SourceCall, s: _Streams, peers: list, slots: list):
+def _pulls(c: SourceCall, s: PartStreams, peers: list, slots: list):
     """``pull(i)``: the region of peer part i into its slot, on the pull stream, once the slot's
     last rows were read; the first ``len(slots)`` are launched here."""
     def pull(i: int) -> None:
         with s.on(0):
-            if s.streams and i >= len(slots):
-                s.streams[0].wait_event(s.read[i - len(slots)])
+            if i >= len(slots):
+                s.pull_after_read(i - len(slots))
             c.exchange.pull(peers[i][0], slots[i % len(slots)], peers[i][1])
             s.mark(s.arrived, i)
 
@@ -489,11 +416,10 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     c.ends = torch.cumsum(ex.recv_counts, 1, dtype=torch.int32)  # [source, El]: grouped-GEMM offsets
     if c.slot < ex.rows:  # past the slots, no row is read or written ([Note: MoE slot rows])
         c.ends.clamp_(max=c.slot)
-    s = _Streams(ex, x_TH.is_cuda)
+    s = PartStreams(ex, x_TH.is_cuda, SLOTS)
     if c.report is not None:  # the largest count (every rank's table holds every rank's), read from here on
         c.peak = ex.table.sum(2, dtype=torch.int32).amax()  # c holds it: the push stream reads it
-        if s.streams:  # copied there (its first push comes later), not between the experts' kernels
-            s.streams[1].wait_stream(s.main)
+        s.push_after_main()  # copied there (its first push comes later), not between the experts' kernels
         with s.on(1):
             c.report[0].copy_(c.peak, non_blocking=True)
             if c.report[1] is not None:
@@ -533,7 +459,7 @@ def _forward(c: SourceCall, x_TH: torch.Tensor, w_in, w_out, extra, save: bool):
     return own, ex.finish(), late, added, saved  # own results were not pushed: the combine reads them in place
 
 
-def _segments(c: SourceCall, parts: list, s: "_Streams") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _segments(c: SourceCall, parts: list, s: PartStreams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~overlap_layers.kernels.expert_wgrad.grouped_wgrad_parts`' ``(part, lo, hi)`` ``[source, El]`` for the
     backward's ``parts`` (``(source, (a, b))`` each, in order): source s's rows of group g lie in
     the part holding that group, from its first group's first row on. Allocated on the current
@@ -577,11 +503,10 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[to
     dys = [ex.send[:c.slot]] + slots
     acts = [saved[key][1].new_empty((c.slot, w_out.shape[2])) for key in keys]
     dhs = [saved[key][1] if in_place else torch.empty_like(saved[key][1]) for key in keys]
-    s = _Streams(ex, dy.is_cuda)
+    s = PartStreams(ex, dy.is_cuda, SLOTS)
     _pulls(c, s, peers, slots[:len(peers)])  # every pull at once
-    side = s.streams[1] if s.streams else None
-    if side is not None:  # the weight gradients' tables, on the push stream before its first push
-        side.wait_stream(s.main)
+    side = s.push_stream
+    s.push_after_main()  # the weight gradients' tables, on the push stream before its first push
     tables = _segments(c, spans, s)
     # the weight gradients autograd wants: (their parts, the weight)
     wanted = [(WgradParts(a, b, side), w) for a, b, w, want in (
@@ -616,8 +541,7 @@ def _backward(c: SourceCall, saved: dict, dy: torch.Tensor, late_dy: Optional[to
     # deferred only where each comes back as a gradient: one autograd drops is not handed out
     grads = c.defer(weight_grads, [w for _, w in wanted]) if c.defer is not None and wanted else None
     if grads is None:
-        if s.streams:
-            s.main.wait_event(written[0])  # not the pushes after them: the last runs under these GEMMs
+        s.main_after(written, 0)  # not the pushes after them: the last runs under these GEMMs
         grads = weight_grads()
     grads = iter(grads)
     dw_in, dw_out = (next(grads) if want else None for want in wants)

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,13 +99,14 @@ from ...runtime.device_all_to_all import DeviceCountAllToAll, region_caps
 from ...runtime.exchange import shared_workspace
 from ...runtime.executor import profiler_range
 from ...runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
+from ...runtime.streams import HostReader, peak_event
 from ...schedule import TileProgram, comm, compute, round_robin, wait
 from ..attention.common import init_linear_
 from ..common.activations import ACTIVATIONS, act
 from ..common.tp_program import Accumulator, recording_graph
 from .combine import combine_rows, weigh_rows
 from .cost import MoECostModel
-from .device import DevicePathRace, experts_by_source, peak_event, rows_bound, slot_rows
+from .device import DevicePathRace, experts_by_source, rows_bound, slot_rows
 from .ranks import RankCall, RankChunkExperts, combine_back, experts_forward, first_rows, launch_first, piece_offsets
 from .routing import route_topk
 
@@ -244,35 +245,6 @@ def routed_ends(rows: int, groups: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(rows)
     counts = torch.bincount(torch.randint(0, groups, (rows,), generator=g), minlength=groups)
     return torch.cumsum(counts, 0, dtype=torch.int32)
-
-
-class HostReader:
-    """Reads small tensors on the host ([Note: MoE host syncs]): :meth:`start` launches the copy
-    and returns a function that waits for it and gives the flat list. On CUDA the copy goes into a
-    pinned buffer kept per size and reused call after call (each call reads its buffer before the
-    next call's copy is launched), followed by an event on the current stream: the host waits for
-    that event only, not for the work launched after the copy."""
-
-    def __init__(self) -> None:
-        self._buffers = {}
-
-    def start(self, t: torch.Tensor) -> Callable[[], List[int]]:
-        if t.device.type != "cuda":
-            return t.reshape(-1).tolist
-        key = (t.numel(), t.dtype)
-        host = self._buffers.get(key)
-        if host is None:
-            if len(self._buffers) >= 8:  # a few sizes (tile counts) at a time
-                self._buffers.clear()
-            host = self._buffers[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-        host.copy_(t.reshape(-1), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-
-        def read() -> List[int]:
-            done.synchronize()
-            return host.tolist()
-        return read
 
 
 class _Tile:
