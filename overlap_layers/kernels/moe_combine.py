@@ -3,12 +3,12 @@
 ([Note: MoE graph calls] in ``layers/moe/device.py``), and so does every eager call without autograd
 ([Note: MoE no-grad combine] in ``layers/moe/layer.py``).
 
-Reference (:func:`combine_rows_reference`; ``own [>= n_own, H]``, ``back``: result rows, those at rows below ``n_own`` in
-``own`` and the others in ``back``; ``pos [T*k]``: the row of each token-major assignment's
-result (the eager call's: its send-order row; the device path's: its place in the exchange's
-buffers), negative for one that is not sent; ``weights [T, k]``; ``kept``: rows from it on were
-dropped by capacity; ``late``: where the own rows from ``n_first`` on are, from its row 0 (the
-device path runs them last; without it ``n_first = n_own``))::
+Reference (:func:`combine_rows_reference`; ``own [>= n_own, H]``, ``back``: result rows, those at
+rows below ``n_own`` in ``own`` and the others in ``back``; ``pos [T*k]``: the row of each
+token-major assignment's result (the eager call's: its send-order row; the device path's: its place
+in the exchange's buffers), negative for one that is not sent; ``weights [T, k]``; ``kept``: rows
+from it on were dropped by capacity; ``late``: where the own rows from ``n_first`` on are, from its
+row 0 (the device path runs them last; without it ``n_first = n_own``))::
 
     row(p)  = 0 if p < 0 or p >= kept else own[p] if p < n_first else late[p - n_first] if p < n_own
               else back[p]

@@ -1,10 +1,12 @@
 """The MoE device path's send rows into their places in the exchange's send buffer, straight from
 the routing's keys: no sort of the assignments (``layers/moe/device.py``).
 
-Reference (:func:`place_reference`), for the assignments ``a = 0 .. N-1`` (token-major: assignment a is row ``a // top_k``
-of ``src``) with ``keys[a]`` in ``0 .. E-1`` (the send-order index of its destination rank and
-group, :class:`~overlap_layers.runtime.device_all_to_all.RegionLayout`) or ``E`` and above (dropped), and the layout's
-:meth:`~overlap_layers.runtime.device_all_to_all.RegionLayout.key_places` ``(A, C, D)`` of the source's counts::
+Reference (:func:`place_reference`), for the assignments ``a = 0 .. N-1`` (token-major: assignment a
+is row ``a // top_k`` of ``src``) with ``keys[a]`` in ``0 .. E-1`` (the send-order index of its
+destination rank and group, :class:`~overlap_layers.runtime.device_all_to_all.RegionLayout`) or
+``E`` and above (dropped), and the layout's
+:meth:`~overlap_layers.runtime.device_all_to_all.RegionLayout.key_places` ``(A, C, D)`` of the
+source's counts::
 
     i          = the number of assignments before a with the same key
     place      = A[key] + i  if i < C[key]  else  D[key] + i      (the region, then past it)

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..config import check_positive_int
 from ..runtime.group import Agreement
 from ..sim import HardwareModel
 
@@ -92,8 +93,7 @@ def cache_key(*, device: torch.device, world_size: int, transport: str, dtype: t
     name the plan uses, ``dtype`` the calibrated dtype. The NCCL environment is read here, once."""
     if not isinstance(device, (torch.device, str)):
         raise ValueError(f"device={device!r} must be a torch.device (or a device string such as 'cuda:0')")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1 (the group's size)")
+    check_positive_int(world_size, "world_size")
     if not isinstance(transport, str):
         raise ValueError(f"transport={transport!r} must be a str naming the collective backend")
     if not isinstance(dtype, torch.dtype):

@@ -4,11 +4,27 @@ inside a backward, under saved-tensor hooks, captured), and its passes run as re
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Optional
 
 import torch
 
 from ..runtime import execute
 from ..runtime.carveout import gemm_sm_carveout
+
+
+class LayerCall:
+    """What one call of a planned layer carries besides tensors (through its autograd Function),
+    the part every layer's call shares, which :func:`run_tiles` and :func:`recorded_pass` read: its
+    process ``group``, ``plan``, whether it saves for backward (``save``), its compute ``streams``
+    (None off CUDA) and the layer's ``launch_log``; where the call has them, ``trial`` (first-call
+    verification times its backward), ``trace`` (``export_trace(measured=True)`` records every
+    op) and ``exchange`` (a rank-chunk plan's exchange factory), else None. Each layer's call
+    class adds what its programs read."""
+
+    def __init__(self, group, plan, save: bool, streams: Optional[list], launch_log: Optional[list]) -> None:
+        self.group, self.plan, self.save, self.streams, self.launch_log = group, plan, save, streams, launch_log
+        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
+        self.exchange: Optional[Callable] = None  # (sources, partial_shape, keep, recorder) -> an exchange
 
 
 def apply_saving(fn, save: bool, *args):

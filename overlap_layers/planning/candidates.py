@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..config import check_positive_int
 from ..schedule import TileProgram, round_robin
 from ..sim import Candidate, Costs, Timeline, simulate
 from .tiling import effective_num_tiles, tile_bounds
@@ -61,8 +62,7 @@ def bucket_partitions(k: int) -> Tuple[Partition, ...]:
     order (fewer merged tiles first, then fewer merges, then by group sizes), so the result
     never depends on hashing.
     """
-    if k < 1:
-        raise ValueError(f"k={k!r}; must be a positive int")
+    check_positive_int(k, "k")
     if k <= FULL_SEARCH_MAX_TILES:
         parts = {_from_cuts(k, cuts) for n in range(k) for cuts in itertools.combinations(range(1, k), n)}
     else:

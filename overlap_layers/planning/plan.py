@@ -7,6 +7,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..config import Decomposition, Transport
 from ..sim.planner import plan_label
 
 
@@ -24,8 +25,8 @@ class TilePlan:
     buckets_bwd: tuple = ()
     regather: bool = False  # backward re-gathers x instead of saving the gathered input
     num_streams: int = 2
-    transport: str = "nccl"  # or "copy_engine" (rank decomposition only)
-    decomposition: str = "batch"  # or "rank": split by source rank (MLP, attention; layers/common/rank_chunks.py)
+    transport: Transport = Transport.NCCL  # or COPY_ENGINE (rank decomposition only)
+    decomposition: Decomposition = Decomposition.BATCH  # or RANK: split by source rank (layers/common/rank_chunks.py)
     # SMs the GEMMs leave free in (forward, backward) where the plan overlaps NCCL collectives with
     # them (:attr:`carved_sms`; [Note: SM carveout]); changes no collective
     carveout: tuple = ()
@@ -35,6 +36,11 @@ class TilePlan:
     candidates: tuple = field(default=(), compare=False, repr=False)
     verification: tuple = field(default=(), compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # the strings of Transport and Decomposition as their members (others stay, for the checks)
+        object.__setattr__(self, "transport", Transport.coerce(self.transport))
+        object.__setattr__(self, "decomposition", Decomposition.coerce(self.decomposition))
+
     @property
     def buckets(self) -> dict:
         return {"fwd": dict(self.buckets_fwd), "bwd": dict(self.buckets_bwd)}
@@ -42,12 +48,12 @@ class TilePlan:
     @property
     def is_serial(self) -> bool:
         return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
-                and self.decomposition == "batch")
+                and self.decomposition == Decomposition.BATCH)
 
     def carved_sms(self, backward: bool) -> int:
         """SMs the pass's GEMMs leave free: :attr:`carveout`'s, where the plan overlaps NCCL
         collectives with its GEMMs (batch tiles, K > 1); else 0."""
-        overlaps = self.num_tiles > 1 and self.decomposition == "batch" and self.transport == "nccl"
+        overlaps = self.num_tiles > 1 and self.decomposition == Decomposition.BATCH and self.transport == Transport.NCCL
         return self.carveout[int(backward)] if overlaps and self.carveout else 0
 
     @property
@@ -88,9 +94,9 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
     kinds = {}
     for c in plan.candidates:
         kind = (c.decomposition, c.transport)
-        if c.decomposition == "batch":
-            same = c.num_tiles == 1 or (plan.decomposition == "batch" and c.num_tiles == plan.num_tiles)
-            if plan.decomposition == "batch" and plan.num_tiles > 1:  # the model may misjudge either way
+        if c.decomposition == Decomposition.BATCH:
+            same = c.num_tiles == 1 or (plan.decomposition == Decomposition.BATCH and c.num_tiles == plan.num_tiles)
+            if plan.decomposition == Decomposition.BATCH and plan.num_tiles > 1:  # the model may misjudge either way
                 kind += ("fewer tiles" if c.num_tiles < plan.num_tiles else "more tiles",)
         else:
             same = kind == (plan.decomposition, plan.transport)

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..config import OverlapConfig, check_num_tiles
+from ..config import Decomposition, OverlapConfig, Transport, check_num_tiles, check_positive_int
 from ..runtime import StreamPool, shared_agreement
 from ..runtime.carveout import carve_passes, carveout_available, default_carveout
 from ..runtime.group import first_disagreement
@@ -149,7 +149,7 @@ class PlannedLayer:
         """The end of every layer's constructor (``self.group`` set, parameters allocated): the
         launch log, no pinned plan, the per-call state (:meth:`_init_runtime`), the initial weights
         and, with ``mesh=``, the DTensor parameters."""
-        if config.transport == "copy_engine" and not self._has_copy_engine:
+        if config.transport == Transport.COPY_ENGINE and not self._has_copy_engine:
             warnings.warn(f"{type(self).__name__} has no copy-engine path; config.transport='copy_engine' "
                           f"runs NCCL here", stacklevel=3)
         self.launch_log: Optional[list] = None
@@ -235,14 +235,13 @@ class PlannedLayer:
             if not isinstance(plan, TilePlan):
                 raise ValueError(f"plan={plan!r}; must be a TilePlan (overlap_layers.layers.TilePlan) or None")
             check_num_tiles(plan.num_tiles, "plan.num_tiles")
-            if isinstance(plan.num_streams, bool) or not isinstance(plan.num_streams, int) or plan.num_streams < 1:
-                raise ValueError(f"plan.num_streams={plan.num_streams!r}; must be a positive int")
+            check_positive_int(plan.num_streams, "plan.num_streams")
             self._check_pin(plan)
         self._pinned = plan
 
     def _check_pin(self, plan: TilePlan) -> None:
         """Layer-specific limits of a pinned plan (ValueError); by default batch tiles over NCCL."""
-        if plan.decomposition != "batch" or plan.transport != "nccl":
+        if plan.decomposition != Decomposition.BATCH or plan.transport != Transport.NCCL:
             raise ValueError(f"plan: {type(self).__name__} runs batch tiles over NCCL only (decomposition='batch', "
                              f"transport='nccl'); got decomposition={plan.decomposition!r}, "
                              f"transport={plan.transport!r}")
@@ -541,8 +540,9 @@ class PlannedLayer:
             cm.model = self._measure_missing(cm, dtype)
         candidates = plan_candidates(cm, self._programs, training=save)
         candidates += self._rank_candidates(cm, candidates, training=save)
-        if self.config.transport == "copy_engine" and any(c.transport == "copy_engine" for c in candidates):
-            candidates = [c for c in candidates if c.is_serial or c.transport == "copy_engine"]
+        copy_engine = Transport.COPY_ENGINE
+        if self.config.transport == copy_engine and any(c.transport == copy_engine for c in candidates):
+            candidates = [c for c in candidates if c.is_serial or c.transport == Transport.COPY_ENGINE]
         self._plan_budget = self._budget()
         choice = choose(candidates, budget_bytes=self._plan_budget, margin=self.config.margin)
         carveout = self._carveout(cm, save)

@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from ..config import Decomposition, Transport
 from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
                                 staged_source, symmetric_memory_status)
 from ..sim import Candidate
@@ -46,16 +47,16 @@ class RankChunkPlans:
         return self.sequence_parallel
 
     def _check_pin(self, plan) -> None:
-        if plan.decomposition not in ("batch", "rank"):
+        if plan.decomposition not in (Decomposition.BATCH, Decomposition.RANK):
             raise ValueError(f"plan.decomposition={plan.decomposition!r}; valid: 'batch', 'rank'")
-        if plan.transport not in ("nccl", "copy_engine"):
+        if plan.transport not in (Transport.NCCL, Transport.COPY_ENGINE):
             raise ValueError(f"plan.transport={plan.transport!r}; valid: 'nccl', 'copy_engine'")
-        if plan.decomposition == "rank" and not self._source_split:
+        if plan.decomposition == Decomposition.RANK and not self._source_split:
             raise ValueError("plan.decomposition='rank' needs sequence_parallel=True (it splits the gathered "
                              "rows by source rank)")
-        if plan.transport == "copy_engine" and plan.decomposition != "rank":
+        if plan.transport == Transport.COPY_ENGINE and plan.decomposition != Decomposition.RANK:
             raise ValueError("plan.transport='copy_engine' needs plan.decomposition='rank'")
-        if plan.decomposition == "rank" and plan.num_tiles > 1 and not self._rank_tiles:
+        if plan.decomposition == Decomposition.RANK and plan.num_tiles > 1 and not self._rank_tiles:
             raise ValueError(f"plan.num_tiles={plan.num_tiles} with plan.decomposition='rank': "
                              f"{type(self).__name__} runs rank chunks on all rows at once here (num_tiles=1); "
                              "batch tiles of rank chunks are the attention's")
@@ -87,7 +88,7 @@ class RankChunkPlans:
         """1 if this rank could use the copy-engine transport (asked once; the call's agreement
         takes the minimum over the ranks), else 0."""
         if self._copy_engine is None:
-            self._copy_engine = "" if self.config.transport == "nccl" else \
+            self._copy_engine = "" if self.config.transport == Transport.NCCL else \
                 symmetric_memory_status(self.group, self._weight.device)
             self._host_id = zlib.crc32(socket.gethostname().encode())
         return int(self._copy_engine == "")
@@ -98,11 +99,11 @@ class RankChunkPlans:
         or a pinned plan: ``asked``)."""
         floor = self._agreed_floor
         one_host = bool(floor) and floor[1] == -floor[2]
-        ok = self.config.transport != "nccl" and bool(floor) and bool(floor[0]) and one_host
-        if not ok and not self._warned_copy_engine and (asked or self.config.transport != "nccl" and (
-                self.config.transport == "copy_engine" or self._weight.device.type == "cuda")):
+        ok = self.config.transport != Transport.NCCL and bool(floor) and bool(floor[0]) and one_host
+        if not ok and not self._warned_copy_engine and (asked or self.config.transport != Transport.NCCL and (
+                self.config.transport == Transport.COPY_ENGINE or self._weight.device.type == "cuda")):
             self._warned_copy_engine = True
-            why = ("config.transport='nccl'" if self.config.transport == "nccl" else self._copy_engine
+            why = ("config.transport='nccl'" if self.config.transport == Transport.NCCL else self._copy_engine
                    or ("the group spans several hosts" if not one_host else "on another rank"))
             warnings.warn(f"overlap_layers: copy-engine transport unavailable ({why}); using NCCL", stacklevel=2)
         return ok
@@ -119,14 +120,14 @@ class RankChunkPlans:
         NCCL, so its rank chunks move the same bytes the same way as its batch tiles."""
         if not self._source_split or self.world_size < 2:
             return ()
-        if self.config.transport != "nccl" and self._copy_engine_available():
-            return ("copy_engine",)
-        return ("nccl",) if self._planned_send_recv else ()
+        if self.config.transport != Transport.NCCL and self._copy_engine_available():
+            return (Transport.COPY_ENGINE,)
+        return (Transport.NCCL,) if self._planned_send_recv else ()
 
     def _function(self, plan, call, device: torch.device, tiled, ranked):
         """The autograd Function that runs ``plan``: ``tiled`` for batch tiles, else ``ranked``,
         with ``call.plan`` and ``call.exchange`` set by :meth:`_rank_run`."""
-        if plan.decomposition != "rank":
+        if plan.decomposition != Decomposition.RANK:
             return tiled
         call.plan, call.exchange = self._rank_run(plan, device)
         return ranked
@@ -135,12 +136,12 @@ class RankChunkPlans:
         """``(plan, exchange factory)`` of a rank-chunk call: a copy-engine plan where the copy
         engine is unavailable runs (and shows in ``self.plan``) over send/recv instead. The
         factory takes ``(sources, partial_shape, keep, recorder)``."""
-        if plan.transport == "copy_engine" and self._copy_engine_available(asked=True):
+        if plan.transport == Transport.COPY_ENGINE and self._copy_engine_available(asked=True):
             if self._workspace is None:
                 self._workspace = shared_workspace(self.group, device)
             return plan, partial(self._exchanges[0], self._workspace)
-        if plan.transport != "nccl":
-            plan = self.plan = replace(plan, transport="nccl")
+        if plan.transport != Transport.NCCL:
+            plan = self.plan = replace(plan, transport=Transport.NCCL)
         return plan, partial(self._exchanges[1], self.group)
 
     def _graph_stage(self, plan, t: torch.Tensor, role: str):
@@ -150,8 +151,9 @@ class RankChunkPlans:
         output gradient; a training call's input only where its backward reads the saved own
         rows instead (:meth:`_backward_reads_input`). Where the call copies no other tensor of
         ``t``'s dtype (no autocast cast) and the workspace is large enough; else None."""
-        if plan.decomposition != "rank" or plan.transport != "copy_engine" or self._workspace is None \
-                or t.dtype != self._weight.dtype or torch.is_autocast_enabled(t.device.type) \
+        if plan.decomposition != Decomposition.RANK or plan.transport != Transport.COPY_ENGINE \
+                or self._workspace is None or t.dtype != self._weight.dtype \
+                or torch.is_autocast_enabled(t.device.type) \
                 or role == "training_input" and self._backward_reads_input(plan):
             return None
         return staged_source(self._workspace, t)
@@ -162,7 +164,7 @@ class RankChunkPlans:
         return True
 
     def _predicted_timelines(self, cm, plan, save: bool) -> dict:
-        if plan.decomposition != "rank":
+        if plan.decomposition != Decomposition.RANK:
             return super()._predicted_timelines(cm, plan, save)
         k = plan.num_tiles
         out = {"forward": cm.rank_chunk_timeline(backward=False, transport=plan.transport, sources=1, tiles=k)}
@@ -174,7 +176,7 @@ class RankChunkPlans:
     def _copy_engine_setups(self, cm) -> dict:
         """Timed ops of the copy-engine cost, when the planner will use it: a peer copy of one
         chunk, a signal round trip."""
-        if "copy_engine" not in self._rank_transports():
+        if Transport.COPY_ENGINE not in self._rank_transports():
             return {}
         dev = self._weight.device
         ws_obj = self._workspace = self._workspace or shared_workspace(self.group, dev)
@@ -214,6 +216,6 @@ class RankChunkPlans:
                         b_ms, b_exposed = cm.rank_chunk_ms(backward=True, transport=transport,
                                                            sources=2 if regather else 1, tiles=k)
                         ms, exposed = ms + b_ms, exposed + b_exposed
-                    out.append(Candidate(k, regather, (), (), ms, exposed, peak, decomposition="rank",
+                    out.append(Candidate(k, regather, (), (), ms, exposed, peak, decomposition=Decomposition.RANK,
                                          transport=transport))
         return out

@@ -107,6 +107,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..config import Transport
 from ..kernels.slot_sum import sum_slots
 
 PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
@@ -196,7 +197,7 @@ def _keep_own(gathered: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
 class PointToPointExchange:
     """The exchange over ``isend``/``irecv`` (see the module docstring)."""
 
-    transport = "nccl"
+    transport = Transport.NCCL
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
                  keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
@@ -393,7 +394,7 @@ def workspace_bytes(world_size: int, source_shapes: Sequence[Tuple[int, ...]], p
 class CopyEngineExchange:
     """The exchange over symmetric memory and the copy engines (see the module docstring)."""
 
-    transport = "copy_engine"
+    transport = Transport.COPY_ENGINE
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
                  partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,

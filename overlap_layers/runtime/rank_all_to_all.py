@@ -48,6 +48,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import Transport
 from .exchange import PULL, PUSH, SymmetricWorkspace, peers
 
 
@@ -84,7 +85,7 @@ class PointToPointAllToAll:
     """The exchange over ``isend``/``irecv`` (see the module docstring); ``capacity_rows`` is
     the copy engine's (unused here)."""
 
-    transport = "nccl"
+    transport = Transport.NCCL
     shared_send = False  # send is this exchange's own tensor
 
     def __init__(self, group, rows: int, width: int, dtype: torch.dtype, device, capacity_rows: int = 0):
@@ -154,7 +155,7 @@ class CopyEngineAllToAll:
     ``capacity_rows`` (the same on every rank) sizes the workspace: at least every rank's send
     rows, so that growing it, a collective, happens alike on every rank."""
 
-    transport = "copy_engine"
+    transport = Transport.COPY_ENGINE
     shared_send = True  # send is the workspace's (the next exchange on it overwrites it)
     early_ok = True  # the pulls wait for ready() only (their rows are allocated on the pull stream)
 

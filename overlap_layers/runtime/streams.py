@@ -109,11 +109,11 @@ def peak_event() -> Optional[torch.cuda.Event]:
 
 
 class HostReader:
-    """Reads small tensors on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``): :meth:`start` launches the copy
-    and returns a function that waits for it and gives the flat list. On CUDA the copy goes into a
-    pinned buffer kept per size and reused call after call (each call reads its buffer before the
-    next call's copy is launched), followed by an event on the current stream: the host waits for
-    that event only, not for the work launched after the copy."""
+    """Reads small tensors on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``):
+    :meth:`start` launches the copy and returns a function that waits for it and gives the flat
+    list. On CUDA the copy goes into a pinned buffer kept per size and reused call after call (each
+    call reads its buffer before the next call's copy is launched), followed by an event on the
+    current stream: the host waits for that event only, not for the work launched after the copy."""
 
     def __init__(self) -> None:
         self._buffers = {}

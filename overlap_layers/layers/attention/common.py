@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ...config import check_positive_int
 from ...planning.checks import X_ERRORS, finite_number, x_error
 from .core import rope_cos_sin
 
@@ -32,24 +33,19 @@ WHAT = "x / position_ids / position_embeddings / attention_mask"
 PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 
 
-def _positive_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name}={v!r}; must be a positive int")
-
-
 def check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta, softmax_scale,
                dropout_p) -> Tuple[int, int]:
     """The constructor arguments both layers share; returns ``(num_kv_heads, head_dim)`` with
     their defaults filled in (num_heads; hidden_size // num_heads)."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        _positive_int(name, v)
+        check_positive_int(v, name)
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
                              f"pass head_dim explicitly")
         head_dim = hidden_size // num_heads
-    _positive_int("head_dim", head_dim)
+    check_positive_int(head_dim, "head_dim")
     if rope_theta is not None:
         if not finite_number(rope_theta):
             raise ValueError(f"rope_theta={rope_theta!r}; must be a positive finite number or None (no RoPE)")
@@ -74,7 +70,7 @@ def check_dense(wq, wk, wv, wo, *, num_heads, num_kv_heads, bq, bk, bv, bo, q_no
             raise ValueError(f"{name} must be a 2-D tensor (nn.Linear layout); got {getattr(t, 'shape', t)!r}")
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or wq.shape[0] % num_heads:
         raise ValueError(f"num_heads={num_heads!r} must be a positive int dividing wq's rows {wq.shape[0]}")
-    _positive_int("num_kv_heads", num_kv_heads)
+    check_positive_int(num_kv_heads, "num_kv_heads")
     H, d = wq.shape[1], wq.shape[0] // num_heads
     want = {"wk": (num_kv_heads * d, H), "wv": (num_kv_heads * d, H), "wo": (H, num_heads * d)}
     for name, t in (("wk", wk), ("wv", wv), ("wo", wo)):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from ...config import Transport
 from ...planning.candidates import TILE_CHOICES
 from ...planning.tiling import tile_bounds
 from ...runtime.exchange import block_tag
@@ -143,7 +144,8 @@ class AttentionCostModel(MLPCostModel):
         return self.transfer_ms(transport, self.chunk_bytes()) > self.op_ms(self.chunk_rows(), "qkv")
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
+                    transport: Transport = Transport.COPY_ENGINE
+                    ) -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
         tail, or with one tile a piece of its own over every gathered row after the own rows'),
@@ -204,7 +206,7 @@ class AttentionCostModel(MLPCostModel):
         """Backward over the copy engine, all rows: summed once the last tile's own dgrad has
         written its rows, beside that piece's QKV weight gradient. Forward none: the last piece is
         the own rows' projection, the sum needs it."""
-        return self.chunk_rows() if backward and transport == "copy_engine" else 0
+        return self.chunk_rows() if backward and transport == Transport.COPY_ENGINE else 0
 
     def early_sum_waits_own(self, backward: bool) -> bool:
         return True

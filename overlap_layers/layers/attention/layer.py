@@ -78,8 +78,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ...config import OverlapConfig
-from ...planning.calls import apply_saving, recorded_pass, run_tiles
+from ...config import Decomposition, OverlapConfig
+from ...planning.calls import LayerCall, apply_saving, recorded_pass, run_tiles
 from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
@@ -113,21 +113,19 @@ def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
                          f"or divide it (then KV heads are replicated)")
 
 
-class AttentionCall:
+class AttentionCall(LayerCall):
     """Everything one call needs besides tensors (passed through the autograd Function)."""
 
     def __init__(self, layer: "OverlapAttention", plan: TilePlan, save: bool, streams, cos_sin, batch: int,
                  seq_local: int):
-        self.group, self.sp, self.plan, self.save, self.streams = layer.group, layer.sequence_parallel, plan, save, streams
+        super().__init__(layer.group, plan, save, streams, layer.launch_log)
+        self.sp = layer.sequence_parallel
         self.g = layer.world_size if layer.sequence_parallel else 1
         self.nq, self.nkv, self.d = layer.num_heads_local, layer.num_kv_heads_local, layer.head_dim
         self.causal, self.scale = layer.causal, layer.softmax_scale
         self.dropout_p = layer.dropout_p if layer.training else 0.0
         self.q_norm, self.k_norm = layer._local("q_norm"), layer._local("k_norm")
         self.cos_sin, self.batch, self.s = cos_sin, batch, seq_local
-        self.launch_log = layer.launch_log
-        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
-        self.exchange = None  # the exchange factory of a rank-chunk plan
         self.query_chunks = False  # rank chunks run the core by query chunks (set by the layer's call)
         self.diagonal_first = False  # ... each chunk's diagonal piece in its QKV piece (set likewise)
 
@@ -759,7 +757,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
             position_embeddings)
         B, s, H = x.shape
         call.query_chunks = self._query_chunk_core(x.dtype, x.device)
-        call.diagonal_first = call.query_chunks and self.causal and plan.decomposition == "rank" and \
+        call.diagonal_first = call.query_chunks and self.causal and plan.decomposition == Decomposition.RANK and \
             self._diagonal_first(x.shape, x.dtype, save, plan.transport)
         call.trial, call.trace = trial, trace
         with torch.autocast(x.device.type, enabled=False):

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
-from ...planning.calls import run_tiles
+from ...planning.calls import LayerCall, run_tiles
 from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
@@ -132,20 +132,19 @@ def _route(nq: int, nkv: int, d: int, ws: int, rank: int, h0: int, h1: int) -> _
                   None if plain else tuple(local), o_cols)
 
 
-class _Call:
+class _Call(LayerCall):
     """Everything one call needs besides the differentiable tensors (passed through the Function)."""
 
     def __init__(self, layer: "UlyssesAttention", plan: TilePlan, save: bool, streams, cos_sin,
                  tiles: List[Tuple[int, int, int]], routes: List[_Route], device):
-        self.group, self.ws, self.d = layer.group, layer.world_size, layer.head_dim
+        super().__init__(layer.group, plan, save, streams, layer.launch_log)
+        self.ws, self.d = layer.world_size, layer.head_dim
         self.causal, self.scale = layer.causal, layer.softmax_scale
         self.dropout_p = layer.dropout_p if layer.training else 0.0
-        self.plan, self.save, self.streams, self.cos_sin = plan, save, streams, cos_sin
+        self.cos_sin = cos_sin
         self.tiles, self.routes = tiles, routes  # tiles: (b0, b1, route index)
         self.kv_index = [layer._index(r, "kv_index", device) for r in routes]
         self.by_heads = len(routes) > 1  # head-group tiles: one route per tile
-        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
-        self.launch_log = layer.launch_log
         self.s = 0
         self.norms: list = []  # q_norm, k_norm as the core uses them (detached leaves when saving)
 

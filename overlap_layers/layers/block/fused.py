@@ -54,6 +54,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ...config import Decomposition
 from ...planning.calls import run_tiles
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.tiling import tile_bounds
@@ -273,7 +274,7 @@ def fused_plans(attn_plan, mlp_plan, tile_rows: int):
     not fuse (module docstring): the attention's K block tiles, each of ``K_mlp // K`` MLP tiles
     (at least 1, at most ``tile_rows``, the smallest block tile's rows)."""
     k = attn_plan.num_tiles
-    if k < 2 or any(p.decomposition != "batch" or p.regather for p in (attn_plan, mlp_plan)):
+    if k < 2 or any(p.decomposition != Decomposition.BATCH or p.regather for p in (attn_plan, mlp_plan)):
         return None
     sub = max(1, min(mlp_plan.num_tiles // k, tile_rows))
     return (replace(attn_plan, buckets_fwd=(), buckets_bwd=()),

@@ -26,8 +26,9 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
-    """``h`` for a region autograd records: fused where :func:`~overlap_layers.kernels.swiglu.fused_available`, else the eager
-    formula (which also supports higher derivatives)."""
+    """``h`` for a region autograd records: fused where
+    :func:`~overlap_layers.kernels.swiglu.fused_available`, else the eager formula (which also
+    supports higher derivatives)."""
     if fused_available(pre_MI):
         return _SwiGLU.apply(pre_MI)
     gate, up = pre_MI.chunk(2, dim=-1)

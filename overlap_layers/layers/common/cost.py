@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from ...config import Transport
 from ...planning.candidates import TILE_CHOICES
 from ...planning.tiling import tile_bounds
 from ...runtime.exchange import block_tag, push_tag, workspace_bytes
@@ -216,12 +217,13 @@ class MLPCostModel:
 
     def transfer_ms(self, transport: str, nbytes: int) -> float:
         md = self.model
-        if transport == "copy_engine":
+        if transport == Transport.COPY_ENGINE:
             return md.op_ms(f"peer_copy:{nbytes}", nbytes)
         return md.comm_ms("all_gather", self.ws * nbytes) / (self.ws - 1)
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
+                    transport: Transport = Transport.COPY_ENGINE
+                    ) -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """``(name, tag, compute ms, pull step, push step, block, tail ms, pushed share)`` of the
         MLP's pieces in launch order (step 0: no transfer; one block; the tail: the piece's compute
         after its push, the weight gradients; the share of its block's rows that it pushes, 1 but
@@ -256,7 +258,7 @@ class MLPCostModel:
         """Rows of the slots summed beside the compute after the last push (``reduce_early``,
         over the copy engine): backward all (beside the last piece's weight gradients), forward
         the own first half's (beside the own second half)."""
-        if transport != "copy_engine":
+        if transport != Transport.COPY_ENGINE:
             return 0
         T = self.chunk_rows()
         return T if backward else T // 2
@@ -271,7 +273,7 @@ class MLPCostModel:
         and the copies into / the sum of the symmetric buffer on ``compute0``, transfers on
         ``comm`` (a signal's wait delays the first pull and the sum)."""
         md, ws, chunk = self.model, self.ws, self.chunk_bytes()
-        ce = transport == "copy_engine"
+        ce = transport == Transport.COPY_ENGINE
         slow = 1.0 if ce else md.interference
         signal = md.op_ms("signal", 0) if ce else 0.0
         events = []
@@ -319,7 +321,7 @@ class MLPCostModel:
         """Bytes of a rank-chunk plan's exchange buffers: over the copy engine the symmetric
         workspace (the sources and the partial slots), else the partial slots."""
         chunk = (self.chunk_rows(), self.H)
-        if transport == "copy_engine":
+        if transport == Transport.COPY_ENGINE:
             return workspace_bytes(self.ws, [chunk] * sources, chunk, self.e)
         return self.ws * self.chunk_bytes()
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ...config import OverlapConfig
-from ...planning.calls import apply_saving, recorded_pass, run_tiles
+from ...config import OverlapConfig, check_positive_int
+from ...planning.calls import LayerCall, apply_saving, recorded_pass, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
 from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph
@@ -62,8 +62,9 @@ from ..common.tp_program import (Accumulator, backward_program, column_dgrad, co
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
 @dataclass
-class MLPCall:
-    """Everything one call needs besides tensors (passed through the autograd Function)."""
+class MLPCall(LayerCall):
+    """Everything one call needs besides tensors (passed through the autograd Function): the
+    fields of :class:`~overlap_layers.planning.calls.LayerCall`, in this order with the MLP's."""
 
     group: object
     activation: str
@@ -228,8 +229,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
                  num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}; must be a positive int")
+            check_positive_int(v, name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
         self.config, self.num_tiles = resolve_config(config, num_tiles)

@@ -21,11 +21,12 @@ def combine_rows(own: torch.Tensor, back: torch.Tensor, pos: torch.Tensor, weigh
                  n_own: Union[int, torch.Tensor], kept: Union[None, int, torch.Tensor] = None,
                  late: Optional[torch.Tensor] = None, n_first: Union[None, int, torch.Tensor] = None,
                  rows_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y [T, H]`` of the combine (``kernels/moe_combine.py``: its reference); ``n_own``, ``kept`` and ``n_first`` are host ints or
-    one-element integer tensors on the device (``kept`` None: every row kept; all of one kind;
-    ``n_first`` given with ``late``). ``own``, ``back`` and ``late`` are ``[*, H]`` of one dtype,
-    ``pos`` ``T*k`` positions. ``rows_out`` (``[T*k, H]``, contiguous), where given, gets each
-    assignment's ``row(pos)`` unweighted, token-major (what :func:`weigh_backward_into` reads)."""
+    """``y [T, H]`` of the combine (``kernels/moe_combine.py``: its reference); ``n_own``, ``kept``
+    and ``n_first`` are host ints or one-element integer tensors on the device (``kept`` None: every
+    row kept; all of one kind; ``n_first`` given with ``late``). ``own``, ``back`` and ``late`` are
+    ``[*, H]`` of one dtype, ``pos`` ``T*k`` positions. ``rows_out`` (``[T*k, H]``, contiguous),
+    where given, gets each assignment's ``row(pos)`` unweighted, token-major (what
+    :func:`weigh_backward_into` reads)."""
     T, k = weights.shape
     H = own.shape[1]
     if late is None:

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
 
+from ...config import Transport
 from ...planning.candidates import TILE_CHOICES
 from ...sim import HardwareModel
 from ..common.cost import MLPCostModel
@@ -179,7 +180,7 @@ class MoECostModel(MLPCostModel):
     def transfer_ms(self, transport: str, nbytes: int) -> float:
         """One source's rows over send/recv are one step of the all-to-all (the kind NCCL runs as
         send/recv); over the copy engine, the MLP's peer copy."""
-        if transport == "copy_engine":
+        if transport == Transport.COPY_ENGINE:
             return super().transfer_ms(transport, nbytes)
         return self.model.comm_ms("all_to_all", self.ws * nbytes) / (self.ws - 1)
 
@@ -188,7 +189,8 @@ class MoECostModel(MLPCostModel):
         return tuple(sorted({T, T // 2, T - T // 2} - {0})) if self.ws > 1 else ()
 
     def rank_pieces(self, backward: bool, tiles: int = 1,
-                    transport: str = "copy_engine") -> List[Tuple[str, str, float, int, int, int, float, float]]:
+                    transport: Transport = Transport.COPY_ENGINE
+                    ) -> List[Tuple[str, str, float, int, int, int, float, float]]:
         """The pieces of ``layers/moe/ranks.py`` in launch order (the MLP's tuple layout; not
         depending on ``transport``)."""
         T = self.chunk_rows()

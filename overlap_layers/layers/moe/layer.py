@@ -82,11 +82,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ...config import OverlapConfig
+from ...config import Decomposition, OverlapConfig, check_positive_int
 from ...kernels import triton_gate
 from ...kernels.routing import count, key_dtype
 from ...kernels.send_rows import place_in_key_order
-from ...planning.calls import apply_saving, run_tiles
+from ...planning.calls import LayerCall, apply_saving, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, finite_number, resolve_config, x_error
 from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
@@ -291,15 +291,13 @@ def _tiles(table, rank: int, index, inverse, offs) -> List[_Tile]:
     return out
 
 
-class _Call:
+class _Call(LayerCall):
     """Everything one call needs besides the differentiable tensors."""
 
     def __init__(self, layer: "OverlapMoE", plan: TilePlan, save: bool, streams, tiles: List[_Tile]):
-        self.group, self.activation, self.plan, self.save, self.streams = \
-            layer.group, layer.activation, plan, save, streams
+        super().__init__(layer.group, plan, save, streams, layer.launch_log)
+        self.activation = layer.activation
         self.tiles = tiles
-        self.launch_log = layer.launch_log
-        self.trial = self.trace = None  # first-call verification / export_trace(measured=True)
 
     def experts(self, x_g: torch.Tensor, sizes: List[int], offs: torch.Tensor, w_in, w_out) -> torch.Tensor:
         """Rows grouped by local expert (``sizes`` rows each; ``offs`` their cumulative ends on the
@@ -432,8 +430,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
                         ("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}; must be a positive int")
+            check_positive_int(v, name)
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
         if activation not in ACTIVATIONS:
@@ -443,9 +440,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                              f"number")
         if not finite_number(aux_loss_coef, zero_ok=True):
             raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a finite number >= 0")
-        if shared_expert_ffn is not None and (isinstance(shared_expert_ffn, bool) or
-                                              not isinstance(shared_expert_ffn, int) or shared_expert_ffn < 1):
-            raise ValueError(f"shared_expert_ffn={shared_expert_ffn!r}; must be None or a positive int")
+        check_positive_int(shared_expert_ffn, "shared_expert_ffn", none_ok=True)
         self.config, self.num_tiles = resolve_config(config, num_tiles)
         check_dtype(dtype)
         self.group = resolve_group(group, mesh, axis)
@@ -857,7 +852,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         dev = x.device.type
         B, S, H = x.shape
         K, ws, k = plan.num_tiles, self.world_size, self.top_k
-        ranked = plan.decomposition == "rank"
+        ranked = plan.decomposition == Decomposition.RANK
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         x_TH = x.reshape(B * S, H)
         with torch.autocast(dev, enabled=False):
