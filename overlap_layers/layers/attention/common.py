@@ -1,13 +1,13 @@
 """What the two attention layers share besides the core: argument checks, dense weight checks,
-initialisation, per-call input checks and the RoPE tables of a call.
+the parameters' registration, per-call input checks and the RoPE tables of a call (their
+initialisation is ``layers/common/init.py``'s, as ``nn.Linear(in, out)`` initialises).
 
-Reference: every check raises ``ValueError`` naming the argument and what is valid; the init
-equals ``nn.Linear(in, out)`` (weight then bias) under the same seed; :func:`cos_sin` equals the
-Hugging Face Llama tables for the global positions (or the given ``position_embeddings``).
+Reference: every check raises ``ValueError`` naming the argument and what is valid; :func:`cos_sin`
+equals the Hugging Face Llama tables for the global positions (or the given
+``position_embeddings``).
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Optional, Tuple
 
@@ -108,14 +108,6 @@ def register_params(module: nn.Module, *, hidden: int, q_heads: int, kv_heads: i
 
 
 @torch.no_grad()
-def init_linear_(w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
-    """In place, as ``nn.Linear(w.shape[1], w.shape[0])`` initialises its weight then bias."""
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-    if b is not None:
-        bound = 1 / math.sqrt(w.shape[1])
-        b.uniform_(-bound, bound)
-
-
 def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, head_dim: int, position_ids,
                 position_embeddings, attention_mask, causal: bool) -> int:
     """This rank's input-error code (0 if fine; keys of :data:`INPUT_ERRORS`). The global sequence

@@ -91,11 +91,12 @@ from ...runtime import resolve_group
 from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.exchange import block_tag
 from ...schedule import TileProgram, round_robin
+from ..common.init import init_linear_
 from ..common.rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  recording_graph, row_forward, weight_grad)
 from . import query_chunks
-from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args, init_linear_,
+from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                      input_error, position_kwargs, register_params)
 from .common import cos_sin as cos_sin_of
 from .core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa

@@ -64,8 +64,9 @@ from ...planning.planned import PlannedLayer
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
 from ...schedule import TileProgram, comm, compute, round_robin, wait
+from ..common.init import init_linear_
 from ..common.tp_program import recording_graph
-from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args, init_linear_,
+from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
                      input_error, position_kwargs, register_params)
 from .common import cos_sin as cos_sin_of
 from .core import attention

@@ -101,8 +101,8 @@ from ...runtime.executor import profiler_range
 from ...runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ...runtime.streams import HostReader, peak_event
 from ...schedule import TileProgram, comm, compute, round_robin, wait
-from ..attention.common import init_linear_
 from ..common.activations import ACTIVATIONS, act
+from ..common.init import init_linear_
 from ..common.tp_program import Accumulator, recording_graph
 from .combine import combine_rows, weigh_rows
 from .cost import MoECostModel
