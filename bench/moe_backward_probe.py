@@ -1,6 +1,6 @@
 """Two kernels of the MoE's training calls timed alone on one GPU (session 41):
 
-* ``weigh_rows`` ([Note: MoE weighted combine] in ``layers/moe/combine.py``): its forward and
+* ``weigh_rows`` ([Note: MoE weighted combine] in ``kernels/moe_combine.py``): its forward and
   backward kernels for a grid of columns per step and warps, against ``torch.bmm`` (what the
   layer ran before) and the bandwidth floor at 3.5 TB/s, at qwen3-30b-a3b's and mixtral-8x7b's
   rows (8192 tokens; k 8, H 2048 and k 2, H 4096);

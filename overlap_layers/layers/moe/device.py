@@ -42,7 +42,7 @@ replayed ([Note: graph calls] in ``planning/call_graphs.py``):
   before it: 2.48 / 2.42 ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38;
   graph pool 1912 -> 2424 MiB). With as many peer parts as slots or fewer (EP 2, and EP 4 with the
   last peer in one part) the number does not matter;
-* the combine (``layers/moe/combine.py``): one kernel reads each token's k result rows where they are
+* the combine (``kernels/moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the two own results, the others at their places in ``back``, an assignment dropped
   by capacity, placed at -1, as 0) and sums them weighted.
 
@@ -164,7 +164,7 @@ tensors live in the graphs' pool). What the backward needs stays on the device:
   part gets a slot of its own instead of ``SLOTS`` in turn, and each own half's rows go straight
   to a buffer of their own ([Note: own rows kept apart]); its combine weights the rows as a call
   without autograd does and also keeps each assignment's row, token-major, for the weights'
-  gradient ([Note: MoE weighted combine] in ``layers/moe/combine.py``);
+  gradient ([Note: MoE weighted combine] in ``kernels/moe_combine.py``);
 * the backward's first kernel computes the weights' gradient and writes each assignment's output
   gradient (its weight times dy) where its input row went (the forward's ``pos``; the late own
   rows' into a buffer of their own: [Note: own rows kept apart]), then reverses
