@@ -13,13 +13,18 @@ temporary directory):
                                     the ops as they ran on rank 0 (every other rank r writes
                                     <layer>_measured_rank<r>.json)
 
-The PNGs are drawn by ``overlap_layers.plot_timeline`` (needs matplotlib); the JSON files open in
-Perfetto (ui.perfetto.dev) or chrome://tracing. Rank 0 prints every path.
+The JSON files open in Perfetto (ui.perfetto.dev) or chrome://tracing. Rank 0 prints every path.
 
-    python examples/inspect_plan.py                             # CPU: spawns 2 gloo ranks, tiny shapes
+Run it from a checkout or an install:
+
+    python examples/inspect_plan.py                             # CPU: starts 2 gloo ranks, tiny shapes
     python examples/inspect_plan.py --layer mlp,attention --out /tmp/inspect --num-tiles 2
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
       torchrun --nproc-per-node 4 examples/inspect_plan.py --layer mlp,attention   # GPUs: NCCL, bf16
+
+Extras: ``pip install "overlap_layers[plot]"`` (matplotlib) for the PNGs, drawn by
+``overlap_layers.plot_timeline``. Without matplotlib the example still runs and writes the JSON
+traces; it says in one line that it skips the drawing.
 
 On CPU the planner works from nominal numbers and usually keeps K=1 for tiny shapes; on GPUs it
 calibrates first (cached under ~/.cache/overlap_layers).
@@ -87,6 +92,7 @@ def _call(layer, x):
 def _main(device: torch.device, args, out_dir) -> None:
     from overlap_layers import plot_timeline
 
+    draw = importlib.util.find_spec("matplotlib") is not None  # the PNGs only; the traces need nothing
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -101,6 +107,9 @@ def _main(device: torch.device, args, out_dir) -> None:
     os.makedirs(out_dir, exist_ok=True)
     seq_local = shape["seq"] // world if not args.no_sp else shape["seq"]
     written = []
+    if not draw and rank == 0:
+        print('matplotlib is not installed: writing the JSON traces without their PNGs '
+              '(pip install "overlap_layers[plot]")', flush=True)
     for kind in args.layers:
         torch.manual_seed(0)  # the same weights on every rank
         layer = _build(kind, shape, args, device, dtype)
@@ -121,9 +130,11 @@ def _main(device: torch.device, args, out_dir) -> None:
         _call(layer, x)
         if rank == 0:
             for trace in (predicted, measured):
-                png = trace[:-len(".json")] + ".png"
-                plot_timeline(trace, png)
-                written += [trace, png]
+                written.append(trace)
+                if draw:
+                    png = trace[:-len(".json")] + ".png"
+                    plot_timeline(trace, png)
+                    written.append(png)
     dist.barrier()
     if rank == 0:
         print("wrote:\n" + "\n".join(f"  {p}" for p in written), flush=True)

@@ -10,11 +10,15 @@ the outputs are all-gathered, so every token is computed once. Attention runs te
 The loss includes HF's load-balancing aux loss (``output_router_logits=True``). Both models train
 with AdamW on batches of random tokens (the same on every rank); the losses print side by side.
 
+It shows expert parallelism swapped into a model, aux loss included, matching the dense model.
+
+Run it from a checkout or an install:
+
     python examples/moe_example.py                         # CPU: starts 2 gloo ranks itself
     python examples/moe_example.py --model qwen3_moe --steps 3
     torchrun --nproc-per-node 2 examples/moe_example.py    # GPUs: NCCL, one GPU per rank
 
-Needs ``pip install transformers`` (>= 5).
+Extras: ``pip install "overlap_layers[hf]"`` (transformers >= 5).
 """
 from __future__ import annotations
 
@@ -106,7 +110,10 @@ def train(device: torch.device, args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import transformers  # noqa: F401 - fails early, with the package's name, if it is missing
+    try:
+        import transformers  # noqa: F401 - before any rank starts
+    except ImportError:
+        raise SystemExit('this example needs transformers: pip install "overlap_layers[hf]"') from None
     run_ranks(train, args, nprocs=args.nprocs)
 
 

@@ -4,13 +4,16 @@ Every rank builds the same tiny ``LlamaForCausalLM`` (random weights, same seed;
 downloaded), keeps a dense copy, swaps ``OverlapAttention`` / ``OverlapMLP`` into the original over
 tensor parallelism across the whole world (``overlap_layers.swap``), and trains both with AdamW on
 batches of random tokens (the same on every rank). It prints the two losses side by side each step; they match.
+It shows that a swapped model trains as the dense one does, and the few lines a training loop adds.
+
+Run it from a checkout or an install:
 
     python examples/train_tiny_llama.py                    # CPU: starts 2 gloo ranks itself
     python examples/train_tiny_llama.py --steps 5 --nprocs 4
     python examples/train_tiny_llama.py --block          # whole decoder layers as OverlapTransformerBlock
     torchrun --nproc-per-node 2 examples/train_tiny_llama.py   # GPUs: NCCL, one GPU per rank
 
-Needs ``pip install transformers`` (>= 5). The recipe, per rank::
+Extras: ``pip install "overlap_layers[hf]"`` (transformers >= 5). The recipe, per rank::
 
     model = LlamaForCausalLM(config)                    # same weights on every rank
     overlap_layers.swap(model, group=tp_group)          # in place; logs what was replaced
@@ -101,7 +104,10 @@ def train(device: torch.device, args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import transformers  # noqa: F401 - fails early, with the package's name, if it is missing
+    try:
+        import transformers  # noqa: F401 - before any rank starts
+    except ImportError:
+        raise SystemExit('this example needs transformers: pip install "overlap_layers[hf]"') from None
     run_ranks(train, args, nprocs=args.nprocs)
 
 

@@ -1,4 +1,4 @@
-"""Draw a predicted or measured timeline (a Chrome/Perfetto trace) as a PNG (DESIGN.md 7).
+"""Draw a predicted or measured timeline (a Chrome/Perfetto trace) as a PNG.
 
 Reference: ``plot_timeline(path, png)`` draws what ``chrome://tracing`` or Perfetto shows for a
 trace written from :meth:`~overlap_layers.sim.Timeline.to_chrome_trace`: one row per thread

@@ -1,10 +1,10 @@
 """The child pytest runs of ``test_triton_interpreted.py``: the Triton kernels' tests, and the layers'
 with their kernels, under Triton's interpreter (``TRITON_INTERPRET=1``), each in a process of its own.
 
-They start as soon as the session has collected the tests that read them (``conftest.py``), so
-that they run beside the rest of the suite: one after the other at their turn they took about 500
-s of a 770 s suite on CI's two cores (session 47). A run's test waits for its result; one that was
-not collected never starts, and the session's end stops any still running."""
+They start as soon as pytest has collected the tests that read them (``conftest.py``), so that
+they run beside the rest of the suite: run one after the other at their turn they would take most
+of the suite's time on CI's two cores. A run's test waits for its result; a run whose test is not
+collected never starts, and the end of the pytest run stops any still running."""
 import os
 import subprocess
 import sys
@@ -81,7 +81,8 @@ def summary_of(config, name: str) -> str:
     """The last line of test ``name``'s run (started now if collection did not start it)."""
     triton_dir = os.environ.get("OVERLAP_TEST_TRITON")
     if not triton_dir:
-        pytest.skip("OVERLAP_TEST_TRITON is not set (README's test command installs Triton there)")
+        pytest.skip("needs OVERLAP_TEST_TRITON, a folder holding Triton for the interpreted runs "
+                    "(pip install --no-deps --target DIR triton; README's test command sets it)")
     runs = config.stash.setdefault(_STARTED, {})
     if name not in runs:
         runs[name] = InterpretedRun(RUNS[name], triton_dir)

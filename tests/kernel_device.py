@@ -1,5 +1,6 @@
 """Where the Triton kernel tests run: on CUDA where Triton is installed, else on the CPU under
-Triton's interpreter (``test_triton_interpreted.py`` runs them so in CPU-only CI), else nowhere."""
+Triton's interpreter (``test_triton_interpreted.py`` runs them so in CPU-only CI), else nowhere,
+with a skip reason that says what is missing and where they run instead."""
 import pytest
 import torch
 
@@ -12,5 +13,8 @@ elif triton_gate.INTERPRETED:
 else:
     DEVICE = None
 
-needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs CUDA and Triton, or Triton's interpreter "
-                                                         "(TRITON_INTERPRET=1)")
+#: Why a kernel test skips here (``DEVICE`` is None): what this process lacks, and where it runs.
+SKIP_REASON = ("needs Triton for the CUDA device" if torch.cuda.is_available() else "needs a CUDA device with Triton") \
+    + " (runs under Triton's interpreter in tests/test_triton_interpreted.py)"
+
+needs_triton = pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)

@@ -1,4 +1,5 @@
-"""A pool of gloo ranks started once per world size and reused by every test (DESIGN.md tier 2).
+"""A pool of gloo ranks started once per world size and reused by every test (the distributed
+tier: tests that need a process group but no GPU).
 
 ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank at once and returns
 the per-rank results, or raises :class:`RankFailure` carrying every rank's outcome. Workers are

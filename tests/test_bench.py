@@ -21,14 +21,17 @@ def test_bench_cpu_default(tmp_path):
     data = json.loads(out.read_text())
     recs = data["records"]
     _check_modes_and_limits(recs, ("fwd", "fwdbwd"))
-    for r in recs:  # each repeat's time is kept; the row's time is their median
+    for r in recs:  # each repeat's time is kept; the row's time is their median, spread their range
         if r["ms"] is not None:
             assert len(r["repeat_ms"]) == 3 and r["ms"] == sorted(r["repeat_ms"])[1]
+            assert r["spread"] == dict(min_ms=min(r["repeat_ms"]), max_ms=max(r["repeat_ms"]), n=3)
             gcs = r["gc_full_ms"]  # each rank's full collections, by rank
             assert set(gcs) == {"setup", "timed"} and all(len(by_rank) == 2 for by_rank in gcs.values())
             assert all(ms >= 1.0 for by_rank in gcs.values() for got in by_rank for ms in got)
     assert [r["k"] for r in recs if r["mode"] == "naive"] == [2, 2]
     assert "serial" in proc.stdout and "/limit" in proc.stdout
+    # CPU: gloo, and no copy-engine probe (rank_ce needs CUDA, so it does not run)
+    assert "copy-engine" not in proc.stderr and "NVLink" not in proc.stdout + proc.stderr
     auto = [r for r in recs if r["mode"] == "auto"]
     assert all(r["host_plan_lookup_us"] > 0 and r["host_agreement_us"] > 0 and r["planning_ms"] > 0 for r in auto)
     for r in auto:  # the verification's numbers: this rank's trials, and what the decision compared
@@ -68,17 +71,15 @@ def test_full_collections_are_timed_while_the_block_runs():
     assert none == [] and junk
 
 
-def _check_modes_and_limits(recs, passes, modes=("serial", "naive", "auto", "compute", "comm", "asynctp")):
-    """Every pass ran every mode; each timed record is positive and its limit is max(compute, comm)
-    of its pass or more; asynctp (where there is none) has no time."""
+def _check_modes_and_limits(recs, passes, modes=("serial", "naive", "auto", "compute", "comm")):
+    """Every pass ran every mode; each record is timed and positive and its limit is max(compute,
+    comm) of its pass or more; no record of the CUDA-only modes (asynctp, rank_ce) on the CPU."""
     have = {(r["pass"], r["mode"]) for r in recs}
     for p in passes:
         for m in modes:
             assert (p, m) in have, (p, m)
+    assert not {m for _, m in have} & {"asynctp", "rank_ce"}, have
     for r in recs:
-        if r["mode"] == "asynctp":
-            assert r["ms"] is None
-            continue
         lim = max(x["ms"] for x in recs if x["pass"] == r["pass"] and x["mode"] in ("compute", "comm"))
         assert r["ms"] > 0 and r["limit_ms"] >= lim - 1e-9
 
@@ -374,10 +375,19 @@ def test_bench_transport_and_carveout_reach_every_layer():
     assert all(s.sm_carveout is None for _, _, s in _shapes(parse_args(["--layer", "mlp,moe"]), None, cuda=True))
 
 
+def _probe(name: str) -> str:
+    """The path of a probe script of ``bench/probes/`` (``bench/`` in older trees)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in (os.path.join(root, "bench", "probes"), os.path.join(root, "bench")):
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise FileNotFoundError(f"bench/probes/{name}")
+
+
 def _trace_breakdown():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        "trace_breakdown", os.path.join(os.path.dirname(__file__), "..", "bench", "trace_breakdown.py"))
+        "trace_breakdown", _probe("trace_breakdown.py"))
     tb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tb)
     return tb
@@ -406,7 +416,7 @@ def test_trace_host_sums_the_executor_ops_per_call(tmp_path):
 
 
 def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
-    """``bench/trace_breakdown.py --timeline``: kernels of 20 us or more by start, the shorter ones
+    """``bench/probes/trace_breakdown.py --timeline``: kernels of 20 us or more by start, the shorter ones
     counted per stream, and the spans where no collective or copy runs with the compute inside."""
     tb = _trace_breakdown()
     ev = [dict(cat="kernel", name="ncclDevKernel_AllGather", ts=100, dur=100, args={"stream": 20}),
@@ -428,7 +438,7 @@ def test_trace_timeline_lists_kernels_and_communication_gaps(tmp_path):
 
 
 def test_trace_compute_gaps_lists_where_no_compute_runs(tmp_path):
-    """``bench/trace_breakdown.py --compute-gaps``: the spans between compute kernels (on any
+    """``bench/probes/trace_breakdown.py --compute-gaps``: the spans between compute kernels (on any
     stream), their total, and the copies and signals that ran in the ones shown (2 us or more)."""
     tb = _trace_breakdown()
     ev = [dict(cat="kernel", name="nvjet_a", ts=100, dur=100, args={"stream": 7}),
@@ -449,11 +459,11 @@ def test_trace_compute_gaps_lists_where_no_compute_runs(tmp_path):
 
 @pytest.mark.parametrize("layer", ["attention", "moe"])
 def test_inproc_ab_dry_run(tmp_path, layer):
-    """``bench/inproc_ab.py`` on the CPU (2 gloo ranks, tiny preset), this package as both sides:
+    """``bench/probes/inproc_ab.py`` on the CPU (2 gloo ranks, tiny preset), this package as both sides:
     one result per plan and pass, with the time and host time per call of each side."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "ab.json"
-    proc = torchrun(2, ["bench/inproc_ab.py", os.path.join(root, "overlap_layers"), "--layer", layer,
+    proc = torchrun(2, [_probe("inproc_ab.py"), os.path.join(root, "overlap_layers"), "--layer", layer,
                         "--rounds", "1", "--calls", "1", "--plans", "rank_nccl,serial,k2", "--passes", "fwd,fwdbwd",
                         "--out", out], cwd=root, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -467,12 +477,11 @@ def test_inproc_ab_dry_run(tmp_path, layer):
 
 
 def test_inproc_ab_plan_names():
-    """``bench/inproc_ab.py``'s plan names: batch tiles with their compute streams and carveout."""
+    """``bench/probes/inproc_ab.py``'s plan names: batch tiles, their compute streams and carveout."""
     import importlib.util
     import overlap_layers
     from overlap_layers.planning.plan import TilePlan
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("inproc_ab", os.path.join(root, "bench", "inproc_ab.py"))
+    spec = importlib.util.spec_from_file_location("inproc_ab", _probe("inproc_ab.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.plan_of(overlap_layers, "k4") == TilePlan(4)
@@ -485,15 +494,14 @@ def test_inproc_ab_plan_names():
 
 def _host_phases():
     import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("host_phases", os.path.join(root, "bench", "host_phases.py"))
+    spec = importlib.util.spec_from_file_location("host_phases", _probe("host_phases.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_host_phases_wraps_functions_methods_and_staticmethods():
-    """``bench/host_phases.py``'s wrapper: inclusive time and call count per wrapped name, the
+    """``bench/probes/host_phases.py``'s wrapper: inclusive time and call count per wrapped name, the
     function's result and exceptions unchanged, static methods still static."""
     import types
     hp = _host_phases()
@@ -522,10 +530,10 @@ def test_host_phases_wraps_functions_methods_and_staticmethods():
 
 
 def test_host_phases_dry_run():
-    """``bench/host_phases.py`` on 2 gloo ranks (tiny attention): every rank's host and wall time,
+    """``bench/probes/host_phases.py`` on 2 gloo ranks (tiny attention): every rank's host and wall time,
     then the wrapped functions, each called once per layer call."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = torchrun(2, ["bench/host_phases.py", "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
+    proc = torchrun(2, [_probe("host_phases.py"), "--layer", "attention", "--plan", "rank_nccl", "--calls", "2"],
                     cwd=root, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # the CPU dry run, on GPU machines too
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -625,6 +633,14 @@ def test_targets_cli_reads_the_link_from_the_run(tmp_path):
     assert "| P2P off | no | 1 (11.200) | ok 1.120 |" in buf.getvalue()
     with pytest.raises(SystemExit, match="usage"):
         targets.main([])
+    # meta.link, where the file has it: gloo rows (CPU runs) held to the NVLink targets, P2P off to its own
+    for name, link in (("c.json", "gloo"), ("d.json", "p2p_off")):
+        (tmp_path / name).write_text(json.dumps(dict(meta=dict(link=link, nccl_p2p_disable=None), records=recs)))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        targets.main([str(tmp_path / "c.json"), str(tmp_path / "d.json")])
+    assert "| gloo | no | 1 (11.200) | MISS 1.120 |" in buf.getvalue()
+    assert "| P2P off | no | 1 (11.200) | ok 1.120 |" in buf.getvalue() and "NVLink" not in buf.getvalue()
 
 
 def _held(seconds):
@@ -676,3 +692,239 @@ def test_bench_moe_graph_calls_run_the_device_path_in_auto_only(pool2):
     for has_graphs, modes in pool2.run(_moe_bench_device_path_by_mode):
         assert has_graphs
         assert modes == [("serial", False), ("naive", False), ("rank", False), ("auto", True)]
+
+
+# ---------------------------------------------------------------- result files: bench/results/schema.json
+
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                           "schema.json")
+_TYPES = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+
+
+def _is_type(value, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _TYPES[name])
+
+
+def schema_errors(value, schema: dict, root: dict = None, path: str = "$") -> list:
+    """Where ``value`` breaks ``schema``: a small JSON Schema (draft 2020-12) validator of the
+    keywords ``bench/results/schema.json`` uses (``$ref`` into ``$defs``, ``type``, ``const``,
+    ``enum``, ``required``, ``properties``, ``items``, ``minimum``, ``allOf``, ``anyOf``,
+    ``oneOf``, ``not``, ``if`` / ``then`` / ``else``); any other keyword fails the check, so the
+    schema cannot outgrow the validator unnoticed. Annotations (``description``, ``format``,
+    ...) are ignored."""
+    root = schema if root is None else root
+    known = {"$schema", "$id", "$defs", "$ref", "title", "description", "format", "type", "const", "enum",
+             "required", "properties", "additionalProperties", "items", "minimum", "allOf", "anyOf", "oneOf",
+             "not", "if", "then", "else"}
+    unknown = set(schema) - known
+    assert not unknown, f"{path}: schema keywords the test's validator lacks: {unknown}"
+    assert schema.get("additionalProperties", True) is True, "only additionalProperties: true is supported"
+    errors = []
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/$defs/"), ref
+        errors += schema_errors(value, root["$defs"][ref[len("#/$defs/"):]], root, path)
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is_type(value, n) for n in names):
+            return errors + [f"{path}: {value!r} is not of type {names}"]
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{path}: {value!r} != {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "minimum" in schema and _is_type(value, "number") and value < schema["minimum"]:
+        errors.append(f"{path}: {value!r} < {schema['minimum']}")
+    if isinstance(value, dict):
+        errors += [f"{path}: missing {key!r}" for key in schema.get("required", ()) if key not in value]
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                errors += schema_errors(value[key], sub, root, f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], root, f"{path}[{i}]")
+    for sub in schema.get("allOf", ()):
+        errors += schema_errors(value, sub, root, path)
+    if "anyOf" in schema and all(schema_errors(value, sub, root, path) for sub in schema["anyOf"]):
+        errors.append(f"{path}: matches none of anyOf")
+    if "oneOf" in schema and sum(not schema_errors(value, sub, root, path) for sub in schema["oneOf"]) != 1:
+        errors.append(f"{path}: does not match exactly one of oneOf")
+    if "not" in schema and not schema_errors(value, schema["not"], root, path):
+        errors.append(f"{path}: matches what 'not' excludes")
+    if "if" in schema:
+        branch = "then" if not schema_errors(value, schema["if"], root, path) else "else"
+        if branch in schema:
+            errors += schema_errors(value, schema[branch], root, path)
+    return errors
+
+
+def _schema():
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+def _model_result():
+    """A minimal whole-model result file, as the schema has it."""
+    meta = dict(schema_version=1, kind="model", date="2026-11-28T14:03:12+00:00", command="python -m x",
+                device="NVIDIA H200", gpu_count=4, world_size=4, backend="nccl", link="nvlink", torch="2.13.0",
+                cuda="13.0", nccl="2.28.3", triton="3.6.0")
+    rec = {"model": "llama3-8b", "variant": "overlap", "preset": "llama3-8b", "world_size": 4, "batch": 2,
+           "tokens": None, "pass": "fwdbwd", "ms": 100.0, "spread": {"min_ms": 99.0, "max_ms": 101.0, "n": 5}}
+    return {"meta": meta, "records": [rec]}
+
+
+def test_schema_validator_checks_what_the_schema_says():
+    """The test's validator and the schema together: a whole-model file passes; each break of a
+    required key, a type, an enum, the constant version or the kind's record keys is caught."""
+    schema, good = _schema(), _model_result()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema_errors(good, schema) == []
+
+    def broken(change):
+        doc = json.loads(json.dumps(good))
+        change(doc)
+        return schema_errors(doc, schema)
+    assert broken(lambda d: d["meta"].pop("link")) == ["$.meta: missing 'link'"]
+    assert broken(lambda d: d["meta"].update(link="pcie"))
+    assert broken(lambda d: d["meta"].update(schema_version=2))
+    assert broken(lambda d: d["meta"].update(gpu_count=1.5))
+    assert broken(lambda d: d["meta"].update(cuda=13))
+    assert broken(lambda d: d["records"][0].pop("variant"))  # a model record needs model + variant
+    assert broken(lambda d: d["meta"].update(kind="layer"))  # ... and a layer record layer + mode
+    assert broken(lambda d: d["records"][0].update({"pass": "bwd"}))
+    assert broken(lambda d: d["records"][0]["spread"].pop("n"))
+    assert broken(lambda d: d["records"][0].update(ms=None))  # no time without an error saying why
+    assert broken(lambda d: d["records"][0].update(ms=None, error="OOM")) == []
+    assert broken(lambda d: d["records"][0].update(batch=True))
+    assert broken(lambda d: d.update(extra=1) or d["meta"].update(host="h") or d["records"][0].update(k=2)) == []
+
+
+def test_bench_writes_the_schema_under_a_name_that_says_what_where_when(tmp_path):
+    """The CPU path (2 gloo ranks, tiny shapes, mlp and moe) writes, by default, to
+    bench/results/<layers>_tp<N>_<link>_<device>x<count>_<date>_<time>.json a file the schema
+    accepts, every meta field filled for a gloo run; one table with its legend on stdout, nothing
+    said of NVLink, NCCL or the copy engine."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-m", "overlap_layers.bench", "--layer", "mlp", "moe", "--iters", "1",
+                           "--repeats", "2", "--warmup", "1"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (name,) = os.listdir(tmp_path / "bench" / "results")
+    assert re.fullmatch(r"mlp-moe_tp2_gloo_cpux2_\d{4}-\d\d-\d\d_\d{6}\.json", name), name
+    data = json.loads((tmp_path / "bench" / "results" / name).read_text())
+    assert schema_errors(data, _schema()) == []
+    meta = data["meta"]
+    assert {k: meta[k] for k in ("schema_version", "kind", "device", "gpu_count", "world_size", "backend", "link",
+                                 "cuda", "nccl")} == \
+        dict(schema_version=1, kind="layer", device="cpu", gpu_count=0, world_size=2, backend="gloo", link="gloo",
+             cuda=None, nccl=None)
+    import datetime
+    import torch
+    assert meta["torch"] == torch.__version__ and datetime.datetime.fromisoformat(meta["date"]).tzinfo is not None
+    assert meta["command"] == "python -m overlap_layers.bench --layer mlp moe --iters 1 --repeats 2 --warmup 1"
+    recs = data["records"]
+    assert {r["layer"] for r in recs} == {"mlp", "moe"} and all(r["spread"]["n"] == 2 for r in recs)
+    assert all(r["spread"]["min_ms"] <= r["ms"] <= r["spread"]["max_ms"] for r in recs)
+    serial = {(r["layer"], r["pass"]): r["ms"] for r in recs if r["mode"] == "serial"}
+    assert all(r["ratio_serial"] == pytest.approx(r["ms"] / serial[(r["layer"], r["pass"])]) for r in recs)
+    out = proc.stdout
+    assert out.count("Columns:") == 1 and out.count("/limit") == 2  # the header, and its line in the legend
+    assert out.startswith("cpu, 2 ranks, gloo, torch ") and f"wrote {os.path.join('bench', 'results', name)}" in out
+    table = out.split("Columns:")[0].splitlines()
+    assert len([ln for ln in table if ln.startswith(("mlp ", "moe "))]) == len(recs)
+    for word in ("NVLink", "NCCL_P2P", "copy-engine", "using NCCL"):
+        assert word not in out + proc.stderr, word
+
+
+def test_bench_meta_link_and_file_name():
+    from overlap_layers.bench import results
+    assert results.link("gloo", 2) == "gloo" and results.link("gloo", 1) == "gloo"
+    assert results.link("nccl", 1) == "single"
+    assert results.link("nccl", 4, {}) == "nvlink" and results.link("nccl", 4, {"NCCL_P2P_DISABLE": "0"}) == "nvlink"
+    assert results.link("nccl", 4, {"NCCL_P2P_DISABLE": "1"}) == "p2p_off"
+    # files written before meta.link: from the backend and nccl_p2p_disable
+    assert results.link_of({"nccl_p2p_disable": "1"}) == "p2p_off" and results.link_of({}) == "nvlink"
+    assert results.link_of({"backend": "gloo", "nccl_p2p_disable": None}) == "gloo"
+    assert results.link_of({"link": "single", "nccl_p2p_disable": "1"}) == "single"
+    assert [results.device_slug(d) for d in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3",
+                                             "cpu")] == ["h200", "a100", "h100", "cpu"]
+    import datetime
+    when = datetime.datetime(2026, 11, 28, 14, 3, 12)
+    meta = dict(link="nvlink", device="NVIDIA H200", gpu_count=4, world_size=4)
+    assert results.default_name(["mlp", "attention"], [2, 4], meta, when) == \
+        "mlp-attention_tp2-4_nvlink_h200x4_2026-11-28_140312.json"
+    assert results.default_name(["moe"], [2], dict(link="gloo", device="cpu", gpu_count=0, world_size=2), when) == \
+        "moe_tp2_gloo_cpux2_2026-11-28_140312.json"
+    assert results.describe(dict(meta, torch="2.13.0")) == "NVIDIA H200 x4, NVLink, torch 2.13.0"
+
+
+def test_bench_list_options_take_spaces_and_commas():
+    from overlap_layers.bench.cli import parse_args
+    for argv in (["--layer", "mlp", "attention"], ["--layer", "mlp,attention"], ["--layer", "mlp,", "attention"]):
+        assert parse_args(argv).layers == ["mlp", "attention"]
+    for flag, value in (("--tp", [2, 4, 8]), ("--tokens", [2, 4, 8]), ("--batch", [2, 4, 8]), ("--naive-k", [2, 4, 8])):
+        for argv in ([flag, "2", "4", "8"], [flag, "2,4,8"], [flag, "2,4", "8"]):
+            assert getattr(parse_args(argv), flag[2:].replace("-", "_")) == value
+    args = parse_args(["--modes", "serial", "auto,comm", "--passes", "fwd", "--preset", "tiny,llama3-8b"])
+    assert (args.modes, args.passes, args.preset) == (["serial", "auto", "comm"], ["fwd"], ["tiny", "llama3-8b"])
+    for bad in (["--layer", "mlp,nope"], ["--modes", "serial", "fast"], ["--passes", "fwd,bwd"], ["--tp", "2,x"],
+                ["--tp", "0"], ["--layer", ","], ["--preset", "llama3-8b,huge"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_bench_every_option_says_its_default():
+    """Every option has help text, and that text names its default (flags excepted)."""
+    import argparse
+    from overlap_layers.bench.cli import _Formatter, build_parser
+    p = build_parser()
+    fmt = _Formatter(p.prog)
+    for action in p._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+            assert action.help, action.dest
+            continue
+        text = fmt._get_help_string(action)
+        assert text and "default" in text, (action.option_strings, text)
+    text = p.format_help()
+    for needle in ("(default: bfloat16 on CUDA, float32 on CPU)", "(default: 5 on CUDA, 2 on CPU)",
+                   "(default: 10 on CUDA, 3 on CPU)", "(default: 5 on CUDA, 3 on CPU)", "(default: mlp)"):
+        assert needle in " ".join(text.split()), needle
+
+
+def test_bench_progress_bar_is_optional(monkeypatch, capsys):
+    """With tqdm the bar goes to stderr (nothing to stdout); without tqdm, or where not enabled
+    (ranks other than 0), no bar and no error."""
+    from overlap_layers.bench.runner import Progress
+    pytest.importorskip("tqdm")
+    import time
+    bar = Progress(2, delay_s=0.0)
+    bar.mode("mlp tiny fwd serial")
+    time.sleep(0.2)  # tqdm redraws at most every 0.1 s
+    bar.advance()
+    bar.advance()
+    bar.close()
+    got = capsys.readouterr()
+    assert got.out == "" and "mlp tiny fwd serial" in got.err and "1/2" in got.err
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    for bar in (Progress(2, delay_s=0.0), Progress(2, enabled=False)):
+        bar.mode("x")
+        bar.advance()
+        bar.close()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_bench_sources_speak_in_the_present():
+    """No development history (session numbers) in the package's comments, docstrings or help."""
+    import re
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "overlap_layers", "bench")
+    for top, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            with open(os.path.join(top, name)) as f:
+                text = f.read()
+            assert not re.search(r"\bsessions?\b|\bsession\d", text, re.IGNORECASE), os.path.join(top, name)

@@ -148,5 +148,5 @@ def hf_compile_run(rank, ws, block):
 
 @pytest.mark.parametrize("block", [False, True])
 def test_swapped_hf_model_compiles_fullgraph(pool2, block):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
     assert all(err < 1e-6 for err in pool2.run(hf_compile_run, block, timeout=300))

@@ -7,13 +7,13 @@ import torch
 from pool import torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs 2 or more CUDA GPUs")
+                                reason="needs 2 CUDA devices (the CUDA tier: NCCL, streams, the copy engine)")
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_cuda_worker(nprocs):
     if torch.cuda.device_count() < nprocs:
-        pytest.skip(f"needs {nprocs} GPUs")
+        pytest.skip(f"needs {nprocs} CUDA devices")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     here = os.path.dirname(os.path.abspath(__file__))
     proc = torchrun(nprocs, [os.path.join(here, "cuda_worker.py")], env=env, timeout=600)

@@ -18,7 +18,7 @@ def _x_events(path):
 
 
 def test_inspect_plan_writes_traces_and_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (pip install \"overlap_layers[plot]\")")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, SCRIPT, "--layer", "mlp,attention", "--out", str(out)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)

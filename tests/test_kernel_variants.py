@@ -1,8 +1,8 @@
 """Each Triton kernel compiles one variant per shape, whatever varies from call to call of that
 shape: where the caching allocator put the tensors (the heads kernel's q, k and v), and counts that
 follow the routing (the MoE combine's). A variant that first appears in a later call compiles, or
-loads its module, inside that call: on 4x H200 that stalled first-call verification's timed
-trials for up to 400 ms ([Note: one heads launch] in ``kernels/heads.py``). CUDA only: the
+loads its module, inside that call, and stalls first-call verification's timed trials for
+hundreds of milliseconds ([Note: one heads launch] in ``kernels/heads.py``). CUDA only: the
 interpreter compiles nothing, and the kernel tests' interpreted run must not skip, so these live
 apart from them. Each case's results are also checked against the kernel's float64 definition."""
 import pytest
@@ -17,7 +17,8 @@ from test_heads_kernel import reference_heads
 from test_moe_combine import _want
 
 pytestmark = pytest.mark.skipif(DEVICE is None or DEVICE.type != "cuda",
-                                reason="counts the compiled variants of the CUDA kernels")
+                                reason="needs a CUDA device with Triton (it counts compiled CUDA kernels, which "
+                                       "Triton's interpreter does not make: it runs nowhere else)")
 
 
 def test_heads_kernel_compiles_one_variant_wherever_its_heads_are():
@@ -27,7 +28,7 @@ def test_heads_kernel_compiles_one_variant_wherever_its_heads_are():
     sit first next to q, then more than 2**31 elements from it (an offset beyond int32), forward
     and backward; both placements must equal the formula."""
     if torch.cuda.mem_get_info()[0] < 5 * 2**30:
-        pytest.skip("needs 5 GiB of free device memory")
+        pytest.skip("needs 5 GiB of free CUDA device memory")
     g, b, s, nq, nkv, d, dtype = 2, 1, 64, 4, 2, 128, torch.bfloat16
     gen = torch.Generator().manual_seed(3)
     rows64 = torch.randn(g, b, s, (nq + 2 * nkv) * d, generator=gen, dtype=torch.float64).to(dtype).double()

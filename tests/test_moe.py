@@ -260,7 +260,7 @@ def test_rank_chunks_grouped_gemms_match_dense_reference(pools, ws, E, top_k, sh
     10 local experts the weight gradients are grouped GEMMs added per piece, with 2 an
     accumulating GEMM per expert ([Note: MoE weight-gradient accumulation])."""
     if not grouped_gemm_ok(torch.empty(0, 8), torch.empty(1, 16, 8), torch.empty(1, 8, 8)):
-        pytest.skip("this torch has no CPU grouped GEMM")
+        pytest.skip("needs torch._grouped_mm on the CPU (this torch has none)")
     case = make_case(ws * 31 + top_k + E, ws=ws, E=E, top_k=top_k, shapes=shapes, F=8, routing=routing)
     opts = dict(capacity_factor=cf)
     results = pools(ws).run(run_layer, case, opts, torch.float32, False, TilePlan(1, decomposition="rank"))

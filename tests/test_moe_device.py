@@ -25,7 +25,7 @@ from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table, own_diverts
 from overlap_layers.kernels.send_rows import place_by_key
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm (absent from this torch)")
 
 
 class GatheredExchange:

@@ -82,7 +82,9 @@ def test_merge_of_two_pieces_is_exact_cpu():
     torch.testing.assert_close(lse, l_ref, rtol=1e-12, atol=1e-12)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA device (cuDNN's pieces; the CPU flash pieces run in "
+                                 "test_query_chunks_match_formula_cpu)")
 
 
 @cuda
@@ -93,7 +95,7 @@ def test_query_chunks_match_formula_cuda(dtype, causal, chunks, nq, nkv):
     """cuDNN's pieces and the Triton merge; tolerances of half types over 8-32 keys."""
     dev = torch.device("cuda")
     if not query_chunks.supported(dtype, dev, 16):
-        pytest.skip("cuDNN SDPA is not available here")
+        pytest.skip("needs cuDNN's SDPA for this dtype (not available on this CUDA device)")
     check(dev, dtype, causal, chunks, nq, nkv, 2e-2, 5e-2, seed=chunks + nq + causal)
 
 

@@ -291,11 +291,11 @@ def test_layers_of_a_group_share_one_agreement(pool2):
     assert pool2.run(_layers_of_one_group, False) == [(True, True, True, (2, 4, 16), (2, 4, 16))] * 2
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (reads thread names from /proc)")
 def test_destroying_the_group_frees_it_and_stops_gloo(tmp_path):
-    """After ``run_ranks`` destroys the group, the layers' shared Agreement no longer holds it:
+    """After ``run_ranks`` destroys the group, the layers' shared Agreement does not hold it:
     the group is freed and gloo's worker threads are gone before interpreter exit (held until
-    then, they aborted 1 in 10-25 runs of a loaded 2-core machine's ``bench/inproc_ab.py``)."""
+    then, a worker that releases a finished collective's tensors there can abort the process)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = torchrun(2, ["tests/teardown_worker.py", tmp_path], env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
                     cwd=root, timeout=300)
@@ -490,12 +490,12 @@ def test_executor_sets_each_ops_stream_only_when_it_changes(monkeypatch):
     assert state["current"] is main and state["sets"][-1] == "main"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA streams and the caching allocator)")
 def test_a_bucket_member_is_not_reused_before_the_issuing_stream_packed_it():
     """A bucketed collective packs its members on the issuing stream, while each member was made
     on its tile's stream and is dropped by the executor right after the issue: the member's memory
-    must not go to its own stream's next tensor before the packing copy ran (a race that gave a
-    wrong first tile on H200). The issuing stream is held busy; a tensor of the member's size made
+    must not go to its own stream's next tensor before the packing copy ran (a race that gives a
+    wrong first tile). The issuing stream is held busy; a tensor of the member's size made
     on the member's stream after the drop must get other memory, and the packed rows must be the
     members' rows."""
     from overlap_layers.runtime.collectives import _packed

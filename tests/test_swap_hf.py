@@ -24,7 +24,7 @@ import torch.distributed as dist
 from swap_helpers import grads_to_dense, rel
 from swap_helpers import swap_logged as _swap_logged
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 5e-5  # relative, float32

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from swap_helpers import grads_to_dense, rel
 from swap_helpers import swap_logged as _swap_logged
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install \"overlap_layers[megatron]\")")
 
 TOL = 5e-5  # relative, float32
 B, S, VOCAB = 2, 8, 96

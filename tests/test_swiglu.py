@@ -4,7 +4,7 @@ bfloat16, with odd sizes (a partial last block)."""
 import pytest
 import torch
 
-from kernel_device import DEVICE, needs_triton
+from kernel_device import DEVICE, SKIP_REASON, needs_triton
 from overlap_layers.kernels import swiglu as swiglu_module
 from overlap_layers.kernels.swiglu import fused_available, swiglu, swiglu_backward
 from overlap_layers.layers.common.activations import swiglu_recorded
@@ -85,7 +85,7 @@ def test_swiglu_backward_into_pre_itself(fused):
     computed from a copy of ``pre``. Unfused: the eager formulas (a non-contiguous ``dh``), on the
     CPU."""
     if fused and DEVICE is None:
-        pytest.skip("needs CUDA and Triton, or Triton's interpreter (TRITON_INTERPRET=1)")
+        pytest.skip(SKIP_REASON)
     device = DEVICE if fused else torch.device("cpu")
     g = torch.Generator().manual_seed(5)
     pre = torch.randn(37, 2 * 129, generator=g, dtype=torch.float64).to(device, torch.float32)

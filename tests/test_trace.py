@@ -105,13 +105,14 @@ def test_measured_times_are_consistent(measured):
         check_times(tl)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL and CUDA events; the CPU "
+                                                            "timeline runs in the tests above)")
 def test_measured_timeline_on_cuda_streams():
     """One NCCL rank, two compute streams: CUDA events give the same rows and order."""
     from overlap_layers.runtime import StreamPool
 
     if dist.is_initialized():
-        pytest.skip("this process already has a process group")
+        pytest.skip("needs a process without a process group (this one already has one)")
     dev = torch.device("cuda", 0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
     try:
@@ -191,7 +192,7 @@ def test_recorder_cpu_clock_and_unended_op():
 
 
 def test_plot_simulated_trace(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (pip install \"overlap_layers[plot]\")")
     tl = simulate(round_robin(mlp_like(), 3, buckets={"ag": ((0, 1), (2,))}),
                   Costs(compute_ms={"fc1": 1.0, "fc2": 0.5}, comm_ms={"ag": 0.4, "rs": 0.4},
                         num_streams=2))
@@ -204,7 +205,7 @@ def test_plot_simulated_trace(tmp_path):
 
 
 def test_plot_several_pids_and_overlapping_events(tmp_path, measured):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (pip install \"overlap_layers[plot]\")")
     events = []
     for rank, (_, tl) in enumerate(measured):  # two ranks' measured timelines in one file
         for e in tl.to_chrome_trace()["traceEvents"]:
@@ -282,7 +283,7 @@ def test_layer_export_trace_predicted_and_measured_match(pool2, tmp_path, plan_k
         assert pred[("forward", "fc1[0]")] == 1 and pred[("forward", f"fc2[{plan_k - 1}]")] == 1
         if plan_k == 3:
             assert pred[("forward", "rs[0,1]")] == 1 and pred[("backward", "ag_dy[2]")] == 1
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (pip install \"overlap_layers[plot]\")")
     plot_timeline(tmp_path / "meas0.json", tmp_path / "meas0.png")
     assert (tmp_path / "meas0.png").stat().st_size > 1000
 

@@ -4,21 +4,20 @@ the table-driven row copy, the send rows' placing, the MoE combine, the experts'
 the rank pieces' offsets, and the MoE's device path end to end against the dense reference; then
 the MLP, attention, block and MoE layers' tests with their kernels) would be checked only on GPU
 machines. The interpreter runs each kernel's indexing, masks and arithmetic on the host; what it
-cannot show is the compiled code's speed. Running the layers so showed that the heads step, the
-query-chunk merge, SwiGLU and the MoE combine computed float64 in float32 (relative errors of
-2e-8 to 8e-8 where the float64 references hold 1e-10): float64 now takes their torch paths, or is
-summed in float64 (session 39).
+cannot show is the compiled code's speed. The layers' runs also check float64 end to end: the
+heads step, the query-chunk merge, SwiGLU and the MoE combine send float64 to their torch paths,
+or sum it in float64, which the float64 references' tolerances (1e-10) require.
 
 Triton comes from the folder ``OVERLAP_TEST_TRITON`` names (``pip install --no-deps --target DIR
 triton``, as README's test command does) and only the child process imports it: this process stays
-without Triton, as a CPU install is. Unset, the test skips. The children start when the session has
+without Triton, as a CPU install is. Unset, the test skips. The children start when pytest has
 collected these tests and run beside the rest of the suite (``interpreted_runs.py``)."""
 import pytest
 
 from interpreted_runs import LIMIT_S, summary_of
 
 
-@pytest.mark.timeout(LIMIT_S)  # the child's own limit: setup.cfg's 300 s per test cut it once (session 47)
+@pytest.mark.timeout(LIMIT_S)  # the child's own limit: setup.cfg's 300 s per test is too short for it
 def test_triton_kernels_under_the_interpreter(request):
     summary = summary_of(request.config, "test_triton_kernels_under_the_interpreter")
     # every kernel test ran: none skipped (a skip would mean the child found no Triton)

@@ -225,10 +225,10 @@ def test_a_stall_on_another_rank_extends_verification_on_this_one():
 
 
 def test_two_slow_trials_alike_and_a_stall_take_the_second_round():
-    """Session 49's wrong pick, replayed: rank chunks (here K=2) timed 5.98, 5.65 and a 353 ms
-    stall against a best of about 4 ms elsewhere, K=1 steady at 4.94. Two slow trials within 20%
-    of each other used to count as steady, and K=1 was kept; the stall now takes the second
-    round, whose trials find K=2 at 4.04."""
+    """A wrong pick measured on 4x H200 (docs/measurements.md, Planner), replayed: rank chunks
+    (here K=2) timed 5.98, 5.65 and a 353 ms stall against a best of about 4 ms elsewhere, K=1
+    steady at 4.94. Two slow trials within 20% of each other would look steady and keep K=1; any
+    disturbed trial takes the second round, whose trials find K=2 at 4.04."""
     ms = {2: [5.98, 5.65, 353.0] + [4.12, 4.04, 6.24], 1: [4.94, 5.04, 4.98] * 2}
     ks, plan = _verify(PlanCache(_OneRank(), trials=3), ms, 2 + 24)
     assert ks == [2, 1] + ROUND + VERIFY_EXTRA  # the second round goes on alternating
@@ -508,7 +508,7 @@ def test_total_ms_of_trial_passes(prequeue_ms, device, host, want):
 
 def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
     """A batch-tiled plan is timed against the best-predicted K below it and the best above it
-    (on 4x H200 with P2P disabled the model put K=8 next to K=4 while K=2 ran faster), then K=1."""
+    (with P2P disabled the model can put K=8 next to K=4 while K=2 runs faster), then K=1."""
     from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
@@ -521,8 +521,8 @@ def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
 
 def test_contenders_of_many_tiles_add_the_best_of_at_most_half():
     """A plan of K >= 4 is also timed against the best-predicted plan of at most K/2 tiles where
-    that is not already the best-predicted K below it (with P2P disabled on 2x H200 the model put
-    K=6 and 8 ahead of K=4, which ran faster)."""
+    that is not already the best-predicted K below it (with P2P disabled the model can put K=6 and
+    8 ahead of a K=4 that runs faster)."""
     from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in

@@ -1,12 +1,12 @@
 """Per-layer benchmark of the attention layers (OverlapAttention, ``--layer attention``; and
 UlyssesAttention, ``--layer ulysses``): every mode of one shape, on every rank of one group.
 
-Modes as for the MLP (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
+Modes as for the MLP (:mod:`overlap_layers.bench.mlp`):
 
 * ``serial``  - OverlapAttention with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``, capped by the batch: the layer tiles the batch), no planner;
 * ``auto``    - ``num_tiles="auto"`` (planned and verified first where the layer can, as for the MLP);
-* ``asynctp`` - not available for attention (recorded with ms None);
+* ``asynctp`` - not available for attention (no record);
 * ``compute`` - the layer's math on the pre-gathered input without communication: fused qkv
   projection, the core, output projection; on CUDA the faster of two cores, timed once: plain
   PyTorch (:func:`~overlap_layers.layers.attention.core.attention`: permute, RoPE, SDPA) and the
@@ -32,7 +32,7 @@ interface (``layer_fn``, ``compute_fn``, ``comm_fn``, ``asynctp_fn``, ``host_ove
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from ..config import OverlapConfig
 from ..layers.attention.core import Heads, attention, rope_cos_sin, sdpa
 from ..layers.attention.layer import OverlapAttention
 from .mlp import MLPBench
-from .runner import Profile, pass_fn, run_modes, time_fn
+from .runner import Profile, Progress, pass_fn, run_modes, time_fn
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
 PRESETS = {
@@ -222,7 +222,8 @@ class UlyssesBench(AttentionBench):
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
+                progress: Optional[Progress] = None, profile: Optional[Profile] = None,
+                warm_ms: float = 0.0) -> List[dict]:
     b = (UlyssesBench if shape.layer == "ulysses" else AttentionBench)(shape, group, device, dtype, naive_k)
     ks = list(dict.fromkeys(b.cap_k(k) for k in naive_k))
-    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, log, profile, warm_ms)
+    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, progress, profile, warm_ms)

@@ -9,19 +9,19 @@ backward), and ``comm`` the sublayers' collectives back to back, so the limit is
 comm) of the whole block. No ``asynctp``.
 
 [Note: the block's compute-only reference]
-Until session 49 the reference left the norms and residual adds out (a few memory passes). They
-are compute the block runs on every call: at llama3-8b, TP 4, 16384 tokens, each is a pass or two
-over this rank's ``[4096, 4096]`` rows, and the block's auto ran 280 us slower than the
-attention's and the MLP's auto together (11.663 ms against 4.251 + 7.132, 4x H200, session 48)
-where the reference, without them, was their sum (10.541 against 3.737 + 6.802). Timed alone
-(4x H200, session 49), :meth:`BlockBench.residual_fn` takes 0.34-0.39 ms of the 8b block's
-10.6 ms reference and 0.59-0.61 of the 70b block's 36.7.
+The reference includes the norms and residual adds: they are compute the block runs on every call
+(a pass or two each over this rank's rows), so a reference without them would credit the block
+with work it cannot skip. On a 4x H200 machine the block's auto runs about 0.3 ms slower than the
+attention's and the MLP's auto together at llama3-8b, TP 4, 16384 tokens, and
+:meth:`BlockBench.residual_fn` alone takes 0.34-0.39 ms of the 8b block's 10.6 ms reference and
+0.59-0.61 of the 70b block's 36.7.
+
 Records carry each sublayer's plan (``attention_plan``, ``mlp_plan``) and the most tiles either
 cuts a call into (``tiles``: batch tiles, times the ranks for rank chunks).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ from ..layers.block.layer import OverlapTransformerBlock
 from ..planning.plan import TilePlan
 from .attention import AttentionBench, AttentionShape
 from .mlp import PRESETS, MLPBench, Shape
-from .runner import Profile, pass_fn, run_modes, verification_info
+from .runner import Profile, Progress, pass_fn, run_modes, verification_info
 
 
 class BlockBench:
@@ -122,9 +122,10 @@ class BlockBench:
 
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
+                progress: Optional[Progress] = None, profile: Optional[Profile] = None,
+                warm_ms: float = 0.0) -> List[dict]:
     b = BlockBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), layer="block", ffn=b.mlp.s.ffn)
     ks = list(dict.fromkeys(b.attn.cap_k(k) for k in naive_k))
-    return run_modes(b, fields, [m for m in modes if m != "asynctp"], passes, ks, warmup, iters, repeats, log,
+    return run_modes(b, fields, [m for m in modes if m != "asynctp"], passes, ks, warmup, iters, repeats, progress,
                      profile, warm_ms)

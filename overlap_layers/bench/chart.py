@@ -3,13 +3,16 @@
 Usage: ``python -m overlap_layers.bench.chart RESULT.json OUT.png [--title TEXT]``.
 Bars are ``ms / limit_ms`` (1.0 = communication fully hidden under the compute-only reference,
 or the comm-only time where that is larger), one group per (layer, preset, TP, batch, tokens,
-pass), one bar per mode present; a dashed line marks 1.0. Needs matplotlib.
+pass), one bar per mode present; a dashed line marks 1.0. The title says where the run ran
+(device, link, torch) unless ``--title`` replaces it. Needs matplotlib.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Dict, List, Tuple
+
+from .results import describe
 
 ORDER = ("serial", "naive", "auto", "rank", "rank_ce", "asynctp")
 
@@ -36,10 +39,11 @@ def bars(records: List[dict]) -> Tuple[List[str], Dict[str, List[float]]]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m overlap_layers.bench.chart")
-    p.add_argument("json")
-    p.add_argument("png")
-    p.add_argument("--title", default=None)
+    p = argparse.ArgumentParser(prog="python -m overlap_layers.bench.chart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="a result file of python -m overlap_layers.bench")
+    p.add_argument("png", help="the chart to write")
+    p.add_argument("--title", default=None, help="the chart's title (default: device, link and torch of the run)")
     args = p.parse_args(argv)
     try:
         import matplotlib
@@ -63,8 +67,7 @@ def main(argv=None) -> None:
     ax.set_ylabel("time / limit")
     finite = [y for ys in series.values() for y in ys if y == y]
     ax.set_ylim(0.9 * min(finite + [1.0]), 1.05 * max(finite + [1.0]))
-    ax.set_title(args.title or f"{meta.get('device', '?')} x{meta.get('world_size', '?')}, torch "
-                 f"{meta.get('torch', '?')}, NCCL_P2P_DISABLE={meta.get('nccl_p2p_disable')}", fontsize=9)
+    ax.set_title(args.title or describe(meta), fontsize=9)
     ax.legend(fontsize=7, ncol=min(len(series), 4))
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)

@@ -1,6 +1,6 @@
 """Per-layer benchmark of OverlapMLP: every mode of one shape, on every rank of one group.
 
-Modes (DESIGN.md, Benchmarks):
+Modes (README.md, Benchmarks):
 
 * ``serial``  - OverlapMLP with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``), no planner;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from ..layers.mlp.layer import OverlapMLP
 from ..planning.plan import TilePlan
 from ..planning.rank_plans import RankChunkPlans
 from ..runtime.collectives import all_gather_single, reduce_scatter_single
-from .runner import Profile, pass_fn, run_modes
+from .runner import Profile, Progress, pass_fn, run_modes
 
 PRESETS = {
     "tiny": dict(hidden=64, ffn=256, batch=2, seq=64),
@@ -218,10 +218,11 @@ class MLPBench:
 
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
+                progress: Optional[Progress] = None, profile: Optional[Profile] = None,
+                warm_ms: float = 0.0) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs,
                   graph_calls=shape.graph_calls, config_sm_carveout=shape.sm_carveout)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
-                     repeats, log, profile, warm_ms)
+                     repeats, progress, profile, warm_ms)

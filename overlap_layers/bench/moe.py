@@ -3,14 +3,14 @@ one expert-parallel group (``--tp`` sizes it; the experts must divide by it).
 
 Each rank holds its own ``[1, tokens, hidden]`` tokens (``tokens`` per rank: 8192 for the real
 presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
-(:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
+(:mod:`overlap_layers.bench.mlp`):
 
 * ``serial``  - OverlapMoE with K=1 (one dispatch, the experts, one combine), eager also with
   ``--graph-calls`` (whose device path, a split by source, runs in ``auto`` only);
 * ``naive``   - a fixed K (``--naive-k``: tiles of the local tokens), no planner;
 * ``auto``    - ``num_tiles="auto"`` (planned, and run until ``layer.verifying`` is False, where
   the layer has a planner; else the layer's own fallback plan);
-* ``asynctp`` - not available for MoE (recorded with ms None);
+* ``asynctp`` - not available for MoE (no record);
 * ``compute`` - a fixed plain-PyTorch reference with no collectives: the routing as the layer
   runs it (``moe.route``: the router GEMM, softmax, top-k, the sort keys; one kernel on CUDA) on
   the local tokens, the permutation by expert (a stable sort of the keys, the gather of the
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from ..layers.moe.combine import weigh_rows
 from ..layers.moe.layer import OverlapMoE, Dispatch, PermuteRows, route
 from ..runtime.collectives import all_gather_single as all_gather_rows
 from .mlp import MLPBench
-from .runner import Profile, pass_fn, run_modes
+from .runner import Profile, Progress, pass_fn, run_modes
 
 # tokens: per rank (each rank's own batch 1 x seq tokens)
 PRESETS = {
@@ -259,8 +259,9 @@ def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: s
 
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
-                log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
+                progress: Optional[Progress] = None, profile: Optional[Profile] = None,
+                warm_ms: float = 0.0) -> List[dict]:
     b = MoEBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), expert_impl=b.expert_impl, busiest_expert_share=b.busiest_expert_share,
                   recv_imbalance=b.recv_imbalance)
-    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, log, profile, warm_ms)
+    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, progress, profile, warm_ms)

@@ -17,6 +17,8 @@ import sys
 from collections import defaultdict
 from typing import Dict, List
 
+from .results import describe
+
 
 def _rows(records: List[dict]) -> Dict[tuple, Dict[object, dict]]:
     """(layer, preset, TP, batch, tokens, pass, skewed) -> {K: fixed-K record, "rank" / "rank_ce":
@@ -140,8 +142,7 @@ def main(argv=None) -> None:
         with open(path) as f:
             data = json.load(f)
         meta = data.get("meta", {})
-        title = f"{path}: {meta.get('device', '?')} x{meta.get('world_size', '?')}, torch {meta.get('torch', '?')}, " \
-                f"NCCL_P2P_DISABLE={meta.get('nccl_p2p_disable')}"
+        title = f"{path}: {describe(meta)}"
         print(report(data["records"], title))
         print()
 

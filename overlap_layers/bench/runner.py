@@ -1,24 +1,19 @@
 """The benchmark's shared machinery: timing across ranks, peak memory of one call, and the loop
-over modes that turns one layer's bench object into records (DESIGN.md, Benchmarks).
+over modes that turns one layer's bench object into records.
 
 Each time is the median over repeats of the max over ranks of the mean of ``iters`` calls, taken
 once the device runs warm ([Note: warm device]); limit = max(compute, comm).
 
 [Note: warm device]
 A GPU that idled for a moment (between two modes: building the next one, planning, collecting
-garbage) runs its first tens of milliseconds of load at a higher clock than it sustains. On the
-4x H200 machine the compute-only reference of the llama3-8b MLP (TP 4, 8192 tokens, fwd+bwd) read
-2.87 ms in its first repeat and 3.26-3.33 from its fourth on, in each of six runs (session 50); in
-session 49 the first repeat of most llama3-8b modes read 1-6% low. With five warm-up calls and five
-repeats of ten calls, a mode's median could sit on that slope, and each mode at a different place on
-it: the ratio of two modes moved with the order they ran in. So each mode first runs untimed repeats
-for ``warm_ms`` of device time (the CLI's ``--warm-ms``: 1000 on CUDA, 0 on CPU; at most
-:data:`MAX_WARM_REPEATS` of them, for a callable that takes no time), and its timed repeats read
-the sustained state that a training run sees. Measured both ways, alternating (session 50, two
-runs each, attention 8b and MLP 8b at TP 4 in a call each, fwd+bwd replayed): warm, auto, serial
-and compute-only read 0.5-4% slower (comm-only 4% faster), auto's and serial's repeats flat, and
-the ratios to the limit moved by less than two runs' spread (the MLP's 1.2 points lower, the
-attention's 0.9 higher), where 2-6% lower had been predicted for the MLP.
+garbage) runs its first tens of milliseconds of load at a higher clock than it sustains: on a 4x
+H200 machine the compute-only reference of the llama3-8b MLP (TP 4, 8192 tokens, fwd+bwd) reads
+about 12% faster in its first repeat than from its fourth on, and the first repeat of most modes
+reads 1-6% low. With a few warm-up calls and repeats, a mode's median could sit on that slope,
+each mode at a different place on it, so the ratio of two modes would move with the order they ran
+in. So each mode first runs untimed repeats for ``warm_ms`` of device time (the CLI's
+``--warm-ms``: 1000 on CUDA, 0 on CPU; at most :data:`MAX_WARM_REPEATS` of them, for a callable
+that takes no time), and its timed repeats read the sustained state that a training run sees.
 """
 from __future__ import annotations
 
@@ -26,6 +21,7 @@ import contextlib
 import gc
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -179,6 +175,39 @@ def _candidate_predictions(plan) -> Dict[object, tuple]:
     return out
 
 
+class Progress:
+    """A progress bar of a run on stderr: one step per pass of a shape, the mode being timed as
+    its text. Drawn by tqdm where it is installed (an optional dependency: without it, nothing is
+    shown), only where ``enabled`` (the CLI: global rank 0), and only once the run has taken
+    ``delay_s`` (a short run prints just its table)."""
+
+    def __init__(self, total: int, enabled: bool = True, delay_s: float = 3.0):
+        self._bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, unit="pass", file=sys.stderr, delay=delay_s, leave=False,
+                         dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+
+    def mode(self, text: str) -> None:
+        """Shows what runs now."""
+        if self._bar is not None:
+            self._bar.set_description_str(text, refresh=False)
+
+    def advance(self) -> None:
+        """One pass of one shape done."""
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
 @dataclass(frozen=True)
 class Profile:
     """What :func:`run_modes` profiles for each timed mode: ``calls`` calls back to back (after
@@ -244,11 +273,16 @@ def graph_replay(fn: Callable[[], None], device, warmup: int = 3) -> Callable[[]
 
 
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
-              log: Callable[[str], None], profile: Optional[Profile] = None, warm_ms: float = 0.0) -> List[dict]:
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None,
+              warm_ms: float = 0.0) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
-    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`).
-    ``profile``: each timed mode is then also profiled (:func:`profile_calls`). ``warm_ms``: untimed
-    repeats before each mode's timed ones ([Note: warm device]). With
+    ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`): ``ms``
+    the median of the repeats, ``spread`` their fastest, slowest and count, ``repeat_ms`` each.
+    A mode the layer or device lacks (``rank`` / ``rank_ce`` without the rank-chunk plan,
+    ``rank_ce`` off CUDA, ``asynctp`` without a counterpart) has no record; one that fails
+    (``asynctp``) has ``ms`` None and ``error``. ``progress``: shows each mode and advances
+    per pass. ``profile``: each timed mode is then also profiled (:func:`profile_calls`).
+    ``warm_ms``: untimed repeats before each mode's timed ones ([Note: warm device]). With
     ``fields["cuda_graphs"]`` every mode is timed as :func:`graph_replay` (peak memory from an
     eager call of the same plan)."""
     graphs = bool(fields.get("cuda_graphs")) and b.device.type == "cuda"
@@ -257,14 +291,18 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
     # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
     runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
     runs += [f"naive{k}" for k in naive_k] if "naive" in modes else []
-    label = f"{fields['layer']} {fields['preset']} ws={b.ws} B={fields['batch']} tokens={fields['tokens']}"
+    label = f"{fields['layer']} {fields['preset']} TP{b.ws} B{fields['batch']} {fields['tokens']} tokens"
     for pass_ in passes:
         backward = pass_ == "fwdbwd"
         times: Dict[str, Optional[float]] = {}
         extra: Dict[str, dict] = {}
         predicted: Dict[int, tuple] = {}
         for mode in runs:
+            if progress is not None:
+                progress.mode(f"{label} {pass_} {mode}")
             layer_mode = mode in ("serial", "auto", "rank", "rank_ce") or mode.startswith("naive")
+            if mode == "rank_ce" and device.type != "cuda":
+                continue  # the copy engine needs CUDA: off it, rank_ce would rerun rank over the same backend
             with full_collections() as setup_gc:  # the layer's planning and verification run here
                 if mode in ("rank", "rank_ce"):
                     if not getattr(b, "has_rank_chunks", False):
@@ -283,8 +321,9 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                         extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
                         fn = None
             if fn is None:
-                times[mode] = None
-                continue
+                if mode in extra:  # it failed: recorded with its error
+                    times[mode] = None
+                continue  # no such mode for this layer or device: no record
             eager = fn
             try:
                 if graphs:
@@ -300,6 +339,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 continue
             info = extra.setdefault(mode, {})
             info["repeat_ms"] = samples
+            info["spread"] = dict(min_ms=min(samples), max_ms=max(samples), n=len(samples))
             info["gc_full_ms"] = gathered_collections(setup_gc, timed_gc, group)
             if profile:
                 name = f"{fields['layer']}_{fields['preset']}_ws{b.ws}_b{fields['batch']}_t{fields['tokens']}" \
@@ -338,7 +378,6 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                     info["predicted_ms"], info["predicted_peak_bytes"] = predicted[mode]
                 elif info["k"] in predicted and info["decomposition"] == "batch":
                     info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
-            log(f"  {label} {pass_:6s} {mode:8s} {times[mode]:.3f} ms")
         limit = max(times["compute"], times["comm"]) \
             if times.get("compute") is not None and times.get("comm") is not None else None
         for mode, ms in times.items():
@@ -350,7 +389,10 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 rec["mode"] = "naive"
             rec["pass"] = pass_
             rec.update(extra.get(mode, {}))
+            rec.setdefault("spread", dict(min_ms=None, max_ms=None, n=0))
             records.append(rec)
+        if progress is not None:
+            progress.advance()
     return records
 
 

@@ -8,10 +8,10 @@ stack (its innermost ``depth`` frames) every ``interval_s``; :meth:`StackSampler
 * each gap of at least ``min_s`` between two samples: some thread held the GIL in C code all
   that time (the stacks on either side are the first and last samples of the gap).
 
-Session 35 ran the bench under it on 4x H200 to find where verification trials of 200-800 ms
-go: Triton compiles, cuDNN graph builds, first backward passes, and the other ranks' waits for
-them (``bench/results/session35_*``). A stretch needs two samples, so nothing shorter than
-``interval_s`` shows; sampling costs the GIL for about a millisecond per sample.
+It shows where the host time of slow verification trials goes (Triton compiles, cuDNN graph
+builds, first backward passes, and the other ranks' waits for them). A stretch needs two
+samples, so nothing shorter than ``interval_s`` shows; sampling costs the GIL for about a
+millisecond per sample.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ copy-engine plans) counts in full, though the layers of a group share one. With
 graph (``graph_bytes``), which counts with the peak of auto and of serial alike.
 
 A cell reads ``ok`` or ``MISS`` with the ratio, or ``-`` where the target does not apply or a
-number is missing. Rows are told apart by link (NVLink or P2P off) and by CUDA-graph replay
+number is missing. Rows are told apart by link (the run's ``meta.link``: NVLink, P2P off, gloo
+for CPU runs, single GPU; the NVLink targets hold for all but P2P off) and by CUDA-graph replay
 (``cuda_graphs``: "yes"; ``graph_calls``, the layers replaying their own calls: "calls"), the
 targets being the same for all. Then auto's peak plus workspace minus serial's peak, in MiB.
 
@@ -31,7 +32,7 @@ pass bound, the sum over the passes of ``max(compute-only, comm-only)`` (the for
 fwd row, the backward's as the fwd+bwd row's minus the forward's). The limit of the whole call
 lets a communication-bound forward borrow the backward's compute, which a layer cannot: autograd
 runs the passes as two calls, so no overlap schedule beats the pass bound. With P2P off, the
-llama3-8b MLP at TP 2 (session 29) has a forward of 4.34 ms compute and 6.33 comm and a backward of
+llama3-8b MLP at TP 2 on H200 has a forward of 4.34 ms compute and 6.33 comm and a backward of
 8.72 and 6.43: its pass bound, 15.05 ms, is 1.15x its limit of 13.07.
 
 Prints one markdown table for all files and the misses per target.
@@ -40,7 +41,9 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
+
+from .results import LINK_LABELS, link_of
 
 DENSE_LIMIT, P2P_OFF_LIMIT, MOE_LIMIT, SERIAL_LIMIT = 1.10, 1.15, 1.15, 1.02
 TARGETS = ("limit", "serial", "asynctp", "memory")
@@ -110,13 +113,21 @@ def pass_bound(fwd: Dict[str, dict], fwdbwd: Dict[str, dict]) -> Optional[float]
     return max(cf, mf) + max(cfb - cf, mfb - mf)
 
 
-def rows(records: List[dict], p2p_off: bool) -> Dict[tuple, Dict[str, dict]]:
-    """(layer, preset, TP, batch, tokens, pass, link, graphs) -> {mode: record} for one run."""
+def _link(link: Union[str, bool]) -> str:
+    """A run's ``link`` (``meta.link``); a bool says P2P off (True) or NVLink (False)."""
+    if isinstance(link, bool):
+        return "p2p_off" if link else "nvlink"
+    return link
+
+
+def rows(records: List[dict], link: Union[str, bool]) -> Dict[tuple, Dict[str, dict]]:
+    """(layer, preset, TP, batch, tokens, pass, link, graphs) -> {mode: record} for one run over
+    ``link`` (``meta.link``, or a bool: P2P off)."""
     out: Dict[tuple, Dict[str, dict]] = {}
+    label = LINK_LABELS[_link(link)]
     for r in records:
         layer = r.get("layer", "mlp") + (" skewed" if r.get("skewed") else "")
-        key = (layer, r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"],
-               "P2P off" if p2p_off else "NVLink",
+        key = (layer, r["preset"], r["world_size"], r.get("batch"), r["tokens"], r["pass"], label,
                "calls" if r.get("graph_calls") else "yes" if r.get("cuda_graphs") else "no")
         out.setdefault(key, {})[r["mode"]] = r
     return out
@@ -135,16 +146,18 @@ def _plan(auto: dict) -> str:
     return str(auto.get("k", "?"))
 
 
-def targets(runs: List[Tuple[List[dict], bool]]) -> str:
-    """The markdown table and the misses per target for ``runs``: (records, P2P off) per file."""
+def targets(runs: List[Tuple[List[dict], Union[str, bool]]]) -> str:
+    """The markdown table and the misses per target for ``runs``: (records, link) per file, the
+    link as ``meta.link`` or a bool (P2P off)."""
     head = ["layer", "preset", "TP", "batch", "tokens", "pass", "link", "replayed", "auto plan (ms)",
             "auto / limit", "auto / serial", "auto / asynctp", "(auto + workspace - serial) / tile",
             "auto + workspace - serial MiB", "auto / pass bound"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     misses = dict.fromkeys(TARGETS, 0)
     judged = dict.fromkeys(TARGETS, 0)
-    for records, p2p_off in runs:
-        by_row = rows(records, p2p_off)
+    for records, run_link in runs:
+        p2p_off = _link(run_link) == "p2p_off"
+        by_row = rows(records, run_link)
         for (layer, preset, ws, batch, tokens, pass_, link, graphs), modes in by_row.items():
             auto = modes.get("auto")
             if auto is None or not auto.get("ms"):
@@ -175,7 +188,7 @@ def main(argv=None) -> None:
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        runs.append((data["records"], bool(data.get("meta", {}).get("nccl_p2p_disable"))))
+        runs.append((data["records"], link_of(data.get("meta", {}))))
     print(targets(runs))
 
 

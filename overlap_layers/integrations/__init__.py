@@ -1,4 +1,5 @@
-"""Integrations of the overlap layers into other model code (DESIGN.md: integrations -> layers).
+"""Integrations of the overlap layers into other model code (integrations import
+the layers, never the reverse: docs/architecture.md, Integrations).
 
 ``swap`` replaces, in place, the MLP / attention / MoE modules of Hugging Face transformers
 (>= 5) models (:mod:`.hf`) and the MLP / self-attention modules of megatron-core GPT models

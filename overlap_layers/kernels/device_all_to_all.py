@@ -27,9 +27,8 @@ except ImportError:  # CPU installs: the torch paths
     triton = None
 
 _ROWS = 8  # rows a program copies at a time
-# programs: in the MoE's replayed qwen3 forward (4x H200, session 32) 64 ran it in 2.757 ms against
-# 2.833 with 32 (the probe's knee: 173 GB/s, 11% off a GEMM beside it): there the pulls set the
-# pace, and 64 pull at 204 GB/s for 1.6% more GEMM time (session 30's probe)
+# programs of a copy beside the experts' GEMMs: the pulls set the MoE's pace there, and 64 programs pull
+# faster than 32 for little more GEMM time (measured: see docs/measurements.md, MoE device path)
 CTAS = 64
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
@@ -206,8 +205,7 @@ if triton is not None:
     @triton.jit
     def _table_rows_kernel(counts_ptr, row_ptrs, N: tl.constexpr, BLOCK: tl.constexpr):
         """This rank's counts into rank ``program_id``'s table (a store to a peer's memory: one
-        launch for every rank, where a peer-to-peer copy per rank took 60-110 us each in a replay,
-        4x H200, session 32)."""
+        launch for every rank, where a peer-to-peer copy per rank costs tens of microseconds each)."""
         dst = tl.load(row_ptrs + tl.program_id(0)).to(tl.pointer_type(tl.int32))
         i = tl.arange(0, BLOCK)
         m = i < N

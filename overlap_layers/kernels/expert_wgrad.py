@@ -21,32 +21,27 @@ segment ``s`` of group ``g`` is the rows ``lo[s, g] .. hi[s, g]`` of part ``part
 
 [Note: expert weight gradients in one pass]
 The MoE device path's backward ([Note: MoE training graphs] in ``layers/moe/device.py``) runs each part
-of rows as it arrives, six parts at EP 4. With one :func:`grouped_wgrad` per part, the replayed
-qwen3-30b-a3b fwd+bwd (4x H200, session 40) spent 1.73 ms in the weight-gradient kernel, about
-1.4x cuBLAS's time for the same rows: each part read and wrote the whole accumulator (the local
-experts' weights, 302 MB at EP 4) and its programs ran about 512 rows per group, too few to fill
-the kernel's pipeline. :func:`grouped_wgrad_parts` runs every part of a group in one program: the
+of rows as it arrives, six parts at EP 4. With one :func:`grouped_wgrad` per part, each part
+would read and write the whole accumulator (the local experts' weights, 302 MB for qwen3-30b-a3b
+at EP 4) and its programs would run about 512 rows per group, too few to fill the kernel's
+pipeline: about 1.4x cuBLAS's time for the same rows. :func:`grouped_wgrad_parts` runs every part of a group in one program: the
 accumulator is written once and each program's loop runs every row of its group. The parts stay
 where they are (no copy into one buffer): the kernel reads their addresses from a table
 (:class:`WgradParts`, filled on the device so that a graph can capture it).
 
 Each tile runs one loop per segment, which Triton pipelines anew, and ends each segment with a
-partial step. Over the same rows made contiguous (one segment per group) the kernel takes 606 us for
-dW_in at EP 4, against 703 over the parts and 589 for ``torch._grouped_mm`` (1x H200,
-``bench/moe_backward_probe.py --wgrad``, session 44). Three ways to run a group's segments as one
-loop measured no better: each step's segment picked from the segments' bounds in registers (921
-us), each row's (788 us: its address picked per row), and Triton's flattened nested loops
-(``tl.range(..., flatten=True)``, 703 us: the same).
+partial step: over the parts it runs about 15% slower than over the same rows made contiguous.
+Running a group's segments as one loop (each step's segment picked from the segments' bounds in
+registers, each row's address picked per row, or Triton's flattened nested loops) is no faster
+(measured: see docs/measurements.md, MoE device path).
 
 [Note: expert weight gradients in the GEMM]
 The rank-chunk MoE backward computes each source's weight gradients as its rows arrive
 (``layers/moe/ranks.py``, [Note: MoE weight-gradient accumulation]): with many small experts, one grouped
-GEMM per projection per piece; until session 39 each piece after the first then added its result
-to the accumulator. On 2x H200
-(qwen3-30b-a3b, EP 2, 8192 tokens, session 39) the adds of the second piece were two elementwise
-kernels of 273 and 139 us (the accumulators are the layer's whole local expert weights, read twice
-and written once), 0.41 ms of a 6.8 ms forward+backward that the compute-only reference never
-runs; at EP 4 three pieces add three times. Here the GEMM's epilogue adds its float32 tile to the
+GEMM per projection per piece, every piece after the first adding its result to the
+accumulator. As separate adds those are elementwise passes over the layer's whole local expert
+weights (read twice and written once per piece), which the compute-only reference never runs
+(measured: see docs/measurements.md, MoE eager path). Here the GEMM's epilogue adds its float32 tile to the
 accumulator's tile, so a piece costs its GEMM alone. ``torch._grouped_mm`` has no accumulating
 form, hence the kernel.
 """
@@ -65,7 +60,7 @@ try:
 except ImportError:  # CPU installs: the torch path
     triton = None
 
-_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine on H200 (bench/expert_wgrad_probe.py)
+_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine configurations on H200 (bench/expert_wgrad_probe.py)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,

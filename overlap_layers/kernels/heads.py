@@ -75,8 +75,8 @@ def move_heads(rows_gbsC: torch.Tensor, heads: Sequence[torch.Tensor],
     it can run here (CUDA, Triton, unit strides along d, even d, one dtype for q, k and v, not
     float64, which the torch path keeps exact where the kernel's float32 would not); returns
     whether it ran. One launch for q, k and v ([Note: one heads launch]): on a slow host
-    each Triton launch costs 60-100 us, more than the kernel of one rank's chunk (measured on the
-    H200 machine)."""
+    each Triton launch costs 60-100 us, more than the kernel of one rank's chunk (docs/measurements.md,
+    Host overhead)."""
     if not runs_triton(rows_gbsC) or d % 2 or rows_gbsC.stride(-1) != 1 or rows_gbsC.dtype == torch.float64:
         return False
     if any(h.stride(-1) != 1 or h.dtype != heads[0].dtype for h in heads):
@@ -107,13 +107,13 @@ if triton is not None:
                       BACKWARD: tl.constexpr):
         # [Note: one heads launch]: the program's head is q's, k's or v's by its column; its
         # pointer and strides are chosen by selects, not by a branch, so the compiler keeps what it
-        # knows of each stride's divisibility (a branch lost it: the stores ran unvectorized, the
-        # forward 33% slower than three launches; H100). Only RoPE or the copy (v) is a branch.
+        # knows of each stride's divisibility (a branch loses it: the stores run unvectorized, the
+        # forward a third slower than three launches). Only RoPE or the copy (v) is a branch.
         # The kernel takes k's and v's pointers, not their element offsets from q's: an offset is
         # an integer argument, and Triton compiles one variant for offsets within int32 and another
         # beyond, so where the caching allocator put k and v chose between variants at run time: a
-        # compile (400 ms) or a module load (up to 70 ms of host time) inside some call long after
-        # the first, which stalled first-call verification's trials (session 51, 4x H200).
+        # compile (hundreds of ms) or a module load (tens of ms of host time) inside some call long
+        # after the first, which would stall first-call verification's trials (tests/test_kernel_variants.py).
         col = tl.program_id(1)  # the head's place in the rows: q heads, then k, then v
         is_q = col < NQ
         is_k = (col >= NQ) & (col < NQ + NKV)

@@ -16,10 +16,9 @@ row 0 (the device path runs them last; without it ``n_first = n_own``))::
                                                                          dtype, summed in float32,
                                                                          float64 rows in float64)
 
-which the device path first computed by ``torch.where``, ``index_select`` and ``bmm``: they took
-462, 140 and 249 us of a 3.65 ms qwen3 forward on 4x H200 (session 31; the ``where`` broadcasts
-its mask and runs as a strided elementwise kernel), reading and writing the rows three times; the
-kernel reads each row once.
+which ``torch.where``, ``index_select`` and ``bmm`` compute by reading and writing the rows three
+times (the ``where`` broadcasts its mask and runs as a strided elementwise kernel); the kernel
+reads each row once (measured: see docs/measurements.md, MoE device path).
 
 The layer's ``weigh_rows`` is the combine's autograd form, for calls whose router needs its
 gradient (``rows [T, k, H]`` token-major, ``weights [T, k]`` of the rows' dtype;
@@ -31,11 +30,10 @@ gradient (``rows [T, k, H]`` token-major, ``weights [T, k]`` of the rows' dtype;
 
 [Note: MoE weighted combine]
 Written as ``torch.bmm(weights[:, None], rows)``, its three batched GEMMs (inner or outer size k)
-ran 253, 281 and 310 us of a qwen3-30b-a3b fwd+bwd at EP 4 (8192 tokens, 4x H200, session 41),
-where reading and writing the rows (268 MB) takes about 70 us each way. The kernels read each row
-once forward, and once backward, where they also write its gradient: alone on an H200, 73 and 142
-us against bmm's 253 and 594 (qwen3), 51 and 84 against 348 and 2592 (mixtral-8x7b, k 2, H 4096;
-``bench/results/moe_backward_probe_s41_h200_2026-11-27.json``).
+take several times what reading and writing the rows costs. The kernels read each row once
+forward, and once backward, where they also write its gradient: 3-4x faster than ``bmm`` for
+qwen3-30b-a3b's rows, more for mixtral-8x7b's (measured: see docs/measurements.md, MoE eager
+path).
 """
 from __future__ import annotations
 
@@ -145,9 +143,9 @@ def weigh_backward_into_reference(rows: torch.Tensor, weights: torch.Tensor, dy:
 
 
 def _block(H: int, k: int) -> int:
-    """Columns per step: up to 2048, and at most 16384 elements of a token's k rows at once. On an
-    H200 (session 41, ``bench/moe_backward_probe.py``) the forward kernel ran qwen3-30b-a3b's rows
-    (k 8, H 2048) in 73 us with 2048 columns and in 170 us with 512."""
+    """Columns per step: up to 2048, and at most 16384 elements of a token's k rows at once (wide
+    steps: qwen3-30b-a3b's rows, k 8 and H 2048, run more than twice as fast with 2048 columns as
+    with 512; ``bench/moe_backward_probe.py``)."""
     return max(16, min(triton.next_power_of_2(H), 2048, 16384 // triton.next_power_of_2(k)))
 
 

@@ -14,7 +14,8 @@ Gradients flow to ``logits`` through ``probs``, ``top_p`` and ``weights``.
 
 The eager path runs about ten kernels, each its own host launch (softmax, a stable sort of every
 row, a gather, the normalisation, the keys, the counts); the MoE's forward is host-bound on some
-machines (4x and 2x H200: 20-50 us of host time per launch inside a call), and these launches sit
+machines (20-50 us of host time per launch inside a call on the H200 machines: docs/measurements.md,
+MoE), and these launches sit
 at its start. The kernel does it all in one launch: a block of rows per program, the softmax in
 registers, then k passes of an argmax whose ties go to the lower index (the stable sort's order),
 each pass storing its expert, probability and key and adding to the counts (atomic adds on

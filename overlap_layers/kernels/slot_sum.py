@@ -5,7 +5,7 @@ out=out)`` for ``slots [n, R, C]`` whose rows are contiguous (a row block of the
 and ``out [R, C]``, summed in float32 for half types and rounded once.
 
 On CUDA one Triton kernel reads every slot once and writes the sum once; torch's reduction over
-the leading dimension ran at about half the memory bandwidth (73 us for four 32 MiB slots on an
+the leading dimension runs at about half the memory bandwidth (73 us for four 32 MiB slots on an
 H200, where the bytes take about 40). Elsewhere (CPU, no Triton, other layouts) it is ``torch.sum``.
 """
 from __future__ import annotations

@@ -114,8 +114,8 @@ def swiglu(pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.T
     h = pre_MI.new_empty(pre_MI.chunk(2, dim=-1)[0].shape)
     n, f = h.numel(), h.shape[-1]
     if n:
-        # with a device count, a grid of the bound's blocks cost 50 us however few rows ran (the
-        # MoE's replayed parts at EP 2, 2x H200, session 37): then at most _STRIDED programs loop
+        # with a device count, a grid of the bound's blocks costs about 50 us however few rows run (the
+        # MoE's replayed parts): then at most _STRIDED programs loop
         grid = triton.cdiv(n, _BLOCK) if rows is None else min(triton.cdiv(n, _BLOCK), _STRIDED)
         _swiglu_fwd_kernel[(grid,)](pre_MI, h, n, f, h if rows is None else rows, HAS_ROWS=rows is not None,
                                     BLOCK=_BLOCK)

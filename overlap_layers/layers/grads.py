@@ -2,8 +2,9 @@
 
 Reference: after :func:`finalize_grads`, every parameter replicated inside a layer's
 tensor-parallel group holds the gradient the dense layer would give it, on every rank: the sum,
-over the ranks that hold a copy, of the rank partials left by backward (DESIGN.md, conventions:
-"the integrations provide the reduction"). With ``data_parallel=True`` the data-parallel style
+over the ranks that hold a copy, of the rank partials left by backward (the layers leave that
+reduction to the training loop, which calls this once after backward, beside its other gradient
+reductions). With ``data_parallel=True`` the data-parallel style
 partials of :class:`UlyssesAttention` and :class:`OverlapMoE` are summed as well.
 
 [Note: which partials]
@@ -195,5 +196,5 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
                 _sum_over_group([m.router_weight, m.shared_w_in, m.shared_w_out], m.group)
 
 
-#: The earlier name of :func:`finalize_grads`: the same function.
+#: Another name for :func:`finalize_grads`: the same function.
 reduce_replicated_grads = finalize_grads

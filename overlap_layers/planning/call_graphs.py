@@ -5,11 +5,10 @@ the gradients the eager call's backward gives: the same kernels, replayed from g
 static copies of the inputs.
 
 [Note: graph calls]
-On a host slower than the device, an eager call of an overlapped plan is host-bound: at TP 4 on
-the 4x H200 machine, a rank-chunk forward of the llama3-8b MLP (8192 tokens) or attention launches
-for 2.2-4.4 ms against 1.0-1.1 ms of device time, its ~100 launches at 5-25 us each (session 28,
-``bench/results/graph_calls_s28_*``), so the planner keeps the serial plan. Replayed from a CUDA
-graph, the same call costs one launch. With ``config.graph_calls``, a layer's eager calls replay
+On a host slower than the device, an eager call of an overlapped plan is host-bound: a rank-chunk
+forward of the llama3-8b MLP (TP 4, 8192 tokens) or attention launches about 100 ops, for two to
+four times its device time (measured: see docs/measurements.md, Host overhead), so the planner
+keeps the serial plan. Replayed from a CUDA graph, the same call costs one launch. With ``config.graph_calls``, a layer's eager calls replay
 graphs per call signature once the call's plan is settled ([Note: first-call verification] done,
 or a fixed plan), and verification compares contenders as replays run (``prequeue_ms``, as with
 ``config.cuda_graphs``):
@@ -52,7 +51,7 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
 A gradient a backward graph computes lands in the graph's memory, so the replay must copy it out
 (the next replay overwrites it), and the pool holds it between replays: for the MoE device path
 ([Note: MoE training graphs] in ``layers/moe/device.py``) the experts' weight gradients, 300 MB per layer
-of qwen3-30b-a3b at EP 4, whose copies took 143 us of a 5.9 ms call (4x H200, session 43). A
+of qwen3-30b-a3b at EP 4, copied out at every replay. A
 layer's backward may instead hand such gradients to :meth:`CallGraphs.defer` while its backward
 is captured: it gets placeholders to return (zeros broadcast to the gradients' shapes, no memory),
 and the closure it gave runs after each replay of that backward, on the calling stream, its
@@ -66,31 +65,29 @@ signature runs eagerly on every rank, as any failed capture does.
 
 [Note: shared no-grad pool]
 A graph keeps its pool between replays. With a pool per layer, a model's graph memory would be the
-sum over its layers of each call's intermediates (TP 4, llama3-8b, 16384 tokens: 0.46 GB for an
-attention layer's no-grad graph and 0.58 GB for an MLP's, session 28; about 33 GB for 32 blocks).
+sum over its layers of each call's intermediates (TP 4, llama3-8b, 16384 tokens: about half a GB
+per layer's no-grad graph, about 33 GB for 32 blocks).
 A no-grad replay uses its pool only while it runs: its inputs are copied into static tensors
 outside the pool, and its output is copied out before the call returns, on the same stream; what
 stays allocated in the pool between replays is each graph's output, which no other capture is
-given. So the no-grad graphs of all layers of a group (its shared agreement) on one device capture
-into one pool (:func:`~overlap_layers.runtime.graph_capture.shared_pool`), and a model holds its
-largest call's intermediates and each graph's output, not the sum: four attention and four MLP
-layers of llama3-8b (TP 4, 16384 tokens, rank chunks over the copy engine) kept 1034 MiB of graphs
-instead of 3824, at the same speed (15.57 ms per stack against 15.58;
-``bench/graph_pool_stack.py``, session 29). A capture is given only blocks freed on its own
-stream, so what a plan's side streams (each layer's own) freed is not shared. Sharing needs the
-group's layers to run one after another on one stream, which the copy-engine exchange asks already
-([Note: exchange signals]): two layers replayed at once on two streams would write the same
-memory. (The stream cannot be part of the signature: it differs between ranks, and a new signature
-captures, which gathers.) Training graphs keep a pool each: their saved activations live from the
-forward replay to the backward, across other layers' replays.
+given. So the no-grad graphs of all layers of a group (its shared agreement) on one device
+capture into one pool (:func:`~overlap_layers.runtime.graph_capture.shared_pool`), and a model holds its largest call's intermediates
+and each graph's output, not the sum, at the same speed (measured with
+docs/measurements.md, CUDA graphs). A
+capture is given only blocks freed on its own stream, so what a plan's side streams (each
+layer's own) freed is not shared. Sharing needs the group's layers to run one after another on
+one stream, which the copy-engine exchange asks already ([Note: exchange signals]): two layers
+replayed at once on two streams would write the same memory. (The stream cannot be part of the
+signature: it differs between ranks, and a new signature captures, which gathers.) Training
+graphs keep a pool each: their saved activations live from the forward replay to the backward,
+across other layers' replays.
 
 [Note: staged input]
 A copy-engine rank-chunk call first copies its input into this rank's symmetric buffer, where
 peers pull it from ([Note: exchange signals] in ``runtime/exchange.py``). Replayed from a graph,
-the input was copied twice: into the static input, then, inside the graph, into the buffer,
-where the copy ran as a kernel (``memcpy128``) that the first GEMM's SMs delayed, and the peers'
-pulls waited for it (4x H200, llama3-8b, TP 4: 17 us each copy at the attention's 16384 tokens,
-session 30). So a no-grad capture takes the layer's ``stage()`` (the exchange's place for its
+the input would be copied twice: into the static input, then, inside the graph, into the buffer,
+where the copy runs as a kernel (``memcpy128``) that the first GEMM's SMs delay, and the peers'
+pulls wait for it. So a no-grad capture takes the layer's ``stage()`` (the exchange's place for its
 first source, :func:`~overlap_layers.runtime.exchange.staged_source`) as that input's static
 tensor: a replay copies the input there, on the calling stream, and the exchange, finding its
 source already in place, copies nothing. Writing there before the replay is what the graph's own
@@ -103,8 +100,8 @@ one-tile attention's, without re-gather, keep the own rows in the gathered buffe
 the weight gradients anyway and read them there. Its output gradient is read only while the
 backward graph runs, and the backward's exchange takes it as its first source, so it is staged
 the same way ("output_grad"): the copy into it before the backward replay is the only one. In
-both passes the peers' first pulls then no longer wait for a copy inside the graph (a kernel
-beside the first GEMMs: 16-54 us in session 34's block trace). A layer whose exchange starts from
+both passes the peers' first pulls then wait for no copy inside the graph (a kernel beside the
+first GEMMs, tens of microseconds; measured: see docs/measurements.md, CUDA graphs). A layer whose exchange starts from
 another tensor stages nothing: its copy into the place would overwrite a tensor it still reads.
 
 A call being captured by the caller (``torch.cuda.graph``), a traced or timed call, the MoE's

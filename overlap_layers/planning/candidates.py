@@ -51,8 +51,8 @@ def bucket_partitions(k: int) -> Tuple[Partition, ...]:
 
     For ``k <= FULL_SEARCH_MAX_TILES``: every partition of tiles ``0..k-1`` into runs of adjacent
     tiles (``2**(k-1)`` of them). For larger ``k`` (6 and 8 among ``TILE_CHOICES``) the full space
-    makes planning too slow (a llama3-70b-like TP4 training plan took 1.6 s with it, 0.19 s
-    without, on the 2-core CPU machine), so only these are tried: an optional singleton first tile, an
+    makes planning too slow (a llama3-70b-like TP4 training plan takes about eight times as long
+    to plan with it), so only these are tried: an optional singleton first tile, an
     optional singleton last tile, and the tiles between them cut into runs of one equal size
     (k=8 gives 9: unbucketed, ``((0,), (1, 2, 3), (4, 5, 6), (7,))``,
     ``((0, 1), (2, 3), (4, 5), (6, 7))``, ``((0, 1, 2, 3, 4, 5, 6, 7),)``, ...).
@@ -77,7 +77,7 @@ def bucket_partitions(k: int) -> Tuple[Partition, ...]:
 
 
 def _pairs(k: int) -> Partition:
-    """Adjacent pairs, the last tile alone when ``k`` is odd (the planner's former only option)."""
+    """Adjacent pairs, the last tile alone when ``k`` is odd (the fallback seed's bucketing)."""
     return tuple(tuple(range(i, min(i + 2, k))) for i in range(0, k, 2))
 
 
@@ -94,7 +94,7 @@ def search_buckets(program: TileProgram, k: int, costs: Costs, *,
     changes nothing, at most ``max_passes``.
 
     Fallback seed: coordinate descent from unbucketed can end in a local minimum worse than
-    bucketing several handles at once into adjacent pairs (the former planner's options). So the
+    bucketing several handles at once into adjacent pairs. So the
     ``2**h`` combinations of "unbucketed or adjacent pairs" per handle are simulated too, and if
     the best of them beats the descent's result, a second descent starts from it; the better of
     the two results wins (ties to the first). The result is therefore never slower than

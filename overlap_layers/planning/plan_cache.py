@@ -6,8 +6,8 @@ while the key's first calls are verified (below), when it cycles through the con
 ``contenders_of(plan)``; afterwards it returns the one measured fastest.
 
 [Note: first-call verification]
-The planner's model can be wrong (on 4xH200 one shape was predicted 10% faster tiled and measured
-10% slower). With ``verify=True``, a key whose plan P is not serial runs its next
+The planner's model can be wrong (a shape predicted 10% faster tiled can measure 10% slower).
+With ``verify=True``, a key whose plan P is not serial runs its next
 ``n + 2 * trials * n`` calls on n contenders (P, the layer's runner-up with another K if it has
 one, and the serial plan S): first one untimed call of each (the warm-up cycle), then ``trials``
 cycles through them, each contender twice in a row with the second call timed by a
@@ -15,11 +15,9 @@ cycles through them, each contender twice in a row with the second call timed by
 that of a plan that also ran the call before, as in steady state (switching plans costs
 allocator and stream warm-up that a settled layer does not pay). Every other cycle runs the
 contenders in reverse order. Both are for the clocks: a GPU that was idle runs its first calls
-at boost clocks and slows over the next ~100 ms of load, to the power cap (on 4xH200, 18% from
-the first calls of the llama3-70b MLP to its steady state). Without the warm-up cycle the
-contenders of the first cycle, P first, were timed faster than they run in steady state, and
-unevenly: on 2xH200 the MLP 70b fwd+bwd kept K=4 on trials (52.20 ms against rank chunks'
-52.36), and then ran 56.5 ms against rank chunks' 54.1 in steady state.
+at boost clocks and slows over the next ~100 ms of load, to the power cap. Without the warm-up
+cycle the contenders of the first cycle, P first, are timed faster than they run in steady state,
+and unevenly, which can keep the wrong plan (measured: see docs/measurements.md, Planner).
 At the call after that every rank contributes each of its trials (forward+backward if every
 rank timed a backward for every trial, else forward only) in one host gather; a trial's time is
 the largest over the ranks (the call runs at its slowest rank's pace), and a contender's the
@@ -31,34 +29,18 @@ the same call on every rank because the cache is a function of the call history,
 rank shares (each call already agreed on its key, [Note: agreement]); the decision uses only the
 gathered numbers.
 
-The minimum over trials ignores one stalled trial: the grid runs of sessions 33-35 on 4x H200 show
-one trial of 200-800 ms in most verifications of rank chunks (a host stall on some rank, its cause
-found in session 51, below; not Python's full collections, which no rank ran in those runs of
-session 35, ``gc_full_ms`` in the bench; a stack sampler found Triton compiles, cuDNN graph builds
-and slow first backward passes in the layers' first calls, bench/results/session35_*). Two disturbed
-trials of three decided wrongly: in one run the block's attention timed rank chunks at 6.14, 4.98
-and 298 ms, where the same shape's trials read 3.9-4.1 elsewhere, and kept K=1 (4.94 ms; the block
-then ran at 1.18x of its limit instead of about 1.11). So where some contender has a trial slower
-than its best by more than ``STALL`` (20%; with ``trials`` >= 2), the decision waits, once, for
-``trials`` more cycles (the alternation goes on), and then takes the minimum over every trial. The
-check uses the gathered times, so every rank extends alike. In the next run of that row the first
-round read 425, 6.78 and 4.11 ms, the extra one 4.12, 4.08 and 4.06: rank chunks kept, the block at
-1.12x (session 34). Until session 49 a round was disturbed only where a contender had fewer than two
-trials within ``STALL`` of its best; then the same row timed rank chunks at 5.98, 5.65 and 353 ms
-(two alike, so no extra round) and kept K=1 at 4.94, and the block ran 12.18 ms (11.55 in the next
-run, with rank chunks; 4x H200). Rank chunks' eager trials there are often slow, not only by single
-stalls: of 39 trials in eight verifications of that row (session 49), 21 read 5-9 ms (or a stall of
-hundreds) against a best of 3.9-4.1, with or without [Note: aligned trials]; K=1's and K=2's read
-within 10% of their best. Any disturbed trial now takes the second round, so a wrong pick needs six
-slow trials in a row instead of three. What disturbed them was found in session 51 (the block 8b at
-TP 4, 4x H200, every trial window probed with a stack sampler and a count of Triton compiles;
-session 50 had seen only three Python collections in a stalled pass at TP 2, a symptom): the
-attention's heads kernel compiled (400 ms) or loaded (up to 70 ms of host time, the pass up to 4x
-slower on the device) a new variant inside a trial, because where the allocator put k and v chose
-the variant ([Note: one heads launch] in ``kernels/heads.py``). Before the fix the attention's
-rank-chunk trials read 3.96-8.46 ms and one 407 (both verifications took the second round); after
-it, in six verifications, no window saw a compile and every contender's trials read within 3% of its
-best, without a second round. The second round stays, for stalls of other causes.
+The minimum over trials ignores one stalled trial (a host stall on some rank, hundreds of
+milliseconds), not several: with two of three trials disturbed, the wrong contender can win. So
+where some contender has any trial slower than
+its best by more than ``STALL`` (20%; with ``trials`` >= 2), the decision waits, once, for
+``trials`` more cycles (the alternation goes on), and then takes the minimum over every trial: a
+wrong pick then needs six slow trials in a row instead of three. The check uses the gathered
+times, so every rank extends alike. Work that runs inside a trial window slows a trial this way:
+a Triton kernel compiled or loaded long after the first call, where an argument's value chose a
+new variant ([Note: one heads launch] in ``kernels/heads.py``; ``tests/test_kernel_variants.py``
+checks that no package kernel compiles again after a layer's first calls). The second round
+guards against stalls of other causes. Measured, with the stalls found and the decisions they
+changed: see docs/measurements.md (Planner).
 
 A call captured into a CUDA graph (``capturing``, agreed like the key) can neither plan nor time:
 it runs the key's current plan (the planned plan while verification is pending), takes no trial

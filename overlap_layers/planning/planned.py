@@ -50,9 +50,9 @@ from .trace import TraceJob, write_chrome_trace
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _PLAN_CACHE_SIZE = 32
 # How far ahead of the device a verification trial queues each pass with config.cuda_graphs: above the
-# host time of one pass of any capturable layer here (at most about 6 ms at TP 4 on H200: bench
-# ``host`` column, bench/results/graphs_h200x4_2026-11-26.md), and short, since every timed pass of
-# every layer waits this long once (about 18 passes per layer and shape).
+# host time of one pass of any capturable layer here (at most about 6 ms at TP 4 on H200, the bench's
+# ``host`` column: docs/measurements.md, CUDA graphs), and short, since every timed pass of every layer
+# waits this long once (about 18 passes per layer and shape).
 _PREQUEUE_MS = 10.0
 
 

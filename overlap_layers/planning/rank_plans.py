@@ -113,10 +113,9 @@ class RankChunkPlans:
         the copy engine where every rank has it (not with ``config.transport="nccl"``), else
         NCCL send/recv where ``_planned_send_recv``. The MLP's and attention's rank chunks over
         send/recv run only when pinned: their batch tiles' all-gathers and reduce-scatters are
-        NCCL's ring kernels, faster than its send/recv (on 2x H200 rank chunks over send/recv
-        never beat batch tiles or K=1 over NVLink, bench/results/mlp_rank_h200x2_2026-11-26.md,
-        and ran the attention 17-30% slower than batch tiles with P2P disabled,
-        bench/results/session23_h200x2_2026-11-26.md). The MoE's all-to-all is send/recv in
+        NCCL's ring kernels, faster than its send/recv (rank chunks over send/recv do not beat
+        batch tiles or K=1 over NVLink, nor batch tiles for the attention with P2P disabled:
+        docs/measurements.md, MLP and Attention). The MoE's all-to-all is send/recv in
         NCCL, so its rank chunks move the same bytes the same way as its batch tiles."""
         if not self._source_split or self.world_size < 2:
             return ()

@@ -1,4 +1,5 @@
-"""A measured timeline of a real execution, in the simulator's format (DESIGN.md 7).
+"""A measured timeline of a real execution, in the simulator's format, so that
+predicted and measured timelines compare op by op.
 
 Reference: ``OpRecorder(device).timeline()`` after ``execute(..., recorder=rec)`` is a
 :class:`~overlap_layers.sim.Timeline` like :func:`~overlap_layers.sim.simulate` returns for the

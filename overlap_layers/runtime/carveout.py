@@ -3,15 +3,12 @@
 [Note: SM carveout]
 NCCL collectives are kernels: beside a GEMM that fills every SM they get SMs only as the GEMM's
 blocks retire, and a collective whose kernel runs long (a slow link: NCCL over host memory with
-``NCCL_P2P_DISABLE=1``) then runs much slower than alone. On 2x H200 over host memory, the
-all-gathers of a llama3-8b MLP forward in 6 tiles ran 38% longer beside the GEMMs than alone;
-with the GEMMs leaving 16 of 132 SMs free (cuBLASLt's SM count target, which PyTorch sets from
-``torch._C._set_sm_carveout_experimental``; the plain cuBLAS path ignores it) the forward ran
-about 15% faster (4 tiles), though each GEMM alone ran about 11% slower. Over NVLink, where
-NCCL's kernels are short, the same carveout made the forward 2-3% slower
-(``bench/results/session22_h200x2_2026-11-26.md``). Over host memory it paid wherever
-communication was at least about 0.6 of the compute (MLP and MoE forwards, -2% to -16%) and cost
-where it was 0.3 (a llama3-70b MLP backward, about +3%).
+``NCCL_P2P_DISABLE=1``) then runs much slower than alone. GEMMs that leave some SMs free
+(cuBLASLt's SM count target, which PyTorch sets from ``torch._C._set_sm_carveout_experimental``;
+the plain cuBLAS path ignores it) each run somewhat slower, but the collectives beside them run
+at their own speed, which pays where communication is a large share of the pass (over host
+memory) and costs where NCCL's kernels are short (NVLink) or communication is a small share.
+Measured: see docs/measurements.md (P2P off, SM carveout).
 
 So a planned layer carves SMs out only in a pass whose communication is predicted to take at
 least :data:`COMM_SHARE` of its compute (the cost model's serial timeline of that pass), only while it
@@ -36,7 +33,8 @@ def carveout_available() -> bool:
 
 def default_carveout(device_sms: int) -> int:
     """The SMs a GEMM beside slow NCCL collectives leaves free by default, of a device's
-    ``device_sms``: an eighth (16 of 132 on H100/H200, the best of 8, 16 and 32 measured there)."""
+    ``device_sms``: an eighth (16 of 132 on H100/H200, the best of 8, 16 and 32 there: see
+    docs/measurements.md, P2P off)."""
     return device_sms // 8
 
 

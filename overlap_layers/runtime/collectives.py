@@ -3,9 +3,9 @@
 Every collective here is started asynchronously and returns a :class:`Handle`; ``result(i)``
 waits for it and returns member ``i``'s output. On CUDA the wait makes the *current stream*
 wait for the collective (c10d's ``Work.wait`` is stream-ordered for NCCL); on CPU (gloo) it
-blocks the host until gloo's thread is done. One wait path serves both (DESIGN.md 4).
+blocks the host until gloo's thread is done. One wait path serves both (docs/architecture.md, Executor and streams).
 
-A collective may carry several members (a *bucket* of adjacent tiles, DESIGN.md 5): their
+A collective may carry several members (a *bucket* of adjacent tiles: docs/architecture.md, Tile programs and schedules): their
 inputs are sent as one message and split again at the wait. Along the leading dim:
 
 =================  =======================  ===============================================
@@ -82,7 +82,7 @@ def _packed(inputs: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], dim: 
     bucket's members come from their tiles' streams, and the executor drops them once issued: each
     is recorded on this stream, so that the allocator gives its memory to its own stream's next
     tensor only after this copy ran (without it, tile 2's input on stream 0 could be written
-    before stream 1 had packed tile 0's: a wrong first tile, seen on H200)."""
+    before stream 1 had packed tile 0's: a wrong first tile)."""
     out = torch.cat(list(parts), dim)
     if out.is_cuda:
         here = torch.cuda.current_stream(out.device)

@@ -35,25 +35,20 @@ symmetric memory: each rank writes its row of the table into every rank's table 
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
-``layers/moe/layer.py``), so its calls stay eager, and on the 4x H200 machine its qwen3 shape is
-host-bound at 2.3x the limit (an eager call launches ~100 ops at 20-50 us of host each). Graph
-replay needs every size on the device: the copy engine takes its sizes from the host, an SM kernel
-does not. Measured before building this (``bench/peer_pull_probe.py``, 4x H200, 4096 rows of 2048
-bf16 from each of 3 peers, 48 MiB per rank, session 30): copy-engine pulls 187 us (270 GB/s), a
-Triton pull with 32 CTAs 290 us (173 GB/s), 64 CTAs 247 us, 132 CTAs 236 us; five GEMMs of 1797 us
-ran 1926 us beside the copy engine's pulls and 1994 us beside the 32-CTA kernel's. The exchange is
-split by source so that the MoE can run each source's rows as they arrive and push their results
-while the next source's run (``layers/moe/device.py``, [Note: MoE graph calls]): a whole exchange
-before the experts and another after them ran the qwen3 forward in 4.23 ms against 3.74 eager (4x
-H200, session 31).
+``layers/moe/layer.py``), so its calls stay eager, and with many small experts (qwen3-30b-a3b) an eager
+call is host-bound (it launches ~100 ops at tens of microseconds of host each). Graph replay needs
+every size on the device: the copy engine takes its sizes from the host, an SM kernel does not.
+The copy engine pulls faster than a copy kernel and slows the GEMMs beside it less
+(docs/measurements.md, MoE device path). The exchange is split by source so that the MoE can run each
+source's rows as they arrive and push their results while the next source's run
+(``layers/moe/device.py``, [Note: MoE graph calls]): a whole exchange before the experts and
+another after them costs more than the host time replay saves.
 
-Until session 37 the kernel moved every row (its layout: the send rows in send order, nothing
-fixed). In the replayed qwen3 forward a copy kernel started only when the grouped GEMM beside it
-retired its blocks, and slowed the GEMMs it ran beside (session 32; at EP 2, session 37: 2.32 ms
-against 1.67 of compute alone, the GEMMs beside the copies 15-30% slower, the pull of the first
-half waiting 360 us for the own rows' first GEMM). Fixed regions let the copy engine take the
-bulk, at the cost of the regions' memory: ``buffer_rows`` is ``rows`` times 1.56 at EP 2 and 1.84
-at EP 4 (until session 46 for ``send`` and ``back`` each).
+Most rows move on the copy engine, in fixed regions: a copy kernel starts only when the grouped
+GEMM beside it retires its blocks, and slows the GEMMs it runs beside, so the kernel moves only
+the rows past a region (none when routing is near even). The regions cost memory: ``buffer_rows``
+is ``rows`` times 1.56 at EP 2 and 1.84 at EP 4. Measured: see docs/measurements.md (MoE, device
+path).
 
 Signals, on the workspace's signal pad: per call and peer, channel TABLE "my row of your table
 and my send rows are in place" (put by ``ready`` after the table copies, waited before any pull)
@@ -69,8 +64,8 @@ The exchange has a workspace of its own (``runtime/exchange.py``): peers write i
 signal of this rank's call, which another exchange's data in the same buffer would race.
 
 [Note: results where their rows were]
-A peer's result for a send row lands at that row's place in ``send``: ``back`` is ``send`` itself
-(until session 46 a buffer of its own beside it, as large). That is safe without another signal:
+A peer's result for a send row lands at that row's place in ``send``: ``back`` is ``send`` itself,
+not a buffer of its own beside it, as large. That is safe without another signal:
 the only rank that writes a place is the destination of its row, which pulled the row before it
 computed the result it pushes there (its pull, experts and push in its streams' order), and the
 places of different rows, the regions' tails included, never overlap. The own rows' places are
@@ -78,9 +73,8 @@ never pushed to, so what ``place`` put there stays for the whole call (the MoE's
 place, and in its backward after the last push). The price is that a call's ``send`` rows are
 gone once peers have pushed: nothing may read a peer row's input from ``send`` after ``ready``,
 except the pulls. The workspace holds ``buffer_rows`` rows once instead of twice: at
-qwen3-30b-a3b's shape (EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) the group's
-workspace went from 944 to 472 MiB, and the device's free memory rose as much (4x H200, session
-46, ``bench/moe_memory_probe.py``).
+qwen3-30b-a3b's shape (EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) 472 MiB instead of
+944 (``bench/moe_memory_probe.py``).
 """
 from __future__ import annotations
 
@@ -98,19 +92,12 @@ from .exchange import aligned
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
 # parts of a destination's last peer's rows: the last part's push has nothing beside it, and each part
-# costs its own kernels and gaps. Replayed qwen3 forward at EP 2 (2x H200, session 37, alternating
-# runs): 1.981 and 1.980 ms with 2 parts, 2.174 and 2.169 with 4 (the last push 196 us against 99).
-# Since the own rows' second half runs last, under that push, and the backward's weight gradients run
-# under its last push, 1 part against 2 (4x H200, session 42, same-process A/B, replayed qwen3):
-# fwd+bwd 5.907 / 5.926 ms at EP 4 and 6.207 / 6.187, 6.194 / 6.192 at EP 2; forward 1.929 / 1.951
-# at EP 4 and 1.837 / 1.838 at EP 2; the training graphs 2.33 / 2.55 GB at EP 4 and 2.87 / 3.49 GB
-# at EP 2 (a buffer set less per call). So one part; the tests run two as well. Session 43, the weight
-# gradients after the replay: 2 parts against 1 at EP 2 5.955 / 5.948 ms, forward 1.840 / 1.848; the
-# first pull no longer waited, but the peer's experts as two grouped GEMMs took 664 us against 614
+# costs its own kernels and gaps. The own rows' second half runs last, under that push (and the
+# backward's weight gradients after it), so more parts gain nothing and one part keeps one buffer set
+# less per call; the tests run two as well. Measured: see docs/measurements.md (MoE, slot rows)
 LAST_PARTS = 1
-# programs per SM of a copy on the stream of the experts, where no GEMM runs beside it: the own rows
-# run last (16384 rows of 4 KiB for qwen3 at EP 2) took 81 us with 64 programs, 1.6 TB/s on a local
-# copy (2x H200, session 37)
+# programs per SM of a copy on the stream of the experts, where no GEMM runs beside it: every SM copies
+# (the late own rows' copy into a slot; measured: see docs/measurements.md, MoE device path)
 _MAIN_PER_SM = 4
 
 Part = Optional[Tuple[int, int]]  # a range of groups (first, end); None: every group

@@ -55,46 +55,35 @@ the same order on every rank: one layer after another, as a model runs them. A h
 
 [Note: halved last push]
 A rank-chunk pass ends with its last push (step ws-1: the partial for rank r-1, whose sum waits
-for it) and the sum of the slots. In the attention forward (llama3-8b, TP 4, 4x H200) the last
-peer's projection (47 us) ran, then its push (89 us) beside the own rows' projection (48 us),
-then the sum (45 us). In halves, the first half's copy starts one half-projection earlier, beside
-the second half's. Every rank halves the same push (step ws-1 of the last block, rows split at
-``(b - a) // 2``), so the transfers match by construction; the peer's slot is complete, and
-signalled, after the second half.
+for it) and the sum of the slots. In the attention forward the last peer's projection runs, then
+its push beside the own rows' projection, then the sum. In halves, the first half's copy starts
+one half-projection earlier, beside the second half's. Every rank halves the same push (step ws-1
+of the last block, rows split at ``(b - a) // 2``), so the transfers match by construction; the
+peer's slot is complete, and signalled, after the second half.
 
-A first version also signalled the first half, so that the sum of the rows before the split
-could start while the second half was in flight. Profiled (session 35), it lost: the signal's
-kernel, queued between the two copies, waited 23 us for an SM beside the own projection's GEMM,
-and held back the second copy by as much; the sum in two kernels took 51 us for 45; and the sum
-cannot start before the stream joins the pushes anyway. The same wait for an SM is why the
-signals stay off the compute stream's busy stretches.
+The first half is not signalled on its own (which would let the sum of the rows before the split
+start while the second half is in flight): the signal's kernel, queued between the two copies,
+waits for an SM beside the own projection's GEMM and holds back the second copy by as much, the
+sum in two kernels costs more than in one, and the sum cannot start before the stream joins the
+pushes anyway. The same wait for an SM is why the signals stay off the compute stream's busy
+stretches.
 
-What the first pull waits for: the last rank to finish its previous call. Profiled on every rank
-(session 36, 4x H200, the llama3-8b attention's fwd+bwd replayed, TP 4), the backward passes
-ended up to 81 us apart (each ends with its sum beside the weight gradient, 142-165 us), and the
-next forward's first pulls began on every rank within 21 us of each other, about 40 us after the
-last rank's graph began. Two changes aimed at those 40 us were measured and not kept (same-call
-A/Bs against the same tree, ``bench/results/session36_*``): the copy streams at the highest
-priority, so that their signal kernels take the next free SM first (attention 8b fwd -0.2%,
-fwd+bwd -0.4%, MLP 8b 8192 fwd+bwd +1.9% beside its compute-only row's +1.2%: noise), and the
-compute stream waiting for this rank's PULL signals before its first GEMM (+0.2%, -0.3%, +0.2%).
-A third was the first pull in two halves, the mirror of the halved last push, so that the first
-peer's QKV projection could start on half its rows (session 47, 4x H100, same-call A/B, three
-rounds, two at 70b): attention 8b forward -0.2%, fwd+bwd -0.2%, 70b fwd+bwd +0.4%, against a
-prediction of -3.5% for the 8b forward; not kept. The profile it came from (every rank, second
-of two calls) shows why: the compute stream waited for that pull 95, 23, 2 and 164 us on ranks
-0-3. The gap is the wait for the last rank's signal; the last rank itself (rank 2) has none, its
-own rows' work outlasting the pull, and the other ranks' waits only move to their next wait on it.
+What the first pull waits for: the last rank to finish its previous call. The ranks' backward
+passes end tens of microseconds apart (each ends with its sum beside the weight gradient), and the
+next forward's first pulls start together on every rank, once the last rank has signalled. The
+rank that sets the pace, the last, does not wait there: its own rows' work outlasts the pull,
+and the other ranks' waits only move to their next wait on it. So the copy streams keep the
+default priority, the compute stream does not wait for this rank's PULL signals before its first
+GEMM, and the first pull is not split in halves: each of these was measured and made no
+difference beyond noise.
 
 The signals are the handle's kernels of one warp, which beside a GEMM holding every SM start only
-once an SM frees. A fourth change put and waited them as stream memory operations instead, which
-take no SM (``cuStreamWriteValue32`` through the handle's ``stream_write_value32`` on the peer's
-signal pad, ``cuStreamWaitValue32`` through the driver library, then a write of 0): a probe of the
-protocol passed at 2 and 4 ranks, eagerly and replayed, but same-call A/Bs (session 50, 4x H200,
-three rounds, rank chunks pinned, fwd+bwd replayed) read the attention 8b -0.3% and the MLP 8b
-(8192 tokens) +1.5%, each within its compute-only row's drift of +0.3% and +1.9% in the same
-runs; not kept. A plain write of 1 would also need every flag's next put to follow its reset,
-which the exchanges give but the planner's timed signal (a put-then-wait ring, repeated) does not.
+once an SM frees. Stream memory operations, which take no SM (``cuStreamWriteValue32`` on the
+peer's signal pad, ``cuStreamWaitValue32``, then a write of 0), measured no faster either. A plain
+write of 1 would also need every flag's next put to follow its reset, which the exchanges give
+but the planner's timed signal (a put-then-wait ring, repeated) does not.
+
+Measured, with the numbers of each alternative: see docs/measurements.md (Attention).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run a :class:`~overlap_layers.schedule.Schedule` on real tensors.
 
-One code path for CUDA and CPU (DESIGN.md 4):
+One code path for CUDA and CPU (docs/architecture.md, Executor and streams):
 
 * compute of tile t runs on compute stream ``t mod S`` (CUDA) or on the calling thread (CPU);
 * collectives are started from the tile's stream (c10d then orders them after that stream's

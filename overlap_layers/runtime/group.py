@@ -2,7 +2,7 @@
 
 [Note: agreement]
 Every decision that changes which collectives a layer issues must be identical on every rank
-by construction (DESIGN.md, conventions). A layer therefore starts *every* call with
+by construction: a collective that some ranks issue and others do not hangs the group. A layer therefore starts *every* call with
 :meth:`Agreement.gather`: one tiny all-gather of the numbers its plan depends on (input shape,
 dtype, tile count, grad mode, plan hash, a local input-error code). Every rank issues it
 unconditionally, so it cannot hang, and every rank sees the same gathered table, so either every
@@ -11,7 +11,7 @@ issued its own collective could hang.
 The gather runs on the host: on the group itself when it has a gloo backend, otherwise on a gloo
 twin of the group (same ranks) created at the first call by the group's members alone. Doing it
 over NCCL would need a host sync on a device result every call, which drains the GPU queue and
-exposes all host launch overhead (measured on 4xH200: ~0.3 ms per MLP call). When the whole
+exposes all host launch overhead (about 0.3 ms per MLP call). When the whole
 group shares one x86-64 Linux host, the gather goes through a shared-memory mailbox instead of
 gloo, a few microseconds instead of 0.3-0.5 ms ([Note: host mailbox] in ``runtime/mailbox.py``).
 The layers of one group share one Agreement (:func:`shared_agreement`): one gloo twin and one

@@ -6,10 +6,9 @@ the group returns (one tuple per rank, in group-rank order), like the gloo path 
 
 [Note: host mailbox]
 Every layer call starts with the agreement gather ([Note: agreement]). Over gloo that is a TCP
-round trip through every rank's gloo thread: 0.3 ms at 2 ranks and 0.42-0.56 ms at 4 (measured on
-4x H200 hosts, the bench's ``host_agreement_us``), host time in every call, which is what bounds
-layers whose GPU time is a few ms (llama3-8b MLP at TP 4, 8192 tokens: serial at 2.08 ms where
-compute + comm are 1.47). When every rank of the group runs on one x86-64 Linux host, the ranks
+round trip through every rank's gloo thread, about half a millisecond at 4 ranks (the bench's
+``host_agreement_us``), host time in every call, which is what bounds layers whose GPU time is a
+few ms (measured: see docs/measurements.md, Host overhead). When every rank of the group runs on one x86-64 Linux host, the ranks
 share a small file in /dev/shm instead, each mapping it:
 
 * call n uses parity n % 2; rank r writes its row into its slot of that parity, then stamps the

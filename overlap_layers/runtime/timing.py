@@ -26,13 +26,11 @@ peers' regions wait for it at their first collective or signal, which their time
 the lateness of a host, not the plan. So the layers' trials end their prequeue with a barrier of
 the group's devices (a one-element all-reduce on the current stream), after the sleep and before
 the start mark: every region starts when the last rank's does. A region that waited 40 ms for a
-late host reads under 5 ms with it (``tests/cuda_worker.py``, ``check_aligned_trials``). In the
-block's llama3-8b verification (4x H200, graph calls, three runs a side, session 49) every
-contender's best trial came out 2-4% lower with it (rank chunks 3.86-3.95 ms against 4.05-4.09,
-K=2 4.67-4.73 against 4.75-4.84, K=1 4.72-4.81 against 4.80-4.92) and the picks were the same
-(rank chunks in all six). It does not remove the slow eager trials of rank chunks (5-9 ms, [Note:
-first-call verification] in ``planning/plan_cache.py``): those were not a late start but Triton
-compiles and module loads inside the trial ([Note: one heads launch] in ``kernels/heads.py``).
+late host reads under 5 ms with it (``tests/cuda_worker.py``, ``check_aligned_trials``), and
+every contender's best trial reads a few percent lower (measured: see docs/measurements.md,
+Planner). A slow trial from work inside the trial window itself (a Triton compile or module load:
+[Note: one heads launch] in ``kernels/heads.py``) is not a late start, and alignment does not
+remove it ([Note: first-call verification] in ``planning/plan_cache.py``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tile programs: what one tile of a layer does, as a short list of ops.
 
 A layer describes the forward (or backward) of *one* tile as a :class:`TileProgram` of three
-kinds of op (see ../shared/DESIGN.md, "The mechanism" 1-2):
+kinds of op (docs/architecture.md, Tile programs and schedules):
 
 * ``compute``: a callable on the tile's environment (a dict of tensors), with an optional cost
   key (e.g. a GEMM shape) for the simulator and an optional ``chain``: ops of the same chain

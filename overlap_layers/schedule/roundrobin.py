@@ -1,10 +1,10 @@
 """Segmented round-robin order of K tiles, with bucketing of same-kind collectives.
 
 The executor launches segment 0 of every tile, then segment 1 of every tile, and so on
-(DESIGN.md, "The mechanism" 3). One tile's communication thereby lands in the compute of the
+(docs/architecture.md, Tile programs and schedules). One tile's communication thereby lands in the compute of the
 next, and every dependency inside a tile is kept because a tile's segments stay in order.
 
-Bucketing (DESIGN.md 5): the comm ops with handle ``h`` of a run of adjacent tiles may be merged
+Bucketing: the comm ops with handle ``h`` of a run of adjacent tiles may be merged
 into one collective. The merged collective is issued where the bucket's *last* member would
 have issued its own (only then are all inputs ready); the other members' launches are kept in the
 order as deferred no-ops so the order stays readable. A member whose wait would come before the

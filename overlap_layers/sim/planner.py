@@ -31,7 +31,7 @@ class Candidate:
     predicted_ms: float
     exposed_comm_ms: float
     peak_bytes: int
-    decomposition: Decomposition = Decomposition.BATCH  # or RANK: split by source rank (DESIGN.md 4, remedy a)
+    decomposition: Decomposition = Decomposition.BATCH  # or RANK: split by source rank (docs/architecture.md, Transports)
     transport: Transport = Transport.NCCL  # or COPY_ENGINE
 
     def __post_init__(self) -> None:

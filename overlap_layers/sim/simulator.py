@@ -1,6 +1,6 @@
 """Discrete-event replay of a :class:`~overlap_layers.schedule.Schedule` on a model of the streams.
 
-The model (DESIGN.md, "The mechanism" 4-6), in the terms of the CUDA executor:
+The model (docs/architecture.md, Planner and Executor and streams), in the terms of the CUDA executor:
 
 * **Streams.** Compute of tile t (its compute ops and its waits) runs on stream ``compute{t % S}``
   with ``S = Costs.num_streams``; every collective runs on one ``comm`` stream. Each stream runs

@@ -136,9 +136,9 @@ def sdpa(q, k, v, *, causal: bool, scale: Optional[float], dropout_p: float = 0.
 
 class _GradLikeOutput(torch.autograd.Function):
     """The identity, whose backward hands the gradient on in its input's strides. cuDNN's SDPA
-    backward (torch 2.11) returned wrong gradients when the output's gradient had other strides
+    backward (torch 2.11) returns wrong gradients when the output's gradient has other strides
     than the output: a [b, S, n, d] storage for a [b, n, S, d] output, as the transpose to rows
-    gives it (caught in bf16 by the CUDA tier, session 18)."""
+    gives it (the CUDA tier checks it in bf16)."""
 
     @staticmethod
     def forward(ctx, o):

@@ -41,12 +41,11 @@ A tile's weight gradients open a round of their own in the backward's segmented 
 launch before any tile's weight gradients, which then run under the last reduce-scatters. The
 planner's plans and a fixed ``num_tiles`` run on one compute stream (``num_streams=1``, as the
 planner simulates them; a pinned plan keeps its own), so the device keeps that order. On two
-streams it interleaves the tiles' kernels as they come: tile 0's weight gradients ran beside tile
-1's flash backward and delayed the dx reduce-scatter after it, and the link waited. Measured at
-K=2 (batch 2) with NCCL over host memory on 2x H200, fwd+bwd: llama3-8b 13.93 -> 13.17 ms
-(-5.4%), llama3-70b 30.94 -> 28.65 (-7.4%); the round alone changed nothing (0%, +0.1%), one
-stream alone 0% and -2.9% (``bench/results/session24_h200x2_2026-11-26.md``). The MLP keeps its
-order and its two streams: the same change there (K=4) ran 6% slower.
+streams the device interleaves the tiles' kernels as they come: tile 0's weight gradients run
+beside tile 1's flash backward and delay the dx reduce-scatter after it, and the link waits. The
+round and the one stream pay together, not apart, and most where the link is slow (NCCL over
+host memory). The MLP keeps its order and its two streams: the same change is slower there.
+Measured: see docs/measurements.md (Attention, weight gradients last).
 
 ``_RankChunkAttention`` (sequence parallel, ``plan.decomposition == "rank"``; per batch tile of
 ``plan.num_tiles``, each tile one block of the exchange; step j talks to rank q = r + j, see

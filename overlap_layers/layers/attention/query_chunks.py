@@ -17,35 +17,30 @@ diagonal block, top-left aligned as SDPA's mask is) and keys ``[0, c*s)`` unmask
 chunks): one flash backward, which needs nothing else of the forward.
 
 [Note: query-chunk core]
-With one batch tile the rank-chunk forward used to run the whole core, then four projections
-with three pushes that took longer than the projections (comm-bound: 420 us of an 8b forward of
-1.55 ms). By query chunks, destination rank q's rows are complete after chunk q, so its
-projection and push start while the next chunk's core runs. A causal sequence split in one call
-would need a lower-right mask, which only the slower flash-2 kernel takes (2x the cuDNN core,
-measured); the two pieces each use the cuDNN kernel: 560 us for the four chunks with their merges
-into rank-major rows, against 528 for the whole core and its copy to those rows (H200, 8b shape;
-1018 against 976 for 70b; bench/results/session18_*).
+With one batch tile, a rank-chunk forward that runs the whole core first then has a projection
+per rank left, and the pushes after them take longer than the projections (comm-bound). By
+query chunks, destination rank q's rows are complete after chunk q, so its projection and push
+start while the next chunk's core runs. A causal sequence split in one call would need a
+lower-right mask, which only the slower flash-2 kernel takes (about twice the cuDNN core); the two
+pieces each use the cuDNN kernel, and the four chunks with their merges into rank-major rows cost
+about what the whole core and its copy to those rows cost (measured: see docs/measurements.md,
+Attention).
 
 A causal chunk's diagonal piece reads only its own rows (:func:`diagonal`), so the layer runs it
-as soon as those rows arrive, beside the pulls of the next rank's rows, whose copies (93 us each)
-outlasted the QKV projections (68 us) they hid under; the projection pieces keep the rest.
-Replayed (graph calls, TP 4, 4x H200), the llama3-8b forward went from 1.363 to 1.324 ms, 70b and
-the fwd+bwd rows unchanged (session 29): the pushes then met at their destinations (two copies
-into one rank at half speed each, 141-155 us instead of 90), and making them take turns cost as
-much as it saved (reverted; ``bench/results/session29_*``). Where the projections outlast the
-pulls (llama3-70b: 64 MiB pulls against 8192-wide projections) it only holds the diagonal
-pieces' outputs (50 MiB more in the graph's pool there), so the layer runs it where its cost
-model finds the pull longer (``AttentionCostModel.diagonal_first``).
+as soon as those rows arrive, beside the pulls of the next rank's rows, where those pulls outlast
+the QKV projections they hide under (llama3-8b at TP 4); the projection pieces keep the rest.
+Where the projections outlast the pulls (llama3-70b: 64 MiB pulls against 8192-wide projections)
+it only holds the diagonal pieces' outputs (50 MiB more in the graph's pool there), so the layer
+runs it where its cost model finds the pull longer (``AttentionCostModel.diagonal_first``). The
+pushes may then meet at a destination (two copies into one rank at half speed each); making them
+take turns costs as much as it saves, so they do not.
 
-The projections stay on the core's stream. Between the chunks' kernels the slowest rank's
-forward idles 7-20 us at a time, mostly around a memset that cuDNN or cuBLAS puts before its
-kernel, which takes 4-9 us while a peer copy is in flight (session 47's profile). Session 48 put
-the peers' projections and their pushes on a second stream, so that the next chunk's core could
-run in those gaps (same-call A/B, 4x H200, graph calls, three rounds at 8b and two at 70b;
-``bench/results/ab_proj_stream_*``). Predicted: 8b forward -3%, fwd+bwd -1%. Measured: 8b
-forward +7.9% (1.291 -> 1.393 ms), fwd+bwd +0.2%, 70b fwd+bwd +0.3%. Beside the next chunk's
-core, a projection ends later, and so does its push; the last one is then no longer hidden
-under the own rows' work. Reverted.
+The projections stay on the core's stream. Between the chunks' kernels the slowest rank's forward
+idles a few microseconds at a time, mostly around a memset that cuDNN or cuBLAS puts before its
+kernel, slower while a peer copy is in flight. Running the peers' projections and pushes on a
+second stream, so that the next chunk's core fills those gaps, is slower: beside the next chunk's
+core a projection ends later, and so does its push, and the last push is then not hidden under
+the own rows' work (measured: see docs/measurements.md, Attention).
 
 Kernels: cuDNN's SDPA (CUDA, half types; :func:`supported`) and the CPU flash kernel (CPU, any
 float type), both called as the ATen ops that return the log-sum-exp; the merge is one Triton

@@ -19,7 +19,7 @@ waits: the MLP's own pipeline inside the block tile)::
 
 (weight gradients where each sublayer's program puts them, except that the attention's do not
 take a round of their own here ([Note: attention weight gradients last]): the fused program runs
-on the MLP's two streams, as measured in session 23; the MLP copies share its accumulators,
+on the MLP's two streams, which measured faster than one; the MLP copies share its accumulators,
 ordered by their chains). The returned gradients: ``dh`` for
 ``x`` (the residual path) and ``dn1`` for ``n1`` (autograd takes it through ``attn_norm``).
 
@@ -33,11 +33,10 @@ next tile's, so NCCL runs ``a.rs[t], m.ag[t], a.rs[t+1]`` and the MLP of tile t 
 attention's later reduce-scatters run. The backward joins at the MLP's dx reduce-scatters the
 same way. With the attention communication-bound and the MLP compute-bound (NCCL over host
 memory), the block's limit is well below the sum of its sublayers' limits; only a program that
-overlaps across the seam can get near it. Measured with P2P disabled on 2x H200 (TP 2,
-bench/results/session23_h200x2_2026-11-26.md): llama3-70b forward 6.3% and fwd+bwd 3.6% faster
-than the sublayers in turn; at 8b (communication-bound in both passes) a tie, so the block keeps
-them in turn. With the MLP at the attention's K (no MLP tiles inside the block tiles) the fused
-program only tied: the MLP lost its own overlap.
+overlaps across the seam can get near it. Where both sublayers are communication-bound (llama3-8b
+with P2P disabled) it ties with the sublayers in turn; the MLP keeps its own tiles inside each
+block tile, since at the attention's K the MLP loses its own overlap. Measured: see
+docs/measurements.md (Transformer block).
 
 The block decides at the first calls of a shape, once both sublayers have settled their plans,
 by timing both (:class:`~overlap_layers.planning.plan_cache.PlanCache`): fused against the

@@ -1,4 +1,5 @@
-"""The sequence-parallel MLP split by source rank instead of by batch tile (DESIGN.md 4, remedy a).
+"""The sequence-parallel MLP split by source rank instead of by batch tile
+(docs/architecture.md, Transports).
 
 Reference (what it must equal, per rank r): the serial SP MLP of ``layers/mlp/layer.py``,
 ``y_r = RS(act(AG(x) @ w_in.T + b_in) @ w_out.T)``. Rows of the gathered input that came from
@@ -29,14 +30,14 @@ wgrad      dw_out = dy.T @ h; dw_in = dpre.T @ x; db_in = sum(dpre)   (every row
 =========  =======================================================================
 
 [Note: weight gradients over every row]
-The weight gradients per piece were ``2*ws`` GEMMs with ``K = T`` (all but two accumulating into
-the gradients); over the ``ws*T`` gathered rows they are two GEMMs, the serial layer's (4x H200,
-llama3-8b, TP 4, 8192 tokens: fc1's four took 748 us against 688 for one, fc2's 417 against 372,
-session 33). They need every row at the end: ``dy`` and ``x`` (the exchange's gathered buffers or
-the one the forward kept, own rows copied in: ``exchange.whole``), ``h`` (a buffer of ``ws*T``
-rows, as the serial layer holds) and ``dpre``, which each piece writes over its ``pre`` rows,
-read just before and never again, unless a second backward will read ``pre``
-(``retain_graph=True``: then into a buffer of its own).
+Per piece, the weight gradients would be ``2*ws`` GEMMs with ``K = T`` (all but two accumulating
+into the gradients), slower than the two GEMMs over the ``ws*T`` gathered rows that the serial
+layer runs (measured: see docs/measurements.md, MLP). So they run over every row, once. They need
+every row at the end: ``dy`` and ``x`` (the exchange's gathered buffers or the one the forward
+kept, own rows copied in: ``exchange.whole``), ``h`` (a buffer of ``ws*T`` rows, as the serial
+layer holds) and ``dpre``, which each piece writes over its ``pre`` rows, read just before and
+never again, unless a second backward will read ``pre`` (``retain_graph=True``: then into a
+buffer of its own).
 
 Legend: T local rows, h = T // 2, H hidden, I local fc1 width, F local ffn width; pre is saved
 for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).

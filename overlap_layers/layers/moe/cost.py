@@ -30,32 +30,24 @@ left out (they do not change the choice).
 
 [Note: grouped GEMMs cost more than dense ones]
 A grouped GEMM of m rows over El experts costs more than the dense GEMM of the same ``(m, n,
-k)``: it reads every expert's weights, and each group ends in a partial row tile. On one H200
-(session 45, qwen3-30b-a3b at EP 4, ``torch._grouped_mm``, rows spread evenly over 32 experts,
-as the first call times them), gate/up ``(m, 1536, 2048)``, us grouped against dense: 92 / 72 at
-8192 rows (256 per expert), 151 / 94 at 10920 (341 per expert: two whole 128-row tiles and a
-partial third), 158 / 136 at 16384, 297 / 266 at 32768, 576 / 540 at 65536. Over all four GEMMs
-and eight row counts the grouped one took 1.03-1.70x the dense one
-(``bench/results/grouped_vs_dense_first_call_qwen3_ep4_s45_h200x4_2026-11-27.json``). With random
-counts, as routing gives, a part costs more still (``bench/grouped_mm_tiles_probe.py``: 195 us at
-16384 rows, against 582 for all 65536). Priced as the dense GEMM, as before this session, a tile
-or rank piece of the experts looked cheaper than it is, the more so the smaller it is.
+k)``: it reads every expert's weights, and each group ends in a partial row tile. For qwen3-30b-a3b
+at EP 4 (``torch._grouped_mm``, 32 local experts) the grouped GEMM takes up to 1.7x the dense one
+with even counts, and random counts, as routing gives, add more. Priced as the dense GEMM, a tile
+or rank piece of the experts would look cheaper than it is, the more so the smaller it is.
 
 So the layer times each grouped GEMM the candidates need at its first call
 (:meth:`MoECostModel.grouped_ops`, on its own weights), with its rows routed at random over the
-experts (``moe.routed_ends``), as the times above were not: the parts' partial tiles are part of
-their cost. Unmeasured (off CUDA, or without ``config.measure``), one costs the dense GEMM plus
-a read of the other El-1 experts' weights at the model's memory bandwidth (2500 GB/s nominal):
-0.98-1.63x the (even-count) times of those 32, mostly on the safe side, where splitting must win
-clearly.
+experts (``moe.routed_ends``): the parts' partial tiles are part of their cost. Unmeasured (off
+CUDA, or without ``config.measure``), one costs the dense GEMM plus a read of the other El-1
+experts' weights at the model's memory bandwidth (2500 GB/s nominal), mostly on the safe side of
+the measured times, where splitting must win clearly.
 
-Smaller row tiles do not help here. A Triton grouped GEMM with 64-row tiles ran 15-50% slower
-than ``torch._grouped_mm`` on every part and whole of the probe. On Hopper
-``torch._grouped_mm`` takes CUTLASS's 128x256 tiles unless the input's rows per group (its row
-count over the groups, not the offsets) or N is at most 128, where it takes 64x128
-(``aten/src/ATen/native/cuda/GroupMM.cu``). Spreading each group over slots of a strided view
-of the weights gets those (the probe's ``--spread``): 19-43% slower than the large tiles on
-every part and whole, with random and with even counts.
+Smaller row tiles do not help here: a Triton grouped GEMM with 64-row tiles, and
+``torch._grouped_mm``'s own 64x128 tiles (which it takes on Hopper only where the input's rows per
+group, its row count over the groups, not the offsets, or N is at most 128:
+``aten/src/ATen/native/cuda/GroupMM.cu``; spreading each group over slots of a strided view of the
+weights gets them), run slower than its 128x256 tiles on every part. Measured: see
+docs/measurements.md (MoE, grouped GEMM tiles and pricing).
 
 The rank-chunk plan (``layers/moe/ranks.py``) is costed by the MLP's recurrence ([Note: rank-chunk
 cost] in ``layers/common/cost.py``) with the MoE's pieces: a chunk is one source's ``A/ws`` rows, a piece

@@ -7,11 +7,11 @@ its kept assignments of the combine weight times its expert's output (0 for an a
 by capacity), plus the shared expert's output.
 
 [Note: MoE graph calls]
-An eager MoE call reads its all-to-all sizes on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``):
-on the 4x H200 machine the qwen3-30b-a3b forward (EP 4, 8192 tokens) took 3.75 ms against a limit
-of 1.65, host-bound (session 26). With ``config.graph_calls``, a call without autograd whose
-exchange can run over symmetric memory runs this path instead, captured once per signature and
-replayed ([Note: graph calls] in ``planning/call_graphs.py``):
+An eager MoE call reads its all-to-all sizes on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``),
+so with many small experts (qwen3-30b-a3b) its forward is host-bound: its ~100 launches take
+longer than its GPU work. With ``config.graph_calls``, a call without autograd whose exchange can
+run over symmetric memory runs this path instead, captured once per signature and replayed
+([Note: graph calls] in ``planning/call_graphs.py``):
 
 * routing, capacity and the send order as the eager call's (one tile), the send rows gathered
   straight into their places in the exchange's send buffer (``place``, without a sort: the own rows first,
@@ -25,7 +25,7 @@ replayed ([Note: graph calls] in ``planning/call_graphs.py``):
   experts, where no GEMM holds the SMs it would wait for); each part's rows run as they arrive,
   and their results are pushed back (region on the push stream by the copy engine, the rest by
   the kernel on the main stream) while the next part's run; the last peer's groups come in
-  ``LAST_PARTS`` parts (two until session 42, now one: ``device_all_to_all.py``), and the own
+  ``LAST_PARTS`` parts (one by default: ``device_all_to_all.py``), and the own
   rows of the second half of the groups run last (copied from the send buffer to the start of a
   slot by the kernel, every slot being free by then), under the last part's push; the own rows'
   results are never pushed (the combine takes them where they are); the shared expert runs right
@@ -36,58 +36,25 @@ replayed ([Note: graph calls] in ``planning/call_graphs.py``):
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
   for the push of peer i - ``SLOTS``, whose results' memory they may take); each slot and result
-  holds the slot rows (until session 42 the bound: qwen3's 256 MiB each). At EP 4 with four peer
-  parts (the last peer in two) the call kept six such buffers instead of eight. Two slots (session
-  32) saved 512 MiB of the graph pool but made each pull wait for the experts of the part two
-  before it: 2.48 / 2.42 ms against 1.90 / 1.91 with three (qwen3 forward, 4x H200, session 38;
-  graph pool 1912 -> 2424 MiB). With as many peer parts as slots or fewer (EP 2, and EP 4 with the
-  last peer in one part) the number does not matter;
+  holds the slot rows. With more peer parts than slots (EP 4 with the last peer in two parts) the
+  call keeps ``2 * SLOTS`` such buffers instead of two per part. Three slots, not two: the copy
+  engine moves pulls and pushes at one shared rate, and with two slots each pull waits for the
+  experts of the part two before it, which costs more time than the third slot costs memory. With
+  as many peer parts as slots or fewer (EP 2, and EP 4 with the last peer in one part) the number
+  does not matter;
 * the combine (``kernels/moe_combine.py``): one kernel reads each token's k result rows where they are
   (own rows in the two own results, the others at their places in ``back``, an assignment dropped
   by capacity, placed at -1, as 0) and sums them weighted.
 
-Measured on 4x H200 (session 31, ``bench/results/session31_h200x4_2026-11-27.md``), qwen3
-forward: one pull of every source's rows, the experts, one push ran in 4.23 ms against 3.74 eager
-(with the kernel's copies at about 190 GB/s, a whole exchange on each side of the experts costs
-more than the host it saves); by source, with the own rows copied and pushed like a peer's, 3.48
-ms against 3.96 eager in one call; as here, 2.88 ms against 3.05 (eager auto) and 3.87 (eager
-serial), 1.73x the limit: the last peer's push (about 270 us) stayed exposed. Running the second
-half of the own experts last, under that push, did not pay (2.89 ms) and was reverted.
-
-Session 32 (``bench/results/session32_h200x4_2026-11-27.md``):
-
-* the last peer's groups in two halves (predicted: half that push hidden, -0.1 ms): -0.01 ms and
-  -0.4% in two calls. A copy kernel starts only when the GEMM beside it retires its blocks (the
-  GEMM holds every SM's registers), so the pulls, not the last push, set the pace;
-* in a replay's profile (3.46 ms) the first GEMM started 620 us in: routing and the send gather
-  took 190 us, then the main stream wrote the table (three peer-to-peer copies, 233 us) and
-  waited for the peers' signals (130 us). Writing the table and signalling on the pull stream
-  while the own rows' experts ran cost 0.1 ms instead: the signal kernels, then the pulls, waited
-  for the GEMMs' SMs. So the table is written and signalled first, as before, by one kernel
-  storing into every rank's table (predicted -0.2 ms; measured -1.2%: the first signal now waits
-  for the slowest peer instead);
-* the copy kernel on 64 programs instead of 32, the pulls being the pace: 2.83 -> 2.76 ms, 1.67x
-  the limit.
-
-Session 36: the experts' grouped GEMMs leaving SMs free for the copy kernels (torch's grouped GEMM
-takes the SM carveout, ``runtime/carveout.py``) ran the replayed qwen3 forward at 2.81 ms with 16
-free SMs and 2.96 with 32, against 2.74 with none (two runs each, one machine): the copies gained
-less than the GEMMs lost, so the GEMMs keep every SM. At that shape this path overlaps little:
-2.74 ms against 1.65 of compute alone (and 1.27 of communication alone in session 31).
-
-Session 37 (2x H200, EP 2, ``bench/results/session37_h200x2_2026-11-27.md``): with every row on
-the kernel the replayed qwen3 forward ran 2.32 ms against 1.67 of compute alone. Its profile: the
-GEMMs beside the copy kernels 15-30% slower (the kernel takes 64 SMs when it gets them), the first
-pull waiting 360 us for the own rows' first GEMM to retire, the last half's push (224 us) exposed.
-With the bulk on the copy engine (``device_all_to_all.py``: fixed regions per part): 2.10 against
-2.33 in one call, 1.98 against 2.34 in another (with the SwiGLU's grid below), 2.00 in the grid:
-1.18x the limit. The last peer in four parts instead of two ran 2.17 (each part adds its kernels
-and gaps; the SwiGLU, launched on the bound's grid, cost 53 us per part however few rows it had
-until its programs strided over the counted rows). The regions cost memory: the workspace grew
-from 768 to 1056 MiB at that shape. Then the own rows of the second half of the groups last,
-under the last push (predicted -0.15 ms): 1.950 against 1.980-1.993 ms in one call (-1.9%), the
-graph pool 1658 -> 1914 MiB; the copy of those rows into a slot took 81 us of what it saved. Not
-measured at EP 4 (no 4-GPU machine was lent).
+Why this shape: a whole exchange before the experts and another after them costs more than the
+host time it saves, so the exchange is split by source and each part's experts hide the next
+part's pull and the previous part's push. The count table is written and signalled first, by one
+kernel storing into every rank's table: signal kernels queued beside the experts' GEMMs wait for
+an SM. The bulk of each part moves on the copy engine, in fixed regions: a copy kernel starts only
+when the GEMM beside it retires blocks, and slows it; the regions cost workspace memory. The
+experts' GEMMs keep every SM (leaving SMs to the copy kernels costs the GEMMs more than the
+copies gain). The late own rows run under the last push, which is otherwise exposed. Measured,
+with the alternatives that lost: see docs/measurements.md (MoE, device path).
 
 Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
 :class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
@@ -110,14 +77,15 @@ launches included: its GPU idles while the host launches), the first of each not
 call waits for its events (a wait would leave the GPU idle at the next call's start, which the
 eager call's launches would then pay and a replay would not); the last one's read waits. The
 group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
-the path for every later call of the signature; a graph that lost is dropped. On 4x H200 the
-qwen3 forward runs faster by the device path and the mixtral one eagerly (session 31). A training
+the path for every later call of the signature; a graph that lost is dropped. With many small
+experts (qwen3-30b-a3b) the device path wins the forward; with few large ones (mixtral-8x7b) the
+eager call does. A training
 call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
 have fired, or at the layer's next call if its backward never came): the eager backward's host
 time is what the device path saves there. The device path wins only if it is also within the
 layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it; and
-only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly: in
-session 46 a broken capture won such a race by noise, with no graph kept). Once it wins, the
+only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly, and
+such a race could be won by noise with no graph kept). Once it wins, the
 layer lets go of the symmetric workspace of its eager copy-engine calls (the group's "exchange"
 workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group holds it,
 and grown again, a collective at the same call on every rank, by the next eager call that needs
@@ -126,8 +94,8 @@ it (a rank that kept it alive longer makes every rank release theirs first:
 
 [Note: MoE slot rows]
 A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,
-:func:`rows_bound`): with every part's buffers at that bound, qwen3's training graphs kept 6.9 GB
-per layer at EP 4 (session 41), against about a quarter of it that an even routing fills. So the
+:func:`rows_bound`): with every part's buffers at that bound, qwen3-30b-a3b's training graphs
+would keep about four times what an even routing fills. So the
 buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
 an earlier call of the signature, and 1/8 more; at first an even routing's count, ``rows / ws``;
 never fewer than the exchange's largest region), and a count past them is found after the call:
@@ -146,13 +114,9 @@ never fewer than the exchange's largest region), and a count past them is found 
 A result past its slots is never returned: the count that decides is exact, and the call that
 returns ran with slots that hold it. The backward reuses the forward's offsets and slots.
 
-Measured on 4x H200 (session 42, qwen3-30b-a3b, 8192 tokens per rank, replayed fwd+bwd,
-same-process A/B against session 41's code, ``bench/results/session42_h200x4_2026-11-27.md``):
-the training graphs' memory per layer 6.90 -> 2.55 GB at EP 4 and 5.36 -> 3.53 GB at EP 2 (an
-even routing's count is half of ``rows`` there), at 5.98 -> 5.87 ms and 6.07 -> 6.06 ms (then
-2.33 and 2.87 GB with the last peer in one part: ``LAST_PARTS``). A first version read the count
-by waiting for the whole forward: 5.93 -> 6.17 ms at EP 4 (the host no longer ran ahead to launch
-the backward).
+The count is read right after the count exchange, not at the end of the forward: waiting for the
+whole forward would keep the host from running ahead to launch the backward. Measured (memory
+and time against buffers at the bound): see docs/measurements.md (MoE, slot rows).
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
@@ -176,85 +140,31 @@ tensors live in the graphs' pool). What the backward needs stays on the device:
   in ``planning/call_graphs.py``); one combine pass sums each token's k rows of dx, the own ones where
   they were made.
 
-Measured on 4x H200, qwen3-30b-a3b, 8192 tokens per rank, fwd+bwd (session 40,
-``bench/results/session40_h200x4_2026-11-27.md``): at EP 4 the replayed calls ran 7.11 ms, against
-7.37-7.90 eager (host-bound: 6.9-8.3 ms of host per call) and 5.05-5.08 of compute alone, with
-1.09 ms of host. The eager backward's host time is gone, but the device's is not: a profiled
-replay computed 6.52 ms per call against compute-only's 4.92, in the weight-gradient kernel
-(1.73 ms: it runs about 1.4x cuBLAS's time and adds each part into the accumulators, six parts at
-EP 4), the experts' GEMMs split into parts (2.45 ms against 1.84 whole) and the copies, placing
-and combine passes. The race picks either path at EP 4 (within 4% of each other) and the eager one
-at EP 2. The graphs keep 5.1 GiB per layer at EP 4 (the bound of rows per part), against an eager
-peak of 1.5 GiB: ``memory_budget`` bounds it.
-
-Session 41 (``bench/results/session41_h200x4_2026-11-27.md``): the weight gradients in one pass
-(1.07 ms of kernel instead of 1.73; same-process A/B of the replayed call, EP 4: 7.47 -> 6.77 ms,
-EP 2: 7.68 -> 6.99), then the combine's weighting by a kernel each way instead of three batched
-GEMMs (0.25 + 0.59 ms -> 0.07 + 0.14; 6.21 against 7.50 before the session), then the weighting
-fused into the combine and the gradients' placing into the weights' gradient (6.25 -> 6.08). In
-the grid: 5.77 ms at EP 4 against a compute-only 4.51 (1.28x; the reference's combine got the
-same kernels), 5.82 at EP 2 (1.26x), and the race picks this path at both. Keeping every part's
-rows and activations for the one pass grew the graphs from 5.5 to 6.9 GB per layer at EP 4 (4.6
-to 5.4 at EP 2).
-
-Session 43 (``bench/results/session43_h200x4_2026-11-27.md``): where the layer's graph calls
-capture the backward, the weight gradients run after its replay ([Note: deferred gradients] in
-``planning/call_graphs.py``), into fresh memory instead of the graph's, which each replay copied out (143
-us at EP 4, twice that at EP 2): 5.94 -> 5.81 ms at EP 4, 6.21 -> 5.94 at EP 2, the graphs 2.33 ->
-1.99 and 2.87 -> 2.26 GB; they no longer run under the last push, which the own rows of the late
-groups still mostly cover. The peak count's copy to the host then moved from the experts' stream
-(10-13 us between its kernels) to the push stream: 5.84 -> 5.80 ms. What stays exposed at EP 2 is
-each pass's first pull (the peer's whole rows, 410 us, under 330 us of the first own rows); the
-peer in two parts (``LAST_PARTS = 2``) measured the same (5.955 against 5.948 ms, forward 1.840
-against 1.848), as it did in session 42: its profile has no wait for the first pull, but the peer's
-experts as two grouped GEMMs of half the experts each took 664 us against 614 as one (the
-forward 1496 us from its first GEMM to its combine, against 1505). The split GEMMs themselves
-run about 35% slower per row than the whole ones (``bench/moe_gemm_micro.py --counts``): 512 rows
-per expert per part lose about 19% to the size and 25% to the groups' part tiles, and more beside
-copy-engine traffic; the remedy would be a receive layout by expert (each expert's rows from every
-source in one group), which changes the exchange's regions, the pulls and the backward's tables.
-
-Session 44 (``bench/results/session44_h200_2026-11-27.md``) measured two ways to win back the
-split GEMMs' loss, and kept neither. One rank's experts alone, forward (``moe_gemm_micro.py
---layout``, EP 4 / EP 2, ms): by source 1.322 / 1.216, by source with the parts alternating
-between two streams 1.209 / 1.216, by chunks of experts over fixed regions of every source's rows
-1.228 / 1.364, packed by expert in one launch 1.024 / 1.154. The regions layout would win less at
-EP 4 than its redesign costs, and lose at EP 2. The two streams, in the layer (the peers' parts
-alternating between the caller's stream and a second one, bit-identical results): 5.80 -> 5.95 ms
-at EP 4 (forward 1.89 -> 1.97), 5.83 -> 6.26 at EP 2. Beside its neighbour, each part's GEMMs end
-later, and so do the pushes that wait for them: the overlap fills the SMs but lengthens the
-chain from each pull to its push, which is what bounds the call.
-
-Session 45 asked whether smaller row tiles would recover the parts' partial tiles: a Triton
-grouped GEMM with 64- or 128-row tiles, its tiles found on the device as a replay needs, ran
-15-50% slower than ``torch._grouped_mm`` on every part and whole
-(``bench/grouped_mm_tiles_probe.py``; [Note: grouped GEMMs cost more than dense ones] in
-``layers/moe/cost.py``), and so did ``torch._grouped_mm``'s own 64x128 tiles (19-43%), so the parts keep
-its 128x256 tiles and their partial last tiles: with random counts a part's gate/up GEMM took
-194 us at EP 4 against 165 with even counts (every group four whole tiles).
+Replayed, a training call does not pay the eager backward's host time, but it still computes
+more than the compute-only reference: the experts' GEMMs split into parts run about a third slower
+per row than whole ones (smaller GEMMs, and each group's partial last row tile in every part),
+plus the copies, placing and combine passes. Running the peers' parts on two alternating compute
+streams, a receive layout by expert, and smaller grouped-GEMM row tiles were measured and do not
+pay (each part's push waits for GEMMs that then end later; the layouts win less than they cost;
+smaller tiles run slower than ``torch._grouped_mm``'s 128x256): see docs/measurements.md (MoE,
+device path). The training graphs keep each part's rows and activations for the one weight-gradient
+pass: ``memory_budget`` bounds them in the race.
 
 [Note: own rows kept apart]
 A call without autograd runs its first own rows in place in the send buffer and copies the late
 ones into slot 0 once every pull has landed. A training call keeps its own rows for the weights'
 gradient past the next exchange on the workspace (another layer's, or its own backward's), which
-overwrites the send buffer: until session 46 it copied them out at the end of the forward (a
-clone of the send buffer's slot rows, under the last push), beside the late rows' copy into a
-buffer of their own. Now the placing kernel puts the own rows of each half straight into a buffer
-of its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
+overwrites the send buffer. Rather than copy them out at the end of the forward, the placing
+kernel puts the own rows of each half straight into a buffer of
+its own, from row 0 (``DeviceCountAllToAll.place``'s ``own``, the diverts of
 :func:`~overlap_layers.kernels.send_rows.place_by_key`), where the experts read them and the
-backward finds them, and neither copy runs (the buffers are as many as before: the clone's place
-is the first half's). Same-process A/B, replayed qwen3-30b-a3b fwd+bwd, 8192 tokens per rank
-(4x H200, session 46): 5.774 -> 5.742 ms at EP 4, 5.885 -> 5.823 at EP 2, gradients
-bit-identical. ``pos`` is unchanged, so the combine is too. The backward does the same for its
-late own rows: the kernel that weighs the output gradient (``weigh_backward_into``) puts their
-rows' gradients straight into a buffer of their own (its ``divert``: their places, ``n_first ..
-n_own``) and the rest at their places in the send buffer, where the first own rows' are read in
-place; until then the late ones were copied out of it on the experts' stream, between the last
-peer part and their data gradient (A/B as above: 5.772 -> 5.766 ms at EP 4, 5.842 -> 5.810 at
-EP 2, bit-identical). Rows past a buffer are not written, as past any slot
-([Note: MoE slot rows]). The graphs keep what they kept: both A/Bs read the second side's graphs
-32 MiB smaller at EP 4 (1898 against 1930 MiB; 2158 at EP 2 on both sides), the second A/B also
-where no buffer changed, so the difference is one of allocation order, not of the code.
+backward finds them, and no copy runs. ``pos`` is unchanged, so the combine is too. The backward
+does the same for its late own rows: the kernel that weighs the output gradient
+(``weigh_backward_into``) puts their rows' gradients straight into a buffer of their own (its
+``divert``: their places, ``n_first .. n_own``) and the rest at their places in the send buffer,
+where the first own rows' are read in place, so no copy runs on the experts' stream between the
+last peer part and their data gradient. Rows past a buffer are not written, as past any slot
+([Note: MoE slot rows]). Measured: see docs/measurements.md (MoE, own rows kept apart).
 """
 from __future__ import annotations
 

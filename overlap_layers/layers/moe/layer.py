@@ -53,8 +53,8 @@ assignment rows, the shared expert, and, from the gathered counts on the device,
 index that groups each tile's received rows by local expert, its inverse and the grouped-GEMM
 offsets (sized by a bound the host knows: every rank's tokens times k, from the call's agreement).
 Between the counts' arrival and the first exchange the host only slices those and builds lists
-(plain Python lists: host tensor ops cost more there): on 4xH200 that window is the GPU's one idle
-gap of a call (about 0.2-0.3 ms), which is why extra tiles, each adding two NCCL launches to the
+(plain Python lists: host tensor ops cost more there): that window is the GPU's one idle gap of
+a call (about 0.2-0.3 ms on the H200 machines), which is why extra tiles, each adding two NCCL launches to the
 host's path, rarely pay for the MoE over NVLink. The rank-chunk exchange takes its sizes from the
 same read (one tile); its grouped-GEMM offsets (computed on the device from the gathered counts),
 its peer signals (``ready()``) and, on the grouped-GEMM path, its first own piece (``launch_first``:

@@ -40,10 +40,10 @@ ones where they were made ([Note: MoE own results in place]).
 [Note: MoE own results in place]
 The own pieces' results (and in the backward the own rows' dx) stay where their GEMMs wrote them:
 the combine (:func:`combine_back`, one pass of ``moe_combine.combine_rows``) reads them there and
-the peers' from the exchange's back rows. Before session 39 they were copied over their own rows
-in the send buffer (three device copies of 31-67 us in a qwen3 EP 2 forward+backward on 2x H200),
-and the backward then gathered every dx row into token order (140 us) and summed each token's k
-(103 us), where the combine reads each row once and writes each token once.
+the peers' from the exchange's back rows. Copying them over their own rows in the send buffer
+would cost device copies, and gathering every dx row into token order and then summing each
+token's k would read the rows twice; the combine reads each row once and writes each token once
+(measured: see docs/measurements.md, MoE eager path).
 
 [Note: MoE weight-gradient accumulation]
 Each piece's weight gradients add into the accumulators. With few local experts (at most
@@ -140,9 +140,8 @@ def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     :func:`piece_sizes` (same ``m``), from ``counts [ws, El]`` (rows from source s per local
     expert of ``rank``; any strides) on the counts' device, without reading them: the MoE launches
     them before its host waits for the counts. One kernel where Triton runs (a host that launches
-    slower than the device computes is the pace there: session 39's profile of the qwen3 forward
-    at EP 2 had the device idle for 0.6 ms of small launches before the first GEMM), else torch
-    ops."""
+    slower than the device computes is the pace there: small launches before the first GEMM leave
+    the device idle), else torch ops."""
     if runs_triton(counts):  # one launch: on the host's critical path before the first GEMM (four in torch)
         return piece_offsets_fused(counts, rank, m)
     return piece_offsets_reference(counts, rank, m)
