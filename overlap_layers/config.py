@@ -1,10 +1,56 @@
 """Layer configuration (a frozen dataclass: identical on every rank by construction)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
-TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+class PlanVariant(str, enum.Enum):
+    """A string-valued choice of a plan or config: its members are the strings themselves (equal,
+    hashed, formatted and shown as their values, so a plain string works wherever a member does,
+    and a plan's ``repr`` and digest read as before)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+
+    @classmethod
+    def coerce(cls, value):
+        """The member equal to ``value``, or ``value`` unchanged where none is (a check reports it)."""
+        for member in cls:
+            if value == member.value:
+                return member
+        return value
+
+
+class Transport(PlanVariant):
+    """How rank-chunk plans exchange rows: ``AUTO`` (``OverlapConfig`` only: the planner may use
+    the copy engine where every rank can), ``NCCL`` (send/recv), ``COPY_ENGINE`` (symmetric memory,
+    CUDA)."""
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    COPY_ENGINE = "copy_engine"
+
+
+class Decomposition(PlanVariant):
+    """How a plan splits a call: ``BATCH`` tiles (K batch tiles; K=1 the serial plan) or ``RANK``
+    chunks (rows split by source rank)."""
+
+    BATCH = "batch"
+    RANK = "rank"
+
+
+TRANSPORTS = tuple(t.value for t in Transport)
+
+
+def check_positive_int(value, name: str, none_ok: bool = False) -> None:
+    """ValueError unless ``value`` is a positive int (not a bool), or None where ``none_ok``."""
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}; must be {'None or ' if none_ok else ''}a positive int")
 
 
 def check_num_tiles(num_tiles, name: str = "num_tiles") -> Union[int, str]:
@@ -25,34 +71,34 @@ class OverlapConfig:
     ``measure``: calibrate on the device (CUDA: collectives, GEMMs and memory-bound ops, the
     GEMM slowdown beside NCCL) instead of nominal numbers. ``verify_first_calls``: the first calls
     for a new shape bucket time the planned plan against K=1 and keep the faster
-    ([Note: first-call verification] in ``layers/planning.py``). ``cache_dir``: where calibrations
+    ([Note: first-call verification] in ``planning/plan_cache.py``). ``cache_dir``: where calibrations
     persist as JSON (None: ``$XDG_CACHE_HOME/overlap_layers`` or ``~/.cache/overlap_layers``).
-    ``transport``: how rank-chunk plans exchange rows (``OverlapMLP``, ``OverlapAttention`` with
-    sequence parallelism): "auto" lets the planner use the copy engine (symmetric memory, CUDA)
-    where every rank can, "nccl" never uses it, "copy_engine" plans only copy-engine plans (or
-    K=1); where it is unavailable, or in a layer without that path, a warning says so and NCCL
-    runs. ``cuda_graphs``: the layer's calls will be replayed from CUDA graphs, so host time does
-    not count: first-call verification then times each contender with the call queued ahead of
-    the device, as a replay runs ([Note: CUDA graphs] in ``layers/planned.py``). Every layer but
-    ``OverlapMoE`` can be captured once a call of that shape has run eagerly, with or without
-    this flag; it only changes what verification measures. ``graph_calls``: the layer captures its
-    own eager calls into CUDA graphs, one per call signature once its plan is settled, and replays
-    them, forward and (for a call that saves for backward) backward: one launch per pass instead
-    of the plan's ~100, which lets an overlapped plan beat the serial one on a slow host;
-    verification then measures as with ``cuda_graphs``. Each kept graph holds the call's
-    intermediates (training: its saved activations and gradient buffers too; at most 8 signatures
-    per layer). No effect off CUDA, in ``OverlapMoE`` and ``UlyssesAttention``, under activation
-    checkpointing, or in calls the caller captures ([Note: graph calls] in ``layers/call_graphs.py``).
-    ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a planned pass that overlaps
-    NCCL collectives and whose communication the model predicts to take at least half as long as
-    its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``). None: an eighth of the
-    device's SMs; 0: never.
+    ``transport`` (a :class:`Transport`, or its string): how rank-chunk plans exchange rows
+    (``OverlapMLP``, ``OverlapAttention`` with sequence parallelism): "auto" lets the planner use
+    the copy engine (symmetric memory, CUDA) where every rank can, "nccl" never uses it,
+    "copy_engine" plans only copy-engine plans (or K=1); where it is unavailable, or in a layer
+    without that path, a warning says so and NCCL runs. ``cuda_graphs``: the layer's calls will be
+    replayed from CUDA graphs, so host time does not count: first-call verification then times each
+    contender with the call queued ahead of the device, as a replay runs ([Note: CUDA graphs] in
+    ``planning/planned.py``). Every layer but ``OverlapMoE`` can be captured once a call of that
+    shape has run eagerly, with or without this flag; it only changes what verification measures.
+    ``graph_calls``: the layer captures its own eager calls into CUDA graphs, one per call signature
+    once its plan is settled, and replays them, forward and (for a call that saves for backward)
+    backward: one launch per pass instead of the plan's ~100, which lets an overlapped plan beat the
+    serial one on a slow host; verification then measures as with ``cuda_graphs``. Each kept graph
+    holds the call's intermediates (training: its saved activations and gradient buffers too; at
+    most 8 signatures per layer). No effect off CUDA, in ``OverlapMoE`` and ``UlyssesAttention``,
+    under activation checkpointing, or in calls the caller captures ([Note: graph calls] in
+    ``planning/call_graphs.py``). ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a
+    planned pass that overlaps NCCL collectives and whose communication the model predicts to take
+    at least half as long as its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``).
+    None: an eighth of the device's SMs; 0: never.
     """
 
     num_tiles: Union[int, str] = "auto"
     memory_budget: Optional[Union[int, float]] = None
     margin: float = 0.03
-    transport: str = "auto"
+    transport: Transport = Transport.AUTO
     measure: bool = True
     verify_first_calls: bool = True
     cache_dir: Optional[str] = None
@@ -81,3 +127,4 @@ class OverlapConfig:
                              "or a positive number of SMs")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; valid: {TRANSPORTS}")
+        object.__setattr__(self, "transport", Transport(self.transport))

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .config import check_positive_int
+
 
 def _init(rank: int, world: int, store_path) -> torch.device:
     if store_path is None and torch.cuda.is_available():
@@ -54,8 +56,7 @@ def run_ranks(fn: Callable, *args, nprocs: int = 2) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, fn, args)
         return
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r}; must be a positive int")
+    check_positive_int(nprocs, "nprocs")
     import torch.multiprocessing as mp
     fd, store = tempfile.mkstemp(prefix="overlap_ranks_")
     os.close(fd)

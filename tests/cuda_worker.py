@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap_layers import OverlapMLP  # noqa: E402
-from overlap_layers.layers.mlp import MLPPlan  # noqa: E402
+from overlap_layers.layers.mlp.layer import MLPPlan  # noqa: E402
 from pool import call_each  # noqa: E402
 
 
@@ -245,7 +245,7 @@ def check_auto_plan_cache_and_trace(rank, ws, dev):
     (no recalibration), first-call verification settles with CUDA events, measured trace."""
     import json
     import tempfile
-    import overlap_layers.layers.planned as mlp_module
+    import overlap_layers.planning.planned as mlp_module
     from overlap_layers import OverlapConfig
     fails = 0
     name = [tempfile.mkdtemp(prefix="ol_cache_") if rank == 0 else None]
@@ -416,7 +416,7 @@ def check_half_router_logits(rank, ws, dev):
     """The MoE's router GEMM on half operands with float32 output (moe.router_logits) against the
     float64 product of the same values, forward and both gradients (gradients cast to bf16 /
     fp16, as the converted reference's), and that it takes the out_dtype path."""
-    from overlap_layers.layers.moe import router_logits
+    from overlap_layers.layers.moe.layer import router_logits
     g = torch.Generator(device="cpu").manual_seed(21 + rank)
     fails = 0
     for dtype in (torch.bfloat16, torch.float16):
@@ -442,14 +442,14 @@ def check_half_router_logits(rank, ws, dev):
 
 
 def check_moe_rank_chunks(rank, ws, dev):
-    """OverlapMoE split by source rank (moe_ranks.py), over the copy engine and over NCCL
+    """OverlapMoE split by source rank (layers/moe/ranks.py), over the copy engine and over NCCL
     send/recv, float32 (dropless and with capacity drops) and bf16, uneven tokens per rank, two
     calls each (the symmetric buffer reused), against the float64 dense reference; 4 local
     experts (weight gradients by an accumulating GEMM per expert) and 10 (grouped, each later
     piece added in its GEMM: [Note: expert weight gradients in the GEMM])."""
     from moe_reference import dense_moe
     from overlap_layers import OverlapMoE
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cpu").manual_seed(11)
     r = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.3).to(dev)  # noqa: E731
@@ -541,12 +541,12 @@ def check_block(rank, ws, dev):
 
 
 def check_fused_block(rank, ws, dev):
-    """The fused block program (``fused_block.py``: the attention at K=2, each tile two MLP tiles, in
+    """The fused block program (``layers/block/fused.py``: the attention at K=2, each tile two MLP tiles, in
     one program on the layers' streams and NCCL) in float32 against the float64 dense block, forward and gradients,
     for every call of the block's verification (fused and in turn) and the call after it."""
     from block_reference import EPS, NKV, NQ, THETA, make_case, reference
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock, finalize_grads
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     torch.backends.cuda.matmul.allow_tf32 = False
     fails, group = 0, dist.group.WORLD
     c = make_case(8, S=4 * ws, norm="layernorm")
@@ -780,7 +780,7 @@ def check_graph_calls(rank, ws, dev):
     forwards in flight; an auto layer captures once verification settles (OverlapMLP serial, K=2,
     rank chunks over NCCL and the copy engine; OverlapAttention rank chunks over the copy engine)."""
     from overlap_layers import OverlapAttention, OverlapConfig
-    from overlap_layers.layers.attention_core import rope_cos_sin
+    from overlap_layers.layers.attention.core import rope_cos_sin
     fails = 0
     g = torch.Generator(device="cpu").manual_seed(12)
     r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
@@ -1301,13 +1301,13 @@ def check_no_late_compiles(rank, ws, dev):
     Triton variant, whatever the caching allocator's placement (a spacer of up to 5 GiB held across
     each call) and the routing (a fresh input each call): a variant chosen at run time compiles or
     loads its module inside some later call, which stalled first-call verification's trials for
-    hundreds of milliseconds ([Note: one heads launch] in ``layers/heads_kernel.py``). bf16, forward
+    hundreds of milliseconds ([Note: one heads launch] in ``kernels/heads.py``). bf16, forward
     and backward: the attention's rank chunks over the copy engine (RoPE by the heads kernel) and
     K=2, the MLP's rank chunks, the MoE's rank chunks over the copy engine (the combine's counts
     change with the routing)."""
     from overlap_layers import OverlapAttention, OverlapMoE
-    from overlap_layers.layers.planned import TilePlan
-    from overlap_layers.runtime import triton_gate
+    from overlap_layers.planning.plan import TilePlan
+    from overlap_layers.kernels import triton_gate
     if triton_gate.triton is None:
         return 0
     group, bf16, fails = dist.group.WORLD, torch.bfloat16, 0

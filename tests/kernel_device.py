@@ -4,7 +4,7 @@ with a skip reason that says what is missing and where they run instead."""
 import pytest
 import torch
 
-from overlap_layers.runtime import triton_gate
+from overlap_layers.kernels import triton_gate
 
 if triton_gate.triton is not None and torch.cuda.is_available():
     DEVICE = torch.device("cuda")

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import overlap_layers
 from attention_reference import bad_call_input, dense_attention
 from overlap_layers import reduce_replicated_grads
-from overlap_layers.layers.attention import OverlapAttention
-from overlap_layers.layers.mlp import MLPPlan
+from overlap_layers.layers.attention.layer import OverlapAttention
+from overlap_layers.layers.mlp.layer import MLPPlan
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
@@ -618,7 +618,7 @@ def _rank_candidates(rank, ws, training):
     """The rank-chunk candidates of an attention and an MLP with the copy engine faked usable (as
     on a GPU), from the analytic model: (K, regather, label, peak) per candidate."""
     from overlap_layers import OverlapMLP
-    from overlap_layers.layers.candidates import plan_candidates
+    from overlap_layers.planning.candidates import plan_candidates
     from overlap_layers.sim import analytic_model
     out = {}
     for name, layer, key in [

@@ -5,7 +5,7 @@ tables that require gradients."""
 import pytest
 import torch
 
-from overlap_layers.layers.attention_core import apply_rope
+from overlap_layers.layers.attention.core import apply_rope
 
 
 def rotate_half(x):
@@ -56,7 +56,7 @@ def test_sdpa_gradient_reaches_the_output_in_its_own_strides():
     """``attention_core._GradLikeOutput`` (applied to SDPA's output on CUDA): a gradient that
     arrives ``[b, S, n, d]``-strided for a ``[b, n, S, d]`` output is handed on in the output's
     strides, with the same values (cuDNN's backward gave wrong gradients otherwise)."""
-    from overlap_layers.layers.attention_core import _GradLikeOutput
+    from overlap_layers.layers.attention.core import _GradLikeOutput
     leaf = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     o = leaf * 2.0
     seen = []

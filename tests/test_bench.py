@@ -480,7 +480,7 @@ def test_inproc_ab_plan_names():
     """``bench/probes/inproc_ab.py``'s plan names: batch tiles, their compute streams and carveout."""
     import importlib.util
     import overlap_layers
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     spec = importlib.util.spec_from_file_location("inproc_ab", _probe("inproc_ab.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -539,9 +539,9 @@ def test_host_phases_dry_run():
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
     calls = {ln.split()[-1]: float(ln.split()[3]) for ln in lines[1:]}
-    for name in ("overlap_layers.layers.attention:OverlapAttention.forward",
-                 "overlap_layers.layers.attention:_RankChunkAttention._forward",
-                 "overlap_layers.layers.planned:PlannedLayer._agree"):
+    for name in ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
+                 "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
+                 "overlap_layers.planning.planned:PlannedLayer._agree"):
         assert calls[name] == 1.0
 
 

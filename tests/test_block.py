@@ -203,8 +203,8 @@ def run_fused(rank, ws, c, calls, mlp_k=2, grad=True):
     with the block's verification over one trial each: the block times the fused program against
     its sublayers in turn, so both run. Per call: the block's plan, y and the gradients, and the
     launch order of the collectives when it ran fused."""
-    from overlap_layers.layers.planned import TilePlan
-    from overlap_layers.layers.planning import PlanCache
+    from overlap_layers.planning.plan import TilePlan
+    from overlap_layers.planning.plan_cache import PlanCache
     blk = build(c, True, "auto")
     blk.attention.settled_plan = lambda *a: TilePlan(2)
     blk.mlp.settled_plan = lambda *a: TilePlan(mlp_k)
@@ -285,7 +285,7 @@ def run_traced(rank, ws, c, tmp):
     """One fused call (the block's first verification call) after ``export_trace(measured=True)``
     on both sublayers: the traces each file holds, and the requests left pending."""
     import json
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     blk = build(c, True, "auto")
     blk.attention.settled_plan = blk.mlp.settled_plan = lambda *a: TilePlan(2)
     paths = [f"{tmp}/attn{rank}.json", f"{tmp}/mlp{rank}.json"]
@@ -311,7 +311,7 @@ def test_fused_call_writes_the_sublayers_measured_traces(pool2, tmp_path):
 def run_fused_biases(rank, ws, calls):
     """A block whose attention and MLP have biases (randomly drawn, the same on every rank), the
     sublayers reporting settled K=2 plans: per call, the plan, y and every gradient."""
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     torch.manual_seed(5)
     group = dist.group.WORLD
     attn = OverlapAttention(H, NQ, NKV, group=group, rope_theta=THETA, bias=True, qk_norm=True, dtype=torch.float64)
@@ -356,7 +356,7 @@ def test_fused_block_biases_equal_the_sublayers_in_turn(pool2):
 def run_hooked(rank, ws):
     """A block whose attention carries a forward pre-hook (as FSDP2's unsharding does), with the
     sublayers reporting settled K=2 plans: the block's plan per call and the hook's call count."""
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     blk = build(make_case(1), True, "auto")
     blk.attention.settled_plan = blk.mlp.settled_plan = lambda *a: TilePlan(2)
     seen = []
@@ -381,7 +381,7 @@ def run_fused_fsdp(rank, ws, calls):
     y, and every parameter's gradient in full (reduced over dp by FSDP)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     tp = mesh.get_group("tp")
     torch.manual_seed(7)
@@ -420,8 +420,8 @@ def test_fused_block_under_fsdp2_equals_the_sublayers_in_turn(pool4):
 
 def test_fused_plans_by_hand():
     """Which sublayer plans fuse, and how many MLP tiles each attention tile carries."""
-    from overlap_layers.layers.fused_block import fused_plans
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.layers.block.fused import fused_plans
+    from overlap_layers.planning.plan import TilePlan
     a2, m8 = TilePlan(2, buckets_fwd=(("ag", ((0, 1),)),)), TilePlan(8, buckets_bwd=(("rs_dx", ((0, 1), (2, 3))),))
     pa, pm = fused_plans(a2, m8, tile_rows=100)
     assert (pa.num_tiles, pm.num_tiles) == (2, 8) and not pa.buckets_fwd and not pm.buckets_bwd  # 4 per tile

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from overlap_layers.runtime.calibration_cache import (NCCL_TRANSPORT_ENV, CalibrationCacheWarning, cache_key,
-                                                      cache_path, default_cache_dir, load_agreed, store)
+from overlap_layers.planning.calibration_cache import (NCCL_TRANSPORT_ENV, CalibrationCacheWarning, cache_key,
+                                                       cache_path, default_cache_dir, load_agreed, store)
 from overlap_layers.runtime.group import Agreement
 from overlap_layers.sim import COMM_KINDS, HardwareModel
 

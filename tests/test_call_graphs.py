@@ -4,8 +4,9 @@ checks real replays against eager twins (tests/cuda_worker.py check_graph_calls)
 import pytest
 import torch
 
-from overlap_layers.layers import call_graphs
-from overlap_layers.layers.call_graphs import CallGraphs
+from overlap_layers.planning import call_graphs
+from overlap_layers.runtime import graph_capture
+from overlap_layers.planning.call_graphs import CallGraphs
 
 
 class _Agreement:
@@ -75,22 +76,22 @@ def test_shared_pool_is_one_per_owner_and_device(monkeypatch):
         pass
     a, b = Owner(), Owner()
     d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    handle = lambda owner, dev: call_graphs.shared_pool(owner, dev).handle  # noqa: E731
+    handle = lambda owner, dev: graph_capture.shared_pool(owner, dev).handle  # noqa: E731
 
     class Graph:
         pass
     graph = Graph()
-    call_graphs.shared_pool(a, d0).graphs.add(graph)
+    graph_capture.shared_pool(a, d0).graphs.add(graph)
     assert handle(a, d0) == handle(a, d0) == (0, 1)
     assert len({handle(a, d1), handle(b, d0), (0, 1)}) == 3 and len(made) == 3
     del graph
     assert handle(a, d0) == (0, 4) and handle(a, d0) == (0, 5), "a pool without live graphs is made anew"
-    call_graphs.shared_pool(a, d0).graphs.add(keep := Graph())
+    graph_capture.shared_pool(a, d0).graphs.add(keep := Graph())
     assert handle(a, d0) == handle(a, d0) == (0, 6) and keep is not None
-    owners = len(call_graphs._NO_GRAD_POOLS)
+    owners = len(graph_capture._NO_GRAD_POOLS)
     del a
     gc.collect()
-    assert len(call_graphs._NO_GRAD_POOLS) == owners - 1 and b in call_graphs._NO_GRAD_POOLS
+    assert len(graph_capture._NO_GRAD_POOLS) == owners - 1 and b in graph_capture._NO_GRAD_POOLS
 
 
 def test_a_signature_captures_once_then_replays(captured):
@@ -152,13 +153,13 @@ def test_params_kept_and_clear(captured):
 def test_the_static_inputs_copy_what_the_graph_reads():
     """Replays read static copies: a _Graph copies each call's inputs into them (None stays None)
     and returns a copy of its output, which the next replay does not change."""
-    static = call_graphs._static([torch.zeros(3), None], grad=False)
+    static = graph_capture._static([torch.zeros(3), None], grad=False)
 
     class FakeGraph:
         def replay(self):
             out.copy_(static[0] * 2)
     out = torch.empty(3)
-    graph = call_graphs._Graph(FakeGraph(), static, out, 0)
+    graph = graph_capture._Graph(FakeGraph(), static, out, 0)
     first = graph.call([torch.arange(3.0), None], ())
     second = graph.call([torch.ones(3), None], ())
     assert torch.equal(first, torch.tensor([0.0, 2.0, 4.0])) and torch.equal(second, torch.full((3,), 2.0))
@@ -210,7 +211,7 @@ class _Linear:
 
 
 def _training_graph(w):
-    static = call_graphs._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
+    static = graph_capture._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
     lin = _Linear(static[0])
     fwd, bwd = lin.graphs(w)
     return call_graphs._TrainingGraph(fwd, bwd, static, lin.y, lin.dy, [lin.dx, lin.dw], 0)
@@ -251,7 +252,7 @@ def test_deferred_gradients_run_after_each_backward_replay():
     the closure, run once per backward replay after it (reading the static tensors the replays
     wrote), into memory of its own: each call's gradients equal those of ``x @ w``."""
     w = torch.randn(4, 3, requires_grad=True)
-    static = call_graphs._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
+    static = graph_capture._static([torch.zeros(2, 4, requires_grad=True)], grad=True)
     lin = _Linear(static[0])
     fwd, bwd = lin.graphs(w.detach())
     runs = []
@@ -312,7 +313,7 @@ def staged_roles(rank, ws):
     import torch.distributed as dist
 
     from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE
-    from overlap_layers.layers.mlp import MLPPlan
+    from overlap_layers.layers.mlp.layer import MLPPlan
     from test_device_all_to_all import _Workspace  # a stand-in of the symmetric workspace
     g = dist.group.WORLD
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from overlap_layers import OverlapConfig
-from overlap_layers.layers.mlp import MLPPlan
-from overlap_layers.layers.planned import contenders
+from overlap_layers.layers.mlp.layer import MLPPlan
+from overlap_layers.planning.plan import contenders
 from overlap_layers.runtime.carveout import carve_passes
 from overlap_layers.sim import Candidate
 from overlap_layers.sim.simulator import Timeline

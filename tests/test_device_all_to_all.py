@@ -16,9 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from kernel_device import DEVICE as KERNEL_DEVICE
 from overlap_layers.runtime import device_all_to_all
-from overlap_layers.runtime.device_all_to_all import (DeviceCountAllToAll, RegionLayout, copy_rows_by_table,
-                                                      own_diverts)
-from overlap_layers.runtime.send_rows import place_by_key
+from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll, RegionLayout, copy_rows_by_table, own_diverts
+from overlap_layers.kernels.send_rows import place_by_key
 
 DEVICE = KERNEL_DEVICE or torch.device("cpu")  # the kernel where Triton runs, else the torch path
 
@@ -452,7 +451,7 @@ def test_place_in_key_order_property(E, tokens, top_k, skew, seed, key_dtype):
     index in the stable order of the kept assignments by key (the earlier keys' rows, then the
     earlier assignments of its own key), its row there, the dropped (keys E and above) at -1 and
     nothing else written; more keys than a kernel block, so blocks' counts carry over."""
-    from overlap_layers.runtime.send_rows import place_in_key_order
+    from overlap_layers.kernels.send_rows import place_in_key_order
     g = torch.Generator().manual_seed(seed)
     n = tokens * top_k
     keys = torch.randint(0, E + 2, (n,), generator=g)

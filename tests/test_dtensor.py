@@ -633,7 +633,7 @@ def _dt_checkpoint_run(rank, ws):
     equal the plain (not checkpointed) layer's on the same calls."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.utils.checkpoint import checkpoint
-    from overlap_layers.layers.planned import TilePlan
+    from overlap_layers.planning.plan import TilePlan
     mesh, axis, tp = _mesh(ws, False)
     layers = []
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""``grouped_wgrad`` (``layers/expert_wgrad.py``: Triton on CUDA, or under Triton's interpreter on the
+"""``grouped_wgrad`` (``kernels/expert_wgrad.py``: Triton on CUDA, or under Triton's interpreter on the
 CPU; the torch path elsewhere) against a float64 loop over the groups: accumulating and not, empty
 groups, group sizes off the kernel's blocks, a strided operand, and rows past the last end that
 must not be read."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE
-from overlap_layers.layers.expert_wgrad import WgradParts, grouped_wgrad, grouped_wgrad_parts
+from overlap_layers.kernels.expert_wgrad import WgradParts, grouped_wgrad, grouped_wgrad_parts
 
 
 def _reference(a, b, ends, out, accumulate):

@@ -1,4 +1,4 @@
-"""The heads step's Triton kernel (``layers/heads_kernel.py``, reached through
+"""The heads step's Triton kernel (``kernels/heads.py``, reached through
 ``attention_core.heads_into`` / ``heads_backward_into``; on CUDA, or on the CPU under Triton's
 interpreter) against the RoPE formula in float64
 autograd: rank-major rows to heads (q, k RoPE'd, v copied) and the gradients back, whole tiles
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kernel_device import DEVICE, needs_triton
-from overlap_layers.layers import attention_core, heads_kernel
-from overlap_layers.layers.attention_core import heads_backward_into, heads_into
-from overlap_layers.runtime import triton_gate
+from overlap_layers.layers.attention import core as attention_core
+from overlap_layers.kernels import heads as heads_kernel
+from overlap_layers.layers.attention.core import heads_backward_into, heads_into
+from overlap_layers.kernels import triton_gate
 
 pytestmark = needs_triton
 

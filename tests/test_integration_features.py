@@ -14,9 +14,9 @@
 [Note: checkpoint and the layers]
 Non-reentrant checkpointing recomputes a layer's forward inside its backward. Two things make that
 exact and single: the per-tile graphs of the attention core and the MoE experts are recorded
-outside checkpoint's saved-tensor hooks ([Note: per-tile graphs] in ``layers/tp_program.py``), so
+outside checkpoint's saved-tensor hooks ([Note: per-tile graphs] in ``layers/common/tp_program.py``), so
 their nested ``torch.autograd.grad`` does not recompute the layer again; and a forward inside a
-backward replays the plan its original forward ran ([Note: recompute] in ``layers/planned.py``),
+backward replays the plan its original forward ran ([Note: recompute] in ``planning/planned.py``),
 so first-call verification and micro-batch schedules (two forwards before their backwards) keep
 the saved tensors consistent.
 """
@@ -32,9 +32,9 @@ from torch.utils.checkpoint import checkpoint
 import overlap_layers
 from attention_reference import dense_attention
 from moe_reference import dense_moe
-from overlap_layers import (OverlapAttention, OverlapConfig, OverlapMLP, OverlapMoE, UlyssesAttention,
-                            finalize_grads, reduce_replicated_grads)
-from overlap_layers.layers.planned import TilePlan
+from overlap_layers import (OverlapAttention, OverlapConfig, OverlapMLP, OverlapMoE, UlyssesAttention, finalize_grads,
+                            reduce_replicated_grads)
+from overlap_layers.planning.plan import TilePlan
 from pool import RankFailure, call_each
 from test_mlp import dense_mlp, shard_in
 from test_verify import VERIFY_KS

@@ -2,16 +2,17 @@
 shape: where the caching allocator put the tensors (the heads kernel's q, k and v), and counts that
 follow the routing (the MoE combine's). A variant that first appears in a later call compiles, or
 loads its module, inside that call, and stalls first-call verification's timed trials for
-hundreds of milliseconds ([Note: one heads launch] in ``layers/heads_kernel.py``). CUDA only: the
+hundreds of milliseconds ([Note: one heads launch] in ``kernels/heads.py``). CUDA only: the
 interpreter compiles nothing, and the kernel tests' interpreted run must not skip, so these live
 apart from them. Each case's results are also checked against the kernel's float64 definition."""
 import pytest
 import torch
 
 from kernel_device import DEVICE
-from overlap_layers.layers import heads_kernel, moe_combine
-from overlap_layers.layers.attention_core import heads_backward_into, heads_into
-from overlap_layers.layers.moe_combine import combine_rows
+from overlap_layers.kernels import heads as heads_kernel
+from overlap_layers.kernels import moe_combine
+from overlap_layers.layers.attention.core import heads_backward_into, heads_into
+from overlap_layers.layers.moe.combine import combine_rows
 from test_heads_kernel import reference_heads
 from test_moe_combine import _want
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from overlap_layers import OverlapConfig, OverlapMLP, reduce_replicated_grads
-from overlap_layers.layers.mlp import MLPPlan
+from overlap_layers.layers.mlp.layer import MLPPlan
 from pool import RankFailure, all_reduce_ranks, expect_value_error_on_every_rank
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -532,7 +532,7 @@ def copy_engine_agreement(rank, ws, same_host):
     import socket
     import warnings
     from unittest import mock
-    import overlap_layers.layers.rank_plans as rank_plans
+    import overlap_layers.planning.rank_plans as rank_plans
     host = "node0" if same_host or rank == 0 else "node1"
     with mock.patch.object(rank_plans, "symmetric_memory_status", lambda group, device: ""), \
             mock.patch.object(socket, "gethostname", lambda: host), warnings.catch_warnings(record=True) as caught:
@@ -557,8 +557,8 @@ def held_workspaces(rank, ws, held, capturing):
     """One agreement of an MLP whose ranks hold ``held[rank]`` symmetric bytes (faked on CPU);
     returns how many times this rank released its workspace."""
     from unittest import mock
-    import overlap_layers.layers.planned as planned
-    import overlap_layers.layers.rank_plans as rank_plans
+    import overlap_layers.planning.planned as planned
+    import overlap_layers.planning.rank_plans as rank_plans
     released = []
 
     class Workspace:

@@ -20,8 +20,8 @@ from moe_reference import dense_moe, route
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapConfig, OverlapMoE
-from overlap_layers.layers.moe import grouped_gemm_ok, routed_ends
-from overlap_layers.layers.planned import TilePlan
+from overlap_layers.layers.moe.layer import grouped_gemm_ok, routed_ends
+from overlap_layers.planning.plan import TilePlan
 from overlap_layers.sim import analytic_model
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
@@ -238,7 +238,7 @@ def test_matches_dense_reference(pools, ws, k, top_k, normalize, activation, dty
 @pytest.mark.parametrize("ws,k,top_k,normalize,activation,dtype,shapes,routing,cf,aux,Fs,E", GRID)
 def test_rank_chunks_match_dense_reference(pools, ws, k, top_k, normalize, activation, dtype, shapes, routing, cf,
                                            aux, Fs, E):
-    """The exchange split by source rank (moe_ranks.py; over send/recv on gloo): the grid's cases
+    """The exchange split by source rank (layers/moe/ranks.py; over send/recv on gloo): the grid's cases
     with the rank-chunk plan pinned (float32 cases run the grouped GEMMs where this torch has
     them on CPU, float64 the per-expert loop)."""
     case = make_case(ws * 1000 + k * 100 + top_k * 10 + E + 7, ws=ws, E=E, top_k=top_k, shapes=shapes, Fs=Fs,

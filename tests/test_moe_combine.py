@@ -1,4 +1,4 @@
-"""``layers/moe_combine.combine_rows`` against its definition written as a loop over tokens and
+"""``layers/moe/combine.combine_rows`` against its definition written as a loop over tokens and
 their k rows (float64 sums of the weight, cast to the rows' dtype, times each row): the torch path
 on every install, the kernel where Triton runs (CUDA, or the CPU under the interpreter: also run by
 ``test_triton_interpreted.py``). Rows that must not be read hold NaN: own rows past ``n_own``,
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernel_device import DEVICE as KERNEL_DEVICE
-from overlap_layers.layers import moe_combine
-from overlap_layers.layers.moe_combine import combine_rows
+from overlap_layers.layers.moe import combine as moe_combine
+from overlap_layers.layers.moe.combine import combine_rows
 
 DEVICES = ["torch"] + (["kernel"] if KERNEL_DEVICE is not None else [])
 

@@ -1,4 +1,4 @@
-"""Tier 2: the MoE's device path ([Note: MoE graph calls] in ``layers/moe_device.py``) on 2 and 4
+"""Tier 2: the MoE's device path ([Note: MoE graph calls] in ``layers/moe/device.py``) on 2 and 4
 gloo ranks against the independent dense reference ``tests/moe_reference.py``.
 
 On the CPU there is no symmetric memory, so the layer's exchange is replaced by a stand-in with
@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from test_moe import build_from_dense, check, make_case, reference, rel_err, rounded
 
 from overlap_layers import OverlapConfig, OverlapMoE
-from overlap_layers.layers.moe import grouped_gemm_ok
-from overlap_layers.layers.moe_device import SLOT_STEPS, rows_bound, slot_rows
+from overlap_layers.layers.moe.layer import grouped_gemm_ok
+from overlap_layers.layers.moe.device import SLOT_STEPS, rows_bound, slot_rows
 from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table, own_diverts
-from overlap_layers.runtime.send_rows import place_by_key
+from overlap_layers.kernels.send_rows import place_by_key
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm (absent from this torch)")
 
@@ -200,7 +200,7 @@ def run_device_training(rank, ws, case, opts, dtype, backwards=1, need=None, par
 
 class _OfferLog:
     """A ``CallGraphs`` outside a capture, as the backward sees it: records the shapes of the
-    gradients offered to :meth:`~overlap_layers.layers.call_graphs.CallGraphs.defer` and takes none."""
+    gradients offered to :meth:`~overlap_layers.planning.call_graphs.CallGraphs.defer` and takes none."""
 
     def __init__(self):
         self.offered = []
@@ -431,7 +431,7 @@ def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(1, 1), budget=None)
     """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
     whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls), each call's graph
     keeping ``graph_bytes[rank]`` under a memory budget of ``budget`` bytes."""
-    from overlap_layers.layers.moe_device import DevicePathRace
+    from overlap_layers.layers.moe.device import DevicePathRace
     from overlap_layers.runtime.group import shared_agreement
     times = iter(eager_ms[rank] + device_ms[rank])
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from overlap_layers.layers.moe import _backward_program, _Call, _forward_program, regroup_index, tile_index
-from overlap_layers.layers.tiling import tile_bounds
-from overlap_layers.layers.moe_cost import MoECostModel
-from overlap_layers.layers.candidates import plan_candidates
-from overlap_layers.layers.planned import TilePlan
-from overlap_layers.layers.tp_program import Accumulator
+from overlap_layers.layers.moe.layer import _backward_program, _Call, _forward_program, regroup_index, tile_index
+from overlap_layers.planning.tiling import tile_bounds
+from overlap_layers.layers.moe.cost import MoECostModel
+from overlap_layers.planning.candidates import plan_candidates
+from overlap_layers.planning.plan import TilePlan
+from overlap_layers.layers.common.tp_program import Accumulator
 from overlap_layers.sim import COMM_KINDS, HardwareModel, choose
 
 
@@ -54,7 +54,7 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop():
     """The experts' grouped-GEMM path (float32, 16-byte aligned rows) against the per-expert loop
     (float64, which never takes the grouped path), with an empty expert, forward and gradients."""
     import torch
-    from overlap_layers.layers.moe import grouped_gemm_ok
+    from overlap_layers.layers.moe.layer import grouped_gemm_ok
     layer = SimpleNamespace(group=None, activation="swiglu", launch_log=None)
     call = _Call(layer, TilePlan(1), True, None, [])
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
 def test_count_table_by_hand():
     """The gathered counts, flat in (source, tile, destination, local expert) order, as nested
     lists indexed the same way: 2 ranks, 3 tiles, 2 local experts, every count distinct."""
-    from overlap_layers.layers.moe import count_table
+    from overlap_layers.layers.moe.layer import count_table
     ws, K, El = 2, 3, 2
     flat = list(range(ws * K * ws * El))
     table = count_table(flat, ws, K)
@@ -265,7 +265,7 @@ def test_rank_piece_offsets_by_hand():
     part (own rows [0, m)), own second part, own whole, then the peers in step order, each
     cumulative per local expert; rank 1 of 3, own rows [3, 0, 2], m = 2; and m past the own rows
     (the first part takes them all) or 0 (the second does)."""
-    from overlap_layers.layers.moe_ranks import RankCall, piece_offsets
+    from overlap_layers.layers.moe.ranks import RankCall, piece_offsets
     sizes = [[1, 4, 0], [3, 0, 2], [0, 0, 5]]  # rows from source s per local expert
     offsets = piece_offsets(torch.tensor(sizes), 1, 2)
     assert offsets.dtype == torch.int32
@@ -290,7 +290,7 @@ def test_rank_piece_offsets_by_hand():
 def test_rank_piece_offsets_match_the_host_sizes(case):
     """The device offsets (launched before the host has the counts) are the cumulative sums of the
     host's piece sizes, for any counts (zeros, odd own totals), any rank and any first part."""
-    from overlap_layers.layers.moe_ranks import piece_offsets, piece_sizes
+    from overlap_layers.layers.moe.ranks import piece_offsets, piece_sizes
     rank, sizes, m = case
     want = [[sum(r[:e + 1]) for e in range(len(r))] for r in piece_sizes(sizes, rank, m)]
     assert piece_offsets(torch.tensor(sizes), rank, m).tolist() == want

@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 
 from overlap_layers import OverlapConfig, OverlapMLP, PlanMismatchError
-from overlap_layers.layers.mlp import MLPPlan
-from overlap_layers.layers.candidates import plan_candidates
-from overlap_layers.layers.mlp_cost import MLPCostModel
+from overlap_layers.layers.mlp.layer import MLPPlan
+from overlap_layers.planning.candidates import plan_candidates
+from overlap_layers.layers.common.cost import MLPCostModel
 from overlap_layers.sim import COMM_KINDS, Candidate, HardwareModel, choose
 from pool import RankFailure
 
@@ -38,7 +38,9 @@ class _Programs:
     """The MLP's real tile programs, built by a layer-free helper (no process group needed)."""
 
     def __init__(self, sp=True):
-        from overlap_layers.layers.mlp import _Call, _backward_program, _forward_program
+        from overlap_layers.layers.mlp.layer import MLPCall as _Call
+        from overlap_layers.layers.mlp.layer import mlp_backward_program as _backward_program
+        from overlap_layers.layers.mlp.layer import mlp_forward_program as _forward_program
         self.sp, self._f, self._b, self._Call = sp, _forward_program, _backward_program, _Call
 
     def __call__(self, k, save, regather):
@@ -125,8 +127,8 @@ import itertools  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from overlap_layers.layers.candidates import bucket_partitions, search_buckets  # noqa: E402
-from overlap_layers.layers.tiling import tile_bounds  # noqa: E402
+from overlap_layers.planning.candidates import bucket_partitions, search_buckets  # noqa: E402
+from overlap_layers.planning.tiling import tile_bounds  # noqa: E402
 from overlap_layers.schedule import round_robin  # noqa: E402
 from overlap_layers.sim import Costs, analytic_model, simulate  # noqa: E402
 from programs import mlp_like  # noqa: E402

@@ -1,5 +1,5 @@
 """Tier 1 (and CUDA where present): the attention core by query chunks
-(``layers/query_chunks.py``) against the dense formula under float64 autograd: every chunk's
+(``layers/attention/query_chunks.py``) against the dense formula under float64 autograd: every chunk's
 output and log-sum-exp, and the whole core's gradients from the merged chunks, causal and not,
 with grouped KV heads and chunks written into a strided (rank-major) output."""
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE, needs_triton
-from overlap_layers.layers import query_chunks
+from overlap_layers.layers.attention import query_chunks
 
 
 def reference(q, k, v, causal, scale):

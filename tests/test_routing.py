@@ -1,4 +1,4 @@
-"""The MoE's routing (``layers/routing.py``) on the CPU, its eager path: against the independent
+"""The MoE's routing (``layers/moe/routing.py``) on the CPU, its eager path: against the independent
 routing of ``moe_reference.py`` (the logits given as tokens through an identity router), and its
 sort keys and counts against their definitions; and the Triton kernel against this path (CUDA, or
 Triton's interpreter on the CPU)."""
@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from kernel_device import DEVICE, needs_triton
 from moe_reference import route as reference_route
-from overlap_layers.layers.routing import fused_available, route_topk, route_topk_eager
+from overlap_layers.kernels.routing import fused_available, route_topk_reference as route_topk_eager
+from overlap_layers.layers.moe.routing import route_topk
 
 
 @settings(max_examples=60, deadline=None)

@@ -382,7 +382,7 @@ def rank_all_to_all_case(rank, ws, seed):
 
 @pytest.mark.parametrize("ws,seed", [(2, 0), (4, 1), (4, 2)])
 def test_rank_all_to_all_against_hand_reference(pools, ws, seed):
-    """PointToPointAllToAll (the send/recv transport of moe_ranks.py): pull(j) holds the rows
+    """PointToPointAllToAll (the send/recv transport of layers/moe/ranks.py): pull(j) holds the rows
     rank r+j sent to r, in its order, and finish() each destination's results for r's rows, in
     send order after the own rows (step order: own rows first, then r+1, r+2, ...), from the table
     alone."""

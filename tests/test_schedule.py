@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from overlap_layers import OverlapConfig
-from overlap_layers.layers.tiling import effective_num_tiles, tile_bounds
+from overlap_layers.planning.tiling import effective_num_tiles, tile_bounds
 from overlap_layers.schedule import TileProgram, comm, compute, round_robin, segments, wait
 
 

@@ -217,7 +217,7 @@ def test_timeline_invariants(k, s, slow, alpha, seed, bucket):
 def _rank_cm(peer_copy_ms: float, ws: int = 2, interference: float = 1.0):
     """An MLP cost model where every GEMM takes 1 ms and memory passes are free, so a forward
     piece (fc1, act, fc2) takes 2 ms; a chunk of 8 rows x 4 x 2 B = 64 B copies in ``peer_copy_ms``."""
-    from overlap_layers.layers.mlp_cost import MLPCostModel
+    from overlap_layers.layers.common.cost import MLPCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=interference,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS}, op_measured={"peer_copy:64": peer_copy_ms, "signal": 0.0})
@@ -285,7 +285,7 @@ def test_rank_chunk_recurrence_attention_in_two_tiles():
     10-12, the last peer proj in halves ([Note: halved last push]) 12-13 (push 13-14.5) and 13-14
     (push 14.5-16, exposed past own proj 14-15), sum at 16; exposed: the first pull's 2 ms and
     the last push's 1 ms."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.layers.attention.cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
@@ -312,7 +312,7 @@ def test_attention_rank_tiles_run_the_core_heads_step_chunk_by_chunk():
     6.5-9.5), own proj 6.5-7.5; tile 1: own qkv 7.5-9, peer qkv 9-10.5, core 10.5-11.5, peer proj
     halves 11.5-12.5 and 12.5-13.5 (pushes 12.5-14 and 14-15.5), own proj 13.5-14.5; exposed:
     1.5 ms of the first pull, 1 ms of the last push. The backward's pieces do not change."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.layers.attention.cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=1e12, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
@@ -346,7 +346,7 @@ def test_attention_rank_forward_by_query_chunks_projects_each_chunk_after_its_co
     chunk + projection 5.5-7. The whole core (2 ms) after the pulls instead: peer projection
     halves 5-6 and 6-7, pushes 6-7 and 7-8. The backward's pieces do not change; unmeasured chunks take the
     causal core's share (2c+1)/ws^2 of its FLOPs."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.layers.attention.cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     measured = {"peer_copy:32": 2.0, "signal": 0.0, "core:1x4:q1kv1d4:causal": 2.0, "heads:1x4:q1kv1d4:causal": 0.0,
                 "chunk0:1x4:q1kv1d4:causal": 0.5, "chunk1:1x4:q1kv1d4:causal": 1.5}
@@ -386,7 +386,7 @@ def test_attention_rank_backward_sums_beside_the_last_weight_gradient():
     0.5 ms, the sum 2 ms. dgrad_o own 0-2, peer 2-4, core 4-8, peer dgrad_qkv in halves 8-9 and
     9-10 (their pushes 9-9.25 and 10-10.25), own dgrad_qkv 10-11, the weight gradient 11-12: the
     sum runs 11-13. Over NCCL the sum follows everything: 12-14."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
+    from overlap_layers.layers.attention.cost import AttentionCostModel
     from overlap_layers.sim import COMM_KINDS, HardwareModel
     hw = HardwareModel(gemm_tflops=1e12, gemm_fixed_ms=1.0, mem_gbps=9.6e-5, launch_ms=0.0, interference=1.0,
                        comm={k: (0.0, 1e12) for k in COMM_KINDS},
@@ -409,8 +409,8 @@ def test_attention_core_keys_name_everything_the_core_time_depends_on():
     """The calibration cache holds every layer's measured ops under their keys, so two layers
     whose cores differ (heads, KV heads, head dim, causal) must not share one: a llama3-70b
     attention once planned with the 8b core's time (both B=2, S=8192)."""
-    from overlap_layers.layers.attention_cost import AttentionCostModel
-    from overlap_layers.layers.ulysses_cost import UlyssesCostModel
+    from overlap_layers.layers.attention.cost import AttentionCostModel
+    from overlap_layers.layers.attention.ulysses_cost import UlyssesCostModel
     from overlap_layers.sim import analytic_model
 
     def key(cls, name="core", **kw):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kernel_device import DEVICE, needs_triton
-from overlap_layers.runtime import slot_sum
-from overlap_layers.runtime.slot_sum import sum_slots
+from overlap_layers.kernels import slot_sum
+from overlap_layers.kernels.slot_sum import sum_slots
 
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

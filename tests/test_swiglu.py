@@ -1,12 +1,13 @@
-"""The Triton SwiGLU (``layers/swiglu.py``; CUDA, or Triton's interpreter on the CPU) against the
+"""The Triton SwiGLU (``kernels/swiglu.py``; CUDA, or Triton's interpreter on the CPU) against the
 float64 formulas: forward, backward (which returns ``h`` too) and through autograd, in float32 and
 bfloat16, with odd sizes (a partial last block)."""
 import pytest
 import torch
 
 from kernel_device import DEVICE, SKIP_REASON, needs_triton
-from overlap_layers.layers import swiglu as swiglu_module
-from overlap_layers.layers.swiglu import fused_available, swiglu, swiglu_backward, swiglu_recorded
+from overlap_layers.kernels import swiglu as swiglu_module
+from overlap_layers.kernels.swiglu import fused_available, swiglu, swiglu_backward
+from overlap_layers.layers.common.activations import swiglu_recorded
 
 
 @needs_triton

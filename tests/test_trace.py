@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from overlap_layers.plot import plot_timeline
 from overlap_layers.runtime.executor import execute
-from overlap_layers.runtime.trace import OpRecorder
+from overlap_layers.planning.trace import OpRecorder
 from overlap_layers.schedule import TileProgram, comm, compute, round_robin, wait
 from overlap_layers.sim import Costs, Event, simulate
 from overlap_layers.sim.simulator import timeline_from_events
@@ -247,7 +247,7 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 # ------------------------------------------------------------ the layer's export_trace
 def layer_traces(rank, ws, tmp, plan_k, training):
     from overlap_layers import OverlapMLP
-    from overlap_layers.layers.mlp import MLPPlan
+    from overlap_layers.layers.mlp.layer import MLPPlan
     layer = OverlapMLP(16, 32, group=dist.group.WORLD)
     layer.pin_plan(MLPPlan(plan_k, buckets_fwd=(("rs", ((0, 1), (2,))),) if plan_k == 3 else ()))
     x = torch.randn(2, 6, 16, requires_grad=training)
@@ -290,7 +290,7 @@ def test_layer_export_trace_predicted_and_measured_match(pool2, tmp_path, plan_k
 
 def rank_traces(rank, ws, tmp):
     from overlap_layers import OverlapMLP
-    from overlap_layers.layers.mlp import MLPPlan
+    from overlap_layers.layers.mlp.layer import MLPPlan
     layer = OverlapMLP(16, 32, group=dist.group.WORLD)
     layer.pin_plan(MLPPlan(1, decomposition="rank"))
     x = torch.randn(2, 6, 16, requires_grad=True)
@@ -316,7 +316,7 @@ def test_rank_chunk_plan_export_trace_predicted_and_measured_match(pool2, tmp_pa
 
 def attention_rank_traces(rank, ws, tmp, k):
     from overlap_layers import OverlapAttention
-    from overlap_layers.layers.mlp import MLPPlan
+    from overlap_layers.layers.mlp.layer import MLPPlan
     torch.manual_seed(0)
     layer = OverlapAttention(16, 4, 2, group=dist.group.WORLD)
     layer.pin_plan(MLPPlan(k, decomposition="rank"))

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from overlap_layers import OverlapConfig, OverlapMLP
-from overlap_layers.layers.mlp import MLPPlan
-from overlap_layers.layers.planning import PlanCache
+from overlap_layers.layers.mlp.layer import MLPPlan
+from overlap_layers.planning.plan_cache import PlanCache
 from test_mlp import expect_value_error_on_every_rank
 
 
@@ -244,7 +244,7 @@ def test_steady_trials_decide_after_one_round():
 
 
 def test_contenders_add_a_runner_up_within_the_budget():
-    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = (Candidate(1, False, (), (), 10.0, 1.0, 500), Candidate(2, False, (), (), 8.0, 0.5, 400),
              Candidate(4, False, (), (), 8.5, 0.4, 300), Candidate(8, False, (), (), 8.2, 0.3, 900))
@@ -257,7 +257,7 @@ def test_contenders_add_a_runner_up_within_the_budget():
 
 
 def test_contenders_add_the_best_rank_plan_and_verify_a_close_serial_plan():
-    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     serial = Candidate(1, False, (), (), 10.0, 1.0, 500)
     ce = Candidate(1, False, (), (), 9.8, 0.1, 600, decomposition="rank", transport="copy_engine")
@@ -458,7 +458,7 @@ def test_trials_align_only_nccl_groups(pool2):
 
 def _capture_on(rank, ws, capturing_ranks, plan_first):
     """An auto OverlapMLP call under a faked CUDA-graph capture on ``capturing_ranks``."""
-    from overlap_layers.layers import planned
+    from overlap_layers.planning import planned
     torch.manual_seed(0)
     layer = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
     x = torch.randn(2, 4, 16)
@@ -509,7 +509,7 @@ def test_total_ms_of_trial_passes(prequeue_ms, device, host, want):
 def test_contenders_time_fewer_and_more_tiles_around_a_tiled_plan():
     """A batch-tiled plan is timed against the best-predicted K below it and the best above it
     (with P2P disabled the model can put K=8 next to K=4 while K=2 runs faster), then K=1."""
-    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
                   ((1, 12.0), (2, 9.0), (3, 9.5), (4, 8.0), (6, 8.9), (8, 8.8)))
@@ -523,7 +523,7 @@ def test_contenders_of_many_tiles_add_the_best_of_at_most_half():
     """A plan of K >= 4 is also timed against the best-predicted plan of at most K/2 tiles where
     that is not already the best-predicted K below it (with P2P disabled the model can put K=6 and
     8 ahead of a K=4 that runs faster)."""
-    from overlap_layers.layers.planned import contenders as _contenders
+    from overlap_layers.planning.plan import contenders as _contenders
     from overlap_layers.sim import Candidate
     cands = tuple(Candidate(k, False, (), (), ms, 0.0, 100) for k, ms in
                   ((1, 12.0), (2, 9.4), (3, 9.6), (4, 9.0), (6, 8.2), (8, 8.0)))

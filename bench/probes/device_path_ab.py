@@ -1,4 +1,4 @@
-"""Same-process A/B of the MoE's device path ([Note: MoE graph calls] in ``layers/moe_device.py``)
+"""Same-process A/B of the MoE's device path ([Note: MoE graph calls] in ``layers/moe/device.py``)
 between two versions of the library: training calls (forward and backward) replayed from the
 graphs ``config.graph_calls`` captures, with the race ([Note: MoE graph calls: the race]) replaced
 by one that always picks the device path (``--eager``: never), interleaved rounds of ``--calls``

@@ -2,7 +2,7 @@
 one GPU: ``torch._grouped_mm`` alone (what the first piece costs), the same and then ``add_`` into
 the accumulator (what each later piece cost before the fused kernel), and ``grouped_wgrad``'s Triton
 kernel accumulating in its epilogue, for a few tile configurations ([Note: expert weight gradients
-in the GEMM] in ``layers/expert_wgrad.py``). Shapes: qwen3-30b-a3b's experts (hidden 2048, ffn 768,
+in the GEMM] in ``kernels/expert_wgrad.py``). Shapes: qwen3-30b-a3b's experts (hidden 2048, ffn 768,
 SwiGLU) with the rows one source sends a rank at EP 2 and 4 (8192 tokens, top-8, balanced).
 
     python bench/probes/expert_wgrad_probe.py [--out FILE.json]
@@ -16,7 +16,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
 sys.path.insert(0, ROOT)
-from overlap_layers.layers import expert_wgrad  # noqa: E402
+from overlap_layers.kernels import expert_wgrad  # noqa: E402
 
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4),
            (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 5), (256, 128, 32, 8, 4)]

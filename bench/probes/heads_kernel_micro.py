@@ -1,4 +1,4 @@
-"""Device time of the attention's heads step (``layers/heads_kernel.py``) by CUDA-graph replay.
+"""Device time of the attention's heads step (``kernels/heads.py``) by CUDA-graph replay.
 
 A loop of launches measures the host when each launch costs more host time than the kernel runs
 (on the H200 machine a Triton launch costs 60-100 us of host, the kernel of one rank's chunk
@@ -18,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/probes/../..
 sys.path.insert(0, ROOT)  # the repo's package
-from overlap_layers.layers import heads_kernel  # noqa: E402
+from overlap_layers.kernels import heads as heads_kernel  # noqa: E402
 
 G, B, S, NQ, NKV, D = 2, 2, 4096, 16, 4, 128
 
@@ -26,9 +26,9 @@ G, B, S, NQ, NKV, D = 2, 2, 4096, 16, 4, 128
 def load(path: str):
     """The heads kernel module of the package at ``path``, imported as ``ol_old`` (its imports are
     relative, as :func:`inproc_ab.load_old` does it)."""
-    from inproc_ab import load_old
+    from inproc_ab import load_old, submodule
     load_old(path)
-    return importlib.import_module("ol_old.layers.heads_kernel")
+    return submodule("ol_old", "kernels.heads", "layers.heads_kernel")
 
 
 def graphed_us(fn, n: int = 50, replays: int = 5) -> float:

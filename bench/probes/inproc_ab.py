@@ -47,6 +47,17 @@ def load_old(path: str):
     return mod
 
 
+def submodule(pkg: str, *names: str):
+    """The first of the submodules ``names`` of the package ``pkg`` that it has: a module's paths
+    before and after a move (an old copy may have either layout)."""
+    for name in names:
+        try:
+            return importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"{pkg} has none of {names}")
+
+
 def make_case(layer: str, preset: str, args, dev, dt, rank: int, ws: int):
     """``(dense weights, make(pkg) -> layer, x, dy, extra call kwargs, shape)`` of one preset."""
     torch.manual_seed(0)
@@ -69,7 +80,7 @@ def make_case(layer: str, preset: str, args, dev, dt, rank: int, ws: int):
         return make, x, {}, s
     if layer == "attention":
         from overlap_layers.bench.attention import PRESETS, ROPE_THETA
-        from overlap_layers.layers.attention_core import rope_cos_sin
+        from overlap_layers.layers.attention.core import rope_cos_sin
         s = dict(PRESETS[preset])
         B, S, H, d = args.batch or s["batch"][0], s["seq"], s["hidden"], s["head_dim"]
         nq, nkv = s["heads"], s["kv_heads"]
@@ -108,7 +119,7 @@ def plan_of(pk, name: str):
     """The TilePlan of package ``pk`` named ``serial``, ``rank_ce``, ``rank_nccl`` or ``kN[sS][cC]``
     (N batch tiles over NCCL on S compute streams, default 2, the GEMMs leaving C SMs free in
     both passes, default none)."""
-    TilePlan = pk.layers.planned.TilePlan
+    TilePlan = pk.layers.TilePlan
     if name == "serial":
         return TilePlan(1)
     tiles = re.fullmatch(r"k(\d+)(?:s(\d+))?(?:c(\d+))?", name)

@@ -24,7 +24,7 @@
    past a region in one more launch); and as one whole launch with the rows packed by expert (the
    bound). On 1x H200 (2026-11-27; qwen3, ms, EP 4 / EP 2): 1.322 / 1.216 by source, 1.209 / 1.216
    on two streams, 1.228 / 1.364 over regions, 1.024 / 1.154 packed ([Note: MoE training graphs]
-   in ``layers/moe_device.py`` says what the layer made of them).
+   in ``layers/moe/device.py`` says what the layer made of them).
 
     python bench/probes/moe_gemm_micro.py [--preset qwen3-30b-a3b] [--counts | --layout [--ep 4]] \
         [--out OUT.json]
@@ -108,7 +108,7 @@ def by_counts(groups: int, H: int, F: int, dev) -> list:
 
 def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, dev) -> dict:
     """Table 4 (module docstring): ms per layout for one rank's ``experts / ep`` local experts."""
-    from overlap_layers.layers.mlp import _act
+    from overlap_layers.layers.common.activations import act
     El, bf = experts // ep, torch.bfloat16
     per_source = tokens * top_k // ep  # rows each source sends this rank under an even routing
     g = torch.Generator().manual_seed(0)
@@ -120,7 +120,7 @@ def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, de
     chunk = El // ep
 
     def experts_of(x, w_a, w_b, offs):
-        return torch._grouped_mm(_act("swiglu", torch._grouped_mm(x, w_a, offs=offs)), w_b, offs=offs)
+        return torch._grouped_mm(act("swiglu", torch._grouped_mm(x, w_a, offs=offs)), w_b, offs=offs)
 
     def ends(c):
         return torch.cumsum(c, 0).to(device=dev, dtype=torch.int32)
@@ -159,7 +159,7 @@ def by_layout(experts: int, ep: int, tokens: int, top_k: int, H: int, F: int, de
 
 def main() -> None:
     from overlap_layers.bench.moe import PRESETS
-    from overlap_layers.layers.mlp import _act
+    from overlap_layers.layers.common.activations import act
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--counts", action="store_true", help="table 3 only")
@@ -206,7 +206,7 @@ def main() -> None:
 
         def experts():
             pre = torch._grouped_mm(x, w_in.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(_act("swiglu", pre), w_out.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(act("swiglu", pre), w_out.transpose(-2, -1), offs=offs)
 
         ms = device_ms(experts)
         gemm_rows.append({"groups": groups, "rows_per_group": per, "ms": ms,
@@ -225,7 +225,7 @@ def main() -> None:
             pass
     host = {
         "grouped_mm": host_us(lambda: torch._grouped_mm(xs, ws_in.transpose(-2, -1), offs=offs)),
-        "swiglu (fused)": host_us(lambda: _act("swiglu", pre)),
+        "swiglu (fused)": host_us(lambda: act("swiglu", pre)),
         "index_select": host_us(lambda: xs.index_select(0, idx)),
         "copy_ (device to device)": host_us(lambda: buf.copy_(xs)),
         "add_": host_us(lambda: buf.add_(xs)),

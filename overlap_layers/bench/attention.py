@@ -1,7 +1,7 @@
 """Per-layer benchmark of the attention layers (OverlapAttention, ``--layer attention``; and
 UlyssesAttention, ``--layer ulysses``): every mode of one shape, on every rank of one group.
 
-Modes as for the MLP (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
+Modes as for the MLP (:mod:`overlap_layers.bench.mlp`):
 
 * ``serial``  - OverlapAttention with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``, capped by the batch: the layer tiles the batch), no planner;
@@ -9,7 +9,7 @@ Modes as for the MLP (:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
 * ``asynctp`` - not available for attention (no record);
 * ``compute`` - the layer's math on the pre-gathered input without communication: fused qkv
   projection, the core, output projection; on CUDA the faster of two cores, timed once: plain
-  PyTorch (:func:`~overlap_layers.layers.attention_core.attention`: permute, RoPE, SDPA) and the
+  PyTorch (:func:`~overlap_layers.layers.attention.core.attention`: permute, RoPE, SDPA) and the
   layer's own (rank-major rows through ``Heads``, the Triton heads kernel, SDPA; the same pick on
   every rank), so that the limit never credits the layer with a kernel the baseline lacks;
 * ``comm``    - the layer's collectives alone: all-gather of x and reduce-scatter of the output
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import OverlapConfig
-from ..layers.attention import OverlapAttention
-from ..layers.attention_core import Heads, attention, rope_cos_sin, sdpa
+from ..layers.attention.core import Heads, attention, rope_cos_sin, sdpa
+from ..layers.attention.layer import OverlapAttention
 from .mlp import MLPBench
 from .runner import Profile, Progress, pass_fn, run_modes, time_fn
 
@@ -136,7 +136,7 @@ class AttentionBench(MLPBench):
         xr = self._gathered().reshape(g * B * s, H).detach().requires_grad_(backward)  # rank-major rows
         dyr = dyg.view(B, g, s, H).transpose(0, 1).reshape(g * B * s, H)
 
-        def forward_heads():  # the layer's own core (attention.py, _Call.core)
+        def forward_heads():  # the layer's own core (layers/attention/layer.py, AttentionCall.core)
             q, k, v = Heads.apply(xr @ w_qkv.t(), (g, B, s, nq, nkv, d), cs, None)
             o = sdpa(q, k, v, causal=True, scale=None).transpose(1, 2)
             return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * B * s, nq * d) @ w_o.t()
@@ -166,7 +166,7 @@ class UlyssesBench(AttentionBench):
     """Inputs of one shape for UlyssesAttention; the reference modes follow its all-to-all layout."""
 
     def _make_layer(self, shape: AttentionShape, group, dtype, device):
-        from ..layers.ulysses import UlyssesAttention  # imported on use: the attention bench needs none of it
+        from ..layers.attention.ulysses import UlyssesAttention  # imported on use: the attention bench needs none of it
         if not shape.sequence_parallel:
             raise ValueError("ulysses is always sequence parallel (no --no-sp)")
         return UlyssesAttention(shape.hidden, shape.heads, shape.kv_heads, group=group, head_dim=shape.head_dim,

@@ -25,8 +25,8 @@ from typing import List, Optional
 
 import torch
 
-from ..layers.block import OverlapTransformerBlock
-from ..layers.planned import TilePlan
+from ..layers.block.layer import OverlapTransformerBlock
+from ..planning.plan import TilePlan
 from .attention import AttentionBench, AttentionShape
 from .mlp import PRESETS, MLPBench, Shape
 from .runner import Profile, Progress, pass_fn, run_modes, verification_info

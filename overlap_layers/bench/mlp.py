@@ -1,11 +1,11 @@
 """Per-layer benchmark of OverlapMLP: every mode of one shape, on every rank of one group.
 
-Modes (DESIGN.md, Benchmarks):
+Modes (README.md, Benchmarks):
 
 * ``serial``  - OverlapMLP with K=1 (the plain TP layer);
 * ``naive``   - a fixed K (``--naive-k``), no planner;
 * ``auto``    - ``num_tiles="auto"``;
-* ``rank`` / ``rank_ce`` - the layer split by source rank (``rank_chunks.py``), pinned, over
+* ``rank`` / ``rank_ce`` - the layer split by source rank (``layers/common/rank_chunks.py``), pinned, over
   NCCL send/recv / over the copy engine (CUDA symmetric memory; NCCL where unavailable);
 * ``asynctp`` - CUDA only: forward with ``torch.ops.symm_mem.fused_all_gather_matmul`` +
   ``fused_matmul_reduce_scatter``; forward+backward as torchtitan enables it
@@ -25,8 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import OverlapConfig
-from ..layers.mlp import OverlapMLP, _act  # plain PyTorch ops of the dense activation
-from ..runtime.collectives import _all_gather, _reduce_scatter
+from ..layers.common.activations import act  # plain PyTorch ops of the dense activation
+from ..layers.mlp.layer import OverlapMLP
+from ..planning.plan import TilePlan
+from ..planning.rank_plans import RankChunkPlans
+from ..runtime.collectives import all_gather_single, reduce_scatter_single
 from .runner import Profile, Progress, pass_fn, run_modes
 
 PRESETS = {
@@ -109,12 +112,10 @@ class MLPBench:
     def has_rank_chunks(self) -> bool:
         """Whether the layer has the rank-chunk plan for this shape (rows split by source rank:
         sequence parallel, or the MoE's exchange; 2+ ranks)."""
-        from ..layers.rank_plans import RankChunkPlans
         return isinstance(self.layer, RankChunkPlans) and self.layer._source_split and self.ws > 1
 
     def rank_fn(self, transport: str, backward: bool):
         """A callable running the layer split by source rank over ``transport``."""
-        from ..layers.planned import TilePlan
         layer = self.layer
         layer.plan = None
         layer.pin_plan(TilePlan(1, decomposition="rank", transport=transport))
@@ -143,7 +144,7 @@ class MLPBench:
         if not self.s.sequence_parallel:
             return x2
         xg = x2.new_empty((self.ws * x2.shape[0], x2.shape[1]))
-        _all_gather(xg, x2, group=self.group)
+        all_gather_single(xg, x2, group=self.group)
         return xg
 
     def compute_fn(self, backward: bool):
@@ -152,7 +153,7 @@ class MLPBench:
         w_out = self.layer.w_out.detach().requires_grad_(backward)
         dyg = torch.randn(xg.shape, device=self.device, dtype=self.dtype)
 
-        return pass_fn(lambda: _act(self.s.activation, xg @ w_in.t()) @ w_out.t(), backward, [dyg],
+        return pass_fn(lambda: act(self.s.activation, xg @ w_in.t()) @ w_out.t(), backward, [dyg],
                        [xg, w_in, w_out])
 
     def comm_fn(self, backward: bool):
@@ -163,8 +164,8 @@ class MLPBench:
             out = torch.empty_like(x2)
 
             def once():
-                _all_gather(xg, x2, group=g)
-                _reduce_scatter(out, xg, group=g)
+                all_gather_single(xg, x2, group=g)
+                reduce_scatter_single(out, xg, group=g)
         else:
             buf = x2.clone()
 
@@ -186,13 +187,13 @@ class MLPBench:
         enable_symm_mem_for_group(name)
         w_in, w_out = self.layer.w_in, self.layer.w_out
         x2 = self.x.reshape(-1, self.s.hidden)
-        act = self.s.activation
+        kind = self.s.activation
         if not backward:
             def run():
                 with torch.no_grad():
                     _, (pre,) = torch.ops.symm_mem.fused_all_gather_matmul(x2, [w_in.t()], gather_dim=0,
                                                                              group_name=name)
-                    torch.ops.symm_mem.fused_matmul_reduce_scatter(_act(act, pre), w_out.t(), "sum",
+                    torch.ops.symm_mem.fused_matmul_reduce_scatter(act(kind, pre), w_out.t(), "sum",
                                                                    scatter_dim=0, group_name=name)
             return run
         import torch._inductor.config as inductor_config
@@ -202,7 +203,7 @@ class MLPBench:
 
         def serial(x, wi, wo):
             xg = funcol.all_gather_tensor(x, gather_dim=0, group=group)
-            y = _act(act, xg @ wi.t()) @ wo.t()
+            y = act(kind, xg @ wi.t()) @ wo.t()
             return funcol.reduce_scatter_tensor(y, "sum", scatter_dim=0, group=group)
 
         compiled = torch.compile(serial, fullgraph=True)

@@ -3,7 +3,7 @@ one expert-parallel group (``--tp`` sizes it; the experts must divide by it).
 
 Each rank holds its own ``[1, tokens, hidden]`` tokens (``tokens`` per rank: 8192 for the real
 presets, 128 for ``tiny``; ``--tokens`` overrides). Modes as for the MLP
-(:mod:`overlap_layers.bench.mlp`, DESIGN.md Benchmarks):
+(:mod:`overlap_layers.bench.mlp`):
 
 * ``serial``  - OverlapMoE with K=1 (one dispatch, the experts, one combine), eager also with
   ``--graph-calls`` (whose device path, a split by source, runs in ``auto`` only);
@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import OverlapConfig
-from ..layers.mlp import _act
-from ..layers.moe import OverlapMoE, _Dispatch, _PermuteRows, route
-from ..layers.moe_combine import weigh_rows
-from ..runtime.collectives import _all_gather as all_gather_rows
+from ..layers.common.activations import act
+from ..layers.moe.combine import weigh_rows
+from ..layers.moe.layer import OverlapMoE, Dispatch, PermuteRows, route
+from ..runtime.collectives import all_gather_single as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, Progress, pass_fn, run_modes
 
@@ -173,13 +173,13 @@ class MoEBench(MLPBench):
 
     # ------------------------------------------------------------ references
     def _experts_loop(self, x_g, sizes, offs, w_in, w_out):
-        act = self.s.activation
-        outs = [_act(act, rows @ w_in[e].t()) @ w_out[e].t() for e, rows in enumerate(x_g.split(sizes)) if sizes[e]]
+        kind = self.s.activation
+        outs = [act(kind, rows @ w_in[e].t()) @ w_out[e].t() for e, rows in enumerate(x_g.split(sizes)) if sizes[e]]
         return torch.cat(outs) if outs else x_g.new_zeros((0, w_out.shape[1]))
 
     def _experts_grouped(self, x_g, sizes, offs, w_in, w_out):
         h = torch._grouped_mm(x_g, w_in.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(_act(self.s.activation, h), w_out.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(act(self.s.activation, h), w_out.transpose(-2, -1), offs=offs)
 
     def _make_compute_inputs(self) -> dict:
         """The dispatched rows (grouped by local expert) and their gradients, built once; on CUDA,
@@ -225,8 +225,8 @@ class MoEBench(MLPBench):
             # token's k rows gathered back and weighted (weigh_rows); both with the layer's gather-based
             # backwards (plain index_select would backpropagate by atomic index_add, 2.2 ms of a 7 ms qwen3
             # EP 4 forward+backward on H200, which the layer never runs)
-            x_perm = _Dispatch.apply(x, order, pos, k)
-            back = _PermuteRows.apply(x_perm, pos, order).view(-1, k, H)
+            x_perm = Dispatch.apply(x, order, pos, k)
+            back = PermuteRows.apply(x_perm, pos, order).view(-1, k, H)
             y = weigh_rows(back, weights.to(x.dtype))
             return experts(xr, sizes, offs, w_in, w_out), y
 

@@ -1,5 +1,5 @@
 """The benchmark's shared machinery: timing across ranks, peak memory of one call, and the loop
-over modes that turns one layer's bench object into records (DESIGN.md, Benchmarks).
+over modes that turns one layer's bench object into records.
 
 Each time is the median over repeats of the max over ranks of the mean of ``iters`` calls, taken
 once the device runs warm ([Note: warm device]); limit = max(compute, comm).
@@ -220,7 +220,7 @@ class Profile:
 
 def verification_info(plan) -> Optional[List[dict]]:
     """A plan's first-call verification as JSON (``plan.verification``, see
-    :func:`~overlap_layers.layers.planning.verification_record`): per contender its label, the
+    :func:`~overlap_layers.planning.plan_cache.verification_record`): per contender its label, the
     time the decision compared, this rank's trials and each trial's slowest rank; None if it was
     not verified."""
     record = getattr(plan, "verification", ()) if plan is not None else ()

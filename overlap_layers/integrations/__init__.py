@@ -12,12 +12,12 @@ import functools
 from . import hf as _hf
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .megatron import MegatronAttention, MegatronBlock, MegatronMLP, is_megatron_model
+from .megatron import swap as megatron_swap
 
 
 @functools.wraps(_hf.swap)
 def swap(model, group=None, **kwargs):
     if is_megatron_model(model):
-        from .megatron import swap as megatron_swap
         return megatron_swap(model, group, **kwargs)
     return _hf.swap(model, group, **kwargs)
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
-from ..layers.attention_core import QK_NORM_EPS
+from ..layers.attention.core import QK_NORM_EPS
 from ..runtime import resolve_group
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 
@@ -98,7 +98,7 @@ def _lookalike_kind(module: nn.Module, kinds: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
+def parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
     """``[(pattern, kind or None, options)]`` in the plan's order, or None without a plan; the kind
     ``"block"`` (a decoder layer) is valid with ``block=True`` only."""
     if plan is None:
@@ -132,7 +132,7 @@ def _parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
 
 
 # ---------------------------------------------------------------------------- builders
-class _Unswappable(Exception):
+class Unswappable(Exception):
     """A recognised module that cannot be replaced (the message says why); it is left, warned."""
 
 
@@ -150,23 +150,23 @@ def _is_silu(act) -> bool:
 def _linear(module, name) -> nn.Linear:
     lin = getattr(module, name, None)
     if not isinstance(lin, nn.Linear):
-        raise _Unswappable(f"{name} is not an nn.Linear")
+        raise Unswappable(f"{name} is not an nn.Linear")
     return lin
 
 
 def _check_plain(tensors) -> None:
     for t in tensors:
         if t is not None and type(t) not in (nn.Parameter, torch.Tensor):
-            raise _Unswappable(f"weights are {type(t).__name__}s (already sharded?); swap a model with plain tensors")
+            raise Unswappable(f"weights are {type(t).__name__}s (already sharded?); swap a model with plain tensors")
 
 
 def _build_mlp(module, group, opts) -> nn.Module:
     gate, up, down = (_linear(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
     if not _is_silu(getattr(module, "act_fn", None)):
-        raise _Unswappable(f"activation {getattr(module, 'act_fn', None)!r} is not SiLU (OverlapMLP's swiglu)")
+        raise Unswappable(f"activation {getattr(module, 'act_fn', None)!r} is not SiLU (OverlapMLP's swiglu)")
     biases = [gate.bias, up.bias, down.bias]
     if len({b is None for b in biases}) > 1:
-        raise _Unswappable("some but not all of gate/up/down_proj have a bias")
+        raise Unswappable("some but not all of gate/up/down_proj have a bias")
     _check_plain([gate.weight, up.weight, down.weight, *biases])
     has_bias = gate.bias is not None
     with torch.no_grad():
@@ -182,9 +182,9 @@ def _norm_weight(norm, head_dim):
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(w, torch.Tensor) or tuple(w.shape) != (head_dim,):
-        raise _Unswappable(f"q_norm/k_norm weight must have shape ({head_dim},)")
+        raise Unswappable(f"q_norm/k_norm weight must have shape ({head_dim},)")
     if eps is None or abs(eps - QK_NORM_EPS) > 1e-12:
-        raise _Unswappable(f"q_norm/k_norm eps={eps}; OverlapAttention's qk-norm uses eps={QK_NORM_EPS}")
+        raise Unswappable(f"q_norm/k_norm eps={eps}; OverlapAttention's qk-norm uses eps={QK_NORM_EPS}")
     return w.detach()
 
 
@@ -195,16 +195,16 @@ def _build_attention(module, group, opts) -> nn.Module:
     nq = getattr(cfg, "num_attention_heads", None)
     nkv = getattr(cfg, "num_key_value_heads", None) or nq
     if not (isinstance(d, int) and isinstance(nq, int) and q.out_features == nq * d and k.out_features == nkv * d):
-        raise _Unswappable(f"cannot read the head layout (head_dim={d}, num_attention_heads={nq}, "
+        raise Unswappable(f"cannot read the head layout (head_dim={d}, num_attention_heads={nq}, "
                            f"num_key_value_heads={nkv}, q_proj {tuple(q.weight.shape)})")
     if not getattr(module, "is_causal", True):
-        raise _Unswappable("is_causal=False (OverlapAttention is swapped in for causal decoders only)")
+        raise Unswappable("is_causal=False (OverlapAttention is swapped in for causal decoders only)")
     biases = [q.bias, k.bias, v.bias, o.bias]
     if len({b is None for b in biases}) > 1:
-        raise _Unswappable("some but not all of q/k/v/o_proj have a bias (OverlapAttention takes all four or none)")
+        raise Unswappable("some but not all of q/k/v/o_proj have a bias (OverlapAttention takes all four or none)")
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if (q_norm is None) != (k_norm is None):
-        raise _Unswappable("only one of q_norm / k_norm")
+        raise Unswappable("only one of q_norm / k_norm")
     _check_plain([q.weight, k.weight, v.weight, o.weight, *biases])
     det = lambda t: t.detach() if t is not None else None  # noqa: E731
     # Qwen3 keeps the layer's window on the module (None for full-attention layers); Mistral and
@@ -226,21 +226,21 @@ def _build_moe(module, group, opts) -> nn.Module:
     rw = getattr(gate, "weight", None)
     gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not all(isinstance(t, torch.Tensor) for t in (rw, gu, dn)) or rw.dim() != 2 or gu.dim() != 3 or dn.dim() != 3:
-        raise _Unswappable("expected gate.weight [E, H], experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]")
+        raise Unswappable("expected gate.weight [E, H], experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]")
     for flag, want in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False), ("has_gate", True),
                        ("has_post_expert_norm", False)):
         if getattr(experts, flag, want) != want:
-            raise _Unswappable(f"experts.{flag}={getattr(experts, flag)} (OverlapMoE needs {flag}={want})")
+            raise Unswappable(f"experts.{flag}={getattr(experts, flag)} (OverlapMoE needs {flag}={want})")
     if getattr(experts, "_is_expert_parallel", False):
-        raise _Unswappable("the experts are already expert-parallel (HF's own tp_plan)")
+        raise Unswappable("the experts are already expert-parallel (HF's own tp_plan)")
     if not _is_silu(getattr(experts, "act_fn", None)):
-        raise _Unswappable(f"expert activation {getattr(experts, 'act_fn', None)!r} is not SiLU (swiglu)")
+        raise Unswappable(f"expert activation {getattr(experts, 'act_fn', None)!r} is not SiLU (swiglu)")
     jitter = getattr(module, "jitter_noise", 0.0) or 0.0
     if jitter > 0:
-        raise _Unswappable(f"router_jitter_noise={jitter} > 0 is not implemented by OverlapMoE")
+        raise Unswappable(f"router_jitter_noise={jitter} > 0 is not implemented by OverlapMoE")
     top_k = getattr(gate, "top_k", None) or getattr(module, "top_k", None)
     if not isinstance(top_k, int):
-        raise _Unswappable("cannot read top_k from the router")
+        raise Unswappable("cannot read top_k from the router")
     # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob.
     normalize = bool(getattr(gate, "norm_topk_prob", True))
     _check_plain([rw, gu, dn])
@@ -255,7 +255,7 @@ def _block_norm(norm, hidden: int):
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not type(norm).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor) or tuple(w.shape) != (hidden,) \
             or not isinstance(eps, float):
-        raise _Unswappable(f"{type(norm).__name__} is not an RMSNorm with weight [{hidden}] and a float eps")
+        raise Unswappable(f"{type(norm).__name__} is not an RMSNorm with weight [{hidden}] and a float eps")
     _check_plain([w])
     return w.detach(), eps
 
@@ -265,13 +265,13 @@ def _build_block(module, group, opts, known) -> nn.Module:
     n1, n2 = getattr(module, "input_layernorm", None), getattr(module, "post_attention_layernorm", None)
     mlp_kind = _kind_by_type(mlp, known, ("mlp", "moe")) if mlp is not None else None
     if _kind_by_type(attn, known, ("attention",)) is None or mlp_kind is None or n1 is None or n2 is None:
-        raise _Unswappable("expected self_attn (a known attention class), mlp (a known MLP / MoE class), "
+        raise Unswappable("expected self_attn (a known attention class), mlp (a known MLP / MoE class), "
                            "input_layernorm and post_attention_layernorm")
     hf_attn = _build_attention(attn, group, opts)
     H = hf_attn.layer.hidden_size
     (w1, eps1), (w2, eps2) = _block_norm(n1, H), _block_norm(n2, H)
     if eps1 != eps2:
-        raise _Unswappable(f"the two norms' eps differ ({eps1}, {eps2})")
+        raise Unswappable(f"the two norms' eps differ ({eps1}, {eps2})")
     gate = None
     if mlp_kind == "moe":
         hf_moe = _build_moe(mlp, group, opts)
@@ -386,7 +386,7 @@ def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable
         cls = type(module).__name__
         try:
             new = build(module, kind, opts)
-        except (_Unswappable, ValueError) as e:  # ValueError: the layer's own checks (e.g. heads % group size)
+        except (Unswappable, ValueError) as e:  # ValueError: the layer's own checks (e.g. heads % group size)
             left[kind].append((name, cls, str(e)))
             warned[(kind, cls, str(e))].append(name)
             continue
@@ -486,7 +486,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     """
     check_swap_args(model, block, config, "a transformers model")
     group = resolve_group(group, mesh, axis)
-    rules = _parse_plan(plan, block)
+    rules = parse_plan(plan, block)
     known = _known_classes()
     if not any(known.values()):
         raise ValueError("no known transformers model classes could be imported; install transformers>=5 "

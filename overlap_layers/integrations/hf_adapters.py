@@ -18,8 +18,8 @@ adapter                     HF call it serves                      what it runs
                                                                    of the full tokens when HF records them
 ==========================  =====================================  ==========================================
 
-The token split and gather around the MoE are :func:`overlap_layers.layers.tokens.split_tokens`
-and :func:`~overlap_layers.layers.tokens.gather_tokens` (autograd both ways). ``_SumGradOverGroup``
+The token split and gather around the MoE are :func:`overlap_layers.layers.moe.tokens.split_tokens`
+and :func:`~overlap_layers.layers.moe.tokens.gather_tokens` (autograd both ways). ``_SumGradOverGroup``
 is the identity on a replicated parameter whose gradient it all-reduces (sums) over the group in
 backward: a replicated weight used on this rank's tokens only gets every rank's partial.
 
@@ -30,7 +30,7 @@ a boolean ``[B, 1, S, S]`` mask (True = attend) or an additive float mask (0 / d
 eager attention, a ``[B, S]`` padding mask for flash attention, or a flex ``BlockMask``. The
 adapter hands the mask to the layer, which accepts ``None``, a 4-D mask that *equals* the standard
 causal mask (boolean, or additive with 0 where allowed and <= finfo.min/2 or -inf elsewhere) and a
-2-D mask without padding (:func:`overlap_layers.layers.attention_common.is_causal_mask`); anything
+2-D mask without padding (:func:`overlap_layers.layers.attention.common.is_causal_mask`); anything
 else (padding, packed sequences) is a ValueError on every rank (the check is part of the layer's
 agreement, so a rank that sees a different mask cannot hang the others). The adapter itself
 rejects sliding windows shorter than the sequence and a KV cache, on every rank too. The verdict
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers import OverlapAttention, OverlapMoE, OverlapTransformerBlock
-from ..layers.tokens import gather_tokens, split_tokens
+from ..layers.moe.tokens import gather_tokens, split_tokens
 
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
 
@@ -242,7 +242,7 @@ class HFMoE(nn.Module):
     HF's call signature ``forward(hidden_states) -> hidden_states``.
 
     The input ``[batch, seq, hidden]`` is replicated on every rank; each rank routes and sends
-    only its share of the tokens (:func:`overlap_layers.layers.tokens.token_bounds`) through
+    only its share of the tokens (:func:`overlap_layers.layers.moe.tokens.token_bounds`) through
     ``OverlapMoE`` and the outputs are
     all-gathered, so no token is computed twice and the output is the full tensor on every rank.
     Gradients: the input's gradient is the full one on every rank; the router weight is used on

@@ -101,9 +101,9 @@ from torch import nn
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
-from ..layers.attention_common import is_causal_mask
+from ..layers.attention.common import is_causal_mask
 from ..runtime import resolve_group
-from .hf import _parse_plan, _Unswappable, check_swap_args, replace_modules
+from .hf import parse_plan, Unswappable, check_swap_args, replace_modules
 
 logger = logging.getLogger(__name__)
 
@@ -433,13 +433,13 @@ def _linears(module, names, M):
     for name, want in names:
         lin = getattr(module, name, None)
         if type(lin) is not M[want]:
-            raise _Unswappable(f"{name} is {type(lin).__name__}, not megatron-core's {want} (only the local spec's "
+            raise Unswappable(f"{name} is {type(lin).__name__}, not megatron-core's {want} (only the local spec's "
                                f"linears are swapped; Transformer Engine linears, which may fuse the layernorm, "
                                f"are not)")
         if getattr(lin, "is_expert", False):
-            raise _Unswappable(f"{name} is an expert linear (MoE)")
+            raise Unswappable(f"{name} is an expert linear (MoE)")
         if getattr(lin, "weight", None) is None:
-            raise _Unswappable(f"{name} has no weight of its own (skip_weight_param_allocation)")
+            raise Unswappable(f"{name} has no weight of its own (skip_weight_param_allocation)")
         out.append(lin)
     return out
 
@@ -447,29 +447,29 @@ def _linears(module, names, M):
 def _check_plain(tensors) -> None:
     for t in tensors:
         if t is not None and type(t) not in (nn.Parameter, torch.Tensor):
-            raise _Unswappable(f"weights are {type(t).__name__}s; swap a model with plain tensors")
+            raise Unswappable(f"weights are {type(t).__name__}s; swap a model with plain tensors")
 
 
 def _activation(cfg) -> str:
     f = cfg.activation_func
     if getattr(cfg, "use_te_activation_func", False):
-        raise _Unswappable("use_te_activation_func=True (Transformer Engine activation)")
+        raise Unswappable("use_te_activation_func=True (Transformer Engine activation)")
     if getattr(cfg, "activation_func_clamp_value", None) is not None:
-        raise _Unswappable(f"activation_func_clamp_value={cfg.activation_func_clamp_value} (clamped GLU)")
+        raise Unswappable(f"activation_func_clamp_value={cfg.activation_func_clamp_value} (clamped GLU)")
     if cfg.gated_linear_unit:
         if getattr(cfg, "glu_linear_offset", 0.0):
-            raise _Unswappable(f"glu_linear_offset={cfg.glu_linear_offset}")
+            raise Unswappable(f"glu_linear_offset={cfg.glu_linear_offset}")
         if f is F.silu:
             return "swiglu"
-        raise _Unswappable(f"gated_linear_unit with activation {getattr(f, '__name__', f)!r} (only silu: swiglu)")
+        raise Unswappable(f"gated_linear_unit with activation {getattr(f, '__name__', f)!r} (only silu: swiglu)")
     if f is F.gelu:
         if cfg.bias_activation_fusion:
-            raise _Unswappable("bias_activation_fusion=True with gelu (Megatron's fused gelu is the tanh "
+            raise Unswappable("bias_activation_fusion=True with gelu (Megatron's fused gelu is the tanh "
                                "approximation; OverlapMLP's gelu is exact)")
         return "gelu"
     if f is F.relu:
         return "relu"
-    raise _Unswappable(f"activation {getattr(f, '__name__', f)!r} (OverlapMLP has swiglu, gelu, relu)")
+    raise Unswappable(f"activation {getattr(f, '__name__', f)!r} (OverlapMLP has swiglu, gelu, relu)")
 
 
 def _tp_size(lin) -> int:
@@ -481,7 +481,7 @@ def _build_mlp(module, group, opts, M) -> nn.Module:
     cfg = module.config
     act = _activation(cfg)
     if (fc1.bias is None) != (fc2.bias is None):
-        raise _Unswappable("only one of linear_fc1 / linear_fc2 has a bias")
+        raise Unswappable("only one of linear_fc1 / linear_fc2 has a bias")
     _check_plain([fc1.weight, fc2.weight, fc1.bias, fc2.bias])
     meg_tp = _tp_size(fc1)
     w = megatron_dense(module)
@@ -499,34 +499,34 @@ def _build_attention(module, group, opts, M) -> nn.Module:
     qkv, proj = _linears(module, (("linear_qkv", "ColumnParallelLinear"), ("linear_proj", "RowParallelLinear")), M)
     cfg = module.config
     if type(getattr(module, "core_attention", None)) is not M["DotProductAttention"]:
-        raise _Unswappable(f"core_attention is {type(getattr(module, 'core_attention', None)).__name__}, not "
+        raise Unswappable(f"core_attention is {type(getattr(module, 'core_attention', None)).__name__}, not "
                            f"megatron-core's DotProductAttention")
     if module.attn_mask_type != M["AttnMaskType"].causal:
-        raise _Unswappable(f"attn_mask_type={module.attn_mask_type} (only causal)")
+        raise Unswappable(f"attn_mask_type={module.attn_mask_type} (only causal)")
     for flag, bad in (("attention_output_gate", True), ("rotary_interleaved", True), ("multi_latent_attention", True)):
         if getattr(cfg, flag, False) == bad:
-            raise _Unswappable(f"{flag}={bad}" + (" (interleaved RoPE; OverlapAttention rotates halves)"
+            raise Unswappable(f"{flag}={bad}" + (" (interleaved RoPE; OverlapAttention rotates halves)"
                                                   if flag == "rotary_interleaved" else ""))
     if getattr(cfg, "window_size", None) is not None:
-        raise _Unswappable(f"window_size={cfg.window_size} (sliding-window attention)")
+        raise Unswappable(f"window_size={cfg.window_size} (sliding-window attention)")
     if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
-        raise _Unswappable(f"softmax_type={cfg.softmax_type!r} (only 'vanilla')")
+        raise Unswappable(f"softmax_type={cfg.softmax_type!r} (only 'vanilla')")
     cp = getattr(getattr(module, "pg_collection", None), "cp", None)
     if (cp is not None and dist.get_world_size(cp) > 1) or getattr(cfg, "context_parallel_size", 1) > 1:
-        raise _Unswappable("context parallelism (context_parallel_size > 1)")
+        raise Unswappable("context parallelism (context_parallel_size > 1)")
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(module, name, None)
         if norm is not None and not isinstance(norm, M["IdentityOp"]):
-            raise _Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (its per-rank gradient "
+            raise Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (its per-rank gradient "
                                f"partials would need a reduction Megatron's finalize_model_grads does not do for the "
                                f"swapped parameters)")
     nq, ng = cfg.num_attention_heads, cfg.num_query_groups
     ws = dist.get_world_size(group)
     if ng < ws:
-        raise _Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
+        raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
                            f"gradient partials Megatron does not reduce)")
     if (qkv.bias is None) != (proj.bias is None):
-        raise _Unswappable("only one of linear_qkv / linear_proj has a bias (add_qkv_bias without add_bias_linear); "
+        raise Unswappable("only one of linear_qkv / linear_proj has a bias (add_qkv_bias without add_bias_linear); "
                            "OverlapAttention takes all biases or none")
     _check_plain([qkv.weight, proj.weight, qkv.bias, proj.bias])
     meg_tp = _tp_size(qkv)
@@ -559,26 +559,26 @@ def _block_norm(norm) -> tuple:
         return "layernorm", norm.weight, norm.bias, float(norm.eps)
     if isinstance(norm, nn.RMSNorm) and norm.elementwise_affine and isinstance(norm.eps, float):
         return "rmsnorm", norm.weight, None, norm.eps
-    raise _Unswappable(f"{type(norm).__name__} is not a torch LayerNorm (with bias) / RMSNorm (with a float eps)")
+    raise Unswappable(f"{type(norm).__name__} is not a torch LayerNorm (with bias) / RMSNorm (with a float eps)")
 
 
 def _build_block(module, group, opts, M) -> nn.Module:
     cfg = module.config
     for name in ("pre_cross_attn_layernorm", "cross_attention"):
         if not isinstance(getattr(module, name, None), (M["IdentityOp"], type(None))):
-            raise _Unswappable(f"{name} is {type(getattr(module, name)).__name__} (cross-attention)")
+            raise Unswappable(f"{name} is {type(getattr(module, name)).__name__} (cross-attention)")
     for what, bad in (("hidden_dropout", float(module.hidden_dropout) != 0.0),
                       ("apply_residual_connection_post_layernorm", cfg.apply_residual_connection_post_layernorm),
                       ("fp32_residual_connection", cfg.fp32_residual_connection)):
         if bad:
-            raise _Unswappable(f"{what}={getattr(module, what, getattr(cfg, what, None))} (the block adds plain "
+            raise Unswappable(f"{what}={getattr(module, what, getattr(cfg, what, None))} (the block adds plain "
                                f"residuals in the activations' dtype)")
     if type(module.self_attention) is not M["SelfAttention"] or type(module.mlp) is not M["MLP"]:
-        raise _Unswappable(f"self_attention {type(module.self_attention).__name__} / mlp "
+        raise Unswappable(f"self_attention {type(module.self_attention).__name__} / mlp "
                            f"{type(module.mlp).__name__}: need megatron-core's SelfAttention and (dense) MLP")
     (k1, w1, b1, e1), (k2, w2, b2, e2) = _block_norm(module.input_layernorm), _block_norm(module.pre_mlp_layernorm)
     if (k1, e1) != (k2, e2):
-        raise _Unswappable(f"the two norms differ ({k1}, eps={e1}; {k2}, eps={e2})")
+        raise Unswappable(f"the two norms differ ({k1}, eps={e1}; {k2}, eps={e2})")
     _check_plain([w1, b1, w2, b2])
     attn = _build_attention(module.self_attention, group, opts, M)
     mlp = _build_mlp(module.mlp, group, opts, M)
@@ -633,7 +633,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
     check_swap_args(model, block, config, "a megatron-core model")
     group = resolve_group(group, mesh, axis)
-    rules = _parse_plan(plan, block)
+    rules = parse_plan(plan, block)
     M = _megatron()
     known = {"mlp": (M["MLP"],), "attention": (M["SelfAttention"],), "moe": ()}
 

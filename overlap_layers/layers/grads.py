@@ -63,11 +63,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .attention import OverlapAttention
-from .block import OverlapTransformerBlock
-from .mlp import OverlapMLP
-from .moe import OverlapMoE
-from .ulysses import UlyssesAttention
+from .attention.layer import OverlapAttention
+from .attention.ulysses import UlyssesAttention
+from .block.layer import OverlapTransformerBlock
+from .mlp.layer import OverlapMLP
+from .moe.layer import OverlapMoE
 
 try:  # DTensor gradients (FSDP2 / DTensor-sharded parameters): reduce the local shard
     from torch.distributed.tensor import DTensor

@@ -1,4 +1,9 @@
-"""Collectives, handles, streams and the executor (the only place streams/events live)."""
+"""What runs a planned call on the devices: collectives and their handles (:mod:`.collectives`),
+the group's host-side agreement (:mod:`.group`, :mod:`.mailbox`), the transports of rank-chunk
+and MoE exchanges (:mod:`.exchange`, :mod:`.rank_all_to_all`, :mod:`.device_all_to_all`), the
+executor (:mod:`.executor`), streams and events (:mod:`.streams`), device timing
+(:mod:`.timing`), SM carveout (:mod:`.carveout`) and CUDA-graph capture (:mod:`.graph_capture`).
+The only place of the package (the benchmark aside) that creates CUDA streams and events."""
 from .collectives import Handle, all_gather, all_reduce, all_to_all, issue, reduce_scatter
 from .executor import execute
 from .group import Agreement, first_disagreement, resolve_group, shared_agreement

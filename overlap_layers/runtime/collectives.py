@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 # torch >= 2.13 names these *_single and deprecates the *_tensor names; 2.11 has only the latter.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle:
@@ -97,7 +97,7 @@ def all_gather(inputs: Sequence[torch.Tensor], group) -> Handle:
     if src is None:
         src = _packed(inputs, [t.contiguous() for t in inputs])
     out = src.new_empty((ws * src.shape[0], *src.shape[1:]))
-    work = _all_gather(out, src, group=group, async_op=True)
+    work = all_gather_single(out, src, group=group, async_op=True)
     if len(inputs) == 1:
         return Handle(work, lambda i: out)
     rows, rest = _rows_of(inputs), src.shape[1:]
@@ -123,7 +123,7 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outs: Sequence[Optional[torch
         src = src.reshape(ws * sum(rows), *rest)
     given = merged_rows(outs) if all(o is not None for o in outs) else None
     dst = given if given is not None else src.new_empty((sum(rows), *rest))
-    work = _reduce_scatter(dst, src, group=group, async_op=True)
+    work = reduce_scatter_single(dst, src, group=group, async_op=True)
     offs = [sum(rows[:i]) for i in range(len(rows))]
 
     def finish(i: int) -> torch.Tensor:

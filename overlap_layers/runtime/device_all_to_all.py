@@ -1,6 +1,6 @@
 """An all-to-all whose row counts never reach the host, so that a CUDA graph can replay it with
 new counts at each replay: the MoE's exchange in graph-replayed calls ([Note: sync-free
-exchange], ``layers/moe_device.py``), split by source rank, its bulk on the copy engine.
+exchange], ``layers/moe/device.py``), split by source rank, its bulk on the copy engine.
 
 Reference, for rank r of ws ranks, with G groups per rank (the MoE's local experts) and the count
 table ``table[s][d][g]`` (rows rank s sends to rank d's group g, on the device; row s comes from
@@ -35,13 +35,13 @@ symmetric memory: each rank writes its row of the table into every rank's table 
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
-``layers/moe.py``), so its calls stay eager, and with many small experts (qwen3-30b-a3b) an eager
+``layers/moe/layer.py``), so its calls stay eager, and with many small experts (qwen3-30b-a3b) an eager
 call is host-bound (it launches ~100 ops at tens of microseconds of host each). Graph replay needs
 every size on the device: the copy engine takes its sizes from the host, an SM kernel does not.
 The copy engine pulls faster than a copy kernel and slows the GEMMs beside it less
-(``bench/peer_pull_probe.py``). The exchange is split by source so that the MoE can run each
+(docs/measurements.md, MoE device path). The exchange is split by source so that the MoE can run each
 source's rows as they arrive and push their results while the next source's run
-(``layers/moe_device.py``, [Note: MoE graph calls]): a whole exchange before the experts and
+(``layers/moe/device.py``, [Note: MoE graph calls]): a whole exchange before the experts and
 another after them costs more than the host time replay saves.
 
 Most rows move on the copy engine, in fixed regions: a copy kernel starts only when the grouped
@@ -83,15 +83,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .exchange import _aligned
-from .send_rows import place_by_key
-from .triton_gate import runs_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: the torch path
-    triton = None
+from ..kernels.device_all_to_all import (CTAS, copy_rows_fused, copy_rows_reference, key_places_fused, own_tail_fused,
+                                         remote_pointers, rests_fused, write_table_rows)
+from ..kernels.send_rows import place_by_key
+from ..kernels.triton_gate import runs_triton
+from .exchange import aligned
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
@@ -100,14 +96,9 @@ SLACK = 0.125  # a region's rows beyond its part's even share of the rows
 # backward's weight gradients after it), so more parts gain nothing and one part keeps one buffer set
 # less per call; the tests run two as well. Measured: see docs/measurements.md (MoE, slot rows)
 LAST_PARTS = 1
-_ROWS = 8  # rows a program copies at a time
-# programs of a copy beside the experts' GEMMs: the pulls set the MoE's pace there, and 64 programs pull
-# faster than 32 for little more GEMM time (measured: see docs/measurements.md, MoE device path)
-_CTAS = 64
 # programs per SM of a copy on the stream of the experts, where no GEMM runs beside it: every SM copies
-# (the late own rows' copy into a slot)
+# (the late own rows' copy into a slot; measured: see docs/measurements.md, MoE device path)
 _MAIN_PER_SM = 4
-_BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # rows move as raw bits of the element size
 
 Part = Optional[Tuple[int, int]]  # a range of groups (first, end); None: every group
 
@@ -195,12 +186,8 @@ class RegionLayout:
         a region, from row 0). One kernel where Triton runs, else torch ops."""
         E = self.ws * self.groups
         if runs_triton(counts):
-            out = torch.empty(3, E, dtype=torch.int64, device=counts.device)
-            S = self._caps.numel()
-            _key_places_kernel[(1,)](counts.reshape(E).contiguous(), self._send_order[source], self._segment,
-                                     self._caps, self._starts, out, E=E, S=S, E_P2=triton.next_power_of_2(E),
-                                     S_P2=triton.next_power_of_2(S), num_warps=4)
-            return out
+            return key_places_fused(counts.reshape(E), self._send_order[source], self._segment, self._caps,
+                                    self._starts)
         flat, seg_n, _, over_start = self._segments(counts.reshape(E), self._send_order[source])
         seg = self._segment
         off = torch.cumsum(flat, 0) - flat - (torch.cumsum(seg_n, 0) - seg_n)[seg]
@@ -213,10 +200,7 @@ class RegionLayout:
         if not 0 < first < self.groups:
             raise ValueError(f"first={first}; valid: a group 1 .. {self.groups - 1} (the own rows from it on)")
         if runs_triton(counts):  # one launch (the torch ops below are six)
-            out = torch.empty(4, 1, dtype=torch.int64, device=counts.device)
-            _own_tail_kernel[(1,)](counts.reshape(-1).contiguous(), out, source, first, G=self.groups,
-                                   G_P2=triton.next_power_of_2(self.groups), num_warps=1)
-            return out
+            return own_tail_fused(counts.reshape(-1), source, first, self.groups)
         mine = counts.reshape(self.ws, self.groups)[source].to(torch.int64)
         return torch.stack([torch.full_like(mine[0], source), mine[:first].sum(), torch.zeros_like(mine[0]),
                             mine[first:].sum()]).view(4, 1)
@@ -228,12 +212,7 @@ class RegionLayout:
         a source's part from it without a kernel of its own. One kernel where Triton runs (the
         torch ops below are about ten)."""
         if runs_triton(table):
-            E, S = self.ws * self.groups, self._caps.numel()
-            out = torch.empty(self.ws, S, 4, dtype=torch.int64, device=table.device)
-            _rests_kernel[(self.ws,)](table.reshape(-1).contiguous(), self._send_order, self._segment, self._caps, out,
-                                      E=E, S=S, E_P2=triton.next_power_of_2(E), S_P2=triton.next_power_of_2(S),
-                                      num_warps=4)
-            return out
+            return rests_fused(table.reshape(-1), self._send_order, self._segment, self._caps, self.ws, self.groups)
         _, _, over, over_start = self._segments(table.reshape(self.ws, self.ws * self.groups), self._send_order)
         sources = torch.arange(self.ws, device=table.device)[:, None].expand_as(over)
         return torch.stack([sources, over_start, self._caps.expand_as(over), over], -1)
@@ -247,7 +226,7 @@ class RegionLayout:
 
 
 def own_diverts(groups: int, own: Optional[Tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> list:
-    """:func:`~.send_rows.place_by_key`'s diverts for a source's rows for itself (its send-order
+    """:func:`~overlap_layers.kernels.send_rows.place_by_key`'s diverts for a source's rows for itself (its send-order
     keys ``0 .. groups-1``) given as ``own`` ``(split, first, late)``: those of its groups before
     ``split`` go to ``first``, those from ``split`` on to ``late`` (None where ``split`` is
     ``groups``), each from its row 0 and clipped at its rows, instead of the send buffer; none
@@ -261,14 +240,8 @@ def own_diverts(groups: int, own: Optional[Tuple[int, torch.Tensor, Optional[tor
     return [(0, split, first)] + ([(split, groups, late)] if late is not None else [])
 
 
-def remote_pointers(remotes: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The ``[ws]`` int64 addresses of ``remotes`` on their device, for :func:`copy_rows_by_table`
-    (made once, outside a capture: a host-to-device copy cannot be captured)."""
-    return torch.tensor([t.data_ptr() for t in remotes], dtype=torch.int64).to(remotes[0].device)
-
-
 def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], local: torch.Tensor, push: bool,
-                       pointers: Optional[torch.Tensor] = None, programs: int = _CTAS) -> None:
+                       pointers: Optional[torch.Tensor] = None, programs: int = CTAS) -> None:
     """Copy the rows of the segments ``segs`` (``[4, n]`` int64 on ``local``'s device; per
     column: the remote rank, where its rows begin in that rank's buffer, where in ``local``, how
     many: :meth:`RegionLayout.rest`). Pull (``push=False``): ``remotes[s]`` is rank s's send
@@ -287,131 +260,10 @@ def copy_rows_by_table(segs: torch.Tensor, remotes: Sequence[torch.Tensor], loca
     if runs_triton(local):
         if pointers is None:
             pointers = remote_pointers(remotes)
-        W, nseg = local.shape[1], segs.shape[1]
-        ctas = programs if local.is_cuda else 3  # under the interpreter: a few, each taking several row blocks
-        _segments_kernel[(ctas,)](segs, pointers, local, remotes[0].shape[0], local.shape[0], W, NSEG=nseg,
-                                  NSEG_P2=triton.next_power_of_2(nseg), PUSH=push,
-                                  BITS=getattr(tl, _BITS[local.element_size()]), ROWS=_ROWS,
-                                  BLOCK_W=min(1024, triton.next_power_of_2(W)), num_warps=8)
+        copy_rows_fused(segs, pointers, local, remotes[0].shape[0], push,
+                        programs if local.is_cuda else 3)  # under the interpreter: a few, each taking several blocks
         return
-    for s, remote_start, local_start, n in segs.t().tolist():
-        a, b = (local_start, remote_start) if push else (remote_start, local_start)
-        src, dst = (local, remotes[s]) if push else (remotes[s], local)
-        k = max(0, min(n, src.shape[0] - a, dst.shape[0] - b))
-        dst[b:b + k].copy_(src[a:a + k])
-
-
-if triton is not None:
-    @triton.jit(do_not_specialize=["remote_rows", "local_rows"])  # bounds; they change when the slot grows
-    def _segments_kernel(seg_ptr, remote_ptrs, local_ptr, remote_rows, local_rows, W: tl.constexpr, NSEG: tl.constexpr,
-                         NSEG_P2: tl.constexpr, PUSH: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
-        """Rows of the segments laid end to end, ``ROWS`` at a time per program: each row finds
-        its segment (the columns of ``seg_ptr``) and so its source pointer and
-        offsets, so small segments do not leave programs idle."""
-        q = tl.arange(0, NSEG_P2)
-        n = tl.load(seg_ptr + 3 * NSEG + q, mask=q < NSEG, other=0)
-        ends = tl.cumsum(n, 0)
-        total = tl.sum(n, 0)
-        pid, nprog = tl.program_id(0), tl.num_programs(0)
-        r_off = tl.arange(0, ROWS)
-        c_off = tl.arange(0, BLOCK_W)
-        local = local_ptr.to(tl.pointer_type(BITS), bitcast=True)
-        r0 = pid * ROWS
-        while r0 < total:  # a loop bound from the device (a while: Triton's interpreter takes it too)
-            r = r0 + r_off
-            live = r < total
-            seg = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)  # [ROWS]: the segment of each row
-            seg = tl.where(live, seg, 0)
-            before = tl.sum(tl.where(q[None, :] < seg[:, None], n[None, :], 0), 1)  # rows of earlier segments
-            i = r - before
-            src_rank = tl.load(seg_ptr + seg, mask=live, other=0)
-            rem = tl.load(seg_ptr + NSEG + seg, mask=live, other=0) + i
-            loc = tl.load(seg_ptr + 2 * NSEG + seg, mask=live, other=0) + i
-            ok = live & (rem < remote_rows) & (loc < local_rows)
-            remote = tl.load(remote_ptrs + src_rank, mask=ok, other=0).to(tl.pointer_type(BITS))
-            if PUSH:
-                src, dst = local + loc * W, remote + rem * W
-            else:
-                src, dst = remote + rem * W, local + loc * W
-            for c0 in tl.static_range(0, W, BLOCK_W):
-                c = c0 + c_off
-                m = ok[:, None] & (c < W)[None, :]
-                v = tl.load(src[:, None] + c[None, :], mask=m)
-                tl.store(dst[:, None] + c[None, :], v, mask=m)
-            r0 += nprog * ROWS
-
-    @triton.jit
-    def _segment_rows(counts_ptr, order_ptr, segment_ptr, caps_ptr, E: tl.constexpr, S: tl.constexpr,
-                      E_P2: tl.constexpr, S_P2: tl.constexpr):
-        """One source's counts (``counts_ptr``: ``[ws * groups]`` by destination rank, then group)
-        in its send order (``order_ptr``), the segment of each (``[E_P2]`` each), and each
-        segment's rows, capacity, rows past it and where those begin (``[S_P2]`` each)."""
-        e = tl.arange(0, E_P2)
-        me = e < E
-        flat = tl.load(counts_ptr + tl.load(order_ptr + e, mask=me, other=0), mask=me, other=0).to(tl.int64)
-        seg = tl.load(segment_ptr + e, mask=me, other=S_P2)
-        s = tl.arange(0, S_P2)
-        n = tl.sum(tl.where(seg[None, :] == s[:, None], flat[None, :], 0), 1)
-        cap = tl.load(caps_ptr + s, mask=s < S, other=0)
-        over = tl.maximum(n - cap, 0)
-        return flat, seg, n, cap, over, tl.cumsum(over, 0) - over
-
-    @triton.jit
-    def _rests_kernel(table_ptr, order_ptr, segment_ptr, caps_ptr, out_ptr, E: tl.constexpr, S: tl.constexpr,
-                      E_P2: tl.constexpr, S_P2: tl.constexpr):
-        """:meth:`RegionLayout.rests` of the source ``program_id``."""
-        src = tl.program_id(0)
-        _, _, _, cap, over, over_start = _segment_rows(table_ptr + src * E, order_ptr + src * E, segment_ptr,
-                                                       caps_ptr, E, S, E_P2, S_P2)
-        s = tl.arange(0, S_P2)
-        row = out_ptr + (src * S + s) * 4
-        m = s < S
-        tl.store(row, tl.zeros_like(cap) + src, mask=m)
-        tl.store(row + 1, over_start, mask=m)
-        tl.store(row + 2, cap, mask=m)
-        tl.store(row + 3, over, mask=m)
-
-    @triton.jit
-    def _own_tail_kernel(counts_ptr, out_ptr, source, first, G: tl.constexpr, G_P2: tl.constexpr):
-        """:meth:`RegionLayout.own_tail`: (source, its rows of the groups before ``first``, 0,
-        its rows of the groups from ``first``)."""
-        g = tl.arange(0, G_P2)
-        mine = tl.load(counts_ptr + source * G + g, mask=g < G, other=0).to(tl.int64)
-        zero = tl.sum(mine, 0) * 0  # an int64 scalar (a source of 1 comes as a constant)
-        tl.store(out_ptr, zero + source)
-        tl.store(out_ptr + 1, tl.sum(tl.where(g < first, mine, 0), 0))
-        tl.store(out_ptr + 2, zero)
-        tl.store(out_ptr + 3, tl.sum(tl.where(g >= first, mine, 0), 0))
-
-    @triton.jit
-    def _key_places_kernel(counts_ptr, order_ptr, segment_ptr, caps_ptr, starts_ptr, out_ptr, E: tl.constexpr,
-                           S: tl.constexpr, E_P2: tl.constexpr, S_P2: tl.constexpr):
-        """:meth:`RegionLayout.key_places` in one program: the counts in send order, each
-        segment's rows and overflow, each send-order index's offset in its segment."""
-        flat, seg, n, cap, over, over_start = _segment_rows(counts_ptr, order_ptr, segment_ptr, caps_ptr, E, S,
-                                                            E_P2, S_P2)
-        e = tl.arange(0, E_P2)
-        me = e < E
-        s = tl.arange(0, S_P2)
-        member = seg[None, :] == s[:, None]  # [S_P2, E_P2]
-        seg_before = tl.cumsum(n, 0) - n
-        off = tl.cumsum(flat, 0) - flat - tl.sum(tl.where(member, seg_before[:, None], 0), 0)
-        cap_e = tl.sum(tl.where(member, cap[:, None], 0), 0)
-        start_e = tl.sum(tl.where(member, tl.load(starts_ptr + s, mask=s < S, other=0)[:, None], 0), 0)
-        over_e = tl.sum(tl.where(member, over_start[:, None], 0), 0)
-        tl.store(out_ptr + e, start_e + off, mask=me)
-        tl.store(out_ptr + E + e, cap_e - off, mask=me)
-        tl.store(out_ptr + 2 * E + e, over_e + off - cap_e, mask=me)
-
-    @triton.jit
-    def _table_rows_kernel(counts_ptr, row_ptrs, N: tl.constexpr, BLOCK: tl.constexpr):
-        """This rank's counts into rank ``program_id``'s table (a store to a peer's memory: one
-        launch for every rank, where a peer-to-peer copy per rank costs tens of microseconds each)."""
-        dst = tl.load(row_ptrs + tl.program_id(0)).to(tl.pointer_type(tl.int32))
-        i = tl.arange(0, BLOCK)
-        m = i < N
-        tl.store(dst + i, tl.load(counts_ptr + i, mask=m), mask=m)
+    copy_rows_reference(segs, remotes, local, push)
 
 
 class DeviceCountAllToAll:
@@ -433,7 +285,7 @@ class DeviceCountAllToAll:
         self.ws, self.rank, self.rows, self.groups = w.ws, w.rank, rows, groups
         elt = dtype.itemsize
         shape = (self.ws, self.ws, groups)
-        send_off = _aligned(self.ws * self.ws * groups * 4)
+        send_off = aligned(self.ws * self.ws * groups * 4)
         self.layout = RegionLayout(self.ws, rows, groups, w.device)
         buffer = (self.layout.buffer_rows, width)
         self.nbytes = send_off + buffer[0] * width * elt
@@ -449,7 +301,7 @@ class DeviceCountAllToAll:
         self._rests: Optional[torch.Tensor] = None  # RegionLayout.rests of this call's table, once made
         # the kernel copies run on the caller's stream between its GEMMs: every SM, several times
         self._programs = (_MAIN_PER_SM * torch.cuda.get_device_properties(w.device).multi_processor_count
-                          if w.device.type == "cuda" else _CTAS)
+                          if w.device.type == "cuda" else CTAS)
 
     def _signal(self, channel: int) -> None:
         peers = [(self.rank + j) % self.ws for j in range(1, self.ws)]
@@ -464,7 +316,7 @@ class DeviceCountAllToAll:
 
     def place(self, src: torch.Tensor, keys: torch.Tensor, top_k: int, counts: torch.Tensor,
               own: Optional[Tuple[int, torch.Tensor, Optional[torch.Tensor]]] = None) -> torch.Tensor:
-        """This rank's send rows into ``send`` (:func:`~.send_rows.place_by_key`: the rows of
+        """This rank's send rows into ``send`` (:func:`~overlap_layers.kernels.send_rows.place_by_key`: the rows of
         ``src`` ``[T, W]`` for its ``T * top_k`` assignments with ``keys``, their send-order
         indices, dropped at ``ws * groups`` and above; ``counts`` the kept ones', ``[ws, groups]``
         int32 as :meth:`ready` takes). Returns each assignment's row of ``send`` (-1: dropped).
@@ -485,9 +337,7 @@ class DeviceCountAllToAll:
         self.w.reserve(self.nbytes)  # marks the buffer captured when a graph captures this call
         counts = counts.reshape(self.ws, self.groups)
         if runs_triton(counts):
-            n = counts.numel()
-            _table_rows_kernel[(self.ws,)](counts.contiguous(), self._table_ptrs, N=n,
-                                           BLOCK=triton.next_power_of_2(n), num_warps=1)
+            write_table_rows(counts, self._table_ptrs, self.ws)
         else:
             for row in self._table_rows:
                 row.copy_(counts)
@@ -532,7 +382,7 @@ class DeviceCountAllToAll:
         :meth:`parts`) into the first rows of ``out`` (``[>= layout.largest_region, W]``), by the
         copy engine; with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts`
         rows each, from row 0) as far as its rows go: ``[rows, W]`` holds them all, a smaller one
-        those before its end ([Note: MoE slot rows] in ``layers/moe_device.py``). Returns ``out``."""
+        those before its end ([Note: MoE slot rows] in ``layers/moe/device.py``). Returns ``out``."""
         self._checked("pull: out", out)
         start, cap = self.layout.region(self._j(source), part)
         out[:cap].copy_(self._sends[source][start:start + cap])

@@ -96,7 +96,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .slot_sum import sum_slots
+from ..config import Transport
+from ..kernels.slot_sum import sum_slots
 
 PULL, PUSH = 0, 1  # signal channels ([Note: exchange signals])
 
@@ -185,7 +186,7 @@ def _keep_own(gathered: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
 class PointToPointExchange:
     """The exchange over ``isend``/``irecv`` (see the module docstring)."""
 
-    transport = "nccl"
+    transport = Transport.NCCL
 
     def __init__(self, group, sources: Sequence[torch.Tensor], partial_shape: Tuple[int, ...],
                  keep_gathered: Sequence[bool] = (), recorder=None, blocks: Optional[Sequence[Tuple[int, int]]] = None,
@@ -262,7 +263,7 @@ class SymmetricWorkspace:
     A CUDA graph that captured an exchange copies into this buffer, and its peers' graphs into
     theirs, at every replay: once captured, a buffer outgrown later is kept (with its handle)
     rather than freed, and growing during a capture raises RuntimeError ([Note: CUDA graphs] in
-    ``layers/planned.py``)."""
+    ``planning/planned.py``)."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
@@ -362,13 +363,13 @@ def held_workspace_bytes(group, device: torch.device, purpose: str = "exchange")
 def staged_source(workspace: SymmetricWorkspace, x: torch.Tensor) -> Optional[torch.Tensor]:
     """Where :class:`CopyEngineExchange` copies a first source with ``x``'s elements, as a tensor
     of ``x``'s shape in this rank's buffer (a contiguous source there is not copied again:
-    [Note: staged input] in ``layers/call_graphs.py``); None while the buffer is smaller."""
-    if workspace.handle is None or workspace.nbytes < _aligned(x.numel() * x.element_size()):
+    [Note: staged input] in ``planning/call_graphs.py``); None while the buffer is smaller."""
+    if workspace.handle is None or workspace.nbytes < aligned(x.numel() * x.element_size()):
         return None
     return workspace.view(workspace.rank, (x.numel(),), x.dtype, 0).view(x.shape)
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to 256 (each source starts on a 256-byte boundary)."""
     return -(-nbytes // 256) * 256
 
@@ -376,13 +377,13 @@ def _aligned(nbytes: int) -> int:
 def workspace_bytes(world_size: int, source_shapes: Sequence[Tuple[int, ...]], partial_shape: Tuple[int, ...],
                     elt: int) -> int:
     """Symmetric bytes one exchange needs: its sources and ``world_size`` partial slots."""
-    return sum(_aligned(math.prod(s) * elt) for s in source_shapes) + world_size * math.prod(partial_shape) * elt
+    return sum(aligned(math.prod(s) * elt) for s in source_shapes) + world_size * math.prod(partial_shape) * elt
 
 
 class CopyEngineExchange:
     """The exchange over symmetric memory and the copy engines (see the module docstring)."""
 
-    transport = "copy_engine"
+    transport = Transport.COPY_ENGINE
 
     def __init__(self, workspace: SymmetricWorkspace, sources: Sequence[torch.Tensor],
                  partial_shape: Tuple[int, ...], keep_gathered: Sequence[bool] = (), recorder=None,
@@ -397,7 +398,7 @@ class CopyEngineExchange:
         self._src_offsets, off = [], 0
         for s in self.sources:
             self._src_offsets.append(off)
-            off += _aligned(s.numel() * elt)
+            off += aligned(s.numel() * elt)
         self._slot_offset, self._partial_shape, self._dtype = off, tuple(partial_shape), dtype
         self.slots = w.view(self.rank, (self.ws, *partial_shape), dtype, off)
         self.own_partial = self.slots[self.rank]

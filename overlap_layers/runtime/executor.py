@@ -11,20 +11,30 @@ One code path for CUDA and CPU (docs/architecture.md, Executor and streams):
 * ops sharing a ``chain`` (accumulators) are ordered across streams with events;
 * the streams start after, and the caller's stream continues after, all tile work (fork/join),
   so tensors owned by the caller's stream are safe to free once the call returns;
-* with a :class:`~overlap_layers.runtime.trace.OpRecorder`, every launch is also timed on the
+* with a :class:`~overlap_layers.planning.trace.OpRecorder`, every launch is also timed on the
   simulator's rows: compute ops and waits on ``compute{t mod S}``, each collective (or bucket)
   on ``comm`` from its issue to its first wait.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
 from ..schedule import Schedule
 from . import collectives
-from .trace import OpRecorder
+
+
+class Recorder(Protocol):
+    """What :func:`execute` calls on a recorder (:class:`~overlap_layers.planning.trace.OpRecorder`,
+    whose docstring gives the contract)."""
+
+    def begin(self, name: str, tile, stream_name: str, stream=None) -> int: ...
+
+    def end(self, token: int, stream=None) -> None: ...
+
+    def mark(self, name: str, tile, stream_name: str, stream=None) -> None: ...
 
 
 def profiler_range(name: str):
@@ -38,13 +48,14 @@ def profiler_range(name: str):
 
 def execute(schedule: Schedule, envs: Sequence[dict], group, *,
             streams: Optional[List["torch.cuda.Stream"]] = None, label: Optional[str] = None,
-            trace: Optional[list] = None, recorder: Optional[OpRecorder] = None) -> None:
+            trace: Optional[list] = None, recorder: Optional[Recorder] = None) -> None:
     """Launch every op of ``schedule`` over the per-tile environments ``envs``.
 
     ``trace``, when given, receives ``(tile, op_name, kind)`` in launch order (deferred bucket
     members excluded) so tests can check the order the runtime really used. ``recorder``, when
     given, records when each op ran; ``recorder.timeline()`` then has the events that
-    ``simulate(schedule, ...)`` predicts, measured (see :class:`OpRecorder` for what they mean).
+    ``simulate(schedule, ...)`` predicts, measured (see
+    :class:`~overlap_layers.planning.trace.OpRecorder` for what they mean).
     """
     program = schedule.program
     label = label or program.name

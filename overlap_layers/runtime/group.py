@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import _all_gather
+from .collectives import all_gather_single
 from .mailbox import HostMailbox
 
 
@@ -111,7 +111,7 @@ class Agreement:
         ws = dist.get_world_size(group)
         mine = torch.tensor(list(values), dtype=dtype)
         out = mine.new_empty(ws * len(values))
-        _all_gather(out, mine, group=group)
+        all_gather_single(out, mine, group=group)
         return [tuple(r) for r in out.view(ws, len(values)).tolist()]
 
     def max(self, values: Sequence[float]) -> List[float]:

@@ -1,6 +1,6 @@
 """Rank-chunk all-to-all: rows dispatched to their destination ranks, taken one source rank at a
 time, and each destination's results returned in place, so that compute on one source's rows hides
-the transfer of the next (the MoE's expert exchange, ``layers/moe_ranks.py``).
+the transfer of the next (the MoE's expert exchange, ``layers/moe/ranks.py``).
 
 Reference, for rank r of a group of ws ranks, with the count table ``counts[s][d]`` (rows rank s
 sends to rank d; the same table on every rank) and r's send rows ``send [sum_d counts[r][d], W]``
@@ -48,6 +48,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import Transport
 from .exchange import PULL, PUSH, SymmetricWorkspace, peers
 
 
@@ -84,7 +85,7 @@ class PointToPointAllToAll:
     """The exchange over ``isend``/``irecv`` (see the module docstring); ``capacity_rows`` is
     the copy engine's (unused here)."""
 
-    transport = "nccl"
+    transport = Transport.NCCL
     shared_send = False  # send is this exchange's own tensor
 
     def __init__(self, group, rows: int, width: int, dtype: torch.dtype, device, capacity_rows: int = 0):
@@ -154,7 +155,7 @@ class CopyEngineAllToAll:
     ``capacity_rows`` (the same on every rank) sizes the workspace: at least every rank's send
     rows, so that growing it, a collective, happens alike on every rank."""
 
-    transport = "copy_engine"
+    transport = Transport.COPY_ENGINE
     shared_send = True  # send is the workspace's (the next exchange on it overwrites it)
     early_ok = True  # the pulls wait for ready() only (their rows are allocated on the pull stream)
 

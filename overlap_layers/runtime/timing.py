@@ -29,12 +29,13 @@ the start mark: every region starts when the last rank's does. A region that wai
 late host reads under 5 ms with it (``tests/cuda_worker.py``, ``check_aligned_trials``), and
 every contender's best trial reads a few percent lower (measured: see docs/measurements.md,
 Planner). A slow trial from work inside the trial window itself (a Triton compile or module load:
-[Note: one heads launch] in ``layers/heads_kernel.py``) is not a late start, and alignment does not
-remove it ([Note: first-call verification] in ``layers/planning.py``).
+[Note: one heads launch] in ``kernels/heads.py``) is not a late start, and alignment does not
+remove it ([Note: first-call verification] in ``planning/plan_cache.py``).
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -121,3 +122,87 @@ def total_ms(*watches: Optional[Stopwatch]) -> float:
     if any(w.prequeue_ms > 0 for w in watches):
         return device
     return max(device, sum(w.host_ms() for w in watches))
+
+
+class EventClock:
+    """The MoE device path's race's clock ([Note: MoE graph calls: the race] in
+    ``layers/moe/device.py``): :meth:`start` and :meth:`stop` record events on the current stream
+    (no wait), :meth:`read` the milliseconds between them (waits for the second)."""
+
+    @staticmethod
+    def start() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def stop(start: torch.cuda.Event) -> tuple:
+        return start, EventClock.start()
+
+    @staticmethod
+    def read(span: tuple) -> float:
+        span[1].synchronize()
+        return span[0].elapsed_time(span[1])
+
+
+PREQUEUE_CYCLES = 2_000_000  # a sleep of about 1 ms (at 2 GHz or less): longer than queuing one sample
+IN_A_ROW = 4  # the same on every rank: the op may be a collective (calibration's ops)
+
+
+def device_ms(fn, reps: int = 5, warmup: int = 2) -> float:
+    """Median over ``reps`` samples of ``fn``'s device time (ms, CUDA); a sample is
+    :data:`IN_A_ROW` calls in a row queued behind a sleep kernel, its time divided by the calls
+    (calibration's measurements: ``planning/calibrate.py``)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(PREQUEUE_CYCLES)
+        a.record()
+        for _ in range(IN_A_ROW):
+            fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / IN_A_ROW)
+    return statistics.median(samples)
+
+
+def beside_ms(fn: Callable[[], object], side: Callable[[], list], device, samples: int = 5) -> list:
+    """``samples`` device times (ms, CUDA) of ``fn`` on the current stream while ``side()`` runs
+    from a side stream, launched first: from an event before ``side()``'s launch to one after
+    ``fn``'s work (``fn``'s own time, not ``side``'s tail); then every work ``side()`` returned
+    is waited for and the device synchronized (calibration's GEMM slowdown beside collectives)."""
+    stream = torch.cuda.Stream(device=device)
+    out = []
+    for _ in range(samples):
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        start.record()
+        with torch.cuda.stream(stream):
+            works = side()
+        fn()
+        done.record()
+        for w in works:
+            w.wait()
+        torch.cuda.synchronize(device)
+        out.append(start.elapsed_time(done))
+    return out
+
+
+def stamp(device: torch.device, stream=None):
+    """A point in time on ``device``: on CUDA a timing event recorded on ``stream`` (None: the
+    device's current stream), so it is when that stream reaches this point; elsewhere the host
+    clock. :func:`stamps_ms` reads the time between two."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream if stream is not None else torch.cuda.current_stream(device))
+    return ev
+
+
+def stamps_ms(a, b) -> float:
+    """Milliseconds from :func:`stamp` ``a`` to ``b`` (CUDA: both recorded; synchronize first)."""
+    if isinstance(a, float):
+        return (b - a) * 1e3
+    return a.elapsed_time(b)

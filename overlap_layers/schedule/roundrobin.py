@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+from ..config import check_positive_int
 from .program import TileProgram, segments
 
 Buckets = Tuple[Tuple[int, ...], ...]
@@ -90,8 +91,7 @@ def round_robin(program: TileProgram, num_tiles: int, *,
     after the tile's own collective, before the next tile's (the fused block's seam between its
     sublayers); a compute op named in ``program.cut`` opens a round of its own (:func:`segments`).
     """
-    if not isinstance(num_tiles, int) or num_tiles < 1:
-        raise ValueError(f"num_tiles={num_tiles!r}; must be a positive int")
+    check_positive_int(num_tiles, "num_tiles")
     order = list(range(num_tiles)) if order is None else list(order)
     if sorted(order) != list(range(num_tiles)):
         raise ValueError(f"order={order}; must be a permutation of 0..{num_tiles - 1}")

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from ..config import Decomposition, Transport
+
 
 def plan_label(decomposition: str, transport: str, num_tiles: int) -> str:
     """``K=2``, ``rank chunks over copy_engine``, or ``rank chunks over copy_engine, K=2`` (rank
     chunks inside batch tiles)."""
-    if decomposition != "rank":
+    if decomposition != Decomposition.RANK:
         return f"K={num_tiles}"
     return f"rank chunks over {transport}" + (f", K={num_tiles}" if num_tiles > 1 else "")
 
@@ -29,13 +31,18 @@ class Candidate:
     predicted_ms: float
     exposed_comm_ms: float
     peak_bytes: int
-    decomposition: str = "batch"  # or "rank": split by source rank (docs/architecture.md, Transports)
-    transport: str = "nccl"  # or "copy_engine"
+    decomposition: Decomposition = Decomposition.BATCH  # or RANK: split by source rank (docs/architecture.md, Transports)
+    transport: Transport = Transport.NCCL  # or COPY_ENGINE
+
+    def __post_init__(self) -> None:
+        # the strings of Decomposition and Transport as their members (others stay as given)
+        object.__setattr__(self, "decomposition", Decomposition.coerce(self.decomposition))
+        object.__setattr__(self, "transport", Transport.coerce(self.transport))
 
     @property
     def is_serial(self) -> bool:
         return (self.num_tiles == 1 and not self.regather and not self.buckets_fwd and not self.buckets_bwd
-                and self.decomposition == "batch")
+                and self.decomposition == Decomposition.BATCH)
 
     @property
     def label(self) -> str:

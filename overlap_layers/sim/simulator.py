@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+from ..config import check_positive_int
 from ..schedule import Op, Schedule
 
 CostTable = Union[Mapping[str, float], Callable[[int, Op], float]]
@@ -75,8 +76,7 @@ class Costs:
         return a.get(collective, 0.0) if isinstance(a, Mapping) else a
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_streams, int) or self.num_streams < 1:
-            raise ValueError(f"num_streams={self.num_streams!r}; must be a positive int")
+        check_positive_int(self.num_streams, "num_streams")
         if not self.interference >= 1.0:
             raise ValueError(f"interference={self.interference!r}; must be >= 1 (1 = no slowdown)")
         alphas = self.comm_alpha_ms.values() if isinstance(self.comm_alpha_ms, Mapping) else [self.comm_alpha_ms]

@@ -1,0 +1,374 @@
+"""A pre-norm transformer decoder block built from the overlap layers.
+
+Reference (what :class:`OverlapTransformerBlock` must equal, up to rounding), on the dense
+sequence ``x [batch, seq, hidden]``::
+
+    h = x + attention(attn_norm(x), position_ids / position_embeddings)   # causal, RoPE
+    y = h + mlp(mlp_norm(h))          # swiglu MLP, or the MoE of each token (top-k router)
+
+with ``attn_norm`` / ``mlp_norm`` RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``) or LayerNorm.
+With ``sequence_parallel=True`` each rank holds its ``seq/ws`` slice of ``x`` and of ``y``
+(rank r positions ``r*seq/ws ..``); otherwise every rank holds all of ``x`` and all of ``y``.
+
+The sublayers are the library's layers on one group: ``attention`` an :class:`OverlapAttention`,
+``mlp`` an :class:`OverlapMLP`, or an :class:`OverlapMoE` (expert parallel over the same group)
+when ``moe`` is given. The MoE computes each token once: under sequence parallelism every rank's
+slice is its own tokens; without it the replicated tokens are split across the group before the
+dispatch and gathered after (:mod:`overlap_layers.layers.moe.tokens`).
+
+Each sublayer plans and overlaps its own collectives (its tiles, its K, or its rank chunks).
+Where both run batch tiles over NCCL (sequence parallel, dense MLP), the block also times the two
+as one tiled program (``layers/block/fused.py``, [Note: fused block]): the attention's tiles, each with
+its share of the MLP's tiles, so the attention's last reduce-scatter runs under the MLP's first
+tiles and, backward, the MLP's last dx reduce-scatter under the attention's first; it keeps that
+program where it wins by more than ``config.margin``. With rank chunks (sequence parallel, copy
+engine) each sublayer starts and ends on its own rows, which hides most of that fill and drain
+inside the sublayer.
+
+Gradients: the norms' weights (and LayerNorm biases) are replicated. Under sequence parallelism
+each rank's gradient covers its own positions only, a tensor-parallel partial; the MoE router and
+shared expert, used on this rank's tokens only, are partials in either mode. ``finalize_grads``
+sums both over the group (see its [Note: which partials]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.modules import module as _module_hooks
+
+from ...config import OverlapConfig
+from ...planning.calls import apply_saving, in_backward_pass, saved_tensor_hooks_active
+from ...planning.checks import X_ERRORS, check_dtype, finite_number, x_error
+from ...planning.copying import copy_module
+from ...planning.dtensor import axis_mesh, dtensor_forward, local
+from ...planning.plan_cache import PlanCache
+from ...planning.trace import TraceJob
+from ...runtime import resolve_group
+from ..attention.layer import OverlapAttention
+from ..mlp.layer import MLPCall
+from ..mlp.layer import OverlapMLP
+from ..moe.layer import OverlapMoE
+from ..moe.tokens import gather_tokens, split_tokens
+from .fused import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans
+
+NORMS = ("rmsnorm", "layernorm")
+#: The OverlapMoE keywords a block's ``moe`` dict may hold (sizes, group and planning come from the block).
+MOE_KEYS = ("num_experts", "top_k", "activation", "normalize_topk", "capacity_factor", "aux_loss_coef",
+            "shared_expert_ffn")
+
+
+class BlockNorm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim, as ``torch.nn.functional.rms_norm`` /
+    ``layer_norm`` compute them; ``weight`` (and ``bias`` for LayerNorm) start at 1 (and 0). A
+    DTensor weight (``mesh=``) takes part through its local tensor."""
+
+    def __init__(self, kind: str, hidden_size: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.kind, self.hidden_size, self.eps = kind, hidden_size, float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if kind == "layernorm" \
+            else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = local(self.weight), local(self.bias)
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (self.hidden_size,), w, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.hidden_size}, eps={self.eps}"
+
+
+def _check_norm(norm, norm_eps) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r}; valid: {NORMS}")
+    if not finite_number(norm_eps):
+        raise ValueError(f"norm_eps={norm_eps!r}; must be a positive finite number")
+
+
+def _is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+class OverlapTransformerBlock(nn.Module):
+    """Drop-in pre-norm decoder block; equals the module docstring's reference.
+
+    ``forward(x, position_ids=None, position_embeddings=None, attention_mask=None)`` (a mask only
+    if it equals the causal one, as :class:`OverlapAttention` takes it): ``x [batch, seq/ws, hidden]``
+    with ``sequence_parallel`` (this rank's slice of the positions), else ``[batch, seq, hidden]``
+    on every rank; ``position_ids [batch or 1, seq]`` of the global sequence or HF's
+    ``position_embeddings`` ``(cos, sin)``, as :class:`OverlapAttention` takes them. Returns
+    ``y`` shaped like ``x`` (a DTensor ``x``, with ``mesh=``: Shard(1) under sequence parallelism,
+    else Replicate, gives a DTensor ``y`` of the same placement). ``moe``: None for the swiglu MLP
+    of width ``ffn_hidden_size``, or a dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
+    ``MOE_KEYS``), whose experts then have width ``ffn_hidden_size``. ``num_tiles`` and
+    ``config`` apply to every sublayer. After backward, call ``finalize_grads(model)``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: Optional[int] = None,
+                 moe: Optional[dict] = None, norm: str = "rmsnorm", norm_eps: float = 1e-5, group=None, mesh=None,
+                 axis=None, sequence_parallel: bool = True, rope_theta: float = 10000.0, num_tiles=None,
+                 config: Optional[OverlapConfig] = None, dtype=None, device=None):
+        super().__init__()
+        _check_norm(norm, norm_eps)
+        check_dtype(dtype)  # before the norms' parameters are made
+        if moe is not None:
+            if not isinstance(moe, dict):
+                raise ValueError(f"moe={moe!r}; must be None (a dense MLP) or a dict of OverlapMoE keywords")
+            bad = sorted(set(moe) - set(MOE_KEYS))
+            missing = [k for k in ("num_experts", "top_k") if k not in moe]
+            if bad or missing:
+                raise ValueError(f"moe: unknown keys {bad}, missing keys {missing}; valid keys: {MOE_KEYS} "
+                                 f"(num_experts and top_k required)")
+        self.group = resolve_group(group, mesh, axis)
+        self.sequence_parallel = bool(sequence_parallel)
+        kw = dict(group=None if mesh is not None else self.group, mesh=mesh, axis=axis, num_tiles=num_tiles,
+                  config=config, dtype=dtype, device=device)
+        self.attn_norm = BlockNorm(norm, hidden_size, norm_eps, dtype, device)
+        self.attention = OverlapAttention(hidden_size, num_heads, num_kv_heads, sequence_parallel=sequence_parallel,
+                                          rope_theta=rope_theta, **kw)
+        self.mlp_norm = BlockNorm(norm, hidden_size, norm_eps, dtype, device)
+        if moe is None:
+            self.mlp = OverlapMLP(hidden_size, ffn_hidden_size, sequence_parallel=sequence_parallel,
+                                  activation="swiglu", **kw)
+        else:
+            moe = dict(moe)
+            self.mlp = OverlapMoE(hidden_size, ffn_hidden_size, moe.pop("num_experts"), moe.pop("top_k"), **moe, **kw)
+        if mesh is not None:
+            _replicate_norms(self, mesh, axis)
+        self._init_fusion()
+
+    @classmethod
+    def from_layers(cls, attention: OverlapAttention, mlp, *, norm: str = "rmsnorm", norm_eps: float = 1e-5,
+                    attn_norm_weight: Optional[torch.Tensor] = None, mlp_norm_weight: Optional[torch.Tensor] = None,
+                    attn_norm_bias: Optional[torch.Tensor] = None,
+                    mlp_norm_bias: Optional[torch.Tensor] = None) -> "OverlapTransformerBlock":
+        """A block around existing sublayers (no new weights are drawn): ``attention`` an
+        :class:`OverlapAttention`, ``mlp`` an :class:`OverlapMLP` or :class:`OverlapMoE` on the same
+        group, with the same sequence parallelism (an MoE fits either); the norms from the given
+        weights (``[hidden]``; default ones and zeros), as Replicate DTensors when the sublayers
+        hold DTensors (``mesh=``). Used by ``swap(..., block=True)``."""
+        if not isinstance(attention, OverlapAttention) or not isinstance(mlp, (OverlapMLP, OverlapMoE)):
+            raise ValueError(f"attention={type(attention).__name__}, mlp={type(mlp).__name__}: need an "
+                             f"OverlapAttention and an OverlapMLP or OverlapMoE")
+        _check_norm(norm, norm_eps)
+        if mlp.group is not attention.group or mlp.hidden_size != attention.hidden_size or \
+                getattr(mlp, "sequence_parallel", attention.sequence_parallel) != attention.sequence_parallel:
+            raise ValueError("attention and mlp must share the group, hidden_size and sequence_parallel")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = attention.group, attention.sequence_parallel
+        w = attention.wq
+        kw = dict(dtype=w.dtype, device=w.device)
+        self.attn_norm = BlockNorm(norm, attention.hidden_size, norm_eps, **kw)
+        self.attention = attention
+        self.mlp_norm = BlockNorm(norm, attention.hidden_size, norm_eps, **kw)
+        self.mlp = mlp
+        with torch.no_grad():
+            for n, weight, bias in ((self.attn_norm, attn_norm_weight, attn_norm_bias),
+                                    (self.mlp_norm, mlp_norm_weight, mlp_norm_bias)):
+                for p, t in ((n.weight, weight), (n.bias, bias)):
+                    if t is not None:
+                        if p is None or tuple(t.shape) != tuple(p.shape):
+                            raise ValueError(f"norm weight/bias of shape {tuple(t.shape)}: must be "
+                                             f"[{attention.hidden_size}] (a bias only with norm='layernorm')")
+                        p.copy_(t)
+        if attention._input_mesh is not None:  # DTensor sublayers (mesh=): the norms too
+            _replicate_norms(self, attention._input_mesh, None)
+        self._init_fusion()
+        return self
+
+    def __deepcopy__(self, memo: dict):
+        """``copy.deepcopy``: the sublayers' copies ([Note: copying a layer] in ``planning/copying.py``)
+        in a block that plans its fusion afresh."""
+        new = copy_module(self, memo)
+        new._init_fusion()
+        return new
+
+    def _init_fusion(self) -> None:
+        """The block's own plans: fused or in turn, per shape ([Note: fused block])."""
+        self._plans: Optional[PlanCache] = None  # made at the first call that may fuse
+        self._plans_agreement = None  # the attention's agreement the plans were made with
+        self.plan: Optional[BlockPlan] = None  # the last call's, where it asked (None: sublayers in turn)
+        self._last_fusing = None  # (agreed, MLP's save) of the last call that may fuse, for verifying
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attention.hidden_size
+
+    @property
+    def _input_mesh(self):
+        """With ``mesh=``: the mesh axis a DTensor ``x`` must be on (the sublayers')."""
+        return self.attention._input_mesh
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
+                attention_mask=None) -> torch.Tensor:
+        if _is_dtensor(x):  # Shard(1) with sequence parallelism, else Replicate: [Note: DTensor inputs]
+            return dtensor_forward(self, self._forward, x, position_ids, position_embeddings, attention_mask)
+        return self._forward(x, position_ids, position_embeddings, attention_mask)
+
+    def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
+        attn = self.attention
+        # the norm runs on an input the attention's agreement accepts, or one of another floating
+        # dtype (which it may cast); any other goes to that agreement as it is, which raises on every
+        # rank, where the norm would raise on this rank alone and the others wait in the agreement
+        err = x_error(x, self.hidden_size, attn.wq)
+        n1 = self.attn_norm(x) if err == 0 or err == 3 and x.is_floating_point() else x
+        self.plan, self._last_fusing = None, None
+        # a call without tokens runs the sublayers in turn (each gives the dense result of none); the
+        # attention's agreement comes first on both paths, so ranks whose shapes differ all raise there
+        if not isinstance(x, torch.Tensor) or x.numel() == 0 or not self._may_fuse(x):
+            h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
+                         attention_mask=attention_mask)
+            return h + self._mlp(self.mlp_norm(h))
+        agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
+        mlp_saves = self._mlp_saves(agreed[2])
+        plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
+        timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
+        if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
+            trial.bwd = trial.fwd.sibling()
+            n1 = OnBackward.apply(n1, trial.bwd.stop)
+        if trial is not None:
+            trial.fwd.start()
+        if plan is not None and plan.fused:
+            y = self._fused(x, n1, agreed[2], subplans, position_ids, position_embeddings)
+        else:
+            h = x + attn._call_with_positions(n1, agreed, position_ids, position_embeddings)
+            y = h + self._mlp(self.mlp_norm(h))
+        if trial is not None:
+            trial.fwd.stop()
+        self._last_fusing = (agreed, mlp_saves)
+        return OnBackward.apply(y, trial.bwd.start) if timed_bwd else y
+
+    @property
+    def verifying(self) -> bool:
+        """Whether the next call of the last call's shape may still run another plan: a sublayer
+        verifies its plan, or the block times the fused program against the sublayers in turn."""
+        if self.attention.verifying or self.mlp.verifying:
+            return True
+        fusable = self._last_fusing and self._fusable(*self._last_fusing)  # sublayers settled since?
+        return bool(fusable) and (self._plans is None or self._plans.settled(fusable[0]) is None)
+
+    # ----------------------------------------------------------------- the fused program
+    def _may_fuse(self, x) -> bool:
+        """Whether this call may run the fused program (then the block makes the attention's
+        agreement itself and decides after it): sequence parallel with a dense MLP, both planned
+        (no fixed K, nothing pinned) and verified, plain tensors outside ``torch.compile`` and
+        autocast, no module hooks on the sublayers or global ones (FSDP2's unsharding: the fused
+        program calls no sublayer as a module), not a checkpointed region or its recomputation ([Note: recompute])."""
+        attn, mlp = self.attention, self.mlp
+        if not (self.sequence_parallel and isinstance(mlp, OverlapMLP) and attn.config.verify_first_calls):
+            return False
+        if any(m.num_tiles != "auto" or m._pinned is not None or m._input_mesh is not None
+               or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in (attn, mlp)):
+            return False
+        if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+                or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
+            return False
+        return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or in_backward_pass()
+                    or (torch.is_grad_enabled() and saved_tensor_hooks_active()))
+
+    def _block_plan(self, x, agreed, mlp_saves: bool):
+        """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its
+        sublayers in turn without asking ([Note: fused block] in ``layers/block/fused.py``). Decided from
+        agreed values and the sublayers' plan caches, so equal on every rank."""
+        fusable = self._fusable(agreed, mlp_saves)
+        if fusable is None:
+            return None, None, None
+        attn, (key, both) = self.attention, fusable
+        k = both[0].num_tiles
+        if self._plans is None or self._plans_agreement is not attn._agreement:  # new sublayers: new plans
+            self._plans_agreement = attn._agreement
+            self._plans = PlanCache(attn._agreement, margin=attn.config.margin)
+        plan, trial = self._plans.get(
+            key, lambda key: BlockPlan(True, k, reason=f"the sublayers' batch tiles fused at K={k}"),
+            lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
+        self.plan = plan
+        return plan, trial, both
+
+    def _fusable(self, agreed, mlp_saves: bool):
+        """``(the block's plan key, the sublayers' plans for the fused program)`` where the
+        sublayers have settled plans that fuse for this call, else None."""
+        attn, mlp = self.attention, self.mlp
+        shape, dtype, save, fixed = agreed
+        if fixed is not None or attn._capturing or mlp_saves != save:  # else: one sublayer trains, one not
+            return None
+        plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
+        both = None if None in plans else fused_plans(*plans, tile_rows=shape[0] // plans[0].num_tiles * shape[1])
+        return None if both is None else ((shape, dtype, save, both[0].digest(), both[1].digest()), both)
+
+    def _fused(self, x, n1, save: bool, plans, position_ids, position_embeddings) -> torch.Tensor:
+        """One call of :class:`~overlap_layers.layers.block.fused.FusedBlock` with the sublayers'
+        ``plans`` (:func:`~overlap_layers.layers.block.fused.fused_plans`)."""
+        attn, mlp = self.attention, self.mlp
+        probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
+        mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
+        _, (w_in, b_in, w_out, b_out) = mlp._call_tensors(n1, ("w_in", "b_in", "w_out", "b_out"))
+        B, s, H = n1.shape
+        pa, pm = plans
+        # the MLP's streams (two, faster than one here: [Note: fused block]); the attention's planned plans run on one
+        streams = attn._streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
+        _, ca, w_qkv, b_qkv, wo, bo = attn._prepare(n1, pa, save, streams, position_ids, position_embeddings)
+        cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
+                     streams=streams, launch_log=mlp.launch_log)
+        call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
+        asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
+        if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
+            call.trace = TraceJob(asked, n1.device)
+        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, local(self.mlp_norm.weight),
+                   local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
+        if call.trace is not None:
+            call.trace.write()  # the forward's; the backward writes again with both passes
+        return y.view(B, s, H)
+
+    def _mlp_saves(self, attention_saves: bool) -> bool:
+        """Whether the MLP's call saves for backward (as its own agreement would find): its input
+        ``mlp_norm(h)`` needs a gradient where the attention's call saves (its input or weights
+        need one) or the norm's or the MLP's weights do."""
+        return attention_saves or torch.is_grad_enabled() and any(
+            p.requires_grad for m in (self.mlp_norm, self.mlp) for p in m.parameters())
+
+    def _mlp(self, z: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.mlp, OverlapMoE) or self.sequence_parallel:
+            return self.mlp(z)
+        B, S, H = z.shape  # replicated tokens: each rank routes its share once
+        y = self.mlp(split_tokens(z.reshape(B * S, H), self.group).unsqueeze(0))
+        return gather_tokens(y.squeeze(0), self.group, B * S).view(B, S, H)
+
+    def to_dense(self) -> dict:
+        """``{"attn_norm": {weight, bias}, "attention": ..., "mlp_norm": ..., "mlp": ...}``: the
+        sublayers' ``to_dense()`` and the norms' full tensors. A collective."""
+        def norm(n):
+            return {k: None if p is None else _full(p).detach().clone() for k, p in (("weight", n.weight),
+                                                                                     ("bias", n.bias))}
+        return {"attn_norm": norm(self.attn_norm), "attention": self.attention.to_dense(),
+                "mlp_norm": norm(self.mlp_norm), "mlp": self.mlp.to_dense()}
+
+    def _dtensor_input_placements(self) -> tuple:
+        """[Note: DTensor inputs] (``planning/dtensor.py``): the sequence shard with sequence
+        parallelism, else replicated."""
+        return (Shard(1),) if self.sequence_parallel else (Replicate(),)
+
+    def extra_repr(self) -> str:
+        return f"sequence_parallel={self.sequence_parallel}, moe={isinstance(self.mlp, OverlapMoE)}"
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _replicate_norms(block: OverlapTransformerBlock, mesh, axis) -> None:
+    """With ``mesh=``: the norms' parameters as Replicate DTensors on the mesh axis, like every
+    replicated parameter of the sublayers."""
+    m = axis_mesh(mesh, axis)
+    for norm in (block.attn_norm, block.mlp_norm):
+        for name in ("weight", "bias"):
+            p = getattr(norm, name)
+            if p is not None:
+                setattr(norm, name, nn.Parameter(DTensor.from_local(p.data, m, [Replicate()], run_check=False)))

@@ -1,0 +1,70 @@
+"""The layers' activations (the MLP's and the MoE experts'): :func:`act` and :func:`act_backward`,
+SwiGLU through its fused kernels (:mod:`overlap_layers.kernels.swiglu`), also where autograd
+records it (:func:`swiglu_recorded`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...kernels.swiglu import fused_available, swiglu, swiglu_backward
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``h`` recorded by autograd with the fused kernels both ways (first derivatives only)."""
+
+    @staticmethod
+    def forward(ctx, pre_MI):
+        ctx.save_for_backward(pre_MI)
+        return swiglu(pre_MI)
+
+    @staticmethod
+    def backward(ctx, dh_MF):
+        (pre_MI,) = ctx.saved_tensors
+        return swiglu_backward(pre_MI, dh_MF.contiguous())[0]
+
+
+def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
+    """``h`` for a region autograd records: fused where
+    :func:`~overlap_layers.kernels.swiglu.fused_available`, else the eager formula (which also
+    supports higher derivatives)."""
+    if fused_available(pre_MI):
+        return _SwiGLU.apply(pre_MI)
+    gate, up = pre_MI.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+
+
+def act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(pre); swiglu runs fused on CUDA (``kernels/swiglu.py``), without autograd on the first ``rows``
+    rows only where given (a count on the device; the other rows are then unwritten)."""
+    if kind == "swiglu":
+        if torch.is_grad_enabled() and pre_MI.requires_grad:
+            return swiglu_recorded(pre_MI)
+        return swiglu(pre_MI, rows)
+    if kind == "gelu":
+        return F.gelu(pre_MI)
+    return F.relu(pre_MI)
+
+
+def act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Optional[torch.Tensor] = None,
+                  h_out: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None):
+    """``(d(loss)/d(pre), act(pre))`` given d(loss)/d(act(pre)): the backward also hands back the
+    activation the weight gradient of fc2 needs (for swiglu both come from one fused pass). The
+    first into ``out`` if given, which may be ``pre_MI`` (overwritten only after it is read), the
+    second into ``h_out`` if given. ``rows``: as :func:`act`'s (swiglu's fused kernel then leaves
+    the rows past it unwritten; the others compute every row)."""
+    if kind == "swiglu":
+        return swiglu_backward(pre_MI, dh_MF, out, h_out, rows)
+    aten, gelu = torch.ops.aten, kind == "gelu"
+    if h_out is None:
+        act = F.gelu(pre_MI) if gelu else F.relu(pre_MI)
+    else:  # before ``out``, which may be pre_MI, is written
+        act = aten.gelu.out(pre_MI, out=h_out) if gelu else torch.clamp(pre_MI, min=0, out=h_out)
+    if out is None:
+        return (aten.gelu_backward(dh_MF, pre_MI) if gelu else aten.threshold_backward(dh_MF, pre_MI, 0)), act
+    return (aten.gelu_backward.grad_input(dh_MF, pre_MI, grad_input=out) if gelu
+            else aten.threshold_backward.grad_input(dh_MF, pre_MI, 0, grad_input=out)), act

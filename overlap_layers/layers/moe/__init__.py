@@ -1,0 +1,5 @@
+"""The expert-parallel MoE (:class:`~.layer.OverlapMoE`): routing, the rank-chunk and device
+paths, the combine, and its cost model."""
+from .layer import OverlapMoE
+
+__all__ = ["OverlapMoE"]
