@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --profile: every rank writes its trace (rank r > 0: <name>_rank<r>.json)")
     p.add_argument("--sample-stacks", default=None, metavar="DIR",
                    help="sample every thread's Python stack every 20 ms on every rank; each writes "
-                        "DIR/stacks_rank<r>.txt: where one stack held 0.15 s or more (bench/stacks.py) "
+                        "DIR/stacks_rank<r>.txt: where one stack held 0.15 s or more (overlap_layers/bench/stacks.py) "
                         "(default: no sampling)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="the JSON file (default: bench/results/<layers>_tp<N>_<link>_<device>x<count>_<date>_<time>"
@@ -198,7 +198,7 @@ def parse_args(argv=None):
 def _main(device: torch.device, args) -> None:
     if not args.sample_stacks:
         return _grid(device, args)
-    sampler = StackSampler()  # where the hosts stall (bench/stacks.py)
+    sampler = StackSampler()  # where the hosts stall (overlap_layers/bench/stacks.py)
     try:
         with sampler:
             _grid(device, args)

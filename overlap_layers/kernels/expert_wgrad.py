@@ -60,7 +60,7 @@ try:
 except ImportError:  # CPU installs: the torch path
     triton = None
 
-_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine configurations on H200 (bench/expert_wgrad_probe.py)
+_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3  # the fastest of nine configurations on H200 (bench/probes/expert_wgrad_probe.py)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,

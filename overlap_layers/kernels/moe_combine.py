@@ -145,7 +145,7 @@ def weigh_backward_into_reference(rows: torch.Tensor, weights: torch.Tensor, dy:
 def _block(H: int, k: int) -> int:
     """Columns per step: up to 2048, and at most 16384 elements of a token's k rows at once (wide
     steps: qwen3-30b-a3b's rows, k 8 and H 2048, run more than twice as fast with 2048 columns as
-    with 512; ``bench/moe_backward_probe.py``)."""
+    with 512; measured: see docs/measurements.md, MoE)."""
     return max(16, min(triton.next_power_of_2(H), 2048, 16384 // triton.next_power_of_2(k)))
 
 

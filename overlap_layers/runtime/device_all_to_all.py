@@ -74,7 +74,7 @@ place, and in its backward after the last push). The price is that a call's ``se
 gone once peers have pushed: nothing may read a peer row's input from ``send`` after ``ready``,
 except the pulls. The workspace holds ``buffer_rows`` rows once instead of twice: at
 qwen3-30b-a3b's shape (EP 4, 8192 tokens per rank, top 8, hidden 2048, bf16) 472 MiB instead of
-944 (``bench/moe_memory_probe.py``).
+944 (``bench/probes/moe_memory_probe.py``).
 """
 from __future__ import annotations
 
