@@ -424,6 +424,7 @@ def run(device: torch.device, args) -> None:
             if rec["ms"] is not None and peak:
                 rec["mfu"] = rec["flops_per_step"] / (rec["ms"] / 1e3) / (peak * 1e12 * args.world)
             records.append(rec)
+            torch._dynamo.reset()  # compiled code holds its model's parameters until reset
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

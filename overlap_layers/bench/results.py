@@ -86,7 +86,7 @@ def meta(kind: str, backend: str, world_size: int, cuda: bool, command: str, **e
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=command, device=torch.cuda.get_device_name() if cuda else "cpu",
                gpu_count=world_size if cuda else 0, world_size=world_size, backend=backend,
-               link=link(backend, world_size), torch=torch.__version__, cuda=torch.version.cuda,
+               link=link(backend, world_size), torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
                nccl=nccl, triton=_triton_version(),
                nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"))  # read by older tools
     out.update(extra)
