@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import os
 import shlex
@@ -51,13 +50,14 @@ import torch
 import torch.distributed as dist
 
 from ..launch import run_ranks
+from . import results
 from .models import hf as hf_models
 from .models import titan
 from .models.presets import HF_MODELS, MODELS, preset_for
 from .models.variants import (ALIASES, COMPILED, EAGER, OPTIMIZERS, VARIANTS, Env, Skip, applies, build,
                               disable_async_tp, display_name, loss_value, mean_over, optimizer)
+from .runner import Progress
 
-SCHEMA_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -211,15 +211,6 @@ def flops_per_token(dense: torch.nn.Module, p, seq: int) -> tuple:
     return 6 * active + 12 * p.layers * p.heads * p.head_dim * seq, total, active
 
 
-def _link(backend: str, world: int) -> str:
-    if backend == "gloo":
-        return "gloo"
-    if world == 1:
-        return "single"
-    v = os.environ.get("NCCL_P2P_DISABLE")
-    return "p2p_off" if v is not None and v.strip().lower() not in ("", "0", "false", "no", "off") else "nvlink"
-
-
 def _version(mod: str) -> Optional[str]:
     try:
         return __import__(mod).__version__
@@ -229,21 +220,11 @@ def _version(mod: str) -> Optional[str]:
 
 def meta_of(args, device: torch.device, peak: Optional[float], impls: dict) -> dict:
     """The result file's ``meta`` (``bench/results/schema.json``, kind "model")."""
-    cuda = device.type == "cuda"
-    backend = dist.get_backend()
-    nccl = None
-    if cuda:
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
     moe_impl = [v["experts_implementation"] for v in impls.values() if v.get("experts_implementation")]
-    return dict(
-        schema_version=SCHEMA_VERSION, kind="model",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=shlex.join(["python", "-m", "overlap_layers.bench.model", *args.argv]),
-        device=torch.cuda.get_device_name(device) if cuda else "cpu",
-        gpu_count=args.world if cuda else 0, world_size=args.world, backend=backend,
-        link=_link(backend, args.world), torch=torch.__version__, cuda=torch.version.cuda, nccl=nccl,
-        triton=_version("triton"), transformers=_version("transformers") if impls else None,
+    return results.meta(
+        "model", dist.get_backend(), args.world, device.type == "cuda",
+        shlex.join(["python", "-m", "overlap_layers.bench.model", *args.argv]),
+        transformers=_version("transformers") if impls else None,
         attn_implementation=hf_models.ATTN_IMPLEMENTATION if impls else None,
         experts_implementation=moe_impl[0] if moe_impl else None, hf_implementations=impls,
         tp=args.tp, dp=args.dp, dtype=args.dtype, peak_tflops=peak, seed=args.seed, lr=args.lr,
@@ -257,28 +238,6 @@ def meta_of(args, device: torch.device, peak: Optional[float], impls: dict) -> d
 
 
 # ---------------------------------------------------------------------------- one variant
-class _Bar:
-    """A tqdm bar on rank 0's stderr, or nothing (tqdm missing, --no-progress, other ranks)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
-
-    def step(self, desc: str, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.set_description(desc, refresh=False)
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _batch(args, p, step: int, dp_rank: int, device) -> tuple:
     g = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * 1009 + dp_rank)
     data = torch.randint(0, p.vocab, (args.batch, args.seq + 1), generator=g).to(device)
@@ -290,7 +249,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_group, bar: _Bar) -> dict:
+def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_group, bar: Progress) -> dict:
     """Build and train one variant; its record (``error`` set where it was skipped or failed, on
     every rank alike)."""
     device, cuda = env.device, env.cuda
@@ -331,7 +290,8 @@ def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_grou
             times.append(time.perf_counter() - t0)
             hosts.append(host)
             losses.append(loss_value(loss).detach().float().reshape(()))
-            bar.step(f"{model_name}/{name}")
+            bar.mode(f"{model_name}/{name}")
+            bar.advance()
         if counter is not None:
             rec["fused_ops"] = counter.counts()
             if rec["fused_ops"] is None:
@@ -350,7 +310,8 @@ def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_grou
     if failed.item():
         rec["error"] = err or "failed on another rank"
         rec["notes"].append(rec["error"])
-        bar.step(f"{model_name}/{name}", total - len(times))
+        bar.mode(f"{model_name}/{name}")
+        bar.advance(total - len(times))
         del built, opt
         return rec
     t = torch.tensor([times, hosts], dtype=torch.float64, device=device)
@@ -404,8 +365,8 @@ def run(device: torch.device, args) -> None:
         f"{args.seq}, {args.warmup} warm-up + {args.steps} timed steps per variant", flush=True)
     say(f"peak bf16 GEMM: {peak:.1f} TFLOP/s per GPU (8192^3, measured now)" if peak else
         "peak: not measured on CPU (MFU reported as null)", flush=True)
-    bar = _Bar(sum(applies(v, args.presets[m].moe) for m in args.model for v in args.variants)
-               * (args.warmup + args.steps), rank == 0 and not args.no_progress)
+    bar = Progress(sum(applies(v, args.presets[m].moe) for m in args.model for v in args.variants)
+                   * (args.warmup + args.steps), rank == 0 and not args.no_progress, delay_s=0.0, unit="step")
     records, impls = [], {}
     for model_name in args.model:
         p = args.presets[model_name]

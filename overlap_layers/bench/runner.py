@@ -181,7 +181,7 @@ class Progress:
     shown), only where ``enabled`` (the CLI: global rank 0), and only once the run has taken
     ``delay_s`` (a short run prints just its table)."""
 
-    def __init__(self, total: int, enabled: bool = True, delay_s: float = 3.0):
+    def __init__(self, total: int, enabled: bool = True, delay_s: float = 3.0, unit: str = "pass"):
         self._bar = None
         if not enabled:
             return
@@ -189,7 +189,7 @@ class Progress:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, unit="pass", file=sys.stderr, delay=delay_s, leave=False,
+        self._bar = tqdm(total=total, unit=unit, file=sys.stderr, delay=delay_s, leave=False,
                          dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
     def mode(self, text: str) -> None:
@@ -197,10 +197,10 @@ class Progress:
         if self._bar is not None:
             self._bar.set_description_str(text, refresh=False)
 
-    def advance(self) -> None:
-        """One pass of one shape done."""
+    def advance(self, n: int = 1) -> None:
+        """``n`` units done (passes of a shape; steps of the whole-model benchmark)."""
         if self._bar is not None:
-            self._bar.update(1)
+            self._bar.update(n)
 
     def close(self) -> None:
         if self._bar is not None:
