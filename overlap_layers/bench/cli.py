@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-calls", action="store_true",
                    help="CUDA: the layers' config.graph_calls (their calls replay CUDA graphs they capture "
                         "themselves, forward and backward; moe: calls without aux loss, with their sizes on the "
-                        "device)")
+                        "device). The reference modes (asynctp, compute, comm) still run eagerly, so their "
+                        "ratios are not like for like: use --graphs for a grid of replays in every mode, or "
+                        "neither for an eager one (moe)")
     p.add_argument("--sm-carveout", type=int, default=None, metavar="SMS",
                    help="the layers' config.sm_carveout (default: an eighth of the SMs where planned; 0: never)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
@@ -374,7 +376,8 @@ def format_table(records, meta: Optional[dict] = None) -> str:
     if any(r.get("cuda_graphs") for r in records):
         out.append("Times are CUDA-graph replays (--graphs).")
     if any(r.get("graph_calls") for r in records):
-        out.append("The layers replay CUDA graphs of their own calls (--graph-calls).")
+        out.append("The layers replay CUDA graphs of their own calls (--graph-calls); asynctp, compute and comm "
+                   "run eagerly, so ratios to them are not like for like.")
     return "\n".join(out)
 
 
