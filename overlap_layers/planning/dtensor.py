@@ -90,7 +90,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -112,13 +112,19 @@ class Layout:
 
 
 def local(p: Optional[torch.Tensor], flat_shape: Optional[tuple] = None,
-          rows: Optional[slice] = None) -> Optional[torch.Tensor]:
-    """The flat local tensor the layers compute with ([Note: DTensor parameters]): ``p`` itself if
-    plain (or None); for a DTensor its differentiable ``to_local()``, sliced to ``rows`` or viewed
-    as ``flat_shape``. A view: no copy, and gradients flow back to ``p`` as DTensors."""
-    if p is None or not isinstance(p, DTensor):
+          rows: Optional[slice] = None, reduce: Optional[Callable] = None) -> Optional[torch.Tensor]:
+    """The flat local tensor the layers compute with ([Note: DTensor parameters]): for a DTensor
+    parameter its differentiable ``to_local()`` (for a plain one, itself: a layer's own plain
+    parameters, or the local tensors a compiled call substitutes for its DTensors), sliced to
+    ``rows`` or viewed as ``flat_shape``; None stays None. A view: no copy, and gradients flow back
+    to ``p`` (as DTensors for a DTensor). ``reduce`` (an identity whose backward sums the gradient,
+    [Note: gradients complete in backward] in ``layers/common/grads.py``) wraps the whole local
+    tensor, before ``rows`` are taken."""
+    if p is None:
         return p
-    t = p.to_local()
+    t = p.to_local() if isinstance(p, DTensor) else p
+    if reduce is not None:
+        t = reduce(t)
     if rows is not None:
         return t[rows]
     if flat_shape is not None and tuple(t.shape) != flat_shape:

@@ -90,6 +90,7 @@ from ...runtime import resolve_group
 from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.exchange import block_tag
 from ...schedule import TileProgram, round_robin
+from ..common.grads import sum_grads_in_backward
 from ..common.init import init_linear_
 from ..common.rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
@@ -526,6 +527,10 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self._init_layer(self.config, mesh, axis)
+        # the rank's heads / rows only: [Note: gradients complete in backward]
+        sum_grads_in_backward(self, ("q_norm", "k_norm", "bo") if self.sequence_parallel else ("q_norm", "k_norm"))
+        if num_kv_heads < ws:  # each KV head's copies
+            sum_grads_in_backward(self, ("wk", "wv", "bk", "bv"), copies=(num_kv_heads, self._kv_heads().start))
 
     def _init_caches(self) -> None:
         self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first (from the planning's model)

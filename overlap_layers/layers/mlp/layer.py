@@ -56,6 +56,7 @@ from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
 from ..common.activations import ACTIVATIONS, act, act_backward
+from ..common.grads import sum_grads_in_backward
 from ..common.cost import MLPCostModel
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  row_forward, weight_grad)
@@ -249,6 +250,8 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         self._init_layer(self.config, mesh, axis)
+        if self.sequence_parallel:  # the rank's rows only: [Note: gradients complete in backward]
+            sum_grads_in_backward(self, ("b_out",))
 
     # ----------------------------------------------------------------- weights
     def _dense_in_rows(self) -> int:
