@@ -98,12 +98,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
 from ..layers.attention.common import is_causal_mask
 from ..runtime import resolve_group
-from .hf import parse_plan, Unswappable, check_swap_args, replace_modules
+from .dtensor import distribute_params, local_arguments, tp_mesh
+from .hf import Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules
 
 logger = logging.getLogger(__name__)
 
@@ -208,11 +210,14 @@ def megatron_dense(module, get=None) -> dict:
 
 
 def _copy_tp_attrs(src: Optional[torch.Tensor], dst: Optional[torch.Tensor]) -> None:
+    """Megatron's tensor-parallel attributes of ``src`` onto ``dst``, but ``sequence_parallel``
+    false: our parameters' gradients are complete when backward returns ([Note: Megatron
+    gradients]), so Megatron's ``finalize_model_grads`` must not sum them again."""
     if src is None or dst is None:
         return
     for a in _TP_ATTRS:
         if hasattr(src, a):
-            setattr(dst, a, getattr(src, a))
+            setattr(dst, a, False if a == "sequence_parallel" else getattr(src, a))
 
 
 # ---------------------------------------------------------------------------- adapters
@@ -486,7 +491,7 @@ def _build_mlp(module, group, opts, M) -> nn.Module:
     meg_tp = _tp_size(fc1)
     w = megatron_dense(module)
     sp = bool(cfg.sequence_parallel) and meg_tp > 1
-    layer = OverlapMLP.from_dense(w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"], group=group,
+    layer = OverlapMLP.from_dense(w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"], **on(group),
                                   sequence_parallel=sp, activation=act, **opts)
     if meg_tp > 1:  # [Note: Megatron weights]: the same shards as Megatron's, the same attributes
         for src, dst in ((fc1.weight, layer.w_in), (fc1.bias, layer.b_in), (fc2.weight, layer.w_out),
@@ -521,7 +526,7 @@ def _build_attention(module, group, opts, M) -> nn.Module:
                                f"partials would need a reduction Megatron's finalize_model_grads does not do for the "
                                f"swapped parameters)")
     nq, ng = cfg.num_attention_heads, cfg.num_query_groups
-    ws = dist.get_world_size(group)
+    ws = dist.get_world_size(group_of(group))
     if ng < ws:
         raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
                            f"gradient partials Megatron does not reduce)")
@@ -534,7 +539,7 @@ def _build_attention(module, group, opts, M) -> nn.Module:
     sp = bool(cfg.sequence_parallel) and meg_tp > 1
     layer = OverlapAttention.from_dense(
         w["wq"], w["wk"], w["wv"], w["wo"], num_heads=nq, num_kv_heads=ng, bq=w["bq"], bk=w["bk"], bv=w["bv"],
-        bo=w["bo"], group=group, sequence_parallel=sp, rope_theta=None, causal=True, softmax_scale=cfg.softmax_scale,
+        bo=w["bo"], **on(group), sequence_parallel=sp, rope_theta=None, causal=True, softmax_scale=cfg.softmax_scale,
         dropout_p=float(cfg.attention_dropout), **opts)
     if meg_tp > 1:
         for src, dst in ((qkv.weight, layer.wq), (qkv.weight, layer.wk), (qkv.weight, layer.wv),
@@ -613,7 +618,7 @@ def _check_group(module, kind, group) -> None:
 
 # ---------------------------------------------------------------------------- swap
 def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
-         config: Optional[OverlapConfig] = None, block: bool = False) -> nn.Module:
+         config: Optional[OverlapConfig] = None, block: bool = False, dtensor: bool = True) -> nn.Module:
     """Replace, in place, the ``MLP`` and ``SelfAttention`` modules of a megatron-core (0.16) GPT
     model (local spec) with the overlap layers over ``group`` (or ``mesh`` + ``axis``), carrying
     the weights; returns ``model``. See the module docstring for what is recognised, how the
@@ -630,9 +635,18 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     Warnings (``UserWarning``) for recognised modules that cannot be replaced and for unknown
     MLP / attention / MoE look-alikes (Megatron's MoELayer, MLA, Transformer Engine modules).
     Every replacement is built before the first is put in, so an error leaves the model as it was.
-    A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
+    A collective over Megatron's TP group (the weights are gathered): call it on every rank.
+
+    ``dtensor=True`` (the default): every parameter of the model becomes a DTensor on the
+    tensor-parallel mesh axis ([Note: Megatron DTensor parameters]), so the ordinary torch loop
+    (``backward``, ``clip_grad_norm_``, any torch optimizer) gives the dense model's result.
+    ``dtensor=False`` keeps plain tensors with Megatron's attributes, for Megatron's own training
+    loop (its DDP, ``finalize_model_grads``, distributed optimizer and grad clipping)."""
     check_swap_args(model, block, config, "a megatron-core model")
     group = resolve_group(group, mesh, axis)
+    if not isinstance(dtensor, bool):
+        raise ValueError(f"dtensor={dtensor!r}; must be True (DTensor parameters) or False (plain)")
+    place = tp_mesh(None if mesh is not None else group, mesh, axis, model) if dtensor else group
     rules = parse_plan(plan, block)
     M = _megatron()
     known = {"mlp": (M["MLP"],), "attention": (M["SelfAttention"],), "moe": ()}
@@ -655,12 +669,39 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
         replace_modules(model, group, None if rules is None else [r for r in rules if r[1] in ("block", None)],
                         config, kind_of=lambda m: "block" if type(m) is M["TransformerLayer"] else None,
                         lookalike=lambda m: "block" if type(m).__name__.endswith("TransformerLayer") else None,
-                        build=lambda module, kind, opts: _build_block(module, group, opts, M), ours=_OURS,
+                        build=lambda module, kind, opts: _build_block(module, place, opts, M), ours=_OURS,
                         nothing=None, before_build=check_groups, kinds=("block",), log=logger)
-    replace_modules(model, group, None if rules is None else [r for r in rules if r[1] != "block"], config,
-                    kind_of=kind_of, lookalike=lookalike,
-                    build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts, M), ours=_OURS,
-                    nothing="no recognised megatron-core TransformerLayer / MLP / SelfAttention" if block else
-                    "no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
-                    kinds=("mlp", "attention"), log=logger)
+    replaced, already = replace_modules(
+        model, group, None if rules is None else [r for r in rules if r[1] != "block"], config,
+        kind_of=kind_of, lookalike=lookalike,
+        build=lambda module, kind, opts: _BUILDERS[kind](module, place, opts, M), ours=_OURS,
+        nothing="no recognised megatron-core TransformerLayer / MLP / SelfAttention" if block else
+        "no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
+        kinds=("mlp", "attention"), log=logger)
+    swapped = any(replaced.values()) or already or any(isinstance(m, MegatronBlock) for m in model.modules())
+    if dtensor and swapped:
+        distribute_params(model, mesh=place, placement=_placement(place))
+        for m in model.modules():  # GPTModel hands the shared embedding weight to its output layer
+            if getattr(m, "share_embeddings_and_output_weights", False) and hasattr(m, "output_layer"):
+                local_arguments(m.output_layer, ("weight",))
+        logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
     return model
+
+
+def _placement(mesh):
+    """[Note: Megatron DTensor parameters]: the placement of a Megatron parameter outside the
+    swapped layers, and whether its gradient is summed inside backward."""
+    ranks = mesh.mesh.flatten().tolist()
+
+    def placement(module, name, p):
+        tp = getattr(module, "tp_group", None)
+        if getattr(p, "tensor_model_parallel", False) and tp is not None and dist.get_world_size(tp) > 1:
+            if list(dist.get_process_group_ranks(tp)) != ranks:
+                raise ValueError(f"{type(module).__name__}.{name} is sharded over Megatron's tensor-parallel group "
+                                 f"{list(dist.get_process_group_ranks(tp))}, not the swap's group {ranks}")
+            return Shard(p.partition_dim), False
+        if getattr(p, "sequence_parallel", False):  # a norm under sequence parallelism: the rank's positions
+            p.sequence_parallel = False  # summed inside backward: not by Megatron's finalize_model_grads again
+            return Replicate(), True
+        return Replicate(), False
+    return placement
