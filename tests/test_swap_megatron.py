@@ -147,7 +147,8 @@ def compare(ref, model, errs, group):
         for attr in ("weight", "bias"):
             want = getattr(refs[name], attr, None)
             if want is not None:
-                errs[f"{name}.{attr}"] = 0.0 if torch.equal(full(getattr(ours, attr)), want) else 1.0
+                got = full(getattr(ours, attr))
+                errs[f"to_dense {name}.{attr}"] = 0.0 if torch.equal(got, want) else 1.0 + rel(got, want)
                 errs[f"grad {name}.{attr}"] = rel(getattr(ours, attr).grad, want.grad)
                 checked.add(id(want))
     for name, layer in layers:
