@@ -177,3 +177,32 @@ def test_fsdp2_dp_by_tp_standard_loop_equals_dense(pool4, family, foreach):
         assert res["meshes"] == {("dp", "tp")}, res["meshes"]  # every parameter on the 2-D mesh
         bad = {k: v for k, v in res["errs"].items() if not v < TOL}
         assert not bad, f"rank {rank}: {bad}"
+
+
+# ------------------------------------------------------------------ the example
+def test_example_train_fsdp_dcp():
+    """``examples/train_fsdp_dcp.py`` on its CPU paths (it starts its gloo ranks itself): tp=2 on 2
+    ranks, and FSDP2 dp=2 x tp=2 on 4; each exits 0, prints its steps, checkpoints and resumes with
+    the same losses."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    script = os.path.join(root, "examples", "train_fsdp_dcp.py")
+    runs = {"tp2": ["--steps", "4"], "fsdp_dp2_tp2": ["--steps", "4", "--nprocs", "4", "--fsdp"]}
+    procs = {name: subprocess.Popen([sys.executable, script, *a], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, a in runs.items()}
+    for name, p in procs.items():
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        assert p.returncode == 0, f"{name}:\n{out[-3000:]}{err[-3000:]}"
+        assert len([ln for ln in out.splitlines() if ln.startswith("step")]) == 4, out
+        assert len([ln for ln in out.splitlines() if ln.startswith("resumed step")]) == 2, out
+        assert "saved" in out and "resumed losses match" in out, out
+        assert ("dp=2 x tp=2" if name.startswith("fsdp") else "tp=2") in out, out
