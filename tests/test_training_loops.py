@@ -20,7 +20,6 @@ by ``distribute_params``). Then DCP (save and reload into the same layout, into 
 the meta device, and into tensor parallelism 4) and FSDP2 over a (dp=2, tp=2) mesh.
 """
 import copy
-import math
 
 import pytest
 import torch
@@ -291,7 +290,7 @@ def blocks_loop(rank, ws, sp, foreach):
     head and converted by ``distribute_params``. The dense reference: block_reference's formulas
     on the blocks' dense weights (and the same embedding and head), in this process."""
     from torch.distributed.device_mesh import DeviceMesh
-    from block_reference import D, E, EPS, F, H, NKV, NQ, THETA, TOPK, dense_block
+    from block_reference import E, EPS, F, H, NKV, NQ, THETA, TOPK, dense_block
     from overlap_layers import OverlapTransformerBlock, distribute_params
     torch.manual_seed(5)
     kw = dict(num_kv_heads=NKV, norm_eps=EPS, rope_theta=THETA, num_tiles=2, dtype=torch.float64,

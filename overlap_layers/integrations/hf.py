@@ -1,9 +1,10 @@
 """Swap the overlap layers into Hugging Face transformers (>= 5) models, in place.
 
 Reference (what a swapped model must equal, up to rounding): the unswapped model, on every rank,
-fed the same batch on every rank of the group -- logits, loss, and after
-``finalize_grads(model)`` every parameter's gradient (the swapped layers' shards equal the
-matching slices of the dense gradients, see their ``to_dense``).
+fed the same batch on every rank of the group -- logits, loss, and, when backward returns, every
+parameter's gradient (the swapped layers' shards equal the matching slices of the dense
+gradients, see their ``to_dense``; with DTensor parameters, the default, every parameter's and
+gradient's ``full_tensor()`` is the dense one).
 
 =========================================  ==============================================================
 HF module (transformers 5)                 replaced by
@@ -23,7 +24,9 @@ MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside
 =========================================  ==============================================================
 
 Everything else (embeddings, norms outside decoder blocks, the LM head, rotary tables) stays as it
-is and runs replicated.
+is and runs replicated; with DTensor parameters (``dtensor=True``, the default) its parameters are
+``Replicate()`` DTensors it computes on through their local tensors ([Note: DTensor models] in
+``integrations/dtensor.py``).
 """
 from __future__ import annotations
 

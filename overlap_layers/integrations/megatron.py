@@ -2,9 +2,10 @@
 
 Reference (what a swapped model must equal, up to rounding): the unswapped Megatron model on
 the same ranks and inputs -- its outputs, and every parameter's gradient after the sequence-
-parallel reduction Megatron does anyway (see [Note: Megatron gradients]); the swapped layers'
-shards equal the matching slices of the dense gradients (their ``to_dense``), and ``to_dense()``
-of a swapped layer equals :func:`megatron_dense` of the module it replaced.
+parallel reduction Megatron's finalize_model_grads does for the unswapped model, with no call
+after backward for the swapped one (see [Note: Megatron gradients]); the swapped layers' shards
+equal the matching slices of the dense gradients (their ``to_dense``), and ``to_dense()`` of a
+swapped layer equals :func:`megatron_dense` of the module it replaced.
 
 =====================================================  ==============================================
 megatron-core module (local spec)                      replaced by
@@ -39,14 +40,15 @@ our layers with ``from_dense`` over ``group``. Two set-ups are supported:
 * Megatron TP = tp > 1: ``group`` must hold exactly the ranks of Megatron's TP group, in the same
   order (else ``ValueError``); each rank then holds the same rows as before (no weight moves
   between ranks; the gather is only how ``from_dense`` is fed). Our parameters get Megatron's
-  tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``,
-  ``sequence_parallel``) copied from the parameters they replace, so Megatron's grad-norm clipping
-  and ``finalize_model_grads`` treat them like the originals.
+  tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``)
+  copied from the parameters they replace, so Megatron's grad-norm clipping treats them like the
+  originals; ``sequence_parallel`` is false on them ([Note: Megatron gradients]).
 * Megatron TP = 1 (full weights on every rank) and ``group`` any group: the replicated weights are
   sharded over ``group``; the ranks of ``group`` must be fed the same batch (the hidden states are
   replicated over ``group``, as in the Hugging Face swap). Megatron knows nothing of ``group``:
   its data-parallel wrapper must not average over ranks of ``group`` (they hold different
-  shards), and its grad-norm clipping sees only local shards. No Megatron attributes are set.
+  shards), and its grad-norm clipping sees only local shards (use the DTensor parameters and
+  ``torch.nn.utils.clip_grad_norm_``). No Megatron attributes are set.
 
 Layouts: the gathered ``linear_fc1`` is ``[gate_0; up_0; gate_1; up_1; ..]`` (per Megatron rank,
 ``stride=2``), de-interleaved into gate rows then up rows; the gathered ``linear_qkv`` is, per
@@ -71,16 +73,32 @@ freqs are ``cat(f, f)`` -- exactly our rotate-half convention -- so the adapter 
 run time, on every rank). ``no_rope_freq`` layers get no RoPE, as in Megatron.
 
 [Note: Megatron gradients]
-The only swapped parameters whose gradient is a per-rank partial are the output biases under
-sequence parallelism (``b_out``, ``bo``: only the rank's own rows) and a swapped block's norms
-under sequence parallelism -- exactly like Megatron's own row-parallel biases and norms, whose
-``sequence_parallel`` attribute they carry. (q/k norms and KV heads
-replicated over the group, the other partials of :class:`OverlapAttention`, are refused at swap.)
-Sum them with **exactly one** of: Megatron's ``finalize_model_grads`` (it sums parameters with
-``sequence_parallel=True`` over the TP group; what a Megatron training loop calls anyway, and the
-only one that sees gradients after Megatron's DDP moved them to ``main_grad``), or
-:func:`overlap_layers.finalize_grads` (for loops without Megatron's DDP). Both sum the same
-parameters; calling both double-counts them.
+The swapped parameters whose rank computes only part of the gradient -- the output biases under
+sequence parallelism (``b_out``, ``bo``: the rank's own rows) and a swapped block's norms under
+sequence parallelism, like Megatron's own row-parallel biases and norms -- are summed over the
+group inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``):
+their gradients are complete when backward returns, and they carry ``sequence_parallel=False``,
+so Megatron's ``finalize_model_grads`` (which sums parameters tagged ``sequence_parallel``) does
+not sum them again. (q/k norms and KV heads replicated over the group are refused at swap.)
+Megatron's own parameters keep their tags with ``dtensor=False``: its ``finalize_model_grads``
+sums its norms as before. With DTensor parameters (the default) they are summed inside backward
+too ([Note: Megatron DTensor parameters]).
+
+[Note: Megatron DTensor parameters]
+``swap(..., dtensor=True)`` (the default) makes every parameter of the model a DTensor on the
+tensor-parallel mesh axis (:func:`overlap_layers.distribute_params`, [Note: DTensor models] in
+``integrations/dtensor.py``): ours in the layers' placements; Megatron's tensor-parallel shards
+outside the swapped layers (``VocabParallelEmbedding``, the output ``ColumnParallelLinear``:
+``tensor_model_parallel`` with a tensor-parallel group of more than one rank, which must be the
+swap's group) ``Shard(partition_dim)``, whose ``full_tensor()`` is the concatenation of
+Megatron's shards; every other one ``Replicate()``, and a parameter tagged ``sequence_parallel``
+(a norm under sequence parallelism) reads its local tensor through an identity that sums its
+gradient over the group inside backward (its tag is cleared). Megatron's modules compute on the
+local tensors, exactly as before; a model sharing its embedding with its output layer hands the
+output layer the embedding's local tensor. The ordinary torch loop (``backward``,
+``torch.nn.utils.clip_grad_norm_``, a torch optimizer) then gives the dense model's result.
+Megatron's own ``DistributedDataParallel``, distributed optimizer and distributed checkpointing
+take plain tensors: use ``dtensor=False`` with them.
 
 Swap the bare model, before Megatron's ``DistributedDataParallel`` / ``Float16Module`` and the
 optimizer are built (they capture parameters). Megatron's distributed checkpointing does not know
@@ -393,10 +411,10 @@ class MegatronBlock(_RopeAdapter):
     ``[s, b, h]`` rows, the attention on the transposed view, the MLP on the ``[1, s*b, h]`` view.
     Swapped only where Megatron's layer is exactly that block: no cross-attention, no hidden
     dropout (``hidden_dropout=0``: Megatron's bias-dropout-add is then a plain residual add), no
-    residual after the layernorm, no fp32 residual, torch LayerNorm / RMSNorm norms. The norms'
-    weights keep Megatron's ``sequence_parallel`` attribute, so its ``finalize_model_grads`` (or
-    :func:`overlap_layers.finalize_grads`, not both) sums their per-rank partials. Rejected calls:
-    as :class:`MegatronAttention`, and ``context`` / ``padding_mask``.
+    residual after the layernorm, no fp32 residual, torch LayerNorm / RMSNorm norms. Under sequence
+    parallelism the norms' gradients are summed over the group inside backward, so their
+    ``sequence_parallel`` attribute is false ([Note: Megatron gradients]). Rejected calls: as
+    :class:`MegatronAttention`, and ``context`` / ``padding_mask``.
     """
 
     def __init__(self, block: OverlapTransformerBlock, *, layer_number: int = 1, no_rope: bool = False,
@@ -522,14 +540,13 @@ def _build_attention(module, group, opts, M) -> nn.Module:
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(module, name, None)
         if norm is not None and not isinstance(norm, M["IdentityOp"]):
-            raise Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (its per-rank gradient "
-                               f"partials would need a reduction Megatron's finalize_model_grads does not do for the "
-                               f"swapped parameters)")
+            raise Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (Megatron's norm "
+                               f"modules are not mapped to OverlapAttention's qk-norm)")
     nq, ng = cfg.num_attention_heads, cfg.num_query_groups
     ws = dist.get_world_size(group_of(group))
     if ng < ws:
-        raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
-                           f"gradient partials Megatron does not reduce)")
+        raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group are not "
+                           f"swapped into Megatron models)")
     if (qkv.bias is None) != (proj.bias is None):
         raise Unswappable("only one of linear_qkv / linear_proj has a bias (add_qkv_bias without add_bias_linear); "
                            "OverlapAttention takes all biases or none")
@@ -623,8 +640,8 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     model (local spec) with the overlap layers over ``group`` (or ``mesh`` + ``axis``), carrying
     the weights; returns ``model``. See the module docstring for what is recognised, how the
     weights are carried ([Note: Megatron weights]: ``group`` must be Megatron's TP group when its
-    TP > 1) and which gradients need the usual sequence-parallel reduction
-    ([Note: Megatron gradients]).
+    TP > 1) and how the gradients are complete when backward returns ([Note: Megatron
+    gradients]).
 
     ``plan`` and ``config`` work as in the Hugging Face swap (patterns on qualified names such as
     ``"decoder.layers.*.mlp"``; kinds ``"mlp"`` and ``"attention"``, and ``"block"`` with

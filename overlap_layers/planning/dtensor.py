@@ -39,13 +39,15 @@ The forward reads each parameter through ``layer._local(name)`` (:class:`~.plann
 for a DTensor is :func:`local`: ``p.to_local()`` (differentiable) viewed as the flat local
 tensor, or sliced to the rank's rows for a Replicate of a dense tensor; no copies. Autograd
 therefore puts the gradient on the DTensor parameter, as a DTensor with the parameter's
-placements. Replicate gradients hold what the ``group=`` layer's plain gradient holds: the rank's
-*partial* where the layer documents one (``b_out`` under sequence parallelism, ``q_norm`` /
-``k_norm``, ``bo``, the MoE router, replicated KV heads: zero outside the rank's own head), so
-they differ across ranks until :func:`overlap_layers.finalize_grads` sums them (it reduces the
-local tensor of a DTensor gradient in place; for replicated KV heads in the DTensor form, one
-all-reduce of ``wk``, ``wv``, ``bk``, ``bv`` over the whole group, since each rank's gradient is
-zero outside its own head's rows).
+placements. Replicate gradients hold what the ``group=`` layer's plain gradient holds: complete,
+the same on every rank, where the layer sums a rank partial inside backward (``b_out`` / ``bo``
+under sequence parallelism, ``q_norm`` / ``k_norm``, a block's MoE router; [Note: gradients
+complete in backward] in ``layers/common/grads.py``): the identity that sums wraps the whole
+local tensor, so for replicated KV heads, where each rank's gradient is zero outside its own
+head's rows, the sum over the group is the dense gradient on every rank. The data-parallel style
+partials (a bare :class:`OverlapMoE`'s router, :class:`UlyssesAttention`'s parameters) differ
+across ranks until the data-parallel reduction (or ``finalize_grads(data_parallel=True)``) sums
+them.
 
 [Note: DTensor inputs]
 A layer's ``x`` may also be a DTensor on the layer's mesh axis (the 1-D mesh ``axis_mesh(mesh,
@@ -82,9 +84,10 @@ Shard(1) (its sequence shard).
 
 Limits: ``reset_parameters()`` writes the ``group=`` layout and is run before the conversion;
 calling it again on a DTensor layer raises (build a new layer, or load a state dict).
-``torch.optim.AdamW`` (and other foreach / fused optimizers) fail on a parameter group mixing
-DTensors and plain tensors: build the optimizer on :func:`overlap_layers.param_groups` (one group
-each), or keep the other parameters DTensors too (e.g. FSDP2 over the whole model).
+``torch.optim.AdamW`` (and other foreach / fused optimizers) and ``clip_grad_norm_`` fail on a
+parameter group mixing DTensors and plain tensors: make the other parameters DTensors too
+(:func:`overlap_layers.distribute_params`, which ``swap`` applies), or build the optimizer on
+:func:`overlap_layers.param_groups` (one group each).
 """
 from __future__ import annotations
 

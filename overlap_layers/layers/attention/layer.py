@@ -488,11 +488,12 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     Parameters (``group=``): ``wq [nq/ws*d, H]`` (this rank's query heads), ``wk``, ``wv``
     ``[max(nkv/ws, 1)*d, H]`` (the KV heads they read), ``wo [H, nq/ws*d]``, biases ``bq``,
-    ``bk``, ``bv``, ``bo``, and ``q_norm``, ``k_norm`` ``[d]``. Replicated parameters keep *this
-    rank's partial* gradient in ``.grad``: ``bo`` under sequence parallelism (only the rank's own
-    rows contribute), ``q_norm`` / ``k_norm`` (only its heads), and the KV heads when
-    ``num_kv_heads < ws`` (only its query heads read them); sum them over the ranks that share
-    them (:func:`overlap_layers.finalize_grads` does, for every layer in a module).
+    ``bk``, ``bv``, ``bo``, and ``q_norm``, ``k_norm`` ``[d]``. Replicated parameters whose rank
+    computes only part of their gradient -- ``bo`` under sequence parallelism (the rank's own
+    rows), ``q_norm`` / ``k_norm`` (its heads), and the KV heads when ``num_kv_heads < ws`` (its
+    query heads read them) -- have it summed over the ranks that share them inside backward
+    ([Note: gradients complete in backward] in ``layers/common/grads.py``): ``.grad`` is complete
+    when backward returns.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (replicated KV heads: a Replicate of the dense ``wk``...); see
     overlap_layers.planning.dtensor.

@@ -207,10 +207,10 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
 
     Parameters (``group=``): ``w_in [I, H]`` (swiglu: this rank's gate rows, then its up rows),
     ``w_out [H, F/ws]``, ``b_in [I]``, ``b_out [H]`` replicated and added once after the reduction.
-    Under sequence parallelism ``b_out.grad`` holds *this rank's partial* (only its own rows
-    contribute), like Megatron's sequence-parallel parameters: call
-    :func:`overlap_layers.finalize_grads` before the optimizer step. Without sequence
-    parallelism every rank sees every token and ``b_out.grad`` is already complete.
+    Under sequence parallelism only the rank's own rows contribute to ``b_out``'s gradient, like
+    Megatron's sequence-parallel parameters; the layer sums it over the group inside backward
+    ([Note: gradients complete in backward] in ``layers/common/grads.py``), so ``b_out.grad`` is
+    complete when backward returns, as it is without sequence parallelism.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.planning.dtensor.
 
