@@ -83,11 +83,13 @@ def hf_errors(model, dense, what: str) -> dict:
 
 
 def hf_loop(rank, ws, family, build_kw, swap_kw, foreach):
-    from overlap_layers import OverlapConfig, swap
+    from overlap_layers import OverlapConfig, distribute_params, swap
     from test_swap_hf import batch, build
     model = build(family, **build_kw)
     dense = copy.deepcopy(model)
     swap(model, group=dist.group.WORLD, config=OverlapConfig(num_tiles=2), **swap_kw)
+    if swap_kw.get("dtensor") is False:  # plain parameters, converted afterwards
+        distribute_params(model, group=dist.group.WORLD)
     plain = [n for n, p in model.named_parameters() if not _is_dtensor(p)]
     opts = {id(m): _adamw(m.parameters(), foreach) for m in (dense, model)}
     errs = {}
@@ -117,6 +119,9 @@ HF_CASES = {
     "mixtral_block_router": ("mixtral", dict(output_router_logits=True, router_aux_loss_coef=0.1), {"block": True},
                              None),
     "qwen3_moe_foreach": ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False), {}, True),
+    # swap(dtensor=False), then distribute_params: the router's tie to HF's gate follows the conversion
+    "mixtral_plain_then_distribute_params": ("mixtral", dict(output_router_logits=True, router_aux_loss_coef=0.1),
+                                             {"dtensor": False}, None),
 }
 
 

@@ -203,6 +203,7 @@ def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
     tp_ranks = mesh1.mesh.flatten().tolist()
     placement = placement or _replicate
     inside = set()  # modules inside an overlap layer: they handle DTensors themselves
+    replaced: Dict[int, tuple] = {}  # id(an overlap layer's former plain parameter) -> (it, its DTensor)
     for layer in _overlap_layers(model):
         if id(layer) in inside:
             continue
@@ -210,8 +211,8 @@ def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
         if _ranks(layer.group) != tp_ranks:
             raise ValueError(f"{type(layer).__name__} runs over ranks {_ranks(layer.group)}, not the mesh axis' "
                              f"{tp_ranks}: every overlap layer of a model must be on its tensor-parallel group")
-        subs = [m for m in layer.modules() if isinstance(m, PlannedLayer)]
-        for sub in subs:
+        was = {(id(m), n): p for m in layer.modules() for n, p in m._parameters.items() if p is not None}
+        for sub in (m for m in layer.modules() if isinstance(m, PlannedLayer)):
             dts = [p for p in sub.parameters(recurse=False) if isinstance(p, DTensor)]
             if not dts:
                 as_dtensor_params(sub, mesh1)
@@ -219,6 +220,11 @@ def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
                 raise ValueError(f"{type(sub).__name__} holds DTensor parameters on another mesh than {mesh1}")
         if isinstance(layer, OverlapTransformerBlock) and not isinstance(layer.attn_norm.weight, DTensor):
             replicate_norms(layer, mesh1, None)
+        for m in layer.modules():  # a plain parameter replaced: a module outside tied to it follows
+            for n, p in m._parameters.items():
+                old = was.get((id(m), n))
+                if old is not None and old is not p:
+                    replaced[id(old)] = (old, p)
     ours = {id(p) for m in model.modules() if id(m) in inside for p in m.parameters(recurse=False)}
     converted: Dict[int, tuple] = {}  # id(plain parameter) -> (it, its DTensor, complete): ties stay tied
     for module in model.modules():
@@ -228,6 +234,8 @@ def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
+            if id(p) in replaced:  # tied to an overlap layer's parameter (HF's router weight)
+                p = module._parameters[name] = replaced[id(p)][1]
             if id(p) in ours:  # a tied overlap parameter (HF's router weight): computed on locally
                 names[name] = False
             elif isinstance(p, DTensor):  # converted by an earlier call (kept), or not ours (left)
