@@ -203,7 +203,9 @@ class OverlapTransformerBlock(nn.Module):
         positions), and an MoE's router and shared expert in either mode (the rank's tokens of
         sequences every rank of the group holds)."""
         if self.sequence_parallel and dist.get_world_size(self.group) > 1:
-            self.attn_norm.grad_group = self.mlp_norm.grad_group = self.group
+            for norm in (self.attn_norm, self.mlp_norm):
+                if norm.grad_group is not self.group:  # set once: no mutation per call
+                    norm.grad_group = self.group
         if isinstance(self.mlp, OverlapMoE):
             sum_grads_in_backward(self.mlp, ("router_weight", "shared_w_in", "shared_w_out"))
 
