@@ -8,7 +8,8 @@ keeps a dense copy and swaps the overlap layers into the original over the whole
 ranks (EP 2 by default: 2 of 4 experts per rank); each rank routes its share of the tokens and
 the outputs are all-gathered, so every token is computed once. Attention runs tensor parallel.
 The loss includes HF's load-balancing aux loss (``output_router_logits=True``). Both models train
-with AdamW on batches of random tokens (the same on every rank); the losses print side by side.
+with the ordinary loop (``clip_grad_norm_``, AdamW) on batches of random tokens (the same on every
+rank); the losses print side by side.
 
 It shows expert parallelism swapped into a model, aux loss included, matching the dense model.
 
@@ -83,7 +84,7 @@ def train(device: torch.device, args) -> None:
     corpus = torch.randint(0, VOCAB, (4 * args.batch, args.seq), generator=gen)
     worst = 0.0
     if rank == 0:
-        print(f"{args.model}: EP over {world} ranks on {device.type}; {args.steps} steps of AdamW, "
+        print(f"{args.model}: EP over {world} ranks on {device.type}; {args.steps} steps of AdamW (clipped), "
               f"batch {args.batch} x {args.seq}; loss = LM loss + aux loss")
     for step in range(args.steps):
         ids = corpus[torch.randint(0, len(corpus), (args.batch,), generator=gen)].to(device)
@@ -91,9 +92,8 @@ def train(device: torch.device, args) -> None:
         for name, m, opt in runs:
             opt.zero_grad(set_to_none=True)
             out = m(input_ids=ids, labels=ids)
-            out.loss.backward()
-            if m is model:
-                overlap_layers.finalize_grads(model)
+            out.loss.backward()  # every gradient complete: no other call before clipping
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             losses.append(out.loss.item())
             aux.append(out.aux_loss.item())

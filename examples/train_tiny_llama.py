@@ -2,8 +2,9 @@
 
 Every rank builds the same tiny ``LlamaForCausalLM`` (random weights, same seed; nothing is
 downloaded), keeps a dense copy, swaps ``OverlapAttention`` / ``OverlapMLP`` into the original over
-tensor parallelism across the whole world (``overlap_layers.swap``), and trains both with AdamW on
-batches of random tokens (the same on every rank). It prints the two losses side by side each step; they match.
+tensor parallelism across the whole world (``overlap_layers.swap``), and trains both with the
+ordinary loop (``clip_grad_norm_``, AdamW) on batches of random tokens (the same on every rank).
+It prints the two losses side by side each step; they match.
 It shows that a swapped model trains as the dense one does, and the few lines a training loop adds.
 
 Run it from a checkout or an install:
@@ -16,11 +17,14 @@ Run it from a checkout or an install:
 Extras: ``pip install "overlap_layers[hf]"`` (transformers >= 5). The recipe, per rank::
 
     model = LlamaForCausalLM(config)                    # same weights on every rank
-    overlap_layers.swap(model, group=tp_group)          # in place; logs what was replaced
+    overlap_layers.swap(model, group=tp_group)          # in place; every parameter a DTensor
+    optimizer = torch.optim.AdamW(model.parameters())
     loss = model(input_ids=ids, labels=ids).loss        # the same batch on every rank of tp_group
-    loss.backward()
-    overlap_layers.finalize_grads(model)       # before clipping / optimizer.step()
+    loss.backward()                                     # every gradient complete
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the whole model's norm
     optimizer.step()
+
+(``examples/train_fsdp_dcp.py`` adds FSDP2 and DCP checkpoints.)
 """
 from __future__ import annotations
 
@@ -80,16 +84,15 @@ def train(device: torch.device, args) -> None:
     corpus = torch.randint(0, VOCAB, (4 * args.batch, args.seq), generator=gen)
     worst = 0.0
     if rank == 0:
-        print(f"TP over {world} ranks on {device.type}; {args.steps} steps of AdamW, batch {args.batch} x {args.seq}")
+        print(f"TP over {world} ranks on {device.type}; {args.steps} steps of AdamW (clipped), batch {args.batch} x {args.seq}")
     for step in range(args.steps):
         ids = corpus[torch.randint(0, len(corpus), (args.batch,), generator=gen)].to(device)
         losses = []
         for name, m, opt in runs:
             opt.zero_grad(set_to_none=True)
             loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            if m is model:
-                overlap_layers.finalize_grads(model)
+            loss.backward()  # every gradient complete: no other call before clipping
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
         diff = abs(losses[0] - losses[1])

@@ -1,13 +1,13 @@
 """overlap_layers: drop-in parallel transformer layers that hide communication under compute."""
 from .config import OverlapConfig
 from .integrations import swap
-from .integrations.dtensor import param_groups
+from .integrations.dtensor import distribute_params, param_groups
 from .layers import (OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock, UlyssesAttention,
                      finalize_grads, reduce_replicated_grads)
 from .plot import plot_timeline
 from .runtime.group import PlanMismatchError
 
 __all__ = ["OverlapAttention", "OverlapConfig", "OverlapMLP", "OverlapMoE", "OverlapTransformerBlock",
-           "PlanMismatchError", "UlyssesAttention", "finalize_grads", "param_groups", "plot_timeline",
-           "reduce_replicated_grads", "swap"]
+           "PlanMismatchError", "UlyssesAttention", "distribute_params", "finalize_grads", "param_groups",
+           "plot_timeline", "reduce_replicated_grads", "swap"]
 __version__ = "0.1.0"

@@ -6,7 +6,13 @@ import warnings
 import torch
 
 
+def full(t):
+    """``t`` as a plain tensor: a DTensor's ``full_tensor()`` (a collective), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def rel(got, want):
+    got, want = full(got), full(want)
     return ((got.double() - want.double()).norm() / max(want.double().norm().item(), 1e-30)).item()
 
 

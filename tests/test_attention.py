@@ -5,8 +5,8 @@ autograd) on the full sequence; the workers run the layer on their shard and ret
 parameters and gradients. The slicing of the dense tensors to a rank's shard is written out here
 from the spec (query heads ``r*nq/ws ..``, query head h reads KV head ``h // (nq/nkv)``, KV heads
 replicated when nkv < ws), not taken from the layer. Gradients of parameters replicated across
-ranks (``bo``, ``q_norm``, ``k_norm``, replicated KV heads) hold each rank's partial: they are
-summed here, in the test process, over the ranks that share them.
+ranks (``bo``, ``q_norm``, ``k_norm``, replicated KV heads) are complete on every rank when
+backward returns (the layer sums its ranks' partials inside backward).
 """
 import math
 
@@ -119,8 +119,9 @@ def run_layer(rank, ws, case, opts, dtype, calls=1, plan=None, reduce=False):
 
 
 # ------------------------------------------------------------------ checks in the test process
-def check(results, case, opts, dtype, call=0, reduced=False):
-    """``reduced``: reduce_replicated_grads ran, so every rank must hold complete gradients."""
+def check(results, case, opts, dtype, call=0):
+    """Every rank's output, input gradient and parameter gradients against the reference: complete
+    when backward returns (the tensor-parallel partials are summed inside backward)."""
     sp = opts.get("sequence_parallel", True)
     ws, nq, nkv, d = len(results), case["nq"], case["nkv"], case["d"]
     y_ref, g_ref = reference(case, opts)
@@ -164,31 +165,19 @@ def check(results, case, opts, dtype, call=0, reduced=False):
         if case["bq"] is not None:
             close(f"bq.grad[{rank}]", c["grads"]["bq"], rows_of(g_ref["bq"], qh, d))
 
-    # KV heads: sum the partials of the ranks that hold the same head(s).
+    # KV heads (replicated over ws / nkv ranks when nkv < ws), q_norm, k_norm and bo (sequence
+    # parallel): summed inside backward, so every rank holds its head's / the whole gradient.
     for name in ("wk", "wv", "bk", "bv"):
         if case[name] is None:
             continue
-        owners = {}
-        for rank in range(ws):
-            owners.setdefault(kv_heads(rank, ws, nkv), []).append(rank)
-        for kh, ranks in owners.items():
-            if reduced:
-                for r in ranks:
-                    close(f"{name}.grad[{r}] (reduced)", calls[r]["grads"][name], rows_of(g_ref[name], kh, d))
-                continue
-            total = sum(calls[r]["grads"][name].double() for r in ranks)
-            close(f"{name}.grad (heads {list(kh)}, ranks {ranks})", total, rows_of(g_ref[name], kh, d))
-
-    # Replicated over the whole group: q_norm and k_norm always partial (each rank has its heads);
-    # bo partial under sequence parallelism (only its own rows), complete on every rank without.
+        for rank, c in enumerate(calls):
+            kh = kv_heads(rank, ws, nkv)
+            close(f"{name}.grad[{rank}] (heads {list(kh)})", c["grads"][name], rows_of(g_ref[name], kh, d))
     for name in ("q_norm", "k_norm", "bo"):
         if case[name] is None:
             continue
-        if reduced or (name == "bo" and not sp):
-            for rank, c in enumerate(calls):
-                close(f"{name}.grad[{rank}] (complete)", c["grads"][name], g_ref[name])
-            continue
-        close(f"{name}.grad (sum over ranks)", sum(c["grads"][name].double() for c in calls), g_ref[name])
+        for rank, c in enumerate(calls):
+            close(f"{name}.grad[{rank}] (complete)", c["grads"][name], g_ref[name])
 
 
 # ------------------------------------------------------------------ numerics
@@ -242,12 +231,13 @@ def test_auto_num_tiles(pool2):
 
 
 @pytest.mark.parametrize("ws,sp,nkv", [(2, True, 1), (4, True, 2), (4, False, 1), (2, True, 2)])
-def test_reduce_replicated_grads_completes_partials(pools, ws, sp, nkv):
-    """The class docstring: reduce_replicated_grads sums bo (SP), q_norm, k_norm, replicated KV heads."""
+def test_partials_complete_and_finalize_is_a_no_op(pools, ws, sp, nkv):
+    """bo (SP), q_norm, k_norm and replicated KV heads are complete when backward returns, and
+    reduce_replicated_grads (finalize_grads) afterwards changes nothing."""
     case = make_case(21 + ws + nkv, B=2, S=8, H=16, nq=4, nkv=nkv, d=4, bias=True, qk_norm=True, pos="ids")
     opts = dict(num_tiles=2, sequence_parallel=sp)
     res = pools(ws).run(run_layer, case, opts, torch.float64, 1, None, True)
-    check(res, case, opts, torch.float64, reduced=True)
+    check(res, case, opts, torch.float64)
 
 
 @pytest.mark.parametrize("plan", [MLPPlan(3, regather=True),

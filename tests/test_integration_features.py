@@ -1,10 +1,11 @@
 """Tier 2: what the integrations build on, on 2 gloo ranks.
 
-1. ``finalize_grads`` (alias ``reduce_replicated_grads``): after it, every parameter replicated
-   inside a layer's group holds the dense reference gradient (references: ``dense_mlp`` from
-   test_mlp.py, ``attention_reference.dense_attention``, ``moe_reference.dense_moe``; float64, one
-   process); data-parallel style partials (UlyssesAttention, the MoE router and shared expert)
-   are left alone unless ``data_parallel=True``, which sums them over the group.
+1. Gradients when backward returns, and ``finalize_grads`` (alias ``reduce_replicated_grads``):
+   every parameter replicated inside a layer's group holds the dense reference gradient
+   (references: ``dense_mlp`` from test_mlp.py, ``attention_reference.dense_attention``,
+   ``moe_reference.dense_moe``; float64, one process), with or without ``finalize_grads``, which
+   changes none of them; data-parallel style partials (UlyssesAttention, the MoE router and
+   shared expert) are left alone unless ``data_parallel=True``, which sums them over the group.
 2. Activation checkpointing (``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)``):
    identical outputs and gradients to the plain layer, and a recomputation that issues the
    forward's collectives again, once, in the same order on every rank (``layer.launch_log``);
@@ -168,6 +169,9 @@ def test_finalize_grads_gives_the_dense_gradients(pool2, cases, references, data
     fl = F_MLP // WS
     for rank, r in enumerate(res):
         g = r["after"]
+        for n in g:  # finalize_grads touches nothing but the data-parallel style partials
+            if not n.startswith("uly.") and n not in ("moe.router_weight", "moe.shared_w_in", "moe.shared_w_out"):
+                assert torch.equal(g[n], r["before"][n]), f"{n} changed"
         # OverlapMLP (sequence parallel): shards, and b_out completed on every rank.
         _close("mlp.w_in", g["mlp.w_in"], shard_in(ref["mlp"]["w_in"], rank, WS, F_MLP, "swiglu"))
         _close("mlp.b_in", g["mlp.b_in"], shard_in(ref["mlp"]["b_in"], rank, WS, F_MLP, "swiglu"))
@@ -199,27 +203,31 @@ def test_finalize_grads_gives_the_dense_gradients(pool2, cases, references, data
 
 
 def missing_grads_run(rank, ws, cases):
-    """b_out has a gradient on rank 0 only, q_norm on no rank, the KV head on rank 1 only."""
+    """Data-parallel style partials: the MoE router's gradient on both ranks, the shared expert's
+    on rank 0 only, Ulysses' wq on rank 1 only, its other parameters' on no rank; b_out (summed
+    inside backward, never by finalize_grads) on rank 0 only."""
     model = Model(cases)
     for p in model.parameters():
         p.grad = None
     model.mlp.b_out.grad = torch.full_like(model.mlp.b_out, 3.0) if rank == 0 else None
-    model.attn.wk.grad = torch.full_like(model.attn.wk, 2.0) if rank == 1 else None
     model.moe.router_weight.grad = torch.full_like(model.moe.router_weight, 1.0 + rank)
+    model.moe.shared_w_in.grad = torch.full_like(model.moe.shared_w_in, 2.0) if rank == 0 else None
+    model.uly.wq.grad = torch.full_like(model.uly.wq, 5.0) if rank == 1 else None
     finalize_grads(model, data_parallel=True)
-    return dict(b_out=model.mlp.b_out.grad, q_norm=model.attn.q_norm.grad, wk=model.attn.wk.grad,
-                wv=model.attn.wv.grad, router=model.moe.router_weight.grad,
-                uly=[p.grad for p in model.uly.parameters()])
+    return dict(b_out=model.mlp.b_out.grad, router=model.moe.router_weight.grad, shared=model.moe.shared_w_in.grad,
+                shared_out=model.moe.shared_w_out.grad, uly_wq=model.uly.wq.grad,
+                uly=[p.grad for n, p in model.uly.named_parameters() if n != "wq"])
 
 
 def test_finalize_grads_with_missing_grads_never_hangs(pool2, cases):
     """Which collectives run depends on the model only: a gradient missing on some ranks counts as
     zeros, the sum reaches every rank, and one missing everywhere stays None."""
     for rank, r in enumerate(pool2.run(missing_grads_run, cases)):
-        assert torch.equal(r["b_out"], torch.full((H_MLP,), 3.0, dtype=torch.float64))
-        assert torch.equal(r["wk"], torch.full_like(r["wk"], 2.0))
-        assert r["q_norm"] is None and r["wv"] is None and all(g is None for g in r["uly"])
+        assert (r["b_out"] is not None) == (rank == 0)  # not a data-parallel style partial: untouched
         assert torch.equal(r["router"], torch.full_like(r["router"], 3.0))
+        assert torch.equal(r["shared"], torch.full_like(r["shared"], 2.0))
+        assert torch.equal(r["uly_wq"], torch.full_like(r["uly_wq"], 5.0))
+        assert r["shared_out"] is None and all(g is None for g in r["uly"])
 
 
 def _bad_flag(rank, ws, cases):

@@ -1,14 +1,75 @@
-"""DTensors for users of the layers: optimizer parameter groups (:func:`param_groups`), and the
-layers' DTensor parameters and inputs ([Note: DTensor parameters], [Note: DTensor inputs]), which
-live in :mod:`overlap_layers.planning.dtensor` and are re-exported here."""
+"""DTensors for users of the layers: a whole model's parameters as DTensors on the tensor-parallel
+mesh (:func:`distribute_params`, what ``swap`` does by default), optimizer parameter groups
+(:func:`param_groups`), and the layers' DTensor parameters and inputs ([Note: DTensor
+parameters], [Note: DTensor inputs]), which live in :mod:`overlap_layers.planning.dtensor` and are
+re-exported here.
+
+Reference: after ``distribute_params(model, group)`` (or ``mesh=``, ``axis=``) every parameter of
+``model`` is a DTensor on the tensor-parallel mesh axis whose ``full_tensor()`` is the dense
+model's parameter, the model computes what it computed before, and after ``loss.backward()``
+every gradient is a DTensor with its parameter's placements whose ``full_tensor()`` is the dense
+model's gradient. So the ordinary training loop gives the dense model's result:
+``torch.nn.utils.clip_grad_norm_`` computes the norm of the whole model (a sharded gradient's
+norm is reduced over the mesh, a replicated one counted once), every optimizer (foreach and fused
+included) sees one kind of tensor, and FSDP2 (over another axis of the same mesh) and DCP
+(checkpoints that reshard to another tensor-parallel size) are correct by construction.
+
+[Note: DTensor models]
+Why every parameter, and not only the sharded ones: a model mixing DTensor and plain parameters
+cannot be clipped (``clip_grad_norm_`` stacks the per-tensor norms: "mixed torch.Tensor and
+DTensor") nor stepped by foreach / fused optimizers; and a sharded parameter held as a plain
+tensor makes ``clip_grad_norm_`` add only this rank's shards to the norm, with no hook to make it
+global. So:
+
+===========================================  ===============================================
+parameter                                    DTensor on the tensor-parallel mesh axis
+===========================================  ===============================================
+the overlap layers' (built with ``group=``   the layers' placements ([Note: DTensor
+or ``mesh=``)                                parameters] in ``planning/dtensor.py``)
+every other parameter (embeddings, norms,    ``placement(module, name, p)``; default
+the LM head, HF's router weights tied to     ``Replicate()`` (the model runs these modules
+the MoE's router)                            replicated on every rank of the group)
+===========================================  ===============================================
+
+The modules outside the overlap layers compute on plain tensors: each module holding such a
+parameter gets a forward pre-hook that puts the parameter's local tensor (``p.to_local()``,
+differentiable, so its gradient reaches the DTensor parameter as a DTensor with the parameter's
+placements) in its place for the call, and a forward hook (run also when the call raises) that
+puts the DTensor back. Inside a module's call ``module.weight`` is therefore the plain local
+tensor, as the module's code expects; outside it, the DTensor parameter. A parameter whose
+gradient the module computes from this rank's share of the work only (``complete=True`` from
+``placement``: Megatron's norms under sequence parallelism) reads its local tensor through an
+identity that sums the gradient over the mesh axis' group inside backward ([Note: gradients
+complete in backward] in ``layers/common/grads.py``). The hooks keep their state on the module
+(a deep copy of the model gets its own) and compose with FSDP2's (its pre-forward hook, which
+puts the unsharded DTensor parameter in place, is prepended, so it runs first; its post-forward
+hook runs after ours) and with activation checkpointing (a recomputed module's call runs the
+hooks again).
+
+Limits: a module's forward must use its own parameters (or those of modules it calls); code that
+reads another module's parameter outside that module's call sees the DTensor. Tied parameters
+stay tied (converted once). Buffers stay plain. Parameters that are DTensors already (on another
+mesh) are left as they are, unhooked.
+"""
 from __future__ import annotations
 
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from ..layers import OverlapTransformerBlock
+from ..layers.block.layer import replicate_norms
+from ..layers.common.grads import sum_grad_over_group
 from ..planning.dtensor import Layout, as_dtensor_params, axis_mesh, dtensor_forward, local
+from ..planning.planned import PlannedLayer
+from ..runtime import resolve_group
 
-__all__ = ["Layout", "as_dtensor_params", "axis_mesh", "dtensor_forward", "local", "param_groups"]
+__all__ = ["Layout", "as_dtensor_params", "axis_mesh", "compute_on_locals", "distribute_params", "dtensor_forward",
+           "local", "local_arguments", "param_groups", "tp_mesh"]
 
 
 def param_groups(params, **options) -> list:
@@ -17,10 +78,180 @@ def param_groups(params, **options) -> list:
     optimizers (``torch.optim.AdamW(..., foreach=True)`` or ``fused=True``, the CUDA defaults) run
     one kernel over a group and fail on a group mixing DTensors and plain tensors (a ``mesh=``
     layer inside a model whose other parameters stay plain); DTensors of different meshes or
-    placements may share a group. Order is kept within each group; empty groups are left out."""
+    placements may share a group. Order is kept within each group; empty groups are left out.
+    (A model converted by :func:`distribute_params`, or swapped by ``swap``, holds DTensors only.)"""
     if isinstance(params, nn.Module):
         params = params.parameters()
     dts, plain = [], []
     for p in params:
         (dts if isinstance(p, DTensor) else plain).append(p)
     return [dict(options, params=g) for g in (dts, plain) if g]
+
+
+# ---------------------------------------------------------------------------- the mesh
+def _device_type(group, model: Optional[nn.Module]) -> str:
+    """The device type of a mesh over ``group``: the model's parameters' (where not on the meta
+    device), else the backend's (NCCL: cuda; otherwise cpu)."""
+    if model is not None:
+        for t in model.parameters():
+            if t.device.type != "meta":
+                return t.device.type
+    return "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
+
+
+def tp_mesh(group=None, mesh=None, axis=None, model: Optional[nn.Module] = None) -> DeviceMesh:
+    """The 1-D mesh of the tensor-parallel axis: ``mesh``'s ``axis`` (:func:`axis_mesh`), or, for
+    ``group``, a mesh over the group's ranks (``DeviceMesh.from_group``; no collective), on the
+    device type of ``model``'s parameters (or the group's backend)."""
+    resolve_group(group, mesh, axis)  # exactly one of them, valid
+    if mesh is not None:
+        return axis_mesh(mesh, axis)
+    return DeviceMesh.from_group(group, _device_type(group, model))
+
+
+# ---------------------------------------------------------------------------- hooks
+def _locals_in(module: nn.Module, args):
+    """Forward pre-hook ([Note: DTensor models]): the local tensors of the module's DTensor
+    parameters in their place for the call (their originals kept on the module)."""
+    saved = {}
+    for name, complete in module._dtensor_locals.items():
+        p = module._parameters.get(name)
+        if isinstance(p, DTensor):
+            t = p.to_local()
+            if complete:
+                t = sum_grad_over_group(t, p.device_mesh.get_group())
+            saved[name] = p
+            module._parameters[name] = t
+    module.__dict__.setdefault("_dtensor_saved", []).append(saved)
+
+
+def _dtensors_back(module: nn.Module, args, output):
+    """Forward hook (always called): the DTensor parameters back in place."""
+    stack = module.__dict__.get("_dtensor_saved")
+    if stack:
+        for name, p in stack.pop().items():
+            module._parameters[name] = p
+
+
+def compute_on_locals(module: nn.Module, names: Dict[str, bool]) -> None:
+    """Have ``module`` compute on the local tensors of its DTensor parameters ``names`` (name ->
+    whether the gradient is summed over the mesh axis' group inside backward), through the hooks
+    of [Note: DTensor models]; the hooks are registered once, later names are added."""
+    had = "_dtensor_locals" in module.__dict__
+    module._dtensor_locals = {**module.__dict__.get("_dtensor_locals", {}), **names}
+    if not had:
+        module.register_forward_pre_hook(_locals_in)
+        module.register_forward_hook(_dtensors_back, always_call=True)
+
+
+def _local_kwargs(module: nn.Module, args, kwargs):
+    """Forward pre-hook (with kwargs): the local tensors of DTensor keyword arguments named in
+    ``module._dtensor_kwargs``."""
+    names = module._dtensor_kwargs
+    if any(isinstance(kwargs.get(n), DTensor) for n in names):
+        kwargs = {k: v.to_local() if k in names and isinstance(v, DTensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+    return None
+
+
+def local_arguments(module: nn.Module, names) -> None:
+    """Have ``module`` take the local tensors of the DTensor keyword arguments ``names`` (a
+    parameter of another module handed to it, e.g. Megatron's shared embedding weight handed to
+    its output layer): [Note: DTensor models]. Registered once."""
+    had = "_dtensor_kwargs" in module.__dict__
+    module._dtensor_kwargs = tuple(dict.fromkeys((*module.__dict__.get("_dtensor_kwargs", ()), *names)))
+    if not had:
+        module.register_forward_pre_hook(_local_kwargs, with_kwargs=True)
+
+
+# ---------------------------------------------------------------------------- the model
+Placer = Callable[[nn.Module, str, torch.Tensor], Tuple[Placement, bool]]
+
+
+def _replicate(module: nn.Module, name: str, p: torch.Tensor) -> Tuple[Placement, bool]:
+    return Replicate(), False
+
+
+def _ranks(group) -> list:
+    return list(dist.get_process_group_ranks(group))
+
+
+def _overlap_layers(model: nn.Module):
+    """The planned layers and blocks in ``model`` (the outermost of each nesting first)."""
+    return [m for m in model.modules() if isinstance(m, (PlannedLayer, OverlapTransformerBlock))]
+
+
+@torch.no_grad()
+def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
+                      placement: Optional[Placer] = None) -> nn.Module:
+    """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh axis ([Note: DTensor
+    models]); returns ``model``. The mesh is ``mesh``'s ``axis`` (1-D: the mesh itself) or one
+    over ``group``'s ranks (:func:`tp_mesh`).
+
+    The overlap layers in ``model`` built with ``group=`` get their DTensor parameters
+    (:func:`as_dtensor_params`, the block's norms Replicate); ones built with ``mesh=`` must be on
+    the same mesh axis (ValueError otherwise). Every other plain parameter becomes
+    ``DTensor.from_local(p, mesh, [placement])`` (Python attributes kept) with
+    ``placement(module, name, p) -> (Placement, complete)``, default ``(Replicate(), False)``: its
+    local tensor is what this rank holds now, so a Replicate parameter must be the same on every
+    rank (as after building the model from one seed, or loading one checkpoint on every rank).
+    Every module outside the overlap layers that holds such a parameter computes on its local
+    tensor. Idempotent; a collective where a layer's replicated KV heads are gathered (call it on
+    every rank of the group). Build the optimizer (and wrap with FSDP2) after it: the parameters
+    are new objects."""
+    mesh1 = tp_mesh(group, mesh, axis, model)
+    tp_ranks = mesh1.mesh.flatten().tolist()
+    placement = placement or _replicate
+    inside = set()  # modules inside an overlap layer: they handle DTensors themselves
+    replaced: Dict[int, tuple] = {}  # id(an overlap layer's former plain parameter) -> (it, its DTensor)
+    for layer in _overlap_layers(model):
+        if id(layer) in inside:
+            continue
+        inside.update(id(m) for m in layer.modules())
+        if _ranks(layer.group) != tp_ranks:
+            raise ValueError(f"{type(layer).__name__} runs over ranks {_ranks(layer.group)}, not the mesh axis' "
+                             f"{tp_ranks}: every overlap layer of a model must be on its tensor-parallel group")
+        was = {(id(m), n): p for m in layer.modules() for n, p in m._parameters.items() if p is not None}
+        for sub in (m for m in layer.modules() if isinstance(m, PlannedLayer)):
+            dts = [p for p in sub.parameters(recurse=False) if isinstance(p, DTensor)]
+            if not dts:
+                as_dtensor_params(sub, mesh1)
+            elif any(p.device_mesh != mesh1 for p in dts):
+                raise ValueError(f"{type(sub).__name__} holds DTensor parameters on another mesh than {mesh1}")
+        if isinstance(layer, OverlapTransformerBlock) and not isinstance(layer.attn_norm.weight, DTensor):
+            replicate_norms(layer, mesh1, None)
+        for m in layer.modules():  # a plain parameter replaced: a module outside tied to it follows
+            for n, p in m._parameters.items():
+                old = was.get((id(m), n))
+                if old is not None and old is not p:
+                    replaced[id(old)] = (old, p)
+    ours = {id(p) for m in model.modules() if id(m) in inside for p in m.parameters(recurse=False)}
+    converted: Dict[int, tuple] = {}  # id(plain parameter) -> (it, its DTensor, complete): ties stay tied
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        names = {}
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in replaced:  # tied to an overlap layer's parameter (HF's router weight)
+                p = module._parameters[name] = replaced[id(p)][1]
+            if id(p) in ours:  # a tied overlap parameter (HF's router weight): computed on locally
+                names[name] = False
+            elif isinstance(p, DTensor):  # converted by an earlier call (kept), or not ours (left)
+                done = module.__dict__.get("_dtensor_locals", {}).get(name)
+                if done is not None:
+                    names[name] = done
+            else:
+                if id(p) not in converted:
+                    where, complete = placement(module, name, p)
+                    new = nn.Parameter(DTensor.from_local(p.data, mesh1, [where], run_check=False),
+                                       requires_grad=p.requires_grad)
+                    new.__dict__.update(p.__dict__)  # e.g. Megatron's tensor-parallel attributes
+                    converted[id(p)] = (p, new, bool(complete))
+                _, new, complete = converted[id(p)]
+                module._parameters[name] = new
+                names[name] = complete
+        if names:
+            compute_on_locals(module, names)
+    return model

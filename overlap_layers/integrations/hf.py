@@ -1,9 +1,10 @@
 """Swap the overlap layers into Hugging Face transformers (>= 5) models, in place.
 
 Reference (what a swapped model must equal, up to rounding): the unswapped model, on every rank,
-fed the same batch on every rank of the group -- logits, loss, and after
-``finalize_grads(model)`` every parameter's gradient (the swapped layers' shards equal the
-matching slices of the dense gradients, see their ``to_dense``).
+fed the same batch on every rank of the group -- logits, loss, and, when backward returns, every
+parameter's gradient (the swapped layers' shards equal the matching slices of the dense
+gradients, see their ``to_dense``; with DTensor parameters, the default, every parameter's and
+gradient's ``full_tensor()`` is the dense one).
 
 =========================================  ==============================================================
 HF module (transformers 5)                 replaced by
@@ -23,7 +24,9 @@ MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside
 =========================================  ==============================================================
 
 Everything else (embeddings, norms outside decoder blocks, the LM head, rotary tables) stays as it
-is and runs replicated.
+is and runs replicated; with DTensor parameters (``dtensor=True``, the default) its parameters are
+``Replicate()`` DTensors it computes on through their local tensors ([Note: DTensor models] in
+``integrations/dtensor.py``).
 """
 from __future__ import annotations
 
@@ -37,11 +40,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
 from ..layers.attention.core import QK_NORM_EPS
 from ..runtime import resolve_group
+from .dtensor import distribute_params, tp_mesh
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 
 logger = logging.getLogger(__name__)
@@ -132,6 +137,17 @@ def parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
 
 
 # ---------------------------------------------------------------------------- builders
+def on(place) -> dict:
+    """The layers' keyword for where they run: ``mesh=`` a 1-D DeviceMesh (DTensor parameters),
+    or ``group=`` a ProcessGroup (plain parameters)."""
+    return {"mesh": place} if isinstance(place, DeviceMesh) else {"group": place}
+
+
+def group_of(place):
+    """The ProcessGroup of ``place`` (a 1-D DeviceMesh or a ProcessGroup)."""
+    return place.get_group() if isinstance(place, DeviceMesh) else place
+
+
 class Unswappable(Exception):
     """A recognised module that cannot be replaced (the message says why); it is left, warned."""
 
@@ -173,7 +189,7 @@ def _build_mlp(module, group, opts) -> nn.Module:
         w_in = torch.cat([gate.weight, up.weight])
         b_in = torch.cat([gate.bias, up.bias]) if has_bias else None
     return OverlapMLP.from_dense(w_in, down.weight.detach(), b_in=b_in, b_out=down.bias.detach() if has_bias else None,
-                                 group=group, sequence_parallel=False, activation="swiglu", **opts)
+                                 **on(group), sequence_parallel=False, activation="swiglu", **opts)
 
 
 def _norm_weight(norm, head_dim):
@@ -214,7 +230,7 @@ def _build_attention(module, group, opts) -> nn.Module:
     layer = OverlapAttention.from_dense(
         q.weight.detach(), k.weight.detach(), v.weight.detach(), o.weight.detach(), num_heads=nq, num_kv_heads=nkv,
         bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias), q_norm=_norm_weight(q_norm, d),
-        k_norm=_norm_weight(k_norm, d), group=group, sequence_parallel=False, rope_theta=None, causal=True,
+        k_norm=_norm_weight(k_norm, d), **on(group), sequence_parallel=False, rope_theta=None, causal=True,
         softmax_scale=getattr(module, "scaling", None), dropout_p=float(getattr(module, "attention_dropout", 0.0)),
         **opts)
     return HFAttention(layer, layer_idx=getattr(module, "layer_idx", None),
@@ -244,7 +260,7 @@ def _build_moe(module, group, opts) -> nn.Module:
     # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob.
     normalize = bool(getattr(gate, "norm_topk_prob", True))
     _check_plain([rw, gu, dn])
-    layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, group=group,
+    layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, **on(group),
                                   activation="swiglu", normalize_topk=normalize, **opts)
     return HFMoE(layer, gate, source=type(module).__name__)
 
@@ -435,13 +451,13 @@ def replace_modules(model: nn.Module, group, rules, config, *, kind_of: Callable
 
 
 def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
-         config: Optional[OverlapConfig] = None, block: bool = False) -> nn.Module:
+         config: Optional[OverlapConfig] = None, block: bool = False, dtensor: bool = True) -> nn.Module:
     """Replace, in place, the MLP / attention / MoE modules of a Hugging Face transformers (>= 5)
     model with the overlap layers over ``group`` (the tensor- and expert-parallel group; or
     ``mesh`` + ``axis``), carrying the weights; returns ``model``.
 
-    Reference: the swapped model equals the unswapped one on every rank (logits, loss, and the
-    gradients after the reduction below), given **the same batch on every rank of the group**: the
+    Reference: the swapped model equals the unswapped one on every rank (logits, loss, and every
+    gradient when backward returns), given **the same batch on every rank of the group**: the
     hidden states are replicated. Attention and MLP run tensor parallel on the full sequence
     (``sequence_parallel=False``: replicated input, all-reduced output). An MoE block splits the
     tokens over the group, runs each rank's 1/ws share through ``OverlapMoE`` (expert parallel)
@@ -450,16 +466,27 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     (HF call signatures and return values; causal masks only, no KV cache -- ``swap`` sets
     ``config.use_cache=False``).
 
-    Gradients: **call** ``overlap_layers.finalize_grads(model)`` **after backward, before
-    clipping and the optimizer step** (on every rank). It sums the attention layers' per-rank
-    partials (``q_norm`` / ``k_norm``, and the KV heads when ``num_key_value_heads`` < group size).
-    Every other gradient is already what the dense model gives: the norms, embeddings and LM head
-    run replicated on full gradients; the MoE adapters sum the router's gradient over the group
-    inside backward (the group's ranks hold the same tokens here, so that partial is a
-    tensor-parallel one, which no data-parallel wrapper would sum): ``OverlapMoE.router_weight.grad``
-    is complete -- never reduce it again (no ``data_parallel=True`` reduction over this group);
-    experts and the MLP / attention shards get complete shard gradients. Data parallelism goes
-    across groups (a DP wrapper over the ranks that hold the same shard), as with any TP layer.
+    Parameters (``dtensor=True``, the default): every parameter of the swapped model is a DTensor
+    on the tensor-parallel mesh axis (``mesh``'s ``axis``, or a 1-D mesh over ``group``'s ranks),
+    whose ``full_tensor()`` is the dense model's parameter: the swapped layers' in their documented
+    placements ([Note: DTensor parameters] in ``planning/dtensor.py``), every other one (embeddings,
+    norms, LM head) ``Replicate()`` (:func:`overlap_layers.distribute_params`, [Note: DTensor
+    models] in ``integrations/dtensor.py``). So the ordinary loop -- ``loss.backward()``,
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``optimizer.step()`` (any torch
+    optimizer, foreach or fused) -- gives the dense model's result with no other call; FSDP2 over
+    another axis of ``mesh`` composes, and DCP checkpoints reshard to other tensor-parallel sizes.
+    ``dtensor=False`` keeps plain parameters (shards and replicas), for loops that handle tensor
+    parallelism themselves (Megatron's); ``clip_grad_norm_`` then sees only each rank's shards.
+
+    Gradients: complete when backward returns, on every rank (no ``finalize_grads`` call; it is a
+    no-op here). The attention layers' per-rank partials (``q_norm`` / ``k_norm``, and the KV heads
+    when ``num_key_value_heads`` < group size) and the MoE adapters' router gradient (the group's
+    ranks hold the same tokens here, so that partial is a tensor-parallel one, which no
+    data-parallel wrapper would sum) are summed over the group inside backward ([Note: gradients
+    complete in backward] in ``layers/common/grads.py``); the norms, embeddings and LM head run
+    replicated on full gradients; experts and the MLP / attention shards get complete shard
+    gradients. Data parallelism goes across groups (a DP wrapper over the ranks that hold the
+    same shard), as with any TP layer.
 
     ``plan``: a dict from module-name patterns (``fnmatch`` on the qualified name, e.g.
     ``"model.layers.*.mlp"``) to a kind (``"mlp"``, ``"attention"``, ``"moe"``; ``"block"`` with
@@ -479,13 +506,16 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     ``block=True``: each recognised decoder layer becomes one ``OverlapTransformerBlock`` (in an
     :class:`HFBlock`, holding its norms, attention and MLP / MoE; ``plan`` may map patterns to the
     kind ``"block"``); modules of decoder layers that cannot be swapped whole are then swapped one
-    by one as without it. The block's MoE router gradient is a per-rank partial that
-    ``finalize_grads`` sums (unlike ``HFMoE``'s, summed inside backward). Its sublayers still run
-    one after the other (one tiled program across them is future work).
+    by one as without it. The block's MoE router gradient is summed inside backward, as
+    ``HFMoE``'s is. Its sublayers still run one after the other (one tiled program across them is
+    future work).
     Decisions depend only on the model's structure, so every rank of the group swaps alike.
     """
     check_swap_args(model, block, config, "a transformers model")
     group = resolve_group(group, mesh, axis)
+    if not isinstance(dtensor, bool):
+        raise ValueError(f"dtensor={dtensor!r}; must be True (DTensor parameters) or False (plain)")
+    place = tp_mesh(None if mesh is not None else group, mesh, axis, model) if dtensor else group
     rules = parse_plan(plan, block)
     known = _known_classes()
     if not any(known.values()):
@@ -498,14 +528,14 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
             model, group, None if rules is None else [r for r in rules if r[1] in BLOCK_KINDS + (None,)], config,
             kind_of=lambda m: _kind_by_type(m, known, BLOCK_KINDS),
             lookalike=lambda m: _lookalike_kind(m, BLOCK_KINDS),
-            build=lambda module, kind, opts: _build_block(module, group, opts, known), ours=_OURS, nothing=None,
+            build=lambda module, kind, opts: _build_block(module, place, opts, known), ours=_OURS, nothing=None,
             kinds=BLOCK_KINDS)
         replaced.update(done)
     done, already = replace_modules(
         model, group, None if rules is None else [r for r in rules if r[1] not in BLOCK_KINDS], config,
         kind_of=lambda m: _kind_by_type(m, known, KINDS),
         lookalike=lambda m: _lookalike_kind(m, KINDS),
-        build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts), ours=_OURS,
+        build=lambda module, kind, opts: _BUILDERS[kind](module, place, opts), ours=_OURS,
         nothing="no recognised decoder layer / MLP / attention / MoE module" if block else
         "no recognised MLP / attention / MoE module")
     replaced.update({k: v for k, v in done.items() if v})
@@ -515,4 +545,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
             if getattr(cfg, "use_cache", False):
                 cfg.use_cache = False
         logger.info("overlap_layers.swap: set config.use_cache=False (the swapped attention keeps no KV cache)")
+    if dtensor and (any(replaced.values()) or already):
+        distribute_params(model, mesh=place)
+        logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
     return model

@@ -19,9 +19,14 @@ adapter                     HF call it serves                      what it runs
 ==========================  =====================================  ==========================================
 
 The token split and gather around the MoE are :func:`overlap_layers.layers.moe.tokens.split_tokens`
-and :func:`~overlap_layers.layers.moe.tokens.gather_tokens` (autograd both ways). ``_SumGradOverGroup``
-is the identity on a replicated parameter whose gradient it all-reduces (sums) over the group in
-backward: a replicated weight used on this rank's tokens only gets every rank's partial.
+and :func:`~overlap_layers.layers.moe.tokens.gather_tokens` (autograd both ways). The MoE's router
+(and shared expert), used on this rank's tokens only, have their gradients summed over the group
+inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``): a
+replicated weight used on this rank's share of the tokens gets every rank's partial.
+
+Router modules: HF's router (``gate``) keeps its weight tied to the layer's ``router_weight``.
+With DTensor parameters (``swap``'s default) it computes on the weight's local tensor, as every
+module outside the overlap layers does ([Note: DTensor models] in ``integrations/dtensor.py``).
 
 [Note: HF attention mask]
 OverlapAttention computes causal attention over whole sequences (SDPA ``is_causal``). HF builds
@@ -44,49 +49,13 @@ import functools
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..layers import OverlapAttention, OverlapMoE, OverlapTransformerBlock
+from ..layers.common.grads import sum_grads_in_backward
 from ..layers.moe.tokens import gather_tokens, split_tokens
 
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
-
-
-# ---------------------------------------------------------------------------- replicated weights
-class _SumGradOverGroup(torch.autograd.Function):
-    """Forward: identity (a view of a replicated parameter). Backward: all-reduce (sum) of the
-    gradient over the group."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        if dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-def sum_grad_over_group(w: torch.Tensor, group) -> torch.Tensor:
-    """``w`` unchanged; its gradient is summed over ``group`` in backward."""
-    return _SumGradOverGroup.apply(w, group)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Forward: identity (a view). Backward: the gradient times ``scale``."""
-
-    @staticmethod
-    def forward(ctx, w, scale: float):
-        ctx.scale = scale
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
 
 
 # ---------------------------------------------------------------------------- attention
@@ -178,9 +147,9 @@ class HFBlock(nn.Module):
     Router logits (an MoE block): ``gate`` is HF's router module, its weight tied to the block's
     ``router_weight``. When HF records router logits the adapter runs the block's steps itself and
     calls ``gate`` on the full normed tokens between them, so HF records the dense model's logits.
-    Gradients: ``finalize_grads(model)`` sums the router's gradient over the group (the routing
-    used this rank's share of the tokens only); the logits' part of it is complete on every rank,
-    so it enters scaled by 1/ws and the sum restores it exactly.
+    Gradients: the routing's part of the router's gradient (this rank's share of the tokens) is
+    summed over the group inside backward by the block; the logits' part is computed from the
+    replicated tokens, complete on every rank as it is.
     """
 
     #: HF's ``gradient_checkpointing_enable()`` sets this (and ``_gradient_checkpointing_func``) on
@@ -212,9 +181,7 @@ class HFBlock(nn.Module):
         h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings,
                                           attention_mask=attention_mask)
         z = blk.mlp_norm(h)
-        ws = dist.get_world_size(blk.group)
-        weight = _ScaleGrad.apply(blk.mlp.router_weight, 1.0 / ws)
-        torch.func.functional_call(gate, {"weight": weight}, (z.reshape(-1, z.shape[-1]),), strict=False)
+        gate(z.reshape(-1, z.shape[-1]))  # recorded by HF's hooks
         return h + blk._mlp(z)
 
     def to_dense(self) -> dict:
@@ -246,10 +213,11 @@ class HFMoE(nn.Module):
     ``OverlapMoE`` and the outputs are
     all-gathered, so no token is computed twice and the output is the full tensor on every rank.
     Gradients: the input's gradient is the full one on every rank; the router weight is used on
-    this rank's tokens only, so its gradient is summed over the group *inside backward*
-    (:func:`sum_grad_over_group`): after backward ``layer.router_weight.grad`` is complete, unlike
-    a bare :class:`OverlapMoE` (do not reduce it again). Expert gradients are complete by
-    construction (every rank's tokens reach the experts).
+    this rank's tokens only, so the adapter has the layer sum its gradient over the group *inside
+    backward* (:func:`~overlap_layers.layers.common.grads.sum_grads_in_backward`): after backward
+    ``layer.router_weight.grad`` is complete, unlike a bare :class:`OverlapMoE`'s (it is never
+    reduced again: ``finalize_grads(data_parallel=True)`` skips it). Expert gradients are complete
+    by construction (every rank's tokens reach the experts).
 
     Router logits: ``gate`` is HF's own router module, its weight tied to
     ``layer.router_weight``. When HF records router logits (``output_router_logits=True``, for its
@@ -265,6 +233,7 @@ class HFMoE(nn.Module):
             gate.weight = layer.router_weight  # tied: one parameter
         self.gate = gate
         self.source = source
+        sum_grads_in_backward(layer, ("router_weight", "shared_w_in", "shared_w_out"))
 
     @property
     def group(self):
@@ -276,9 +245,7 @@ class HFMoE(nn.Module):
         if self.gate is not None and (self.gate._forward_hooks or self.gate._forward_pre_hooks) \
                 and _router_logits_recorded():
             self.gate(x_TH)  # recorded by HF's hooks; the routing itself runs inside the layer
-        x_tH = split_tokens(x_TH, self.group)
-        router = sum_grad_over_group(self.layer.router_weight, self.group)
-        y_tH = torch.func.functional_call(self.layer, {"router_weight": router}, (x_tH.unsqueeze(0),), strict=False)
+        y_tH = self.layer(split_tokens(x_TH, self.group).unsqueeze(0))
         return gather_tokens(y_tH.squeeze(0), self.group, B * S).view(B, S, H)
 
     def to_dense(self) -> dict:

@@ -2,9 +2,10 @@
 
 Reference (what a swapped model must equal, up to rounding): the unswapped Megatron model on
 the same ranks and inputs -- its outputs, and every parameter's gradient after the sequence-
-parallel reduction Megatron does anyway (see [Note: Megatron gradients]); the swapped layers'
-shards equal the matching slices of the dense gradients (their ``to_dense``), and ``to_dense()``
-of a swapped layer equals :func:`megatron_dense` of the module it replaced.
+parallel reduction Megatron's finalize_model_grads does for the unswapped model, with no call
+after backward for the swapped one (see [Note: Megatron gradients]); the swapped layers' shards
+equal the matching slices of the dense gradients (their ``to_dense``), and ``to_dense()`` of a
+swapped layer equals :func:`megatron_dense` of the module it replaced.
 
 =====================================================  ==============================================
 megatron-core module (local spec)                      replaced by
@@ -39,14 +40,15 @@ our layers with ``from_dense`` over ``group``. Two set-ups are supported:
 * Megatron TP = tp > 1: ``group`` must hold exactly the ranks of Megatron's TP group, in the same
   order (else ``ValueError``); each rank then holds the same rows as before (no weight moves
   between ranks; the gather is only how ``from_dense`` is fed). Our parameters get Megatron's
-  tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``,
-  ``sequence_parallel``) copied from the parameters they replace, so Megatron's grad-norm clipping
-  and ``finalize_model_grads`` treat them like the originals.
+  tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``)
+  copied from the parameters they replace, so Megatron's grad-norm clipping treats them like the
+  originals; ``sequence_parallel`` is false on them ([Note: Megatron gradients]).
 * Megatron TP = 1 (full weights on every rank) and ``group`` any group: the replicated weights are
   sharded over ``group``; the ranks of ``group`` must be fed the same batch (the hidden states are
   replicated over ``group``, as in the Hugging Face swap). Megatron knows nothing of ``group``:
   its data-parallel wrapper must not average over ranks of ``group`` (they hold different
-  shards), and its grad-norm clipping sees only local shards. No Megatron attributes are set.
+  shards), and its grad-norm clipping sees only local shards (use the DTensor parameters and
+  ``torch.nn.utils.clip_grad_norm_``). No Megatron attributes are set.
 
 Layouts: the gathered ``linear_fc1`` is ``[gate_0; up_0; gate_1; up_1; ..]`` (per Megatron rank,
 ``stride=2``), de-interleaved into gate rows then up rows; the gathered ``linear_qkv`` is, per
@@ -71,16 +73,32 @@ freqs are ``cat(f, f)`` -- exactly our rotate-half convention -- so the adapter 
 run time, on every rank). ``no_rope_freq`` layers get no RoPE, as in Megatron.
 
 [Note: Megatron gradients]
-The only swapped parameters whose gradient is a per-rank partial are the output biases under
-sequence parallelism (``b_out``, ``bo``: only the rank's own rows) and a swapped block's norms
-under sequence parallelism -- exactly like Megatron's own row-parallel biases and norms, whose
-``sequence_parallel`` attribute they carry. (q/k norms and KV heads
-replicated over the group, the other partials of :class:`OverlapAttention`, are refused at swap.)
-Sum them with **exactly one** of: Megatron's ``finalize_model_grads`` (it sums parameters with
-``sequence_parallel=True`` over the TP group; what a Megatron training loop calls anyway, and the
-only one that sees gradients after Megatron's DDP moved them to ``main_grad``), or
-:func:`overlap_layers.finalize_grads` (for loops without Megatron's DDP). Both sum the same
-parameters; calling both double-counts them.
+The swapped parameters whose rank computes only part of the gradient -- the output biases under
+sequence parallelism (``b_out``, ``bo``: the rank's own rows) and a swapped block's norms under
+sequence parallelism, like Megatron's own row-parallel biases and norms -- are summed over the
+group inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``):
+their gradients are complete when backward returns, and they carry ``sequence_parallel=False``,
+so Megatron's ``finalize_model_grads`` (which sums parameters tagged ``sequence_parallel``) does
+not sum them again. (q/k norms and KV heads replicated over the group are refused at swap.)
+Megatron's own parameters keep their tags with ``dtensor=False``: its ``finalize_model_grads``
+sums its norms as before. With DTensor parameters (the default) they are summed inside backward
+too ([Note: Megatron DTensor parameters]).
+
+[Note: Megatron DTensor parameters]
+``swap(..., dtensor=True)`` (the default) makes every parameter of the model a DTensor on the
+tensor-parallel mesh axis (:func:`overlap_layers.distribute_params`, [Note: DTensor models] in
+``integrations/dtensor.py``): ours in the layers' placements; Megatron's tensor-parallel shards
+outside the swapped layers (``VocabParallelEmbedding``, the output ``ColumnParallelLinear``:
+``tensor_model_parallel`` with a tensor-parallel group of more than one rank, which must be the
+swap's group) ``Shard(partition_dim)``, whose ``full_tensor()`` is the concatenation of
+Megatron's shards; every other one ``Replicate()``, and a parameter tagged ``sequence_parallel``
+(a norm under sequence parallelism) reads its local tensor through an identity that sums its
+gradient over the group inside backward (its tag is cleared). Megatron's modules compute on the
+local tensors, exactly as before; a model sharing its embedding with its output layer hands the
+output layer the embedding's local tensor. The ordinary torch loop (``backward``,
+``torch.nn.utils.clip_grad_norm_``, a torch optimizer) then gives the dense model's result.
+Megatron's own ``DistributedDataParallel``, distributed optimizer and distributed checkpointing
+take plain tensors: use ``dtensor=False`` with them.
 
 Swap the bare model, before Megatron's ``DistributedDataParallel`` / ``Float16Module`` and the
 optimizer are built (they capture parameters). Megatron's distributed checkpointing does not know
@@ -98,12 +116,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ..config import OverlapConfig
 from ..layers import OverlapAttention, OverlapMLP, OverlapTransformerBlock
 from ..layers.attention.common import is_causal_mask
 from ..runtime import resolve_group
-from .hf import parse_plan, Unswappable, check_swap_args, replace_modules
+from .dtensor import distribute_params, local_arguments, tp_mesh
+from .hf import Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules
 
 logger = logging.getLogger(__name__)
 
@@ -208,11 +228,14 @@ def megatron_dense(module, get=None) -> dict:
 
 
 def _copy_tp_attrs(src: Optional[torch.Tensor], dst: Optional[torch.Tensor]) -> None:
+    """Megatron's tensor-parallel attributes of ``src`` onto ``dst``, but ``sequence_parallel``
+    false: our parameters' gradients are complete when backward returns ([Note: Megatron
+    gradients]), so Megatron's ``finalize_model_grads`` must not sum them again."""
     if src is None or dst is None:
         return
     for a in _TP_ATTRS:
         if hasattr(src, a):
-            setattr(dst, a, getattr(src, a))
+            setattr(dst, a, False if a == "sequence_parallel" else getattr(src, a))
 
 
 # ---------------------------------------------------------------------------- adapters
@@ -388,10 +411,10 @@ class MegatronBlock(_RopeAdapter):
     ``[s, b, h]`` rows, the attention on the transposed view, the MLP on the ``[1, s*b, h]`` view.
     Swapped only where Megatron's layer is exactly that block: no cross-attention, no hidden
     dropout (``hidden_dropout=0``: Megatron's bias-dropout-add is then a plain residual add), no
-    residual after the layernorm, no fp32 residual, torch LayerNorm / RMSNorm norms. The norms'
-    weights keep Megatron's ``sequence_parallel`` attribute, so its ``finalize_model_grads`` (or
-    :func:`overlap_layers.finalize_grads`, not both) sums their per-rank partials. Rejected calls:
-    as :class:`MegatronAttention`, and ``context`` / ``padding_mask``.
+    residual after the layernorm, no fp32 residual, torch LayerNorm / RMSNorm norms. Under sequence
+    parallelism the norms' gradients are summed over the group inside backward, so their
+    ``sequence_parallel`` attribute is false ([Note: Megatron gradients]). Rejected calls: as
+    :class:`MegatronAttention`, and ``context`` / ``padding_mask``.
     """
 
     def __init__(self, block: OverlapTransformerBlock, *, layer_number: int = 1, no_rope: bool = False,
@@ -486,7 +509,7 @@ def _build_mlp(module, group, opts, M) -> nn.Module:
     meg_tp = _tp_size(fc1)
     w = megatron_dense(module)
     sp = bool(cfg.sequence_parallel) and meg_tp > 1
-    layer = OverlapMLP.from_dense(w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"], group=group,
+    layer = OverlapMLP.from_dense(w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"], **on(group),
                                   sequence_parallel=sp, activation=act, **opts)
     if meg_tp > 1:  # [Note: Megatron weights]: the same shards as Megatron's, the same attributes
         for src, dst in ((fc1.weight, layer.w_in), (fc1.bias, layer.b_in), (fc2.weight, layer.w_out),
@@ -517,14 +540,13 @@ def _build_attention(module, group, opts, M) -> nn.Module:
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(module, name, None)
         if norm is not None and not isinstance(norm, M["IdentityOp"]):
-            raise Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (its per-rank gradient "
-                               f"partials would need a reduction Megatron's finalize_model_grads does not do for the "
-                               f"swapped parameters)")
+            raise Unswappable(f"{name} ({type(norm).__name__}): q/k layernorm is not swapped (Megatron's norm "
+                               f"modules are not mapped to OverlapAttention's qk-norm)")
     nq, ng = cfg.num_attention_heads, cfg.num_query_groups
-    ws = dist.get_world_size(group)
+    ws = dist.get_world_size(group_of(group))
     if ng < ws:
-        raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group hold "
-                           f"gradient partials Megatron does not reduce)")
+        raise Unswappable(f"num_query_groups={ng} < group size {ws} (KV heads replicated over the group are not "
+                           f"swapped into Megatron models)")
     if (qkv.bias is None) != (proj.bias is None):
         raise Unswappable("only one of linear_qkv / linear_proj has a bias (add_qkv_bias without add_bias_linear); "
                            "OverlapAttention takes all biases or none")
@@ -534,7 +556,7 @@ def _build_attention(module, group, opts, M) -> nn.Module:
     sp = bool(cfg.sequence_parallel) and meg_tp > 1
     layer = OverlapAttention.from_dense(
         w["wq"], w["wk"], w["wv"], w["wo"], num_heads=nq, num_kv_heads=ng, bq=w["bq"], bk=w["bk"], bv=w["bv"],
-        bo=w["bo"], group=group, sequence_parallel=sp, rope_theta=None, causal=True, softmax_scale=cfg.softmax_scale,
+        bo=w["bo"], **on(group), sequence_parallel=sp, rope_theta=None, causal=True, softmax_scale=cfg.softmax_scale,
         dropout_p=float(cfg.attention_dropout), **opts)
     if meg_tp > 1:
         for src, dst in ((qkv.weight, layer.wq), (qkv.weight, layer.wk), (qkv.weight, layer.wv),
@@ -613,13 +635,13 @@ def _check_group(module, kind, group) -> None:
 
 # ---------------------------------------------------------------------------- swap
 def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
-         config: Optional[OverlapConfig] = None, block: bool = False) -> nn.Module:
+         config: Optional[OverlapConfig] = None, block: bool = False, dtensor: bool = True) -> nn.Module:
     """Replace, in place, the ``MLP`` and ``SelfAttention`` modules of a megatron-core (0.16) GPT
     model (local spec) with the overlap layers over ``group`` (or ``mesh`` + ``axis``), carrying
     the weights; returns ``model``. See the module docstring for what is recognised, how the
     weights are carried ([Note: Megatron weights]: ``group`` must be Megatron's TP group when its
-    TP > 1) and which gradients need the usual sequence-parallel reduction
-    ([Note: Megatron gradients]).
+    TP > 1) and how the gradients are complete when backward returns ([Note: Megatron
+    gradients]).
 
     ``plan`` and ``config`` work as in the Hugging Face swap (patterns on qualified names such as
     ``"decoder.layers.*.mlp"``; kinds ``"mlp"`` and ``"attention"``, and ``"block"`` with
@@ -630,9 +652,18 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     Warnings (``UserWarning``) for recognised modules that cannot be replaced and for unknown
     MLP / attention / MoE look-alikes (Megatron's MoELayer, MLA, Transformer Engine modules).
     Every replacement is built before the first is put in, so an error leaves the model as it was.
-    A collective over Megatron's TP group (the weights are gathered): call it on every rank."""
+    A collective over Megatron's TP group (the weights are gathered): call it on every rank.
+
+    ``dtensor=True`` (the default): every parameter of the model becomes a DTensor on the
+    tensor-parallel mesh axis ([Note: Megatron DTensor parameters]), so the ordinary torch loop
+    (``backward``, ``clip_grad_norm_``, any torch optimizer) gives the dense model's result.
+    ``dtensor=False`` keeps plain tensors with Megatron's attributes, for Megatron's own training
+    loop (its DDP, ``finalize_model_grads``, distributed optimizer and grad clipping)."""
     check_swap_args(model, block, config, "a megatron-core model")
     group = resolve_group(group, mesh, axis)
+    if not isinstance(dtensor, bool):
+        raise ValueError(f"dtensor={dtensor!r}; must be True (DTensor parameters) or False (plain)")
+    place = tp_mesh(None if mesh is not None else group, mesh, axis, model) if dtensor else group
     rules = parse_plan(plan, block)
     M = _megatron()
     known = {"mlp": (M["MLP"],), "attention": (M["SelfAttention"],), "moe": ()}
@@ -655,12 +686,39 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
         replace_modules(model, group, None if rules is None else [r for r in rules if r[1] in ("block", None)],
                         config, kind_of=lambda m: "block" if type(m) is M["TransformerLayer"] else None,
                         lookalike=lambda m: "block" if type(m).__name__.endswith("TransformerLayer") else None,
-                        build=lambda module, kind, opts: _build_block(module, group, opts, M), ours=_OURS,
+                        build=lambda module, kind, opts: _build_block(module, place, opts, M), ours=_OURS,
                         nothing=None, before_build=check_groups, kinds=("block",), log=logger)
-    replace_modules(model, group, None if rules is None else [r for r in rules if r[1] != "block"], config,
-                    kind_of=kind_of, lookalike=lookalike,
-                    build=lambda module, kind, opts: _BUILDERS[kind](module, group, opts, M), ours=_OURS,
-                    nothing="no recognised megatron-core TransformerLayer / MLP / SelfAttention" if block else
-                    "no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
-                    kinds=("mlp", "attention"), log=logger)
+    replaced, already = replace_modules(
+        model, group, None if rules is None else [r for r in rules if r[1] != "block"], config,
+        kind_of=kind_of, lookalike=lookalike,
+        build=lambda module, kind, opts: _BUILDERS[kind](module, place, opts, M), ours=_OURS,
+        nothing="no recognised megatron-core TransformerLayer / MLP / SelfAttention" if block else
+        "no recognised megatron-core MLP / SelfAttention", before_build=check_groups,
+        kinds=("mlp", "attention"), log=logger)
+    swapped = any(replaced.values()) or already or any(isinstance(m, MegatronBlock) for m in model.modules())
+    if dtensor and swapped:
+        distribute_params(model, mesh=place, placement=_placement(place))
+        for m in model.modules():  # GPTModel hands the shared embedding weight to its output layer
+            if getattr(m, "share_embeddings_and_output_weights", False) and hasattr(m, "output_layer"):
+                local_arguments(m.output_layer, ("weight",))
+        logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
     return model
+
+
+def _placement(mesh):
+    """[Note: Megatron DTensor parameters]: the placement of a Megatron parameter outside the
+    swapped layers, and whether its gradient is summed inside backward."""
+    ranks = mesh.mesh.flatten().tolist()
+
+    def placement(module, name, p):
+        tp = getattr(module, "tp_group", None)
+        if getattr(p, "tensor_model_parallel", False) and tp is not None and dist.get_world_size(tp) > 1:
+            if list(dist.get_process_group_ranks(tp)) != ranks:
+                raise ValueError(f"{type(module).__name__}.{name} is sharded over Megatron's tensor-parallel group "
+                                 f"{list(dist.get_process_group_ranks(tp))}, not the swap's group {ranks}")
+            return Shard(p.partition_dim), False
+        if getattr(p, "sequence_parallel", False):  # a norm under sequence parallelism: the rank's positions
+            p.sequence_parallel = False  # summed inside backward: not by Megatron's finalize_model_grads again
+            return Replicate(), True
+        return Replicate(), False
+    return placement

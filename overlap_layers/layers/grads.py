@@ -1,59 +1,61 @@
-"""Finishing the gradients that the parallel layers leave as per-rank partials.
+"""The gradients the parallel layers leave to the training loop: none of the tensor-parallel
+ones, and, on request, the data-parallel style ones.
 
-Reference: after :func:`finalize_grads`, every parameter replicated inside a layer's
-tensor-parallel group holds the gradient the dense layer would give it, on every rank: the sum,
-over the ranks that hold a copy, of the rank partials left by backward (the layers leave that
-reduction to the training loop, which calls this once after backward, beside its other gradient
-reductions). With ``data_parallel=True`` the data-parallel style
-partials of :class:`UlyssesAttention` and :class:`OverlapMoE` are summed as well.
+Reference: after backward, every parameter of a layer holds the gradient the dense layer gives
+it on every rank (its shard of it, for a sharded parameter), except the *data-parallel style
+partials* below; after ``finalize_grads(model, data_parallel=True)`` those hold the sum over the
+layer's group as well. ``finalize_grads(model)`` (the default) changes nothing: a harmless no-op
+kept for loops that call it.
 
 [Note: which partials]
-Two kinds of replicated parameter hold a rank partial after backward:
+Two kinds of replicated parameter get a rank partial from a layer's backward:
 
-* *TP partials*: the rank computed only part of a gradient that no other reduction sums: the
+* *TP partials*: the rank computed only part of a gradient that no other reduction sums (the
   ranks of a tensor-parallel group are not data-parallel peers of each other, so a DP wrapper
-  (DDP, FSDP) built over the data-parallel dimension never reduces across them.
-  :func:`finalize_grads` always sums these:
+  built over the data-parallel dimension never reduces across them). The layers sum these over
+  their group inside backward ([Note: gradients complete in backward] in
+  ``layers/common/grads.py``), so backward returns them complete:
 
   ===================  =====================================================================
-  layer                parameters (grad = this rank's partial)
+  layer                parameters (the rank's work covers)
   ===================  =====================================================================
-  OverlapMLP           ``b_out`` under sequence parallelism (only the rank's own rows)
-  OverlapAttention     ``bo`` under sequence parallelism; ``q_norm``, ``k_norm`` (only the rank's
+  OverlapMLP           ``b_out`` under sequence parallelism (the rank's own rows)
+  OverlapAttention     ``bo`` under sequence parallelism; ``q_norm``, ``k_norm`` (the rank's
                        query/KV heads); ``wk``, ``wv``, ``bk``, ``bv`` when ``num_kv_heads <
                        world_size`` (summed over the ranks sharing each KV head only)
   OverlapTransformer-  the norms' ``weight`` / ``bias`` under sequence parallelism (the rank's
-  Block                positions only); its OverlapMoE's ``router_weight``, ``shared_w_in``,
+  Block                positions); its OverlapMoE's ``router_weight``, ``shared_w_in``,
                        ``shared_w_out`` in either mode: inside a block the group is a tensor-
                        parallel group over the same sequences, so the rank's share of the tokens
                        is a TP partial, not a DP-style one (below)
+  HFMoE (swap)         its OverlapMoE's router and shared expert, for the same reason
   ===================  =====================================================================
 
 * *DP-style partials*: the rank's gradient is that of its own tokens only, and the layer's group
   is the set of ranks a data-parallel reduction runs over anyway (Ulysses' sequence-parallel
   ranks and an expert-parallel group each hold different tokens, like DP replicas). DDP / FSDP /
-  HSDP over those ranks sums (DDP: averages) them with every other parameter's gradient, so
-  :func:`finalize_grads` leaves them alone by default, and summing them here as well would count
-  them ``world_size`` times:
+  HSDP over those ranks sums (DDP: averages) them with every other parameter's gradient, so the
+  layers leave them alone, and summing them as well would count them ``world_size`` times:
 
   ===================  =====================================================================
   UlyssesAttention     every parameter (``wq``, ``wk``, ``wv``, ``wo``, biases, ``q_norm``,
                        ``k_norm``): whole on every rank, gradient of the rank's own positions
-  OverlapMoE           ``router_weight``, ``shared_w_in``, ``shared_w_out``: gradient of the
-                       rank's own tokens (the experts ``w_in`` / ``w_out`` are sharded and their
-                       gradients already hold every rank's tokens routed to them: complete)
+  OverlapMoE           ``router_weight``, ``shared_w_in``, ``shared_w_out`` of a bare MoE:
+                       gradient of the rank's own tokens (the experts ``w_in`` / ``w_out`` are
+                       sharded and their gradients already hold every rank's tokens routed to
+                       them: complete)
   ===================  =====================================================================
 
-  ``data_parallel=True`` sums them too (all-reduce SUM over the layer's group), for a run without
-  a DP wrapper over those ranks. The sum is the gradient of the *sum* of the ranks' losses; DDP's
-  average is that divided by the group size.
+  ``finalize_grads(model, data_parallel=True)`` sums them (all-reduce SUM over the layer's
+  group), for a run without a DP wrapper over those ranks. The sum is the gradient of the *sum*
+  of the ranks' losses; DDP's average is that divided by the group size.
 
 Every reduction is a collective over the layer's group whose membership and sizes come from the
 module structure alone (identical on every rank), never from which gradients exist on this rank:
 a parameter whose ``.grad`` is None on this rank contributes zeros and a presence flag travelling
 in the same buffer, and its ``.grad`` is set on every rank if any rank had one (left None if no
-rank had). One all-reduce per layer and parameter dtype for the group-wide sums, one for the
-replicated KV heads; no host sync unless this rank lacks a gradient (then one, to read the flags).
+rank had). One all-reduce per layer and parameter dtype; no host sync unless this rank lacks a
+gradient (then one, to read the flags).
 """
 from __future__ import annotations
 
@@ -63,10 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .attention.layer import OverlapAttention
 from .attention.ulysses import UlyssesAttention
-from .block.layer import OverlapTransformerBlock
-from .mlp.layer import OverlapMLP
+from .common.grads import summed_in_backward
 from .moe.layer import OverlapMoE
 
 try:  # DTensor gradients (FSDP2 / DTensor-sharded parameters): reduce the local shard
@@ -127,73 +127,38 @@ def _sum_over_group(params: Iterable[Optional[nn.Parameter]], group) -> None:
         _store(ps, buf[:sum(sizes)].split(sizes), buf[sum(sizes):], [lp.shape for lp in locals_])
 
 
-def _sum_kv_copies(layer: OverlapAttention) -> None:
-    """KV heads replicated over ``ws / nkv`` ranks: sum each head's copies' gradients (wk, wv and
-    their biases) over the ranks holding it, in one all-reduce of a ``[nkv, numel + flags]``
-    buffer where each rank fills the row of its head."""
-    ps = [p for p in (layer.wk, layer.wv, layer.bk, layer.bv) if p is not None]
-    dtype, dev = ps[0].dtype, _local(ps[0]).device
-    sizes = [_local(p).numel() for p in ps]
-    row = torch.cat([(_local(p.grad).to(dtype) if p.grad is not None else _local(p).new_zeros(_local(p).shape,
-                                                                                          dtype=dtype)).reshape(-1)
-                     for p in ps] + [torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=dev)])
-    buf = row.new_zeros((layer.num_kv_heads, row.numel()))
-    head = layer._kv_heads().start
-    buf[head] = row
-    dist.all_reduce(buf, group=layer.group)
-    mine = buf[head]
-    _store(ps, mine[:sum(sizes)].split(sizes), mine[sum(sizes):], [_local(p).shape for p in ps])
-
-
 @torch.no_grad()
 def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
-    """Sum, over each layer's group, the gradients that backward left as rank partials, for every
-    overlap layer in ``model`` (``model`` itself included); see [Note: which partials].
+    """With ``data_parallel=True``, sum the data-parallel style partials of every overlap layer in
+    ``model`` (``model`` itself included) over the layer's group (all-reduce SUM); by default do
+    nothing. See [Note: which partials].
 
-    Always (tensor-parallel partials, which no data-parallel wrapper reduces):
-    :class:`OverlapMLP` ``b_out`` under sequence parallelism; :class:`OverlapAttention` ``bo``
-    under sequence parallelism, ``q_norm`` / ``k_norm``, and ``wk``, ``wv``, ``bk``, ``bv`` when
-    ``num_kv_heads < world_size`` (over the ranks sharing each KV head);
-    :class:`OverlapTransformerBlock` norms under sequence parallelism, and its MoE's router and
-    shared expert.
-
-    Not by default (data-parallel style partials: the gradient of the rank's own tokens, which a
-    DDP / FSDP reduction over the same ranks sums): every parameter of :class:`UlyssesAttention`,
-    and :class:`OverlapMoE` ``router_weight``, ``shared_w_in``, ``shared_w_out``. With
-    ``data_parallel=True`` these are summed as well (all-reduce SUM over the layer's group), for
+    The tensor-parallel partials (:class:`OverlapMLP` ``b_out`` and :class:`OverlapAttention`
+    ``bo`` under sequence parallelism, ``q_norm`` / ``k_norm``, replicated KV heads, an
+    :class:`OverlapTransformerBlock`'s norms and MoE router and shared expert, an ``HFMoE``'s
+    router) are summed inside backward: there is nothing left to do for them, and this function
+    never touches them. It remains for loops that call it, and for the data-parallel style
+    partials: every parameter of :class:`UlyssesAttention`, and a bare :class:`OverlapMoE`'s
+    ``router_weight``, ``shared_w_in``, ``shared_w_out`` (the gradient of the rank's own tokens,
+    which a DDP / FSDP reduction over the same ranks sums). ``data_parallel=True`` sums these, for
     runs without a data-parallel wrapper over those ranks; do not combine that with such a wrapper
     (the wrapper would add them again). OverlapMoE's expert weights are never touched (complete).
 
-    A collective: call it on every rank of every layer's group with the same ``data_parallel``,
-    after backward (after gradient accumulation) and before gradient clipping and the optimizer
-    step. Gradients are reduced in place (a DTensor gradient on its local shard); a parameter whose
+    With ``data_parallel=True`` a collective: call it on every rank of every layer's group, after
+    backward (after gradient accumulation) and before gradient clipping and the optimizer step.
+    Gradients are reduced in place (a DTensor gradient on its local shard); a parameter whose
     ``.grad`` is None on some ranks gets the sum on every rank, and stays None if it is None on
     every rank. Returns None."""
     if not isinstance(data_parallel, bool):
         raise ValueError(f"data_parallel={data_parallel!r}; must be True or False")
-    blocks = [m for m in model.modules() if isinstance(m, OverlapTransformerBlock)]
-    in_block = {id(b.mlp) for b in blocks}
+    if not data_parallel:
+        return
     for m in model.modules():
-        if isinstance(m, OverlapTransformerBlock):
-            norms = [m.attn_norm.weight, m.attn_norm.bias, m.mlp_norm.weight, m.mlp_norm.bias]
-            moe = [m.mlp.router_weight, m.mlp.shared_w_in, m.mlp.shared_w_out] if isinstance(m.mlp, OverlapMoE) else []
-            _sum_over_group((norms if m.sequence_parallel else []) + moe, m.group)
-        elif isinstance(m, OverlapMLP):
-            if m.sequence_parallel and m.b_out is not None:
-                _sum_over_group([m.b_out], m.group)
-        elif isinstance(m, OverlapAttention):
-            _sum_over_group([m.q_norm, m.k_norm] + ([m.bo] if m.sequence_parallel else []), m.group)
-            if m.num_kv_heads < m.world_size:
-                if _is_dtensor(m.wk):  # the DTensor form holds every head on every rank, zero outside its own
-                    _sum_over_group([m.wk, m.wv, m.bk, m.bv], m.group)
-                else:
-                    _sum_kv_copies(m)
-        elif isinstance(m, UlyssesAttention):
-            if data_parallel:
-                _sum_over_group(list(m.parameters(recurse=False)), m.group)
+        if isinstance(m, UlyssesAttention):
+            _sum_over_group(list(m.parameters(recurse=False)), m.group)
         elif isinstance(m, OverlapMoE):
-            if data_parallel and id(m) not in in_block:
-                _sum_over_group([m.router_weight, m.shared_w_in, m.shared_w_out], m.group)
+            _sum_over_group([getattr(m, n) for n in ("router_weight", "shared_w_in", "shared_w_out")
+                             if not summed_in_backward(m, n)], m.group)
 
 
 #: Another name for :func:`finalize_grads`: the same function.

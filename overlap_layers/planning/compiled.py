@@ -18,9 +18,11 @@ output's gradient and returns the gradients of ``x`` and of every parameter from
 which it then drops; nothing is recomputed. A graph whose backward never runs is dropped when its
 token tensor dies.
 
-The op finds its layer by a key in one process-wide weak table (as c10d finds a process group by
-its name): the table holds no layer alive. Not covered (the eager path, with graph breaks, runs
-instead): DTensor inputs or parameters, and autocast regions around a compiled call (the op runs
+DTensor parameters enter the op as their local tensors (``p.to_local()``, traced, so their
+gradients reach the DTensor parameters) and the layer computes on them as on its DTensors' local
+views. The op finds its layer by a key in one process-wide weak table (as c10d finds a process
+group by its name): the table holds no layer alive. Not covered (the eager path, with graph
+breaks, runs instead): DTensor inputs, and autocast regions around a compiled call (the op runs
 the layer's own autocast handling eagerly, so results match, but the region breaks the graph).
 """
 from __future__ import annotations
@@ -126,8 +128,7 @@ layer_call.register_autograd(_backward, setup_context=_setup)
 def can_compile(layer, x) -> bool:
     """Whether a call of ``layer`` on ``x`` takes the op under tracing ([Note: compiled calls])."""
     from torch.distributed.tensor import DTensor
-    return not isinstance(x, DTensor) and not any(isinstance(p, DTensor) for p in layer.parameters()) \
-        and not torch.is_autocast_enabled(x.device.type)
+    return not isinstance(x, DTensor) and not torch.is_autocast_enabled(x.device.type)
 
 
 def register_layer(layer) -> None:
@@ -138,8 +139,9 @@ def register_layer(layer) -> None:
 
 def compiled_call(layer, x: torch.Tensor, extras: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """The layer's call as ``overlap_layers::layer_call`` (traced by dynamo, run eagerly)."""
+    from torch.distributed.tensor import DTensor
     key = layer._compiled_key
-    params = [p for _, p in layer.named_parameters()]
+    params = [p.to_local() if isinstance(p, DTensor) else p for _, p in layer.named_parameters()]
     grad = torch.is_grad_enabled()
     requires_grad = [grad and x.requires_grad] + [grad and p.requires_grad for p in params]
     given = [t for t in extras if t is not None]

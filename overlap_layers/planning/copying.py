@@ -8,7 +8,7 @@ first call, as a new layer does; every rank copies alike, so the copies plan ali
 
 A layer also holds what is not its own to copy: the process group (not copyable), the group's
 shared agreement and symmetric workspace, and with ``mesh=`` the mesh and its parameters' local
-views. The copy shares those with the original. Everything else private is per-call state
+views, and the identities that sum gradients over the group. The copy shares those with the original. Everything else private is per-call state
 (plans, streams, the recompute tables, the last aux loss, index caches): the copy starts it anew,
 through the same methods the constructor uses.
 """
@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 _MODULE_STATE = frozenset(nn.Module().__dict__)  # nn.Module's own attributes: parameters, hooks, ...
-_SHARED = ("group", "_input_mesh", "_local_views")  # the group's or the mesh's: shared with the copy
+# the group's or the mesh's (the local views, the gradient sums over the group): shared with the copy
+_SHARED = ("group", "_input_mesh", "_local_views", "_grad_sums")
 
 
 def copy_module(module: nn.Module, memo: dict, keep: Sequence[str] = ()) -> nn.Module:

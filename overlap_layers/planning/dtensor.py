@@ -39,13 +39,15 @@ The forward reads each parameter through ``layer._local(name)`` (:class:`~.plann
 for a DTensor is :func:`local`: ``p.to_local()`` (differentiable) viewed as the flat local
 tensor, or sliced to the rank's rows for a Replicate of a dense tensor; no copies. Autograd
 therefore puts the gradient on the DTensor parameter, as a DTensor with the parameter's
-placements. Replicate gradients hold what the ``group=`` layer's plain gradient holds: the rank's
-*partial* where the layer documents one (``b_out`` under sequence parallelism, ``q_norm`` /
-``k_norm``, ``bo``, the MoE router, replicated KV heads: zero outside the rank's own head), so
-they differ across ranks until :func:`overlap_layers.finalize_grads` sums them (it reduces the
-local tensor of a DTensor gradient in place; for replicated KV heads in the DTensor form, one
-all-reduce of ``wk``, ``wv``, ``bk``, ``bv`` over the whole group, since each rank's gradient is
-zero outside its own head's rows).
+placements. Replicate gradients hold what the ``group=`` layer's plain gradient holds: complete,
+the same on every rank, where the layer sums a rank partial inside backward (``b_out`` / ``bo``
+under sequence parallelism, ``q_norm`` / ``k_norm``, a block's MoE router; [Note: gradients
+complete in backward] in ``layers/common/grads.py``): the identity that sums wraps the whole
+local tensor, so for replicated KV heads, where each rank's gradient is zero outside its own
+head's rows, the sum over the group is the dense gradient on every rank. The data-parallel style
+partials (a bare :class:`OverlapMoE`'s router, :class:`UlyssesAttention`'s parameters) differ
+across ranks until the data-parallel reduction (or ``finalize_grads(data_parallel=True)``) sums
+them.
 
 [Note: DTensor inputs]
 A layer's ``x`` may also be a DTensor on the layer's mesh axis (the 1-D mesh ``axis_mesh(mesh,
@@ -82,15 +84,16 @@ Shard(1) (its sequence shard).
 
 Limits: ``reset_parameters()`` writes the ``group=`` layout and is run before the conversion;
 calling it again on a DTensor layer raises (build a new layer, or load a state dict).
-``torch.optim.AdamW`` (and other foreach / fused optimizers) fail on a parameter group mixing
-DTensors and plain tensors: build the optimizer on :func:`overlap_layers.param_groups` (one group
-each), or keep the other parameters DTensors too (e.g. FSDP2 over the whole model).
+``torch.optim.AdamW`` (and other foreach / fused optimizers) and ``clip_grad_norm_`` fail on a
+parameter group mixing DTensors and plain tensors: make the other parameters DTensors too
+(:func:`overlap_layers.distribute_params`, which ``swap`` applies), or build the optimizer on
+:func:`overlap_layers.param_groups` (one group each).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -112,13 +115,19 @@ class Layout:
 
 
 def local(p: Optional[torch.Tensor], flat_shape: Optional[tuple] = None,
-          rows: Optional[slice] = None) -> Optional[torch.Tensor]:
-    """The flat local tensor the layers compute with ([Note: DTensor parameters]): ``p`` itself if
-    plain (or None); for a DTensor its differentiable ``to_local()``, sliced to ``rows`` or viewed
-    as ``flat_shape``. A view: no copy, and gradients flow back to ``p`` as DTensors."""
-    if p is None or not isinstance(p, DTensor):
+          rows: Optional[slice] = None, reduce: Optional[Callable] = None) -> Optional[torch.Tensor]:
+    """The flat local tensor the layers compute with ([Note: DTensor parameters]): for a DTensor
+    parameter its differentiable ``to_local()`` (for a plain one, itself: a layer's own plain
+    parameters, or the local tensors a compiled call substitutes for its DTensors), sliced to
+    ``rows`` or viewed as ``flat_shape``; None stays None. A view: no copy, and gradients flow back
+    to ``p`` (as DTensors for a DTensor). ``reduce`` (an identity whose backward sums the gradient,
+    [Note: gradients complete in backward] in ``layers/common/grads.py``) wraps the whole local
+    tensor, before ``rows`` are taken."""
+    if p is None:
         return p
-    t = p.to_local()
+    t = p.to_local() if isinstance(p, DTensor) else p
+    if reduce is not None:
+        t = reduce(t)
     if rows is not None:
         return t[rows]
     if flat_shape is not None and tuple(t.shape) != flat_shape:

@@ -101,14 +101,19 @@ class PlannedLayer:
 
     # ----------------------------------------------------------------- DTensor parameters (mesh=)
     _local_views: dict = {}  # name -> view of a DTensor parameter; empty (plain parameters) with group=
+    # name -> (plain, DTensor local) identities whose backward sums the gradient over the group
+    # ([Note: gradients complete in backward] in ``layers/common/grads.py``)
+    _grad_sums: dict = {}
 
     def _local(self, name: str):
         """Parameter ``name`` (or None) as the ``group=`` layout's local tensor the compute uses: the
         parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]
-        in ``planning/dtensor.py``)."""
+        in ``planning/dtensor.py``), through its gradient's sum where the layer has one."""
         p = getattr(self, name)
-        view = self._local_views.get(name)
-        return p if view is None else view(p)
+        view, sums = self._local_views.get(name), self._grad_sums.get(name)
+        if sums is None or p is None:
+            return p if view is None else view(p)
+        return sums[0](p) if view is None else view(p, reduce=sums[1])
 
     def _as_dtensors(self, mesh, axis) -> None:
         """With ``mesh=``, hold the parameters as DTensors on the mesh axis (no-op for None)."""

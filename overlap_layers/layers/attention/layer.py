@@ -90,6 +90,7 @@ from ...runtime import resolve_group
 from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.exchange import block_tag
 from ...schedule import TileProgram, round_robin
+from ..common.grads import sum_grads_in_backward
 from ..common.init import init_linear_
 from ..common.rank_chunks import accumulate, accumulate_rows, finish, piece, step_tag
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
@@ -487,11 +488,12 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
 
     Parameters (``group=``): ``wq [nq/ws*d, H]`` (this rank's query heads), ``wk``, ``wv``
     ``[max(nkv/ws, 1)*d, H]`` (the KV heads they read), ``wo [H, nq/ws*d]``, biases ``bq``,
-    ``bk``, ``bv``, ``bo``, and ``q_norm``, ``k_norm`` ``[d]``. Replicated parameters keep *this
-    rank's partial* gradient in ``.grad``: ``bo`` under sequence parallelism (only the rank's own
-    rows contribute), ``q_norm`` / ``k_norm`` (only its heads), and the KV heads when
-    ``num_kv_heads < ws`` (only its query heads read them); sum them over the ranks that share
-    them (:func:`overlap_layers.finalize_grads` does, for every layer in a module).
+    ``bk``, ``bv``, ``bo``, and ``q_norm``, ``k_norm`` ``[d]``. Replicated parameters whose rank
+    computes only part of their gradient -- ``bo`` under sequence parallelism (the rank's own
+    rows), ``q_norm`` / ``k_norm`` (its heads), and the KV heads when ``num_kv_heads < ws`` (its
+    query heads read them) -- have it summed over the ranks that share them inside backward
+    ([Note: gradients complete in backward] in ``layers/common/grads.py``): ``.grad`` is complete
+    when backward returns.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (replicated KV heads: a Replicate of the dense ``wk``...); see
     overlap_layers.planning.dtensor.
@@ -526,6 +528,10 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self._init_layer(self.config, mesh, axis)
+        # the rank's heads / rows only: [Note: gradients complete in backward]
+        sum_grads_in_backward(self, ("q_norm", "k_norm", "bo") if self.sequence_parallel else ("q_norm", "k_norm"))
+        if num_kv_heads < ws:  # each KV head's copies
+            sum_grads_in_backward(self, ("wk", "wv", "bk", "bv"), copies=(num_kv_heads, self._kv_heads().start))
 
     def _init_caches(self) -> None:
         self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first (from the planning's model)

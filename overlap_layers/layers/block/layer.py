@@ -26,15 +26,18 @@ engine) each sublayer starts and ends on its own rows, which hides most of that 
 inside the sublayer.
 
 Gradients: the norms' weights (and LayerNorm biases) are replicated. Under sequence parallelism
-each rank's gradient covers its own positions only, a tensor-parallel partial; the MoE router and
-shared expert, used on this rank's tokens only, are partials in either mode. ``finalize_grads``
-sums both over the group (see its [Note: which partials]).
+each rank's work covers its own positions only, a tensor-parallel partial; the MoE router and
+shared expert, used on this rank's tokens only, are partials in either mode. Both are summed over
+the group inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``),
+so every gradient is complete when backward returns.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -49,6 +52,7 @@ from ...planning.plan_cache import PlanCache
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
 from ..attention.layer import OverlapAttention
+from ..common.grads import sum_grad_over_group, sum_grads_in_backward
 from ..mlp.layer import MLPCall
 from ..mlp.layer import OverlapMLP
 from ..moe.layer import OverlapMoE
@@ -72,9 +76,18 @@ class BlockNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if kind == "layernorm" \
             else None
+        self.grad_group = None  # under sequence parallelism, the group the gradients are summed over
+
+    def local_params(self) -> tuple:
+        """``(weight, bias)`` as the norm computes with them: local tensors, through an identity
+        that sums their gradients over ``grad_group`` inside backward where it is set ([Note:
+        gradients complete in backward] in ``layers/common/grads.py``)."""
+        g = self.grad_group
+        reduce = None if g is None else partial(sum_grad_over_group, group=g)
+        return local(self.weight, reduce=reduce), local(self.bias, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = local(self.weight), local(self.bias)
+        w, b = self.local_params()
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (self.hidden_size,), w, self.eps)
         return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
@@ -106,7 +119,7 @@ class OverlapTransformerBlock(nn.Module):
     else Replicate, gives a DTensor ``y`` of the same placement). ``moe``: None for the swiglu MLP
     of width ``ffn_hidden_size``, or a dict of :class:`OverlapMoE` keywords (``num_experts`` and ``top_k`` required; see
     ``MOE_KEYS``), whose experts then have width ``ffn_hidden_size``. ``num_tiles`` and
-    ``config`` apply to every sublayer. After backward, call ``finalize_grads(model)``.
+    ``config`` apply to every sublayer. Gradients are complete when backward returns.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: Optional[int] = None,
@@ -139,7 +152,8 @@ class OverlapTransformerBlock(nn.Module):
             moe = dict(moe)
             self.mlp = OverlapMoE(hidden_size, ffn_hidden_size, moe.pop("num_experts"), moe.pop("top_k"), **moe, **kw)
         if mesh is not None:
-            _replicate_norms(self, mesh, axis)
+            replicate_norms(self, mesh, axis)
+        self._sum_grads_in_backward()
         self._init_fusion()
 
     @classmethod
@@ -178,9 +192,22 @@ class OverlapTransformerBlock(nn.Module):
                                              f"[{attention.hidden_size}] (a bias only with norm='layernorm')")
                         p.copy_(t)
         if attention._input_mesh is not None:  # DTensor sublayers (mesh=): the norms too
-            _replicate_norms(self, attention._input_mesh, None)
+            replicate_norms(self, attention._input_mesh, None)
+        self._sum_grads_in_backward()
         self._init_fusion()
         return self
+
+    def _sum_grads_in_backward(self) -> None:
+        """The block's tensor-parallel partials, summed over the group inside backward ([Note:
+        gradients complete in backward]): the norms under sequence parallelism (the rank's
+        positions), and an MoE's router and shared expert in either mode (the rank's tokens of
+        sequences every rank of the group holds)."""
+        if self.sequence_parallel and dist.get_world_size(self.group) > 1:
+            for norm in (self.attn_norm, self.mlp_norm):
+                if norm.grad_group is not self.group:  # set once: no mutation per call
+                    norm.grad_group = self.group
+        if isinstance(self.mlp, OverlapMoE):
+            sum_grads_in_backward(self.mlp, ("router_weight", "shared_w_in", "shared_w_out"))
 
     def __deepcopy__(self, memo: dict):
         """``copy.deepcopy``: the sublayers' copies ([Note: copying a layer] in ``planning/copying.py``)
@@ -212,6 +239,7 @@ class OverlapTransformerBlock(nn.Module):
         return self._forward(x, position_ids, position_embeddings, attention_mask)
 
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
+        self._sum_grads_in_backward()  # again: a sublayer may have been replaced since
         attn = self.attention
         # the norm runs on an input the attention's agreement accepts, or one of another floating
         # dtype (which it may cast); any other goes to that agreement as it is, which raises on every
@@ -320,8 +348,7 @@ class OverlapTransformerBlock(nn.Module):
         asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
             call.trace = TraceJob(asked, n1.device)
-        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, local(self.mlp_norm.weight),
-                   local(self.mlp_norm.bias), w_in, b_in, w_out, b_out)
+        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, *self.mlp_norm.local_params(), w_in, b_in, w_out, b_out)
         y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
         if call.trace is not None:
             call.trace.write()  # the forward's; the backward writes again with both passes
@@ -363,7 +390,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _replicate_norms(block: OverlapTransformerBlock, mesh, axis) -> None:
+def replicate_norms(block: OverlapTransformerBlock, mesh, axis) -> None:
     """With ``mesh=``: the norms' parameters as Replicate DTensors on the mesh axis, like every
     replicated parameter of the sublayers."""
     m = axis_mesh(mesh, axis)

@@ -56,6 +56,7 @@ from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
 from ..common.activations import ACTIVATIONS, act, act_backward
+from ..common.grads import sum_grads_in_backward
 from ..common.cost import MLPCostModel
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  row_forward, weight_grad)
@@ -206,10 +207,10 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
 
     Parameters (``group=``): ``w_in [I, H]`` (swiglu: this rank's gate rows, then its up rows),
     ``w_out [H, F/ws]``, ``b_in [I]``, ``b_out [H]`` replicated and added once after the reduction.
-    Under sequence parallelism ``b_out.grad`` holds *this rank's partial* (only its own rows
-    contribute), like Megatron's sequence-parallel parameters: call
-    :func:`overlap_layers.finalize_grads` before the optimizer step. Without sequence
-    parallelism every rank sees every token and ``b_out.grad`` is already complete.
+    Under sequence parallelism only the rank's own rows contribute to ``b_out``'s gradient, like
+    Megatron's sequence-parallel parameters; the layer sums it over the group inside backward
+    ([Note: gradients complete in backward] in ``layers/common/grads.py``), so ``b_out.grad`` is
+    complete when backward returns, as it is without sequence parallelism.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters whose global value is
     the dense tensor (swiglu ``w_in [2, F, H]``, Shard(1)); see overlap_layers.planning.dtensor.
 
@@ -249,6 +250,8 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         self._init_layer(self.config, mesh, axis)
+        if self.sequence_parallel:  # the rank's rows only: [Note: gradients complete in backward]
+            sum_grads_in_backward(self, ("b_out",))
 
     # ----------------------------------------------------------------- weights
     def _dense_in_rows(self) -> int:
