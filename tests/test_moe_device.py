@@ -214,7 +214,7 @@ def _run_device_training(rank, case, opts, dtype, backwards, need, frozen=()):
     layer = build_from_dense(case, dtype, opts)
     for name in frozen:
         getattr(layer, name).requires_grad_(False)
-    layer._call_graphs = log = _OfferLog()
+    layer.planner.call_graphs = log = _OfferLog()
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
 

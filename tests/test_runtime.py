@@ -279,11 +279,11 @@ def _layers_of_one_group(rank, ws, mismatched):
     x = torch.randn(2, 4, 16)
     if mismatched:
         return (mlp if rank == 0 else attn)(x)
-    first = mlp._agreement
+    first = mlp.planner.agreement
     del mlp
     again = OverlapMLP(16, 8 * ws, group=world)  # made after the first MLP was freed: the same share
     y = attn(again(x))
-    return (first is attn._agreement is again._agreement, twin._agreement is not first,
+    return (first is attn.planner.agreement is again.planner.agreement, twin.planner.agreement is not first,
             first.mailbox is not None, tuple(y.shape), tuple(twin(x).shape))
 
 

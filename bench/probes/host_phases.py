@@ -37,8 +37,8 @@ from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
 
 from overlap_layers.launch import run_ranks  # noqa: E402
 
-COMMON = ("overlap_layers.planning.planned:PlannedLayer._agree",
-          "overlap_layers.planning.planned:PlannedLayer._planned_call",
+COMMON = ("overlap_layers.planning.planner:LayerPlanner.agree",
+          "overlap_layers.planning.planner:LayerPlanner.call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
           "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
           "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..planning.layer_spec import TiledLayer
 from ..runtime.exchange import held_workspace_bytes
 
 
@@ -351,8 +352,8 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:
                 info.update(b.plan_info())
-                graphs_held = [m._call_graphs for m in b.layer.modules()
-                               if getattr(m, "_call_graphs", None) is not None]
+                graphs_held = [m.planner.call_graphs for m in b.layer.modules()
+                               if isinstance(m, TiledLayer) and m.planner.call_graphs is not None]
                 if graphs_held:  # config.graph_calls: the memory the replayed graphs keep, outside the peak
                     info["graph_bytes"] = sum(g.last_nbytes for g in graphs_held)
                 if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":

@@ -78,12 +78,15 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import Decomposition, OverlapConfig
+from ...planning.call_agreement import Agreed
 from ...planning.calls import LayerCall, apply_saving, recorded_pass, run_tiles
 from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
+from ...planning.entry import planned_forward
 from ...planning.first_order import first_order, keeps_graph, take
+from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planned import PlannedLayer
+from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
@@ -95,8 +98,8 @@ from ..common.rank_chunks import accumulate, accumulate_rows, finish, piece, ste
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  recording_graph, row_forward, weight_grad)
 from . import query_chunks
-from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
-                     input_error, position_kwargs, register_params)
+from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
+                     compiled_position_args, input_error, position_kwargs, register_params)
 from .common import cos_sin as cos_sin_of
 from .core import Heads, attention, empty_heads, heads_backward, heads_into, sdpa
 from .cost import AttentionCostModel
@@ -481,7 +484,7 @@ class _RankChunkAttention(torch.autograd.Function):
         return dx_TH, grads["w_qkv"], grads["b_qkv"], grads["w_o"], d_norms[0], d_norms[1], None
 
 
-class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
+class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     """Drop-in tensor-parallel (and sequence-parallel) attention; equals the module docstring's
     reference.
 
@@ -525,7 +528,11 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
-        self._init_layer(self.config, mesh, axis)
+        self.launch_log: Optional[list] = None
+        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
+        self._init_caches()
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     def _init_caches(self) -> None:
         self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first (from the planning's model)
@@ -650,7 +657,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         assert out["wq"].shape[0] == self.num_heads * d
         return out
 
-    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
+    # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
     def _weight(self) -> torch.Tensor:
         return self.wq
@@ -671,7 +678,7 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
         """:meth:`AttentionCostModel.diagonal_first` of a call's shape with the hardware model the
         layer's planning made (measured peer copies), cached per shape; True without one (a
         pinned plan): the faster order where it matters (llama3-8b at TP 4), only memory elsewhere."""
-        hw = self._hw.get(dtype)
+        hw = self.planner.maker.hw.get(dtype)
         if hw is None:
             return True
         key = (self._plan_key(tuple(shape), dtype, save), transport)
@@ -734,26 +741,26 @@ class OverlapAttention(RankChunkPlans, PlannedLayer, nn.Module):
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
+    @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
-        return self._call_with_positions(x, self._agree_input(x, position_ids, position_embeddings, attention_mask),
-                                         position_ids, position_embeddings)
+        agreed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
+        return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
-    def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> tuple:
-        """The call's agreement on its inputs (``PlannedLayer._agree``): ``(shape, dtype, save,
-        fixed plan or None)``."""
+    def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> Agreed:
+        """The call's agreement on its inputs (``LayerPlanner.agree``); the fused block's call
+        (``layers/block/layer.py``) makes it too."""
         err = input_error(x, hidden_size=self.hidden_size, weight=self.wq,
                           seq_factor=self.world_size if self.sequence_parallel else 1, head_dim=self.head_dim,
                           position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        return self._agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",))
+        return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",))
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
         x, call, w_qkv, b_qkv, wo, bo = self._prepare(
-            x, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)), position_ids,
+            x, plan, save, self.planner.streams.get(x.device, min(plan.num_tiles, plan.num_streams)), position_ids,
             position_embeddings)
         B, s, H = x.shape
         call.query_chunks = self._query_chunk_core(x.dtype, x.device)

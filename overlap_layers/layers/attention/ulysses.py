@@ -58,16 +58,18 @@ from ...config import OverlapConfig
 from ...planning.calls import LayerCall, run_tiles
 from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
+from ...planning.entry import planned_forward
 from ...planning.first_order import first_order, keeps_graph, take
+from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planned import PlannedLayer
+from ...planning.planner import LayerPlanner
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
 from ...schedule import TileProgram, comm, compute, round_robin, wait
 from ..common.init import init_linear_
 from ..common.tp_program import recording_graph
-from .common import (INPUT_ERRORS, PARAMS, WHAT, check_args, check_dense, compiled_position_args,
-                     input_error, position_kwargs, register_params)
+from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
+                     compiled_position_args, input_error, position_kwargs, register_params)
 from .common import cos_sin as cos_sin_of
 from .core import attention
 from .ulysses_cost import UlyssesCostModel
@@ -305,7 +307,7 @@ class _UlyssesTiles(torch.autograd.Function):
         return (dx_TH, d_norms[0], d_norms[1], None, *per_route)
 
 
-class UlyssesAttention(PlannedLayer, nn.Module):
+class UlyssesAttention(TiledLayer, nn.Module):
     """Drop-in attention with Ulysses sequence parallelism; equals the module docstring's reference.
 
     Input and output ``[batch, seq_local, hidden]``: rank r holds positions ``r*seq_local ..``;
@@ -358,7 +360,11 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                         bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.tile_by = "batch"  # what the last call tiled
-        self._init_layer(self.config, mesh, axis)
+        self.launch_log: Optional[list] = None
+        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
+        self._init_caches()
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     def _init_caches(self) -> None:
         self._routes: dict = {}  # (h0, h1) -> _Route; rank-dependent, but never decides a collective
@@ -426,7 +432,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
         if plan.regather or plan.buckets_fwd or plan.buckets_bwd:
             raise ValueError(f"plan={plan!r}: Ulysses has no re-gather and its all-to-alls are not bucketed")
 
-    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
+    # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
     def _weight(self) -> torch.Tensor:
         return self.wq
@@ -481,15 +487,15 @@ class UlyssesAttention(PlannedLayer, nn.Module):
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
+    @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
                 attention_mask=None) -> torch.Tensor:
         err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,
                           head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
-        agreed = self._agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),), extra_names=("layer config",),
-                             shape_names=("batch", "seq_local", "hidden"))
-        return self._call_with_positions(x, agreed, position_ids, position_embeddings)
+        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
+                                    extra_names=("layer config",), shape_names=("batch", "seq_local", "hidden"))
+        return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
     def _route_of(self, h0: int, h1: int) -> _Route:
         if (h0, h1) not in self._routes:
@@ -528,7 +534,7 @@ class UlyssesAttention(PlannedLayer, nn.Module):
                 rows = self._index(r, "send_rows", x.device)
                 weights += [w_qkv.index_select(0, rows), b_qkv.index_select(0, rows) if b_qkv is not None else None,
                             wo if r.o_cols is None else wo.index_select(1, self._index(r, "o_cols", x.device))]
-            call = _Call(self, plan, save, self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
+            call = _Call(self, plan, save, self.planner.streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                          cos_sin_of(self.rope_theta, self.head_dim, s * self.world_size, x.device, x.dtype, position_ids,
                                     position_embeddings),
                          tiles, routes, x.device)

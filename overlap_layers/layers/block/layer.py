@@ -48,6 +48,7 @@ from ...planning.dtensor import axis_mesh, dtensor_forward, local
 from ...planning.plan_cache import PlanCache
 from ...planning.trace import TraceJob
 from ...runtime import resolve_group
+from ..attention.common import call_with_positions
 from ..attention.layer import OverlapAttention
 from ..mlp.layer import MLPCall
 from ..mlp.layer import OverlapMLP
@@ -226,7 +227,7 @@ class OverlapTransformerBlock(nn.Module):
                          attention_mask=attention_mask)
             return h + self._mlp(self.mlp_norm(h))
         agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
-        mlp_saves = self._mlp_saves(agreed[2])
+        mlp_saves = self._mlp_saves(agreed.save)
         plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
@@ -235,9 +236,9 @@ class OverlapTransformerBlock(nn.Module):
         if trial is not None:
             trial.fwd.start()
         if plan is not None and plan.fused:
-            y = self._fused(x, n1, agreed[2], subplans, position_ids, position_embeddings)
+            y = self._fused(x, n1, agreed.save, subplans, position_ids, position_embeddings)
         else:
-            h = x + attn._call_with_positions(n1, agreed, position_ids, position_embeddings)
+            h = x + call_with_positions(attn, n1, agreed, position_ids, position_embeddings)
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()
@@ -263,7 +264,7 @@ class OverlapTransformerBlock(nn.Module):
         attn, mlp = self.attention, self.mlp
         if not (self.sequence_parallel and isinstance(mlp, OverlapMLP) and attn.config.verify_first_calls):
             return False
-        if any(m.num_tiles != "auto" or m._pinned is not None or m._input_mesh is not None
+        if any(m.num_tiles != "auto" or m.planner.pinned is not None or m._input_mesh is not None
                or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for m in (attn, mlp)):
             return False
@@ -282,9 +283,10 @@ class OverlapTransformerBlock(nn.Module):
             return None, None, None
         attn, (key, both) = self.attention, fusable
         k = both[0].num_tiles
-        if self._plans is None or self._plans_agreement is not attn._agreement:  # new sublayers: new plans
-            self._plans_agreement = attn._agreement
-            self._plans = PlanCache(attn._agreement, margin=attn.config.margin)
+        agreement = attn.planner.agreement
+        if self._plans is None or self._plans_agreement is not agreement:  # new sublayers: new plans
+            self._plans_agreement = agreement
+            self._plans = PlanCache(agreement, margin=attn.config.margin)
         plan, trial = self._plans.get(
             key, lambda key: BlockPlan(True, k, reason=f"the sublayers' batch tiles fused at K={k}"),
             lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
@@ -296,7 +298,7 @@ class OverlapTransformerBlock(nn.Module):
         sublayers have settled plans that fuse for this call, else None."""
         attn, mlp = self.attention, self.mlp
         shape, dtype, save, fixed = agreed
-        if fixed is not None or attn._capturing or mlp_saves != save:  # else: one sublayer trains, one not
+        if fixed is not None or attn.planner.capturing or mlp_saves != save:  # else: one sublayer trains, one not
             return None
         plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
         both = None if None in plans else fused_plans(*plans, tile_rows=shape[0] // plans[0].num_tiles * shape[1])
@@ -307,17 +309,17 @@ class OverlapTransformerBlock(nn.Module):
         ``plans`` (:func:`~overlap_layers.layers.block.fused.fused_plans`)."""
         attn, mlp = self.attention, self.mlp
         probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
-        mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
+        mlp.planner.agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
         _, (w_in, b_in, w_out, b_out) = mlp._call_tensors(n1, ("w_in", "b_in", "w_out", "b_out"))
         B, s, H = n1.shape
         pa, pm = plans
         # the MLP's streams (two, faster than one here: [Note: fused block]); the attention's planned plans run on one
-        streams = attn._streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
+        streams = attn.planner.streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
         _, ca, w_qkv, b_qkv, wo, bo = attn._prepare(n1, pa, save, streams, position_ids, position_embeddings)
         cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
                      streams=streams, launch_log=mlp.launch_log)
         call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
-        asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
+        asked = [p for p in (attn.planner.take_trace_request(), mlp.planner.take_trace_request()) if p]
         if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
             call.trace = TraceJob(asked, n1.device)
         weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, local(self.mlp_norm.weight),

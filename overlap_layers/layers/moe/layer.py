@@ -90,8 +90,10 @@ from ...planning.calls import LayerCall, apply_saving, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, finite_number, resolve_config, x_error
 from ...planning.dtensor import Layout
 from ...planning.first_order import first_order, keeps_graph, take
+from ...planning.entry import planned_forward
+from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planned import PlannedLayer
+from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
 from ...runtime.collectives import all_gather_single as all_gather_rows
@@ -389,7 +391,7 @@ class _ExpertExchange(torch.autograd.Function):
         return dx, grads["w_in"], grads["w_out"], None
 
 
-class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
+class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     """Drop-in expert-parallel MoE; equals the module docstring's reference on each rank's tokens.
 
     Parameters (``group=`` the expert-parallel group): ``router_weight [E, H]`` (replicated),
@@ -464,14 +466,18 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
-        self._init_layer(self.config, mesh, axis)
+        self.launch_log: Optional[list] = None
+        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
+        self._init_caches()
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     def _init_caches(self) -> None:
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
         self._aux_zero_of = None  # while it is 0 and not made: (device, dtype, whether the call had autograd)
         self._host_reader = HostReader()
         self._device_exchanges: dict = {}  # (rows, hidden, dtype) -> DeviceCountAllToAll of the device path
-        self._device_race = DevicePathRace(self._agreement)  # [Note: MoE graph calls: the race]
+        self._device_race = DevicePathRace(self.planner.agreement)  # [Note: MoE graph calls: the race]
         # [Note: MoE slot rows]: per race signature, the largest count the slots must hold (none: an
         # even routing's); the device-path call being made (its signature, slot rows and send rows);
         # the host tensor its calls copy their peak count into, and the
@@ -652,8 +658,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         if peak <= slot:
             return False
         self._device_needs[signature] = peak
-        if self._call_graphs is not None:
-            self._call_graphs.forget_last()
+        if self.planner.call_graphs is not None:
+            self.planner.call_graphs.forget_last()
         return True
 
     def _device_slot(self, rows: int, need: int) -> int:
@@ -694,7 +700,8 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 self._device_peak = (torch.zeros((), dtype=torch.int32, pin_memory=cuda),
                                      peak_event() if cuda else None)
             # the weights' gradients wait for no replay's copy where they reach the parameters as they are
-            defer = self._call_graphs.defer if self._call_graphs is not None and w_in is self.w_in \
+            graphs = self.planner.call_graphs
+            defer = graphs.defer if graphs is not None and w_in is self.w_in \
                 and w_out is self.w_out else None
             y = experts_by_source(self, x_TH, w_in, w_out, exchange, lambda: self._shared_expert(x_TH), slot,
                                   self._device_peak if slot is not None and slot < exchange.rows else None, defer)
@@ -746,12 +753,13 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
         return zlib.crc32(repr(key).encode())
 
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
+    @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
-                                                extra=(self._config_digest(),), extra_names=("layer config",),
-                                                shape_names=(None, None, "hidden"))
-        if self._capturing:  # agreed: every rank raises
+        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
+                                    extra=(self._config_digest(),), extra_names=("layer config",),
+                                    shape_names=(None, None, "hidden"))
+        shape, save = agreed.shape, agreed.save
+        if self.planner.capturing:  # agreed: every rank raises
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
                                "split sizes (from the routing) to the host; run it eagerly, or build it with "
                                "OverlapConfig(graph_calls=True), whose calls (without aux loss) replay graphs of a "
@@ -760,12 +768,12 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
         self._end_race_hooks()  # an earlier call's backward that never came: its timing ends here
         run = lambda plan, trial, trace, x: self._run(x, plan, save, shape[1], trial, trace)  # noqa: E731
         self._device_call = None
-        y = self._planned_call(x, shape, dtype, save, fixed, run)
+        y = self.planner.call(x, agreed, run)
         while self._device_overflowed():  # agreed: the call again, with slots for its counts (each time more)
             # dropped first: its graph holds the parameters' gradient nodes, made on this stream, which
             # the new capture's backward could not follow (as _aux's note says)
             y = None
-            y = self._planned_call(x, shape, dtype, save, fixed, run)
+            y = self.planner.call(x, agreed, run)
         watched = ([p for p in self.parameters() if p.requires_grad] or ([x] if x.requires_grad else [])) \
             if save and self._device_race.timing else []  # listed only while a call is timed
         if watched:
@@ -775,20 +783,21 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 left[0] -= 1
                 if not left[0]:
                     self._end_race_hooks()
-            graphs = self._call_graphs
+            graphs = self.planner.call_graphs
             self._race_hooks = (graphs.last_key, graphs.last_nbytes, [
                 t.register_post_accumulate_grad_hook(done) if t.is_leaf else t.register_hook(done) for t in watched])
         else:
-            self._race_done(None, self._call_graphs.last_nbytes if self._call_graphs is not None else 0)
+            graphs = self.planner.call_graphs
+            self._race_done(None, graphs.last_nbytes if graphs is not None else 0)
         return y
 
     def _race_done(self, key, nbytes: int) -> None:
         """End the race's timing of a call (whose graph kept ``nbytes``); drop its signature's graph
         (``key``; None: the last call's) if the device path lost, else, if it won, the layer's hold
         on the eager calls' symmetric workspace ([Note: MoE graph calls: the race])."""
-        choice = self._device_race.finish(nbytes, self._budget)
+        choice = self._device_race.finish(nbytes, self.planner.maker.budget)
         if choice is False:
-            self._call_graphs.forget_last(key)
+            self.planner.call_graphs.forget_last(key)
         elif choice:
             self._workspace = None
 
@@ -902,7 +911,7 @@ class OverlapMoE(RankChunkPlans, PlannedLayer, nn.Module):
                 kept = sum(sum(r) for tile in table[self.rank] for r in tile)
                 if kept < n:
                     x_perm = x_perm[:kept]
-                call = _Call(self, plan, save, self._streams.get(x.device, min(K, plan.num_streams)),
+                call = _Call(self, plan, save, self.planner.streams.get(x.device, min(K, plan.num_streams)),
                              _tiles(table, self.rank, *tensors))
                 call.trial, call.trace = trial, trace
                 rows = apply_saving(_ExpertExchange, save, x_perm, w_in, w_out, call)
