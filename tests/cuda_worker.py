@@ -416,7 +416,7 @@ def check_half_router_logits(rank, ws, dev):
     """The MoE's router GEMM on half operands with float32 output (moe.router_logits) against the
     float64 product of the same values, forward and both gradients (gradients cast to bf16 /
     fp16, as the converted reference's), and that it takes the out_dtype path."""
-    from overlap_layers.layers.moe.layer import router_logits
+    from overlap_layers.layers.moe.routing import router_logits
     g = torch.Generator(device="cpu").manual_seed(21 + rank)
     fails = 0
     for dtype in (torch.bfloat16, torch.float16):
@@ -1109,7 +1109,7 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
     """1 (and a FAIL line) unless the MoE layer's race decided its ``races`` signatures and the
     layer keeps a graph per device-path win (with ``check_held``: and its last call held graph
     memory exactly where its signature chose the device path), else 0."""
-    choices = [race["choice"] for race in layer._device_race._races.values()]
+    choices = [race["choice"] for race in layer._device_path.race._races.values()]
     held = layer.planner.call_graphs.last_nbytes
     if len(choices) != races or None in choices or len(layer.planner.call_graphs) != sum(choices) \
             or (check_held and bool(held) != choices[-1]):
@@ -1138,7 +1138,7 @@ def eager_workspace_fails(rank, label, layer, dev) -> int:
     from overlap_layers.runtime.exchange import held_workspace_bytes
     gc.collect()
     held = held_workspace_bytes(dist.group.WORLD, dev, "exchange")
-    if list(layer._device_race._races.values())[-1]["choice"] and (layer._workspace is not None or held):
+    if list(layer._device_path.race._races.values())[-1]["choice"] and (layer._workspace is not None or held):
         print(f"rank {rank} FAIL {label}: the device path won, but the eager workspace is held "
               f"({layer._workspace is not None}, {held} bytes)", flush=True)
         return 1
@@ -1155,12 +1155,12 @@ def skewed_tokens(r, router, tokens, H, dt):
 def slots_fails(rank, label, layer) -> int:
     """1 (and a FAIL line) if the race chose the device path for the layer's last signature but no
     call raised its slots ([Note: MoE slot rows]: the skewed call must have run again), else 0."""
-    last = list(layer._device_race._races.values())[-1]["choice"]
-    if last and not any(layer._device_needs.values()):
+    last = list(layer._device_path.race._races.values())[-1]["choice"]
+    if last and not any(layer._device_path.needs.values()):
         print(f"rank {rank} FAIL {label}: the device path ran a skewed call without raising its slots", flush=True)
         return 1
     if rank == 0:
-        print(f"{label}: slots raised for {layer._device_needs}", flush=True)
+        print(f"{label}: slots raised for {layer._device_path.needs}", flush=True)
     return 0
 
 

@@ -57,9 +57,9 @@ PER_LAYER = {
                   "overlap_layers.layers.attention.core:move_heads"),
     "mlp": ("overlap_layers.layers.mlp.layer:OverlapMLP.forward", "overlap_layers.layers.mlp.layer:OverlapMLP._run"),
     "moe": ("overlap_layers.layers.moe.layer:OverlapMoE.forward", "overlap_layers.layers.moe.layer:OverlapMoE._run",
-            "overlap_layers.layers.moe.layer:OverlapMoE._route_and_count", "overlap_layers.layers.moe.layer:route",
-            "overlap_layers.layers.moe.layer:all_gather_rows", "overlap_layers.runtime.streams:HostReader.start",
-            "overlap_layers.layers.moe.layer:piece_offsets", "overlap_layers.layers.moe.layer:launch_first",
+            "overlap_layers.layers.moe.layer:OverlapMoE._route_keys", "overlap_layers.layers.moe.routing:route",
+            "overlap_layers.layers.moe.eager:all_gather_rows", "overlap_layers.runtime.streams:HostReader.start",
+            "overlap_layers.layers.moe.eager:piece_offsets", "overlap_layers.layers.moe.eager:launch_first",
             "overlap_layers.layers.moe.ranks:forward", "overlap_layers.layers.moe.ranks:experts_forward",
             "overlap_layers.runtime.rank_all_to_all:CopyEngineAllToAll.start"),
 }

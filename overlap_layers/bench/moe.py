@@ -45,7 +45,9 @@ import torch.distributed as dist
 from ..config import OverlapConfig
 from ..layers.common.activations import act
 from ..layers.moe.combine import weigh_rows
-from ..layers.moe.layer import OverlapMoE, Dispatch, PermuteRows, route
+from ..layers.moe.layer import OverlapMoE
+from ..layers.moe.routing import route
+from ..layers.moe.tiles import Dispatch, PermuteRows
 from ..runtime.collectives import all_gather_single as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, Progress, pass_fn, run_modes
@@ -137,7 +139,7 @@ class MoEBench(MLPBench):
         L, ws, rank = self.layer, self.ws, dist.get_rank(self.group)
         El = L.num_local_experts
         with torch.no_grad():
-            counts = L._route_and_count(self.x.reshape(-1, self.s.hidden), 1)[2]  # [1, ws, El]
+            counts = L._route_keys(self.x.reshape(-1, self.s.hidden), 1)[2]  # [1, ws, El]
         table = torch.tensor(L.planner.agreement.gather(counts.reshape(-1).tolist())).view(ws, ws, El)  # [src, dst, El]
         self.send = table[rank].sum(-1).tolist()
         self.recv = table[:, rank].sum(-1).tolist()
