@@ -540,7 +540,7 @@ def test_host_phases_dry_run():
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
     calls = {ln.split()[-1]: float(ln.split()[3]) for ln in lines[1:]}
     for name in ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
-                 "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
+                 "overlap_layers.layers.attention.rank_chunks:RankChunkAttention._forward",
                  "overlap_layers.planning.planner:LayerPlanner.agree"):
         assert calls[name] == 1.0
 

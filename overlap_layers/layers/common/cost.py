@@ -25,7 +25,7 @@ alpha; a member of a bucket of two or more also pays a copy of its M*H*e bytes i
 The candidates are compared by :func:`~overlap_layers.planning.candidates.plan_candidates`.
 
 [Note: rank-chunk cost]
-A rank-chunk plan (``layers/common/rank_chunks.py``; the attention's in ``layers/attention/layer.py``) is costed by a
+A rank-chunk plan (``layers/common/rank_chunks.py``; the attention's in ``layers/attention/rank_chunks.py``) is costed by a
 recurrence, not the tile simulator: its pieces (:meth:`MLPCostModel.rank_pieces`: for the MLP
 forward own first half, ws-1 peer chunks, own second half, backward own rows then the peers'; for
 the attention, per batch tile, the projections around the tile's core) run back to back on the

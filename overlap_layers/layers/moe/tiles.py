@@ -131,9 +131,9 @@ def tiles_of(table, rank: int, index, inverse, offs) -> List[Tile]:
 
 
 class TileCall(LayerCall):
-    """Everything one call needs besides the differentiable tensors."""
+    """Everything one call of ``layer`` (an ``OverlapMoE``) needs besides the differentiable tensors."""
 
-    def __init__(self, layer: "OverlapMoE", plan: TilePlan, save: bool, streams, tiles: List[Tile]):
+    def __init__(self, layer, plan: TilePlan, save: bool, streams, tiles: List[Tile]):
         super().__init__(layer.group, plan, save, streams, layer.launch_log)
         self.activation = layer.activation
         self.tiles = tiles
