@@ -697,7 +697,7 @@ def check_workspace_kept_on_some_ranks(rank, ws, dev):
     old.pin_plan(plan("copy_engine"))
     x = torch.randn(2, 16, 64, device=dev)
     old(x).sum().backward()
-    from overlap_layers.runtime.exchange import held_workspace_bytes
+    from overlap_layers.runtime.symmetric import held_workspace_bytes
     keep = old._workspace if rank == 1 else None
     del old
     held = [None] * ws
@@ -866,7 +866,7 @@ def check_graph_calls(rank, ws, dev):
             print(f"rank {rank} FAIL {name}: {len(graphed.planner.call_graphs)} graphs after training", flush=True)
         if plan is not None:  # [Note: staged input]: a copy-engine training graph's output gradient, and
             # its input where the backward reads the kept own rows instead (not re-gathered)
-            from overlap_layers.runtime.exchange import staged_source
+            from overlap_layers.runtime.symmetric import staged_source
             trained = [e for e in graphed.planner.call_graphs._graphs.values() if hasattr(e, "grad_output")]
 
             def in_place(t):
@@ -924,7 +924,7 @@ def check_graph_calls_shared_pool(rank, ws, dev):
             print(f"rank {rank} FAIL shared pool {plan.label}: graphs {len(a0.planner.call_graphs)}, "
                   f"{len(a1.planner.call_graphs)}, bytes {nbytes}", flush=True)
         if plan.decomposition == "rank":  # [Note: staged input]: the graph's input is the exchange's place
-            from overlap_layers.runtime.exchange import staged_source
+            from overlap_layers.runtime.symmetric import staged_source
             place = staged_source(a0._workspace, x)
             staged = [next(iter(layer.planner.call_graphs._graphs.values())).inputs[0] for layer in (a0, a1)]
             if place is None or any(t.data_ptr() != place.data_ptr() for t in staged):
@@ -1002,7 +1002,7 @@ def check_device_all_to_all(rank, ws, dev):
     at theirs, untouched). Three groups
     per rank; the steps alternate between counts past the regions and counts that fit them."""
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
-    from overlap_layers.runtime.exchange import shared_workspace
+    from overlap_layers.runtime.symmetric import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
     ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
     pulled = torch.empty(ws, G, rows, W, device=dev, dtype=dt)  # [source, part]: at most a part per group
@@ -1135,7 +1135,7 @@ def eager_workspace_fails(rank, label, layer, dev) -> int:
     """1 (and a FAIL line) if the race chose the device path for the layer's last signature but
     the layer still holds its eager calls' workspace, or (no other layer alive to hold it, after a
     collection) the group's "exchange" workspace still has bytes, else 0."""
-    from overlap_layers.runtime.exchange import held_workspace_bytes
+    from overlap_layers.runtime.symmetric import held_workspace_bytes
     gc.collect()
     held = held_workspace_bytes(dist.group.WORLD, dev, "exchange")
     if list(layer._device_path.race._races.values())[-1]["choice"] and (layer._workspace is not None or held):

@@ -16,7 +16,7 @@ whatever launch blocks.
 
     torchrun --nproc-per-node 2 bench/probes/host_phases.py --layer attention --preset llama3-8b --plan rank_ce
 
-Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.exchange:CopyEngineExchange.push``
+Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.push``
 or ``torch:mm``; a function imported by name into another module must be named where it is called.
 Shapes are those of ``bench/probes/inproc_ab.py`` (off CUDA: 2 gloo ranks, tiny presets).
 """
@@ -41,9 +41,9 @@ COMMON = ("overlap_layers.planning.planner:LayerPlanner.agree",
           "overlap_layers.planning.planner:LayerPlanner.call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
           "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.push",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.__init__",
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.push",
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
 PER_LAYER = {
     "attention": ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
                   "overlap_layers.layers.attention.layer:OverlapAttention._run",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.bench.moe import PRESETS
 from overlap_layers.launch import run_ranks
-from overlap_layers.runtime.exchange import held_workspace_bytes
+from overlap_layers.runtime.symmetric import held_workspace_bytes
 
 MIB = 2 ** 20
 

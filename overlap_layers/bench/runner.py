@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.layer_spec import TiledLayer
-from ..runtime.exchange import held_workspace_bytes
+from ..runtime.symmetric import held_workspace_bytes
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ raises ValueError on every rank). A captured call neither plans nor times
 (:class:`~overlap_layers.planning.plan_cache.PlanCache`): a shape with no plan raises
 RuntimeError, pending verification pauses until the next eager calls, and the graph keeps the
 plan it captured. The copy-engine workspace keeps every buffer a graph captured
-(``runtime/exchange.py``). ``OverlapMoE``'s calls cannot be captured by the caller: they read
+(``runtime/symmetric.py``). ``OverlapMoE``'s calls cannot be captured by the caller: they read
 their all-to-all sizes on the host (with ``config.graph_calls`` its calls without aux loss
 capture a path that does not: [Note: MoE graph calls] in ``layers/moe/device.py``). Replays launch
 no Python, so a plan whose eager calls are host-bound runs at its device time;

@@ -23,8 +23,9 @@ from functools import partial
 import torch
 
 from ..config import Decomposition, Transport
-from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
-                                staged_source, symmetric_memory_status)
+from ..runtime.copy_engine_exchange import CopyEngineExchange
+from ..runtime.p2p_exchange import PointToPointExchange
+from ..runtime.symmetric import held_workspace_bytes, shared_workspace, staged_source, symmetric_memory_status
 from ..sim import Candidate
 
 

@@ -60,7 +60,7 @@ its last reads of its own table (its segments); ``back`` is written by peers onl
 rank's next TABLE, so it stays valid until the next ``place``.
 Every exchange on one workspace runs in the same order on every rank, its signals in one stream
 order (a call's ``ready`` may run on a side stream that waited for the previous ``finish``).
-The exchange has a workspace of its own (``runtime/exchange.py``): peers write its table with no
+The exchange has a workspace of its own (``runtime/symmetric.py``): peers write its table with no
 signal of this rank's call, which another exchange's data in the same buffer would race.
 
 [Note: results where their rows were]
@@ -87,7 +87,7 @@ from ..kernels.device_all_to_all import (CTAS, copy_rows_fused, copy_rows_refere
                                          remote_pointers, rests_fused, write_table_rows)
 from ..kernels.send_rows import place_by_key
 from ..kernels.triton_gate import runs_triton
-from .exchange import aligned
+from .symmetric import aligned
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows

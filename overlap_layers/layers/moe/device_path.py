@@ -67,7 +67,7 @@ import torch
 
 from ...kernels import triton_gate
 from ...runtime.device_all_to_all import DeviceCountAllToAll, region_caps
-from ...runtime.exchange import shared_workspace
+from ...runtime.symmetric import shared_workspace
 from ...runtime.streams import peak_event
 from ...runtime.timing import EventClock
 from .device import experts_by_source
