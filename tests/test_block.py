@@ -208,8 +208,8 @@ def run_fused(rank, ws, c, calls, mlp_k=2, grad=True):
     blk = build(c, True, "auto")
     blk.attention.settled_plan = lambda *a: TilePlan(2)
     blk.mlp.settled_plan = lambda *a: TilePlan(mlp_k)
-    blk._plans_agreement = blk.attention.planner.agreement
-    blk._plans = PlanCache(blk.attention.planner.agreement, trials=1)
+    blk._fusion.plans_agreement = blk.attention.planner.agreement
+    blk._fusion.plans = PlanCache(blk.attention.planner.agreement, trials=1)
     S = c["x"].shape[1]
     own = slice(rank * S // ws, (rank + 1) * S // ws)
     out = []
