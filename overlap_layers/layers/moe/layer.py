@@ -107,7 +107,6 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     _planned_send_recv = True
     _source_split = True  # every rank's rows for this rank's experts are a piece
     _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
-    _graphable = True  # config.graph_calls: calls by the device path ([Note: MoE graph calls], [Note: MoE training graphs])
     _workspace_purposes = ("exchange", "device_counts")  # the rank chunks' and the device path's
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
