@@ -20,7 +20,8 @@ from test_moe import build_from_dense, check, make_case, reference, rel_err, rou
 
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.layers.moe.experts import grouped_gemm_ok
-from overlap_layers.layers.moe.device_path import SLOT_STEPS, rows_bound, slot_rows
+from overlap_layers.layers.moe.device_path import SLOT_STEPS, slot_rows
+from overlap_layers.layers.moe.ranks import rows_bound
 from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table, own_diverts
 from overlap_layers.kernels.send_rows import place_by_key

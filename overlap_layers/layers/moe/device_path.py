@@ -34,7 +34,7 @@ it (a rank that kept it alive longer makes every rank release theirs first:
 
 [Note: MoE slot rows]
 A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,
-:func:`rows_bound`): with every part's buffers at that bound, qwen3-30b-a3b's training graphs
+:func:`~.ranks.rows_bound`): with every part's buffers at that bound, qwen3-30b-a3b's training graphs
 would keep about four times what an even routing fills. So the
 buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
 an earlier call of the signature, and 1/8 more; at first an even routing's count, ``rows / ws``;
@@ -71,6 +71,7 @@ from ...runtime.symmetric import shared_workspace
 from ...runtime.streams import peak_event
 from ...runtime.timing import EventClock
 from .device import experts_by_source
+from .ranks import rows_bound
 
 ROUNDS = 2  # timed calls of each path in the race
 MAX_SIGNATURES = 64  # races kept per layer
@@ -126,12 +127,6 @@ class DevicePathRace:
         replayed = min(r[2] for r in rows) > 0  # else its capture failed, and it timed eager calls
         race["choice"] = replayed and device_us < eager_us and (limit is None or most <= limit)
         return race["choice"]
-
-
-def rows_bound(max_tokens: int, top_k: int) -> int:
-    """Send rows a rank may need: the group's largest token count, rounded up to a power of two
-    (so that nearby counts share an exchange and a capture), times ``top_k``."""
-    return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
 
 
 def slot_rows(rows: int, least: int, peak: int) -> int:

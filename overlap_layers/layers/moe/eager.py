@@ -52,9 +52,8 @@ from ...planning.plan import TilePlan
 from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...runtime.executor import profiler_range
 from .combine import combine_rows, weigh_rows
-from .device_path import rows_bound
 from .experts import grouped_gemm_ok
-from .ranks import RankCall, RankChunkExperts, combine_back, first_rows, launch_first, piece_offsets
+from .ranks import RankCall, RankChunkExperts, combine_back, first_rows, launch_first, piece_offsets, rows_bound
 from .tiles import Dispatch, ExpertExchange, PermuteRows, TileCall, count_table, tile_tensors, tiles_of
 
 

@@ -116,6 +116,13 @@ class RankCall:
         return [(0, 0, 0, h, sizes[0])] + peers + [(1, 0, h, n, sizes[1])]
 
 
+def rows_bound(max_tokens: int, top_k: int) -> int:
+    """Send rows a rank may need: the group's largest token count, rounded up to a power of two
+    (so that nearby counts share an exchange and a capture), times ``top_k``."""
+    return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
+
+
+
 def first_rows(assignments: int, world_size: int) -> int:
     """``m``: the own rows the first own piece takes at most, half of the own rows routing would
     give a rank's experts if balanced (``assignments`` of this rank's tokens, 1 / world_size of
