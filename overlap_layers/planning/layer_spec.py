@@ -3,8 +3,8 @@
 Reference: a planned layer is an ``nn.Module`` that subclasses :class:`TiledLayer`, sets
 ``group``, ``config``, ``num_tiles``, ``world_size``, ``rank``, ``hidden_size``, ``launch_log``
 and its parameters, and ends its constructor with ``self.planner = LayerPlanner(self,
-self.config)`` (:mod:`.planner`), ``self.reset_parameters()`` and ``self._as_dtensors(mesh,
-axis)``. Its ``forward``, decorated with :func:`~.entry.planned_forward` (``torch.compile`` and
+self.config)`` (:mod:`.planner`), ``self._init_caches()`` where it has per-call caches,
+``self.reset_parameters()`` and ``self._as_dtensors(mesh, axis)``. Its ``forward``, decorated with :func:`~.entry.planned_forward` (``torch.compile`` and
 DTensor inputs), reads top-down::
 
     agreed = self.planner.agree(x, err, errors, "x")      # equal on every rank, or ValueError on every rank

@@ -28,15 +28,20 @@ class PlanMaker:
     """The numbers and the choice behind a layer's plans (module docstring); ``hw`` holds the
     hardware model per dtype once made, ``plan_budget`` the memory budget of the last plan."""
 
-    def __init__(self, layer, config, agreement) -> None:
+    def __init__(self, layer, agreement) -> None:
         self._layer = weakref.ref(layer)  # the layer owns its planner, which owns this
-        self.config, self.agreement = config, agreement
+        self.agreement = agreement
         self.hw: dict = {}
         self.plan_budget: Optional[int] = None
 
     @property
     def layer(self):
         return self._layer()
+
+    @property
+    def config(self):
+        """The layer's ``OverlapConfig``."""
+        return self.layer.config
 
     def measuring(self) -> bool:
         return self.layer._weight.device.type == "cuda" and self.config.measure

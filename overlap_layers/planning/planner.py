@@ -82,7 +82,6 @@ class LayerPlanner:
             warnings.warn(f"{type(layer).__name__} has no copy-engine path; config.transport='copy_engine' "
                           f"runs NCCL here", stacklevel=3)
         self._layer = weakref.ref(layer)  # the layer owns its planner: no reference cycle
-        self.config = config
         self.agreement = shared_agreement(layer.group)
         self.streams = StreamPool()
         self.compiled_key = register_layer(layer)  # [Note: compiled calls]
@@ -92,7 +91,7 @@ class LayerPlanner:
                                margin=config.margin, prequeue_ms=PREQUEUE_MS if replayed else 0.0,
                                align=rank_barrier(layer.group) if replayed else None)
         self.call_graphs = CallGraphs(self.agreement) if config.graph_calls and layer._graphable else None
-        self.maker = PlanMaker(layer, config, self.agreement)
+        self.maker = PlanMaker(layer, self.agreement)
         self.recompute = RecomputePlans()
         self.pinned = pinned
         self.plan: Optional[TilePlan] = None  # the last call's
