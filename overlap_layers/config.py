@@ -80,7 +80,7 @@ class OverlapConfig:
     without that path, a warning says so and NCCL runs. ``cuda_graphs``: the layer's calls will be
     replayed from CUDA graphs, so host time does not count: first-call verification then times each
     contender with the call queued ahead of the device, as a replay runs ([Note: CUDA graphs] in
-    ``planning/planned.py``). Every layer but ``OverlapMoE`` can be captured once a call of that
+    ``planning/planner.py``). Every layer but ``OverlapMoE`` can be captured once a call of that
     shape has run eagerly, with or without this flag; it only changes what verification measures.
     ``graph_calls``: the layer captures its own eager calls into CUDA graphs, one per call signature
     once its plan is settled, and replays them, forward and (for a call that saves for backward)

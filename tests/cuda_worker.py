@@ -245,7 +245,7 @@ def check_auto_plan_cache_and_trace(rank, ws, dev):
     (no recalibration), first-call verification settles with CUDA events, measured trace."""
     import json
     import tempfile
-    import overlap_layers.planning.planned as mlp_module
+    import overlap_layers.planning.plan_maker as mlp_module
     from overlap_layers import OverlapConfig
     fails = 0
     name = [tempfile.mkdtemp(prefix="ol_cache_") if rank == 0 else None]
@@ -416,7 +416,7 @@ def check_half_router_logits(rank, ws, dev):
     """The MoE's router GEMM on half operands with float32 output (moe.router_logits) against the
     float64 product of the same values, forward and both gradients (gradients cast to bf16 /
     fp16, as the converted reference's), and that it takes the out_dtype path."""
-    from overlap_layers.layers.moe.layer import router_logits
+    from overlap_layers.layers.moe.routing import router_logits
     g = torch.Generator(device="cpu").manual_seed(21 + rank)
     fails = 0
     for dtype in (torch.bfloat16, torch.float16):
@@ -697,7 +697,7 @@ def check_workspace_kept_on_some_ranks(rank, ws, dev):
     old.pin_plan(plan("copy_engine"))
     x = torch.randn(2, 16, 64, device=dev)
     old(x).sum().backward()
-    from overlap_layers.runtime.exchange import held_workspace_bytes
+    from overlap_layers.runtime.symmetric import held_workspace_bytes
     keep = old._workspace if rank == 1 else None
     del old
     held = [None] * ws
@@ -823,9 +823,9 @@ def check_graph_calls(rank, ws, dev):
         y2, want2 = both(r(2, 8, 64), **kwargs(8 * ws))
         fails += count_fails(rank, f"{name} call", [("y1", y1, want1.double()), ("y2", y2, want2.double()),
                                                     ("y1 after y2", y1, eager(x1, **kw1).double())], 1e-5)
-        if len(graphed._call_graphs) != 1:
+        if len(graphed.planner.call_graphs) != 1:
             fails += 1
-            print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after one shape", flush=True)
+            print(f"rank {rank} FAIL {name}: {len(graphed.planner.call_graphs)} graphs after one shape", flush=True)
         y3, want3 = both(r(2, 4, 64), **kwargs(4 * ws))
         name_w = "wq" if positions else "w_in"
         with torch.no_grad():
@@ -838,9 +838,9 @@ def check_graph_calls(rank, ws, dev):
         fails += count_fails(rank, f"{name} shapes and weights", [
             ("second shape", y3, want3.double()), ("in-place weights", y4, want4.double()),
             ("replaced weight", y5, want5.double())], 1e-5)
-        if len(graphed._call_graphs) != 1:  # the replaced weight dropped both graphs; one recaptured
+        if len(graphed.planner.call_graphs) != 1:  # the replaced weight dropped both graphs; one recaptured
             fails += 1
-            print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after a replaced weight", flush=True)
+            print(f"rank {rank} FAIL {name}: {len(graphed.planner.call_graphs)} graphs after a replaced weight", flush=True)
         # training: three forward+backward steps (the first captures both graphs), then two forwards
         # in flight before their backwards (the second runs eagerly: the first's activations are kept)
         for step in range(4):
@@ -860,14 +860,14 @@ def check_graph_calls(rank, ws, dev):
                       flush=True)
             fails += count_fails(rank, f"{name} training step {step}",
                                  [(f"tensor {i}", a, b.double()) for i, (a, b) in enumerate(zip(*got))], 1e-5)
-        if plan is not None and len(graphed._call_graphs) != 2:  # the no-grad call's and the training call's
+        if plan is not None and len(graphed.planner.call_graphs) != 2:  # the no-grad call's and the training call's
             # (auto: the training calls' key is still being verified, eagerly)
             fails += 1
-            print(f"rank {rank} FAIL {name}: {len(graphed._call_graphs)} graphs after training", flush=True)
+            print(f"rank {rank} FAIL {name}: {len(graphed.planner.call_graphs)} graphs after training", flush=True)
         if plan is not None:  # [Note: staged input]: a copy-engine training graph's output gradient, and
             # its input where the backward reads the kept own rows instead (not re-gathered)
-            from overlap_layers.runtime.exchange import staged_source
-            trained = [e for e in graphed._call_graphs._graphs.values() if hasattr(e, "grad_output")]
+            from overlap_layers.runtime.symmetric import staged_source
+            trained = [e for e in graphed.planner.call_graphs._graphs.values() if hasattr(e, "grad_output")]
 
             def in_place(t):
                 place = None if graphed._workspace is None else staged_source(graphed._workspace, t)
@@ -909,7 +909,7 @@ def check_graph_calls_shared_pool(rank, ws, dev):
         with torch.no_grad():
             x = r(4, 512, 256)
             y_first, want_first = a1(a0(x)), e1(e0(x))
-            nbytes = [layer._call_graphs.last_nbytes for layer in (a0, a1)]
+            nbytes = [layer.planner.call_graphs.last_nbytes for layer in (a0, a1)]
             checks = [("chained, capturing", y_first, want_first.double())]
             for step in range(2):
                 x = r(4, 512, 256)
@@ -919,14 +919,14 @@ def check_graph_calls_shared_pool(rank, ws, dev):
                        ("first output after", y_first, want_first.double())]
         fails += count_fails(rank, f"shared pool {plan.label}", checks, 1e-5)
         # (a staged capture can add nothing to a shared pool: the first layer's freed blocks hold it)
-        if not (len(a0._call_graphs) == len(a1._call_graphs) == 1 and nbytes[0] > 0):
+        if not (len(a0.planner.call_graphs) == len(a1.planner.call_graphs) == 1 and nbytes[0] > 0):
             fails += 1
-            print(f"rank {rank} FAIL shared pool {plan.label}: graphs {len(a0._call_graphs)}, "
-                  f"{len(a1._call_graphs)}, bytes {nbytes}", flush=True)
+            print(f"rank {rank} FAIL shared pool {plan.label}: graphs {len(a0.planner.call_graphs)}, "
+                  f"{len(a1.planner.call_graphs)}, bytes {nbytes}", flush=True)
         if plan.decomposition == "rank":  # [Note: staged input]: the graph's input is the exchange's place
-            from overlap_layers.runtime.exchange import staged_source
+            from overlap_layers.runtime.symmetric import staged_source
             place = staged_source(a0._workspace, x)
-            staged = [next(iter(layer._call_graphs._graphs.values())).inputs[0] for layer in (a0, a1)]
+            staged = [next(iter(layer.planner.call_graphs._graphs.values())).inputs[0] for layer in (a0, a1)]
             if place is None or any(t.data_ptr() != place.data_ptr() for t in staged):
                 fails += 1
                 print(f"rank {rank} FAIL shared pool {plan.label}: static inputs not staged in the workspace", flush=True)
@@ -945,9 +945,9 @@ def check_graph_calls_shared_pool(rank, ws, dev):
         x = r(2, 512, 256)
         checks = [(f"after the pool's graphs are gone, call {i}", fresh(x), twin(x).double()) for i in range(2)]
     fails += count_fails(rank, "shared pool renewed", checks, 1e-5)
-    if len(fresh._call_graphs) != 1:
+    if len(fresh.planner.call_graphs) != 1:
         fails += 1
-        print(f"rank {rank} FAIL shared pool renewed: {len(fresh._call_graphs)} graphs", flush=True)
+        print(f"rank {rank} FAIL shared pool renewed: {len(fresh.planner.call_graphs)} graphs", flush=True)
     return fails
 
 
@@ -985,10 +985,10 @@ def check_graph_calls_block(rank, ws, dev):
         with torch.no_grad():
             y = blk(f(c["x"][:, own]))
         fails += count_fails(rank, f"graph_calls block {plan.label} no grad", [("y", y, y_ref[:, own])], 1e-4)
-        if len(attn._call_graphs) != 2 or len(mlp._call_graphs) != 2:
+        if len(attn.planner.call_graphs) != 2 or len(mlp.planner.call_graphs) != 2:
             fails += 1
-            print(f"rank {rank} FAIL graph_calls block {plan.label}: {len(attn._call_graphs)} and "
-                  f"{len(mlp._call_graphs)} graphs, not 2 each", flush=True)
+            print(f"rank {rank} FAIL graph_calls block {plan.label}: {len(attn.planner.call_graphs)} and "
+                  f"{len(mlp.planner.call_graphs)} graphs, not 2 each", flush=True)
     return fails
 
 
@@ -1002,7 +1002,7 @@ def check_device_all_to_all(rank, ws, dev):
     at theirs, untouched). Three groups
     per rank; the steps alternate between counts past the regions and counts that fit them."""
     from overlap_layers.runtime.device_all_to_all import DeviceCountAllToAll
-    from overlap_layers.runtime.exchange import shared_workspace
+    from overlap_layers.runtime.symmetric import shared_workspace
     fails, rows, W, dt, G = 0, 96, 80, torch.bfloat16, 3
     ex = DeviceCountAllToAll(shared_workspace(dist.group.WORLD, dev, "device_counts"), rows, W, dt, groups=G)
     pulled = torch.empty(ws, G, rows, W, device=dev, dtype=dt)  # [source, part]: at most a part per group
@@ -1109,11 +1109,11 @@ def race_fails(rank, label, layer, races, check_held=False) -> int:
     """1 (and a FAIL line) unless the MoE layer's race decided its ``races`` signatures and the
     layer keeps a graph per device-path win (with ``check_held``: and its last call held graph
     memory exactly where its signature chose the device path), else 0."""
-    choices = [race["choice"] for race in layer._device_race._races.values()]
-    held = layer._call_graphs.last_nbytes
-    if len(choices) != races or None in choices or len(layer._call_graphs) != sum(choices) \
+    choices = [race["choice"] for race in layer._device_path.race._races.values()]
+    held = layer.planner.call_graphs.last_nbytes
+    if len(choices) != races or None in choices or len(layer.planner.call_graphs) != sum(choices) \
             or (check_held and bool(held) != choices[-1]):
-        print(f"rank {rank} FAIL {label}: device path chosen {choices}, {len(layer._call_graphs)} graphs kept, "
+        print(f"rank {rank} FAIL {label}: device path chosen {choices}, {len(layer.planner.call_graphs)} graphs kept, "
               f"last call held {held} graph bytes", flush=True)
         return 1
     if rank == 0:
@@ -1135,10 +1135,10 @@ def eager_workspace_fails(rank, label, layer, dev) -> int:
     """1 (and a FAIL line) if the race chose the device path for the layer's last signature but
     the layer still holds its eager calls' workspace, or (no other layer alive to hold it, after a
     collection) the group's "exchange" workspace still has bytes, else 0."""
-    from overlap_layers.runtime.exchange import held_workspace_bytes
+    from overlap_layers.runtime.symmetric import held_workspace_bytes
     gc.collect()
     held = held_workspace_bytes(dist.group.WORLD, dev, "exchange")
-    if list(layer._device_race._races.values())[-1]["choice"] and (layer._workspace is not None or held):
+    if list(layer._device_path.race._races.values())[-1]["choice"] and (layer._workspace is not None or held):
         print(f"rank {rank} FAIL {label}: the device path won, but the eager workspace is held "
               f"({layer._workspace is not None}, {held} bytes)", flush=True)
         return 1
@@ -1155,12 +1155,12 @@ def skewed_tokens(r, router, tokens, H, dt):
 def slots_fails(rank, label, layer) -> int:
     """1 (and a FAIL line) if the race chose the device path for the layer's last signature but no
     call raised its slots ([Note: MoE slot rows]: the skewed call must have run again), else 0."""
-    last = list(layer._device_race._races.values())[-1]["choice"]
-    if last and not any(layer._device_needs.values()):
+    last = list(layer._device_path.race._races.values())[-1]["choice"]
+    if last and not any(layer._device_path.needs.values()):
         print(f"rank {rank} FAIL {label}: the device path ran a skewed call without raising its slots", flush=True)
         return 1
     if rank == 0:
-        print(f"{label}: slots raised for {layer._device_needs}", flush=True)
+        print(f"{label}: slots raised for {layer._device_path.needs}", flush=True)
     return 0
 
 

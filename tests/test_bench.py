@@ -540,8 +540,8 @@ def test_host_phases_dry_run():
     assert lines[0].startswith("attention tiny rank_nccl fwd:") and lines[0].split("by rank: ")[1].count("(") == 2
     calls = {ln.split()[-1]: float(ln.split()[3]) for ln in lines[1:]}
     for name in ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
-                 "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
-                 "overlap_layers.planning.planned:PlannedLayer._agree"):
+                 "overlap_layers.layers.attention.rank_chunks:RankChunkAttention._forward",
+                 "overlap_layers.planning.planner:LayerPlanner.agree"):
         assert calls[name] == 1.0
 
 
@@ -678,12 +678,12 @@ def _moe_bench_device_path_by_mode(rank, ws):
     from overlap_layers.bench.moe import MoEBench, shapes
     shape = next(shapes("tiny", None, False, graph_calls=True))
     b = MoEBench(shape, dist.group.WORLD, torch.device("cpu"), torch.float32, 2)
-    graphs = b.layer._call_graphs
+    graphs = b.layer.planner.call_graphs
     out = []
     for mode, fn in (("serial", lambda: b.layer_fn(1, False)), ("naive", lambda: b.layer_fn(2, True)),
                      ("rank", lambda: b.rank_fn("nccl", False)), ("auto", lambda: b.layer_fn("auto", False))):
         fn()()
-        out.append((mode, b.layer._call_graphs is graphs))
+        out.append((mode, b.layer.planner.call_graphs is graphs))
     return graphs is not None, out
 
 

@@ -208,8 +208,8 @@ def run_fused(rank, ws, c, calls, mlp_k=2, grad=True):
     blk = build(c, True, "auto")
     blk.attention.settled_plan = lambda *a: TilePlan(2)
     blk.mlp.settled_plan = lambda *a: TilePlan(mlp_k)
-    blk._plans_agreement = blk.attention._agreement
-    blk._plans = PlanCache(blk.attention._agreement, trials=1)
+    blk._fusion.plans_agreement = blk.attention.planner.agreement
+    blk._fusion.plans = PlanCache(blk.attention.planner.agreement, trials=1)
     S = c["x"].shape[1]
     own = slice(rank * S // ws, (rank + 1) * S // ws)
     out = []
@@ -295,7 +295,7 @@ def run_traced(rank, ws, c, tmp):
     x = c["x"][:, rank * S // ws:(rank + 1) * S // ws].clone().requires_grad_()
     blk(x).sum().backward()
     names = [sorted({e["name"] for e in json.load(open(p))["traceEvents"] if e.get("ph") == "X"}) for p in paths]
-    return blk.plan.label, names, blk.attention._trace_to, blk.mlp._trace_to
+    return blk.plan.label, names, blk.attention.planner.trace_to, blk.mlp.planner.trace_to
 
 
 def test_fused_call_writes_the_sublayers_measured_traces(pool2, tmp_path):

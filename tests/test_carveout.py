@@ -92,7 +92,7 @@ def _carve_every_layer(rank, ws):
             hw = HardwareModel(gemm_tflops=100.0, gemm_fixed_ms=0.01, mem_gbps=1000.0, launch_ms=0.0,
                                interference=1.0, comm={k: (0.0, gbps) for k in COMM_KINDS})
             cm = layer._cost_model(layer._plan_key((2, 16 * ws), torch.float32, True), hw)
-            got.append(carve_passes(layer._serial_timelines(cm, True), 16))
+            got.append(carve_passes(layer.planner.maker.serial_timelines(cm, True), 16))
         out[name] = got
     return out
 

@@ -86,15 +86,15 @@ def compile_run(rank, ws, kind, backend):
                 finalize_grads(model)
                 out.append(dict(y=y.detach(), dx=xc.grad, grads={n: p.grad for n, p in model.named_parameters()},
                                 log=[list(m.launch_log) for m in layers]))
-        kept = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        kept = sum(len(m.planner.compiled_graphs) for m in model.modules() if hasattr(m, "planner"))
         y = compiled(x.clone().requires_grad_(), pos)  # a forward whose output dies without backward
-        pending = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        pending = sum(len(m.planner.compiled_graphs) for m in model.modules() if hasattr(m, "planner"))
         del y
         gc.collect()
-        dropped = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        dropped = sum(len(m.planner.compiled_graphs) for m in model.modules() if hasattr(m, "planner"))
         with torch.no_grad():
             compiled(x, pos)
-        no_grad_kept = sum(len(m._compiled_graphs) for m in model.modules() if hasattr(m, "_compiled_graphs"))
+        no_grad_kept = sum(len(m.planner.compiled_graphs) for m in model.modules() if hasattr(m, "planner"))
         return dict(out=out, kept=kept, pending=pending, dropped=dropped, no_grad_kept=no_grad_kept)
     finally:
         torch._dynamo.reset()

@@ -639,7 +639,7 @@ def _dt_checkpoint_run(rank, ws):
     for _ in range(2):
         layer = _dt_layer("mlp", mesh, axis, True)
         layer.num_tiles = "auto"
-        layer._make_plan = lambda *key: TilePlan(2, reason="forced by the test")
+        layer.planner.make_plan = lambda *key: TilePlan(2, reason="forced by the test")
         layers.append(layer)
     g = torch.Generator().manual_seed(5)
     ks = []

@@ -17,7 +17,7 @@ Non-reentrant checkpointing recomputes a layer's forward inside its backward. Tw
 exact and single: the per-tile graphs of the attention core and the MoE experts are recorded
 outside checkpoint's saved-tensor hooks ([Note: per-tile graphs] in ``layers/common/tp_program.py``), so
 their nested ``torch.autograd.grad`` does not recompute the layer again; and a forward inside a
-backward replays the plan its original forward ran ([Note: recompute] in ``planning/planned.py``),
+backward replays the plan its original forward ran ([Note: recompute] in ``planning/recompute.py``),
 so first-call verification and micro-batch schedules (two forwards before their backwards) keep
 the saved tensors consistent.
 """
@@ -262,7 +262,7 @@ def _build(kind, num_tiles, cases, force_k=None, verify=True):
                                       shared_w_in=e["shared_w_in"], shared_w_out=e["shared_w_out"], group=g,
                                       aux_loss_coef=MOE["aux"], num_tiles=num_tiles, config=cfg)
     if force_k is not None:
-        layer._make_plan = lambda *key: TilePlan(force_k, reason="forced by the test")
+        layer.planner.make_plan = lambda *key: TilePlan(force_k, reason="forced by the test")
     return layer
 
 
@@ -560,7 +560,7 @@ def _deepcopy_run(rank, ws, kind, with_mesh):
     untouched = torch.equal(first.to_local() if isinstance(first, DTensor) else first, before)
     subs = [(a, b) for a, b in zip(layer.modules(), twin.modules()) if hasattr(a, "pin_plan")]
     return dict(same=same, own=own, untouched=untouched, group=all(b.group is a.group for a, b in subs),
-                pinned=[str(b._pinned) == str(a._pinned) for a, b in subs],
+                pinned=[str(b.planner.pinned) == str(a.planner.pinned) for a, b in subs],
                 replanned=[b.plan is not None for _, b in subs])
 
 

@@ -513,7 +513,7 @@ def _graph_calls_off_cuda(rank, ws):
     x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).float()
     with torch.no_grad():
         ys = [layer(x) for layer in layers for _ in range(2)]
-    return [torch.equal(ys[0], y) for y in ys[1:]], len(layers[0]._call_graphs)
+    return [torch.equal(ys[0], y) for y in ys[1:]], len(layers[0].planner.call_graphs)
 
 
 def test_graph_calls_off_cuda_run_eagerly(pool2):
@@ -536,7 +536,7 @@ def copy_engine_agreement(rank, ws, same_host):
             mock.patch.object(socket, "gethostname", lambda: host), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD, config=OverlapConfig(transport="copy_engine"))
-        layer._agree(torch.randn(1, 4, 12), 0, {}, "x")
+        layer.planner.agree(torch.randn(1, 4, 12), 0, {}, "x")
         ok = layer._copy_engine_available()
     return ok, [str(w.message) for w in caught]
 
@@ -555,7 +555,7 @@ def held_workspaces(rank, ws, held, capturing):
     """One agreement of an MLP whose ranks hold ``held[rank]`` symmetric bytes (faked on CPU);
     returns how many times this rank released its workspace."""
     from unittest import mock
-    import overlap_layers.planning.planned as planned
+    import overlap_layers.planning.call_agreement as call_agreement
     import overlap_layers.planning.rank_plans as rank_plans
     released = []
 
@@ -564,9 +564,9 @@ def held_workspaces(rank, ws, held, capturing):
             released.append(rank)
     with mock.patch.object(rank_plans, "held_workspace_bytes", lambda group, device, purpose: held[rank]), \
             mock.patch.object(rank_plans, "shared_workspace", lambda group, device, purpose: Workspace()), \
-            mock.patch.object(planned, "capturing_graph", lambda x: capturing):
+            mock.patch.object(call_agreement, "capturing_graph", lambda x: capturing):
         layer = OverlapMLP(12, 8 * ws, group=dist.group.WORLD)
-        layer._agree(torch.randn(1, 4, 12), 0, {}, "x")
+        layer.planner.agree(torch.randn(1, 4, 12), 0, {}, "x")
         layer.warmup([(1, 4)])
     return len(released)
 

@@ -20,7 +20,7 @@ from moe_reference import dense_moe, route
 from pool import assert_dense_round_trip, all_reduce_ranks, expect_value_error_on_every_rank
 
 from overlap_layers import OverlapConfig, OverlapMoE
-from overlap_layers.layers.moe.layer import grouped_gemm_ok, routed_ends
+from overlap_layers.layers.moe.experts import grouped_gemm_ok, grouped_setups, routed_ends
 from overlap_layers.planning.plan import TilePlan
 from overlap_layers.sim import analytic_model
 
@@ -518,7 +518,7 @@ def _grouped_setups(rank, ws):
     torch.manual_seed(0)
     layer = OverlapMoE(8, 4, 8, 2, group=dist.group.WORLD)
     cm = layer._cost_model((16, torch.float32), analytic_model("cpu"))
-    setups = layer._grouped_setups(cm, torch.float32)
+    setups = grouped_setups(cm, layer.w_in, layer.w_out, torch.float32)
     w_in, w_out = layer.w_in.detach().double(), layer.w_out.detach().double()
     weights = (w_in.transpose(-2, -1), w_out.transpose(-2, -1), w_out, w_in)
     out = []

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from test_moe import build_from_dense, check, make_case, reference, rel_err, rounded
 
 from overlap_layers import OverlapConfig, OverlapMoE
-from overlap_layers.layers.moe.layer import grouped_gemm_ok
-from overlap_layers.layers.moe.device import SLOT_STEPS, rows_bound, slot_rows
+from overlap_layers.layers.moe.experts import grouped_gemm_ok
+from overlap_layers.layers.moe.device_path import SLOT_STEPS, slot_rows
+from overlap_layers.layers.moe.ranks import rows_bound
 from overlap_layers.runtime import device_all_to_all
 from overlap_layers.runtime.device_all_to_all import RegionLayout, copy_rows_by_table, own_diverts
 from overlap_layers.kernels.send_rows import place_by_key
@@ -143,16 +144,16 @@ def _run_device(rank, case, opts, dtype, need):
         made.append(GatheredExchange(rows, layer.hidden_size, dt, layer.num_local_experts))
         return made[-1]
 
-    layer._device_exchange = exchange
+    layer._device_path.exchange = exchange
     x = case["xs"][rank].to(dtype)
-    slot = None if need is None else layer._device_slot(rows_bound(max_tokens, layer.top_k), need)
+    slot = None if need is None else layer._device_path.slot(rows_bound(max_tokens, layer.top_k), need)
     with torch.no_grad():
-        y = layer._run_device(x, max_tokens, slot)
+        y = layer._device_path.run(x, max_tokens, slot)
     assert grouped_gemm_ok(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
     # the layer's slot rows from the exchange's regions as its layout has them
     assert slot is None or slot == slot_rows(made[0].rows, made[0].layout.largest_region, need)
     return dict(y=y, calls=made[0].calls, slot=slot,
-                peak=None if layer._device_peak is None else int(layer._device_peak[0]))
+                peak=None if layer._device_path.peak is None else int(layer._device_path.peak[0]))
 
 
 CASES = [  # (ws, E, top_k, shapes, routing, capacity factor, shared ffn, activation)
@@ -214,7 +215,7 @@ def _run_device_training(rank, case, opts, dtype, backwards, need, frozen=()):
     layer = build_from_dense(case, dtype, opts)
     for name in frozen:
         getattr(layer, name).requires_grad_(False)
-    layer._call_graphs = log = _OfferLog()
+    layer.planner.call_graphs = log = _OfferLog()
     max_tokens = max(b * s for b, s in case["sizes"])
     made = []
 
@@ -222,10 +223,10 @@ def _run_device_training(rank, case, opts, dtype, backwards, need, frozen=()):
         made.append(GatheredExchange(rows, layer.hidden_size, dt, layer.num_local_experts))
         return made[-1]
 
-    layer._device_exchange = exchange
+    layer._device_path.exchange = exchange
     x = case["xs"][rank].to(dtype).requires_grad_()
-    y = layer._run_device(x, max_tokens,
-                          None if need is None else layer._device_slot(rows_bound(max_tokens, layer.top_k), need))
+    y = layer._device_path.run(x, max_tokens,
+                          None if need is None else layer._device_path.slot(rows_bound(max_tokens, layer.top_k), need))
     loss = (y * case["dys"][rank].to(dtype)).sum()
     for i in range(backwards):
         loss.backward(retain_graph=i + 1 < backwards)
@@ -374,7 +375,7 @@ def race_finish_points(rank, ws):
         def finish(nbytes, budget):
             log.append("finish")
 
-    layer._device_race = Race()
+    layer._device_path.race = Race()
     for _ in range(2):
         y = layer(torch.randn(1, 3, 8, requires_grad=True))
         log.append("forward")
@@ -413,7 +414,7 @@ def workspace_held_after(rank, ws, choice):
             layer._workspace = held  # as the race's eager calls left it
             return choice
 
-    layer._device_race = Race()
+    layer._device_path.race = Race()
     with torch.no_grad():
         layer(torch.randn(1, 3, 8))
     return layer._workspace is held
@@ -431,7 +432,7 @@ def race_choices(rank, ws, eager_ms, device_ms, graph_bytes=(1, 1), budget=None)
     """What a DevicePathRace says at each of 9 calls of one signature, with a scripted clock
     whose calls take ``eager_ms[rank]`` then ``device_ms[rank]`` (each 3 calls), each call's graph
     keeping ``graph_bytes[rank]`` under a memory budget of ``budget`` bytes."""
-    from overlap_layers.layers.moe.device import DevicePathRace
+    from overlap_layers.layers.moe.device_path import DevicePathRace
     from overlap_layers.runtime.group import shared_agreement
     times = iter(eager_ms[rank] + device_ms[rank])
 

@@ -6,7 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from overlap_layers.layers.moe.layer import _backward_program, _Call, _forward_program, regroup_index, tile_index
+from overlap_layers.layers.moe.routing import tile_index
+from overlap_layers.layers.moe.tiles import TileCall as _Call
+from overlap_layers.layers.moe.tiles import backward_program as _backward_program
+from overlap_layers.layers.moe.tiles import forward_program as _forward_program
+from overlap_layers.layers.moe.tiles import regroup_index
 from overlap_layers.planning.tiling import tile_bounds
 from overlap_layers.layers.moe.cost import MoECostModel
 from overlap_layers.planning.candidates import plan_candidates
@@ -54,7 +58,7 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop():
     """The experts' grouped-GEMM path (float32, 16-byte aligned rows) against the per-expert loop
     (float64, which never takes the grouped path), with an empty expert, forward and gradients."""
     import torch
-    from overlap_layers.layers.moe.layer import grouped_gemm_ok
+    from overlap_layers.layers.moe.experts import grouped_gemm_ok
     layer = SimpleNamespace(group=None, activation="swiglu", launch_log=None)
     call = _Call(layer, TilePlan(1), True, None, [])
     torch.manual_seed(0)
@@ -113,7 +117,7 @@ def test_regroup_index_groups_by_the_second_key_and_inverts(counts, shape):
 def test_count_table_by_hand():
     """The gathered counts, flat in (source, tile, destination, local expert) order, as nested
     lists indexed the same way: 2 ranks, 3 tiles, 2 local experts, every count distinct."""
-    from overlap_layers.layers.moe.layer import count_table
+    from overlap_layers.layers.moe.tiles import count_table
     ws, K, El = 2, 3, 2
     flat = list(range(ws * K * ws * El))
     table = count_table(flat, ws, K)

@@ -88,8 +88,8 @@ def test_memory_budget_changes_the_choice():
 def auto_layer(rank, ws, seqs):
     layer = OverlapMLP(16, 32, group=dist.group.WORLD, config=OverlapConfig(num_tiles="auto"))
     made = []
-    orig = layer._make_plan
-    layer._make_plan = lambda *a: made.append(a) or orig(*a)
+    orig = layer.planner.make_plan
+    layer.planner.make_plan = lambda *a: made.append(a) or orig(*a)
     for s in seqs:
         layer(torch.randn(1, s, 16, requires_grad=True)).sum().backward()
     p = layer.plan
@@ -108,7 +108,7 @@ def test_auto_plans_once_per_bucket_and_ranks_agree(pool2):
 def forced_mismatch(rank, ws):
     layer = OverlapMLP(16, 32, group=dist.group.WORLD)
     if rank == 1:
-        layer._make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
+        layer.planner.make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
     layer(torch.randn(1, 8, 16))
 
 

@@ -165,7 +165,7 @@ def test_workspaces_are_shared_per_group_object_not_per_group_name(monkeypatch):
     """Group names repeat after ``destroy_process_group`` and a new ``init_process_group``: a
     group of the new world must not find the workspace (the symmetric buffers) of an old group
     that old layers still hold, though both are named "0"."""
-    from overlap_layers.runtime import exchange
+    from overlap_layers.runtime import symmetric as exchange
 
     class Workspace:  # the real one needs CUDA; like it, this holds its group
         def __init__(self, group, device):
@@ -279,11 +279,11 @@ def _layers_of_one_group(rank, ws, mismatched):
     x = torch.randn(2, 4, 16)
     if mismatched:
         return (mlp if rank == 0 else attn)(x)
-    first = mlp._agreement
+    first = mlp.planner.agreement
     del mlp
     again = OverlapMLP(16, 8 * ws, group=world)  # made after the first MLP was freed: the same share
     y = attn(again(x))
-    return (first is attn._agreement is again._agreement, twin._agreement is not first,
+    return (first is attn.planner.agreement is again.planner.agreement, twin.planner.agreement is not first,
             first.mailbox is not None, tuple(y.shape), tuple(twin(x).shape))
 
 
@@ -532,7 +532,7 @@ def test_push_order_halves_only_the_last_push():
     halves split at ``(b - a) // 2``, first half first; any other order, or that push whole, is an
     assertion (it would pair one rank's sends with another push's receives). A last block of one
     row is pushed whole."""
-    from overlap_layers.runtime.exchange import _PushOrder
+    from overlap_layers.runtime.exchange import PushOrder as _PushOrder
     o = _PushOrder([(0, 4), (4, 9)], 3, split_last=True)
     assert o.halves == ((0, 2), (2, 5))
     assert [o.next(1, 0, None), o.next(2, 0, None), o.next(1, 1, None), o.next(2, 1, 0)] == \
@@ -558,7 +558,7 @@ def test_push_order_halves_only_the_last_push():
 def halved_exchange(rank, ws, blocks, T):
     """A send/recv exchange of two blocks with a halved last push: returns its halves, the
     pulled chunks and ``finish()``."""
-    from overlap_layers.runtime.exchange import PointToPointExchange
+    from overlap_layers.runtime.p2p_exchange import PointToPointExchange
     H = 3
 
     def partial(src, dst):  # rank src's partial for rank dst's rows

@@ -318,7 +318,7 @@ def slowed_layer(rank, ws, slow, training):
     """The planner is forced to K=2; each rank sleeps ``slow[rank][k]`` ms inside every K=k call,
     so local timings disagree across ranks."""
     layer = OverlapMLP(16, 32, group=dist.group.WORLD)
-    layer._make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
+    layer.planner.make_plan = lambda rows, dtype, save: MLPPlan(2, reason="forced")
     run = layer._run
 
     def slowed(x, plan, *rest):
@@ -362,8 +362,8 @@ def test_verification_agrees_across_ranks_with_different_timings(pool2, training
 def warmed(rank, ws, shapes):
     layer = OverlapMLP(16, 32, group=dist.group.WORLD, config=OverlapConfig(verify_first_calls=False))
     made = []
-    orig = layer._make_plan
-    layer._make_plan = lambda *a: made.append(a[0]) or orig(*a)
+    orig = layer.planner.make_plan
+    layer.planner.make_plan = lambda *a: made.append(a[0]) or orig(*a)
     plans = layer.warmup(shapes)
     planned = list(made)
     for b, s in shapes:
@@ -448,7 +448,7 @@ def _layers_align(rank, ws):
     eager = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
     replayed = OverlapMLP(16, 8 * ws, group=dist.group.WORLD, config=OverlapConfig(graph_calls=True))
     alone = dist.new_group([rank], use_local_synchronization=True)
-    return eager._plans.align, replayed._plans.align, replayed._plans.prequeue_ms > 0, rank_barrier(alone)
+    return eager.planner.plans.align, replayed.planner.plans.align, replayed.planner.plans.prequeue_ms > 0, rank_barrier(alone)
 
 
 def test_trials_align_only_nccl_groups(pool2):
@@ -458,18 +458,18 @@ def test_trials_align_only_nccl_groups(pool2):
 
 def _capture_on(rank, ws, capturing_ranks, plan_first):
     """An auto OverlapMLP call under a faked CUDA-graph capture on ``capturing_ranks``."""
-    from overlap_layers.planning import planned
+    from overlap_layers.planning import call_agreement
     torch.manual_seed(0)
     layer = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
     x = torch.randn(2, 4, 16)
     eager = layer(x) if plan_first else None
-    real = planned.capturing_graph
-    planned.capturing_graph = lambda t: rank in capturing_ranks
+    real = call_agreement.capturing_graph
+    call_agreement.capturing_graph = lambda t: rank in capturing_ranks
     try:
         y = layer(x)
         return tuple(y.shape), bool(torch.equal(y, eager))
     finally:
-        planned.capturing_graph = real
+        call_agreement.capturing_graph = real
 
 
 def test_capture_on_some_ranks_raises_on_every_rank(pool2):

@@ -78,7 +78,11 @@ def main() -> None:
     for name, pkg in (("old", old), ("new", new)):
         layers[name] = pkg.OverlapMoE.from_dense(*dense, top_k=k, group=dist.group.WORLD, num_tiles=1,
                                                  config=pkg.OverlapConfig(graph_calls=True))
-        layers[name]._device_race = Fixed(not a.eager)
+        path = getattr(layers[name], "_device_path", None)  # the old version's layer holds its race itself
+        if path is not None:
+            path.race = Fixed(not a.eager)
+        else:
+            layers[name]._device_race = Fixed(not a.eager)
     def call(layer):  # one call; returns what the two sides compare
         if a.forward:
             with torch.no_grad():

@@ -16,7 +16,7 @@ whatever launch blocks.
 
     torchrun --nproc-per-node 2 bench/probes/host_phases.py --layer attention --preset llama3-8b --plan rank_ce
 
-Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.exchange:CopyEngineExchange.push``
+Functions are ``module:attribute.path``, e.g. ``overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.push``
 or ``torch:mm``; a function imported by name into another module must be named where it is called.
 Shapes are those of ``bench/probes/inproc_ab.py`` (off CUDA: 2 gloo ranks, tiny presets).
 """
@@ -37,29 +37,29 @@ from inproc_ab import make_case, plan_of, preset_of, sync_of  # noqa: E402
 
 from overlap_layers.launch import run_ranks  # noqa: E402
 
-COMMON = ("overlap_layers.planning.planned:PlannedLayer._agree",
-          "overlap_layers.planning.planned:PlannedLayer._planned_call",
+COMMON = ("overlap_layers.planning.planner:LayerPlanner.agree",
+          "overlap_layers.planning.planner:LayerPlanner.call",
           "overlap_layers.runtime.mailbox:HostMailbox.gather", "overlap_layers.runtime.executor:execute",
           "overlap_layers.runtime.collectives:all_gather", "overlap_layers.runtime.collectives:reduce_scatter",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.__init__",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.push",
-          "overlap_layers.runtime.exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.__init__",
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.push",
+          "overlap_layers.runtime.copy_engine_exchange:CopyEngineExchange.finish", "torch:mm", "torch:cat")
 PER_LAYER = {
     "attention": ("overlap_layers.layers.attention.layer:OverlapAttention.forward",
                   "overlap_layers.layers.attention.layer:OverlapAttention._run",
-                  "overlap_layers.layers.attention.layer:_RankChunkAttention._forward",
-                  "overlap_layers.layers.attention.layer:_TiledAttention.forward",
-                  "overlap_layers.layers.attention.layer:AttentionCall.chunk_heads",
-                  "overlap_layers.layers.attention.layer:AttentionCall.core_chunk",
-                  "overlap_layers.layers.attention.layer:AttentionCall.core",
+                  "overlap_layers.layers.attention.rank_chunks:RankChunkAttention._forward",
+                  "overlap_layers.layers.attention.tiles:TiledAttention.forward",
+                  "overlap_layers.layers.attention.call:AttentionCall.chunk_heads",
+                  "overlap_layers.layers.attention.call:AttentionCall.core_chunk",
+                  "overlap_layers.layers.attention.call:AttentionCall.core",
                   "overlap_layers.layers.attention.query_chunks:_piece",
                   "overlap_layers.layers.attention.query_chunks:merge_fused",
                   "overlap_layers.layers.attention.core:move_heads"),
     "mlp": ("overlap_layers.layers.mlp.layer:OverlapMLP.forward", "overlap_layers.layers.mlp.layer:OverlapMLP._run"),
     "moe": ("overlap_layers.layers.moe.layer:OverlapMoE.forward", "overlap_layers.layers.moe.layer:OverlapMoE._run",
-            "overlap_layers.layers.moe.layer:OverlapMoE._route_and_count", "overlap_layers.layers.moe.layer:route",
-            "overlap_layers.layers.moe.layer:all_gather_rows", "overlap_layers.runtime.streams:HostReader.start",
-            "overlap_layers.layers.moe.layer:piece_offsets", "overlap_layers.layers.moe.layer:launch_first",
+            "overlap_layers.layers.moe.layer:OverlapMoE._route_keys", "overlap_layers.layers.moe.routing:route",
+            "overlap_layers.layers.moe.eager:all_gather_rows", "overlap_layers.runtime.streams:HostReader.start",
+            "overlap_layers.layers.moe.eager:piece_offsets", "overlap_layers.layers.moe.eager:launch_first",
             "overlap_layers.layers.moe.ranks:forward", "overlap_layers.layers.moe.ranks:experts_forward",
             "overlap_layers.runtime.rank_all_to_all:CopyEngineAllToAll.start"),
 }

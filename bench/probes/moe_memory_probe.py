@@ -3,7 +3,7 @@ symmetric workspaces by purpose ("exchange": the eager copy-engine calls'; "devi
 device path's, [Note: sync-free exchange] in ``runtime/device_all_to_all.py``), the device's free
 memory (``mem_get_info``: what the process really holds, symmetric memory included), the
 allocator's reserved bytes, the bytes the last call's graph kept, and the race's choices
-([Note: MoE graph calls: the race] in ``layers/moe/device.py``). One line per call on rank 0, and
+([Note: MoE graph calls: the race] in ``layers/moe/device_path.py``). One line per call on rank 0, and
 the rows as JSON. Run from the repo root on a GPU machine with symmetric memory (EP = the ranks):
 
     PYTHONPATH=. torchrun --nproc-per-node 4 bench/probes/moe_memory_probe.py --preset qwen3-30b-a3b --out OUT.json
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from overlap_layers import OverlapConfig, OverlapMoE
 from overlap_layers.bench.moe import PRESETS
 from overlap_layers.launch import run_ranks
-from overlap_layers.runtime.exchange import held_workspace_bytes
+from overlap_layers.runtime.symmetric import held_workspace_bytes
 
 MIB = 2 ** 20
 
@@ -56,7 +56,7 @@ def probe(dev: torch.device, a) -> None:
                          device_counts=held_workspace_bytes(group, dev, "device_counts") / MIB,
                          free=torch.cuda.mem_get_info(dev)[0] / MIB, reserved=torch.cuda.memory_reserved(dev) / MIB,
                          graph=(graphs.last_nbytes if graphs is not None else 0) / MIB,
-                         races=[race["choice"] for race in layer._device_race._races.values()]))
+                         races=[race["choice"] for race in layer._device_path.race._races.values()]))
     if rank == 0:
         for r in rows:
             print("{call:3d} exchange {exchange:7.0f} device_counts {device_counts:7.0f} free {free:9.0f} "

@@ -136,7 +136,7 @@ class AttentionBench(MLPBench):
         xr = self._gathered().reshape(g * B * s, H).detach().requires_grad_(backward)  # rank-major rows
         dyr = dyg.view(B, g, s, H).transpose(0, 1).reshape(g * B * s, H)
 
-        def forward_heads():  # the layer's own core (layers/attention/layer.py, AttentionCall.core)
+        def forward_heads():  # the layer's own core (layers/attention/call.py, AttentionCall.core)
             q, k, v = Heads.apply(xr @ w_qkv.t(), (g, B, s, nq, nkv, d), cs, None)
             o = sdpa(q, k, v, causal=True, scale=None).transpose(1, 2)
             return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * B * s, nq * d) @ w_o.t()

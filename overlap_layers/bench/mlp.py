@@ -129,13 +129,13 @@ class MLPBench:
         key = (0, *self.x.shape, 0, 0, int(backward), 0)  # an agreement row of the layers' length
         t0 = time.perf_counter()
         for _ in range(n):
-            layer._auto_plan(tuple(self.x.shape[:2]), self.dtype, backward, call=False)
+            layer.planner.auto_plan(tuple(self.x.shape[:2]), self.dtype, backward, call=False)
         lookup = (time.perf_counter() - t0) / n * 1e6
         t0 = time.perf_counter()
         for _ in range(n):
-            layer._agreement.gather(key)
+            layer.planner.agreement.gather(key)
         gather = (time.perf_counter() - t0) / n * 1e6
-        worst = layer._agreement.max([lookup, gather])
+        worst = layer.planner.agreement.max([lookup, gather])
         return {"host_plan_lookup_us": worst[0], "host_agreement_us": worst[1]}
 
     # ------------------------------------------------------------ references

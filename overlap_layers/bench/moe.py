@@ -45,7 +45,9 @@ import torch.distributed as dist
 from ..config import OverlapConfig
 from ..layers.common.activations import act
 from ..layers.moe.combine import weigh_rows
-from ..layers.moe.layer import OverlapMoE, Dispatch, PermuteRows, route
+from ..layers.moe.layer import OverlapMoE
+from ..layers.moe.routing import route
+from ..layers.moe.tiles import Dispatch, PermuteRows
 from ..runtime.collectives import all_gather_single as all_gather_rows
 from .mlp import MLPBench
 from .runner import Profile, Progress, pass_fn, run_modes
@@ -111,7 +113,7 @@ class MoEBench(MLPBench):
         self.x = x.to(dtype)
         self.dy = torch.randn_like(self.x)
         self.tokens_local = shape.tokens
-        self._graphs = L._call_graphs  # the device path's graphs (graph_calls): auto's only, :meth:`layer_fn`
+        self._graphs = L.planner.call_graphs  # the device path's graphs (graph_calls): auto's only, :meth:`layer_fn`
         self.planning_ms: Optional[float] = None
         self._routing_counts()
         self.expert_impl = "loop"
@@ -122,12 +124,12 @@ class MoEBench(MLPBench):
         """As the MLP's, with the device path ([Note: MoE graph calls]), which ignores the plan, in
         ``auto`` only: with ``graph_calls`` the serial and naive modes run their K eagerly, so that
         ``serial`` stays the serial layer (the device path has no serial form)."""
-        self.layer._call_graphs = self._graphs if k == "auto" else None
+        self.layer.planner.call_graphs = self._graphs if k == "auto" else None
         return super().layer_fn(k, backward)
 
     def rank_fn(self, transport: str, backward: bool):
         """As the MLP's: the eager rank-chunk plan over ``transport`` (not the device path)."""
-        self.layer._call_graphs = None
+        self.layer.planner.call_graphs = None
         return super().rank_fn(transport, backward)
 
     # ------------------------------------------------------------ routing of the benchmark input
@@ -137,8 +139,8 @@ class MoEBench(MLPBench):
         L, ws, rank = self.layer, self.ws, dist.get_rank(self.group)
         El = L.num_local_experts
         with torch.no_grad():
-            counts = L._route_and_count(self.x.reshape(-1, self.s.hidden), 1)[2]  # [1, ws, El]
-        table = torch.tensor(L._agreement.gather(counts.reshape(-1).tolist())).view(ws, ws, El)  # [src, dst, El]
+            counts = L._route_keys(self.x.reshape(-1, self.s.hidden), 1)[2]  # [1, ws, El]
+        table = torch.tensor(L.planner.agreement.gather(counts.reshape(-1).tolist())).view(ws, ws, El)  # [src, dst, El]
         self.send = table[rank].sum(-1).tolist()
         self.recv = table[:, rank].sum(-1).tolist()
         self.real_expert_rows = table[:, rank].sum(0).tolist()  # per local expert, from every source
@@ -168,7 +170,7 @@ class MoEBench(MLPBench):
         for _ in range(n):
             all_gather_rows(gathered, counts, group=self.group)
             layer._host_reader.start(gathered)()
-        out["host_counts_exchange_us"] = layer._agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]
+        out["host_counts_exchange_us"] = layer.planner.agreement.max([(time.perf_counter() - t0) / n * 1e6])[0]
         return out
 
     # ------------------------------------------------------------ references
@@ -200,7 +202,7 @@ class MoEBench(MLPBench):
             except Exception:  # noqa: BLE001 - no grouped GEMM for this device/dtype/shape: the loop
                 ok = False
             # every rank must run the same reference (the receive counts, and so the shapes, differ)
-            if all(self.layer._agreement.min([float(ok)])):
+            if all(self.layer.planner.agreement.min([float(ok)])):
                 self._experts, self.expert_impl = self._experts_grouped, "grouped_mm"
         return inp
 

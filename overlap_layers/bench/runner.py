@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.exchange import held_workspace_bytes
+from ..planning.layer_spec import TiledLayer
+from ..runtime.symmetric import held_workspace_bytes
 
 
 @contextlib.contextmanager
@@ -286,7 +287,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
     ``fields["cuda_graphs"]`` every mode is timed as :func:`graph_replay` (peak memory from an
     eager call of the same plan)."""
     graphs = bool(fields.get("cuda_graphs")) and b.device.type == "cuda"
-    device, group, dtype = b.device, b.group, b.dtype
+    device, group = b.device, b.group
     records = []
     # auto first: its plan carries the predicted time of every K, attached to the fixed-K rows.
     runs = [m for m in modes if m == "auto"] + [m for m in modes if m not in ("auto", "naive")]
@@ -304,22 +305,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if mode == "rank_ce" and device.type != "cuda":
                 continue  # the copy engine needs CUDA: off it, rank_ce would rerun rank over the same backend
             with full_collections() as setup_gc:  # the layer's planning and verification run here
-                if mode in ("rank", "rank_ce"):
-                    if not getattr(b, "has_rank_chunks", False):
-                        continue  # a layer (or shape) without the rank-chunk plan: no record
-                    fn = b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
-                elif layer_mode:
-                    fn = b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
-                elif mode == "compute":
-                    fn = b.compute_fn(backward)
-                elif mode == "comm":
-                    fn = b.comm_fn(backward)
-                else:
-                    try:
-                        fn = b.asynctp_fn(backward)
-                    except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
-                        extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                        fn = None
+                fn = _mode_fn(b, mode, layer_mode, backward, extra)
             if fn is None:
                 if mode in extra:  # it failed: recorded with its error
                     times[mode] = None
@@ -348,51 +334,87 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
             if device.type == "cuda":
                 info["peak_bytes"] = peak_bytes_of_one_call(eager, device)
                 info["host_ms"] = host_ms_per_call(fn, device)
-            plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
             if layer_mode:
-                info.update(b.plan_info())
-                graphs_held = [m._call_graphs for m in b.layer.modules()
-                               if getattr(m, "_call_graphs", None) is not None]
-                if graphs_held:  # config.graph_calls: the memory the replayed graphs keep, outside the peak
-                    info["graph_bytes"] = sum(g.last_nbytes for g in graphs_held)
-                if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":
-                    # persistent symmetric memory (the group's layers share it), outside the allocator's peak
-                    info["workspace_bytes"] = held_workspace_bytes(b.group, device)
-                held = held_workspace_bytes(b.group, device, "device_counts")
-                if held:  # the MoE's device path: a workspace of its own, held once it ran (its race lost or not)
-                    info["workspace_bytes"] = info.get("workspace_bytes", 0) + held
-            if layer_mode and plan is not None:
-                if mode == "auto":
-                    info["predicted_ms"] = getattr(plan, "predicted_ms", None)
-                    info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
-                    info["reason"] = getattr(plan, "reason", "")
-                    info["verification"] = verification_info(plan)
-                    predicted.update(_candidate_predictions(plan))
-                    info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
-                                               decomposition=c.decomposition, transport=c.transport,
-                                               ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
-                                          for c in getattr(plan, "candidates", ()) or ()]
-                    info.update(b.host_overhead_us(backward))
-                    info["planning_ms"] = b.planning_ms
-                elif mode in predicted:
-                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[mode]
-                elif info["k"] in predicted and info["decomposition"] == "batch":
-                    info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
-        limit = max(times["compute"], times["comm"]) \
-            if times.get("compute") is not None and times.get("comm") is not None else None
-        for mode, ms in times.items():
-            rec = dict(fields, world_size=b.ws, dtype=str(dtype).replace("torch.", ""), mode=mode, ms=ms,
-                       warm_ms=warm_ms, limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
-                       ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
-                       predicted_ms=None)
-            if mode.startswith("naive"):
-                rec["mode"] = "naive"
-            rec["pass"] = pass_
-            rec.update(extra.get(mode, {}))
-            rec.setdefault("spread", dict(min_ms=None, max_ms=None, n=0))
-            records.append(rec)
+                _plan_info(b, mode, info, predicted, backward)
+        records += _pass_records(b, fields, pass_, times, extra, warm_ms)
         if progress is not None:
             progress.advance()
+    return records
+
+
+def _mode_fn(b, mode: str, layer_mode: bool, backward: bool, extra: Dict[str, dict]) -> Optional[Callable]:
+    """The callable that runs ``mode`` of bench ``b`` (None: no such mode here, or it failed, its
+    error in ``extra[mode]``)."""
+    if mode in ("rank", "rank_ce"):
+        if not getattr(b, "has_rank_chunks", False):
+            return None  # a layer (or shape) without the rank-chunk plan: no record
+        return b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
+    if layer_mode:
+        return b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
+    if mode == "compute":
+        return b.compute_fn(backward)
+    if mode == "comm":
+        return b.comm_fn(backward)
+    try:
+        return b.asynctp_fn(backward)
+    except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+        extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        return None
+
+
+def _plan_info(b, mode: str, info: dict, predicted: Dict[int, tuple], backward: bool) -> None:
+    """A layer mode's plan fields in its record ``info``: the plan, graph and workspace memory,
+    and the predictions (``auto``'s candidates, kept in ``predicted`` for the fixed-K modes)."""
+    device = b.device
+    plan = getattr(b.layer, "plan", None)  # None for a composite (the block): no candidates
+    info.update(b.plan_info())
+    graphs_held = [m.planner.call_graphs for m in b.layer.modules()
+                   if isinstance(m, TiledLayer) and m.planner.call_graphs is not None]
+    if graphs_held:  # config.graph_calls: the memory the replayed graphs keep, outside the peak
+        info["graph_bytes"] = sum(g.last_nbytes for g in graphs_held)
+    if info.get("transport") in ("copy_engine", "mixed") and device.type == "cuda":
+        # persistent symmetric memory (the group's layers share it), outside the allocator's peak
+        info["workspace_bytes"] = held_workspace_bytes(b.group, device)
+    held = held_workspace_bytes(b.group, device, "device_counts")
+    if held:  # the MoE's device path: a workspace of its own, held once it ran (its race lost or not)
+        info["workspace_bytes"] = info.get("workspace_bytes", 0) + held
+    if plan is None:
+        return
+    if mode == "auto":
+        info["predicted_ms"] = getattr(plan, "predicted_ms", None)
+        info["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
+        info["reason"] = getattr(plan, "reason", "")
+        info["verification"] = verification_info(plan)
+        predicted.update(_candidate_predictions(plan))
+        info["candidates"] = [dict(k=c.num_tiles, regather=getattr(c, "regather", False),
+                                   decomposition=c.decomposition, transport=c.transport,
+                                   ms=c.predicted_ms, peak=getattr(c, "peak_bytes", None))
+                              for c in getattr(plan, "candidates", ()) or ()]
+        info.update(b.host_overhead_us(backward))
+        info["planning_ms"] = b.planning_ms
+    elif mode in predicted:
+        info["predicted_ms"], info["predicted_peak_bytes"] = predicted[mode]
+    elif info["k"] in predicted and info["decomposition"] == "batch":
+        info["predicted_ms"], info["predicted_peak_bytes"] = predicted[info["k"]]
+
+
+def _pass_records(b, fields: dict, pass_: str, times: Dict[str, Optional[float]], extra: Dict[str, dict],
+                  warm_ms: float) -> List[dict]:
+    """One pass's records, one per timed mode, with the limit and the ratios to it and to serial."""
+    limit = max(times["compute"], times["comm"]) \
+        if times.get("compute") is not None and times.get("comm") is not None else None
+    records = []
+    for mode, ms in times.items():
+        rec = dict(fields, world_size=b.ws, dtype=str(b.dtype).replace("torch.", ""), mode=mode, ms=ms,
+                   warm_ms=warm_ms, limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
+                   ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
+                   predicted_ms=None)
+        if mode.startswith("naive"):
+            rec["mode"] = "naive"
+        rec["pass"] = pass_
+        rec.update(extra.get(mode, {}))
+        rec.setdefault("spread", dict(min_ms=None, max_ms=None, n=0))
+        records.append(rec)
     return records
 
 

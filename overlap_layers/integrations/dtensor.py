@@ -65,7 +65,7 @@ from ..layers import OverlapTransformerBlock
 from ..layers.block.layer import replicate_norms
 from ..layers.common.grads import sum_grad_over_group
 from ..planning.dtensor import Layout, as_dtensor_params, axis_mesh, dtensor_forward, local
-from ..planning.planned import PlannedLayer
+from ..planning.layer_spec import TiledLayer
 from ..runtime import resolve_group
 
 __all__ = ["Layout", "as_dtensor_params", "axis_mesh", "compute_on_locals", "distribute_params", "dtensor_forward",
@@ -178,7 +178,7 @@ def _ranks(group) -> list:
 
 def _overlap_layers(model: nn.Module):
     """The planned layers and blocks in ``model`` (the outermost of each nesting first)."""
-    return [m for m in model.modules() if isinstance(m, (PlannedLayer, OverlapTransformerBlock))]
+    return [m for m in model.modules() if isinstance(m, (TiledLayer, OverlapTransformerBlock))]
 
 
 @torch.no_grad()
@@ -212,7 +212,7 @@ def distribute_params(model: nn.Module, group=None, *, mesh=None, axis=None,
             raise ValueError(f"{type(layer).__name__} runs over ranks {_ranks(layer.group)}, not the mesh axis' "
                              f"{tp_ranks}: every overlap layer of a model must be on its tensor-parallel group")
         was = {(id(m), n): p for m in layer.modules() for n, p in m._parameters.items() if p is not None}
-        for sub in (m for m in layer.modules() if isinstance(m, PlannedLayer)):
+        for sub in (m for m in layer.modules() if isinstance(m, TiledLayer)):
             dts = [p for p in sub.parameters(recurse=False) if isinstance(p, DTensor)]
             if not dts:
                 as_dtensor_params(sub, mesh1)

@@ -1,7 +1,7 @@
 """The MoE's combine as one pass over the expert rows (Triton kernels, for the layer's
 ``layers/moe/combine.py``): the weighted sum of each token's k result rows, read where they are.
 The device path uses it ([Note: MoE graph calls] in ``layers/moe/device.py``), and so does every
-eager call without autograd ([Note: MoE no-grad combine] in ``layers/moe/layer.py``).
+eager call without autograd ([Note: MoE no-grad combine] in ``layers/moe/eager.py``).
 
 Reference (:func:`combine_rows_reference`; ``own [>= n_own, H]``, ``back``: result rows, those at
 rows below ``n_own`` in ``own`` and the others in ``back``; ``pos [T*k]``: the row of each

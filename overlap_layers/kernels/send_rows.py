@@ -57,7 +57,7 @@ def place_by_key(src: torch.Tensor, keys: torch.Tensor, top_k: int, key_places: 
     (contiguous, ``dst``'s width and dtype) instead. Three kernels where Triton runs (no host
     read: a graph captures them), else torch ops (with a host read). A place outside its buffer
     is not written (a safety net for keys that disagree with the counts, and for counts past a
-    divert's rows: [Note: MoE slot rows] in ``layers/moe/device.py``)."""
+    divert's rows: [Note: MoE slot rows] in ``layers/moe/device_path.py``)."""
     if key_places.dim() != 2:
         raise ValueError(f"place_by_key: key places {tuple(key_places.shape)}; valid: [3, E]")
     E = key_places.shape[1]
@@ -77,7 +77,7 @@ def place_in_key_order(src: torch.Tensor, keys: torch.Tensor, top_k: int, num_ke
     """:func:`place_by_key` with every key's rows after the earlier keys' from row 0 (``A[e] =
     D[e]`` = the kept assignments of keys before e, no region; keys ``num_keys`` and above
     dropped), the places made inside the placing kernel: the eager MoE's send rows in the rank
-    exchange's step order (``layers/moe/layer.py``), and its backward's rows in the same places."""
+    exchange's step order (``layers/moe/routing.py``), and its backward's rows in the same places."""
     return _place(src, keys, top_k, num_keys, None, dst, [])
 
 

@@ -1,7 +1,8 @@
-"""Planning a layer call: the tile plan type, the candidates a layer offers and their costs
-simulated, calibration on the device and its disk cache, measured traces, first-call
-verification, and the machinery every planned layer shares (:class:`.planned.PlannedLayer`:
-per-call agreement, plan cache, CUDA-graph calls, ``torch.compile`` calls, copies)."""
+"""Planning a layer call: what a planned layer describes (:class:`.layer_spec.TiledLayer`, the
+hooks it provides), the planner each layer owns (:class:`.planner.LayerPlanner`: per-call
+agreement, plan cache and first-call verification, plan making from calibrated numbers and
+simulated candidates, recomputation, CUDA-graph calls, traces), the tile plan type, and the
+``torch.compile``, DTensor and copy support of the layers."""
 from .plan import TilePlan
 
 __all__ = ["TilePlan"]

@@ -88,7 +88,7 @@ peers pull it from ([Note: exchange signals] in ``runtime/exchange.py``). Replay
 the input would be copied twice: into the static input, then, inside the graph, into the buffer,
 where the copy runs as a kernel (``memcpy128``) that the first GEMM's SMs delay, and the peers'
 pulls wait for it. So a no-grad capture takes the layer's ``stage()`` (the exchange's place for its
-first source, :func:`~overlap_layers.runtime.exchange.staged_source`) as that input's static
+first source, :func:`~overlap_layers.runtime.symmetric.staged_source`) as that input's static
 tensor: a replay copies the input there, on the calling stream, and the exchange, finding its
 source already in place, copies nothing. Writing there before the replay is what the graph's own
 copy did at its start: the stream has finished every earlier call, and each peer's last read of

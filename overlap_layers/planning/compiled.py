@@ -12,7 +12,8 @@ op instead: the graph gets a node whose output has the shape of ``x`` and a scal
 time the op's implementation runs the layer eagerly, on the op's input tensors (``x``, the
 position tensors, the layer's parameters, through ``torch.func.functional_call``), with autograd
 re-enabled inside (custom-op kernels run below autograd, so the key guard lifts that exclusion
-for the call) and keeps the call's autograd graph on the layer, under the token.
+for the call) and keeps the call's autograd graph in the layer's planner
+(``LayerPlanner.compiled_graphs``), under the token.
 ``overlap_layers::layer_call_backward`` (the op's registered backward) takes the token and the
 output's gradient and returns the gradients of ``x`` and of every parameter from that graph,
 which it then drops; nothing is recomputed. A graph whose backward never runs is dropped when its
@@ -32,6 +33,7 @@ import weakref
 from typing import List, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
@@ -72,7 +74,7 @@ def layer_call(key: int, x: torch.Tensor, extras: Sequence[torch.Tensor], presen
     token = next(_KEYS)
     token_t = torch.tensor(token, dtype=torch.int64)
     if record:
-        calls = layer._compiled_graphs
+        calls = layer.planner.compiled_graphs
         calls[token] = (y, [xl, *leaves.values()])
         weakref.finalize(token_t, calls.pop, token, None)
     return [y.detach(), token_t]
@@ -88,7 +90,7 @@ def layer_call_backward(key: int, token: torch.Tensor, grad_y: torch.Tensor, x: 
                         params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """The gradients of ``x`` and of every parameter from the graph kept under ``token`` (zeros
     where the graph does not reach an input); the graph is dropped."""
-    y, leaves = _layer(key)._compiled_graphs.pop(int(token))
+    y, leaves = _layer(key).planner.compiled_graphs.pop(int(token))
     wanted = [t for t in leaves if t.requires_grad]
     with _autograd_inside():
         got = iter(torch.autograd.grad(y, wanted, grad_y, allow_unused=True))
@@ -127,20 +129,19 @@ layer_call.register_autograd(_backward, setup_context=_setup)
 
 def can_compile(layer, x) -> bool:
     """Whether a call of ``layer`` on ``x`` takes the op under tracing ([Note: compiled calls])."""
-    from torch.distributed.tensor import DTensor
     return not isinstance(x, DTensor) and not torch.is_autocast_enabled(x.device.type)
 
 
-def register_layer(layer) -> None:
-    """Give ``layer`` its key in the op's weak table (at construction)."""
-    layer._compiled_key = next(_KEYS)
-    _LAYERS[layer._compiled_key] = layer
+def register_layer(layer) -> int:
+    """``layer``'s key in the op's weak table (its planner keeps it: ``compiled_key``)."""
+    key = next(_KEYS)
+    _LAYERS[key] = layer
+    return key
 
 
 def compiled_call(layer, x: torch.Tensor, extras: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """The layer's call as ``overlap_layers::layer_call`` (traced by dynamo, run eagerly)."""
-    from torch.distributed.tensor import DTensor
-    key = layer._compiled_key
+    key = layer.planner.compiled_key
     params = [p.to_local() if isinstance(p, DTensor) else p for _, p in layer.named_parameters()]
     grad = torch.is_grad_enabled()
     requires_grad = [grad and x.requires_grad] + [grad and p.requires_grad for p in params]

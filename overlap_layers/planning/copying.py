@@ -8,9 +8,9 @@ first call, as a new layer does; every rank copies alike, so the copies plan ali
 
 A layer also holds what is not its own to copy: the process group (not copyable), the group's
 shared agreement and symmetric workspace, and with ``mesh=`` the mesh and its parameters' local
-views, and the identities that sum gradients over the group. The copy shares those with the original. Everything else private is per-call state
-(plans, streams, the recompute tables, the last aux loss, index caches): the copy starts it anew,
-through the same methods the constructor uses.
+views, and the identities that sum gradients over the group. The copy shares those with the
+original. Its planner (plans, streams, the recompute tables) and everything else private is
+per-call state (the last aux loss, index caches): the copy starts it anew, as the constructor does.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ _MODULE_STATE = frozenset(nn.Module().__dict__)  # nn.Module's own attributes: p
 _SHARED = ("group", "_input_mesh", "_local_views", "_grad_sums")
 
 
-def copy_module(module: nn.Module, memo: dict, keep: Sequence[str] = ()) -> nn.Module:
-    """A deep copy of ``module``'s nn.Module state, public attributes and the private ones named
-    in ``keep``, with :data:`_SHARED` the same objects as ``module``'s ([Note: copying a layer]);
-    the caller starts the per-call state."""
+def copy_module(module: nn.Module, memo: dict, keep: Sequence[str] = (), fresh: Sequence[str] = ()) -> nn.Module:
+    """A deep copy of ``module``'s nn.Module state, public attributes but those named in
+    ``fresh`` and the private ones named in ``keep``, with :data:`_SHARED` the same objects as
+    ``module``'s ([Note: copying a layer]); the caller starts the per-call state (and ``fresh``)."""
     new = type(module).__new__(type(module))
     memo[id(module)] = new
     for name in _SHARED:
@@ -40,7 +40,7 @@ def copy_module(module: nn.Module, memo: dict, keep: Sequence[str] = ()) -> nn.M
             # a DTensor gradient whose local tensor is a view at an offset (the attention's k and v
             # gradients are views of one q-k-v buffer) fails torch's deepcopy: copy it whole
             memo.setdefault(id(p.grad), p.grad.clone())
-    state = {k: v for k, v in module.__dict__.items()
-             if k in _MODULE_STATE or k in _SHARED or k in keep or not k.startswith("_")}
+    state = {k: v for k, v in module.__dict__.items() if k not in fresh and (
+        k in _MODULE_STATE or k in _SHARED or k in keep or not k.startswith("_"))}
     new.__dict__.update(copy.deepcopy(state, memo))
     return new

@@ -35,7 +35,7 @@ OverlapTrans-     its sublayers' as above; the     dense, Replicate
 formerBlock       norms' ``weight`` / ``bias``
 ================  ===============================  ==========================================
 
-The forward reads each parameter through ``layer._local(name)`` (:class:`~.planned.PlannedLayer`), which
+The forward reads each parameter through ``layer._local(name)`` (:class:`~.layer_spec.TiledLayer`), which
 for a DTensor is :func:`local`: ``p.to_local()`` (differentiable) viewed as the flat local
 tensor, or sliced to the rank's rows for a Replicate of a dense tensor; no copies. Autograd
 therefore puts the gradient on the DTensor parameter, as a DTensor with the parameter's
@@ -74,9 +74,9 @@ DTensor given to a layer built with ``group=``) raises ValueError naming ``x`` a
 placement. Placements and meshes are global metadata, identical on every rank by DTensor's
 contract, so this rank-local check raises on every rank alike, before any collective: no hang.
 Whether ``x`` is a DTensor at all is rank-local, so it is one more column of the call's agreement
-gather (:meth:`PlannedLayer._agree`): a DTensor on some ranks and a plain tensor on others is a
-ValueError on every rank. Other arguments (attention's ``position_ids``, ``position_embeddings``)
-stay plain tensors.
+gather (:func:`~.call_agreement.agree`, told by the layer's planner: ``LayerPlanner.dtensor_input``):
+a DTensor on some ranks and a plain tensor on others is a ValueError on every rank. Other
+arguments (attention's ``position_ids``, ``position_embeddings``) stay plain tensors.
 
 With ``group=`` the parameters stay plain tensors. :class:`UlyssesAttention`'s parameters are
 whole on every rank: with ``mesh=`` every one is a Replicate DTensor, and a DTensor ``x`` must be
@@ -229,10 +229,6 @@ def dtensor_forward(layer: nn.Module, forward, x: DTensor, *args, **kwargs) -> D
         sp = f" (sequence_parallel={layer.sequence_parallel})" if hasattr(layer, "sequence_parallel") else ""
         raise ValueError(f"x: placement {tuple(x.placements)} on the mesh axis; this {name}{sp} takes {want} "
                          f"(x.redistribute(x.device_mesh, [{expected[0]!r}]))")
-    layer._dtensor_input, layer._replay_key = True, x  # a recomputation finds its plan by x ([Note: recompute])
-    try:
-        y = forward(x.to_local(), *args, **kwargs)
-    finally:
-        layer._dtensor_input, layer._replay_key = False, None
+    y = forward(x.to_local(), *args, **kwargs)
     return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape,
                               stride=_contiguous_stride(x.shape))

@@ -1,6 +1,6 @@
 """The tile plan: what one call of a planned layer runs (:class:`TilePlan`), the plans first-call
-verification times against the planner's (:func:`contenders`), and the plan of a simulated
-candidate (:func:`plan_of`)."""
+verification times against the planner's (:func:`contenders`), the plan of a simulated
+candidate (:func:`plan_of`), and a plan explained as text (:func:`explain`)."""
 from __future__ import annotations
 
 import zlib
@@ -124,3 +124,19 @@ def plan_of(c, *, reason: str, candidates: tuple, carveout: tuple = (), num_stre
     return TilePlan(c.num_tiles, c.buckets_fwd, c.buckets_bwd, c.regather, num_streams, transport=c.transport,
                     decomposition=c.decomposition, carveout=carveout, predicted_ms=c.predicted_ms,
                     predicted_peak_bytes=c.peak_bytes, reason=reason, candidates=candidates)
+
+
+def explain(plan: Optional[TilePlan]) -> str:
+    """``plan`` as a text table of the candidates the planner compared (``layer.explain()``)."""
+    p = plan
+    if p is None:
+        return "no plan yet: the layer plans at its first call"
+    lines = [f"plan: K={p.num_tiles} regather={p.regather} buckets={p.buckets} transport={p.transport} "
+             f"decomposition={p.decomposition}",
+             f"reason: {p.reason or 'fixed by num_tiles or pin_plan'}"]
+    if p.candidates:
+        lines.append(f"{'K':>3} {'regather':>8} {'pred ms':>9} {'exposed ms':>10} {'peak MiB':>9}  buckets")
+        for c in sorted(p.candidates, key=lambda c: (c.num_tiles, c.regather)):
+            lines.append(f"{c.num_tiles:>3} {str(c.regather):>8} {c.predicted_ms:>9.3f} {c.exposed_comm_ms:>10.3f} "
+                         f"{c.peak_bytes / 2**20:>9.1f}  {dict(c.buckets_fwd)} / {dict(c.buckets_bwd)}")
+    return "\n".join(lines)

@@ -2,13 +2,15 @@
 (``OverlapMLP``, ``OverlapAttention``: sequence parallel, split by source rank; ``OverlapMoE``:
 its expert exchange split by source rank, ``layers/moe/ranks.py``).
 
-Reference: a mixin of :class:`~overlap_layers.planning.planned.PlannedLayer` hooks. What it decides
-is identical on every rank by construction: whether the copy engine is usable comes from the call's
-agreement (:meth:`RankChunkPlans._floor`: the minimum over the ranks of "usable here", whether
-every rank is on one host, and whether every rank holds the same symmetric workspace); candidates
-come from the layer's cost model ([Note: rank-chunk cost]).
-A layer mixing it in picks its autograd Function with :meth:`_function`, and its cost model
-provides ``rank_pieces``.
+Reference: a mixin implementing these hooks of :class:`~overlap_layers.planning.layer_spec.TiledLayer`
+for the layers that have rank chunks: ``_check_pin``, ``_floor``, ``_after_agreement``,
+``_graph_stage``, ``_predicted_timelines`` and ``_rank_candidates``; listed before ``TiledLayer``
+among the layer's bases. What it decides is identical on every rank by construction: whether the
+copy engine is usable comes from the call's agreement (:meth:`RankChunkPlans._floor`: the minimum
+over the ranks of "usable here", whether every rank is on one host, and whether every rank holds
+the same symmetric workspace); candidates come from the layer's cost model ([Note: rank-chunk
+cost]). A layer mixing it in picks its autograd Function with :meth:`_function`, and its cost
+model provides ``rank_pieces``.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from functools import partial
 import torch
 
 from ..config import Decomposition, Transport
-from ..runtime.exchange import (CopyEngineExchange, PointToPointExchange, held_workspace_bytes, shared_workspace,
-                                staged_source, symmetric_memory_status)
+from ..runtime.copy_engine_exchange import CopyEngineExchange
+from ..runtime.p2p_exchange import PointToPointExchange
+from ..runtime.symmetric import held_workspace_bytes, shared_workspace, staged_source, symmetric_memory_status
 from ..sim import Candidate
 
 
@@ -70,11 +73,10 @@ class RankChunkPlans:
         held = [held_workspace_bytes(self.group, self._weight.device, p) for p in self._workspace_purposes]
         return (ok, self._host_id, -self._host_id, *(v for h in held for v in (h, -h)))
 
-    def _after_agreement(self, capturing: bool) -> None:
+    def _after_agreement(self, floor: tuple, capturing: bool) -> None:
         """Ranks holding different symmetric workspaces of a purpose (some kept the workspace of
         freed layers alive longer than others) all release theirs here, so that the next exchange
         grows it on every rank alike; decided from agreed values only."""
-        floor = self._agreed_floor
         for i, purpose in enumerate(self._workspace_purposes):
             if floor[3 + 2 * i] == -floor[4 + 2 * i]:
                 continue
@@ -97,7 +99,7 @@ class RankChunkPlans:
         """Whether every rank can use the copy-engine transport (from this call's agreement).
         Warns once with the reason when not, on CUDA or when it was asked for (``config.transport``,
         or a pinned plan: ``asked``)."""
-        floor = self._agreed_floor
+        floor = self.planner.agreed_floor
         one_host = bool(floor) and floor[1] == -floor[2]
         ok = self.config.transport != Transport.NCCL and bool(floor) and bool(floor[0]) and one_host
         if not ok and not self._warned_copy_engine and (asked or self.config.transport != Transport.NCCL and (
@@ -140,7 +142,7 @@ class RankChunkPlans:
                 self._workspace = shared_workspace(self.group, device)
             return plan, partial(self._exchanges[0], self._workspace)
         if plan.transport != Transport.NCCL:
-            plan = self.plan = replace(plan, transport=Transport.NCCL)
+            plan = self.planner.plan = replace(plan, transport=Transport.NCCL)
         return plan, partial(self._exchanges[1], self.group)
 
     def _graph_stage(self, plan, t: torch.Tensor, role: str):

@@ -56,6 +56,14 @@ class Handle:
         return self._finish(i)
 
 
+def gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t`` stacked along dim 0, ``[ws * rows, ...]``: one blocking all-gather (the
+    layers' ``to_dense``)."""
+    out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    all_gather_single(out, t.contiguous(), group=group)
+    return out
+
+
 def merged_rows(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """One view over row blocks that sit back to back in one storage, or None."""
     first = tensors[0]

@@ -35,7 +35,7 @@ symmetric memory: each rank writes its row of the table into every rank's table 
 
 [Note: sync-free exchange]
 The MoE's exchanges read their split sizes on the host ([Note: MoE host syncs] in
-``layers/moe/layer.py``), so its calls stay eager, and with many small experts (qwen3-30b-a3b) an eager
+``layers/moe/eager.py``), so its calls stay eager, and with many small experts (qwen3-30b-a3b) an eager
 call is host-bound (it launches ~100 ops at tens of microseconds of host each). Graph replay needs
 every size on the device: the copy engine takes its sizes from the host, an SM kernel does not.
 The copy engine pulls faster than a copy kernel and slows the GEMMs beside it less
@@ -60,7 +60,7 @@ its last reads of its own table (its segments); ``back`` is written by peers onl
 rank's next TABLE, so it stays valid until the next ``place``.
 Every exchange on one workspace runs in the same order on every rank, its signals in one stream
 order (a call's ``ready`` may run on a side stream that waited for the previous ``finish``).
-The exchange has a workspace of its own (``runtime/exchange.py``): peers write its table with no
+The exchange has a workspace of its own (``runtime/symmetric.py``): peers write its table with no
 signal of this rank's call, which another exchange's data in the same buffer would race.
 
 [Note: results where their rows were]
@@ -87,7 +87,7 @@ from ..kernels.device_all_to_all import (CTAS, copy_rows_fused, copy_rows_refere
                                          remote_pointers, rests_fused, write_table_rows)
 from ..kernels.send_rows import place_by_key
 from ..kernels.triton_gate import runs_triton
-from .exchange import aligned
+from .symmetric import aligned
 
 TABLE, BACK = 0, 1  # signal channels ([Note: sync-free exchange])
 SLACK = 0.125  # a region's rows beyond its part's even share of the rows
@@ -382,7 +382,7 @@ class DeviceCountAllToAll:
         :meth:`parts`) into the first rows of ``out`` (``[>= layout.largest_region, W]``), by the
         copy engine; with :meth:`pull_rest`, ``out`` holds those rows by group (:attr:`recv_counts`
         rows each, from row 0) as far as its rows go: ``[rows, W]`` holds them all, a smaller one
-        those before its end ([Note: MoE slot rows] in ``layers/moe/device.py``). Returns ``out``."""
+        those before its end ([Note: MoE slot rows] in ``layers/moe/device_path.py``). Returns ``out``."""
         self._checked("pull: out", out)
         start, cap = self.layout.region(self._j(source), part)
         out[:cap].copy_(self._sends[source][start:start + cap])

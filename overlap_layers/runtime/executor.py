@@ -46,6 +46,7 @@ def profiler_range(name: str):
     return contextlib.nullcontext()
 
 
+# one launch loop: the op kinds share its state (events, handles, chains), and a call per op would cost host time
 def execute(schedule: Schedule, envs: Sequence[dict], group, *,
             streams: Optional[List["torch.cuda.Stream"]] = None, label: Optional[str] = None,
             trace: Optional[list] = None, recorder: Optional[Recorder] = None) -> None:

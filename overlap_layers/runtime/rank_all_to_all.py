@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Transport
-from .exchange import PULL, PUSH, SymmetricWorkspace, peers
+from .exchange import PULL, PUSH, peers
+from .symmetric import SymmetricWorkspace
 
 
 def _starts(counts: Sequence[int]) -> List[int]:

@@ -99,7 +99,7 @@ class PartStreams:
 
 
 def peak_event() -> Optional[torch.cuda.Event]:
-    """[Note: MoE slot rows] (``layers/moe/device.py``): an event that a captured graph records at
+    """[Note: MoE slot rows] (``layers/moe/device_path.py``): an event that a captured graph records at
     each replay (``external``), so that the host can wait for the graph's first part only; None
     where torch makes no such events (the caller then waits for the whole call)."""
     try:
@@ -109,7 +109,7 @@ def peak_event() -> Optional[torch.cuda.Event]:
 
 
 class HostReader:
-    """Reads small tensors on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``):
+    """Reads small tensors on the host ([Note: MoE host syncs] in ``layers/moe/eager.py``):
     :meth:`start` launches the copy and returns a function that waits for it and gives the flat
     list. On CUDA the copy goes into a pinned buffer kept per size and reused call after call (each
     call reads its buffer before the next call's copy is launched), followed by an event on the

@@ -126,7 +126,7 @@ def total_ms(*watches: Optional[Stopwatch]) -> float:
 
 class EventClock:
     """The MoE device path's race's clock ([Note: MoE graph calls: the race] in
-    ``layers/moe/device.py``): :meth:`start` and :meth:`stop` record events on the current stream
+    ``layers/moe/device_path.py``): :meth:`start` and :meth:`stop` record events on the current stream
     (no wait), :meth:`read` the milliseconds between them (waits for the second)."""
 
     @staticmethod

@@ -1,6 +1,7 @@
 """What the two attention layers share besides the core: argument checks, dense weight checks,
-the parameters' registration, per-call input checks and the RoPE tables of a call (their
-initialisation is ``layers/common/init.py``'s, as ``nn.Linear(in, out)`` initialises).
+the parameters' registration (their initialisation is ``layers/common/init.py``'s, as
+``nn.Linear(in, out)`` initialises), per-call input checks, the RoPE tables of a call and the call
+after its agreement (:func:`call_with_positions`).
 
 Reference: every check raises ``ValueError`` naming the argument and what is valid; :func:`cos_sin`
 equals the Hugging Face Llama tables for the global positions (or the given
@@ -214,3 +215,14 @@ def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, posi
         return None
     pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
     return rope_cos_sin(pos.to(device), head_dim, rope_theta, dtype)
+
+
+def call_with_positions(layer, x, agreed, position_ids, position_embeddings):
+    """An attention layer's call after its agreement ``agreed`` (``LayerPlanner.call``) of its
+    ``_run(x, plan, save, position_ids, position_embeddings, trial, trace)``, with the positions
+    among the call's inputs (a replayed call copies them too). The layers' own calls and the
+    block's unfused call share it."""
+    save = agreed.save
+    return layer.planner.call(
+        x, agreed, lambda plan, trial, trace, x, ids, *pe: layer._run(x, plan, save, ids, pe or None, trial, trace),
+        inputs=(x, position_ids, *(position_embeddings or ())))

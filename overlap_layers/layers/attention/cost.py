@@ -149,7 +149,7 @@ class AttentionCostModel(MLPCostModel):
         """Per batch tile: own rows' projection, the pulled peers', the core on the tile's rows,
         the peers' projections (pushed; backward, the QKV weight gradient after the push is the
         tail, or with one tile a piece of its own over every gathered row after the own rows'),
-        the own rows' last (``_RankChunkAttention``). With ``chunked_heads`` each forward
+        the own rows' last (``RankChunkAttention``). With ``chunked_heads`` each forward
         chunk also runs 1/ws of the core's heads step, and the core the rest. With
         ``query_chunks`` the forward has no core piece: each projection piece runs its rows'
         query chunk first, as rank 0 does (its own chunk, the cheapest of a causal core, comes

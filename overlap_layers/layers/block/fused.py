@@ -7,7 +7,7 @@ Reference (what :class:`FusedBlock` must equal, up to rounding): the block of
     h = x + attention(n1) (+ bo);   y = h + mlp(mlp_norm(h)) (+ b_out)
 
 Per batch tile of the attention's plan (its K), with the two sublayers' own tile programs
-(``layers/attention/layer.py``, ``layers/mlp/layer.py``): the attention's under the prefix ``a.``,
+(``layers/attention/tiles.py``, ``layers/mlp/layer.py``): the attention's under the prefix ``a.``,
 and the MLP's once per MLP tile of the block tile (``K_mlp // K`` of them, :func:`fused_plans`)
 under ``m0.``, ``m1.``, ... (their all-gathers first, then each one's body, then their closing
 waits: the MLP's own pipeline inside the block tile)::
@@ -58,9 +58,9 @@ from ...planning.calls import run_tiles
 from ...planning.first_order import first_order, keeps_graph, take
 from ...planning.tiling import tile_bounds
 from ...schedule import TileProgram, compute, round_robin, scoped
-from ..attention.layer import AttentionCall
-from ..attention.layer import attention_backward_program as attention_backward
-from ..attention.layer import attention_forward_program as attention_forward
+from ..attention.call import AttentionCall
+from ..attention.tiles import attention_backward_program as attention_backward
+from ..attention.tiles import attention_forward_program as attention_forward
 from ..common.tp_program import Accumulator, recording_graph
 from ..mlp.layer import MLPCall
 from ..mlp.layer import mlp_backward_program as mlp_backward

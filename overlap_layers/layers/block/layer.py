@@ -18,7 +18,8 @@ dispatch and gathered after (:mod:`overlap_layers.layers.moe.tokens`).
 
 Each sublayer plans and overlaps its own collectives (its tiles, its K, or its rank chunks).
 Where both run batch tiles over NCCL (sequence parallel, dense MLP), the block also times the two
-as one tiled program (``layers/block/fused.py``, [Note: fused block]): the attention's tiles, each with
+as one tiled program (``layers/block/fused.py``, [Note: fused block]; which calls run it:
+``layers/block/fusion.py``): the attention's tiles, each with
 its share of the MLP's tiles, so the attention's last reduce-scatter runs under the MLP's first
 tiles and, backward, the MLP's last dx reduce-scatter under the attention's first; it keeps that
 program where it wins by more than ``config.margin``. With rank chunks (sequence parallel, copy
@@ -41,23 +42,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.nn.modules import module as _module_hooks
 
 from ...config import OverlapConfig
-from ...planning.calls import apply_saving, in_backward_pass, saved_tensor_hooks_active
-from ...planning.checks import X_ERRORS, check_dtype, finite_number, x_error
+from ...planning.checks import check_dtype, finite_number, x_error
 from ...planning.copying import copy_module
 from ...planning.dtensor import axis_mesh, dtensor_forward, local
-from ...planning.plan_cache import PlanCache
-from ...planning.trace import TraceJob
 from ...runtime import resolve_group
+from ..attention.common import call_with_positions
 from ..attention.layer import OverlapAttention
 from ..common.grads import sum_grad_over_group, sum_grads_in_backward
-from ..mlp.layer import MLPCall
 from ..mlp.layer import OverlapMLP
 from ..moe.layer import OverlapMoE
 from ..moe.tokens import gather_tokens, split_tokens
-from .fused import BlockPlan, FusedBlock, FusedCall, OnBackward, fused_plans
+from .fused import BlockPlan, OnBackward
+from .fusion import BlockFusion
 
 NORMS = ("rmsnorm", "layernorm")
 #: The OverlapMoE keywords a block's ``moe`` dict may hold (sizes, group and planning come from the block).
@@ -218,10 +216,12 @@ class OverlapTransformerBlock(nn.Module):
 
     def _init_fusion(self) -> None:
         """The block's own plans: fused or in turn, per shape ([Note: fused block])."""
-        self._plans: Optional[PlanCache] = None  # made at the first call that may fuse
-        self._plans_agreement = None  # the attention's agreement the plans were made with
-        self.plan: Optional[BlockPlan] = None  # the last call's, where it asked (None: sublayers in turn)
-        self._last_fusing = None  # (agreed, MLP's save) of the last call that may fuse, for verifying
+        self._fusion = BlockFusion(self)  # layers/block/fusion.py
+
+    @property
+    def plan(self) -> Optional[BlockPlan]:
+        """The last call's plan, where it asked (None: its sublayers ran in turn with their own)."""
+        return self._fusion.plan
 
     @property
     def hidden_size(self) -> int:
@@ -246,16 +246,17 @@ class OverlapTransformerBlock(nn.Module):
         # rank, where the norm would raise on this rank alone and the others wait in the agreement
         err = x_error(x, self.hidden_size, attn.wq)
         n1 = self.attn_norm(x) if err == 0 or err == 3 and x.is_floating_point() else x
-        self.plan, self._last_fusing = None, None
+        fusion = self._fusion
+        fusion.plan, fusion.last_fusing = None, None
         # a call without tokens runs the sublayers in turn (each gives the dense result of none); the
         # attention's agreement comes first on both paths, so ranks whose shapes differ all raise there
-        if not isinstance(x, torch.Tensor) or x.numel() == 0 or not self._may_fuse(x):
+        if not isinstance(x, torch.Tensor) or x.numel() == 0 or not fusion.may_fuse(x):
             h = x + attn(n1, position_ids=position_ids, position_embeddings=position_embeddings,
                          attention_mask=attention_mask)
             return h + self._mlp(self.mlp_norm(h))
         agreed = attn._agree_input(n1, position_ids, position_embeddings, attention_mask)
-        mlp_saves = self._mlp_saves(agreed[2])
-        plan, trial, subplans = self._block_plan(x, agreed, mlp_saves)
+        mlp_saves = self._mlp_saves(agreed.save)
+        plan, trial, subplans = fusion.plan_call(x, agreed, mlp_saves)
         timed_bwd = trial is not None and torch.is_grad_enabled() and n1.requires_grad
         if timed_bwd:  # the backward's time: from y's gradient to n1's (attn_norm's backward left out)
             trial.bwd = trial.fwd.sibling()
@@ -263,96 +264,20 @@ class OverlapTransformerBlock(nn.Module):
         if trial is not None:
             trial.fwd.start()
         if plan is not None and plan.fused:
-            y = self._fused(x, n1, agreed[2], subplans, position_ids, position_embeddings)
+            y = fusion.run(x, n1, agreed.save, subplans, position_ids, position_embeddings)
         else:
-            h = x + attn._call_with_positions(n1, agreed, position_ids, position_embeddings)
+            h = x + call_with_positions(attn, n1, agreed, position_ids, position_embeddings)
             y = h + self._mlp(self.mlp_norm(h))
         if trial is not None:
             trial.fwd.stop()
-        self._last_fusing = (agreed, mlp_saves)
+        fusion.last_fusing = (agreed, mlp_saves)
         return OnBackward.apply(y, trial.bwd.start) if timed_bwd else y
 
     @property
     def verifying(self) -> bool:
         """Whether the next call of the last call's shape may still run another plan: a sublayer
         verifies its plan, or the block times the fused program against the sublayers in turn."""
-        if self.attention.verifying or self.mlp.verifying:
-            return True
-        fusable = self._last_fusing and self._fusable(*self._last_fusing)  # sublayers settled since?
-        return bool(fusable) and (self._plans is None or self._plans.settled(fusable[0]) is None)
-
-    # ----------------------------------------------------------------- the fused program
-    def _may_fuse(self, x) -> bool:
-        """Whether this call may run the fused program (then the block makes the attention's
-        agreement itself and decides after it): sequence parallel with a dense MLP, both planned
-        (no fixed K, nothing pinned) and verified, plain tensors outside ``torch.compile`` and
-        autocast, no module hooks on the sublayers or global ones (FSDP2's unsharding: the fused
-        program calls no sublayer as a module), not a checkpointed region or its recomputation ([Note: recompute])."""
-        attn, mlp = self.attention, self.mlp
-        if not (self.sequence_parallel and isinstance(mlp, OverlapMLP) and attn.config.verify_first_calls):
-            return False
-        if any(m.num_tiles != "auto" or m._pinned is not None or m._input_mesh is not None
-               or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in (attn, mlp)):
-            return False
-        if (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-                or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks):
-            return False
-        return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or in_backward_pass()
-                    or (torch.is_grad_enabled() and saved_tensor_hooks_active()))
-
-    def _block_plan(self, x, agreed, mlp_saves: bool):
-        """``(BlockPlan, trial, the sublayers' plans at its K)`` of this call, or Nones where the block runs its
-        sublayers in turn without asking ([Note: fused block] in ``layers/block/fused.py``). Decided from
-        agreed values and the sublayers' plan caches, so equal on every rank."""
-        fusable = self._fusable(agreed, mlp_saves)
-        if fusable is None:
-            return None, None, None
-        attn, (key, both) = self.attention, fusable
-        k = both[0].num_tiles
-        if self._plans is None or self._plans_agreement is not attn._agreement:  # new sublayers: new plans
-            self._plans_agreement = attn._agreement
-            self._plans = PlanCache(attn._agreement, margin=attn.config.margin)
-        plan, trial = self._plans.get(
-            key, lambda key: BlockPlan(True, k, reason=f"the sublayers' batch tiles fused at K={k}"),
-            lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
-        self.plan = plan
-        return plan, trial, both
-
-    def _fusable(self, agreed, mlp_saves: bool):
-        """``(the block's plan key, the sublayers' plans for the fused program)`` where the
-        sublayers have settled plans that fuse for this call, else None."""
-        attn, mlp = self.attention, self.mlp
-        shape, dtype, save, fixed = agreed
-        if fixed is not None or attn._capturing or mlp_saves != save:  # else: one sublayer trains, one not
-            return None
-        plans = (attn.settled_plan(shape[:2], dtype, save), mlp.settled_plan(shape[:2], dtype, save))
-        both = None if None in plans else fused_plans(*plans, tile_rows=shape[0] // plans[0].num_tiles * shape[1])
-        return None if both is None else ((shape, dtype, save, both[0].digest(), both[1].digest()), both)
-
-    def _fused(self, x, n1, save: bool, plans, position_ids, position_embeddings) -> torch.Tensor:
-        """One call of :class:`~overlap_layers.layers.block.fused.FusedBlock` with the sublayers'
-        ``plans`` (:func:`~overlap_layers.layers.block.fused.fused_plans`)."""
-        attn, mlp = self.attention, self.mlp
-        probe = n1.detach().requires_grad_(save)  # the MLP's agreement, as its own call would make it
-        mlp._agree(probe, x_error(probe, mlp.hidden_size, mlp.w_in), X_ERRORS, "x")
-        _, (w_in, b_in, w_out, b_out) = mlp._call_tensors(n1, ("w_in", "b_in", "w_out", "b_out"))
-        B, s, H = n1.shape
-        pa, pm = plans
-        # the MLP's streams (two, faster than one here: [Note: fused block]); the attention's planned plans run on one
-        streams = attn._streams.get(n1.device, min(pa.num_tiles, pm.num_streams))
-        _, ca, w_qkv, b_qkv, wo, bo = attn._prepare(n1, pa, save, streams, position_ids, position_embeddings)
-        cm = MLPCall(group=mlp.group, activation=mlp.activation, sequence_parallel=True, plan=pm, save=save,
-                     streams=streams, launch_log=mlp.launch_log)
-        call = FusedCall(ca, cm, self.mlp_norm.kind, self.mlp_norm.eps)
-        asked = [p for p in (attn._take_trace_request(), mlp._take_trace_request()) if p]
-        if asked:  # rank-local, like the request: the fused program's ops (a., m0., ...) are recorded
-            call.trace = TraceJob(asked, n1.device)
-        weights = (w_qkv, b_qkv, wo, ca.q_norm, ca.k_norm, bo, *self.mlp_norm.local_params(), w_in, b_in, w_out, b_out)
-        y = apply_saving(FusedBlock, save, x.reshape(B * s, H), n1.reshape(B * s, H).contiguous(), *weights, call)
-        if call.trace is not None:
-            call.trace.write()  # the forward's; the backward writes again with both passes
-        return y.view(B, s, H)
+        return self.attention.verifying or self.mlp.verifying or self._fusion.verifying
 
     def _mlp_saves(self, attention_saves: bool) -> bool:
         """Whether the MLP's call saves for backward (as its own agreement would find): its input

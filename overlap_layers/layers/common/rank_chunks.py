@@ -43,7 +43,7 @@ Legend: T local rows, h = T // 2, H hidden, I local fc1 width, F local ffn width
 for all gathered rows ``[ws, T, I]`` (as the serial layer saves ``[ws*T, I]``).
 
 :func:`piece`, :func:`finish`, :func:`accumulate`, :func:`accumulate_rows` and :func:`step_tag`
-serve the attention's rank-chunk path too (``layers/attention/layer.py``), :func:`piece` and :func:`piece_tag`
+serve the attention's rank-chunk path too (``layers/attention/rank_chunks.py``), :func:`piece` and :func:`piece_tag`
 the MoE's (``layers/moe/ranks.py``).
 """
 from __future__ import annotations

@@ -44,10 +44,12 @@ from ...config import OverlapConfig, check_positive_int
 from ...planning.calls import LayerCall, apply_saving, recorded_pass, run_tiles
 from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
 from ...planning.dtensor import Layout
+from ...planning.entry import planned_forward
 from ...planning.first_order import first_order, keeps_graph
+from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
 from ...planning.plan_cache import Trial
-from ...planning.planned import PlannedLayer
+from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...planning.trace import TraceJob
@@ -198,7 +200,7 @@ class _RankChunkMLP(torch.autograd.Function):
         return dx_TH, grads["w_in"], grads["b_in"], grads["w_out"], None
 
 
-class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
+class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     """Drop-in tensor-parallel MLP (Megatron column-parallel fc1, row-parallel fc2).
 
     Equals the dense MLP in this module's docstring. Input ``[batch, seq_local, hidden]`` with
@@ -249,7 +251,10 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self._init_layer(self.config, mesh, axis)
+        self.launch_log: Optional[list] = None
+        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
         if self.sequence_parallel:  # the rank's rows only: [Note: gradients complete in backward]
             sum_grads_in_backward(self, ("b_out",))
 
@@ -368,13 +373,12 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
                 "b_out": b_out.detach().clone() if b_out is not None else None}
 
     # ----------------------------------------------------------------- forward
-    @PlannedLayer.dtensor_io  # a DTensor x: [Note: DTensor inputs] (planning/dtensor.py)
+    @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype, save, fixed = self._agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
-        return self._planned_call(x, shape, dtype, save, fixed,
-                                  lambda plan, trial, trace, x: self._run(x, plan, save, trial, trace))
+        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
+        return self.planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
 
-    # ----------------------------------------------------------------- planning hooks (PlannedLayer)
+    # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
     def _weight(self) -> torch.Tensor:
         return self.w_in
@@ -423,7 +427,7 @@ class OverlapMLP(RankChunkPlans, PlannedLayer, nn.Module):
         B, S, H = x.shape
         call = MLPCall(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
-                     streams=self._streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
+                     streams=self.planner.streams.get(x.device, min(plan.num_tiles, plan.num_streams)),
                      launch_log=self.launch_log, trial=trial, trace=trace)
         fn = self._function(plan, call, x.device, _TiledMLP, _RankChunkMLP)
         with torch.autocast(dev, enabled=False):

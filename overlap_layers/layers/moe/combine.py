@@ -3,7 +3,7 @@ and their torch references: ``kernels/moe_combine.py``, whose docstring gives th
 [Note: MoE weighted combine]): argument checks, the path (the kernels where Triton runs, else the
 references) and the weighting's autograd form. The device path uses it ([Note: MoE graph calls]
 in ``layers/moe/device.py``), and so does every eager call without autograd ([Note: MoE no-grad
-combine] in ``layers/moe/layer.py``).
+combine] in ``layers/moe/eager.py``).
 """
 from __future__ import annotations
 

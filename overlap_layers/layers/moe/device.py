@@ -7,7 +7,7 @@ its kept assignments of the combine weight times its expert's output (0 for an a
 by capacity), plus the shared expert's output.
 
 [Note: MoE graph calls]
-An eager MoE call reads its all-to-all sizes on the host ([Note: MoE host syncs] in ``layers/moe/layer.py``),
+An eager MoE call reads its all-to-all sizes on the host ([Note: MoE host syncs] in ``layers/moe/eager.py``),
 so with many small experts (qwen3-30b-a3b) its forward is host-bound: its ~100 launches take
 longer than its GPU work. With ``config.graph_calls``, a call without autograd whose exchange can
 run over symmetric memory runs this path instead, captured once per signature and replayed
@@ -31,7 +31,7 @@ run over symmetric memory runs this path instead, captured once per signature an
   results are never pushed (the combine takes them where they are); the shared expert runs right
   after the first own rows, under the first pulls;
 * each source's rows arrive grouped by local expert, so one grouped GEMM per projection runs them
-  with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows]),
+  with offsets computed on the device; its buffer holds the slot rows ([Note: MoE slot rows] in ``layers/moe/device_path.py``),
   and the GEMMs and the fused SwiGLU leave the rows past the offsets' end unread and unwritten;
 * memory: the peers' rows go to ``SLOTS`` buffers in turn (a pull waits for the experts that
   read its slot last), and at most ``SLOTS`` peers' results are held (the experts of peer i wait
@@ -56,8 +56,8 @@ experts' GEMMs keep every SM (leaving SMs to the copy kernels costs the GEMMs mo
 copies gain). The late own rows run under the last push, which is otherwise exposed. Measured,
 with the alternatives that lost: see docs/measurements.md (MoE, device path).
 
-Whether it runs is measured, per signature ([Note: MoE graph calls: the race],
-:class:`DevicePathRace`): with large experts the eager call is device-bound and its exchange over
+Whether it runs is measured, per signature ([Note: MoE graph calls: the race] in
+``layers/moe/device_path.py``): with large experts the eager call is device-bound and its exchange over
 the copy engine or NCCL is faster than this path.
 
 It needs every rank's symmetric memory (the agreed copy-engine floor), grouped GEMMs and no aux
@@ -68,55 +68,6 @@ this rank's call, which data of another exchange in the same buffer would race. 
 signature holds every rank's (batch, seq), so that ranks holding different token counts capture
 at the same calls. The plan the layer verified on its eager calls does not apply: this path always
 splits by source.
-
-[Note: MoE graph calls: the race]
-At the first calls of a signature whose plan is settled, the layer times both: ``ROUNDS + 1``
-eager calls, then ``ROUNDS + 1`` calls of the device path (the first captures), each from an event
-recorded before its first launch to one after its output (the eager call's host syncs and
-launches included: its GPU idles while the host launches), the first of each not counted. No
-call waits for its events (a wait would leave the GPU idle at the next call's start, which the
-eager call's launches would then pay and a replay would not); the last one's read waits. The
-group's slowest rank's best time of each (one host gather, at the same call on every rank) picks
-the path for every later call of the signature; a graph that lost is dropped. With many small
-experts (qwen3-30b-a3b) the device path wins the forward; with few large ones (mixtral-8x7b) the
-eager call does. A training
-call is timed to the end of its backward (hooks on the parameters' gradients, removed when they
-have fired, or at the layer's next call if its backward never came): the eager backward's host
-time is what the device path saves there. The device path wins only if it is also within the
-layer's ``memory_budget`` (when one is set): the largest rank's graph memory must fit it; and
-only if its deciding call replayed a graph (where a capture failed, its calls ran eagerly, and
-such a race could be won by noise with no graph kept). Once it wins, the
-layer lets go of the symmetric workspace of its eager copy-engine calls (the group's "exchange"
-workspace, for qwen3-30b-a3b at EP 4 256 MiB): freed where no other layer of the group holds it,
-and grown again, a collective at the same call on every rank, by the next eager call that needs
-it (a rank that kept it alive longer makes every rank release theirs first:
-``RankChunkPlans._after_agreement``).
-
-[Note: MoE slot rows]
-A graph's buffers have fixed sizes, and a source may send a rank every row it has (``rows``,
-:func:`rows_bound`): with every part's buffers at that bound, qwen3-30b-a3b's training graphs
-would keep about four times what an even routing fills. So the
-buffers hold ``slot`` rows (:func:`slot_rows`: the largest count of rows one rank sent another at
-an earlier call of the signature, and 1/8 more; at first an even routing's count, ``rows / ws``;
-never fewer than the exchange's largest region), and a count past them is found after the call:
-
-* the call clamps each source's grouped-GEMM offsets to the slot (the copies already stop at
-  their buffers' ends: ``copy_rows_by_table``), so no kernel reads or writes past a buffer;
-* right after the exchange's counts it copies the largest count of its table (which every rank
-  holds whole: the same on every rank) into pinned host memory and records an event (``external``,
-  so that a replay records it too: :func:`~overlap_layers.runtime.streams.peak_event`);
-* where the slots hold fewer than ``rows``, the layer waits for that event after the call is
-  launched (the first few hundred microseconds of it: the device path's only wait) and reads the
-  count; past the slots, the result is dropped, the signature's slots raised to that count, its
-  graph dropped, and the call made again (captured anew: every rank alike, from the same count).
-  The slots only grow, by more than 1/8 each time, and never past ``rows``, where nothing is read.
-
-A result past its slots is never returned: the count that decides is exact, and the call that
-returns ran with slots that hold it. The backward reuses the forward's offsets and slots.
-
-The count is read right after the count exchange, not at the end of the forward: waiting for the
-whole forward would keep the host from running ahead to launch the backward. Measured (memory
-and time against buffers at the bound): see docs/measurements.md (MoE, slot rows).
 
 [Note: MoE training graphs]
 A call with autograd runs the device path through :class:`_SourceExperts`, which takes the
@@ -175,87 +126,12 @@ import torch
 from ...kernels.expert_wgrad import WgradParts, grouped_wgrad_parts
 from ...planning.first_order import first_order, keeps_graph, take
 from ...runtime.streams import PartStreams
-from ...runtime.timing import EventClock
 from ..common.activations import act_backward
 from .combine import combine_rows, weigh_backward_into
-from .ranks import grouped_mm, experts_forward
+from .experts import experts_forward, grouped_mm
 
 
-ROUNDS = 2  # timed calls of each path in the race
 SLOTS = 3  # peers' rows and results held at once ([Note: MoE graph calls]: memory)
-MAX_SIGNATURES = 64  # races kept per layer
-
-
-class DevicePathRace:
-    """[Note: MoE graph calls: the race]: per signature, whether its calls run the device path.
-    :meth:`choose` at a call says which path it runs (and starts timing it while racing),
-    :meth:`finish` after the call stops the timing and, after the last timed call, decides."""
-
-    def __init__(self, agreement, clock=EventClock) -> None:
-        self._agreement = agreement
-        self._clock = clock
-        self._races: dict = {}  # signature -> {"eager": [span], "device": [span], "choice": None | bool}
-        self._timing = None  # (the race, its list, the clock's start) of the call being timed
-
-    @property
-    def timing(self) -> bool:
-        """Whether a call is being timed (:meth:`finish` not yet called for it)."""
-        return self._timing is not None
-
-    def choose(self, signature) -> bool:
-        race = self._races.get(signature)
-        if race is None:
-            if len(self._races) >= MAX_SIGNATURES:  # the oldest is raced again if it comes back
-                self._races.pop(next(iter(self._races)))
-            race = self._races[signature] = {"eager": [], "device": [], "choice": None}
-        if race["choice"] is not None:
-            return race["choice"]
-        device = len(race["eager"]) > ROUNDS
-        self._timing = (race, race["device" if device else "eager"], self._clock.start())
-        return device
-
-    def finish(self, nbytes: int = 0, budget: Optional[Callable[[], Optional[int]]] = None) -> Optional[bool]:
-        """End the timing of the call (if timed; its graph kept ``nbytes``, 0 where the call ran
-        eagerly); returns the choice made at it, if any (the device path lost: False), else None.
-        The device path wins only if its deciding call replayed a graph on every rank, it is
-        faster and, where ``budget()`` gives bytes (the layer's memory budget), its graph's memory
-        on the group's largest rank fits them."""
-        if self._timing is None:
-            return None
-        race, spans, start = self._timing
-        self._timing = None
-        spans.append(self._clock.stop(start))
-        if len(race["device"]) <= ROUNDS:
-            return None
-        mine = tuple(round(min(self._clock.read(s) for s in race[path][1:]) * 1e3) for path in ("eager", "device"))
-        rows = self._agreement.gather((*mine, int(nbytes)))
-        eager_us, device_us, most = (max(r[i] for r in rows) for i in range(3))
-        limit = budget() if budget is not None else None
-        replayed = min(r[2] for r in rows) > 0  # else its capture failed, and it timed eager calls
-        race["choice"] = replayed and device_us < eager_us and (limit is None or most <= limit)
-        return race["choice"]
-
-
-def rows_bound(max_tokens: int, top_k: int) -> int:
-    """Send rows a rank may need: the group's largest token count, rounded up to a power of two
-    (so that nearby counts share an exchange and a capture), times ``top_k``."""
-    return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
-
-
-SLOT_STEPS = 64  # [Note: MoE slot rows]: slot sizes are multiples of rows / SLOT_STEPS
-SLOT_HEADROOM = 8  # ... of at least the peak and 1/8 more
-
-
-def slot_rows(rows: int, least: int, peak: int) -> int:
-    """[Note: MoE slot rows]: the rows of each part's buffers for calls whose largest count of
-    rows one rank sends another is ``peak``: that and 1/``SLOT_HEADROOM`` more, rounded up to a
-    multiple of ``rows / SLOT_STEPS``, at least ``least`` (the exchange's largest region, which a
-    pull copies whole) and at most ``rows`` (the bound of every count)."""
-    if not 0 <= least <= rows or peak < 0:
-        raise ValueError(f"slot_rows(rows={rows}, least={least}, peak={peak}); valid: 0 <= least <= rows, peak >= 0")
-    unit = max(1, rows // SLOT_STEPS)
-    want = peak + peak // SLOT_HEADROOM
-    return min(rows, max(least, -(-want // unit) * unit))
 
 
 class SourceCall:

@@ -2,7 +2,7 @@
 "rank"``, one tile): own rows first while the peers' rows are pulled, each peer's results pushed
 back while the next source's rows run (``runtime/rank_all_to_all.py``).
 
-Reference (what it must equal): the K=1 exchange of ``layers/moe/layer.py``. Each expert's output row depends
+Reference (what it must equal): the K=1 exchange of ``layers/moe/tiles.py``. Each expert's output row depends
 on its input row only, so the rows this rank's experts receive split into independent
 per-source pieces. The send order is by destination, then local expert, so each source's rows
 arrive grouped by local expert: a piece is one grouped GEMM per projection (offsets from the
@@ -56,7 +56,7 @@ an add).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -66,9 +66,10 @@ from ...kernels.send_rows import place_in_key_order
 from ...kernels.triton_gate import runs_triton
 from ...planning.calls import recorded_pass
 from ...planning.first_order import first_order, take
-from ..common.activations import act, act_backward
+from ..common.activations import act_backward
 from ..common.rank_chunks import piece, piece_tag
 from .combine import combine_rows
+from .experts import experts_forward, grouped_mm
 
 LOOP_WGRAD_EXPERTS = 8  # [Note: MoE weight-gradient accumulation]
 
@@ -115,6 +116,13 @@ class RankCall:
         return [(0, 0, 0, h, sizes[0])] + peers + [(1, 0, h, n, sizes[1])]
 
 
+def rows_bound(max_tokens: int, top_k: int) -> int:
+    """Send rows a rank may need: the group's largest token count, rounded up to a power of two
+    (so that nearby counts share an exchange and a capture), times ``top_k``."""
+    return (1 << max(max_tokens - 1, 0).bit_length()) * top_k
+
+
+
 def first_rows(assignments: int, world_size: int) -> int:
     """``m``: the own rows the first own piece takes at most, half of the own rows routing would
     give a rank's experts if balanced (``assignments`` of this rank's tokens, 1 / world_size of
@@ -145,29 +153,6 @@ def piece_offsets(counts: torch.Tensor, rank: int, m: int) -> torch.Tensor:
     if runs_triton(counts):  # one launch: on the host's critical path before the first GEMM (four in torch)
         return piece_offsets_fused(counts, rank, m)
     return piece_offsets_reference(counts, rank, m)
-
-
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-def experts_forward(activation: str, grouped: bool, x: torch.Tensor, sizes: Optional[List[int]],
-                    offs: torch.Tensor, w_in_t, w_out_t, act_rows: Optional[torch.Tensor] = None):
-    """``(y, pre)`` of rows grouped by local expert (``sizes`` rows each; ``offs`` their ends: all
-    the grouped path needs, where rows of ``x`` past the last end give meaningless rows);
-    ``w_in_t``, ``w_out_t`` the weights transposed (``w.transpose(-2, -1)``, made once per pass).
-    ``act_rows``: on the grouped path without autograd, the activation's row count on the device
-    (``offs[-1:]``: the rows past it are then not computed at all,
-    :func:`~overlap_layers.layers.common.activations.act`)."""
-    if grouped:
-        pre = grouped_mm(x, w_in_t, offs)
-        return grouped_mm(act(activation, pre, act_rows), w_out_t, offs), pre
-    pre = torch.cat([rows @ w_in_t[e] for e, rows in enumerate(x.split(sizes))]) if x.shape[0] else \
-        x.new_empty((0, w_in_t.shape[2]))
-    a = act(activation, pre)
-    y = torch.cat([rows @ w_out_t[e] for e, rows in enumerate(a.split(sizes))]) if x.shape[0] else \
-        x.new_empty((0, w_out_t.shape[2]))
-    return y, pre
 
 
 def launch_first(send: torch.Tensor, m: int, offs: torch.Tensor, w_in, w_out, activation: str, trace=None):

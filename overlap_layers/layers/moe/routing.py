@@ -1,13 +1,16 @@
-"""Top-k routing of the MoE: one kernel on CUDA (Triton, :mod:`overlap_layers.kernels.routing`,
-whose docstring gives the reference), its torch reference elsewhere; differentiable in the logits.
+"""The MoE's routing of a call: the router logits, top-k routing (one kernel on CUDA: Triton,
+:mod:`overlap_layers.kernels.routing`, whose docstring gives the reference; its torch reference
+elsewhere; differentiable in the logits), capacity, the aux loss and the send order's sort keys
+(:func:`route_call`), as ``layers/moe/layer.py``'s module docstring states them.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ...kernels.routing import fused_available, route_fused, route_topk_reference
+from ...kernels.routing import count, fused_available, key_dtype, route_fused, route_topk_reference
 
 
 class _Route(torch.autograd.Function):
@@ -45,3 +48,131 @@ def route_topk(logits: torch.Tensor, k: int, normalize: bool, shift: int = 0) ->
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Route.apply(logits, k, normalize, shift)
     return route_fused(logits, k, normalize, shift)
+
+
+class _HalfRouterLogits(torch.autograd.Function):
+    """``x.float() @ w.float().T`` for bfloat16 or float16 ``x`` and ``w`` of one dtype on CUDA, as
+    one GEMM on the half operands with float32 output (``torch.mm``'s ``out_dtype``): their
+    products are exact in float32 and summed in float32, so it equals the converted GEMM up to
+    summation order, without the two conversions and the float32 GEMM (98 us of a qwen3 forward
+    on H200). The backward is that reference's: float32 GEMMs, each gradient cast to its
+    operand's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def router_logits(x_TH: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """``x @ router_weight.T`` in float32 (float64 if x is), from the operands converted to it
+    (:class:`_HalfRouterLogits` on CUDA half operands; its GEMM alone where no gradient is wanted)."""
+    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x_TH.dtype:
+        if torch.is_grad_enabled() and (x_TH.requires_grad or router_weight.requires_grad):
+            return _HalfRouterLogits.apply(x_TH, router_weight)
+        return torch.mm(x_TH, router_weight.t(), out_dtype=torch.float32)
+    rdt = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
+    return x_TH.to(rdt) @ router_weight.to(rdt).t()
+
+
+def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool, shift: int = 0):
+    """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k], sort keys
+    [T*k] ((expert - shift) mod E), assignments per expert [E])``: :func:`route_topk` of the router
+    logits; probs in float32 (or x's dtype if wider), ties to the lower expert index."""
+    return route_topk(router_logits(x_TH, router_weight), top_k, normalize, shift)
+
+
+def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int):
+    """Mask over the flattened assignments (token-major): at most ``capacity`` per expert, by
+    decreasing ``priority``, ties to the lower token (earlier assignment)."""
+    n = experts.numel()
+    by_priority = torch.sort(-priority, stable=True).indices
+    order = by_priority[torch.sort(experts[by_priority], stable=True).indices]
+    e_sorted = experts[order]
+    counts = count(e_sorted, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    keep_sorted = torch.arange(n, device=experts.device) - starts[e_sorted] < capacity
+    keep = torch.empty_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def tile_index(n: int, k: int, device) -> torch.Tensor:
+    """The tile of each of ``n`` rows cut into ``k`` tiles as
+    :func:`~overlap_layers.planning.tiling.tile_bounds` cuts them (the
+    first ``n % k`` tiles one row longer), in a fixed number of kernels whatever ``k``."""
+    base, extra = divmod(n, max(1, min(k, n)))
+    i = torch.arange(n, device=device)
+    cut = extra * (base + 1)
+    return torch.where(i < cut, i // (base + 1), extra + (i - cut) // max(base, 1))
+
+
+class Routed(NamedTuple):
+    """A call's routing (:func:`route_call`): ``keys`` each token-major assignment's place in the
+    send order's key order, ``weights [T, k]`` the combine weights (with the router's graph),
+    ``counts [K, ws, El]`` the assignments kept per tile and destination expert; the aux loss
+    (``aux``), or where it is 0 and not made, what it is made from when read (``aux_zero_of``:
+    device, dtype, whether the call had autograd)."""
+
+    keys: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    aux: Optional[torch.Tensor]
+    aux_zero_of: Optional[tuple]
+
+
+def route_call(layer, x_TH: torch.Tensor, K: int, step_order: bool = False) -> Routed:
+    """Routing on the whole local batch of an ``OverlapMoE`` call cut into ``K`` tiles, and
+    capacity (module docstring): ``keys`` is ``K * E`` where dropped by capacity (``E`` with one
+    tile); with ``step_order`` (one tile) by expert in the rank exchange's step order, own experts
+    first."""
+    T, E, k, El, ws = x_TH.shape[0], layer.num_experts, layer.top_k, layer.num_local_experts, layer.world_size
+    shift = El * layer.rank if step_order else 0
+    probs, top_p, experts, weights, keys, per_expert = route(x_TH, layer._local("router_weight"), k,
+                                                             layer.normalize_topk, shift)
+    flat_e = experts.reshape(-1)
+    keep = None
+    if layer.capacity_factor is not None:
+        cap = math.ceil(layer.capacity_factor * T * k / E)
+        keep = keep_within_capacity(flat_e, top_p.detach().reshape(-1), E, cap)
+    if layer.aux_loss_coef > 0 and T > 0:
+        f = per_expert.to(probs.dtype) / (T * k)
+        aux, aux_zero_of = layer.aux_loss_coef * E * (f * probs.mean(0)).sum(), None
+    else:  # 0, made when read (launches off the call's path)
+        aux, aux_zero_of = None, (weights.device, weights.dtype, weights.requires_grad)
+    # Send order: by tile, then expert; dropped assignments sort last (key K*E) and are cut off
+    # once the counts are on the host ([Note: MoE host syncs]: no sync here).
+    if K == 1:  # the routing's own keys (in the step order if asked) and counts
+        sort_key, counts = keys, per_expert
+        if keep is not None:
+            sort_key = torch.where(keep, keys, E)
+            counts = count(torch.where(keep, flat_e, E), E + 1)[:E]
+        counts = counts.view(1, ws, El)
+    else:  # tiles: never the step order (rank chunks run one tile)
+        tokens = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+        key = tile_index(T, K, x_TH.device)[tokens] * E + flat_e
+        if keep is not None:
+            key = torch.where(keep, key, K * E)
+        sort_key = key.to(key_dtype(K * E))
+        counts = count(key, K * E + 1)[:K * E].view(K, ws, El)
+    return Routed(sort_key, weights, counts, aux, aux_zero_of)
+
+
+def zero_aux(router: torch.Tensor, device, dtype: torch.dtype, graph: bool) -> torch.Tensor:
+    """The aux loss 0 of a call (``Routed.aux_zero_of``: its device, dtype, whether it had
+    autograd), attached to ``router`` where the call had autograd, so that ``backward()`` works."""
+    if graph and router.requires_grad:
+        # hung from the router's weight, not from the call's graph: held between calls, that
+        # graph would keep its parameters' gradient nodes, made on the stream of that call,
+        # alive into the next call (which a training graph's capture cannot follow:
+        # [Note: MoE training graphs] in layers/moe/device.py)
+        with torch.enable_grad():
+            return router.to(dtype).sum() * 0.0
+    return torch.zeros((), device=device, dtype=dtype, requires_grad=graph)

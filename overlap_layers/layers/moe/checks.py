@@ -1,0 +1,56 @@
+"""The argument checks of :class:`~overlap_layers.layers.moe.layer.OverlapMoE`'s constructor and
+``from_dense``: each raises ``ValueError`` naming the argument and what is valid."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ...config import check_positive_int
+from ...planning.checks import finite_number
+from ..common.activations import ACTIVATIONS
+
+
+def check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, capacity_factor, aux_loss_coef,
+               shared_expert_ffn) -> None:
+    """The constructor's arguments (the group's divisibility is checked where the group is known)."""
+    for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                    ("num_experts", num_experts), ("top_k", top_k)):
+        check_positive_int(v, name)
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+    if capacity_factor is not None and not finite_number(capacity_factor):
+        raise ValueError(f"capacity_factor={capacity_factor!r}; must be None (dropless) or a positive finite "
+                         f"number")
+    if not finite_number(aux_loss_coef, zero_ok=True):
+        raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a finite number >= 0")
+    check_positive_int(shared_expert_ffn, "shared_expert_ffn", none_ok=True)
+
+
+def check_dense(router_weight, w_in, w_out, shared_w_in, shared_w_out,
+                activation: str) -> Tuple[int, int, int, Optional[int]]:
+    """``from_dense``'s weights: ``(E, H, ffn, shared ffn or None)`` of consistent shapes."""
+    for name, t, dim in (("router_weight", router_weight, 2), ("w_in", w_in, 3), ("w_out", w_out, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise ValueError(f"{name} must be a {dim}-D tensor; got {getattr(t, 'shape', t)!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
+    E, H = router_weight.shape
+    ffn = w_out.shape[2]
+    mult = 2 if activation == "swiglu" else 1
+    for name, t, want in (("w_in", w_in, (E, mult * ffn, H)), ("w_out", w_out, (E, H, ffn))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; with router_weight {tuple(router_weight.shape)} "
+                             f"and activation={activation!r} it must be {want}")
+    if (shared_w_in is None) != (shared_w_out is None):
+        raise ValueError("pass both shared_w_in and shared_w_out, or neither")
+    sffn = None
+    if shared_w_in is not None:
+        sffn = shared_w_out.shape[-1] if shared_w_out.dim() == 2 else -1
+        if shared_w_out.dim() != 2 or tuple(shared_w_out.shape) != (H, sffn) or \
+                shared_w_in.dim() != 2 or tuple(shared_w_in.shape) != (mult * sffn, H):
+            raise ValueError(f"shared_w_in {tuple(shared_w_in.shape)} / shared_w_out {tuple(shared_w_out.shape)}: "
+                             f"must be [{mult}*shared_ffn, {H}] and [{H}, shared_ffn]")
+    return E, H, ffn, sffn
