@@ -920,7 +920,7 @@ def test_bench_progress_bar_is_optional(monkeypatch, capsys):
 
 
 def test_bench_sources_speak_in_the_present():
-    """No development history (session numbers) in the package's comments, docstrings or help."""
+    """No development log (numbered work periods) in the package's comments, docstrings or help."""
     import re
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "overlap_layers", "bench")
     for top, _, names in os.walk(folder):
