@@ -150,3 +150,49 @@ def hf_compile_run(rank, ws, block):
 def test_swapped_hf_model_compiles_fullgraph(pool2, block):
     pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
     assert all(err < 1e-6 for err in pool2.run(hf_compile_run, block, timeout=300))
+
+
+def group_layer_dtensor_run(rank, ws, kind, sp):
+    """A ``group=`` layer given a DTensor x (Shard(1) with sequence parallelism, else Replicate; a
+    1-D mesh over the group) eagerly, compiled, and compiled with fullgraph: per mode, the
+    ValueError's message (under fullgraph dynamo reports it as the cause of its Unsupported), or
+    "ran" if the call returned; then a plain call still works (no rank left inside a collective)."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        g, kw = dist.group.WORLD, dict(num_tiles=2, dtype=torch.float64, sequence_parallel=sp)
+        layer = OverlapMLP(H, 32, group=g, **kw) if kind == "mlp" else OverlapAttention(H, 4, 2, group=g, **kw)
+        mesh = init_device_mesh("cpu", (ws,))
+        x = torch.randn(2, 4 * ws, H, dtype=torch.float64)
+        xd = distribute_tensor(x, mesh, [Shard(1) if sp else Replicate()])
+        out = {}
+        for mode in ("eager", "compile", "fullgraph"):
+            torch._dynamo.reset()
+            fn = layer if mode == "eager" else torch.compile(lambda t: layer(t), fullgraph=mode == "fullgraph")
+            try:
+                fn(xd.clone().requires_grad_())
+                out[mode] = "ran"
+            except Exception as e:  # noqa: BLE001
+                while e is not None and not isinstance(e, ValueError) and "ValueError(" not in str(e):
+                    e = e.__cause__
+                out[mode] = str(e) if e is not None else "other"
+        xl = xd.to_local().clone().requires_grad_()
+        layer(xl).sum().backward()
+        return out, tuple(xl.grad.shape)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind,sp", [("mlp", True), ("mlp", False), ("attention", True), ("attention", False)])
+def test_group_layer_dtensor_input_raises_compiled(pool2, kind, sp):
+    """Eager raises ValueError for a DTensor x to a layer built with group=; compiled (default
+    backend, with and without fullgraph) must raise it too, never run ([Note: DTensor inputs])."""
+    want = "Shard(dim=1)" if sp else "Replicate()"
+    name = "OverlapMLP" if kind == "mlp" else "OverlapAttention"
+    for out, shape in pool2.run(group_layer_dtensor_run, kind, sp, timeout=600):
+        for mode, msg in out.items():
+            assert f"x: a DTensor, but this {name} was built with group=" in msg and want in msg, (mode, msg)
+        assert shape == (2, 4 if sp else 8, H)
