@@ -1,0 +1,234 @@
+"""The Hugging Face families ``swap`` recognises (by type, without a ``plan``), and how each
+recognised module becomes an overlap layer (the builders :func:`.hf.swap` calls):
+
+=========================================  ==============================================================
+HF module (transformers 5)                 replaced by
+=========================================  ==============================================================
+LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
+Qwen3MoeMLP (dense layers of Qwen3-MoE)    ``w_in`` = gate rows then up rows, ``w_out`` = down; biases
+                                           when ``mlp_bias``
+LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
+MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
+Qwen3MoeAttention                          HF's (cos, sin) so RoPE scaling is exact; biases when
+                                           ``attention_bias``)
+MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
+Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
+with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
+MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
+MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside the block
+=========================================  ==============================================================
+
+A builder raises :class:`~.replace.Unswappable` for a recognised module it cannot replace
+(unsupported activation, partial biases, qk-norm eps, router jitter, ...): it is left, warned.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
+from ..layers.attention.core import QK_NORM_EPS
+from .hf_adapters import HFAttention, HFBlock, HFMoE
+from .replace import Unswappable, on
+
+# The HF classes recognised by type: kind -> [(module path, class name)]. A family missing from
+# the installed transformers is skipped.
+_KNOWN = {
+    "mlp": [("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen3", "Qwen3MLP"), ("qwen3_moe", "Qwen3MoeMLP")],
+    "attention": [("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("mixtral", "MixtralAttention"),
+                  ("qwen3", "Qwen3Attention"), ("qwen3_moe", "Qwen3MoeAttention")],
+    "moe": [("mixtral", "MixtralSparseMoeBlock"), ("qwen3_moe", "Qwen3MoeSparseMoeBlock")],
+    # block=True: decoder layers of the pre-norm form input_layernorm -> self_attn -> residual,
+    # post_attention_layernorm -> mlp -> residual
+    "block": [("llama", "LlamaDecoderLayer"), ("mistral", "MistralDecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
+              ("mixtral", "MixtralDecoderLayer"), ("qwen3_moe", "Qwen3MoeDecoderLayer")],
+}
+# Class names that look like a swappable module (an unknown one of these is warned about).
+_LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
+                       "moe": ("MoeBlock", "MoEBlock", "MoE", "Moe", "Experts"), "block": ("DecoderLayer",)}
+
+
+def known_classes() -> Dict[str, tuple]:
+    out = {}
+    for kind, entries in _KNOWN.items():
+        classes = []
+        for family, name in entries:
+            try:
+                mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            except ImportError:
+                continue
+            cls = getattr(mod, name, None)
+            if cls is not None:
+                classes.append(cls)
+        out[kind] = tuple(classes)
+    return out
+
+
+def kind_by_type(module: nn.Module, known: Dict[str, tuple], kinds: Sequence[str]) -> Optional[str]:
+    for kind in kinds:
+        if known.get(kind) and type(module) in known[kind]:
+            return kind
+    return None
+
+
+def lookalike_kind(module: nn.Module, kinds: Sequence[str]) -> Optional[str]:
+    name = type(module).__name__
+    for kind in kinds:
+        if name.endswith(_LOOKALIKE_SUFFIXES[kind]):
+            return kind
+    return None
+
+
+def _is_silu(act) -> bool:
+    if isinstance(act, nn.SiLU):
+        return True
+    try:
+        t = torch.tensor([-2.0, -0.5, 0.0, 0.7, 3.0])
+        out = act(t)
+        return isinstance(out, torch.Tensor) and torch.allclose(out, nn.functional.silu(t), atol=1e-6)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _linear(module, name) -> nn.Linear:
+    lin = getattr(module, name, None)
+    if not isinstance(lin, nn.Linear):
+        raise Unswappable(f"{name} is not an nn.Linear")
+    return lin
+
+
+def _check_plain(tensors) -> None:
+    for t in tensors:
+        if t is not None and type(t) not in (nn.Parameter, torch.Tensor):
+            raise Unswappable(f"weights are {type(t).__name__}s (already sharded?); swap a model with plain tensors")
+
+
+def _build_mlp(module, group, opts) -> nn.Module:
+    gate, up, down = (_linear(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    if not _is_silu(getattr(module, "act_fn", None)):
+        raise Unswappable(f"activation {getattr(module, 'act_fn', None)!r} is not SiLU (OverlapMLP's swiglu)")
+    biases = [gate.bias, up.bias, down.bias]
+    if len({b is None for b in biases}) > 1:
+        raise Unswappable("some but not all of gate/up/down_proj have a bias")
+    _check_plain([gate.weight, up.weight, down.weight, *biases])
+    has_bias = gate.bias is not None
+    with torch.no_grad():
+        w_in = torch.cat([gate.weight, up.weight])
+        b_in = torch.cat([gate.bias, up.bias]) if has_bias else None
+    return OverlapMLP.from_dense(w_in, down.weight.detach(), b_in=b_in, b_out=down.bias.detach() if has_bias else None,
+                                 **on(group), sequence_parallel=False, activation="swiglu", **opts)
+
+
+def _norm_weight(norm, head_dim):
+    if norm is None:
+        return None
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (head_dim,):
+        raise Unswappable(f"q_norm/k_norm weight must have shape ({head_dim},)")
+    if eps is None or abs(eps - QK_NORM_EPS) > 1e-12:
+        raise Unswappable(f"q_norm/k_norm eps={eps}; OverlapAttention's qk-norm uses eps={QK_NORM_EPS}")
+    return w.detach()
+
+
+def _build_attention(module, group, opts) -> nn.Module:
+    q, k, v, o = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    cfg = getattr(module, "config", None)
+    d = getattr(module, "head_dim", None)
+    nq = getattr(cfg, "num_attention_heads", None)
+    nkv = getattr(cfg, "num_key_value_heads", None) or nq
+    if not (isinstance(d, int) and isinstance(nq, int) and q.out_features == nq * d and k.out_features == nkv * d):
+        raise Unswappable(f"cannot read the head layout (head_dim={d}, num_attention_heads={nq}, "
+                           f"num_key_value_heads={nkv}, q_proj {tuple(q.weight.shape)})")
+    if not getattr(module, "is_causal", True):
+        raise Unswappable("is_causal=False (OverlapAttention is swapped in for causal decoders only)")
+    biases = [q.bias, k.bias, v.bias, o.bias]
+    if len({b is None for b in biases}) > 1:
+        raise Unswappable("some but not all of q/k/v/o_proj have a bias (OverlapAttention takes all four or none)")
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if (q_norm is None) != (k_norm is None):
+        raise Unswappable("only one of q_norm / k_norm")
+    _check_plain([q.weight, k.weight, v.weight, o.weight, *biases])
+    det = lambda t: t.detach() if t is not None else None  # noqa: E731
+    # Qwen3 keeps the layer's window on the module (None for full-attention layers); Mistral and
+    # Mixtral read config.sliding_window in forward.
+    sliding = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else \
+        getattr(cfg, "sliding_window", None)
+    layer = OverlapAttention.from_dense(
+        q.weight.detach(), k.weight.detach(), v.weight.detach(), o.weight.detach(), num_heads=nq, num_kv_heads=nkv,
+        bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias), q_norm=_norm_weight(q_norm, d),
+        k_norm=_norm_weight(k_norm, d), **on(group), sequence_parallel=False, rope_theta=None, causal=True,
+        softmax_scale=getattr(module, "scaling", None), dropout_p=float(getattr(module, "attention_dropout", 0.0)),
+        **opts)
+    return HFAttention(layer, layer_idx=getattr(module, "layer_idx", None),
+                       sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)
+
+
+def _build_moe(module, group, opts) -> nn.Module:
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    rw = getattr(gate, "weight", None)
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not all(isinstance(t, torch.Tensor) for t in (rw, gu, dn)) or rw.dim() != 2 or gu.dim() != 3 or dn.dim() != 3:
+        raise Unswappable("expected gate.weight [E, H], experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]")
+    for flag, want in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False), ("has_gate", True),
+                       ("has_post_expert_norm", False)):
+        if getattr(experts, flag, want) != want:
+            raise Unswappable(f"experts.{flag}={getattr(experts, flag)} (OverlapMoE needs {flag}={want})")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise Unswappable("the experts are already expert-parallel (HF's own tp_plan)")
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        raise Unswappable(f"expert activation {getattr(experts, 'act_fn', None)!r} is not SiLU (swiglu)")
+    jitter = getattr(module, "jitter_noise", 0.0) or 0.0
+    if jitter > 0:
+        raise Unswappable(f"router_jitter_noise={jitter} > 0 is not implemented by OverlapMoE")
+    top_k = getattr(gate, "top_k", None) or getattr(module, "top_k", None)
+    if not isinstance(top_k, int):
+        raise Unswappable("cannot read top_k from the router")
+    # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob.
+    normalize = bool(getattr(gate, "norm_topk_prob", True))
+    _check_plain([rw, gu, dn])
+    layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, **on(group),
+                                  activation="swiglu", normalize_topk=normalize, **opts)
+    return HFMoE(layer, gate, source=type(module).__name__)
+
+
+def _block_norm(norm, hidden: int):
+    """``(weight, eps)`` of an HF RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``)."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor) or tuple(w.shape) != (hidden,) \
+            or not isinstance(eps, float):
+        raise Unswappable(f"{type(norm).__name__} is not an RMSNorm with weight [{hidden}] and a float eps")
+    _check_plain([w])
+    return w.detach(), eps
+
+
+def build_block(module, group, opts, known) -> nn.Module:
+    attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+    n1, n2 = getattr(module, "input_layernorm", None), getattr(module, "post_attention_layernorm", None)
+    mlp_kind = kind_by_type(mlp, known, ("mlp", "moe")) if mlp is not None else None
+    if kind_by_type(attn, known, ("attention",)) is None or mlp_kind is None or n1 is None or n2 is None:
+        raise Unswappable("expected self_attn (a known attention class), mlp (a known MLP / MoE class), "
+                           "input_layernorm and post_attention_layernorm")
+    hf_attn = _build_attention(attn, group, opts)
+    H = hf_attn.layer.hidden_size
+    (w1, eps1), (w2, eps2) = _block_norm(n1, H), _block_norm(n2, H)
+    if eps1 != eps2:
+        raise Unswappable(f"the two norms' eps differ ({eps1}, {eps2})")
+    gate = None
+    if mlp_kind == "moe":
+        hf_moe = _build_moe(mlp, group, opts)
+        layer, gate = hf_moe.layer, hf_moe.gate
+    else:
+        layer = _build_mlp(mlp, group, opts)
+    block = OverlapTransformerBlock.from_layers(hf_attn.layer, layer, norm="rmsnorm", norm_eps=eps1,
+                                                attn_norm_weight=w1, mlp_norm_weight=w2)
+    return HFBlock(block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window,
+                   source=type(module).__name__)
+
+
+BUILDERS = {"mlp": _build_mlp, "attention": _build_attention, "moe": _build_moe}
+OURS = (OverlapMLP, OverlapAttention, OverlapMoE, OverlapTransformerBlock, HFAttention, HFMoE, HFBlock)
