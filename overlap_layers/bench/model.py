@@ -67,6 +67,7 @@ def _split(values: Sequence[str]) -> List[str]:
     return [v for item in values for v in item.replace(",", " ").split() if v]
 
 
+# over 80 lines: one table of options read top-down (one add_argument each), then their checks
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The options (``--help``); ValueError-free: bad input exits through ``parser.error`` with a
     message naming the option."""
