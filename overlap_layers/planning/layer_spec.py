@@ -1,10 +1,10 @@
 """What a planned layer describes to its planner, declared in one place: :class:`TiledLayer`.
 
-Reference: a planned layer is an ``nn.Module`` that subclasses :class:`TiledLayer`, sets
-``group``, ``config``, ``num_tiles``, ``world_size``, ``rank``, ``hidden_size``, ``launch_log``
-and its parameters, and ends its constructor with ``self.planner = LayerPlanner(self,
-self.config)`` (:mod:`.planner`), ``self._init_caches()`` where it has per-call caches,
-``self.reset_parameters()`` and ``self._as_dtensors(mesh, axis)``. Its ``forward``, decorated with :func:`~.entry.planned_forward` (``torch.compile`` and
+Reference: a planned layer is an ``nn.Module`` that subclasses :class:`TiledLayer`; its
+constructor checks its own arguments, calls :meth:`TiledLayer._init_group` (``config``,
+``num_tiles``, ``group``, ``world_size``, ``rank``), sets ``hidden_size`` and its parameters, and
+ends with :meth:`TiledLayer._init_planner` (its :class:`~.planner.LayerPlanner`, per-call caches,
+initial weights, DTensor parameters with ``mesh=``). Its ``forward``, decorated with :func:`~.entry.planned_forward` (``torch.compile`` and
 DTensor inputs), reads top-down::
 
     agreed = self.planner.agree(x, err, errors, "x")      # equal on every rank, or ValueError on every rank
@@ -20,8 +20,11 @@ import copy
 from typing import Dict, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..config import Decomposition, Transport
+from ..runtime import resolve_group
+from .checks import check_dtype, resolve_config
 from .copying import copy_module
 from .dtensor import Layout, as_dtensor_params
 from .plan import TilePlan
@@ -171,6 +174,26 @@ class TiledLayer(abc.ABC):
     def _init_caches(self) -> None:
         """Per-call caches of a layer kind, started by its constructor and by a copy; none by
         default."""
+
+    # ----------------------------------------------------------------- the constructor's start and end
+    def _init_group(self, config, num_tiles, dtype, group, mesh, axis) -> int:
+        """Sets ``config`` and ``num_tiles`` (from ``config=`` and ``num_tiles=``), checks ``dtype=``,
+        sets ``group`` (from ``group=`` or ``mesh=`` + ``axis=``), ``world_size`` and ``rank``;
+        returns the group's size. ValueError on a bad argument."""
+        self.config, self.num_tiles = resolve_config(config, num_tiles)
+        check_dtype(dtype)
+        self.group = resolve_group(group, mesh, axis)
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return self.world_size
+
+    def _init_planner(self, mesh, axis) -> None:
+        """The constructor's end, once the parameters exist: the layer's planner, its per-call
+        caches, initial weights, and with ``mesh=`` its parameters as DTensors."""
+        self.launch_log: Optional[list] = None
+        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
+        self._init_caches()
+        self.reset_parameters()
+        self._as_dtensors(mesh, axis)
 
     # ----------------------------------------------------------------- parameters as the compute reads them
     def _local(self, name: str):

@@ -1,6 +1,6 @@
-"""A layer's planner: the object every planned layer creates in its constructor
-(``self.planner = LayerPlanner(self, config)``) and asks, at each call, to agree with the other
-ranks, to pick the plan and to run the call under it.
+"""A layer's planner: the object every planned layer creates at the end of its constructor
+(``TiledLayer._init_planner``: ``self.planner = LayerPlanner(self, config)``) and asks, at each
+call, to agree with the other ranks, to pick the plan and to run the call under it.
 
 Reference: for a layer ``L`` (a :class:`~overlap_layers.planning.layer_spec.TiledLayer`, whose
 hooks the planner calls) with ``num_tiles="auto"``, each call runs the plan the planner's

@@ -27,19 +27,16 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import Decomposition, OverlapConfig
 from ...planning.call_agreement import Agreed
 from ...planning.calls import apply_saving
-from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
 from ...planning.entry import planned_forward
 from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
 from ..common.grads import sum_grads_in_backward
@@ -87,12 +84,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         super().__init__()
         num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
                                             softmax_scale, dropout_p)
-        self.config, self.num_tiles = resolve_config(config, num_tiles)
-        check_dtype(dtype)
-        self.group = resolve_group(group, mesh, axis)
-        ws = dist.get_world_size(self.group)
+        ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         check_heads(num_heads, num_kv_heads, ws)
-        self.world_size, self.rank = ws, dist.get_rank(self.group)
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
         self.sequence_parallel, self.rope_theta, self.causal = bool(sequence_parallel), rope_theta, bool(causal)
         self.bias, self.qk_norm, self.softmax_scale, self.dropout_p = bool(bias), bool(qk_norm), softmax_scale, dropout_p
@@ -100,11 +93,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
                         head_dim=head_dim, bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
-        self.launch_log: Optional[list] = None
-        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
-        self._init_caches()
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_planner(mesh, axis)
         # the rank's heads / rows only: [Note: gradients complete in backward]
         sum_grads_in_backward(self, ("q_norm", "k_norm", "bo") if self.sequence_parallel else ("q_norm", "k_norm"))
         if num_kv_heads < ws:  # each KV head's copies

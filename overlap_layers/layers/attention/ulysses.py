@@ -28,17 +28,14 @@ import zlib
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
-from ...planning.checks import check_dtype, resolve_config
 from ...planning.dtensor import Layout
 from ...planning.entry import planned_forward
 from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planner import LayerPlanner
 from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
 from ..common.init import init_linear_
@@ -86,27 +83,19 @@ class UlyssesAttention(TiledLayer, nn.Module):
         super().__init__()
         num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
                                             softmax_scale, dropout_p)
-        self.config, self.num_tiles = resolve_config(config, num_tiles)
-        check_dtype(dtype)
-        self.group = resolve_group(group, mesh, axis)
-        ws = dist.get_world_size(self.group)
+        ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         if num_heads % ws:
             raise ValueError(f"num_heads={num_heads} must be divisible by the group size {ws} "
                              f"(each rank attends with num_heads/{ws} heads)")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-        self.world_size, self.rank = ws, dist.get_rank(self.group)
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
         self.rope_theta, self.causal, self.bias, self.qk_norm = rope_theta, bool(causal), bool(bias), bool(qk_norm)
         self.softmax_scale, self.dropout_p = softmax_scale, dropout_p
         register_params(self, hidden=hidden_size, q_heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                         bias=bias, qk_norm=qk_norm, dtype=dtype, device=device)
         self.tile_by = "batch"  # what the last call tiled
-        self.launch_log: Optional[list] = None
-        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
-        self._init_caches()
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_planner(mesh, axis)
 
     def _init_caches(self) -> None:
         self._routes: dict = {}  # (h0, h1) -> Route; rank-dependent, but never decides a collective

@@ -36,20 +36,18 @@ from functools import partial
 from typing import Callable, Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig, check_positive_int
 from ...planning.calls import LayerCall, apply_saving, recorded_pass, run_tiles
-from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
+from ...planning.checks import X_ERRORS, x_error
 from ...planning.dtensor import Layout
 from ...planning.entry import planned_forward
 from ...planning.first_order import first_order, keeps_graph
 from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
 from ...planning.plan_cache import Trial
-from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...planning.tiling import tile_bounds
 from ...planning.trace import TraceJob
@@ -235,15 +233,11 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
             check_positive_int(v, name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
-        self.config, self.num_tiles = resolve_config(config, num_tiles)
-        check_dtype(dtype)
-        self.group = resolve_group(group, mesh, axis)
-        ws = dist.get_world_size(self.group)
+        ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         if ffn_hidden_size % ws:
             raise ValueError(f"ffn_hidden_size={ffn_hidden_size} must be divisible by the group size {ws}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.sequence_parallel, self.activation, self.bias = bool(sequence_parallel), activation, bool(bias)
-        self.world_size, self.rank = ws, dist.get_rank(self.group)
         f_local = ffn_hidden_size // ws
         n_in = 2 * f_local if activation == "swiglu" else f_local
         kw = {"dtype": dtype, "device": device}
@@ -251,10 +245,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
         self.b_in = nn.Parameter(torch.empty(n_in, **kw)) if bias else None
         self.b_out = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        self.launch_log: Optional[list] = None
-        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_planner(mesh, axis)
         if self.sequence_parallel:  # the rank's rows only: [Note: gradients complete in backward]
             sum_grads_in_backward(self, ("b_out",))
 

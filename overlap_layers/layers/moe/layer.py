@@ -50,17 +50,15 @@ import zlib
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ...config import OverlapConfig
-from ...planning.checks import X_ERRORS, check_dtype, resolve_config, x_error
+from ...planning.checks import X_ERRORS, x_error
 from ...planning.dtensor import Layout
 from ...planning.entry import planned_forward
 from ...planning.layer_spec import TiledLayer
 from ...planning.plan import TilePlan
-from ...planning.planner import LayerPlanner
 from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
 from ...runtime.collectives import gathered_rows
@@ -117,13 +115,9 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         super().__init__()
         check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, capacity_factor, aux_loss_coef,
                    shared_expert_ffn)
-        self.config, self.num_tiles = resolve_config(config, num_tiles)
-        check_dtype(dtype)
-        self.group = resolve_group(group, mesh, axis)
-        ws = dist.get_world_size(self.group)
+        ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         if num_experts % ws:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size {ws}")
-        self.world_size, self.rank = ws, dist.get_rank(self.group)
         self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k = \
             hidden_size, ffn_hidden_size, num_experts, top_k
         self.activation, self.normalize_topk, self.capacity_factor = activation, bool(normalize_topk), capacity_factor
@@ -140,11 +134,7 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
-        self.launch_log: Optional[list] = None
-        self.planner = LayerPlanner(self, self.config)  # plans, agrees and runs each call: planning/planner.py
-        self._init_caches()
-        self.reset_parameters()
-        self._as_dtensors(mesh, axis)
+        self._init_planner(mesh, axis)
 
     def _init_caches(self) -> None:
         self._aux: Optional[torch.Tensor] = None  # the last call's aux loss (see aux_loss), once made
