@@ -456,8 +456,9 @@ def test_trials_align_only_nccl_groups(pool2):
     assert pool2.run(_layers_align) == [(None, None, True, None)] * 2
 
 
-def _capture_on(rank, ws, capturing_ranks, plan_first):
-    """An auto OverlapMLP call under a faked CUDA-graph capture on ``capturing_ranks``."""
+def _capture_on(rank, ws, capturing_ranks, plan_first, new_batch=False):
+    """An auto OverlapMLP call under a faked CUDA-graph capture on ``capturing_ranks`` (on a
+    batch of another size than the first call's with ``new_batch``)."""
     from overlap_layers.planning import call_agreement
     torch.manual_seed(0)
     layer = OverlapMLP(16, 8 * ws, group=dist.group.WORLD)
@@ -466,14 +467,28 @@ def _capture_on(rank, ws, capturing_ranks, plan_first):
     real = call_agreement.capturing_graph
     call_agreement.capturing_graph = lambda t: rank in capturing_ranks
     try:
-        y = layer(x)
+        y = layer(torch.cat([x, x]) if new_batch else x)
         return tuple(y.shape), bool(torch.equal(y, eager))
     finally:
         call_agreement.capturing_graph = real
 
 
 def test_capture_on_some_ranks_raises_on_every_rank(pool2):
-    expect_value_error_on_every_rank(pool2, _capture_on, (0,), True, match="capturing a CUDA graph differs")
+    """A call every rank agrees anew (a new batch size) names the divergence on every rank."""
+    expect_value_error_on_every_rank(pool2, _capture_on, (0,), True, True, match="capturing a CUDA graph differs")
+
+
+def test_capture_on_one_rank_of_a_repeated_call_fails_every_rank_within_the_group_timeout(pool2):
+    """[Note: agreement once per call signature]: a repeated call runs without a gather, so a rank
+    whose call changed alone gathers alone; it raises when the group's timeout (20 s here) runs
+    out, naming the rank that did not arrive, and its peer's collective fails at the same timeout:
+    an error on every rank, not a silent mix."""
+    from pool import RankFailure
+    with pytest.raises(RankFailure) as info:
+        pool2.run(_capture_on, (0,), True, timeout=80)
+    errors = info.value.errors()
+    assert all(e is not None for e in errors), errors
+    assert "rank 1 of the group did not arrive within 20 s" in errors[0][1], errors[0]
 
 
 def test_capture_before_planning_raises_on_every_rank(pool2):

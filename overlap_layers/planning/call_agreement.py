@@ -7,6 +7,21 @@ ranks differ in the shape, dtype, plan request, grad mode, the layer's ``extra``
 ``x`` is a DTensor, whether the call is being captured into a CUDA graph, or
 ``config.graph_calls``. The layer's *floor* (``TiledLayer._floor``) rides in the same gather; its
 minimum over the ranks, not its equality, is what counts (``LayerPlanner.agreed_floor``).
+
+[Note: agreement once per call signature]
+A call whose row (everything above, floor included, as this rank would send it) equals the row
+of the layer's last agreed call reuses that agreement without a gather; a world of one rank
+never gathers. This is safe by induction: every rank gathers at the same calls (a rank gathers
+exactly when its row changed, and the rows of agreed calls are equal on every rank), so the
+last agreed row is the same on every rank, and a rank that skips runs the call the others
+agreed on. What the skip cannot see is a rank whose input changed while its peers' did not:
+that rank gathers alone, and waits in the gather until the group's timeout while its peers'
+collectives wait for it; a divergence that the agreement would have named becomes a timeout on
+every rank, never a silent mix. Calls are not remembered where the agreement must run every
+time: layers whose ranks may hold different shapes (``shape_names`` with a None, the MoE's
+token counts), a call whose parameters moved under ``config.graph_calls``, and plans that
+exchange over the copy engine (their floor says whether the ranks' symmetric workspaces still
+agree, which can change on one rank alone: :meth:`LayerPlanner.known_agreement`).
 """
 from __future__ import annotations
 
@@ -63,9 +78,12 @@ def agree(layer, planner, x, err: int, errors: Mapping[int, str], what: str, *, 
     # its captured calls read (the minimum counts: [Note: graph calls] in planning/call_graphs.py)
     graphs = planner.call_graphs
     kept = graphs.params_kept(planner.graph_params()) if graphs is not None else 1
-    full = planner.agreement.gather((err, *shape, dtype_code, request, int(save), *extra,
-                                     int(planner.dtensor_input), int(capturing), int(graphs is not None), *floor,
-                                     kept))
+    row = (err, *shape, dtype_code, request, int(save), *extra, int(planner.dtensor_input), int(capturing),
+           int(graphs is not None), *floor, kept)
+    known = planner.known_agreement(row)
+    if known is not None:  # [Note: agreement once per call signature]
+        return known
+    full = planner.agreement.gather(row) if layer.world_size > 1 else [row]
     if graphs is not None and min(row[-1] for row in full) == 0:
         graphs.moved()  # on every rank that has graphs (config.graph_calls is agreed below)
     full = [row[:-1] for row in full]
@@ -80,7 +98,11 @@ def agree(layer, planner, x, err: int, errors: Mapping[int, str], what: str, *, 
                          f"pinned plan, grad mode{''.join(', ' + n for n in extra_names)}, "
                          f"DTensor or plain x, CUDA-graph capture or not, config.graph_calls); {bad}")
     planner.capturing = capturing  # agreed: equal on every rank
-    return Agreed(layer._agreed_shape(shape, table), dtype, save, fixed)
+    layer._after_agreement(planner.agreed_floor, capturing)
+    agreed = Agreed(layer._agreed_shape(shape, table), dtype, save, fixed)
+    if kept and (layer.world_size == 1 or None not in shape_names):  # shapes that may differ: every call
+        planner.remember_agreement(row, agreed)
+    return agreed
 
 
 def _raise_bad_input(layer, x, err: int, errors: Mapping[int, str], what: str, table) -> None:

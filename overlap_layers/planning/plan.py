@@ -50,6 +50,12 @@ class TilePlan:
         return (self.num_tiles == 1 and not self.buckets_fwd and not self.buckets_bwd and not self.regather
                 and self.decomposition == Decomposition.BATCH)
 
+    def runs_plain(self, trace, launch_log) -> bool:
+        """Whether a call under this plan runs as plain torch ops: a serial plan in a call that
+        records no ``trace`` or ``launch_log`` ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``)."""
+        return self.is_serial and trace is None and launch_log is None
+
     def carved_sms(self, backward: bool) -> int:
         """SMs the pass's GEMMs leave free: :attr:`carveout`'s, where the plan overlaps NCCL
         collectives with its GEMMs (batch tiles, K > 1); else 0."""

@@ -100,6 +100,8 @@ class PlanMaker:
             cm.model = self.measure_missing(cm, dtype)
         candidates = plan_candidates(cm, layer._programs, training=save)
         candidates += layer._rank_candidates(cm, candidates, training=save)
+        if layer.world_size == 1:  # nothing to hide: the serial plan, with the model's prediction
+            candidates = [c for c in candidates if c.is_serial]
         copy_engine = Transport.COPY_ENGINE
         if self.config.transport == copy_engine and any(c.transport == copy_engine for c in candidates):
             candidates = [c for c in candidates if c.is_serial or c.transport == Transport.COPY_ENGINE]

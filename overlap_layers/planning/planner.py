@@ -100,6 +100,8 @@ class LayerPlanner:
         self.agreed_floor: tuple = ()  # the minimum over the ranks of the layer's floor, last agreed
         self.capturing = False  # whether the current call is being captured into a CUDA graph (agreed)
         self.dtensor_input = False  # True while a call runs on a DTensor input's local tensor
+        self._agreed_call: Optional[tuple] = None  # (row, Agreed) of the last agreed call
+        self._fixed: Optional[TilePlan] = None  # the last fixed K's plan (a call reuses it)
 
     @property
     def layer(self):
@@ -108,12 +110,24 @@ class LayerPlanner:
     # ----------------------------------------------------------------- one call
     def agree(self, x, err: int, errors: Mapping[int, str], what: str, *, extra: Sequence[int] = (),
               extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden")) -> Agreed:
-        """The call's agreement (:func:`~overlap_layers.planning.call_agreement.agree`), then the
-        layer's ``_after_agreement``: equal on every rank, or the same ValueError on every rank."""
-        agreed = agree(self.layer, self, x, err, errors, what, extra=extra, extra_names=extra_names,
-                       shape_names=shape_names)
-        self.layer._after_agreement(self.agreed_floor, self.capturing)
-        return agreed
+        """The call's agreement (:func:`~overlap_layers.planning.call_agreement.agree`, which runs the
+        layer's ``_after_agreement`` where it agreed anew): equal on every rank, or the same
+        ValueError on every rank."""
+        return agree(self.layer, self, x, err, errors, what, extra=extra, extra_names=extra_names,
+                     shape_names=shape_names)
+
+    def known_agreement(self, row: tuple) -> Optional[Agreed]:
+        """The last agreed call's :class:`Agreed` if its row was ``row`` and its plan exchanges
+        over no copy engine, else None ([Note: agreement once per call signature])."""
+        known = self._agreed_call
+        if known is None or known[0] != row or (
+                self.plan is not None and self.plan.transport == Transport.COPY_ENGINE):
+            return None
+        return known[1]
+
+    def remember_agreement(self, row: tuple, agreed: Agreed) -> None:
+        """Keep ``agreed`` for the next call whose row is ``row``."""
+        self._agreed_call = (row, agreed)
 
     def call(self, x, agreed: Agreed, run: Callable, inputs: Optional[tuple] = None):
         """The call after its agreement ``agreed``: pick its plan (fixed, recorded for a
@@ -130,7 +144,9 @@ class LayerPlanner:
         chosen = self.recompute.choose(x, pkey, save, fixed, lambda: self.auto_plan(shape[:2], dtype, save))
         self.plan, trial = chosen.plan, chosen.trial
         self.last_call = (pkey, layer._tile_units(shape))
-        asked = self.take_trace_request()
+        # a checkpointed call leaves a trace request to the next other call: its recomputation
+        # must run the path its forward ran ([Note: plain serial calls] in layers/common/plain_tp.py)
+        asked = None if chosen.hooked or chosen.in_backward else self.take_trace_request()
         trace = TraceJob(asked, x.device) if asked else None
         inputs = (x,) if inputs is None else inputs
         settled = fixed is not None or self.plans.settled(pkey) is not None
@@ -189,7 +205,10 @@ class LayerPlanner:
             return replace(self.pinned, num_tiles=k, buckets_fwd=(), buckets_bwd=())  # buckets name tiles
         if layer.num_tiles == "auto":
             return None
-        return TilePlan(effective_num_tiles(units, layer.num_tiles), num_streams=layer._plan_streams)
+        k = effective_num_tiles(units, layer.num_tiles)
+        if self._fixed is None or self._fixed.num_tiles != k or self._fixed.num_streams != layer._plan_streams:
+            self._fixed = TilePlan(k, num_streams=layer._plan_streams)
+        return self._fixed
 
     def make_plan(self, *key) -> TilePlan:
         """The plan of a new plan key (:meth:`PlanMaker.make_plan`)."""

@@ -32,6 +32,7 @@ one thread at a time.
 from __future__ import annotations
 
 import weakref
+from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +63,20 @@ def resolve_group(group=None, mesh=None, axis=None):
     return mesh.get_group(axis)
 
 
+def group_timeout(group) -> timedelta:
+    """The timeout ``group`` was created with (its backend's, on any of its devices), or torch's
+    default where the backend does not say: the agreement's gathers wait as long as the group's
+    collectives do."""
+    for device in ("cuda", "cpu"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
+
+
 class PlanMismatchError(RuntimeError):
     """Ranks of one group chose different plans for the same call (raised on every rank)."""
 
@@ -88,13 +103,14 @@ class Agreement:
 
     def _host(self):
         if not self._ready:
+            timeout = group_timeout(self.group)
             if "gloo" not in str(dist.get_backend(self.group)):
                 self._twin = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
-                                            use_local_synchronization=True)
+                                            use_local_synchronization=True, timeout=timeout)
             self._ready = True
             if self._shared_memory and dist.get_world_size(self.group) > 1:
                 self.mailbox = HostMailbox.open(self._gloo_gather, dist.get_world_size(self.group),
-                                                dist.get_rank(self.group), dist.default_pg_timeout.total_seconds())
+                                                dist.get_rank(self.group), timeout.total_seconds())
 
     def _gloo_group(self):
         return self._twin if self._twin is not None else self.group

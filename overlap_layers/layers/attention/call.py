@@ -104,20 +104,30 @@ class AttentionCall(LayerCall):
         """o ``[M, A]`` (rank-major rows) of one tile's qkv ``[M, C]``: batch rows b0..b1. ``pre``:
         :meth:`tile_heads`' ``(buffers, tables)``, the buffers already filled by
         :meth:`chunk_heads` (only without qk-norm)."""
+        if self.q_norm is not None:
+            return self.core_by_ops(qkv_MC, b0, b1)
         g, b, s, d = self.g, b1 - b0, self.s, self.d
-        if self.q_norm is None:  # RoPE and the head layout in one pass each way (attention_core.Heads)
-            bufs, tables = pre if pre is not None else (None, self.tables(b0, b1, qkv_MC.dtype))
-            q, k, v = Heads.apply(qkv_MC, self.heads_shape(b0, b1), tables, bufs)
-            o = sdpa(q, k, v, causal=self.causal, scale=self.scale, dropout_p=self.dropout_p).transpose(1, 2)
-        else:
-            qkv = qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
-            q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
-            o = attention(q.reshape(b, g * s, self.nq, d), k.reshape(b, g * s, self.nkv, d),
-                          v.reshape(b, g * s, self.nkv, d), cos_sin=self.tables(b0, b1, qkv_MC.dtype),
-                          q_norm=self.q_norm, k_norm=self.k_norm, causal=self.causal, scale=self.scale,
-                          dropout_p=self.dropout_p)
+        # RoPE and the head layout in one pass each way (attention_core.Heads)
+        bufs, tables = pre if pre is not None else (None, self.tables(b0, b1, qkv_MC.dtype))
+        q, k, v = Heads.apply(qkv_MC, self.heads_shape(b0, b1), tables, bufs)
+        o = sdpa(q, k, v, causal=self.causal, scale=self.scale, dropout_p=self.dropout_p).transpose(1, 2)
         # [b, g*s, nq, d] -> rank-major [g*b*s, A] in one copy (the sequence split into (g, s) is a view)
         return o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * b * s, self.nq * d)
+
+    def core_by_ops(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+        """:meth:`core` as the reference's ops under autograd (:func:`~.core.attention`): q, k, v as
+        views of the rows (one copy where ``g > 1``), without the heads step. With qk-norm, and for
+        the plain serial call ([Note: plain serial calls] in ``layers/common/plain_tp.py``), where
+        the heads step's layout pass costs more than it saves."""
+        g, b, s, d = self.g, b1 - b0, self.s, self.d
+        qkv = qkv_MC.view(b, s, -1) if g == 1 else qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
+        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
+        o = attention(q.unflatten(-1, (self.nq, d)), k.unflatten(-1, (self.nkv, d)), v.unflatten(-1, (self.nkv, d)),
+                      cos_sin=self.tables(b0, b1, qkv_MC.dtype), q_norm=self.q_norm, k_norm=self.k_norm,
+                      causal=self.causal, scale=self.scale, dropout_p=self.dropout_p)
+        # [b, g*s, nq, d] -> rank-major [g*b*s, A] (a view where g == 1)
+        return o.reshape(b * s, self.nq * d) if g == 1 else \
+            o.unflatten(1, (g, s)).transpose(0, 1).reshape(g * b * s, self.nq * d)
 
 
 def core_op_setups(layer, cm, dtype: torch.dtype) -> dict:

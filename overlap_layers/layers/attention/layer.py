@@ -24,9 +24,11 @@ the per-call state both read (the core, RoPE tables, query chunks) is ``layers/a
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -41,6 +43,7 @@ from ...planning.rank_plans import RankChunkPlans
 from ...runtime import resolve_group
 from ..common.grads import sum_grads_in_backward
 from ..common.init import init_linear_
+from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from . import query_chunks
 from .call import AttentionCall, check_heads, core_op_setups
 from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
@@ -101,6 +104,15 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
 
     def _init_caches(self) -> None:
         self._diagonal_first_of: dict = {}  # (plan key, transport) -> _diagonal_first (from the planning's model)
+        self._rope_tables: tuple = (None, None)  # (S, device, dtype), the RoPE tables of positions 0..S-1
+
+    def _default_tables(self, S: int, x: torch.Tensor):
+        """The RoPE tables of positions ``0..S-1`` (``cos_sin_of`` without position ids), kept for
+        the next call of the same length, device and dtype."""
+        key = (S, x.device, x.dtype)
+        if self._rope_tables[0] != key:
+            self._rope_tables = (key, cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, None, None))
+        return self._rope_tables[1]
 
     # ----------------------------------------------------------------- weights
     def _kv_heads(self) -> range:
@@ -247,6 +259,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
+        if plan.runs_plain(trace, self.launch_log):
+            return self._plain_run(x, plan, save, position_ids, position_embeddings, trial)
         x, call, w_qkv, b_qkv, wo, bo = self._prepare(
             x, plan, save, self.planner.streams.get(x.device, min(plan.num_tiles, plan.num_streams)), position_ids,
             position_embeddings)
@@ -263,6 +277,20 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                 y_TH = y_TH + bo
         return y_TH.view(B, s, H)
 
+    def _plain_run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial) -> torch.Tensor:
+        """The serial plan as plain torch ops under autograd ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``): the gathered rows are rank-major ``[g, B, s]``, one tile."""
+        x, call, w_qkv, b_qkv, wo, bo = self._prepare(x, plan, save, None, position_ids, position_embeddings)
+        B, s, H = x.shape
+        ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
+        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
+                nullcontext() if save else torch.no_grad():
+            x, w_qkv = timed_inputs(trial, x, w_qkv)
+            rows = enter(x, self.group, ws, sp).view(-1, H)
+            o = call.core_by_ops(F.linear(rows, w_qkv, b_qkv), 0, B)
+            y = leave(F.linear(o, wo).view(-1, s, H), self.group, ws, sp)
+            return timed_output(y if bo is None else y + bo, trial)
+
     def _prepare(self, x, plan: TilePlan, save: bool, streams, position_ids, position_embeddings) -> tuple:
         """``(x, call, w_qkv, b_qkv, wo, bo)`` of one call under ``plan`` on ``streams``: ``x`` and
         the weights in the call's dtype (autocast's, :meth:`_call_tensors`), the q, k and v
@@ -274,8 +302,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w_qkv = torch.cat([wq, wk, wv])
             b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
-            cos_sin = cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids,
-                                 position_embeddings)
+            cos_sin = self._default_tables(S, x) if position_ids is None and position_embeddings is None else \
+                cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids, position_embeddings)
         call = AttentionCall(self, plan, save, streams, cos_sin, B, s)
         call.q_norm, call.k_norm = q_norm, k_norm
         return x, call, w_qkv, b_qkv, wo, bo

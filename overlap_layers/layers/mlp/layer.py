@@ -31,11 +31,13 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -57,6 +59,7 @@ from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
 from ..common.activations import ACTIVATIONS, act, act_backward
 from ..common.grads import sum_grads_in_backward
+from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from ..common.cost import MLPCostModel
 from ..common.tp_program import (Accumulator, backward_program, column_dgrad, column_forward, forward_program,
                                  row_forward, weight_grad)
@@ -415,6 +418,14 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
              trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
         x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
+        if plan.runs_plain(trace, self.launch_log):  # [Note: plain serial calls]
+            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
+                    nullcontext() if save else torch.no_grad():
+                ws, sp = self.world_size, self.sequence_parallel
+                x, w_in = timed_inputs(trial, x, w_in)
+                h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))
+                y = leave(F.linear(h, w_out), self.group, ws, sp)
+                return timed_output(y if b_out is None else y + b_out, trial)
         B, S, H = x.shape
         call = MLPCall(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,

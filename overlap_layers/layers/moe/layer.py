@@ -47,6 +47,7 @@ tokens.py        replicated tokens split across the group and gathered back (the
 from __future__ import annotations
 
 import zlib
+from contextlib import nullcontext
 from typing import Dict, Optional
 
 import torch
@@ -65,12 +66,14 @@ from ...runtime.collectives import gathered_rows
 from ...runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ...runtime.streams import HostReader
 from ..common.init import init_linear_
+from ..common.plain_tp import timed_inputs, timed_output
 from ..common.tp_program import Accumulator
 from .checks import check_args, check_dense
 from .cost import MoECostModel
 from .device_path import DevicePath
 from .eager import eager_call
 from .experts import grouped_for, grouped_setups, shared_expert
+from .plain import plain_call
 from .routing import route_call, zero_aux
 from .tiles import TileCall, backward_program, forward_program
 
@@ -303,6 +306,12 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         largest token count this call."""
         B, S, H = x.shape
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
+        if self.world_size == 1 and plan.runs_plain(trace, self.launch_log):
+            dev = x.device.type
+            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
+                    nullcontext() if save else torch.no_grad():
+                x, w_in = timed_inputs(trial, x, w_in)
+                return timed_output(plain_call(self, x.view(B * S, H), w_in, w_out).view(B, S, H), trial)
         with torch.autocast(x.device.type, enabled=False):
             y = eager_call(self, x.reshape(B * S, H), w_in, w_out, plan, save, max_tokens, trial, trace)
         return y.view(B, S, H)
