@@ -20,3 +20,16 @@ INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == 
 def runs_triton(t: torch.Tensor) -> bool:
     """Whether this process's Triton kernels can take ``t``'s device."""
     return triton is not None and (t.is_cuda or (INTERPRETED and t.device.type == "cpu"))
+
+
+# Below this many elements an elementwise or routing kernel's device time is a few microseconds,
+# less than its launch costs the host: Triton's Python launcher takes about as long as five torch
+# ops' launches (measured under cProfile on the H200 machine's host, Triton 3.6: docs/measurements.md,
+# Host overhead). Calls that small are host-bound, so they take the torch ops instead.
+LAUNCH_BOUND_ELEMENTS = 1 << 20
+
+
+def worth_launching(t: torch.Tensor) -> bool:
+    """Whether a kernel over ``t`` pays for its launch's host time (:data:`LAUNCH_BOUND_ELEMENTS`);
+    always under the interpreter, which exists to run the kernels."""
+    return INTERPRETED or t.numel() >= LAUNCH_BOUND_ELEMENTS

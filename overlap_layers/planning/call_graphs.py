@@ -39,8 +39,9 @@ or a fixed plan), and verification compares contenders as replays run (``prequeu
   was captured as a first and only backward, which may consume what it reads (the MLP's rank
   chunks and the MoE's device path write gradients over their saved pre-activations), and a later
   forward of the signature may have overwritten its activations. Eager too: every call under
-  activation checkpointing (its recomputation must rerun the forward) and every grad-mode call of
-  a layer with DTensor parameters;
+  activation checkpointing (its recomputation must rerun the forward). A layer with DTensor
+  parameters passes them as they are: the captured backward differentiates them through their
+  local views, so the replay hands autograd DTensor gradients with their placements;
 * at most ``size`` signatures are kept per layer, least recently used first out: each graph keeps
   its memory pool while it is kept: for training the call's intermediates, its saved activations
   and its gradients (as much again as the parameters that require grad, but those it leaves to

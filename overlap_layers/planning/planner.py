@@ -154,7 +154,7 @@ class LayerPlanner:
                 and not chosen.hooked and not chosen.in_backward and not self.capturing:
             graphed = layer._graphed_run(run, shape, dtype, save)
             params = [p for p in layer.parameters() if p.requires_grad] if save else None
-            if graphed is not None and not (params and any(isinstance(p, DTensor) for p in params)):
+            if graphed is not None:
                 return self._replay(pkey, graphed, inputs, params)
         if self.call_graphs is not None:
             self.call_graphs.last_nbytes = 0  # this call runs eagerly: it keeps no graph memory

@@ -69,6 +69,8 @@ class RankChunkPlans:
         the bytes held and their negation): the agreed minimum of the first says whether every
         rank can use it, the next two whether all ranks share one host, each pair after them
         whether all hold the same workspace of that purpose."""
+        if self.world_size == 1:  # nothing to exchange: no transport, host or workspace to agree on
+            return (0, 0, 0, *(0, 0) * len(self._workspace_purposes))
         ok = self._copy_engine_here()  # asks once, and learns the host with it
         held = [held_workspace_bytes(self.group, self._weight.device, p) for p in self._workspace_purposes]
         return (ok, self._host_id, -self._host_id, *(v for h in held for v in (h, -h)))

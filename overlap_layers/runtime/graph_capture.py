@@ -109,6 +109,7 @@ def capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Opti
     dev = inputs[0].device
     training = params is not None
     static = _static(inputs, training)
+    pool, caller = None, torch.cuda.current_stream(dev)
     try:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -148,4 +149,27 @@ def capture(inputs: Sequence[Optional[torch.Tensor]], fn: Callable, params: Opti
                         _nbytes(made, reserved, dev) + (0 if staged is not None else
                                                         grad_out.numel() * grad_out.element_size())), ""
     except Exception as e:  # noqa: BLE001 - every rank must reach the outcome's gather
+        if pool is not None:
+            _recover(dev, pool, caller)
         return None, capture_error(e)
+
+
+def _recover(dev: torch.device, pool, caller) -> None:
+    """Undo what a failed capture into ``pool`` left behind. ``torch.cuda.graph`` ends a capture's
+    allocation to its pool and restores the ``caller``'s stream only after the capture ended
+    cleanly, so an op that failed inside the capture leaves the capture's stream current, the
+    allocator routing to the pool (and asserting at exit that no capture is underway) and the CUDA
+    generators in capture mode (every later random op then raises). Restore the stream, end the
+    pool's allocation where it is still open and release the capture's hold on it, then end the
+    generators' capture mode by capturing one small op, which ends cleanly."""
+    torch.cuda.set_stream(caller)
+    for end in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+        try:
+            end(dev.index, pool)
+        except RuntimeError:  # not underway: the failure came after the capture ended
+            pass
+    torch.cuda.synchronize(dev)
+    one = torch.zeros(1, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one.add_(1)

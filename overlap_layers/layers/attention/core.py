@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.heads import move_heads, move_heads_reference, rope_into
+from ...planning.first_order import first_order
 
 QK_NORM_EPS = 1e-6
 
@@ -59,6 +60,7 @@ class _Rope(torch.autograd.Function):
         return rope_into(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, cos, sin)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]: rope_into's gradient carries no graph
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
         return rope_into(torch.empty(g.shape, dtype=g.dtype, device=g.device), g, cos, sin, transpose=True), \

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.swiglu import fused_available, swiglu, swiglu_backward
+from ...kernels.triton_gate import worth_launching
+from ...planning.first_order import first_order
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -20,6 +22,7 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu(pre_MI)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]: the fused kernel's gradient carries no graph
     def backward(ctx, dh_MF):
         (pre_MI,) = ctx.saved_tensors
         return swiglu_backward(pre_MI, dh_MF.contiguous())[0]
@@ -27,9 +30,10 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
     """``h`` for a region autograd records: fused where
-    :func:`~overlap_layers.kernels.swiglu.fused_available`, else the eager formula (which also
-    supports higher derivatives)."""
-    if fused_available(pre_MI):
+    :func:`~overlap_layers.kernels.swiglu.fused_available` and the launch pays
+    (:func:`~overlap_layers.kernels.triton_gate.worth_launching`), else the eager formula (which
+    also supports higher derivatives)."""
+    if fused_available(pre_MI) and worth_launching(pre_MI):
         return _SwiGLU.apply(pre_MI)
     gate, up = pre_MI.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...planning.first_order import first_order
 from ...runtime.collectives import all_gather_single, reduce_scatter_single
 
 
@@ -64,6 +65,7 @@ class _GatherRows(torch.autograd.Function):
         return _gather_rows(x, group, ws)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, g):
         return _scatter_rows(g, ctx.group, ctx.ws), None, None
 
@@ -75,6 +77,7 @@ class _ScatterRows(torch.autograd.Function):
         return _scatter_rows(y, group, ws)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, g):
         return _gather_rows(g, ctx.group, ctx.ws), None, None
 
@@ -86,6 +89,7 @@ class _SumGrad(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, g):
         return _summed(g, ctx.group), None
 
@@ -96,6 +100,7 @@ class _SumOutput(torch.autograd.Function):
         return _summed(y, group)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]
     def backward(ctx, g):
         return g, None
 

@@ -42,7 +42,7 @@ def routed_ends(rows: int, groups: int) -> torch.Tensor:
     partial ([Note: grouped GEMMs cost more than dense ones] in ``layers/moe/cost.py``). Seeded, so every
     rank draws the same."""
     g = torch.Generator().manual_seed(rows)
-    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=g), minlength=groups)
+    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=g, device="cpu"), minlength=groups)
     return torch.cumsum(counts, 0, dtype=torch.int32)
 
 

@@ -236,6 +236,11 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
 
     # ----------------------------------------------------------------- the device path (layers/moe/device_path.py)
     def _graphed_run(self, run, shape: tuple, dtype: torch.dtype, save: bool):
+        """At world size 1 the plain call ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``), which reads nothing on the host where the grouped GEMM
+        takes the operands, without aux loss (an output besides ``y``); else the device path's."""
+        if self.world_size == 1:
+            return run if self.aux_loss_coef == 0 and self._grouped_for(dtype) else None
         return self._device_path.graphed_run(run, shape, dtype, save)
 
     def _graph_signature(self) -> tuple:

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ...kernels.routing import count, fused_available, key_dtype, route_fused, route_topk_reference
+from ...kernels.triton_gate import worth_launching
 
 
 class _Route(torch.autograd.Function):
@@ -41,9 +42,10 @@ class _Route(torch.autograd.Function):
 
 def route_topk(logits: torch.Tensor, k: int, normalize: bool, shift: int = 0) -> Tuple[torch.Tensor, ...]:
     """``(probs [T, E], top_p [T, k], experts [T, k] int64, weights [T, k], keys [T*k], counts [E]
-    int64)`` of the module reference; one kernel where :func:`fused_available` (the keys int16 for
-    fewer than 2**15 experts, else int64)."""
-    if not fused_available(logits):
+    int64)`` of the module reference; one kernel where :func:`fused_available` and the launch pays
+    (:func:`~overlap_layers.kernels.triton_gate.worth_launching`; the keys int16 for fewer than
+    2**15 experts, else int64)."""
+    if not (fused_available(logits) and worth_launching(logits)):
         return route_topk_reference(logits, k, normalize, shift)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Route.apply(logits, k, normalize, shift)
