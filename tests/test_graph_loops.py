@@ -16,7 +16,8 @@ from pool import torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 
-CASES = ["mlp", "attention", "moe", "accumulate", "optimizer", "eval", "autocast", "hf_llama", "failing"]
+CASES = ["mlp", "attention", "moe", "accumulate", "optimizer", "eval", "autocast", "hf_llama", "make_graphed",
+         "reduce_overhead", "failing"]
 STEPS = 30
 
 
