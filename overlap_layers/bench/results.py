@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 SCHEMA_VERSION = 1
+KINDS = ("layer", "model", "host")  # the per-layer, whole-model and host-overhead benchmarks
 LINKS = ("nvlink", "p2p_off", "gloo", "single")
 LINK_LABELS = {"nvlink": "NVLink", "p2p_off": "P2P off", "gloo": "gloo", "single": "single GPU"}
 
@@ -63,21 +64,22 @@ def _triton_version() -> Optional[str]:
     return getattr(triton, "__version__", None)
 
 
-def command_line(argv: Optional[Sequence[str]] = None) -> str:
-    """The command that ran: ``python -m overlap_layers.bench ARGS`` (also under torchrun, whose
-    options it does not see), or the script's own command line."""
+def command_line(argv: Optional[Sequence[str]] = None, module: str = "overlap_layers.bench") -> str:
+    """The command that ran: ``python -m MODULE ARGS`` (also under torchrun, whose options it does
+    not see), or the script's own command line."""
     if argv is not None:
-        return shlex.join(["python", "-m", "overlap_layers.bench", *argv])
-    script = sys.argv[0] if sys.argv else ""
-    if script.replace(os.sep, "/").endswith("overlap_layers/bench/__main__.py"):
-        return shlex.join(["python", "-m", "overlap_layers.bench", *sys.argv[1:]])
+        return shlex.join(["python", "-m", module, *argv])
+    script = sys.argv[0].replace(os.sep, "/") if sys.argv else ""
+    path = module.replace(".", "/")
+    if script.endswith(f"{path}/__main__.py") or script.endswith(f"{path}.py"):
+        return shlex.join(["python", "-m", module, *sys.argv[1:]])
     return shlex.join(["python", *sys.argv])
 
 
 def meta(kind: str, backend: str, world_size: int, cuda: bool, command: str, **extra) -> dict:
     """The ``meta`` of a result file (``bench/results/schema.json``); ``extra`` keys follow the
     schema's. One GPU per rank on CUDA."""
-    assert kind in ("layer", "model") and backend in ("nccl", "gloo"), (kind, backend)
+    assert kind in KINDS and backend in ("nccl", "gloo"), (kind, backend)
     nccl = None
     if cuda:
         v = torch.cuda.nccl.version()
