@@ -51,6 +51,7 @@ from ..runtime.timing import rank_barrier
 from ..sim import analytic_model
 from .call_agreement import DTYPES, Agreed, agree, floor_of
 from .call_graphs import CallGraphs
+from .calls import in_backward_pass, saved_tensor_hooks_active
 from .compiled import register_layer
 from .plan import TilePlan, contenders, explain
 from .plan_cache import PlanCache
@@ -102,6 +103,7 @@ class LayerPlanner:
         self.dtensor_input = False  # True while a call runs on a DTensor input's local tensor
         self._agreed_call: Optional[tuple] = None  # (row, Agreed) of the last agreed call
         self._fixed: Optional[TilePlan] = None  # the last fixed K's plan (a call reuses it)
+        self._steady: Optional[tuple] = None  # (Agreed, plan) of a settled eager call: call()'s shortcut
 
     @property
     def layer(self):
@@ -135,7 +137,18 @@ class LayerPlanner:
         ``run(plan, trial, trace, *inputs)`` (``inputs``: the call's tensors, ``x`` first; default
         ``(x,)``) timed for verification and recorded for ``export_trace(measured=True)`` when
         asked, or replayed from its CUDA graph ([Note: graph calls] in ``planning/call_graphs.py``).
-        A call without tokens runs no plan (the layer's ``_empty_output``) where the layer allows."""
+        A call without tokens runs no plan (the layer's ``_empty_output``) where the layer allows.
+
+        A call whose agreement is the last call's (the same object: reused,
+        [Note: agreement once per call signature]) runs that call's plan straight away where that
+        plan was settled and the call neither recomputes nor runs under saved-tensor hooks nor
+        answers a trace request: nothing else it would look up can differ."""
+        steady = self._steady
+        if steady is not None and steady[0] is agreed and self.trace_to is None and not in_backward_pass() \
+                and not saved_tensor_hooks_active():
+            self.plan = steady[1]
+            return run(steady[1], None, None, *((x,) if inputs is None else inputs))
+        self._steady = None
         layer = self.layer
         shape, dtype, save, fixed = agreed
         if 0 in shape and layer._dense_when_empty:
@@ -158,6 +171,8 @@ class LayerPlanner:
                 return self._replay(pkey, graphed, inputs, params)
         if self.call_graphs is not None:
             self.call_graphs.last_nbytes = 0  # this call runs eagerly: it keeps no graph memory
+        elif settled and trial is None and trace is None and not chosen.hooked and not chosen.in_backward:
+            self._steady = (agreed, self.plan)
         if trial is not None:
             trial.fwd.start()
         y = run(self.plan, trial, trace, *inputs)

@@ -52,7 +52,7 @@ class RecomputePlans:
     def choose(self, x: torch.Tensor, pkey, save: bool, fixed, auto: Callable[[], tuple]) -> Chosen:
         """The plan of a call on ``x`` (plan key ``pkey``): ``fixed`` if not None, else a recorded
         plan where this call recomputes a forward, else ``auto()``'s ``(plan, trial)``, recorded
-        for a later recomputation where the call saves for backward."""
+        for a later recomputation where the call is checkpointed (saves under saved-tensor hooks)."""
         trial = None
         key = self.replay_key if self.replay_key is not None else x
         in_backward = in_backward_pass()
@@ -73,8 +73,7 @@ class RecomputePlans:
             self.of_input[key] = plan
         else:
             plan, trial = auto()
-            if save:
+            if hooked and not in_backward:  # only a checkpointed forward is recomputed
                 self.of_input[key] = plan
-            if hooked and not in_backward:
                 queue.append((plan, weakref.ref(key)))
         return Chosen(plan, trial, hooked, in_backward)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.heads import move_heads, move_heads_reference, rope_into
+from ...kernels.triton_gate import LAUNCH_BOUND_ELEMENTS
 from ...planning.first_order import first_order
 
 QK_NORM_EPS = 1e-6
@@ -38,13 +39,15 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` (tables cast to ``x``'s dtype) as a new contiguous
-    tensor, differentiable in ``x`` (:class:`_Rope`) and, where they require it, in the tables."""
+    """``x * cos + rotate_half(x) * sin`` (tables cast to ``x``'s dtype) as a new tensor,
+    differentiable in ``x`` (:class:`_Rope`) and, where they require it, in the tables.
+    A tensor too small for its kernels' device time to matter
+    (:data:`~overlap_layers.kernels.triton_gate.LAUNCH_BOUND_ELEMENTS`) takes the formula's
+    autograd, which costs the host less than a hand-written backward's Python."""
     cos, sin = cos_bSd.to(x_bhSd.dtype)[:, None], sin_bSd.to(x_bhSd.dtype)[:, None]
-    if cos.requires_grad or sin.requires_grad:  # learned tables: autograd of the formula
+    if cos.requires_grad or sin.requires_grad or x_bhSd.numel() < LAUNCH_BOUND_ELEMENTS:
         h = x_bhSd.shape[-1] // 2
-        x1, x2 = x_bhSd[..., :h], x_bhSd[..., h:]
-        return torch.cat([x1 * cos[..., :h] - x2 * sin[..., :h], x2 * cos[..., h:] + x1 * sin[..., h:]], dim=-1)
+        return x_bhSd * cos + torch.cat([-x_bhSd[..., h:], x_bhSd[..., :h]], dim=-1) * sin
     return _Rope.apply(x_bhSd, cos, sin)
 
 

@@ -49,6 +49,7 @@ from .call import AttentionCall, check_heads, core_op_setups
 from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
                      compiled_position_args, input_error, position_kwargs, register_params)
 from .common import cos_sin as cos_sin_of
+from .core import attention
 from .cost import AttentionCostModel
 from .rank_chunks import RankChunkAttention
 from .shards import dense_weights, kv_heads, load_shards_
@@ -107,11 +108,13 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         self._rope_tables: tuple = (None, None)  # (S, device, dtype), the RoPE tables of positions 0..S-1
 
     def _default_tables(self, S: int, x: torch.Tensor):
-        """The RoPE tables of positions ``0..S-1`` (``cos_sin_of`` without position ids), kept for
-        the next call of the same length, device and dtype."""
+        """The RoPE tables of positions ``0..S-1`` (``cos_sin_of`` without position ids) in ``x``'s
+        dtype, as every use casts them, kept for the next call of the same length, device and dtype
+        (None without RoPE)."""
         key = (S, x.device, x.dtype)
         if self._rope_tables[0] != key:
-            self._rope_tables = (key, cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, None, None))
+            tables = cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, None, None)
+            self._rope_tables = (key, None if tables is None else tuple(t.to(x.dtype) for t in tables))
         return self._rope_tables[1]
 
     # ----------------------------------------------------------------- weights
@@ -278,18 +281,35 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         return y_TH.view(B, s, H)
 
     def _plain_run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial) -> torch.Tensor:
-        """The serial plan as plain torch ops under autograd ([Note: plain serial calls] in
-        ``layers/common/plain_tp.py``): the gathered rows are rank-major ``[g, B, s]``, one tile."""
-        x, call, w_qkv, b_qkv, wo, bo = self._prepare(x, plan, save, None, position_ids, position_embeddings)
+        """The serial plan as the reference's torch ops under autograd ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``): q, k and v by their own projections of the gathered rows
+        (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction)."""
+        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
         B, s, H = x.shape
         ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
+        g = ws if sp else 1
+        S, nq, nkv, d = g * s, self.num_heads_local, self.num_kv_heads_local, self.head_dim
         with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
                 nullcontext() if save else torch.no_grad():
-            x, w_qkv = timed_inputs(trial, x, w_qkv)
-            rows = enter(x, self.group, ws, sp).view(-1, H)
-            o = call.core_by_ops(F.linear(rows, w_qkv, b_qkv), 0, B)
-            y = leave(F.linear(o, wo).view(-1, s, H), self.group, ws, sp)
+            cos_sin = self._tables(S, x, position_ids, position_embeddings)
+            x, wq = timed_inputs(trial, x, wq)
+            rows = enter(x, self.group, ws, sp)
+            seq = rows if g == 1 else rows.view(g, B, s, H).transpose(0, 1).reshape(B, S, H)
+            o = attention(F.linear(seq, wq, bq).unflatten(-1, (nq, d)), F.linear(seq, wk, bk).unflatten(-1, (nkv, d)),
+                          F.linear(seq, wv, bv).unflatten(-1, (nkv, d)), cos_sin=cos_sin, q_norm=q_norm,
+                          k_norm=k_norm, causal=self.causal, scale=self.softmax_scale,
+                          dropout_p=self.dropout_p if self.training else 0.0)
+            y = F.linear(o.reshape(B, S, nq * d), wo)
+            if g > 1:
+                y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
+            y = leave(y, self.group, ws, sp)
             return timed_output(y if bo is None else y + bo, trial)
+
+    def _tables(self, S: int, x: torch.Tensor, position_ids, position_embeddings):
+        """The call's RoPE tables ``(cos, sin)`` (``common.cos_sin``), or None without RoPE."""
+        if position_ids is None and position_embeddings is None:
+            return self._default_tables(S, x)
+        return cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids, position_embeddings)
 
     def _prepare(self, x, plan: TilePlan, save: bool, streams, position_ids, position_embeddings) -> tuple:
         """``(x, call, w_qkv, b_qkv, wo, bo)`` of one call under ``plan`` on ``streams``: ``x`` and
@@ -302,8 +322,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w_qkv = torch.cat([wq, wk, wv])
             b_qkv = torch.cat([bq, bk, bv]) if self.bias else None
-            cos_sin = self._default_tables(S, x) if position_ids is None and position_embeddings is None else \
-                cos_sin_of(self.rope_theta, self.head_dim, S, x.device, x.dtype, position_ids, position_embeddings)
+            cos_sin = self._tables(S, x, position_ids, position_embeddings)
         call = AttentionCall(self, plan, save, streams, cos_sin, B, s)
         call.q_norm, call.k_norm = q_norm, k_norm
         return x, call, w_qkv, b_qkv, wo, bo
