@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU machine in four parallel pytest processes, split by file: the CUDA
-# checks (which use every GPU) in one, the compile tests in another, the rest halved. One process
+# checks (which use every GPU) in one, the compile tests in another, the rest halved; then the files
+# whose assertions time steps (the graph loops' step-time bounds), alone on the machine. One process
 # needed more than 270 s on 2x H200 (the compile and CUDA tests dominate); four take about 3 min.
 #   bash bench/probes/gpu_tests.sh [OUTDIR]     # SUITE_S: each shard's time limit (default 330 s)
 # Each shard's log goes to OUTDIR/suite_N.txt; the summary lines are printed at the end.
@@ -9,9 +10,10 @@ OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 cuda="tests/test_cuda.py tests/test_heads_kernel.py tests/test_kernel_variants.py tests/test_query_chunks.py tests/test_slot_sum.py tests/test_routing.py"
 compile="tests/test_compile.py"
+alone="tests/test_graph_loops.py"
 half1=""; half2=""; i=0
 for f in tests/test_*.py; do
-  case " $cuda $compile " in *" $f "*) continue ;; esac
+  case " $cuda $compile $alone " in *" $f "*) continue ;; esac
   if [ $((i % 2)) = 0 ]; then half1="$half1 $f"; else half2="$half2 $f"; fi
   i=$((i + 1))
 done
@@ -23,5 +25,7 @@ for shard in "$cuda" "$compile" "$half1" "$half2"; do
 done
 rc=0
 for p in $(jobs -p); do wait "$p" || rc=1; done
-for j in 0 1 2 3; do echo "== shard $j"; grep -E "passed|failed|error" "$OUT/suite_$j.txt" | tail -3; done
+# shellcheck disable=SC2086
+timeout "${SUITE_S:-330}" python -m pytest -q $alone -p no:cacheprovider --durations=5 > "$OUT/suite_4.txt" 2>&1 || rc=1
+for j in 0 1 2 3 4; do echo "== shard $j"; grep -E "passed|failed|error" "$OUT/suite_$j.txt" | tail -3; done
 exit $rc

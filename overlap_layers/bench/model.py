@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -263,49 +264,54 @@ def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_grou
     total = args.warmup + args.steps
     err, built, opt = None, None, None
     times, hosts, losses = [], [], []
-    try:
-        if variant in COMPILED:
-            torch._dynamo.reset()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        built = build(model_name, dense, variant, env, p.moe)
-        rec.update(compiled=built.compiled, graphs=built.graphs, notes=list(built.notes))
-        model = built.model
-        opt = optimizer(model, env, args.lr, args.optimizer)
-        counter = built.fused_counter
-        for step in range(total):
-            inputs, labels = _batch(args, p, step, dist.get_rank(dp_group) if dp_group is not None else 0, device)
-            _sync(device)
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            capture = counter is not None and step < max(args.warmup, 1)  # compilation happens here
-            with counter if capture else contextlib.nullcontext():
-                opt.zero_grad(set_to_none=True)
-                with built.context():
-                    loss = built.loss(model, inputs, labels)
-                    loss.backward()
-                built.finalize()
-                opt.step()
-            host = (time.perf_counter() - t0) if cuda else (time.process_time() - c0)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            hosts.append(host)
-            losses.append(loss_value(loss).detach().float().reshape(()))
-            bar.mode(f"{model_name}/{name}")
-            bar.advance()
-        if counter is not None:
-            rec["fused_ops"] = counter.counts()
-            if rec["fused_ops"] is None:
-                rec["notes"].append("fused-op count unavailable: no Inductor code hook in this torch")
-    except Skip as e:
-        err = str(e)
-    except Exception as e:  # noqa: BLE001 - recorded; every rank learns of it below
-        err = f"{type(e).__name__}: {e}"
-        if dist.get_rank() == 0:
-            traceback.print_exc(file=sys.stderr)
-    finally:
-        if variant == "torch_tp_asynctp":
-            disable_async_tp()
+    with warnings.catch_warnings(record=True) as seen:  # what the variant warned: recorded, once each
+        warnings.simplefilter("always")
+        try:
+            if variant in COMPILED:
+                torch._dynamo.reset()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            built = build(model_name, dense, variant, env, p.moe)
+            rec.update(compiled=built.compiled, graphs=built.graphs, notes=list(built.notes))
+            model = built.model
+            opt = optimizer(model, env, args.lr, args.optimizer)
+            counter = built.fused_counter
+            for step in range(total):
+                inputs, labels = _batch(args, p, step, dist.get_rank(dp_group) if dp_group is not None else 0, device)
+                _sync(device)
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                capture = counter is not None and step < max(args.warmup, 1)  # compilation happens here
+                with counter if capture else contextlib.nullcontext():
+                    opt.zero_grad(set_to_none=True)
+                    with built.context():
+                        loss = built.loss(model, inputs, labels)
+                        loss.backward()
+                    built.finalize()
+                    opt.step()
+                host = (time.perf_counter() - t0) if cuda else (time.process_time() - c0)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                hosts.append(host)
+                losses.append(loss_value(loss).detach().float().reshape(()))
+                bar.mode(f"{model_name}/{name}")
+                bar.advance()
+            if counter is not None:
+                rec["fused_ops"] = counter.counts()
+                if rec["fused_ops"] is None:
+                    rec["notes"].append("fused-op count unavailable: no Inductor code hook in this torch")
+        except Skip as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - recorded; every rank learns of it below
+            err = f"{type(e).__name__}: {e}"
+            if dist.get_rank() == 0:
+                traceback.print_exc(file=sys.stderr)
+        finally:
+            if variant == "torch_tp_asynctp":
+                disable_async_tp()
+    rec["warnings"] = list(dict.fromkeys(f"{w.category.__name__}: {str(w.message)[:300]}" for w in seen))
+    if rec["warnings"]:
+        rec["notes"].append(f"{len(rec['warnings'])} distinct warning(s), in the JSON")
     failed = torch.tensor([1.0 if err else 0.0], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
