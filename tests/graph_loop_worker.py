@@ -14,7 +14,8 @@ Cases:
 * ``autocast``: float32 weights under ``torch.autocast("cuda", torch.bfloat16)``;
 * ``hf_llama``: a swapped Hugging Face Llama (2 layers) trained with ``loss.backward()`` and AdamW;
 * ``make_graphed``: the MLP (``graph_calls=False``) wrapped by ``torch.cuda.make_graphed_callables``;
-* ``reduce_overhead``: the MLP (``graph_calls=False``) under ``torch.compile(mode="reduce-overhead")``;
+* ``reduce_overhead``: the MLP (``graph_calls=False``) under ``torch.compile(mode="reduce-overhead")``
+  (its op is unsafe for Inductor's CUDA graphs: the layer runs eagerly inside);
 * ``failing``: the MLP whose calls cannot be captured (a host read inside): the capture fails,
   the calls run eagerly, and afterwards the caller's stream is current again, random ops work
   and the process exits cleanly.
@@ -122,7 +123,7 @@ def _hf_case(steps: int, dev) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from overlap_layers.integrations.hf import swap
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8,
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       num_hidden_layers=2, vocab_size=8192, max_position_embeddings=1024)
     torch.manual_seed(0)
     models = []
@@ -134,7 +135,7 @@ def _hf_case(steps: int, dev) -> dict:
     gen = torch.Generator(device=dev).manual_seed(1)
     times, errs = [], []
     for step in range(steps):
-        ids = torch.randint(0, cfg.vocab_size, (4, 1024), device=dev, generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (2, 2048), device=dev, generator=gen)
         losses = []
         for i, (m, opt) in enumerate(zip(models, opts)):
             torch.cuda.synchronize()

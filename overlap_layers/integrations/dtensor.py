@@ -122,12 +122,12 @@ def _locals_in(module: nn.Module, args):
                 t = sum_grad_over_group(t, p.device_mesh.get_group())
             saved[name] = p
             module._parameters[name] = t
-    module.__dict__.setdefault("_dtensor_saved", []).append(saved)
+    module._dtensor_saved.append(saved)
 
 
 def _dtensors_back(module: nn.Module, args, output):
     """Forward hook (always called): the DTensor parameters back in place."""
-    stack = module.__dict__.get("_dtensor_saved")
+    stack = module._dtensor_saved
     if stack:
         for name, p in stack.pop().items():
             module._parameters[name] = p
@@ -140,6 +140,7 @@ def compute_on_locals(module: nn.Module, names: Dict[str, bool]) -> None:
     had = "_dtensor_locals" in module.__dict__
     module._dtensor_locals = {**module.__dict__.get("_dtensor_locals", {}), **names}
     if not had:
+        module._dtensor_saved = []  # the hooks' stack of swapped-out parameters (reentrant calls)
         module.register_forward_pre_hook(_locals_in)
         module.register_forward_hook(_dtensors_back, always_call=True)
 

@@ -55,7 +55,14 @@ def _layer(key: int):
     return layer
 
 
-@torch.library.custom_op("overlap_layers::layer_call", mutates_args=())
+# The ops run host work (agreement, planning, host reads) and keep each call's autograd graph between
+# the forward and backward ops: Inductor must not capture them into its CUDA graphs
+# (``mode="reduce-overhead"``), which then leaves the graphs holding them eager (or, with
+# ``torch._inductor.config.graph_partition``, captures the ops around them).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("overlap_layers::layer_call", mutates_args=(), tags=_TAGS)
 def layer_call(key: int, x: torch.Tensor, extras: Sequence[torch.Tensor], present: Sequence[bool],
                params: Sequence[torch.Tensor], requires_grad: Sequence[bool]) -> List[torch.Tensor]:
     """``[y, token]``: the layer's eager call on ``x`` with ``params`` in place of its parameters;
@@ -85,7 +92,7 @@ def _(key, x, extras, present, params, requires_grad):
     return [torch.empty_like(x), torch.empty((), dtype=torch.int64)]
 
 
-@torch.library.custom_op("overlap_layers::layer_call_backward", mutates_args=())
+@torch.library.custom_op("overlap_layers::layer_call_backward", mutates_args=(), tags=_TAGS)
 def layer_call_backward(key: int, token: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor,
                         params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """The gradients of ``x`` and of every parameter from the graph kept under ``token`` (zeros
