@@ -116,9 +116,8 @@ class AttentionCall(LayerCall):
 
     def core_by_ops(self, qkv_MC: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
         """:meth:`core` as the reference's ops under autograd (:func:`~.core.attention`): q, k, v as
-        views of the rows (one copy where ``g > 1``), without the heads step. With qk-norm, and for
-        the plain serial call ([Note: plain serial calls] in ``layers/common/plain_tp.py``), where
-        the heads step's layout pass costs more than it saves."""
+        views of the rows (one copy where ``g > 1``), without the heads step (which has no
+        qk-norm)."""
         g, b, s, d = self.g, b1 - b0, self.s, self.d
         qkv = qkv_MC.view(b, s, -1) if g == 1 else qkv_MC.view(g, b, s, -1).transpose(0, 1).reshape(b, g * s, -1)
         q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)

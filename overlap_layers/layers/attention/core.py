@@ -40,14 +40,19 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
 
 def apply_rope(x_bhSd: torch.Tensor, cos_bSd: torch.Tensor, sin_bSd: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` (tables cast to ``x``'s dtype) as a new tensor,
-    differentiable in ``x`` (:class:`_Rope`) and, where they require it, in the tables.
-    A tensor too small for its kernels' device time to matter
+    differentiable in ``x`` (:class:`_Rope`) and, where they require it, in the tables
+    (:func:`rope_heads` on the tables made ``[b or 1, 1, S, d]``)."""
+    return rope_heads(x_bhSd, cos_bSd.to(x_bhSd.dtype)[:, None], sin_bSd.to(x_bhSd.dtype)[:, None])
+
+
+def rope_heads(x_bhSd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with the tables already in ``x``'s dtype and broadcast over the heads
+    (``[b or 1, 1, S, d]``). A tensor too small for its kernels' device time to matter
     (:data:`~overlap_layers.kernels.triton_gate.LAUNCH_BOUND_ELEMENTS`) takes the formula's
     autograd, which costs the host less than a hand-written backward's Python."""
-    cos, sin = cos_bSd.to(x_bhSd.dtype)[:, None], sin_bSd.to(x_bhSd.dtype)[:, None]
     if cos.requires_grad or sin.requires_grad or x_bhSd.numel() < LAUNCH_BOUND_ELEMENTS:
-        h = x_bhSd.shape[-1] // 2
-        return x_bhSd * cos + torch.cat([-x_bhSd[..., h:], x_bhSd[..., :h]], dim=-1) * sin
+        x1, x2 = x_bhSd.chunk(2, dim=-1)
+        return x_bhSd * cos + torch.cat((-x2, x1), dim=-1) * sin
     return _Rope.apply(x_bhSd, cos, sin)
 
 
@@ -172,8 +177,8 @@ def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, 
     GPU) with ``enable_gqa`` when nq != nkv."""
     if q_norm is not None:
         q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
-    q, k, v = (t.transpose(1, 2) for t in (q_bSnd, k_bSnd, v_bSnd))
+    q, k, v = q_bSnd.transpose(1, 2), k_bSnd.transpose(1, 2), v_bSnd.transpose(1, 2)
     if cos_sin is not None:
-        cos, sin = (t.to(q.dtype) for t in cos_sin)  # once for q and k (apply_rope's cast is then a no-op)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = cos_sin[0].to(q.dtype)[:, None], cos_sin[1].to(q.dtype)[:, None]  # once for q and k
+        q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)
     return sdpa(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p).transpose(1, 2)
