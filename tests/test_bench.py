@@ -71,6 +71,42 @@ def test_full_collections_are_timed_while_the_block_runs():
     assert none == [] and junk
 
 
+def _check_reference(recs):
+    """Each pass has a reference record (the plain torch module); every record's ratio to it is its
+    time over the reference's, its TFLOP/s the pass's FLOPs over its time (off CUDA: no peak, no
+    efficiency); the FLOPs are the layer's per rank, independent of the mode."""
+    for p in {r["pass"] for r in recs}:
+        rows = [r for r in recs if r["pass"] == p]
+        ref = [r for r in rows if r["mode"] == "reference"]
+        assert len(ref) == 1 and ref[0]["ms"] > 0, rows
+        assert len({r["flops"] for r in rows}) == 1 and rows[0]["flops"] > 0
+        for r in rows:
+            assert abs(r["ratio_reference"] - r["ms"] / ref[0]["ms"]) <= 1e-9 * r["ratio_reference"]
+            if r["mode"] != "comm":
+                assert abs(r["tflops"] - r["flops"] / r["ms"] / 1e9) <= 1e-9 * r["tflops"]
+            assert r["efficiency"] is None
+
+
+def test_bench_reference_mode_for_each_layer_kind(tmp_path):
+    """The ``reference`` mode (bench/references.py) runs beside the layer for MLP, attention and
+    MoE, and gives the FLOPs the tables' rates use: ``2*rows*H*(I+F)`` for the MLP (tiny preset:
+    hidden 64, ffn 256, batch 2 x seq 64 gathered with SP), tripled with backward."""
+    out = tmp_path / "ref.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "overlap_layers.bench", "--layer", "mlp", "attention", "moe",
+                           "--preset", "tiny", "--modes", "serial", "reference", "--out", str(out), "--iters", "1",
+                           "--repeats", "1", "--warmup", "1"], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = json.loads(out.read_text())["records"]
+    for layer in ("mlp", "attention", "moe"):
+        _check_reference([r for r in recs if r["layer"] == layer])
+    mlp = {r["pass"]: r["flops"] for r in recs if r["layer"] == "mlp"}
+    want = 2.0 * (2 * 64) * 64 * (2 * 128 + 128)  # rows gathered over 2 ranks; I = 2F/ws, F/ws = 128
+    assert mlp == {"fwd": want, "fwdbwd": 3 * want}, mlp
+    assert "/ref" in proc.stdout and "reference: a plain torch module" in proc.stdout
+
+
 def _check_modes_and_limits(recs, passes, modes=("serial", "naive", "auto", "compute", "comm")):
     """Every pass ran every mode; each record is timed and positive and its limit is max(compute,
     comm) of its pass or more; no record of the CUDA-only modes (asynctp, rank_ce) on the CPU."""

@@ -41,6 +41,7 @@ from ..config import OverlapConfig
 from ..layers.attention.core import Heads, attention, rope_cos_sin, sdpa
 from ..layers.attention.layer import OverlapAttention
 from .mlp import MLPBench
+from .references import PlainAttention
 from .runner import Profile, Progress, pass_fn, run_modes, time_fn
 
 # Batches: every one runs (``--batch`` overrides); seq is the global sequence.
@@ -112,6 +113,29 @@ class AttentionBench(MLPBench):
         return self.layer(x, position_embeddings=self.cos_sin)
 
     # ------------------------------------------------------------ references
+    def reference_fn(self, backward: bool):
+        """The plain reference (``bench/references.PlainAttention``: q, k, v, o ``nn.Linear``,
+        rotate-half RoPE, causal SDPA) on this rank's input; None where the layer has no such
+        counterpart (a head dim other than hidden / heads)."""
+        sh = self.s
+        if sh.head_dim * sh.heads != sh.hidden:
+            return None
+        ref = PlainAttention(sh.hidden, sh.heads, sh.kv_heads, group=self.group,
+                             sequence_parallel=sh.sequence_parallel, dtype=self.dtype, device=self.device)
+        x = self.x.detach().requires_grad_(backward)
+        return pass_fn(lambda: ref(x), backward, [self.dy], [x, *ref.parameters()])
+
+    def flops(self, backward: bool) -> float:
+        """The pass's FLOPs on this rank: the q, k, v and o projections over the rows it multiplies
+        and the causal core (half of ``4 * B * S^2 * heads * d``), three times that with backward."""
+        sh, ws = self.s, self.ws
+        B, s, H = self.x.shape
+        S = s * (ws if sh.sequence_parallel else 1)
+        nq, nkv, d = sh.heads // ws, max(sh.kv_heads // ws, 1), sh.head_dim
+        proj = 2.0 * B * S * H * ((nq + 2 * nkv) * d + nq * d)
+        core = 2.0 * B * S * S * nq * d
+        return (proj + core) * (3 if backward else 1)
+
     def compute_fn(self, backward: bool):
         """Dense math of this rank's heads on the gathered sequence: qkv = x @ wqkv.T, SDPA
         (GQA, causal, RoPE), y = o @ wo.T; weights concatenated once, outside the timing."""
@@ -223,7 +247,8 @@ class UlyssesBench(AttentionBench):
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
                 progress: Optional[Progress] = None, profile: Optional[Profile] = None,
-                warm_ms: float = 0.0) -> List[dict]:
+                warm_ms: float = 0.0, peak: Optional[float] = None) -> List[dict]:
     b = (UlyssesBench if shape.layer == "ulysses" else AttentionBench)(shape, group, device, dtype, naive_k)
     ks = list(dict.fromkeys(b.cap_k(k) for k in naive_k))
-    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, progress, profile, warm_ms)
+    return run_modes(b, shape.record_fields(), modes, passes, ks, warmup, iters, repeats, progress, profile, warm_ms,
+                     peak)

@@ -91,6 +91,10 @@ class BlockBench:
     def host_overhead_us(self, backward: bool) -> dict:
         return {}
 
+    def flops(self, backward: bool) -> float:
+        """The attention's and the MLP's FLOPs (norms and residual adds left out)."""
+        return self.attn.flops(backward) + self.mlp.flops(backward)
+
     def compute_fn(self, backward: bool):
         fa, fm, fr = self.attn.compute_fn(backward), self.mlp.compute_fn(backward), self.residual_fn(backward)
         return lambda: (fa(), fm(), fr())
@@ -123,9 +127,9 @@ class BlockBench:
 
 def bench_shape(shape: AttentionShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
                 progress: Optional[Progress] = None, profile: Optional[Profile] = None,
-                warm_ms: float = 0.0) -> List[dict]:
+                warm_ms: float = 0.0, peak: Optional[float] = None) -> List[dict]:
     b = BlockBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), layer="block", ffn=b.mlp.s.ffn)
     ks = list(dict.fromkeys(b.attn.cap_k(k) for k in naive_k))
-    return run_modes(b, fields, [m for m in modes if m != "asynctp"], passes, ks, warmup, iters, repeats, progress,
-                     profile, warm_ms)
+    return run_modes(b, fields, [m for m in modes if m not in ("asynctp", "reference")], passes, ks, warmup, iters,
+                     repeats, progress, profile, warm_ms, peak)

@@ -46,7 +46,7 @@ from . import block as block_bench
 from . import moe as moe_bench
 from . import results
 from .mlp import MODES, PRESETS, Shape, bench_shape
-from .runner import Profile, Progress
+from .runner import Profile, Progress, measure_peak_tflops
 from .stacks import StackSampler
 
 LAYERS = ("mlp", "attention", "ulysses", "moe", "block")
@@ -225,10 +225,11 @@ def _grid(device: torch.device, args) -> None:
         if world % tp:
             raise SystemExit(f"--tp {tp} does not divide the world size {world}")
     started = datetime.datetime.now().astimezone()
+    peak = measure_peak_tflops(device) if "reference" in args.modes or "auto" in args.modes else None
     meta = results.meta("layer", "nccl" if cuda else "gloo", world, cuda, results.command_line(args.argv),
                         date=started.astimezone(datetime.timezone.utc).isoformat(timespec="seconds"),
                         dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters, repeats=repeats,
-                        warm_ms=warm_ms)
+                        warm_ms=warm_ms, peak_tflops=peak)
     out = args.out or os.path.join("bench", "results", results.default_name(args.layers, tps, meta, started))
     shapes = list(_shapes(args, args.preset, cuda))
     progress = Progress(len(tps) * len(shapes) * len(args.passes), enabled=rank == 0)
@@ -244,7 +245,7 @@ def _grid(device: torch.device, args) -> None:
                 recs = run(shape, group, device, dtype, args.modes, args.passes, args.naive_k, warmup, iters,
                            repeats, progress,
                            Profile(args.profile, args.profile_calls, args.profile_all_ranks) if args.profile else None,
-                           warm_ms)
+                           warm_ms, peak)
                 if rank == 0:  # group 0 speaks for the run; every group ran the same grid
                     records.extend(recs)
                     _write(meta, records, out)
@@ -328,7 +329,8 @@ COLUMNS = (
     ("mode", lambda r: r["mode"], False,
      "serial: K=1 (the plain parallel layer); naive: a fixed K; auto: the planner's choice; rank / rank_ce: "
      "rows split by source rank, over the process group / the copy engine; asynctp: PyTorch's AsyncTP; "
-     "compute / comm: the math / the collectives alone"),
+     "reference: a plain torch module written apart from the library (bench/references.py), what a user "
+     "would otherwise run; compute / comm: the library's own math / collectives alone (its bounds)"),
     ("plan", _plan, True, "plan run: K batch tiles, rank / r-ce rank chunks (attention + MLP plans for block)"),
     ("ms", lambda r: _num(".3f")(r.get("ms")), True,
      "median over the repeats of the slowest rank's mean time per call"),
@@ -338,6 +340,11 @@ COLUMNS = (
     ("/limit", lambda r: _num(".2f")(r.get("ratio_limit")), True,
      "ms / max(compute, comm) (1.00: communication fully hidden)"),
     ("/serial", lambda r: _num(".2f")(r.get("ratio_serial")), True, "ms / serial's ms (below 1: faster than K=1)"),
+    ("/ref", lambda r: _num(".2f")(r.get("ratio_reference")), True,
+     "ms / reference's ms (below 1: faster than the plain torch module)"),
+    ("TFLOP/s", lambda r: _num(".0f")(r.get("tflops")), True, "the pass's FLOPs per rank / ms"),
+    ("eff", lambda r: "-" if r.get("efficiency") is None else f"{r['efficiency']:.0%}", True,
+     "TFLOP/s / the bf16 GEMM peak measured in the same run (meta.peak_tflops)"),
     ("peak MiB", lambda r: _num(".0f", 2**20)(r.get("peak_bytes")), True,
      "peak memory of one call above what was allocated before it"),
     ("pred MiB", lambda r: _num(".0f", 2**20)(r.get("predicted_peak_bytes")), True, "the planner's predicted peak"),

@@ -43,7 +43,7 @@ import pstats
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,10 @@ Modes (README.md, Benchmarks):
 * ``asynctp`` - CUDA only: forward with ``torch.ops.symm_mem.fused_all_gather_matmul`` +
   ``fused_matmul_reduce_scatter``; forward+backward as torchtitan enables it
   (``torch.compile`` of the serial functional layer with ``_micro_pipeline_tp``);
-* ``compute`` - plain PyTorch dense math on the pre-gathered input (a fixed reference);
+* ``reference`` - a plain torch TP MLP written apart from the library (``bench/references.py``:
+  two ``nn.Linear``, SwiGLU, the collectives issued directly), what a user would otherwise run;
+  swiglu only. Graph-replayed where the layers replay their calls (``--graph-calls``);
+* ``compute`` - the library's own compute bound: dense math on the pre-gathered input;
 * ``comm``    - the layer's collectives alone.
 
 limit = max(compute, comm); each time is the median over repeats of the max over ranks.
@@ -30,6 +33,7 @@ from ..layers.mlp.layer import OverlapMLP
 from ..planning.plan import TilePlan
 from ..planning.rank_plans import RankChunkPlans
 from ..runtime.collectives import all_gather_single, reduce_scatter_single
+from .references import PlainMLP
 from .runner import Profile, Progress, pass_fn, run_modes
 
 PRESETS = {
@@ -37,7 +41,7 @@ PRESETS = {
     "llama3-8b": dict(hidden=4096, ffn=14336, batch=4, seq=4096),
     "llama3-70b": dict(hidden=8192, ffn=28672, batch=4, seq=4096),
 }
-MODES = ("serial", "naive", "auto", "rank", "rank_ce", "asynctp", "compute", "comm")
+MODES = ("serial", "naive", "auto", "rank", "rank_ce", "asynctp", "reference", "compute", "comm")
 
 
 @dataclass
@@ -139,6 +143,24 @@ class MLPBench:
         return {"host_plan_lookup_us": worst[0], "host_agreement_us": worst[1]}
 
     # ------------------------------------------------------------ references
+    def reference_fn(self, backward: bool):
+        """The plain reference (``bench/references.PlainMLP``) on this rank's input; None where it
+        has no counterpart (activations other than SwiGLU)."""
+        if self.s.activation != "swiglu":
+            return None
+        ref = PlainMLP(self.s.hidden, self.s.ffn, group=self.group, sequence_parallel=self.s.sequence_parallel,
+                       dtype=self.dtype, device=self.device)
+        x = self.x.detach().requires_grad_(backward)
+        return pass_fn(lambda: ref(x), backward, [self.dy], [x, *ref.parameters()])
+
+    def flops(self, backward: bool) -> float:
+        """The pass's GEMM FLOPs on this rank: ``2 * rows * H * (I + F)`` forward over the rows it
+        multiplies (gathered with sequence parallelism), three times that with backward."""
+        rows = self.tokens_local * (self.ws if self.s.sequence_parallel else 1)
+        f_local = self.s.ffn // self.ws
+        i_local = 2 * f_local if self.s.activation == "swiglu" else f_local
+        return 2.0 * rows * self.s.hidden * (i_local + f_local) * (3 if backward else 1)
+
     def _gathered(self):
         x2 = self.x.reshape(-1, self.s.hidden)
         if not self.s.sequence_parallel:
@@ -219,10 +241,10 @@ class MLPBench:
 
 def bench_shape(shape: Shape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
                 progress: Optional[Progress] = None, profile: Optional[Profile] = None,
-                warm_ms: float = 0.0) -> List[dict]:
+                warm_ms: float = 0.0, peak: Optional[float] = None) -> List[dict]:
     fields = dict(layer="mlp", preset=shape.preset, hidden=shape.hidden, ffn=shape.ffn, batch=shape.batch,
                   seq=shape.seq, tokens=shape.batch * shape.seq, sequence_parallel=shape.sequence_parallel,
                   activation=shape.activation, config_transport=shape.transport, cuda_graphs=shape.cuda_graphs,
                   graph_calls=shape.graph_calls, config_sm_carveout=shape.sm_carveout)
     return run_modes(MLPBench(shape, group, device, dtype, naive_k), fields, modes, passes, naive_k, warmup, iters,
-                     repeats, progress, profile, warm_ms)
+                     repeats, progress, profile, warm_ms, peak)

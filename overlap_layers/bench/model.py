@@ -57,7 +57,7 @@ from .models import titan
 from .models.presets import HF_MODELS, MODELS, preset_for
 from .models.variants import (ALIASES, COMPILED, EAGER, OPTIMIZERS, VARIANTS, Env, Skip, applies, build,
                               disable_async_tp, display_name, loss_value, mean_over, optimizer)
-from .runner import Progress
+from .runner import Progress, measure_peak_tflops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -180,28 +180,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------- measures
-def measure_peak_tflops(device: torch.device) -> Optional[float]:
-    """This GPU's bf16 GEMM rate, TFLOP/s: an 8192^3 product, mean of 10 after 3 warm-ups; None on CPU."""
-    if device.type != "cuda":
-        return None
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    rate = 2 * n ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
-    t = torch.tensor([rate], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    del a, b
-    return float(t.item())
-
-
 def flops_per_token(dense: torch.nn.Module, p, seq: int) -> tuple:
     """``(FLOPs per token, parameters, active parameters)``: torchtitan's count (module docstring)."""
     total = sum(t.numel() for t in dense.parameters())

@@ -50,6 +50,7 @@ from ..layers.moe.routing import route
 from ..layers.moe.tiles import Dispatch, PermuteRows
 from ..runtime.collectives import all_gather_single as all_gather_rows
 from .mlp import MLPBench
+from .references import PlainMoE
 from .runner import Profile, Progress, pass_fn, run_modes
 
 # tokens: per rank (each rank's own batch 1 x seq tokens)
@@ -206,6 +207,28 @@ class MoEBench(MLPBench):
                 self._experts, self.expert_impl = self._experts_grouped, "grouped_mm"
         return inp
 
+    def reference_fn(self, backward: bool):
+        """The plain grouped-GEMM MoE (``bench/references.PlainMoE``: softmax top-k routing, an
+        argsort by expert, ``torch._grouped_mm``, weighted ``index_add_``; expert parallel over the
+        group with its split sizes read on the host) on this rank's tokens; None where the layer
+        has parts it lacks (a shared expert, a capacity, another activation)."""
+        L = self.layer
+        if L.shared_w_in is not None or L.capacity_factor is not None or L.activation != "swiglu":
+            return None
+        sh = self.s
+        ref = PlainMoE(sh.hidden, sh.ffn, sh.experts, sh.top_k, group=self.group, dtype=self.dtype, device=self.device)
+        x = self.x.detach().requires_grad_(backward)
+        return pass_fn(lambda: ref(x), backward, [self.dy], [x, *ref.parameters()])
+
+    def flops(self, backward: bool) -> float:
+        """The pass's expert FLOPs on this rank, balanced routing: ``6 * tokens * top_k * H * F``
+        forward (gate, up and down GEMMs of every assignment), plus the router's ``2 * tokens * H
+        * E``; three times that with backward."""
+        sh = self.s
+        tokens = sh.batch * sh.seq
+        return (6.0 * tokens * sh.top_k * sh.hidden * sh.ffn + 2.0 * tokens * sh.hidden * sh.experts) * \
+            (3 if backward else 1)
+
     def compute_fn(self, backward: bool):
         L, s, inp = self.layer, self.s, self._compute_inputs
         k, H = s.top_k, s.hidden
@@ -262,8 +285,8 @@ def shapes(preset: str, tokens: Optional[List[int]], skewed: bool, activation: s
 
 def bench_shape(shape: MoEShape, group, device, dtype, modes, passes, naive_k, warmup, iters, repeats,
                 progress: Optional[Progress] = None, profile: Optional[Profile] = None,
-                warm_ms: float = 0.0) -> List[dict]:
+                warm_ms: float = 0.0, peak: Optional[float] = None) -> List[dict]:
     b = MoEBench(shape, group, device, dtype, naive_k)
     fields = dict(shape.record_fields(), expert_impl=b.expert_impl, busiest_expert_share=b.busiest_expert_share,
                   recv_imbalance=b.recv_imbalance)
-    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, progress, profile, warm_ms)
+    return run_modes(b, fields, modes, passes, naive_k, warmup, iters, repeats, progress, profile, warm_ms, peak)

@@ -132,6 +132,28 @@ def _sample(fn: Callable[[], None], device, group, iters: int) -> float:
     return float(t)
 
 
+def measure_peak_tflops(device: torch.device) -> Optional[float]:
+    """This GPU's bf16 GEMM rate, TFLOP/s: an 8192^3 product, mean of 10 after 3 warm-ups; None on CPU."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    rate = 2 * n ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+    t = torch.tensor([rate], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    del a, b
+    return float(t.item())
+
+
 def peak_bytes_of_one_call(fn: Callable[[], None], device) -> int:
     """Peak CUDA memory allocated by one call of ``fn`` (after warm-up), above what was allocated
     before it: one call, so blocks of the previous iteration still held for other streams do not
@@ -275,7 +297,7 @@ def graph_replay(fn: Callable[[], None], device, warmup: int = 3) -> Callable[[]
 
 def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
               progress: Optional[Progress] = None, profile: Optional[Profile] = None,
-              warm_ms: float = 0.0) -> List[dict]:
+              warm_ms: float = 0.0, peak: Optional[float] = None) -> List[dict]:
     """Time every mode of bench ``b`` for each pass; one record per (pass, mode), the shape's
     ``fields`` first (the record format of :func:`overlap_layers.bench.mlp.bench_shape`): ``ms``
     the median of the repeats, ``spread`` their fastest, slowest and count, ``repeat_ms`` each.
@@ -285,7 +307,8 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
     per pass. ``profile``: each timed mode is then also profiled (:func:`profile_calls`).
     ``warm_ms``: untimed repeats before each mode's timed ones ([Note: warm device]). With
     ``fields["cuda_graphs"]`` every mode is timed as :func:`graph_replay` (peak memory from an
-    eager call of the same plan)."""
+    eager call of the same plan); with ``fields["graph_calls"]`` (the layers replay their own
+    calls) the ``reference`` mode is. ``peak``: the GEMM rate the records' efficiency divides by."""
     graphs = bool(fields.get("cuda_graphs")) and b.device.type == "cuda"
     device, group = b.device, b.group
     records = []
@@ -312,13 +335,14 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 continue  # no such mode for this layer or device: no record
             eager = fn
             try:
-                if graphs:
+                # the layers replay their own calls with graph_calls: the reference gets graphs too
+                if graphs or (mode == "reference" and fields.get("graph_calls") and device.type == "cuda"):
                     fn = graph_replay(eager, device)
                 with full_collections() as timed_gc:
                     samples = time_samples(fn, device, group, warmup, iters, repeats, warm_ms)
                 times[mode] = statistics.median(samples)
             except Exception as e:  # noqa: BLE001
-                if mode != "asynctp":
+                if mode not in ("asynctp", "reference"):
                     raise
                 times[mode] = None
                 extra[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -336,7 +360,7 @@ def run_modes(b, fields: dict, modes, passes, naive_k, warmup, iters, repeats,
                 info["host_ms"] = host_ms_per_call(fn, device)
             if layer_mode:
                 _plan_info(b, mode, info, predicted, backward)
-        records += _pass_records(b, fields, pass_, times, extra, warm_ms)
+        records += _pass_records(b, fields, pass_, times, extra, warm_ms, peak)
         if progress is not None:
             progress.advance()
     return records
@@ -351,6 +375,8 @@ def _mode_fn(b, mode: str, layer_mode: bool, backward: bool, extra: Dict[str, di
         return b.rank_fn("copy_engine" if mode == "rank_ce" else "nccl", backward)
     if layer_mode:
         return b.layer_fn(1 if mode == "serial" else "auto" if mode == "auto" else int(mode[5:]), backward)
+    if mode == "reference":
+        return b.reference_fn(backward)
     if mode == "compute":
         return b.compute_fn(backward)
     if mode == "comm":
@@ -399,15 +425,22 @@ def _plan_info(b, mode: str, info: dict, predicted: Dict[int, tuple], backward: 
 
 
 def _pass_records(b, fields: dict, pass_: str, times: Dict[str, Optional[float]], extra: Dict[str, dict],
-                  warm_ms: float) -> List[dict]:
-    """One pass's records, one per timed mode, with the limit and the ratios to it and to serial."""
+                  warm_ms: float, peak: Optional[float]) -> List[dict]:
+    """One pass's records, one per timed mode, with the limit and the ratios to it, to serial and
+    to the plain reference, and each mode's achieved rate: the pass's FLOPs per rank
+    (``b.flops``) over its time, and that over the GEMM ``peak`` (TFLOP/s, measured in the same
+    run; None off CUDA)."""
     limit = max(times["compute"], times["comm"]) \
         if times.get("compute") is not None and times.get("comm") is not None else None
+    flops = b.flops(pass_ == "fwdbwd")
     records = []
     for mode, ms in times.items():
+        tflops = flops / ms / 1e9 if ms and mode != "comm" else None
         rec = dict(fields, world_size=b.ws, dtype=str(b.dtype).replace("torch.", ""), mode=mode, ms=ms,
                    warm_ms=warm_ms, limit_ms=limit, ratio_limit=(ms / limit) if ms and limit else None,
                    ratio_serial=(ms / times["serial"]) if ms and times.get("serial") else None,
+                   ratio_reference=(ms / times["reference"]) if ms and times.get("reference") else None,
+                   flops=flops, tflops=tflops, efficiency=tflops / peak if tflops and peak else None,
                    predicted_ms=None)
         if mode.startswith("naive"):
             rec["mode"] = "naive"
