@@ -48,8 +48,9 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     tokens over the group, runs each rank's 1/ws share through ``OverlapMoE`` (expert parallel)
     and all-gathers the outputs, so no token is computed twice. See the table in :mod:`.hf_build`
     for what is recognised (by type, without a ``plan``) and :mod:`.hf_adapters` for the adapters' contracts
-    (HF call signatures and return values; causal masks only, no KV cache -- ``swap`` sets
-    ``config.use_cache=False``).
+    (HF call signatures and return values; KV caches, so ``generate()`` works, and any SDPA mask:
+    padding, packed sequences, sliding windows; with ``block=True`` causal masks only and no KV
+    cache, and ``swap`` sets ``config.use_cache=False``).
 
     Parameters (``dtensor=True``, the default): every parameter of the swapped model is a DTensor
     on the tensor-parallel mesh axis (``mesh``'s ``axis``, or a 1-D mesh over ``group``'s ranks),
@@ -108,7 +109,7 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     replaced = _swap_blocks(model, group, rules, config, place, known) if block else {}
     done, already = _swap_modules(model, group, rules, config, place, known, block)
     replaced.update({k: v for k, v in done.items() if v})
-    if replaced.get("attention") or replaced.get("block"):
+    if replaced.get("block"):
         _drop_kv_cache(model)
     if dtensor and (any(replaced.values()) or already):
         distribute_params(model, mesh=place)
@@ -141,9 +142,9 @@ def _swap_modules(model, group, rules, config, place, known, block: bool) -> tup
 
 
 def _drop_kv_cache(model) -> None:
-    """``config.use_cache=False`` on every module with a config: the swapped attention keeps no KV cache."""
+    """``config.use_cache=False`` on every module with a config: the swapped blocks keep no KV cache."""
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if getattr(cfg, "use_cache", False):
             cfg.use_cache = False
-    logger.info("overlap_layers.swap: set config.use_cache=False (the swapped attention keeps no KV cache)")
+    logger.info("overlap_layers.swap: set config.use_cache=False (the swapped blocks keep no KV cache)")

@@ -29,19 +29,21 @@ With DTensor parameters (``swap``'s default) it computes on the weight's local t
 module outside the overlap layers does ([Note: DTensor models] in ``integrations/dtensor.py``).
 
 [Note: HF attention mask]
-OverlapAttention computes causal attention over whole sequences (SDPA ``is_causal``). HF builds
-one mask per forward and hands it to every attention module: ``None`` (SDPA without padding),
-a boolean ``[B, 1, S, S]`` mask (True = attend) or an additive float mask (0 / dtype min) for
-eager attention, a ``[B, S]`` padding mask for flash attention, or a flex ``BlockMask``. The
-adapter hands the mask to the layer, which accepts ``None``, a 4-D mask that *equals* the standard
-causal mask (boolean, or additive with 0 where allowed and <= finfo.min/2 or -inf elsewhere) and a
-2-D mask without padding (:func:`overlap_layers.layers.attention.common.is_causal_mask`); anything
-else (padding, packed sequences) is a ValueError on every rank (the check is part of the layer's
-agreement, so a rank that sees a different mask cannot hang the others). The adapter itself
-rejects sliding windows shorter than the sequence and a KV cache, on every rank too. The verdict
-is cached per mask tensor, so the O(S^2) check runs once per forward, not once per layer. Under
-``torch.compile`` the mask enters the layer's opaque op and is checked there, eagerly (tracing
-cannot branch on its values).
+OverlapAttention's planned call computes causal attention over whole sequences (SDPA
+``is_causal``). HF builds one mask per forward and hands it to every attention module: ``None``
+(SDPA without padding), a boolean ``[B, 1, S, keys]`` mask (True = attend) or an additive float
+mask (0 / dtype min) for eager attention, a ``[B, S]`` padding mask for flash attention, or a
+custom 4-D mask the caller passed (packed sequences: block-diagonal). A call without a KV cache
+whose mask is None or *equals* the standard causal mask
+(:func:`overlap_layers.layers.attention.common.is_causal_mask`, cached per mask tensor, so the
+O(S^2) check runs once per forward) runs the planned, overlapped call. Any other mask (padding,
+packed sequences, a sliding window shorter than the sequence), and every call with a KV cache
+(``generate``), runs :meth:`OverlapAttention.attend`: the serial plan as plain torch ops, SDPA
+under the mask (a 2-D padding mask becomes the causal band over the real keys, :func:`sdpa_mask`),
+each rank keeping its own KV heads in the cache through HF's ``cache.update`` (dynamic, static and
+sliding-window caches alike). Which of the two runs is a column of the layer's agreement, so ranks
+that see different masks raise instead of mixing calls. Flash attention's varlen arguments
+(``cu_seq_lens_*``) are rejected on every rank: packed sequences come to SDPA as a mask.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 from ..layers import OverlapAttention, OverlapMoE, OverlapTransformerBlock
+from ..layers.attention.common import is_causal_mask
 from ..layers.common.grads import sum_grads_in_backward
 from ..layers.moe.tokens import gather_tokens, split_tokens
 
@@ -59,26 +62,17 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 
 
 # ---------------------------------------------------------------------------- attention
-def call_problem(x, position_embeddings, cache, kwargs, sliding_window) -> Optional[Exception]:
+def call_problem(x, position_embeddings, kwargs) -> Optional[Exception]:
     """What an HF attention call asks that the swapped attention cannot do (the exception to
-    raise), or None. The mask is the layer's to check ([Note: HF attention mask])."""
-    if cache is not None:
-        return NotImplementedError(
-            "a KV cache was passed (use_cache=True / generate()): the swapped attention keeps no KV cache. "
-            "Run the swapped model with use_cache=False (swap sets config.use_cache=False); generate with "
-            "the dense model")
+    raise), or None. The mask and the cache are served ([Note: HF attention mask])."""
     packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
     if packed:
-        return ValueError(f"packed sequences ({', '.join(packed)}) are not supported: OverlapAttention is causal "
-                          f"over whole sequences; pass unpacked, unpadded batches")
+        return ValueError(f"varlen arguments ({', '.join(packed)}) are flash-attention's: the swapped attention "
+                          f"runs SDPA; use attn_implementation='sdpa' (packed sequences then come as a mask)")
     if position_embeddings is None:
         return ValueError("position_embeddings=(cos, sin) is required (HF's decoder layers pass them); the "
                           "swapped attention never computes its own RoPE tables")
-    S = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
-    if sliding_window is not None and S > sliding_window:
-        return ValueError(f"sequence length {S} exceeds the sliding window {sliding_window}: the swapped "
-                          f"attention is plain causal; use sequences of at most {sliding_window} tokens")
-    return None  # the mask goes to the layer, which accepts only one equal to the causal mask
+    return None
 
 
 def reject(layer: OverlapAttention, x, position_embeddings, problem: Exception, source: str) -> None:
@@ -91,6 +85,23 @@ def reject(layer: OverlapAttention, x, position_embeddings, problem: Exception, 
     raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
 
 
+def sdpa_mask(mask, q_len: int) -> Optional[torch.Tensor]:
+    """HF's mask as SDPA takes it for :meth:`OverlapAttention.attend`: a 4-D mask as it is; a 2-D
+    ``[batch, keys]`` padding mask (1 = a real token; flash attention's form) as the causal band
+    of the last ``q_len`` queries over those keys, padded keys masked; None stays None (causal)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return mask
+    keys = mask.shape[1]
+    band = torch.ones(q_len, keys, dtype=torch.bool, device=mask.device).tril(keys - q_len)
+    return band & mask.bool()[:, None, None, :]
+
+
+def _cache_update(cache, layer_idx, position_embeddings, cache_position, k, v):
+    """HF's ``cache.update`` for this layer (its keyword arguments as HF's attention modules pass them)."""
+    cos, sin = position_embeddings
+    return cache.update(k, v, layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+
+
 class HFAttention(nn.Module):
     """An HF attention module's stand-in: ``OverlapAttention(sequence_parallel=False)`` over the
     group, with HF's call signature and return contract.
@@ -100,11 +111,11 @@ class HFAttention(nn.Module):
     rank; ``(cos, sin)`` ``[batch or 1, seq, head_dim]`` as HF's rotary embedding computed them (so
     every RoPE variant HF implements, Llama 3 scaling included, is exact); the output is the full
     ``[batch, seq, hidden]`` on every rank. Attention weights are never materialised (like HF's SDPA
-    path, which also returns None). ``position_ids`` and ``use_cache`` are accepted and ignored.
-    Rejected on every rank: a KV cache (``NotImplementedError``: no generation; ``swap`` sets
-    ``config.use_cache=False``), a mask that is not the causal one, packed sequences, a sequence
-    longer than the sliding window, missing ``position_embeddings`` (``ValueError``); see
-    [Note: HF attention mask].
+    path, which also returns None). A causal call without a cache runs the layer's planned call; a
+    call with a KV cache (``generate``) or another mask (padding, packed sequences, a sliding
+    window) runs :meth:`OverlapAttention.attend`, each rank caching its own KV heads. Rejected on
+    every rank: flash-attention's varlen arguments and missing ``position_embeddings``
+    (``ValueError``); see [Note: HF attention mask].
     """
 
     def __init__(self, layer: OverlapAttention, *, layer_idx=None, sliding_window: Optional[int] = None,
@@ -120,10 +131,16 @@ class HFAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
-        problem = call_problem(hidden_states, position_embeddings, cache, kwargs, self.sliding_window)
+        problem = call_problem(hidden_states, position_embeddings, kwargs)
         if problem is not None:
             reject(self.layer, hidden_states, position_embeddings, problem, self.source or "attention")
-        return self.layer(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask), None
+        S = hidden_states.shape[1] if hidden_states.dim() == 3 else 0
+        if cache is None and (attention_mask is None or is_causal_mask(attention_mask, S)):
+            return self.layer(hidden_states, position_embeddings=position_embeddings), None
+        update = None if cache is None else functools.partial(_cache_update, cache, self.layer_idx,
+                                                              position_embeddings, kwargs.get("cache_position"))
+        return self.layer.attend(hidden_states, position_embeddings=position_embeddings,
+                                 attention_mask=sdpa_mask(attention_mask, S), kv_update=update), None
 
     def to_dense(self) -> dict:
         """The dense weights (:meth:`OverlapAttention.to_dense`); a collective."""
@@ -171,7 +188,9 @@ class HFBlock(nn.Module):
     def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                  use_cache=False, position_embeddings=None, past_key_values=None, past_key_value=None, **kwargs):
         cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
-        problem = call_problem(hidden_states, position_embeddings, cache, kwargs, self.sliding_window)
+        problem = call_problem(hidden_states, position_embeddings, kwargs) or (NotImplementedError(
+            "a KV cache was passed (use_cache=True / generate()): swap(block=True) keeps no KV cache; swap with "
+            "block=False to generate") if cache is not None else None)
         if problem is not None:
             reject(self.block.attention, hidden_states, position_embeddings, problem, self.source or "decoder layer")
         gate = self.gate

@@ -15,7 +15,7 @@ casts back.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -135,12 +135,17 @@ def empty_heads(like: torch.Tensor, shape) -> Tuple[torch.Tensor, torch.Tensor, 
     return tuple(like.new_empty((b, n, g * s, d)) for n in (nq, nkv, nkv))
 
 
-def sdpa(q, k, v, *, causal: bool, scale: Optional[float], dropout_p: float = 0.0) -> torch.Tensor:
-    """``scaled_dot_product_attention`` of ``[b, n, S, d]`` heads, with ``enable_gqa`` when nq != nkv.
-    On CUDA the output's gradient reaches SDPA's backward in the output's own layout
-    (:class:`_GradLikeOutput`)."""
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p,
-                                       enable_gqa=q.shape[1] != k.shape[1])
+def sdpa(q, k, v, *, causal: bool, scale: Optional[float], dropout_p: float = 0.0,
+         attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``[b, n, S, d]`` heads, with ``enable_gqa`` when nq != nkv,
+    under ``attn_mask`` (SDPA's: boolean, True = attend, or additive) where given; ``causal``
+    without a mask: SDPA's ``is_causal`` (query i attends to keys 0..i, as Hugging Face's SDPA
+    attention passes it, also over a static cache's longer key buffer), none for a single query
+    (a decoding step attends to every key it is given). On CUDA the output's gradient reaches
+    SDPA's backward in the output's own layout (:class:`_GradLikeOutput`)."""
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                       is_causal=causal and attn_mask is None and q.shape[2] > 1,
+                                       scale=scale, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
     return _GradLikeOutput.apply(o) if o.is_cuda and o.requires_grad else o
 
 
@@ -171,14 +176,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, *,
               cos_sin: Optional[Tuple[torch.Tensor, torch.Tensor]], q_norm: Optional[torch.Tensor],
               k_norm: Optional[torch.Tensor], causal: bool, scale: Optional[float],
-              dropout_p: float = 0.0) -> torch.Tensor:
+              dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None,
+              kv_update: Optional[Callable] = None) -> torch.Tensor:
     """``o [b, S, nq, d]`` from projected ``q [b, S, nq, d]``, ``k, v [b, S, nkv, d]`` (see the
     module docstring). Uses ``scaled_dot_product_attention`` (flash / memory-efficient kernels on
-    GPU) with ``enable_gqa`` when nq != nkv."""
+    GPU) with ``enable_gqa`` when nq != nkv. ``kv_update(k, v)``: a KV cache's, with the new
+    keys (after qk-norm and RoPE) and values ``[b, nkv, S, d]``, returning every cached key and
+    value to attend to; ``attn_mask``: SDPA's mask over those (:func:`sdpa`)."""
     if q_norm is not None:
         q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
     q, k, v = q_bSnd.transpose(1, 2), k_bSnd.transpose(1, 2), v_bSnd.transpose(1, 2)
     if cos_sin is not None:
         cos, sin = cos_sin[0].to(q.dtype)[:, None], cos_sin[1].to(q.dtype)[:, None]  # once for q and k
         q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)
-    return sdpa(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p).transpose(1, 2)
+    if kv_update is not None:
+        k, v = kv_update(k, v)
+    return sdpa(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, attn_mask=attn_mask).transpose(1, 2)

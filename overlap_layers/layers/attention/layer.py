@@ -25,7 +25,7 @@ the per-call state both read (the core, RoPE tables, query chunks) is ``layers/a
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +250,42 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         agreed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
         return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
+    def attend(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
+               attention_mask: Optional[torch.Tensor] = None, kv_update: Optional[Callable] = None) -> torch.Tensor:
+        """``forward`` under any attention mask and with a KV cache, for inference and padded or
+        packed batches: equals the dense layer (module docstring) whose core attends, for each new
+        query, to the keys ``attention_mask`` allows among ``kv_update``'s.
+
+        ``attention_mask``: SDPA's (boolean, True = attend, or additive), ``[batch or 1, 1,
+        seq, keys]`` over the keys attended to (padding, packed sequences, sliding windows), or
+        None: causal as SDPA's ``is_causal`` (query i attends to keys 0..i), none for one query. ``kv_update(k, v)``: called
+        with this call's keys (after qk-norm and RoPE) and values of this rank's KV heads, ``[batch,
+        kv heads / ws, seq, head_dim]``; returns every key and value to attend to (a cache's
+        ``update``); None: this call's own. Without sequence parallelism only (the replicated
+        sequence of a decoder's inference).
+
+        The call runs the serial plan as plain torch ops ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``) with no planning: its agreement (once per call signature,
+        [Note: agreement once per call signature]) is its only bookkeeping, so a decoding loop's
+        calls of one shape do no host work beyond the plain module's."""
+        if self.sequence_parallel:
+            raise ValueError("attend: the layer has sequence_parallel=True; masked and cached calls need the "
+                             "replicated sequence (build it with sequence_parallel=False)")
+        mask_ok = attention_mask is None or (
+            isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[0] in (1, x.shape[0]) and attention_mask.shape[2] == x.shape[1])
+        if not mask_ok:
+            raise ValueError(f"attention_mask={getattr(attention_mask, 'shape', attention_mask)!r}: attend takes None or "
+                             f"a 4-D [batch or 1, 1, seq, keys] mask for x {tuple(x.shape)}")
+        err = input_error(x, hidden_size=self.hidden_size, weight=self.wq, seq_factor=1, head_dim=self.head_dim,
+                          position_ids=position_ids, position_embeddings=position_embeddings, attention_mask=None,
+                          causal=self.causal)
+        positions = (position_ids is not None) + 2 * (position_embeddings is not None)
+        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
+                                    extra_names=("positions", "masked or cached call"))
+        return self._plain_run(x, None, agreed.save, position_ids, position_embeddings, None,
+                               attn_mask=attention_mask, kv_update=kv_update)
+
     def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> Agreed:
         """The call's agreement on its inputs (``LayerPlanner.agree``); the fused block's call
         (``layers/block/layer.py``) makes it too."""
@@ -258,7 +294,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",))
+        return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 0),
+                                  extra_names=("positions", "masked or cached call"))
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
@@ -280,10 +317,12 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                 y_TH = y_TH + bo
         return y_TH.view(B, s, H)
 
-    def _plain_run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial) -> torch.Tensor:
+    def _plain_run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial,
+                   attn_mask=None, kv_update=None) -> torch.Tensor:
         """The serial plan as the reference's torch ops under autograd ([Note: plain serial calls] in
         ``layers/common/plain_tp.py``): q, k and v by their own projections of the gathered rows
-        (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction)."""
+        (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction);
+        ``attn_mask`` and ``kv_update`` as :meth:`attend` takes them."""
         x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
         B, s, H = x.shape
         ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
@@ -298,7 +337,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
             o = attention(F.linear(seq, wq, bq).unflatten(-1, (nq, d)), F.linear(seq, wk, bk).unflatten(-1, (nkv, d)),
                           F.linear(seq, wv, bv).unflatten(-1, (nkv, d)), cos_sin=cos_sin, q_norm=q_norm,
                           k_norm=k_norm, causal=self.causal, scale=self.softmax_scale,
-                          dropout_p=self.dropout_p if self.training else 0.0)
+                          dropout_p=self.dropout_p if self.training else 0.0, attn_mask=attn_mask,
+                          kv_update=kv_update)
             y = F.linear(o.reshape(B, S, nq * d), wo)
             if g > 1:
                 y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
