@@ -39,6 +39,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ...planning.first_order import first_order
+
 
 class _SumOverGroup(torch.autograd.Function):
     """Forward: identity (a view). Backward: the gradient all-reduced (summed) over the group."""
@@ -49,6 +51,7 @@ class _SumOverGroup(torch.autograd.Function):
         return w.view_as(w)
 
     @staticmethod
+    @first_order  # [Note: first-order backward]: the all-reduced gradient carries no graph
     def backward(ctx, g):
         g = g.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ...planning.first_order import first_order
 from ...runtime.collectives import all_gather_single, reduce_scatter_single
+from .grads import sum_grad_over_group
 
 
 def _gather_rows(t: torch.Tensor, group, ws: int) -> torch.Tensor:
@@ -82,18 +83,6 @@ class _ScatterRows(torch.autograd.Function):
         return _gather_rows(g, ctx.group, ctx.ws), None, None
 
 
-class _SumGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    @first_order  # [Note: first-order backward]
-    def backward(ctx, g):
-        return _summed(g, ctx.group), None
-
-
 class _SumOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group):
@@ -109,7 +98,7 @@ def enter(x_TH: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.
     """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1."""
     if ws == 1:
         return x_TH
-    return _GatherRows.apply(x_TH, group, ws) if sequence_parallel else _SumGrad.apply(x_TH, group)
+    return _GatherRows.apply(x_TH, group, ws) if sequence_parallel else sum_grad_over_group(x_TH, group)
 
 
 def leave(y: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
