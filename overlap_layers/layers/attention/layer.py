@@ -47,7 +47,8 @@ from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from . import query_chunks
 from .call import AttentionCall, check_heads, core_op_setups
 from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
-                     compiled_position_args, input_error, position_kwargs, register_params)
+                     compiled_position_args, config_fields, input_error, position_kwargs, register_params,
+                     replicated_positions)
 from .common import cos_sin as cos_sin_of
 from .core import attention
 from .cost import AttentionCostModel
@@ -193,6 +194,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     def _weight(self) -> torch.Tensor:
         return self.wq
 
+    def _config_fields(self) -> tuple:
+        return (*config_fields(self), ("sequence_parallel", self.sequence_parallel))
+
     _rank_tiles = True  # rank chunks inside batch tiles (RankChunkAttention)
 
     def _backward_reads_input(self, plan) -> bool:
@@ -258,7 +262,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",))
+        return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions,), extra_names=("positions",),
+                                  replicated=(("x", None if self.sequence_parallel else x),
+                                              *replicated_positions(position_ids, position_embeddings)))
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:
