@@ -92,7 +92,13 @@ class OverlapConfig:
     ``planning/call_graphs.py``). ``sm_carveout``: SMs the GEMMs leave free for NCCL kernels in a
     planned pass that overlaps NCCL collectives and whose communication the model predicts to take
     at least half as long as its compute (CUDA; [Note: SM carveout] in ``runtime/carveout.py``).
-    None: an eighth of the device's SMs; 0: never.
+    None: an eighth of the device's SMs; 0: never. ``check_inputs``: at every call, compare across
+    the ranks the inputs that must be equal on every rank (position ids and RoPE tables; ``x``
+    where the layer is not sequence parallel) by fingerprints reduced on the device and gathered,
+    and raise ValueError on every rank naming the inputs and the ranks that differ; costs two
+    reads of those tensors, a device-to-host copy (a sync on CUDA) and a host gather per call
+    ([Note: input checks] in ``planning/cross_checks.py``). Calls captured into CUDA graphs are not
+    checked.
     """
 
     num_tiles: Union[int, str] = "auto"
@@ -105,6 +111,7 @@ class OverlapConfig:
     cuda_graphs: bool = False
     graph_calls: bool = False
     sm_carveout: Optional[int] = None
+    check_inputs: bool = False
 
     def __post_init__(self) -> None:
         check_num_tiles(self.num_tiles, "OverlapConfig.num_tiles")
@@ -118,7 +125,7 @@ class OverlapConfig:
                 raise ValueError(f"memory_budget={mb!r}; bytes must be > 0")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not (0 <= self.margin < 1):
             raise ValueError(f"margin={self.margin!r}; must be a number in [0, 1)")
-        for name in ("cuda_graphs", "graph_calls"):
+        for name in ("cuda_graphs", "graph_calls", "check_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}; must be True or False")
         sc = self.sm_carveout

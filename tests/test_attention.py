@@ -568,7 +568,7 @@ def _different_num_tiles(rank, ws):
 
 
 def test_different_num_tiles_per_rank_raises(pool2):
-    expect_value_error_on_every_rank(pool2, _different_num_tiles, match="plan")
+    expect_value_error_on_every_rank(pool2, _different_num_tiles, match="num_tiles differs")
 
 
 def _bad_pin(rank, ws, plan):

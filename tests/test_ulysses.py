@@ -417,8 +417,8 @@ def _call_with(rank, ws, name):
     ("position_ids_float", "position_ids must"),
     ("position_embeddings", "position_embeddings must"),
     ("position_embeddings_grad_rank1", "must not require grad"),
-    ("num_tiles", "plan request (0 = auto) differs"),
-    ("layer_config", "layer config differs"),
+    ("num_tiles", "num_tiles differs"),
+    ("layer_config", "causal differs: rank 0: True, rank 1: False"),
 ])
 def test_bad_input_raises_on_every_rank(pool2, name, match):
     expect_value_error_on_every_rank(pool2, _call_with, name, match=match)

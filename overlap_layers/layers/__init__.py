@@ -1,12 +1,13 @@
 """The layers: they describe tile programs and never schedule. One subpackage per family (mlp,
 attention, moe, block) over what they share (common); :mod:`.grads` finishes the gradients of
-any of them."""
+any of them; :mod:`.plan_files` writes and reads their settled plans."""
 from ..planning import TilePlan
 from .attention import OverlapAttention, UlyssesAttention
 from .block import OverlapTransformerBlock
 from .grads import finalize_grads, reduce_replicated_grads
 from .mlp import OverlapMLP
 from .moe import OverlapMoE
+from .plan_files import load_plans, save_plans
 
 __all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "OverlapTransformerBlock", "finalize_grads",
-           "reduce_replicated_grads", "TilePlan", "UlyssesAttention"]
+           "load_plans", "reduce_replicated_grads", "save_plans", "TilePlan", "UlyssesAttention"]

@@ -26,6 +26,7 @@ from ..config import Decomposition, Transport
 from ..runtime import resolve_group
 from .checks import check_dtype, resolve_config
 from .copying import copy_module
+from .cross_checks import config_digest, config_table
 from .dtensor import Layout, as_dtensor_params
 from .plan import TilePlan
 from .planner import LayerPlanner
@@ -41,9 +42,9 @@ class TiledLayer(abc.ABC):
     provides; the others have defaults that a layer overrides where it differs.
 
     Hooks: ``_weight``, ``_plan_key``, ``_tile_units``, ``_cost_model``, ``_programs``,
-    ``_op_setups``, ``reset_parameters``, ``_dtensor_layouts``, ``_dtensor_input_placements``
-    (abstract); ``_check_pin``, ``_rank_candidates``, ``_predicted_timelines``, ``_floor``,
-    ``_after_agreement``, ``_agreed_shape``, ``_empty_output``, ``_graphed_run``,
+    ``_op_setups``, ``reset_parameters``, ``_dtensor_layouts``, ``_dtensor_input_placements``,
+    ``_config_fields`` (abstract); ``_check_pin``, ``_rank_candidates``, ``_predicted_timelines``,
+    ``_floor``, ``_after_agreement``, ``_agreed_shape``, ``_empty_output``, ``_graphed_run``,
     ``_graph_signature``, ``_graph_stage``, ``_compiled_extras``, ``_compiled_kwargs``,
     ``_init_caches`` and the class attributes below (defaults)."""
 
@@ -56,6 +57,8 @@ class TiledLayer(abc.ABC):
     # ([Note: gradients complete in backward] in ``layers/common/grads.py``)
     _grad_sums: dict = {}
     _input_mesh = None  # with mesh=: the mesh axis' 1-D DeviceMesh a DTensor input must be on
+    # ((name, value), ...) of a module around the layer that every rank must share too (a block's norms)
+    _config_context: tuple = ()
 
     # ----------------------------------------------------------------- what the planner plans
     @property
@@ -99,6 +102,12 @@ class TiledLayer(abc.ABC):
     def _dtensor_input_placements(self) -> tuple:
         """The placements a DTensor ``x`` may have ([Note: DTensor inputs])."""
 
+    @abc.abstractmethod
+    def _config_fields(self) -> tuple:
+        """``((name, value), ...)``: the layer's own construction arguments that every rank must
+        share (sizes, activation, bias, sequence parallelism...); :meth:`_config_table` adds the
+        rest ([Note: layer config] in ``planning/cross_checks.py``)."""
+
     def _check_pin(self, plan: TilePlan) -> None:
         """The layer's limits of a pinned plan (ValueError); by default batch tiles over NCCL."""
         if plan.decomposition != Decomposition.BATCH or plan.transport != Transport.NCCL:
@@ -115,6 +124,20 @@ class TiledLayer(abc.ABC):
         return cm.timelines(self._programs, plan.num_tiles, plan.regather, plan.buckets_fwd, plan.buckets_bwd, save)
 
     # ----------------------------------------------------------------- the agreement
+    def _config_table(self) -> tuple:
+        """``((name, value), ...)`` every rank must share ([Note: layer config] in
+        ``planning/cross_checks.py``): the class, :meth:`_config_fields`, the weights' dtype,
+        ``num_tiles``, the ``config`` fields but ``cache_dir``, and ``_config_context``."""
+        return config_table(self, self._config_fields())
+
+    def _config_digest(self) -> int:
+        """The digest of :meth:`_config_table` that the call's agreement compares (kept by the
+        planner for the next call whose table is equal: its repr costs more than the comparison)."""
+        table, last = self._config_table(), self.planner.config_digest
+        if last is None or last[0] != table:
+            last = self.planner.config_digest = (table, config_digest(table))
+        return last[1]
+
     def _floor(self) -> tuple:
         """Ints this rank adds to its agreement row whose minimum over the ranks (not equality)
         is what counts, e.g. whether this rank could use a transport; none by default."""

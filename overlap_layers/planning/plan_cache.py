@@ -109,8 +109,9 @@ class PlanCache:
     """The plans of one layer, per key; see the module docstring and [Note: first-call verification]."""
 
     def __init__(self, agreement: Agreement, *, size: int = 32, verify: bool = True, trials: int = 3,
-                 margin: float = 0.0, prequeue_ms: float = 0.0, align: Optional[Callable[[], None]] = None) -> None:
-        self._agreement = agreement
+                 margin: float = 0.0, prequeue_ms: float = 0.0, align: Optional[Callable[[], None]] = None,
+                 who: Optional[Callable[[], str]] = None) -> None:
+        self._agreement, self._who = agreement, who  # who: the gathers' description in their errors
         self._size, self._verify, self._trials, self._margin = size, verify, trials, margin
         self.prequeue_ms, self.align = prequeue_ms, align  # the trials' stopwatches': [Note: aligned trials]
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
@@ -130,6 +131,18 @@ class PlanCache:
         entry = self._entries.get(key)
         return entry.plan if entry is not None and entry.trials is None else None
 
+    def settled_items(self) -> List[Tuple[Hashable, object]]:
+        """``(key, plan)`` of every settled key, least recently used first."""
+        return [(key, e.plan) for key, e in self._entries.items() if e.trials is None]
+
+    def preload(self, key: Hashable, plan: object) -> None:
+        """Hold ``plan`` as ``key``'s settled plan, as if planned and verified (a plan file's:
+        ``load_plans``); the caller has agreed it across the ranks."""
+        self._entries[key] = _Entry(plan, None, None)
+        self._entries.move_to_end(key)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
     def get(self, key: Hashable, make: Callable[[Hashable], object],
             contenders_of: Callable[[object], Sequence[object]], device: torch.device, *,
             call: bool = True, capturing: bool = False) -> Tuple[object, Optional[Trial]]:
@@ -146,7 +159,7 @@ class PlanCache:
                                "this shape (or layer.warmup([(batch, seq_local)])) before capturing")
         if entry is None:
             plan = make(key)
-            digests = {row[0] for row in self._agreement.gather((plan.digest(),))}
+            digests = {row[0] for row in self._agreement.gather((plan.digest(),), who=self._who)}
             if len(digests) > 1:
                 raise PlanMismatchError(f"ranks of the group chose different plans for {key}: digests "
                                         f"{sorted(digests)}; this rank: {plan}")
@@ -189,7 +202,7 @@ class PlanCache:
         has_bwd = all(t.bwd is not None and t.bwd.done for t in trials)
         row = [float(has_bwd)] + [total_ms(t.fwd) for ts in mine for t in ts] + \
               [total_ms(t.fwd, t.bwd) if has_bwd else math.inf for ts in mine for t in ts]
-        table = self._agreement.gather(row, dtype=torch.float64)
+        table = self._agreement.gather(row, dtype=torch.float64, who=self._who)
         with_bwd = min(r[0] for r in table) == 1.0
         off, per = (1 + len(trials)) if with_bwd else 1, [len(ts) for ts in mine]
         out, slowest, at = [], [], off

@@ -40,7 +40,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -75,7 +75,9 @@ class LayerPlanner:
     ``plans`` (the plan cache), ``maker`` (its :class:`PlanMaker`: hardware numbers, budget),
     ``call_graphs`` (with ``config.graph_calls``, else None), ``pinned``, ``plan`` (the last
     call's), ``agreed_floor`` and ``capturing`` (from the last agreement), ``recompute``
-    ([Note: recompute]), ``compiled_graphs`` ([Note: compiled calls])."""
+    ([Note: recompute]), ``compiled_graphs`` ([Note: compiled calls]), ``index``, ``name`` and
+    ``calls`` (what :meth:`describe` says), ``checks_inputs`` and ``config_digest``
+    (``planning/cross_checks.py``)."""
 
     def __init__(self, layer, config: OverlapConfig, *, pinned: Optional[TilePlan] = None,
                  warn: bool = True) -> None:
@@ -84,13 +86,20 @@ class LayerPlanner:
                           f"runs NCCL here", stacklevel=3)
         self._layer = weakref.ref(layer)  # the layer owns its planner: no reference cycle
         self.agreement = shared_agreement(layer.group)
+        self.index = self.agreement.new_layer()  # among the group's layers made on this rank
+        self.name: Optional[str] = None  # the layer's module name, where known (save_plans, load_plans)
+        self.calls = 0  # the layer's calls so far (agreements asked)
+        self.config_digest: Optional[tuple] = None  # (config table, its digest) last computed (TiledLayer)
+        # config.check_inputs: every call gathers ([Note: input checks] in planning/cross_checks.py)
+        self.checks_inputs = config.check_inputs and layer.world_size > 1
         self.streams = StreamPool()
         self.compiled_key = register_layer(layer)  # [Note: compiled calls]
         self.compiled_graphs: dict = {}  # token -> (output, leaves) of a compiled call awaiting backward
         replayed = config.cuda_graphs or config.graph_calls
+        me = weakref.ref(self)  # the plan cache's gathers describe the layer: no reference cycle either
         self.plans = PlanCache(self.agreement, size=PLAN_CACHE_SIZE, verify=config.verify_first_calls,
                                margin=config.margin, prequeue_ms=PREQUEUE_MS if replayed else 0.0,
-                               align=rank_barrier(layer.group) if replayed else None)
+                               align=rank_barrier(layer.group) if replayed else None, who=lambda: me().describe())
         self.call_graphs = CallGraphs(self.agreement) if config.graph_calls and layer._graphable else None
         self.maker = PlanMaker(layer, self.agreement)
         self.recompute = RecomputePlans()
@@ -109,14 +118,22 @@ class LayerPlanner:
     def layer(self):
         return self._layer()
 
+    def describe(self) -> str:
+        """The layer and its call, as the agreement's errors name them: its class, its module name
+        where known, its index among the group's layers made on this rank, and the call count."""
+        name = f" {self.name!r}" if self.name else ""
+        return f"{type(self.layer).__name__}{name} (layer {self.index} of its group on this rank), call {self.calls}"
+
     # ----------------------------------------------------------------- one call
     def agree(self, x, err: int, errors: Mapping[int, str], what: str, *, extra: Sequence[int] = (),
-              extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden")) -> Agreed:
+              extra_names: Sequence[str] = (), shape_names=("batch", "seq", "hidden"),
+              replicated: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> Agreed:
         """The call's agreement (:func:`~overlap_layers.planning.call_agreement.agree`, which runs the
         layer's ``_after_agreement`` where it agreed anew): equal on every rank, or the same
-        ValueError on every rank."""
+        ValueError on every rank. ``replicated``: the inputs every rank must hold equal, by name
+        (None where absent; the same names at every call), compared with ``config.check_inputs``."""
         return agree(self.layer, self, x, err, errors, what, extra=extra, extra_names=extra_names,
-                     shape_names=shape_names)
+                     shape_names=shape_names, replicated=replicated)
 
     def known_agreement(self, row: tuple) -> Optional[Agreed]:
         """The last agreed call's :class:`Agreed` if its row was ``row`` and its plan exchanges
@@ -289,7 +306,7 @@ class LayerPlanner:
             error = f"dtype={dtype!r}; valid: {DTYPES}"
         request = zlib.crc32(repr((pairs, str(dtype), bool(training), error)).encode())
         floor = layer._floor()
-        full = self.agreement.gather((request, *floor))
+        full = self.agreement.gather((request, *floor), who=lambda: f"{self.describe()}, warm-up")
         self.agreed_floor = floor_of(full, len(floor))
         if error is not None:
             raise ValueError(error)

@@ -28,12 +28,18 @@ the group is destroyed and its layers are gone, the group, its gloo twin and the
 freed then, not at interpreter exit, where a gloo worker thread that releases a finished
 collective's tensors needs the GIL and aborts the process. Gathers of one group must come from
 one thread at a time.
+Every gather waits the group's own timeout (:func:`group_timeout`), and its errors say which
+gather it was (``who``: the layer, its module name where known, and its call) and, through the
+mailbox, which rank did not arrive. A gather that failed leaves the group out of step (the
+mailbox poisons its slots, gloo closes its pairs), so the group's later gathers raise at once
+on this rank and, through the mailbox, within a second on its peers: after a timeout the group
+must be re-created, as after any collective's timeout.
 """
 from __future__ import annotations
 
 import weakref
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,6 +99,7 @@ class Agreement:
         self._ready = False
         self._shared_memory = shared_memory
         self.mailbox: Optional[HostMailbox] = None
+        self.layers = 0  # layers made on this group by this rank (new_layer)
 
     @property
     def group(self):
@@ -115,12 +122,24 @@ class Agreement:
     def _gloo_group(self):
         return self._twin if self._twin is not None else self.group
 
-    def gather(self, values: Sequence, dtype=torch.int64) -> List[Tuple]:
-        """One tuple per rank of the group (group-rank order) of everyone's ``values``."""
-        self._host()
-        if self.mailbox is not None and dtype in (torch.int64, torch.float64):
-            return self.mailbox.gather(values, floats=dtype == torch.float64)
-        return self._gloo_gather(values, dtype)
+    def new_layer(self) -> int:
+        """The index of a new layer among the group's layers made on this rank (0, 1, ...): part of
+        the layer's description in this agreement's errors."""
+        self.layers += 1
+        return self.layers - 1
+
+    def gather(self, values: Sequence, dtype=torch.int64, who: Optional[Callable[[], str]] = None) -> List[Tuple]:
+        """One tuple per rank of the group (group-rank order) of everyone's ``values``. An error
+        (a rank that did not arrive within the group's timeout or exited, rows of different
+        lengths) says which gather it was: ``who()``, e.g. the layer and its call."""
+        try:
+            self._host()
+            if self.mailbox is not None and dtype in (torch.int64, torch.float64):
+                return self.mailbox.gather(values, floats=dtype == torch.float64)
+            return self._gloo_gather(values, dtype)
+        except (RuntimeError, ValueError) as e:
+            what = "agreement" if who is None else f"agreement of {who()}"
+            raise (ValueError if isinstance(e, ValueError) else RuntimeError)(f"{what}: {e}") from e
 
     def _gloo_gather(self, values: Sequence, dtype=torch.int64) -> List[Tuple]:
         group = self._gloo_group()

@@ -22,10 +22,15 @@ share a small file in /dev/shm instead, each mapping it:
 
 Every rank still issues every gather, so the agreement's argument against hangs is unchanged. A
 waiting rank spins briefly, then yields its core, then sleeps; it checks that the ranks it waits
-for are still alive and raises RuntimeError if one exited or the wait outlasts the timeout. The
-mailbox is set up at the first gather by two gloo gathers (one host, x86-64, the file opens on
-every rank, every peer process visible); otherwise the gloo path stays. The file is unlinked once
-every rank has mapped it, so nothing is left behind.
+for are still alive and raises RuntimeError if one exited or the wait outlasts the timeout.
+A wait that raised leaves the ranks out of step (the raising rank stamped a call its peers may
+never make), so the rank stamps both its slots ``POISON`` (:meth:`HostMailbox.poison`): a peer
+that waits on it raises within a second instead of reading a stale row or waiting out the
+timeout, and the rank's own later gathers raise at once. Rows of different lengths raise
+ValueError on every rank alike and leave the ranks in step. The mailbox is set up at the first
+gather by two gloo gathers (one host, x86-64, the file opens on every rank, every peer process
+visible); otherwise the gloo path stays. The file is unlinked once every rank has mapped it, so
+nothing is left behind.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ WORDS = 256  # numbers per slot and round
 _HEAD = 2  # stamp, row length
 _ROW = _HEAD + WORDS
 _SPINS = 2000  # busy polls before the waiting rank starts yielding its core
+POISON = -1  # the stamp of a rank whose gather raised (a call's stamp is positive)
 
 
 def _capable() -> bool:
@@ -70,6 +76,7 @@ class HostMailbox:
         self._d = memoryview(mm).cast("d")
         self.ws, self.rank, self._pids, self._timeout = ws, rank, tuple(pids), timeout_s
         self._seq = 0
+        self.failed: Optional[str] = None  # why a gather of this rank raised: see poison()
 
     @classmethod
     def open(cls, gather: Callable[[Sequence[int]], List[Tuple[int, ...]]], ws: int, rank: int,
@@ -112,8 +119,18 @@ class HostMailbox:
             return None
         return cls(mm, ws, rank, pids, timeout_s)
 
+    def poison(self, why: str) -> None:
+        """Mark this rank's slots ``POISON`` after a gather that raised (``why``): every later
+        gather raises, here and on the peers that wait for this rank (module docstring)."""
+        self.failed = why
+        for parity in (0, self.ws):
+            self._q[(parity + self.rank) * _ROW] = POISON
+
     def gather(self, values: Sequence, floats: bool = False) -> List[Tuple]:
         """One row per rank (group-rank order); ``floats``: float64 numbers, else int64."""
+        if self.failed is not None:
+            raise RuntimeError(f"an earlier gather of this rank failed ({self.failed}); the group is out of step: "
+                               f"destroy and re-create it")
         cast = float if floats else int
         values = [cast(v) for v in values]
         n = len(values)
@@ -121,9 +138,13 @@ class HostMailbox:
         start = 0
         while True:
             chunk = values[start:start + WORDS]
-            lengths = self._round(n, chunk, floats, rows)
-            if start == 0 and len(set(lengths)) > 1:
-                raise ValueError("agreement: the ranks gathered rows of different lengths: " + ", ".join(
+            try:
+                lengths = self._round(n, chunk, floats, rows)
+            except BaseException as e:  # a timeout, an exited peer, an interrupt: out of step from here
+                self.poison(str(e) or type(e).__name__)
+                raise
+            if start == 0 and len(set(lengths)) > 1:  # every rank read every length: every rank raises
+                raise ValueError("the ranks gathered rows of different lengths: " + ", ".join(
                     f"rank {r}: {m}" for r, m in enumerate(lengths)))
             start += WORDS
             if start >= n:
@@ -161,12 +182,14 @@ class HostMailbox:
                 os.sched_yield()
             else:
                 time.sleep(5e-5 if waited < 0.1 else 1e-3)
+            if waited > self._timeout:
+                raise RuntimeError(f"rank {r} of the group did not arrive within {self._timeout:.0f} s")
             if now - checked > 1.0:
                 checked = now
+                if q[base] == POISON:
+                    raise RuntimeError(f"rank {r} of the group failed in an earlier gather (its error names "
+                                       f"why); the group is out of step: destroy and re-create it")
                 if not _alive(self._pids[r]):
-                    raise RuntimeError(f"agreement: rank {r} of the group (pid {self._pids[r]}) exited "
-                                       f"while this rank waited for its row")
-                if waited > self._timeout:
-                    raise RuntimeError(f"agreement: rank {r} of the group did not arrive within "
-                                       f"{self._timeout:.0f} s")
+                    raise RuntimeError(f"rank {r} of the group (pid {self._pids[r]}) exited while this rank "
+                                       f"waited for its row")
 

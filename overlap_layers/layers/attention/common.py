@@ -108,6 +108,24 @@ def register_params(module: nn.Module, *, hidden: int, q_heads: int, kv_heads: i
     module.k_norm = nn.Parameter(torch.empty(d, **kw)) if qk_norm else None
 
 
+def config_fields(layer) -> tuple:
+    """The construction arguments both attention layers' ranks must share ([Note: layer config] in
+    ``planning/cross_checks.py``)."""
+    return (("hidden_size", layer.hidden_size), ("num_heads", layer.num_heads), ("num_kv_heads", layer.num_kv_heads),
+            ("head_dim", layer.head_dim), ("causal", layer.causal), ("rope_theta", layer.rope_theta),
+            ("qk_norm", layer.qk_norm), ("bias", layer.bias), ("softmax_scale", layer.softmax_scale),
+            ("dropout_p", layer.dropout_p))
+
+
+def replicated_positions(position_ids, position_embeddings) -> tuple:
+    """The position inputs every rank must hold equal, by name (``config.check_inputs``)."""
+    cos, sin = position_embeddings if isinstance(position_embeddings, (tuple, list)) and \
+        len(position_embeddings) == 2 else (None, None)
+    return (("position_ids", position_ids if isinstance(position_ids, torch.Tensor) else None),
+            ("position_embeddings[0] (cos)", cos if isinstance(cos, torch.Tensor) else None),
+            ("position_embeddings[1] (sin)", sin if isinstance(sin, torch.Tensor) else None))
+
+
 @torch.no_grad()
 def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, head_dim: int, position_ids,
                 position_embeddings, attention_mask, causal: bool) -> int:

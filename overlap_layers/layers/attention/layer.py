@@ -47,7 +47,8 @@ from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from . import query_chunks
 from .call import AttentionCall, check_heads, core_op_setups
 from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
-                     compiled_position_args, input_error, position_kwargs, register_params)
+                     compiled_position_args, config_fields, input_error, position_kwargs, register_params,
+                     replicated_positions)
 from .common import cos_sin as cos_sin_of
 from .core import attention
 from .cost import AttentionCostModel
@@ -193,6 +194,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     def _weight(self) -> torch.Tensor:
         return self.wq
 
+    def _config_fields(self) -> tuple:
+        return (*config_fields(self), ("sequence_parallel", self.sequence_parallel))
+
     _rank_tiles = True  # rank chunks inside batch tiles (RankChunkAttention)
 
     def _backward_reads_input(self, plan) -> bool:
@@ -258,10 +262,11 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
 
         ``attention_mask``: SDPA's (boolean, True = attend, or additive), ``[batch or 1, 1,
         seq, keys]`` over the keys attended to (padding, packed sequences, sliding windows), or
-        None: causal as SDPA's ``is_causal`` (query i attends to keys 0..i), none for one query. ``kv_update(k, v)``: called
-        with this call's keys (after qk-norm and RoPE) and values of this rank's KV heads, ``[batch,
-        kv heads / ws, seq, head_dim]``; returns every key and value to attend to (a cache's
-        ``update``); None: this call's own. Without sequence parallelism only (the replicated
+        None: causal as SDPA's ``is_causal`` (query i attends to keys 0..i), none for one query.
+        ``kv_update(k, v)``: called with this call's keys (after qk-norm and RoPE) and values of
+        this rank's KV heads, ``[batch, kv heads / ws, seq, head_dim]``; returns every key and value
+        to attend to (a cache's ``update``); None: this call's own. With
+        ``OverlapConfig(check_inputs=True)`` the mask is compared across the ranks like ``x``. Without sequence parallelism only (the replicated
         sequence of a decoder's inference).
 
         The call runs the serial plan as plain torch ops ([Note: plain serial calls] in
@@ -282,7 +287,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
         agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
-                                    extra_names=("positions", "masked or cached call"))
+                                    extra_names=("positions", "masked or cached call"),
+                                    replicated=(("x", x), ("attention_mask", attention_mask),
+                                                *replicated_positions(position_ids, position_embeddings)))
         return self._plain_run(x, None, agreed.save, position_ids, position_embeddings, None,
                                attn_mask=attention_mask, kv_update=kv_update)
 
@@ -295,7 +302,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           attention_mask=attention_mask, causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
         return self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 0),
-                                  extra_names=("positions", "masked or cached call"))
+                                  extra_names=("positions", "masked or cached call"),
+                                  replicated=(("x", None if self.sequence_parallel else x), ("attention_mask", None),
+                                              *replicated_positions(position_ids, position_embeddings)))
 
     def _run(self, x, plan: TilePlan, save: bool, position_ids, position_embeddings, trial=None,
              trace=None) -> torch.Tensor:

@@ -24,7 +24,6 @@ compute, is ``layers/attention/ulysses_tiles.py``'s (with [Note: send layout] an
 """
 from __future__ import annotations
 
-import zlib
 from typing import Dict, Optional
 
 import torch
@@ -40,7 +39,8 @@ from ...planning.tiling import tile_bounds
 from ...runtime import resolve_group
 from ..common.init import init_linear_
 from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
-                     compiled_position_args, input_error, position_kwargs, register_params)
+                     compiled_position_args, config_fields, input_error, position_kwargs, register_params,
+                     replicated_positions)
 from .common import cos_sin as cos_sin_of
 from .core import attention
 from .ulysses_cost import UlyssesCostModel
@@ -209,11 +209,8 @@ class UlyssesAttention(TiledLayer, nn.Module):
 
         return {key: (lambda spec=spec: setup(*spec)) for key, spec in cm.core_ops().items()}
 
-    def _config_digest(self) -> int:
-        """What every rank's layer must agree on for the all-to-alls to match."""
-        key = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.causal, self.bias,
-               self.qk_norm, self.bo is not None)
-        return zlib.crc32(repr(key).encode())
+    def _config_fields(self) -> tuple:
+        return (*config_fields(self), ("bo", self.bo is not None))
 
     _compiled_extras = staticmethod(compiled_position_args)  # [Note: compiled calls]
     _compiled_kwargs = staticmethod(position_kwargs)
@@ -224,8 +221,8 @@ class UlyssesAttention(TiledLayer, nn.Module):
         err = input_error(x, hidden_size=self.hidden_size, weight=self._local("wq"), seq_factor=self.world_size,
                           head_dim=self.head_dim, position_ids=position_ids, position_embeddings=position_embeddings,
                           attention_mask=attention_mask, causal=self.causal)
-        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(self._config_digest(),),
-                                    extra_names=("layer config",), shape_names=("batch", "seq_local", "hidden"))
+        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, shape_names=("batch", "seq_local", "hidden"),
+                                    replicated=replicated_positions(position_ids, position_embeddings))
         return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
     def _route_of(self, h0: int, h1: int) -> Route:

@@ -74,17 +74,22 @@ class BlockFusion:
         fusable = self.fusable(agreed, mlp_saves)
         if fusable is None:
             return None, None, None
-        attn, (key, both) = self.block.attention, fusable
+        key, both = fusable
         k = both[0].num_tiles
-        agreement = attn.planner.agreement
-        if self.plans is None or self.plans_agreement is not agreement:  # new sublayers: new plans
-            self.plans_agreement = agreement
-            self.plans = PlanCache(agreement, margin=attn.config.margin)
-        plan, trial = self.plans.get(
+        plan, trial = self.cache().get(
             key, lambda key: BlockPlan(True, k, reason=f"the sublayers' batch tiles fused at K={k}"),
             lambda p: [p, BlockPlan(False, reason=p.reason)], x.device)
         self.plan = plan
         return plan, trial, both
+
+    def cache(self) -> PlanCache:
+        """``plans``, made anew for new sublayers (their agreement: the attention's)."""
+        attn = self.block.attention
+        agreement = attn.planner.agreement
+        if self.plans is None or self.plans_agreement is not agreement:
+            self.plans_agreement = agreement
+            self.plans = PlanCache(agreement, margin=attn.config.margin)
+        return self.plans
 
     def fusable(self, agreed, mlp_saves: bool):
         """``(the block's plan key, the sublayers' plans for the fused program)`` where the

@@ -153,6 +153,7 @@ class OverlapTransformerBlock(nn.Module):
             replicate_norms(self, mesh, axis)
         self._sum_grads_in_backward()
         self._init_fusion()
+        self._init_config_context()
 
     @classmethod
     def from_layers(cls, attention: OverlapAttention, mlp, *, norm: str = "rmsnorm", norm_eps: float = 1e-5,
@@ -193,7 +194,16 @@ class OverlapTransformerBlock(nn.Module):
             replicate_norms(self, attention._input_mesh, None)
         self._sum_grads_in_backward()
         self._init_fusion()
+        self._init_config_context()
         return self
+
+    def _init_config_context(self) -> None:
+        """What the ranks' blocks must share beyond their sublayers (the norms, the MLP's kind): it
+        rides in the attention's config table ([Note: layer config] in ``planning/cross_checks.py``),
+        whose call comes first."""
+        self._config_context = tuple((f"block.{name}", f"{n.kind} eps={n.eps}")
+                                     for name, n in (("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm))) + \
+            (("block.mlp", type(self.mlp).__name__),)
 
     def _sum_grads_in_backward(self) -> None:
         """The block's tensor-parallel partials, summed over the group inside backward ([Note:
@@ -212,6 +222,7 @@ class OverlapTransformerBlock(nn.Module):
         in a block that plans its fusion afresh."""
         new = copy_module(self, memo)
         new._init_fusion()
+        new._init_config_context()
         return new
 
     def _init_fusion(self) -> None:
@@ -241,6 +252,8 @@ class OverlapTransformerBlock(nn.Module):
     def _forward(self, x, position_ids, position_embeddings, attention_mask) -> torch.Tensor:
         self._sum_grads_in_backward()  # again: a sublayer may have been replaced since
         attn = self.attention
+        if attn._config_context is not self._config_context:  # likewise
+            attn._config_context = self._config_context
         # the norm runs on an input the attention's agreement accepts, or one of another floating
         # dtype (which it may cast); any other goes to that agreement as it is, which raises on every
         # rank, where the norm would raise on this rank alone and the others wait in the agreement

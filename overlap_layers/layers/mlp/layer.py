@@ -369,13 +369,18 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     # ----------------------------------------------------------------- forward
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x")
+        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
+                                    replicated=(("x", None if self.sequence_parallel else x),))
         return self.planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
 
     # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
     def _weight(self) -> torch.Tensor:
         return self.w_in
+
+    def _config_fields(self) -> tuple:
+        return (("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_hidden_size),
+                ("activation", self.activation), ("bias", self.bias), ("sequence_parallel", self.sequence_parallel))
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         rows = shape[0] * shape[1]

@@ -46,7 +46,6 @@ tokens.py        replicated tokens split across the group and gathered back (the
 """
 from __future__ import annotations
 
-import zlib
 from contextlib import nullcontext
 from typing import Dict, Optional
 
@@ -279,15 +278,15 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         ones] in ``layers/moe/cost.py``); dense GEMMs are measured by shape, the rest costed by bandwidth."""
         return {**self._copy_engine_setups(cm), **grouped_setups(cm, self.w_in, self.w_out, dtype)}
 
-    def _config_digest(self) -> int:
-        key = (self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
-               self.normalize_topk, self.capacity_factor, self.shared_expert_ffn)
-        return zlib.crc32(repr(key).encode())
+    def _config_fields(self) -> tuple:
+        return (("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_hidden_size),
+                ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
+                ("normalize_topk", self.normalize_topk), ("capacity_factor", self.capacity_factor),
+                ("aux_loss_coef", self.aux_loss_coef), ("shared_expert_ffn", self.shared_expert_ffn))
 
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), _INPUT_ERRORS, "x",
-                                    extra=(self._config_digest(),), extra_names=("layer config",),
                                     shape_names=(None, None, "hidden"))
         if self.planner.capturing:  # agreed: every rank raises
             raise RuntimeError("OverlapMoE cannot be captured into a CUDA graph: each call copies its all-to-all "
