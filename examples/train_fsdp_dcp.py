@@ -1,6 +1,7 @@
 """Train a tiny Hugging Face Llama with the overlap layers swapped in, with the ordinary training
-loop (clipping included), checkpoint it with DCP and resume from the checkpoint; optionally FSDP2
-over data parallelism times tensor parallelism.
+loop (clipping included) fed by a data loader over the data-parallel ranks, checkpoint it with DCP
+and resume from the checkpoint, then save it as a Hugging Face checkpoint and load that into a
+meta-built model shard by shard; optionally FSDP2 over data parallelism times tensor parallelism.
 
 Every rank builds the same tiny ``LlamaForCausalLM`` (random weights, same seed; nothing is
 downloaded) and swaps ``OverlapAttention`` / ``OverlapMLP`` into it over the ``tp`` axis of a
@@ -8,9 +9,13 @@ device mesh: every parameter becomes a DTensor on that axis (sharded ones in the
 placements, the others replicated), so ``torch.nn.utils.clip_grad_norm_`` sees the whole model's
 norm, AdamW sees one kind of tensor, and DCP saves a checkpoint that reloads into any layout.
 With ``--fsdp`` the mesh is ``(dp, tp)`` and FSDP2 shards every decoder layer and the root over
-``dp``; each dp rank trains on its rows of the batch. The run saves a checkpoint (model and
-optimizer) halfway, trains on, then builds a new model (other weights), loads the checkpoint and
-trains the remaining steps again: the resumed losses equal the first run's.
+``dp``. The data loader samples over the dp ranks only (``DistributedSampler(num_replicas=dp,
+rank=dp_rank)``), so every rank of a tp group gets the same batch and each dp rank its share of
+the global batch. The run saves a checkpoint (model and optimizer) halfway, trains on, then builds
+a new model (other weights), loads the checkpoint and trains the remaining steps again: the resumed
+losses equal the first run's. Last, ``save_pretrained`` writes the model as the unswapped Llama's
+checkpoint, and a model built on the meta device, swapped and materialised loads it with
+``load_pretrained_shards`` (each rank reads its part of each tensor): its loss equals the model's.
 
 Run it from a checkout or an install:
 
@@ -27,11 +32,17 @@ Extras: ``pip install "overlap_layers[hf]"`` (transformers >= 5). The recipe, pe
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters())
-    loss = model(input_ids=ids, labels=ids).loss              # ids: this dp rank's rows, the same on its tp ranks
-    loss.backward()                                           # every gradient complete: no other call
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank)   # dp ranks only
+    for (ids,) in DataLoader(dataset, batch_size=batch // dp, sampler=sampler):  # the same on a tp group
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()                                       # every gradient complete: no other call
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
     dcp.save(get_state_dict(model, optimizer), checkpoint_id=path)   # and dcp.load + set_state_dict
+    model.save_pretrained(hf_path)                            # every rank: the unswapped Llama's checkpoint
+    # later: build on the meta device, swap, model.to_empty(device=...), rebuild the rotary tables,
+    overlap_layers.integrations.load_pretrained_shards(model, hf_path)   # then fully_shard
 """
 from __future__ import annotations
 
@@ -91,16 +102,56 @@ def make_mesh(device, fsdp: bool):
     return init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
 
 
-def prepare(seed: int, device, mesh, fsdp: bool, lr: float):
-    """A swapped (and with ``fsdp`` fully sharded) model and its AdamW."""
-    model = build_model(seed, device)
+def prepare(seed: int, device, mesh, fsdp: bool, lr: float, pretrained=None):
+    """A swapped (and with ``fsdp`` fully sharded) model and its AdamW; with ``pretrained`` (a
+    ``save_pretrained`` directory) built on the meta device and loaded from it before FSDP2 shards
+    it, each rank reading only its part of each tensor."""
+    if pretrained is None:
+        model = build_model(seed, device)
+    else:
+        with torch.device("meta"):
+            model = build_model(seed, "meta")  # no weights allocated
     overlap_layers.swap(model, mesh=mesh, axis="tp")  # every parameter a DTensor on mesh["tp"]
+    if pretrained is not None:
+        model.to_empty(device=device)  # this rank's parts only
+        rotary = model.model.rotary_emb  # its tables are not in a checkpoint: built anew
+        model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+        overlap_layers.integrations.load_pretrained_shards(model, pretrained)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def data(args, dp: int, dp_rank: int) -> list:
+    """This rank's batch of each step: a corpus of random tokens (the same on every rank) sampled
+    over the data-parallel ranks only, so every rank of a tensor-parallel group gets the same rows
+    and each dp rank ``batch / dp`` rows of each global batch (``set_epoch`` reshuffles alike on every
+    rank). Listed up front, so that the resumed run replays the same batches."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    dataset = TensorDataset(torch.randint(0, VOCAB, (4 * args.batch, args.seq), generator=gen))
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch // dp, sampler=sampler, drop_last=True)
+    batches, epoch = [], 0
+    while len(batches) < args.steps:
+        sampler.set_epoch(epoch)
+        batches.extend(ids for (ids,) in loader)
+        epoch += 1
+    return batches[:args.steps]
+
+
+def mean_loss(model, ids, dp_group) -> float:
+    """The loss on ``ids`` without a step, averaged over the dp ranks."""
+    with torch.no_grad():
+        value = model(input_ids=ids, labels=ids).loss
+    if dp_group is not None:
+        dist.all_reduce(value, group=dp_group)
+        value /= dist.get_world_size(dp_group)
+    return value.item()
 
 
 def train_step(model, optimizer, ids, max_norm: float, dp_group):
@@ -153,12 +204,8 @@ def train(device: torch.device, args) -> None:
         dist.broadcast_object_list(made, src=0)
         made = made[0]
     path = os.path.join(args.ckpt or made, f"step{save_at}")
-    # Batches of random tokens from a small random corpus, drawn with one seeded generator: the
-    # same global batches on every rank; each dp rank takes its rows.
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    corpus = torch.randint(0, VOCAB, (4 * args.batch, args.seq), generator=gen)
-    batches = [corpus[torch.randint(0, len(corpus), (args.batch,), generator=gen)] for _ in range(args.steps)]
-    rows = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
+    pretrained = os.path.join(args.ckpt or made, "pretrained")
+    batches = data(args, dp, dp_rank)
     if rank == 0:
         shape = f"dp={dp} x tp={mesh['tp'].size()}" if args.fsdp else f"tp={mesh.size()}"
         print(f"{shape} on {device.type}; {args.steps} steps of AdamW with clip_grad_norm_({args.max_norm}), "
@@ -167,7 +214,7 @@ def train(device: torch.device, args) -> None:
         model, optimizer = prepare(args.seed, device, mesh, args.fsdp, args.lr)
         first = []
         for step in range(args.steps):
-            loss, norm = train_step(model, optimizer, batches[step][rows].to(device), args.max_norm, dp_group)
+            loss, norm = train_step(model, optimizer, batches[step].to(device), args.max_norm, dp_group)
             first.append(loss)
             if rank == 0:
                 print(f"step {step:3d}  loss {loss:.6f}  grad norm {norm:.4f}", flush=True)
@@ -181,16 +228,24 @@ def train(device: torch.device, args) -> None:
         load(model, optimizer, path)
         worst = 0.0
         for step in range(save_at, args.steps):
-            loss, _ = train_step(model, optimizer, batches[step][rows].to(device), args.max_norm, dp_group)
+            loss, _ = train_step(model, optimizer, batches[step].to(device), args.max_norm, dp_group)
             worst = max(worst, abs(loss - first[step]))
             if rank == 0:
                 print(f"resumed step {step:3d}  loss {loss:.6f}  (first run {first[step]:.6f})", flush=True)
+        # The unswapped Llama's checkpoint, loaded into a model built on the meta device.
+        model.save_pretrained(pretrained)  # every rank; rank 0 writes
+        reloaded, _ = prepare(args.seed + 2, device, mesh, args.fsdp, args.lr, pretrained=pretrained)
+        ids = batches[-1].to(device)
+        want, got = mean_loss(model, ids, dp_group), mean_loss(reloaded, ids, dp_group)
+        if rank == 0:
+            print(f"pretrained checkpoint reloaded shard by shard: loss {got:.6f} (saved model {want:.6f})")
     finally:
         dist.barrier()
         if made is not None and rank == 0:
             shutil.rmtree(made, ignore_errors=True)
-    if worst > args.tol:  # the losses are all-reduced: every rank exits alike
-        raise SystemExit(f"the resumed run diverged: max |diff| {worst:.3e} > {args.tol}")
+    if worst > args.tol or abs(got - want) > args.tol:  # the losses are all-reduced: every rank exits alike
+        raise SystemExit(f"the resumed run diverged (max |diff| {worst:.3e}) or the reloaded model differs "
+                         f"(|diff| {abs(got - want):.3e}); tolerance {args.tol}")
     if rank == 0:
         print(f"resumed losses match (max |diff| {worst:.2e} <= {args.tol})")
 

@@ -183,7 +183,7 @@ def test_fsdp2_dp_by_tp_standard_loop_equals_dense(pool4, family, foreach):
 def test_example_train_fsdp_dcp():
     """``examples/train_fsdp_dcp.py`` on its CPU paths (it starts its gloo ranks itself): tp=2 on 2
     ranks, and FSDP2 dp=2 x tp=2 on 4; each exits 0, prints its steps, checkpoints and resumes with
-    the same losses."""
+    the same losses, and reloads its save_pretrained checkpoint shard by shard with the same loss."""
     import os
     import subprocess
     import sys
@@ -205,4 +205,5 @@ def test_example_train_fsdp_dcp():
         assert len([ln for ln in out.splitlines() if ln.startswith("step")]) == 4, out
         assert len([ln for ln in out.splitlines() if ln.startswith("resumed step")]) == 2, out
         assert "saved" in out and "resumed losses match" in out, out
+        assert "pretrained checkpoint reloaded shard by shard" in out, out
         assert ("dp=2 x tp=2" if name.startswith("fsdp") else "tp=2") in out, out

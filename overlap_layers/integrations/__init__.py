@@ -6,11 +6,18 @@ the layers, never the reverse: docs/architecture.md, Integrations).
 (:mod:`.megatron`). It dispatches on the model: one containing a megatron-core module goes to
 :func:`.megatron.swap`, anything else to :func:`.hf.swap`. Neither transformers nor megatron is
 imported until ``swap`` needs it.
+
+A swapped Hugging Face model keeps the unswapped model's state-dict layout (:mod:`.hf_state`);
+``load_pretrained_shards`` loads a safetensors checkpoint into it reading only each rank's part of
+each tensor, and ``full_state_dict`` gathers its state dict into whole plain tensors
+(:mod:`.hf_checkpoint`).
 """
 import functools
 
 from . import hf as _hf
 from .hf_adapters import HFAttention, HFBlock, HFMoE
+from .hf_checkpoint import load_pretrained_shards
+from .hf_state import full_state_dict
 from .megatron import MegatronAttention, MegatronBlock, MegatronMLP, is_megatron_model
 from .megatron import swap as megatron_swap
 
@@ -30,4 +37,5 @@ swap.__doc__ = (_hf.swap.__doc__ or "") + """
     ``rotary_pos_emb``, sequence parallelism from Megatron's config).
 """
 
-__all__ = ["swap", "HFAttention", "HFBlock", "HFMoE", "MegatronAttention", "MegatronBlock", "MegatronMLP"]
+__all__ = ["swap", "full_state_dict", "load_pretrained_shards", "HFAttention", "HFBlock", "HFMoE", "MegatronAttention",
+           "MegatronBlock", "MegatronMLP"]

@@ -46,10 +46,27 @@ puts the unsharded DTensor parameter in place, is prepended, so it runs first; i
 hook runs after ours) and with activation checkpointing (a recomputed module's call runs the
 hooks again).
 
+State dicts: each such module's ``state_dict()`` holds its DTensors as they are (a sharded one
+by its global shape, as DCP saves it), and ``load_state_dict`` takes, per parameter, the dense
+tensor (this rank keeps its part, without a collective) or a DTensor of the same global shape on a
+mesh over the same ranks, made on this rank ([Note: state dicts of DTensor models]).
+
 Limits: a module's forward must use its own parameters (or those of modules it calls); code that
 reads another module's parameter outside that module's call sees the DTensor. Tied parameters
 stay tied (converted once). Buffers stay plain. Parameters that are DTensors already (on another
 mesh) are left as they are, unhooked.
+
+[Note: state dicts of DTensor models]
+A state dict's DTensor carries its mesh, and a pickled mesh keeps the coordinate of the rank that
+made it: ``torch.load`` of a state dict rank 0 saved gives rank 1 DTensors whose local tensors are
+rank 0's parts, and ``load_state_dict`` would copy them without complaint (a DTensor's copy reads
+local tensors). So a DTensor entry is checked before it is loaded (:func:`dtensor_like`): its global
+shape must be the parameter's, its mesh must span the same ranks (another world size or group
+raises), and its coordinate must be this rank's (another rank's state dict raises). Then it is
+redistributed to the parameter's placements (a DTensor on another mesh object over the same ranks,
+e.g. one without dim names, is taken as on the parameter's mesh). A plain tensor is the dense (global) tensor: this rank takes its part
+of it locally (``distribute_tensor(..., src_data_rank=None)``: no collective), so the unswapped
+model's state dict loads into a model of DTensors. Anything else raises ValueError naming the key.
 """
 from __future__ import annotations
 
@@ -59,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from ..layers import OverlapTransformerBlock
 from ..layers.block.layer import replicate_norms
@@ -69,7 +86,7 @@ from ..planning.layer_spec import TiledLayer
 from ..runtime import resolve_group
 
 __all__ = ["Layout", "as_dtensor_params", "axis_mesh", "compute_on_locals", "distribute_params", "dtensor_forward",
-           "local", "local_arguments", "param_groups", "tp_mesh"]
+           "dtensor_like", "local", "local_arguments", "param_groups", "tp_mesh"]
 
 
 def param_groups(params, **options) -> list:
@@ -136,13 +153,71 @@ def _dtensors_back(module: nn.Module, args, output):
 def compute_on_locals(module: nn.Module, names: Dict[str, bool]) -> None:
     """Have ``module`` compute on the local tensors of its DTensor parameters ``names`` (name ->
     whether the gradient is summed over the mesh axis' group inside backward), through the hooks
-    of [Note: DTensor models]; the hooks are registered once, later names are added."""
+    of [Note: DTensor models], and load them from dense tensors or this rank's DTensors ([Note:
+    state dicts of DTensor models]); the hooks are registered once, later names are added."""
     had = "_dtensor_locals" in module.__dict__
     module._dtensor_locals = {**module.__dict__.get("_dtensor_locals", {}), **names}
     if not had:
         module._dtensor_saved = []  # the hooks' stack of swapped-out parameters (reentrant calls)
         module.register_forward_pre_hook(_locals_in)
         module.register_forward_hook(_dtensors_back, always_call=True)
+        module.register_load_state_dict_pre_hook(_dtensors_in)
+
+
+# ---------------------------------------------------------------------------- state dicts
+def _described(value) -> str:
+    if isinstance(value, DTensor):
+        return f"a DTensor of global shape {tuple(value.shape)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _rank_at(mesh, coordinate) -> Optional[int]:
+    """The global rank at ``coordinate`` of ``mesh`` (None without a coordinate)."""
+    return None if coordinate is None else int(mesh.mesh[tuple(coordinate)])
+
+
+@torch.no_grad()
+def dtensor_like(value, like: DTensor, key: str) -> DTensor:
+    """``value``, a state dict's entry ``key``, as a DTensor with ``like``'s mesh, placements and
+    dtype ([Note: state dicts of DTensor models]): a plain tensor of ``like``'s global shape is the
+    dense tensor (this rank takes its part, no collective); a DTensor of that global shape must be
+    on a mesh over the same ranks and have been made on this rank's coordinate of it, and is
+    redistributed to ``like``'s placements. ValueError otherwise, naming ``key``."""
+    shape, mesh = tuple(like.shape), like.device_mesh
+    if not isinstance(value, DTensor):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            raise ValueError(f"{key}: {_described(value)}; expected the dense tensor, shape {shape} (or a DTensor "
+                             f"of that global shape made by this rank on {mesh})")
+        return distribute_tensor(value.detach().to(like.dtype), mesh, like.placements, src_data_rank=None)
+    theirs = value.device_mesh
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{key}: {_described(value)}; expected the global shape {shape}")
+    if theirs.mesh.tolist() != mesh.mesh.tolist() or theirs.device_type != mesh.device_type:
+        raise ValueError(f"{key}: a DTensor on a mesh over ranks {theirs.mesh.tolist()} ({theirs.device_type}); this "
+                         f"parameter's mesh is over ranks {mesh.mesh.tolist()} ({mesh.device_type}): a state dict "
+                         f"saved at another world size or on another group. Load a DCP checkpoint (it reshards) or "
+                         f"the dense tensors (full_tensor(), save_pretrained)")
+    made, here = theirs.get_coordinate(), mesh.get_coordinate()
+    if made != here:
+        raise ValueError(f"{key}: a DTensor made on rank {_rank_at(theirs, made)} (mesh coordinate {made}), loaded "
+                         f"on rank {_rank_at(mesh, here)} ({here}): its local tensor is the other rank's part. Each "
+                         f"rank loads the state dict it saved; or load a DCP checkpoint or the dense tensors")
+    if theirs != mesh:
+        value = DTensor.from_local(value.to_local(), mesh, value.placements, run_check=False, shape=value.shape,
+                                   stride=value.stride())
+    return value.redistribute(mesh, like.placements).to(like.dtype)
+
+
+def _dtensors_in(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+    """Load-state-dict pre-hook: the entries of the module's DTensor parameters as DTensors like
+    them (:func:`dtensor_like`), so that a dense tensor loads and another rank's DTensor raises."""
+    for name in module._dtensor_locals:
+        key, p = prefix + name, module._parameters.get(name)
+        if key in state_dict and isinstance(p, DTensor):
+            state_dict[key] = dtensor_like(state_dict[key], p, key)
 
 
 def _local_kwargs(module: nn.Module, args, kwargs):

@@ -26,6 +26,7 @@ from ..config import OverlapConfig
 from .dtensor import distribute_params
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .hf_build import BUILDERS, OURS, build_block, kind_by_type, known_classes, lookalike_kind
+from .hf_checkpoint import keep_save_pretrained
 from .replace import (BLOCK_KINDS, KINDS, Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules,
                       swap_place)
 
@@ -63,6 +64,17 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     another axis of ``mesh`` composes, and DCP checkpoints reshard to other tensor-parallel sizes.
     ``dtensor=False`` keeps plain parameters (shards and replicas), for loops that handle tensor
     parallelism themselves (Megatron's); ``clip_grad_norm_`` then sees only each rank's shards.
+
+    State dicts and checkpoints ([Note: swapped state dicts] in ``integrations/hf_state.py``):
+    ``model.state_dict()`` has the unswapped model's keys, order and global shapes (DTensors whose
+    ``full_tensor()`` is the unswapped tensor; with ``dtensor=False`` this rank's parts, tagged);
+    ``load_state_dict`` takes the unswapped model's state dict or a swapped one's saved by this
+    rank, and raises ValueError for another rank's or another world size's. So DCP checkpoints move
+    between swapped and unswapped models and tensor-parallel sizes, ``model.save_pretrained(path)``
+    (on every rank: ``swap`` gives the model one that gathers the tensors, :mod:`.hf_checkpoint`)
+    writes the unswapped model's checkpoint, and
+    :func:`~overlap_layers.integrations.load_pretrained_shards` loads one reading only each rank's
+    part of each tensor.
 
     Gradients: complete when backward returns, on every rank (no ``finalize_grads`` call; it is a
     no-op here). The attention layers' per-rank partials (``q_norm`` / ``k_norm``, and the KV heads
@@ -114,6 +126,8 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     if dtensor and (any(replaced.values()) or already):
         distribute_params(model, mesh=place)
         logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
+    if any(replaced.values()):
+        keep_save_pretrained(model)
     return model
 
 

@@ -20,6 +20,24 @@ MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside
 
 A builder raises :class:`~.replace.Unswappable` for a recognised module it cannot replace
 (unsupported activation, partial biases, qk-norm eps, router jitter, ...): it is left, warned.
+
+Each replacement keeps the replaced module's state-dict layout (:mod:`.hf_state`, [Note: swapped
+state dicts]); its entries are the inverse of what the builders read:
+
+==========================================  =========================================================
+the replaced module's entry                 the replacement's parameter
+==========================================  =========================================================
+``gate_proj.weight`` / ``.bias``            ``w_in`` / ``b_in`` ``[0]`` (global form ``[2, F, ...]``)
+``up_proj.weight`` / ``.bias``              ``w_in`` / ``b_in`` ``[1]``
+``down_proj.weight`` / ``.bias``            ``w_out`` / ``b_out``
+``{q,k,v,o}_proj.weight`` / ``.bias``       ``layer.w{q,k,v,o}`` / ``layer.b{q,k,v,o}``
+``q_norm.weight``, ``k_norm.weight``        ``layer.q_norm``, ``layer.k_norm``
+``gate.weight`` (the router)                ``gate.weight``, tied to ``layer.router_weight``
+``experts.gate_up_proj``, ``.down_proj``    ``layer.w_in``, ``layer.w_out`` (``[E, 2F, H]``, ``[E, H, F]``)
+a decoder layer's ``self_attn.*``,          ``block.attention.*``, ``block.mlp.*`` (the MoE's router:
+``mlp.*``, ``input_layernorm.weight``,      ``gate.weight``), ``block.attn_norm.weight``,
+``post_attention_layernorm.weight``         ``block.mlp_norm.weight``
+==========================================  =========================================================
 """
 from __future__ import annotations
 
@@ -32,6 +50,7 @@ from torch import nn
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
 from ..layers.attention.core import QK_NORM_EPS
 from .hf_adapters import HFAttention, HFBlock, HFMoE
+from .hf_state import Entry, keep_hf_state
 from .replace import Unswappable, on
 
 # The HF classes recognised by type: kind -> [(module path, class name)]. A family missing from
@@ -206,7 +225,7 @@ def _block_norm(norm, hidden: int):
     return w.detach(), eps
 
 
-def build_block(module, group, opts, known) -> nn.Module:
+def _build_block(module, group, opts, known) -> nn.Module:
     attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
     n1, n2 = getattr(module, "input_layernorm", None), getattr(module, "post_attention_layernorm", None)
     mlp_kind = kind_by_type(mlp, known, ("mlp", "moe")) if mlp is not None else None
@@ -230,5 +249,56 @@ def build_block(module, group, opts, known) -> nn.Module:
                    source=type(module).__name__)
 
 
-BUILDERS = {"mlp": _build_mlp, "attention": _build_attention, "moe": _build_moe}
+# ---------------------------------------------------------------------------- state-dict layouts
+def _mlp_entries(hf: str = "", ours: str = "") -> list:
+    """An HF MLP's entries: gate and up are ``w_in`` / ``b_in`` ``[0]`` and ``[1]``."""
+    return [Entry(f"{hf}gate_proj.weight", (f"{ours}w_in",), 0), Entry(f"{hf}gate_proj.bias", (f"{ours}b_in",), 0),
+            Entry(f"{hf}up_proj.weight", (f"{ours}w_in",), 1), Entry(f"{hf}up_proj.bias", (f"{ours}b_in",), 1),
+            Entry(f"{hf}down_proj.weight", (f"{ours}w_out",)), Entry(f"{hf}down_proj.bias", (f"{ours}b_out",))]
+
+
+_ATTENTION_NAMES = {"q_proj.weight": "wq", "q_proj.bias": "bq", "k_proj.weight": "wk", "k_proj.bias": "bk",
+                    "v_proj.weight": "wv", "v_proj.bias": "bv", "o_proj.weight": "wo", "o_proj.bias": "bo",
+                    "q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
+
+
+def _attention_entries(hf: str = "", ours: str = "layer.") -> list:
+    return [Entry(hf + theirs, (ours + name,)) for theirs, name in _ATTENTION_NAMES.items()]
+
+
+def _moe_entries(hf: str = "", ours: str = "layer.", router: str = "gate.") -> list:
+    """An HF sparse-MoE block's entries: HF's router weight is tied to the layer's ``router_weight``."""
+    return [Entry(f"{hf}gate.weight", (f"{router}weight", f"{ours}router_weight")),
+            Entry(f"{hf}experts.gate_up_proj", (f"{ours}w_in",)), Entry(f"{hf}experts.down_proj", (f"{ours}w_out",))]
+
+
+def _mlp(module, group, opts) -> nn.Module:
+    new = _build_mlp(module, group, opts)
+    keep_hf_state(new, module, _mlp_entries())
+    return new
+
+
+def _attention(module, group, opts) -> nn.Module:
+    new = _build_attention(module, group, opts)
+    keep_hf_state(new, module, _attention_entries())
+    return new
+
+
+def _moe(module, group, opts) -> nn.Module:
+    new = _build_moe(module, group, opts)
+    keep_hf_state(new, module, _moe_entries())
+    return new
+
+
+def build_block(module, group, opts, known) -> nn.Module:
+    new = _build_block(module, group, opts, known)
+    moe = isinstance(new.block.mlp, OverlapMoE)
+    mlp = _moe_entries("mlp.", "block.mlp.") if moe else _mlp_entries("mlp.", "block.mlp.")
+    keep_hf_state(new, module, _attention_entries("self_attn.", "block.attention.") + mlp + [
+        Entry("input_layernorm.weight", ("block.attn_norm.weight",)),
+        Entry("post_attention_layernorm.weight", ("block.mlp_norm.weight",))])
+    return new
+
+
+BUILDERS = {"mlp": _mlp, "attention": _attention, "moe": _moe}
 OURS = (OverlapMLP, OverlapAttention, OverlapMoE, OverlapTransformerBlock, HFAttention, HFMoE, HFBlock)
