@@ -222,8 +222,10 @@ class TiledLayer(abc.ABC):
     def _local(self, name: str):
         """Parameter ``name`` (or None) as the ``group=`` layout's local tensor the compute uses: the
         parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]),
-        through its gradient's sum where the layer has one."""
-        p = getattr(self, name)
+        through its gradient's sum where the layer has one. Read from ``_parameters`` (where
+        ``functional_call`` and the DTensor hooks put their stand-ins too), a dict lookup instead of
+        ``nn.Module.__getattr__``'s fallback: every call reads every parameter."""
+        p = self._parameters.get(name)
         view, sums = self._local_views.get(name), self._grad_sums.get(name)
         if sums is None or p is None:
             return p if view is None else view(p)
