@@ -337,8 +337,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
         g = ws if sp else 1
         S, nq, nkv, d = g * s, self.num_heads_local, self.num_kv_heads_local, self.head_dim
-        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
-                nullcontext() if save else torch.no_grad():
+        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
             cos_sin = self._tables(S, x, position_ids, position_embeddings)
             x, wq = timed_inputs(trial, x, wq)
             rows = enter(x, self.group, ws, sp)

@@ -424,8 +424,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         dev = x.device.type
         x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
         if plan.runs_plain(trace, self.launch_log):  # [Note: plain serial calls]
-            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
-                    nullcontext() if save else torch.no_grad():
+            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
                 ws, sp = self.world_size, self.sequence_parallel
                 x, w_in = timed_inputs(trial, x, w_in)
                 h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))

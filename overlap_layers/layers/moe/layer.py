@@ -312,8 +312,7 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         x, (w_in, w_out) = self._call_tensors(x, ("w_in", "w_out"))
         if self.world_size == 1 and plan.runs_plain(trace, self.launch_log):
             dev = x.device.type
-            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext(), \
-                    nullcontext() if save else torch.no_grad():
+            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
                 x, w_in = timed_inputs(trial, x, w_in)
                 return timed_output(plain_call(self, x.view(B * S, H), w_in, w_out).view(B, S, H), trial)
         with torch.autocast(x.device.type, enabled=False):
