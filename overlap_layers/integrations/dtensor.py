@@ -129,14 +129,18 @@ def tp_mesh(group=None, mesh=None, axis=None, model: Optional[nn.Module] = None)
 # ---------------------------------------------------------------------------- hooks
 def _locals_in(module: nn.Module, args):
     """Forward pre-hook ([Note: DTensor models]): the local tensors of the module's DTensor
-    parameters in their place for the call (their originals kept on the module)."""
-    saved = {}
+    parameters in their place for the call (their originals kept on the module). Without grad
+    mode the local tensor itself: nothing records a gradient to route back or sum."""
+    saved, grad = {}, torch.is_grad_enabled()
     for name, complete in module._dtensor_locals.items():
         p = module._parameters.get(name)
         if isinstance(p, DTensor):
-            t = p.to_local()
-            if complete:
-                t = sum_grad_over_group(t, p.device_mesh.get_group())
+            if grad:
+                t = p.to_local()
+                if complete:
+                    t = sum_grad_over_group(t, p.device_mesh.get_group())
+            else:
+                t = p._local_tensor
             saved[name] = p
             module._parameters[name] = t
     module._dtensor_saved.append(saved)
