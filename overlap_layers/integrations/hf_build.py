@@ -140,7 +140,7 @@ def _build_mlp(module, group, opts) -> nn.Module:
     fused = hasattr(module, "gate_up_proj")  # Phi-3: one gate_up_proj, gate rows then up rows
     ins = [_linear(module, "gate_up_proj")] if fused else [_linear(module, n) for n in ("gate_proj", "up_proj")]
     down = _linear(module, "down_proj")
-    act = getattr(module, "activation_fn", None) if fused else getattr(module, "act_fn", None)
+    act = getattr(module, "activation_fn", None) or getattr(module, "act_fn", None)  # Phi-3's / the others' name
     if not _is_silu(act):
         raise Unswappable(f"activation {act!r} is not SiLU (OverlapMLP's swiglu)")
     biases = [lin.bias for lin in ins] + [down.bias]
