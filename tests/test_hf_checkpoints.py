@@ -5,7 +5,8 @@ swapped model loads must give its values (state dict exactly, logits to float ro
 
   save_pretrained -> from_pretrained   the unswapped class loads the unswapped model's tensors and
                                        logits exactly (Llama float64, and float32 with plain
-                                       parameters; Qwen3-MoE float32, per module and per decoder layer)
+                                       parameters; Qwen3-MoE float32, per module and per decoder layer;
+                                       Phi-3's fused qkv_proj / gate_up_proj, DTensor and plain)
   load_state_dict both ways            the unswapped state dict into a swapped model (its values and
                                        logits), and the swapped model's whole tensors back into an
                                        unswapped one (torch's full state dict and full_state_dict)
@@ -17,7 +18,8 @@ swapped model loads must give its values (state dict exactly, logits to float ro
                                        / ws plus every replicated tensor whole (counted by wrapping
                                        safetensors' reads, not by the function's own count), from
                                        the layouts save_pretrained writes (Qwen3-MoE's and Mixtral's
-                                       experts one by one, Mixtral's block_sparse_moe)
+                                       experts one by one, Mixtral's block_sparse_moe); Phi-3's fused
+                                       qkv_proj / gate_up_proj are read whole by every rank
 """
 import copy
 import os
@@ -77,7 +79,11 @@ def save_and_reload(rank, ws, family, dtype, block, dtensor, path, kw):
     ("llama", torch.float32, False, False, dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
     ("qwen3_moe", torch.float32, False, True, dict(mlp_only_layers=[0])),
     ("qwen3_moe", torch.float32, True, True, dict(mlp_only_layers=[0])),
-], ids=["llama_f64", "llama_plain_kv1_bias", "qwen3_moe", "qwen3_moe_block"])
+    ("phi3", torch.float64, False, True, {}),
+    ("phi3", torch.float32, False, False, dict(num_key_value_heads=1)),
+    ("phi3", torch.float32, True, True, {}),
+], ids=["llama_f64", "llama_plain_kv1_bias", "qwen3_moe", "qwen3_moe_block", "phi3_f64", "phi3_plain_kv1",
+        "phi3_block"])
 def test_save_pretrained_from_pretrained_exact(pool2, tmp_path, family, dtype, block, dtensor, kw):
     for res in pool2.run(save_and_reload, family, dtype, block, dtensor, str(tmp_path), kw):
         assert res["order"], "state_dict keys differ from the unswapped model's (or their order)"
@@ -114,7 +120,9 @@ def load_both_ways(rank, ws, family, block, dtensor, kw):
     ("llama", False, True, dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
     ("llama", False, False, dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
     ("mixtral", True, True, {}),
-], ids=["llama_kv1_bias", "llama_kv1_bias_plain", "mixtral_block"])
+    ("phi3", False, True, dict(num_key_value_heads=1)),
+    ("phi3", False, False, {}),
+], ids=["llama_kv1_bias", "llama_kv1_bias_plain", "mixtral_block", "phi3_kv1", "phi3_plain"])
 def test_unswapped_state_dict_loads_into_swapped_and_back(pool2, family, block, dtensor, kw):
     for res in pool2.run(load_both_ways, family, block, dtensor, kw):
         assert res["into"] == [] and res["logits"] < TOL, res
@@ -145,10 +153,17 @@ def dcp_both_ways(rank, ws, family, path, kw):
     return out
 
 
-@pytest.mark.parametrize("family,kw", [("llama", {}), ("qwen3_moe", dict(mlp_only_layers=[0]))])
+@pytest.mark.parametrize("family,kw", [("llama", {}), ("qwen3_moe", dict(mlp_only_layers=[0])), ("phi3", {})])
 def test_dcp_between_swapped_and_unswapped(pool2, tmp_path, family, kw):
+    """Phi-3's fused qkv_proj / gate_up_proj are Replicate() DTensors gathered from the layers'
+    parameters, not views of them: dcp.load fills them in the state dict, and only loading that
+    state dict (set_model_state_dict) puts them in the model."""
+    fused = re.compile(r"\.(qkv_proj|gate_up_proj)\.weight$")
     for res in pool2.run(dcp_both_ways, family, str(tmp_path), kw):
-        assert res["to_unswapped"] == [] and res["in_place"] == [] and res["to_swapped"] == [], res
+        assert res["to_unswapped"] == [] and res["to_swapped"] == [], res
+        assert [k for k in res["in_place"] if not fused.search(k)] == [], res
+        if family == "phi3":
+            assert res["in_place"], "the fused entries are views now: tighten this test"
         assert res["logits"] < TOL
 
 
@@ -285,8 +300,9 @@ def load_shards(rank, ws, family, dtensor, path, kw):
 
 
 @pytest.mark.parametrize("family,dtensor,kw", [("llama", True, {}), ("llama", False, {}),
-                                               ("qwen3_moe", True, dict(mlp_only_layers=[0])), ("mixtral", True, {})],
-                         ids=["llama", "llama_plain", "qwen3_moe", "mixtral"])
+                                               ("qwen3_moe", True, dict(mlp_only_layers=[0])), ("mixtral", True, {}),
+                                               ("phi3", True, {}), ("phi3", False, {})],
+                         ids=["llama", "llama_plain", "qwen3_moe", "mixtral", "phi3", "phi3_plain"])
 def test_load_pretrained_shards_reads_only_each_ranks_share(pool2, tmp_path, family, dtensor, kw):
     """Per rank the bytes read are exactly R + (T - R) / ws (T the checkpoint's tensor bytes, R those
     of the tensors every rank holds whole: embeddings, norms, LM head, routers, qk-norms), and at

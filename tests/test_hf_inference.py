@@ -12,7 +12,7 @@ from test_swap_hf import batch, build
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
 
-FAMILIES = ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3"]
 
 
 def _pair(family, **over):

@@ -10,6 +10,8 @@ original and runs both on the same batch. What each rank must hold, from the ref
                                   equal the dense module's gradients, laid out as from_dense takes
                                   them (swiglu w_in = gate rows then up rows)
   to_dense() of a swapped layer   the dense module's weights, exactly
+  one AdamW step                  every weight after it the dense model's (the swapped layers' by
+                                  to_dense, every other one by name)
 """
 import copy
 import os
@@ -38,7 +40,8 @@ def build(family, seed=0, **over):
     re-drawn at unit scale (HF's 0.02 init makes attention uniform and the MoE output tiny, which
     would hide errors)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
     torch.manual_seed(seed)
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     common.update({k: over.pop(k) for k in list(over) if k in common})
@@ -54,6 +57,9 @@ def build(family, seed=0, **over):
         model = MistralForCausalLM(MistralConfig(intermediate_size=64, **common, **over))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=16, **common, **over))
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           **common, **over))
     else:
         raise ValueError(family)
     with torch.no_grad():
@@ -80,6 +86,9 @@ def dense_view(dense_mod, kind):
     """The dense module's tensors under from_dense's names, as functions of a getter (weight or grad)."""
     if kind == "mlp":
         def view(get):
+            if hasattr(dense_mod, "gate_up_proj"):  # Phi-3: already gate rows then up rows
+                return {"w_in": get(dense_mod.gate_up_proj.weight), "w_out": get(dense_mod.down_proj.weight),
+                        "b_in": None, "b_out": None}
             b = dense_mod.gate_proj.bias is not None
             return {"w_in": torch.cat([get(dense_mod.gate_proj.weight), get(dense_mod.up_proj.weight)]),
                     "w_out": get(dense_mod.down_proj.weight),
@@ -88,6 +97,11 @@ def dense_view(dense_mod, kind):
     elif kind == "attention":
         def view(get):
             m = dense_mod
+            if hasattr(m, "qkv_proj"):  # Phi-3: rows q heads, then k, then v
+                nq, nkv, d = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
+                wq, wk, wv = get(m.qkv_proj.weight).split([nq * d, nkv * d, nkv * d])
+                return {"wq": wq, "wk": wk, "wv": wv, "wo": get(m.o_proj.weight), "bq": None, "bk": None,
+                        "bv": None, "bo": None, "q_norm": None, "k_norm": None}
             out = {"wq": get(m.q_proj.weight), "wk": get(m.k_proj.weight), "wv": get(m.v_proj.weight),
                    "wo": get(m.o_proj.weight)}
             for k, lin in (("bq", m.q_proj), ("bk", m.k_proj), ("bv", m.v_proj), ("bo", m.o_proj)):
@@ -184,6 +198,19 @@ def check_family(rank, ws, family, build_kw, swap_kw, attn_impl=None):
             continue
         errs[f"grad {pname}"] = rel(swapped_params[pname].grad, p.grad)
         checked.add(id(p))
+    # one AdamW step on each (the ordinary loop: DTensor parameters): every weight after it
+    for m in (model, dense):
+        torch.optim.AdamW(m.parameters(), lr=1e-3).step()
+    for name, layer, kind, dmod in pairs:
+        got = layer.to_dense()
+        for k, w in dense_view(dmod, kind)(lambda t: t.detach()).items():
+            if w is not None:
+                errs[f"step {name}.{k}"] = rel(got[k], w)
+    for name, ours, theirs in norms:
+        errs[f"step {name}.weight"] = rel(ours.weight.detach(), theirs.weight.detach())
+    for pname, p in dense.named_parameters():
+        if pname in swapped_params:
+            errs[f"step {pname}"] = rel(swapped_params[pname].detach(), p.detach())
     n_dense = len(list(dense.parameters()))
     return dict(errs=errs, checked=len(checked), n_dense=n_dense, lines=lines, warned=warned,
                 loss=(out_d.loss.item(), out_s.loss.item()))
@@ -201,6 +228,9 @@ CASES = {
     # same structure as Llama / Qwen3-MoE's attention; Mistral's sliding window (16) >= the sequence
     "mistral": ("mistral", dict(sliding_window=16), None),
     "qwen3": ("qwen3", dict(), None),
+    # fused qkv_proj / gate_up_proj split into the layers' layouts; GQA, then 1 KV head replicated, eager
+    "phi3": ("phi3", dict(), None),
+    "phi3_kv1_eager": ("phi3", dict(num_key_value_heads=1), "eager"),
 }
 
 
@@ -228,7 +258,7 @@ def test_swapped_equals_dense(pool2, case):
     assert not any("use_cache=False" in ln for ln in lines)  # generation keeps its KV cache
 
 
-@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "mixtral_aux", "qwen3_moe", "qwen3"])
+@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "mixtral_aux", "qwen3_moe", "qwen3", "phi3"])
 def test_block_swap_equals_dense(pool2, case):
     """``swap(..., block=True)``: every decoder layer becomes one OverlapTransformerBlock (HFBlock);
     logits, loss (with Mixtral's recorded router logits and aux loss) and every gradient equal
@@ -470,3 +500,41 @@ def test_deepcopy_of_a_swapped_model_computes_the_same(pool2, family, block):
     EMA or reference model is made ([Note: copying a layer]): the copy gives the same logits."""
     for logits, loss in pool2.run(_deepcopy_swapped, family, block):
         assert logits < 1e-6 and loss < 1e-6, (logits, loss)
+
+
+# ------------------------------------------------------------------ Phi-3 with partial rotary
+def phi3_partial_rotary(rank, ws):
+    """RoPE on half of each head (``partial_rotary_factor=0.5``): OverlapAttention rotates whole heads,
+    so the attention is left dense with a warning; the MLPs are swapped and the logits equal the dense."""
+    model = build("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, group=dist.group.WORLD)
+    ids = batch()
+    types = [type(m).__name__ for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    return types, lines, warned, rel(model(ids).logits.detach(), dense(ids).logits.detach())
+
+
+def test_phi3_partial_rotary_left_dense_with_a_warning(pool2):
+    for types, lines, warned, err in pool2.run(phi3_partial_rotary):
+        assert types == ["Phi3Attention", "OverlapMLP"] * 2, types
+        assert any("Phi3Attention" in w and "partial_rotary_factor=0.5" in w for w in warned), warned
+        assert any("attention: replaced 0, left 2" in ln for ln in lines), lines
+        assert err < TOL
+
+
+def phi3_resid_dropout_block(rank, ws):
+    """``block=True`` on a Phi-3 with residual dropout (``resid_pdrop > 0``, which the block lacks):
+    the decoder layers are left, warned, and their attention and MLP swapped one by one."""
+    model = build("phi3", resid_pdrop=0.1).eval()
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, group=dist.group.WORLD, block=True)
+    ids = batch()
+    types = [type(m).__name__ for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp)]
+    return types, warned, rel(model(ids).logits.detach(), dense(ids).logits.detach())
+
+
+def test_phi3_residual_dropout_block_left_with_a_warning(pool2):
+    for types, warned, err in pool2.run(phi3_resid_dropout_block):
+        assert types == ["Phi3DecoderLayer", "HFAttention", "OverlapMLP"] * 2, types
+        assert any("resid_pdrop > 0" in w for w in warned), warned
+        assert err < TOL

@@ -5,17 +5,20 @@ recognised module becomes an overlap layer (the builders :func:`.hf.swap` calls)
 HF module (transformers 5)                 replaced by
 =========================================  ==============================================================
 LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
-Qwen3MoeMLP (dense layers of Qwen3-MoE)    ``w_in`` = gate rows then up rows, ``w_out`` = down; biases
-                                           when ``mlp_bias``
+Qwen3MoeMLP (dense layers of Qwen3-MoE),   ``w_in`` = gate rows then up rows (Phi-3's fused
+Phi3MLP                                    ``gate_up_proj`` as it is), ``w_out`` = down; biases when
+                                           ``mlp_bias``
 LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
 MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
-Qwen3MoeAttention                          HF's (cos, sin) so RoPE scaling is exact; biases when
-                                           ``attention_bias``)
+Qwen3MoeAttention, Phi3Attention           HF's (cos, sin) so RoPE scaling is exact; biases when
+                                           ``attention_bias``; Phi-3's fused ``qkv_proj`` split into
+                                           q, k, v; ``partial_rotary_factor`` must be 1)
 MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
 Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
 with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
 MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
-MixtralDecoderLayer, Qwen3MoeDecoderLayer  MoE as above, its two RMSNorms inside the block
+MixtralDecoderLayer, Qwen3MoeDecoderLayer, MoE as above, its two RMSNorms inside the block (Phi-3:
+Phi3DecoderLayer                           ``resid_pdrop`` must be 0)
 =========================================  ==============================================================
 
 A builder raises :class:`~.replace.Unswappable` for a recognised module it cannot replace
@@ -31,6 +34,8 @@ the replaced module's entry                 the replacement's parameter
 ``up_proj.weight`` / ``.bias``              ``w_in`` / ``b_in`` ``[1]``
 ``down_proj.weight`` / ``.bias``            ``w_out`` / ``b_out``
 ``{q,k,v,o}_proj.weight`` / ``.bias``       ``layer.w{q,k,v,o}`` / ``layer.b{q,k,v,o}``
+``gate_up_proj.weight`` (Phi-3, fused)      ``w_in`` whole (fused entries: ``Entry.rows``, below)
+``qkv_proj.weight`` (Phi-3, fused)          ``layer.wq``, ``layer.wk``, ``layer.wv`` (rows in turn)
 ``q_norm.weight``, ``k_norm.weight``        ``layer.q_norm``, ``layer.k_norm``
 ``gate.weight`` (the router)                ``gate.weight``, tied to ``layer.router_weight``
 ``experts.gate_up_proj``, ``.down_proj``    ``layer.w_in``, ``layer.w_out`` (``[E, 2F, H]``, ``[E, H, F]``)
@@ -38,6 +43,11 @@ a decoder layer's ``self_attn.*``,          ``block.attention.*``, ``block.mlp.*
 ``mlp.*``, ``input_layernorm.weight``,      ``gate.weight``), ``block.attn_norm.weight``,
 ``post_attention_layernorm.weight``         ``block.mlp_norm.weight``
 ==========================================  =========================================================
+
+A fused entry (Phi-3's) is the concatenation of several parameters' global values, sharded
+differently (q heads, kv heads, gate and up rows), which no one DTensor placement expresses: it is
+a ``Replicate()`` DTensor gathered in ``state_dict()`` (a collective; with plain parameters the
+whole plain tensor), and loads from the whole tensor ([Note: swapped state dicts]).
 """
 from __future__ import annotations
 
@@ -56,14 +66,15 @@ from .replace import Unswappable, on
 # The HF classes recognised by type: kind -> [(module path, class name)]. A family missing from
 # the installed transformers is skipped.
 _KNOWN = {
-    "mlp": [("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen3", "Qwen3MLP"), ("qwen3_moe", "Qwen3MoeMLP")],
+    "mlp": [("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen3", "Qwen3MLP"), ("qwen3_moe", "Qwen3MoeMLP"),
+            ("phi3", "Phi3MLP")],
     "attention": [("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("mixtral", "MixtralAttention"),
-                  ("qwen3", "Qwen3Attention"), ("qwen3_moe", "Qwen3MoeAttention")],
+                  ("qwen3", "Qwen3Attention"), ("qwen3_moe", "Qwen3MoeAttention"), ("phi3", "Phi3Attention")],
     "moe": [("mixtral", "MixtralSparseMoeBlock"), ("qwen3_moe", "Qwen3MoeSparseMoeBlock")],
     # block=True: decoder layers of the pre-norm form input_layernorm -> self_attn -> residual,
     # post_attention_layernorm -> mlp -> residual
     "block": [("llama", "LlamaDecoderLayer"), ("mistral", "MistralDecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
-              ("mixtral", "MixtralDecoderLayer"), ("qwen3_moe", "Qwen3MoeDecoderLayer")],
+              ("mixtral", "MixtralDecoderLayer"), ("qwen3_moe", "Qwen3MoeDecoderLayer"), ("phi3", "Phi3DecoderLayer")],
 }
 # Class names that look like a swappable module (an unknown one of these is warned about).
 _LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
@@ -126,17 +137,22 @@ def _check_plain(tensors) -> None:
 
 
 def _build_mlp(module, group, opts) -> nn.Module:
-    gate, up, down = (_linear(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-    if not _is_silu(getattr(module, "act_fn", None)):
-        raise Unswappable(f"activation {getattr(module, 'act_fn', None)!r} is not SiLU (OverlapMLP's swiglu)")
-    biases = [gate.bias, up.bias, down.bias]
+    fused = hasattr(module, "gate_up_proj")  # Phi-3: one gate_up_proj, gate rows then up rows
+    ins = [_linear(module, "gate_up_proj")] if fused else [_linear(module, n) for n in ("gate_proj", "up_proj")]
+    down = _linear(module, "down_proj")
+    act = getattr(module, "activation_fn", None) or getattr(module, "act_fn", None)  # Phi-3's / the others' name
+    if not _is_silu(act):
+        raise Unswappable(f"activation {act!r} is not SiLU (OverlapMLP's swiglu)")
+    biases = [lin.bias for lin in ins] + [down.bias]
     if len({b is None for b in biases}) > 1:
-        raise Unswappable("some but not all of gate/up/down_proj have a bias")
-    _check_plain([gate.weight, up.weight, down.weight, *biases])
-    has_bias = gate.bias is not None
+        raise Unswappable("some but not all of the MLP's projections have a bias")
+    if fused and ins[0].out_features != 2 * down.in_features:
+        raise Unswappable(f"gate_up_proj {tuple(ins[0].weight.shape)} is not [2 * {down.in_features}, hidden]")
+    _check_plain([lin.weight for lin in ins] + [down.weight, *biases])
+    has_bias = down.bias is not None
     with torch.no_grad():
-        w_in = torch.cat([gate.weight, up.weight])
-        b_in = torch.cat([gate.bias, up.bias]) if has_bias else None
+        w_in = torch.cat([lin.weight for lin in ins])
+        b_in = torch.cat([lin.bias for lin in ins]) if has_bias else None
     return OverlapMLP.from_dense(w_in, down.weight.detach(), b_in=b_in, b_out=down.bias.detach() if has_bias else None,
                                  **on(group), sequence_parallel=False, activation="swiglu", **opts)
 
@@ -153,15 +169,46 @@ def _norm_weight(norm, head_dim):
     return w.detach()
 
 
+class _Rows:
+    """q, k or v rows of a fused ``qkv_proj`` (Phi-3), with an ``nn.Linear``'s ``weight`` / ``bias``."""
+
+    def __init__(self, lin: nn.Linear, start: int, stop: int):
+        self.weight = lin.weight[start:stop]
+        self.bias = lin.bias[start:stop] if lin.bias is not None else None
+        self.out_features = stop - start
+
+
+def partial_rotary_factor(cfg) -> float:
+    """The config's ``partial_rotary_factor`` (in ``rope_parameters`` in transformers >= 5, or on the
+    config itself), 1.0 where absent."""
+    rope = getattr(cfg, "rope_parameters", None)
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    if factor is None:
+        factor = getattr(cfg, "partial_rotary_factor", None)
+    return 1.0 if factor is None else float(factor)
+
+
 def _build_attention(module, group, opts) -> nn.Module:
-    q, k, v, o = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
     cfg = getattr(module, "config", None)
     d = getattr(module, "head_dim", None)
     nq = getattr(cfg, "num_attention_heads", None)
     nkv = getattr(cfg, "num_key_value_heads", None) or nq
+    o = _linear(module, "o_proj")
+    if hasattr(module, "qkv_proj"):  # Phi-3: one qkv_proj, rows q heads, then k, then v
+        qkv = _linear(module, "qkv_proj")
+        if not (isinstance(d, int) and isinstance(nq, int) and qkv.out_features == (nq + 2 * nkv) * d):
+            raise Unswappable(f"cannot read the head layout (head_dim={d}, num_attention_heads={nq}, "
+                               f"num_key_value_heads={nkv}, qkv_proj {tuple(qkv.weight.shape)})")
+        _check_plain([qkv.weight, qkv.bias])
+        q, k, v = (_Rows(qkv, a * d, b * d) for a, b in ((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)))
+    else:
+        q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     if not (isinstance(d, int) and isinstance(nq, int) and q.out_features == nq * d and k.out_features == nkv * d):
         raise Unswappable(f"cannot read the head layout (head_dim={d}, num_attention_heads={nq}, "
                            f"num_key_value_heads={nkv}, q_proj {tuple(q.weight.shape)})")
+    if partial_rotary_factor(cfg) != 1.0:
+        raise Unswappable(f"partial_rotary_factor={partial_rotary_factor(cfg)} (RoPE on part of head_dim); "
+                           f"OverlapAttention rotates the whole head")
     if not getattr(module, "is_causal", True):
         raise Unswappable("is_causal=False (OverlapAttention is swapped in for causal decoders only)")
     biases = [q.bias, k.bias, v.bias, o.bias]
@@ -232,6 +279,10 @@ def _build_block(module, group, opts, known) -> nn.Module:
     if kind_by_type(attn, known, ("attention",)) is None or mlp_kind is None or n1 is None or n2 is None:
         raise Unswappable("expected self_attn (a known attention class), mlp (a known MLP / MoE class), "
                            "input_layernorm and post_attention_layernorm")
+    for name in ("resid_attn_dropout", "resid_mlp_dropout"):  # Phi-3's residual dropouts
+        p = getattr(getattr(module, name, None), "p", 0.0)
+        if p:
+            raise Unswappable(f"{name}.p={p} (resid_pdrop > 0): OverlapTransformerBlock has no residual dropout")
     hf_attn = _build_attention(attn, group, opts)
     H = hf_attn.layer.hidden_size
     (w1, eps1), (w2, eps2) = _block_norm(n1, H), _block_norm(n2, H)
@@ -250,8 +301,14 @@ def _build_block(module, group, opts, known) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------- state-dict layouts
-def _mlp_entries(hf: str = "", ours: str = "") -> list:
-    """An HF MLP's entries: gate and up are ``w_in`` / ``b_in`` ``[0]`` and ``[1]``."""
+def _mlp_entries(hf: str = "", ours: str = "", module=None) -> list:
+    """An HF MLP's entries: gate and up are ``w_in`` / ``b_in`` ``[0]`` and ``[1]``; a fused
+    ``gate_up_proj`` (Phi-3) is the whole ``w_in`` / ``b_in``."""
+    if module is not None and hasattr(module, "gate_up_proj"):
+        rows = (module.gate_up_proj.out_features,)
+        return [Entry(f"{hf}gate_up_proj.weight", (f"{ours}w_in",), rows=rows),
+                Entry(f"{hf}gate_up_proj.bias", (f"{ours}b_in",), rows=rows),
+                Entry(f"{hf}down_proj.weight", (f"{ours}w_out",)), Entry(f"{hf}down_proj.bias", (f"{ours}b_out",))]
     return [Entry(f"{hf}gate_proj.weight", (f"{ours}w_in",), 0), Entry(f"{hf}gate_proj.bias", (f"{ours}b_in",), 0),
             Entry(f"{hf}up_proj.weight", (f"{ours}w_in",), 1), Entry(f"{hf}up_proj.bias", (f"{ours}b_in",), 1),
             Entry(f"{hf}down_proj.weight", (f"{ours}w_out",)), Entry(f"{hf}down_proj.bias", (f"{ours}b_out",))]
@@ -262,8 +319,17 @@ _ATTENTION_NAMES = {"q_proj.weight": "wq", "q_proj.bias": "bq", "k_proj.weight":
                     "q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
 
 
-def _attention_entries(hf: str = "", ours: str = "layer.") -> list:
-    return [Entry(hf + theirs, (ours + name,)) for theirs, name in _ATTENTION_NAMES.items()]
+def _attention_entries(hf: str = "", ours: str = "layer.", module=None) -> list:
+    """An HF attention's entries; a fused ``qkv_proj`` (Phi-3) is ``wq``, ``wk``, ``wv`` one after the other."""
+    out = [Entry(hf + theirs, (ours + name,)) for theirs, name in _ATTENTION_NAMES.items()]
+    if module is not None and hasattr(module, "qkv_proj"):
+        d, cfg = module.head_dim, module.config
+        nq = cfg.num_attention_heads
+        nkv = cfg.num_key_value_heads or nq
+        rows = (nq * d, nkv * d, nkv * d)
+        out += [Entry(f"{hf}qkv_proj.{w}", tuple(f"{ours}{w[0]}{x}" for x in "qkv"), rows=rows)
+                for w in ("weight", "bias")]
+    return out
 
 
 def _moe_entries(hf: str = "", ours: str = "layer.", router: str = "gate.") -> list:
@@ -274,13 +340,13 @@ def _moe_entries(hf: str = "", ours: str = "layer.", router: str = "gate.") -> l
 
 def _mlp(module, group, opts) -> nn.Module:
     new = _build_mlp(module, group, opts)
-    keep_hf_state(new, module, _mlp_entries())
+    keep_hf_state(new, module, _mlp_entries(module=module))
     return new
 
 
 def _attention(module, group, opts) -> nn.Module:
     new = _build_attention(module, group, opts)
-    keep_hf_state(new, module, _attention_entries())
+    keep_hf_state(new, module, _attention_entries(module=module))
     return new
 
 
@@ -293,8 +359,8 @@ def _moe(module, group, opts) -> nn.Module:
 def build_block(module, group, opts, known) -> nn.Module:
     new = _build_block(module, group, opts, known)
     moe = isinstance(new.block.mlp, OverlapMoE)
-    mlp = _moe_entries("mlp.", "block.mlp.") if moe else _mlp_entries("mlp.", "block.mlp.")
-    keep_hf_state(new, module, _attention_entries("self_attn.", "block.attention.") + mlp + [
+    mlp = _moe_entries("mlp.", "block.mlp.") if moe else _mlp_entries("mlp.", "block.mlp.", module.mlp)
+    keep_hf_state(new, module, _attention_entries("self_attn.", "block.attention.", module.self_attn) + mlp + [
         Entry("input_layernorm.weight", ("block.attn_norm.weight",)),
         Entry("post_attention_layernorm.weight", ("block.mlp_norm.weight",))])
     return new

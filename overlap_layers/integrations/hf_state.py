@@ -17,7 +17,13 @@ module is one :class:`Entry`: its key, the swapped module's parameter holding it
 tied: HF's router weight is the MoE's ``router_weight``), and an index where it is one slice of that
 parameter's global form along dim 0 (swiglu ``w_in``, ``[2, F, H]``: the gate rows ``[0]``, the up
 rows ``[1]``; [Note: DTensor parameters] in ``planning/dtensor.py``). ``keep_hf_state`` checks, when
-the module is built, that the two layouts correspond one to one, with equal shapes.
+the module is built, that the two layouts correspond one to one, with equal shapes. A fused entry
+(Phi-3's ``qkv_proj``: ``wq``, ``wk``, ``wv`` one after the other; ``gate_up_proj``: the whole
+``w_in``) lists its parameters and their rows (``Entry.rows``): their shardings differ, so it is
+whole -- a ``Replicate()`` DTensor gathered in ``state_dict()`` (a collective over the group; with
+plain parameters a whole plain tensor), not a view -- and loads only from the whole tensor (or a
+DTensor of its global shape): ``dcp.load`` into ``state_dict()`` fills it but not the parameters
+until that state dict is loaded (``set_model_state_dict``), and ``load_pretrained_shards`` reads it whole.
 
 What an entry holds:
 
@@ -56,7 +62,7 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..planning.layer_spec import TiledLayer
 from .dtensor import dtensor_like
@@ -72,6 +78,10 @@ class Entry(NamedTuple):
     sources: Tuple[str, ...]  # the swapped module's parameter(s) holding it (the tied ones after the first)
     index: Optional[int] = None  # the slice [index] of the parameter's global form along dim 0, or the whole
     shape: tuple = ()  # the replaced module's tensor's shape (keep_hf_state fills it in)
+    # a fused entry (Phi-3's qkv_proj, gate_up_proj): the rows of each of ``sources`` (then distinct
+    # parameters, not tied ones), whose global values, each viewed as ``[rows, *shape[1:]]``, are
+    # concatenated along dim 0; () for the others
+    rows: tuple = ()
 
 
 class KeyPath:
@@ -173,9 +183,68 @@ def _plain_part(value, owner: nn.Module, entry: Entry, key: str) -> torch.Tensor
     raise ValueError(f"{key}: a tensor of shape {shape}; expected {valid}")
 
 
+# ---------------------------------------------------------------------------- fused entries
+def _source_dense(owner: nn.Module, source: str, v: torch.Tensor) -> torch.Tensor:
+    """The global value of the parameter ``source`` (``v``): a DTensor's ``full_tensor()``, a layer's
+    plain shard gathered by its ``to_dense()`` (collectives over the layer's group)."""
+    if isinstance(v, DTensor):
+        return v.full_tensor()
+    layer, name = _holder(owner, source)
+    return layer.to_dense()[name] if isinstance(layer, TiledLayer) else v
+
+
+@torch.no_grad()
+def _fused_value(owner: nn.Module, entry: Entry, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A fused entry from its sources' values: the dense concatenation, as a ``Replicate()`` DTensor
+    where the parameters are DTensors (a collective: the parts are sharded differently, which one
+    DTensor placement cannot express), a plain dense tensor otherwise."""
+    full = torch.cat([_source_dense(owner, s, v).reshape(-1, *entry.shape[1:]) for s, v in zip(entry.sources, values)])
+    like = next((v for v in values if isinstance(v, DTensor)), None)
+    if like is None:
+        return full
+    mesh = like.device_mesh
+    return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _rank_part(owner: nn.Module, source: str, dense: torch.Tensor) -> torch.Tensor:
+    """This rank's plain part of the parameter ``source`` from its global value ``dense``."""
+    p = owner.get_parameter(source)
+    layer, name = _holder(owner, source)
+    if not isinstance(layer, TiledLayer):
+        return dense.reshape(p.shape)
+    lay = layer._dtensor_layouts()[name]
+    if lay.rows is not None:
+        return dense[lay.rows].reshape(p.shape)
+    if not isinstance(lay.placement, Shard):
+        return dense.reshape(p.shape)
+    local_shape = list(lay.local_shape if lay.local_shape is not None else p.shape)
+    dim, n = lay.placement.dim, local_shape[lay.placement.dim]
+    whole = list(local_shape)
+    whole[dim] *= layer.world_size
+    return dense.reshape(whole).narrow(dim, layer.rank * n, n).reshape(p.shape)
+
+
+@torch.no_grad()
+def _fused_in(owner: nn.Module, entry: Entry, value, key: str) -> Dict[str, torch.Tensor]:
+    """The values of a fused entry's sources from ``value``: the dense tensor (plain, or a DTensor of
+    the dense global shape, gathered). This rank's part alone is not accepted for a fused entry."""
+    dense = value.full_tensor() if isinstance(value, DTensor) else value
+    if not isinstance(dense, torch.Tensor) or tuple(dense.shape) != entry.shape:
+        raise ValueError(f"{key}: a tensor of shape {tuple(getattr(dense, 'shape', ()))}; expected the dense tensor "
+                         f"{entry.shape} (a fused entry: the whole tensor, or a DTensor of that global shape)")
+    out = {}
+    for s, piece in zip(entry.sources, dense.split(list(entry.rows))):
+        p = owner.get_parameter(s)
+        if isinstance(p, DTensor):
+            out[s] = dtensor_like(piece.reshape(p.shape), p, key)
+        else:
+            out[s] = _rank_part(owner, s, piece).to(p.dtype).to(p.device)
+    return out
+
+
 def _groups(entries: Sequence[Entry]):
     """The entries grouped by the parameter holding them, in index order."""
-    ordered = sorted(entries, key=lambda e: (e.sources, -1 if e.index is None else e.index))
+    ordered = sorted([e for e in entries if not e.rows], key=lambda e: (e.sources, -1 if e.index is None else e.index))
     return [list(g) for _, g in groupby(ordered, key=lambda e: e.sources)]
 
 
@@ -204,6 +273,11 @@ def load_entries(owner: nn.Module, values: Dict[str, torch.Tensor], prefix: str 
     """Copy ``values`` (the replaced module's entries, keys relative to ``owner``) into ``owner``'s
     parameters; the slices of a parameter not given keep their values. ``prefix`` names the keys in
     errors."""
+    for e in owner._hf_entries:
+        if e.rows and e.key in values:
+            for s, v in _fused_in(owner, e, values[e.key], prefix + e.key).items():
+                with torch.no_grad():
+                    owner.get_parameter(s).copy_(v)
     for group in _groups(owner._hf_entries):
         given = {e.index: values[e.key] for e in group if e.key in values}
         if given:
@@ -218,12 +292,23 @@ def _state_out(owner: nn.Module, state_dict, prefix: str, local_metadata) -> Non
     """State-dict post-hook: the swapped module's entries replaced by the replaced module's."""
     ours = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
     for e in owner._hf_entries:
-        state_dict[prefix + e.key] = _entry_value(owner, e, ours[e.sources[0]])
+        state_dict[prefix + e.key] = _fused_value(owner, e, [ours[s] for s in e.sources]) if e.rows else \
+            _entry_value(owner, e, ours[e.sources[0]])
 
 
 def _state_in(owner: nn.Module, state_dict, prefix: str, local_metadata, strict, missing_keys, unexpected_keys,
               error_msgs) -> None:
     """Load-state-dict pre-hook: the replaced module's entries turned into the swapped module's."""
+    for e in owner._hf_entries:
+        if not e.rows:
+            continue
+        if prefix + e.key in state_dict:
+            for s, v in _fused_in(owner, e, state_dict.pop(prefix + e.key), prefix + e.key).items():
+                state_dict[prefix + s] = v
+        elif prefix + e.sources[0] not in state_dict:
+            missing_keys.append(prefix + e.key)
+            for s in e.sources:
+                state_dict[prefix + s] = owner.get_parameter(s).detach()
     for group in _groups(owner._hf_entries):
         given = {e.index: state_dict.pop(prefix + e.key) for e in group if prefix + e.key in state_dict}
         sources = group[0].sources
@@ -254,6 +339,10 @@ def keep_hf_state(owner: nn.Module, replaced: nn.Module, candidates: Sequence[En
         raise Unswappable(f"the swapped module's state-dict entries {extra} have no counterpart in {cls}'s")
     owner._hf_entries = entries
     for e in entries:
+        if e.rows:
+            if sum(e.rows) != e.shape[0] or len(e.rows) != len(e.sources):
+                raise Unswappable(f"{cls}'s {e.key} has shape {e.shape}; its parts have rows {e.rows}")
+            continue
         got = tuple(_entry_value(owner, e, ours[e.sources[0]].detach()).shape)
         part = None if isinstance(ours[e.sources[0]], DTensor) else _part(owner, e)
         want = e.shape if part is None else tuple(b - a for a, b in part[2])
