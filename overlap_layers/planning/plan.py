@@ -113,7 +113,7 @@ def contenders(plan: TilePlan, budget: Optional[int] = None) -> list:
         kinds.setdefault(kind, []).append(c)
     # The model favours many tiles (it does not see NCCL slowed beside the GEMMs, nor the host's cost
     # per tile): with P2P disabled on 2x H200 it put K=6 and K=8 ahead of K=4, which ran 6-16% faster
-    # (bench/results/session22_h200x2_2026-11-26.md). So a plan of K >= 4 is also timed against the
+    # (docs/measurements.md, Planner: "P2P off, half the tiles"). So a plan of K >= 4 is also timed against the
     # best plan of at most half its tiles, not only against the best-predicted K below it.
     for kind, cands in list(kinds.items()):
         half = [c for c in cands if 2 * c.num_tiles <= plan.num_tiles]
