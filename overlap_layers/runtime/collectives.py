@@ -64,6 +64,14 @@ def gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def scattered_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Block ``rank`` of ``t``'s ``ws`` row blocks summed over the ranks, ``[rows / ws, ...]``: one
+    blocking reduce-scatter (the inverse of :func:`gathered_rows` in backward)."""
+    out = t.new_empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]))
+    reduce_scatter_single(out, t.contiguous(), group=group)
+    return out
+
+
 def merged_rows(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """One view over row blocks that sit back to back in one storage, or None."""
     first = tensors[0]

@@ -35,58 +35,40 @@ import torch
 import torch.distributed as dist
 
 from ...planning.first_order import first_order
-from ...runtime.collectives import all_gather_single, reduce_scatter_single
+from ...runtime.collectives import gathered_rows, scattered_rows
 from .grads import sum_grad_over_group
-
-
-def _gather_rows(t: torch.Tensor, group, ws: int) -> torch.Tensor:
-    t = t.contiguous()
-    out = t.new_empty((ws * t.shape[0], *t.shape[1:]))
-    all_gather_single(out, t, group=group)
-    return out
-
-
-def _scatter_rows(t: torch.Tensor, group, ws: int) -> torch.Tensor:
-    t = t.contiguous()
-    out = t.new_empty((t.shape[0] // ws, *t.shape[1:]))
-    reduce_scatter_single(out, t, group=group)
-    return out
-
-
-def _summed(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.contiguous().clone()
-    dist.all_reduce(t, group=group)
-    return t
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, ws):
-        ctx.group, ctx.ws = group, ws
-        return _gather_rows(x, group, ws)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gathered_rows(x, group)
 
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, g):
-        return _scatter_rows(g, ctx.group, ctx.ws), None, None
+        return scattered_rows(g, ctx.group), None
 
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, group, ws):
-        ctx.group, ctx.ws = group, ws
-        return _scatter_rows(y, group, ws)
+    def forward(ctx, y, group):
+        ctx.group = group
+        return scattered_rows(y, group)
 
     @staticmethod
     @first_order  # [Note: first-order backward]
     def backward(ctx, g):
-        return _gather_rows(g, ctx.group, ctx.ws), None, None
+        return gathered_rows(g, ctx.group), None
 
 
 class _SumOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group):
-        return _summed(y, group)
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
 
     @staticmethod
     @first_order  # [Note: first-order backward]
@@ -98,14 +80,14 @@ def enter(x_TH: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.
     """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1."""
     if ws == 1:
         return x_TH
-    return _GatherRows.apply(x_TH, group, ws) if sequence_parallel else sum_grad_over_group(x_TH, group)
+    return _GatherRows.apply(x_TH, group) if sequence_parallel else sum_grad_over_group(x_TH, group)
 
 
 def leave(y: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
     """A row-parallel projection's partial output reduced over the group (module docstring)."""
     if ws == 1:
         return y
-    return _ScatterRows.apply(y, group, ws) if sequence_parallel else _SumOutput.apply(y, group)
+    return _ScatterRows.apply(y, group) if sequence_parallel else _SumOutput.apply(y, group)
 
 
 class _StartBackwardClock(torch.autograd.Function):

@@ -22,7 +22,8 @@ def plain_call(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tenso
     k = layer.top_k
     keys, weights, counts = layer._route_keys(x_TH, 1)
     order = torch.sort(keys, stable=True).indices  # by expert, dropped assignments last
-    rows = x_TH[order // k]
+    tokens = order // k
+    rows = x_TH[tokens]
     per_expert = counts.reshape(-1)
     offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
     grouped = grouped_gemm_ok(x_TH, w_in, w_out)
@@ -35,6 +36,6 @@ def plain_call(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tenso
             y_rows = torch.cat([y_rows, y_rows.new_zeros((n - y_rows.shape[0], y_rows.shape[1]))])
         y_rows = torch.where(kept[:, None], y_rows, 0)
     weighted = y_rows * weights.reshape(-1)[order].to(y_rows.dtype)[:, None]
-    y = x_TH.new_zeros(x_TH.shape).index_add(0, order // k, weighted)
+    y = x_TH.new_zeros(x_TH.shape).index_add(0, tokens, weighted)
     shared = layer._shared_expert(x_TH)
     return y if shared is None else y + shared
