@@ -223,6 +223,14 @@ GRID = [
     (4, 3, 2, True, "gelu", torch.float32, "uneven", "random", 0.5, 0.1, 4, 8),
     (4, 4, 1, True, "swiglu", torch.float64, "zero_seq", "skewed", None, 0.02, 4, 4),
     (4, 2, 1, False, "swiglu", torch.float64, "uneven", "random", 0.5, 0.0, None, 4),
+    # one rank, one tile: the plain call ([Note: MoE plain call]); float32 runs grouped GEMMs on the
+    # CPU, float64 the loop per expert
+    (1, 1, 2, True, "swiglu", torch.float64, "uneven", "random", None, 0.0, None, 4),
+    (1, 1, 3, True, "swiglu", torch.float32, "even", "random", None, 0.0, 4, 8),
+    (1, 1, 2, False, "gelu", torch.float32, "uneven", "skewed", None, 0.01, None, 8),     # experts left empty
+    (1, 1, 2, True, "swiglu", torch.float32, "uneven", "random", 0.5, 0.0, None, 4),
+    (1, 1, 3, False, "swiglu", torch.float64, "uneven", "random", 0.5, 0.05, 4, 4),
+    (1, 1, 1, True, "relu", torch.float64, "zero_batch", "random", None, 0.0, None, 4),
 ]
 
 
@@ -671,3 +679,24 @@ def test_no_grad_forward(pools, pin, cf, routing, dtype):
 
 def test_pool_survives_errors(pool2):
     assert pool2.run(all_reduce_ranks) == [3, 3]
+
+
+def _frozen_router_run(rank, ws, case, opts, dtype):
+    layer = build_from_dense(case, dtype, opts)
+    layer.router_weight.requires_grad_(False)
+    (layer(case["xs"][rank].to(dtype)) * case["dys"][rank].to(dtype)).sum().backward()
+    return dict(w_in=layer.w_in.grad, w_out=layer.w_out.grad, router=layer.router_weight.grad)
+
+
+@pytest.mark.parametrize("dtype,cf", [(torch.float32, None), (torch.float64, 0.5)])
+def test_frozen_router_plain_call(pools, dtype, cf):
+    """One rank, a router that takes no gradient and an input that takes none: the combine weights
+    need no gradient, so the plain call's backward weighs each row's gradient itself ([Note: MoE
+    plain call]); the experts' gradients equal the dense reference's."""
+    case = make_case(61, ws=1, E=4, top_k=2, shapes="uneven")
+    opts = dict(num_tiles=1, capacity_factor=cf)
+    ref = reference(rounded(case, dtype), opts)[0]
+    got = pools(1).run(_frozen_router_run, case, opts, dtype)[0]
+    assert got["router"] is None
+    for name in ("w_in", "w_out"):
+        assert rel_err(got[name], ref["grads"][name]) < TOL[dtype], name
