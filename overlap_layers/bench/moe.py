@@ -58,6 +58,7 @@ PRESETS = {
     "tiny": dict(experts=4, top_k=2, hidden=64, ffn=32, tokens=128),
     "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, ffn=14336, tokens=8192),
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, ffn=768, tokens=8192),
+    "deepseek-v2-lite": dict(experts=64, top_k=6, hidden=2048, ffn=1408, tokens=8192),  # its routed experts
 }
 SKEW_SHIFT = 2.0   # the inputs' shared component along router row 0, in units of its projection's std
 SKEW_SCALE = 8.0   # router row 0 is multiplied by this

@@ -90,6 +90,13 @@ class TiledLayer(abc.ABC):
         """The non-GEMM ops to measure on the device (CUDA, ``config.measure``): op key -> a
         setup returning the callable to time."""
 
+    def _plain_call(self, key: tuple):
+        """At world size 1: ``(x_shape, call)``, the plain serial call (``call(x) -> y`` of
+        ``x``'s shape) at plan key ``key``, which the planner times as the serial plan's prediction
+        ([Note: one rank's prediction] in ``planning/plan_maker.py``); None: the simulator's
+        prediction stands."""
+        return None
+
     @abc.abstractmethod
     def reset_parameters(self) -> None:
         """Initialise the parameters (the ``group=`` layout), the same on every rank."""

@@ -11,6 +11,7 @@ the same plan; the plan cache checks that ([Note: first-call verification]).
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -91,6 +92,37 @@ class PlanMaker:
             store(*self.cache_file(dtype), hw)
         return hw
 
+    def plain_ms(self, key: tuple, dtype: torch.dtype, save: bool) -> Optional[float]:
+        """The plain serial call's device time at plan key ``key`` (forward, and backward when
+        ``save``), measured once per shape and kept in the model and its cache file; None where
+        the layer has no plain call ([Note: one rank's prediction]).
+
+        [Note: one rank's prediction]
+        Reference: at world size 1 the plan is the serial one and its call is the plain torch ops
+        of ``layers/common/plain_tp.py`` (MLP, attention) or ``layers/moe/plain.py`` (MoE), with
+        nothing to overlap, so its time is the sum of its kernels' times. The simulator's sum of
+        modelled ops misses what the plain call runs beside its GEMMs and the tiled core: RoPE
+        and head layouts, the MoE's routing, sort, gathers and weighted combine, the GEMMs'
+        transposed layouts in backward (measured on one H200: -16% for llama3-8b attention, -29%
+        for qwen3-30b-a3b's MoE). So the planner times the plain call itself, on random inputs
+        of the key's shape and the layer's own weights (forward; with ``save`` forward and the
+        backward into the input and every weight, by ``torch.autograd.grad``, so no ``.grad`` is
+        touched), as every measured op: a median of repeats queued behind a sleep kernel, the
+        device's time without the host's (``planning/calibrate.py``). That is the serial plan's
+        ``predicted_ms``; the simulated timeline (``export_trace``) keeps the per-op model."""
+        layer = self.layer
+        spec = layer._plain_call(key)
+        if spec is None:
+            return None
+        op = f"plain:{type(layer).__name__}:{key[:-2]}:{layer._config_fields()}:{'fwdbwd' if save else 'fwd'}"
+        hw = self.hw[dtype]
+        if op not in hw.op_measured:
+            shape, call = spec
+            hw = self.hw[dtype] = hw.with_measured(ops=measure_ops({op: lambda: _pass(call, shape, dtype, save, layer)},
+                                                                   self.agreement))
+            store(*self.cache_file(dtype), hw)
+        return hw.op_measured[op]
+
     def make_plan(self, *key) -> TilePlan:
         """The plan of plan key ``key`` (the layer's ``_plan_key``: ending in dtype, save)."""
         layer = self.layer
@@ -102,6 +134,9 @@ class PlanMaker:
         candidates += layer._rank_candidates(cm, candidates, training=save)
         if layer.world_size == 1:  # nothing to hide: the serial plan, with the model's prediction
             candidates = [c for c in candidates if c.is_serial]
+            measured = self.plain_ms(key, dtype, save) if self.measuring() else None
+            if measured is not None:  # [Note: one rank's prediction]
+                candidates = [replace(c, predicted_ms=measured, exposed_comm_ms=0.0) for c in candidates]
         copy_engine = Transport.COPY_ENGINE
         if self.config.transport == copy_engine and any(c.transport == copy_engine for c in candidates):
             candidates = [c for c in candidates if c.is_serial or c.transport == Transport.COPY_ENGINE]
@@ -135,3 +170,22 @@ class PlanMaker:
     def serial_timelines(self, cm, save: bool) -> dict:
         """The cost model's K=1 timelines of the layer's passes (forward; backward when ``save``)."""
         return cm.timelines(self.layer._programs, 1, False, (), (), save)
+
+
+def _pass(call, shape: tuple, dtype: torch.dtype, save: bool, layer):
+    """The callable :meth:`PlanMaker.plain_ms` times: ``call`` on a random ``x`` of ``shape``,
+    and with ``save`` its backward into ``x`` and the layer's trainable parameters."""
+    x = torch.randn(shape, dtype=dtype, device=layer._weight.device)
+    if not save:
+        def forward():
+            with torch.no_grad():
+                call(x)
+        return forward
+    x.requires_grad_()
+    params = [p for p in layer.parameters() if p.requires_grad]
+    dy = torch.randn(shape, dtype=dtype, device=x.device)
+
+    def forward_backward():
+        with torch.enable_grad():
+            torch.autograd.grad(call(x), [x, *params], dy, allow_unused=True)
+    return forward_backward

@@ -227,6 +227,11 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     def _tile_units(self, shape: tuple) -> int:
         return shape[0]
 
+    def _plain_call(self, key: tuple):
+        if self.world_size != 1:
+            return None
+        return (key[0], key[1], self.hidden_size), lambda x: self._plain_run(x, TilePlan(1), True, None, None, None)
+
     def _cost_model(self, key: tuple, hw) -> AttentionCostModel:
         batch, s, dtype = key[0], key[1], key[2]
         return AttentionCostModel(batch=batch, seq_local=s, world_size=self.world_size, hidden=self.hidden_size,

@@ -118,8 +118,8 @@ class MLPCostModel(RankChunkCost):
         def compute(tile, op):
             return self.op_ms(ms[tile], op.name)
 
-        def comm(tile, op):
-            return self.model.comm_ms(op.collective, self.comm_bytes(ms[tile], op.name))
+        def comm(tile, op):  # at world size 1 no collective runs (plain_tp.py: nothing to exchange)
+            return self.model.comm_ms(op.collective, self.comm_bytes(ms[tile], op.name)) if self.ws > 1 else 0.0
 
         def nbytes(tile, op):
             return self.op_bytes(ms[tile], op.name)

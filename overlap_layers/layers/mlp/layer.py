@@ -389,6 +389,11 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     def _tile_units(self, shape: tuple) -> int:
         return shape[0] * shape[1]
 
+    def _plain_call(self, key: tuple):
+        if self.world_size != 1:
+            return None
+        return (1, key[0], self.hidden_size), lambda x: self._run(x, MLPPlan(1), True)
+
     def _backward_reads_input(self, plan) -> bool:
         return plan.regather  # else it reads the own rows kept in the gathered x (_RankChunkMLP)
 

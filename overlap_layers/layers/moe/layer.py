@@ -262,6 +262,11 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         tokens = shape[0] * shape[1]
         return (1 << max(tokens - 1, 0).bit_length(), dtype, save)  # bucketed to a power of two
 
+    def _plain_call(self, key: tuple):
+        if self.world_size != 1:
+            return None
+        return (1, key[0], self.hidden_size), lambda x: self._run(x, TilePlan(1), True, key[0])
+
     def _cost_model(self, key: tuple, hw) -> MoECostModel:
         grouped = self._grouped_for(key[1])
         return MoECostModel(tokens=key[0], world_size=self.world_size, hidden=self.hidden_size,
