@@ -27,7 +27,8 @@ node instead:
   returns the combine weights' gradient (``weigh_backward_into``); the fused activation backward
   also gives the activation back for ``w_out``'s gradient; the weight gradients come out of the
   grouped GEMMs in the parameters' own layouts (``d_pre.T @ rows`` is ``[E, 2F, H]``), so nothing
-  is copied; the input's gradient is a gather of each token's k row gradients and their sum.
+  is copied; the input's gradient sums each token's k row gradients where they are (the combine's
+  kernel with weights 1).
 
 No host synchronisation on the grouped path: the offsets stay on the device. Without grouped
 GEMMs (float64, strides they refuse, an older torch) the experts run as a GEMM pair per expert
@@ -108,13 +109,9 @@ class _Experts(torch.autograd.Function):
         d_w_out = _per_expert(d_out.t(), h, offs, sizes, E) if ctx.needs_input_grad[2] else None
         d_w_in = _per_expert(d_pre.t(), rows, offs, sizes, E) if ctx.needs_input_grad[1] else None
         d_x = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # each token's k row gradients summed where they are: the combine, weights 1
             d_rows = _rows_by_expert(d_pre, w_in, offs, sizes)
-            places = pos
-            if kept is not None:  # a dropped assignment reads a zero row appended past the others
-                places = torch.where(pos < kept, pos, d_rows.shape[0])
-                d_rows = torch.cat([d_rows, d_rows.new_zeros((1, d_rows.shape[1]))])
-            d_x = d_rows.index_select(0, places).view(T, k, -1).sum(1)
+            d_x = combine_rows(d_rows, d_rows, pos, weights.new_ones((T, k)), d_rows.shape[0], kept)
         return d_x, d_w_in, d_w_out, d_weights, None, None, None, None, None, None
 
 
