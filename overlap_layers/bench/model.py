@@ -12,6 +12,16 @@ or from CUDA graphs. Each step is ``zero_grad``, forward and loss, backward,
 ``overlap_layers.finalize_grads(model)`` (overlap variants), ``AdamW.step`` (over
 ``overlap_layers.param_groups(model)``).
 
+transformers' experts backends (MoE models): the hf (and hf_compile) variant runs once per experts
+implementation that ``--hf-experts`` names (``model.set_experts_implementation`` on its copy;
+default: the installed transformers' default and, on CUDA, every implementation it registers),
+recorded as ``hf[<name>]`` with ``experts_implementation`` in the record; one that cannot run here
+(deepgemm / sonicmoe without the ``kernels`` package or CUDA, deepgemm outside bfloat16) is recorded
+as skipped with the reason. ``meta.hf_implementations[model].experts_implementation`` is the
+installed transformers' default; the other variants keep it (torch_tp runs transformers' experts
+with it; torch_ep and the overlap variants replace the experts). The table gives every variant's
+tokens/s over the fastest hf backend's and over the default backend's.
+
 Runs:
 
 * CPU (the default without a GPU): 2 gloo ranks started by ``run_ranks``, tiny shapes, float32,
@@ -92,6 +102,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"variants, space- or comma-separated: {', '.join(VARIANTS)} (hf = dense, hf_compile = "
                         f"dense_compile), or the groups all, eager ({' '.join(EAGER)}), compiled; default: all on "
                         f"CUDA, eager on CPU (compilation on 2 CPU cores takes minutes)")
+    p.add_argument("--hf-experts", nargs="+", default=None,
+                   help="transformers' experts implementations (MoE models, transformers >= 5): the hf and "
+                        "hf_compile variants run once per name, recorded as hf[<name>]; space- or comma-separated "
+                        "names the installed transformers registers (5.17: eager, grouped_mm, batched_mm, deepgemm, "
+                        "sonicmoe), default (its default for the model) or all; one that cannot run here is "
+                        "recorded as skipped with the reason; dense models ignore it (default: default all on "
+                        "CUDA, default on CPU)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPUs, "
                                                  "float32 on CPU)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size / --dp)")
@@ -176,7 +193,29 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             import transformers  # noqa: F401 - only whether it imports
         except ImportError:
             p.error("--model: transformers' models need `pip install transformers` (>= 5); or --model titan")
+    args.hf_experts = _experts_per_model(p, args)
     return args
+
+
+def _experts_per_model(p: argparse.ArgumentParser, args) -> dict:
+    """``{MoE model of transformers: [experts implementation, ...]}`` from ``--hf-experts`` (its
+    help); empty where no such model runs or the installed transformers has no choice of them."""
+    names = _split(args.hf_experts or (["default", "all"] if args.cuda else ["default"]))
+    if not any(m in HF_MODELS for m in args.model):
+        return {}
+    known = hf_models.experts_implementations()
+    for n in names:
+        if n not in ("default", "all") and n not in known:
+            p.error(f"--hf-experts: unknown experts implementation {n!r}; valid: default, all, {', '.join(known)}"
+                    if known else f"--hf-experts: transformers {_version('transformers')} has no experts "
+                                  f"implementations to choose from")
+    out = {}
+    for m in [m for m in args.model if m in HF_MODELS and args.presets[m].moe and known]:
+        chosen = []
+        for n in names:
+            chosen += known if n == "all" else [hf_models.default_experts(m) if n == "default" else n]
+        out[m] = list(dict.fromkeys(chosen))
+    return out
 
 
 # ---------------------------------------------------------------------------- measures
@@ -229,16 +268,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_group, bar: Progress) -> dict:
-    """Build and train one variant; its record (``error`` set where it was skipped or failed, on
-    every rank alike)."""
+def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_group, bar: Progress,
+                experts: Optional[str] = None) -> dict:
+    """Build and train one variant (an hf variant with transformers' experts implementation
+    ``experts``); its record (``error`` set where it was skipped or failed, on every rank alike)."""
     device, cuda = env.device, env.cuda
-    name = display_name(variant, model_name)
+    name = display_name(variant, model_name, experts)
     rec = dict(model=model_name, variant=name, preset=p.name, layers=p.layers, world_size=env.tp, dp=env.dp,
                batch=args.batch, seq=args.seq, tokens=args.batch * args.seq * env.dp, dtype=args.dtype,
                **{"pass": "fwdbwd"}, ms=None, spread=dict(min_ms=None, max_ms=None, n=0), tokens_per_s=None,
                mfu=None, peak_mem_bytes=None, host_ms=None, warmup_ms=[], loss=dict(final=None, steps=[]),
-               compiled=variant in COMPILED, graphs=variant == "overlap_auto_graphs", notes=[])
+               compiled=variant in COMPILED, graphs=variant == "overlap_auto_graphs", experts_implementation=experts,
+               notes=[])
     total = args.warmup + args.steps
     err, built, opt = None, None, None
     times, hosts, losses = [], [], []
@@ -249,7 +290,7 @@ def run_variant(model_name: str, p, dense, variant: str, env: Env, args, dp_grou
                 torch._dynamo.reset()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            built = build(model_name, dense, variant, env, p.moe)
+            built = build(model_name, dense, variant, env, p.moe, experts)
             rec.update(compiled=built.compiled, graphs=built.graphs, notes=list(built.notes))
             model = built.model
             opt = optimizer(model, env, args.lr, args.optimizer)
@@ -350,8 +391,11 @@ def run(device: torch.device, args) -> None:
         f"{args.seq}, {args.warmup} warm-up + {args.steps} timed steps per variant", flush=True)
     say(f"peak bf16 GEMM: {peak:.1f} TFLOP/s per GPU (8192^3, measured now)" if peak else
         "peak: not measured on CPU (MFU reported as null)", flush=True)
-    bar = Progress(sum(applies(v, args.presets[m].moe) for m in args.model for v in args.variants)
-                   * (args.warmup + args.steps), rank == 0 and not args.no_progress, delay_s=0.0, unit="step")
+    runs = {m: [(v, e) for v in args.variants if applies(v, args.presets[m].moe)
+                for e in (args.hf_experts.get(m, [None]) if v in ("dense", "dense_compile") else [None])]
+            for m in args.model}
+    bar = Progress(sum(map(len, runs.values())) * (args.warmup + args.steps), rank == 0 and not args.no_progress,
+                   delay_s=0.0, unit="step")
     records, impls = [], {}
     for model_name in args.model:
         p = args.presets[model_name]
@@ -362,10 +406,12 @@ def run(device: torch.device, args) -> None:
             if not p.moe:  # a dense model has no experts to run
                 impls[model_name]["experts_implementation"] = None
             say(f"{model_name}: transformers {_version('transformers')}, attn_implementation="
-                f"{impls[model_name]['attn_implementation']}, experts_implementation="
-                f"{impls[model_name]['experts_implementation']}", flush=True)
-        for variant in [v for v in args.variants if applies(v, p.moe)]:
-            rec = run_variant(model_name, p, dense, variant, env, args, dp_group, bar)
+                f"{impls[model_name]['attn_implementation']}, experts_implementation (default)="
+                f"{impls[model_name]['experts_implementation']}"
+                + (f", hf runs {' '.join(args.hf_experts[model_name])}" if model_name in args.hf_experts else ""),
+                flush=True)
+        for variant, experts in runs[model_name]:
+            rec = run_variant(model_name, p, dense, variant, env, args, dp_group, bar, experts)
             rec.update(params=n_params, active_params=n_active, flops_per_step=fpt * rec["tokens"])
             if rec["ms"] is not None and peak:
                 rec["mfu"] = rec["flops_per_step"] / (rec["ms"] / 1e3) / (peak * 1e12 * args.world)

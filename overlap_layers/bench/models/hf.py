@@ -2,11 +2,17 @@
 
 Reference: :func:`build` returns ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` /
 ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` built from a config with the preset's dimensions
-(random weights, no download), in training mode, with its implementations pinned:
-``attn_implementation="sdpa"`` and, for MoE models, transformers' fastest experts backend that the
-installed version has (``grouped_mm``, chosen by ``experts_implementation=`` at build time in
-transformers >= 5.x; versions without that argument run their only, eager, experts).
+(random weights, no download), in training mode, with ``attn_implementation="sdpa"`` and, for
+MoE models, the installed transformers' default experts implementation (:func:`default_experts`).
 :func:`implementations` reads back what the model runs.
+
+* Experts implementations (transformers >= 5: ``config._experts_implementation``, dispatched by
+  ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``; 5.17 to 5.24 register ``eager``,
+  ``grouped_mm``, ``batched_mm``, ``deepgemm``, ``sonicmoe``): :func:`experts_implementations`
+  lists them, :func:`experts_unavailable` says why one cannot run here (transformers' own
+  ``is_deepgemm_loadable`` / ``is_sonicmoe_loadable``: the ``kernels`` package, CUDA, the GPU's
+  architecture; DeepGEMM's bfloat16), :func:`set_experts` switches a built model to one
+  (``model.set_experts_implementation``).
 
 * :func:`apply_hf_tensor_parallel`: transformers' own tensor-parallel plan (``model.tp_plan``: q/k/v
   and gate/up colwise, o/down rowwise, the vocabulary-sharded embedding and LM head, the experts
@@ -22,21 +28,21 @@ transformers >= 5.x; versions without that argument run their only, eager, exper
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .presets import Preset
+from .presets import PRESETS, Preset
 
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 ATTN_IMPLEMENTATION = "sdpa"
-FASTEST_EXPERTS = "grouped_mm"
 
 
 def config_of(model: str, p: Preset):
@@ -64,15 +70,6 @@ def config_of(model: str, p: Preset):
     return cfg_cls(**kw)
 
 
-def _from_config_accepts(name: str) -> bool:
-    from transformers import PreTrainedModel
-    try:
-        src = inspect.getsource(PreTrainedModel._from_config)
-    except (OSError, TypeError):
-        return False
-    return name in src
-
-
 def build(model: str, p: Preset, dtype: torch.dtype, device) -> nn.Module:
     """The model of the module docstring, on ``device`` in ``dtype``, weights drawn from torch's
     current random state (seed it alike on every rank for identical weights)."""
@@ -80,12 +77,9 @@ def build(model: str, p: Preset, dtype: torch.dtype, device) -> nn.Module:
     cls = getattr(transformers, _CLASSES[model][1])
     cfg = config_of(model, p)
     kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
-    if p.moe and _from_config_accepts("experts_implementation"):
-        kwargs["experts_implementation"] = FASTEST_EXPERTS
     try:
         m = cls._from_config(cfg, **kwargs)
-    except TypeError:  # an older signature: torch_dtype, no experts choice
-        kwargs.pop("experts_implementation", None)
+    except TypeError:  # an older signature: torch_dtype
         kwargs["torch_dtype"] = kwargs.pop("dtype")
         m = cls._from_config(cfg, **kwargs)
     m = m.to(device=device, dtype=dtype)
@@ -101,6 +95,57 @@ def implementations(m: nn.Module) -> dict:
     experts = getattr(cfg, "_experts_implementation", None) if hasattr(type(cfg), "_experts_implementation") \
         or hasattr(cfg, "_experts_implementation_internal") else None
     return {"attn_implementation": attn, "experts_implementation": experts}
+
+
+# ---------------------------------------------------------------------------- experts implementations
+# transformers.integrations.<name>'s own check of what the implementation needs
+_LOADABLE = {"deepgemm": "is_deepgemm_loadable", "sonicmoe": "is_sonicmoe_loadable"}
+_DTYPES = {"deepgemm": (torch.bfloat16,)}
+
+
+def experts_implementations() -> List[str]:
+    """The experts implementations the installed transformers registers, ``eager`` first; empty where
+    it has no choice of them."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return []
+    return ["eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]
+
+
+def default_experts(model: str) -> Optional[str]:
+    """The experts implementation the installed transformers gives the MoE ``model`` when none is
+    asked for (None without a choice of them): read from the model built on the meta device."""
+    import transformers
+    with torch.device("meta"):
+        m = getattr(transformers, _CLASSES[model][1])._from_config(config_of(model, PRESETS["tiny-moe"]))
+    return implementations(m)["experts_implementation"]
+
+
+def experts_unavailable(impl: str, dtype: torch.dtype) -> Optional[str]:
+    """Why transformers' experts implementation ``impl`` cannot run here in ``dtype`` (module
+    docstring), or None."""
+    if impl not in experts_implementations():
+        return f"transformers {_version()} has no experts implementation {impl!r}"
+    loadable = getattr(importlib.import_module(f"transformers.integrations.{impl}"), _LOADABLE[impl], None) \
+        if impl in _LOADABLE else None
+    if loadable is not None:
+        try:
+            loadable(raise_error=True)
+        except ImportError as e:
+            return f"{impl}: {e}"
+    if impl in _DTYPES and dtype not in _DTYPES[impl]:
+        return f"{impl} runs in {', '.join(str(d) for d in _DTYPES[impl])} only, not {dtype}"
+    return None
+
+
+def set_experts(m: nn.Module, impl: str) -> None:
+    """Switch the built model ``m`` to the experts implementation ``impl``, in place; RuntimeError
+    where the model still runs another one afterwards."""
+    m.set_experts_implementation(impl)
+    got = implementations(m)["experts_implementation"]
+    if got != impl:
+        raise RuntimeError(f"{type(m).__name__} runs experts implementation {got!r}, not {impl!r}")
 
 
 def decoder_layers(m: nn.Module) -> nn.ModuleList:

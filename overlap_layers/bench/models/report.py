@@ -2,6 +2,12 @@
 ``bench/results/schema.json``, kind "model"), a markdown copy of the table beside it and, where
 matplotlib imports, a bar chart of each variant's step time.
 
+Columns ``vs fastest hf`` and ``vs default hf``: each record's tokens/s over that of the model's
+fastest unparallelized, uncompiled run (``dense`` / ``hf``, or for an MoE model the fastest of its
+``hf[<experts implementation>]`` records: transformers' fastest experts backend) and over that of
+the one with the installed transformers' default experts backend (``meta.hf_implementations``; its
+variant is marked ``(default)``). Above the table, a line per MoE model names both backends.
+
 Default file name: ``model_<models>_tp<N>[_dp<M>]_<link>_<device>x<count>_<date>.json`` (models
 joined by ``-``; on CPU ``cpu`` times the ranks), under ``bench/results/`` on GPUs and under the
 temp dir on CPU; an existing file is never overwritten (``_2``, ``_3``, ... are appended).
@@ -13,10 +19,10 @@ import json
 import os
 import re
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-COLUMNS = ("model", "variant", "compiled", "graphs", "ms", "min", "max", "tokens/s", "MFU", "peak mem", "host ms",
-           "warm-up ms", "loss", "notes")
+COLUMNS = ("model", "variant", "compiled", "graphs", "ms", "min", "max", "tokens/s", "vs fastest hf", "vs default hf",
+           "MFU", "peak mem", "host ms", "warm-up ms", "loss", "notes")
 
 
 def _device_slug(name: str) -> str:
@@ -48,10 +54,50 @@ def _mem(v: Optional[int]) -> str:
     return "-" if v is None else f"{v / 2 ** 30:.2f} GiB"
 
 
-def rows(records: List[dict]) -> List[List[str]]:
+def _default_experts(data: dict, model: str) -> Optional[str]:
+    return ((data["meta"].get("hf_implementations") or {}).get(model) or {}).get("experts_implementation")
+
+
+def references(data: dict, model: str) -> Tuple[Optional[dict], Optional[dict]]:
+    """``(fastest, default)``: the model's unparallelized, uncompiled records that ran (module
+    docstring) with the most tokens/s, and the one with the default experts backend (the only one
+    of a dense model); None where none ran."""
+    ran = [r for r in data["records"] if r["model"] == model and r.get("tokens_per_s")
+           and re.fullmatch(r"(dense|hf)(\[.+\])?", r["variant"])]
+    if not ran:
+        return None, None
+    default = _default_experts(data, model)
+    fastest = max(ran, key=lambda r: r["tokens_per_s"])
+    return fastest, next((r for r in ran if r.get("experts_implementation") in (None, default)), None)
+
+
+def _speed(r: Optional[dict]) -> str:
+    return "did not run" if r is None else f"{r['variant']}, {r['tokens_per_s']:.0f} tokens/s"
+
+
+def backends_line(data: dict) -> str:
+    """A line per MoE model naming transformers' fastest experts backend and the default one."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in data["records"]):
+        default = _default_experts(data, model)
+        if default is None:
+            continue
+        fastest, ref = references(data, model)
+        lines.append(f"{model}: transformers' fastest experts backend {_speed(fastest)}; default ({default}) "
+                     f"{_speed(ref)}")
+    return "\n".join(lines)
+
+
+def rows(data: dict) -> List[List[str]]:
     """One row of :data:`COLUMNS` per record."""
     out = []
-    for r in records:
+    refs = {m: references(data, m) for m in dict.fromkeys(r["model"] for r in data["records"])}
+    for r in data["records"]:
+        fastest, default = refs[r["model"]]
+        ratio = lambda ref: "-" if ref is None or not r.get("tokens_per_s") else \
+            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"  # noqa: E731
+        variant = r["variant"] + (" (default)" if r.get("experts_implementation") is not None
+                                  and r["experts_implementation"] == _default_experts(data, r["model"]) else "")
         spread = r.get("spread") or {}
         warm = ", ".join(f"{w:.0f}" for w in r.get("warmup_ms") or []) or "-"
         loss = (r.get("loss") or {}).get("final")
@@ -61,17 +107,17 @@ def rows(records: List[dict]) -> List[List[str]]:
             notes = (notes + "; " if notes else "") + (f"fused AG-matmul {f['fused_all_gather_matmul']}, "
                                                        f"matmul-RS {f['fused_matmul_reduce_scatter']} in "
                                                        f"{f['graphs']} graphs")
-        out.append([r["model"], r["variant"], "yes" if r.get("compiled") else "no",
+        out.append([r["model"], variant, "yes" if r.get("compiled") else "no",
                     "yes" if r.get("graphs") else "no", _fmt(r.get("ms")), _fmt(spread.get("min_ms")),
-                    _fmt(spread.get("max_ms")), _fmt(r.get("tokens_per_s"), ".0f"),
+                    _fmt(spread.get("max_ms")), _fmt(r.get("tokens_per_s"), ".0f"), ratio(fastest), ratio(default),
                     "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%", _mem(r.get("peak_mem_bytes")),
                     _fmt(r.get("host_ms")), warm, _fmt(loss, ".5f"), notes])
     return out
 
 
-def text_table(records: List[dict]) -> str:
+def text_table(data: dict) -> str:
     """The table, columns aligned (notes last, unpadded)."""
-    body = rows(records)
+    body = rows(data)
     widths = [max(len(str(x)) for x in col) for col in zip(COLUMNS, *body)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells[:-1], widths)) + "  " + cells[-1]  # noqa: E731
     return "\n".join([fmt(list(COLUMNS)), fmt(["-" * w for w in widths[:-1]] + ["-----"])] + [fmt(r) for r in body])
@@ -83,8 +129,10 @@ def markdown_table(data: dict) -> str:
     peak = f", peak {m['peak_tflops']:.0f} TFLOP/s per GPU (bf16 GEMM)" if m.get("peak_tflops") else ""
     head = (f"Whole-model training step: {m['device']} x{m['gpu_count'] or m['world_size']} ({m['link']}), "
             f"TP {m['tp']} x DP {m['dp']}, {m['dtype']}, torch {m['torch']}{peak}; `{m['command']}`\n\n")
+    backends = backends_line(data)
+    head += "".join(f"{line}\n\n" for line in backends.splitlines())
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(data["records"])]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(data)]
     return head + "\n".join(lines) + "\n"
 
 
@@ -118,7 +166,8 @@ def bar_chart(data: dict, path: str) -> Optional[str]:
 def write_outputs(data: dict, args) -> str:
     """Print the table and write the JSON, markdown and PNG files; returns the JSON path."""
     print()
-    print(text_table(data["records"]), flush=True)
+    backends = backends_line(data)
+    print(text_table(data) + (f"\n\n{backends}" if backends else ""), flush=True)
     path = args.out or default_path(data["meta"], args.model)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

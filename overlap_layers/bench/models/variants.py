@@ -10,7 +10,8 @@ rounding. Each parallel variant keeps its rank's slices of the dense weights.
 variant                what runs
 =====================  ==========================================================================
 dense / hf             the model as it is, unparallelized, on every rank (``dense`` for the titan
-                       model, ``hf`` for transformers' models)
+                       model, ``hf`` for transformers' models; an MoE model's with each asked-for
+                       experts implementation of transformers: ``hf[grouped_mm]``, ...)
 dense_compile /        the same with each decoder block under ``torch.compile`` (as torchtitan
 hf_compile             compiles per block)
 torch_tp               titan: ``parallelize_module`` with sequence and loss parallelism
@@ -54,10 +55,11 @@ COMPILED = ("dense_compile", "torch_tp_asynctp", "overlap_compile")
 GRAPHS = ("overlap_auto_graphs",)
 
 
-def display_name(variant: str, model: str) -> str:
-    """The record's name of ``variant`` for ``model``: ``hf`` / ``hf_compile`` for transformers' models."""
+def display_name(variant: str, model: str, experts: Optional[str] = None) -> str:
+    """The record's name of ``variant`` for ``model``: ``hf`` / ``hf_compile`` for transformers' models,
+    with the experts implementation ``experts`` where given (``hf[grouped_mm]``)."""
     if model != "titan" and variant in ("dense", "dense_compile"):
-        return variant.replace("dense", "hf")
+        return variant.replace("dense", "hf") + (f"[{experts}]" if experts else "")
     return variant
 
 
@@ -208,9 +210,10 @@ def _overlap_config(variant: str):
     return OverlapConfig()
 
 
-def build(name: str, dense: nn.Module, variant: str, env: Env, is_moe: bool) -> Built:
+def build(name: str, dense: nn.Module, variant: str, env: Env, is_moe: bool, experts: Optional[str] = None) -> Built:
     """The variant ``variant`` of the dense model ``dense`` (left untouched), as the module
-    docstring says; :class:`Skip` where it does not apply or cannot run here."""
+    docstring says, the hf variants with transformers' experts implementation ``experts`` (None:
+    the model's own); :class:`Skip` where it does not apply or cannot run here."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     import overlap_layers
@@ -220,7 +223,14 @@ def build(name: str, dense: nn.Module, variant: str, env: Env, is_moe: bool) -> 
         raise Skip("skipped: graph calls need CUDA")
     if not applies(variant, is_moe):
         raise ValueError(f"{variant} does not apply to a dense model")
+    if experts is not None and variant not in ("dense", "dense_compile"):
+        raise ValueError(f"{variant} does not take an experts implementation")
+    unavailable = hf_models.experts_unavailable(experts, env.dtype) if experts is not None else None
+    if unavailable:
+        raise Skip(f"skipped: {unavailable}")
     model = copy.deepcopy(dense)
+    if experts is not None:
+        hf_models.set_experts(model, experts)
     titan_model = name == "titan"
     notes: List[str] = []
     built = Built(model=model, loss=_titan_loss if titan_model else _hf_loss)
