@@ -558,6 +558,22 @@ def test_grouped_gemm_timings_run_the_priced_gemms(pool2):
             assert shape == want_shape and err < 1e-5, (key, shape, want_shape, err)
 
 
+def _grouped_setups_dtensor(rank, ws):
+    """The layer's own setups with DTensor parameters (``mesh=``, as ``swap`` builds it): each runs
+    on the local experts (a DTensor would not mix with the plain rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    layer = OverlapMoE(8, 4, 8, 2, mesh=init_device_mesh("cpu", (ws,)))
+    cm = layer._cost_model((16, torch.float32), analytic_model("cpu"))
+    shapes = {key: (m, n) for key, (m, n, k, i) in cm.grouped_ops().items()}
+    return [(tuple(setup()().shape), shapes[key]) for key, setup in layer._op_setups(cm, torch.float32).items()
+            if key in shapes]
+
+
+def test_grouped_gemm_timings_with_dtensor_parameters(pool2):
+    for res in pool2.run(_grouped_setups_dtensor):
+        assert len(res) >= 8 and all(got == want for got, want in res), res
+
+
 # ------------------------------------------------------------------ bad input
 def _build_kw(rank, ws, kw):
     args = dict(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, group=dist.group.WORLD)

@@ -281,7 +281,8 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     def _op_setups(self, cm: MoECostModel, dtype: torch.dtype) -> dict:
         """The copy engine's ops and the grouped GEMMs ([Note: grouped GEMMs cost more than dense
         ones] in ``layers/moe/cost.py``); dense GEMMs are measured by shape, the rest costed by bandwidth."""
-        return {**self._copy_engine_setups(cm), **grouped_setups(cm, self.w_in, self.w_out, dtype)}
+        return {**self._copy_engine_setups(cm),
+                **grouped_setups(cm, self._local("w_in"), self._local("w_out"), dtype)}  # DTensor weights: local
 
     def _config_fields(self) -> tuple:
         return (("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_hidden_size),
