@@ -111,12 +111,18 @@ def _holder(owner: nn.Module, source: str) -> Tuple[nn.Module, str]:
     return (owner.get_submodule(path) if path else owner), name
 
 
+def _tensor(owner: nn.Module, source: str) -> torch.Tensor:
+    """The parameter or buffer ``source`` (a key relative to ``owner``)."""
+    layer, name = _holder(owner, source)
+    return layer._buffers[name] if name in layer._buffers else owner.get_parameter(source)
+
+
 def _part(owner: nn.Module, entry: Entry) -> Optional[tuple]:
     """``(rank, world size, box)`` of this rank's part of ``entry``'s tensor with plain parameters,
-    ``box`` a ``(start, stop)`` per dim; None where the parameter is whole on every rank (not a
-    layer's)."""
+    ``box`` a ``(start, stop)`` per dim; None where the tensor is whole on every rank (not a
+    layer's parameter: a buffer, or another module's)."""
     layer, name = _holder(owner, entry.sources[0])
-    if not isinstance(layer, TiledLayer):
+    if not isinstance(layer, TiledLayer) or name in layer._buffers:
         return None
     lay = layer._dtensor_layouts()[name]
     box = [(0, n) for n in entry.shape]
@@ -252,7 +258,7 @@ def _groups(entries: Sequence[Entry]):
 def _param_value(owner: nn.Module, group: Sequence[Entry], given: dict, prefix: str) -> torch.Tensor:
     """The value of the parameter holding ``group`` from the entries ``given`` (index -> tensor);
     the slices not given keep the parameter's."""
-    p = owner.get_parameter(group[0].sources[0])
+    p = _tensor(owner, group[0].sources[0])
     if isinstance(p, DTensor):
         if group[0].index is None:
             return dtensor_like(given[None], p, prefix + group[0].key)
@@ -283,7 +289,7 @@ def load_entries(owner: nn.Module, values: Dict[str, torch.Tensor], prefix: str 
         if given:
             value = _param_value(owner, group, given, prefix)
             with torch.no_grad():
-                for p in {id(q): q for q in map(owner.get_parameter, group[0].sources)}.values():
+                for p in {id(q): q for q in (_tensor(owner, s) for s in group[0].sources)}.values():
                     p.copy_(value)
 
 
@@ -315,7 +321,7 @@ def _state_in(owner: nn.Module, state_dict, prefix: str, local_metadata, strict,
         if not given and prefix + sources[0] in state_dict:
             continue  # the swapped layout: loaded as it is
         missing_keys.extend(prefix + e.key for e in group if e.index not in given)
-        value = _param_value(owner, group, given, prefix) if given else owner.get_parameter(sources[0]).detach()
+        value = _param_value(owner, group, given, prefix) if given else _tensor(owner, sources[0]).detach()
         for s in sources:
             state_dict[prefix + s] = value
 
