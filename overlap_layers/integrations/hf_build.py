@@ -6,15 +6,19 @@ HF module (transformers 5)                 replaced by
 =========================================  ==============================================================
 LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
 Qwen3MoeMLP (dense layers of Qwen3-MoE),   ``w_in`` = gate rows then up rows (Phi-3's fused
-Phi3MLP                                    ``gate_up_proj`` as it is), ``w_out`` = down; biases when
+Phi3MLP, DeepseekV3MLP, DeepseekV2MLP      ``gate_up_proj`` as it is), ``w_out`` = down; biases when
                                            ``mlp_bias``
 LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
 MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
 Qwen3MoeAttention, Phi3Attention           HF's (cos, sin) so RoPE scaling is exact; biases when
                                            ``attention_bias``; Phi-3's fused ``qkv_proj`` split into
                                            q, k, v; ``partial_rotary_factor`` must be 1)
+DeepseekV3Attention, DeepseekV2Attention   left dense, warned (multi-head latent attention)
 MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
 Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
+DeepseekV3MoE, DeepseekV2Moe               :class:`HFMoE` with DeepSeek's router (``Routing``: V3's
+                                           ``noaux_tc``, V2's greedy / group-limited greedy), the
+                                           bias and the shared experts (:mod:`.hf_deepseek`)
 with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
 MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
 MixtralDecoderLayer, Qwen3MoeDecoderLayer, MoE as above, its two RMSNorms inside the block (Phi-3:
@@ -39,6 +43,8 @@ the replaced module's entry                 the replacement's parameter
 ``q_norm.weight``, ``k_norm.weight``        ``layer.q_norm``, ``layer.k_norm``
 ``gate.weight`` (the router)                ``gate.weight``, tied to ``layer.router_weight``
 ``experts.gate_up_proj``, ``.down_proj``    ``layer.w_in``, ``layer.w_out`` (``[E, 2F, H]``, ``[E, H, F]``)
+``gate.e_score_correction_bias`` (V3)       ``layer.e_score_correction_bias`` (a buffer), tied to ``gate.``'s
+``shared_experts.{gate,up,down}_proj``      ``layer.shared_w_in`` ``[0]`` / ``[1]``, ``layer.shared_w_out``
 a decoder layer's ``self_attn.*``,          ``block.attention.*``, ``block.mlp.*`` (the MoE's router:
 ``mlp.*``, ``input_layernorm.weight``,      ``gate.weight``), ``block.attn_norm.weight``,
 ``post_attention_layernorm.weight``         ``block.mlp_norm.weight``
