@@ -222,3 +222,18 @@ def test_from_dense_bias_needs_noaux_tc():
     p, bias, _ = make_weights(0)
     with pytest.raises(ValueError, match="e_score_correction_bias of shape"):
         OverlapMoE.from_dense(**p, top_k=2, e_score_correction_bias=bias, group=object())
+
+
+def block_routing(rank, ws):
+    from overlap_layers import OverlapTransformerBlock
+    routing = Routing(RouterKind.NOAUX_TC, n_group=4, topk_group=2, scaling=2.5)
+    block = OverlapTransformerBlock(H, 2, F, moe={"num_experts": E, "top_k": 2, "routing": routing},
+                                    group=dist.group.WORLD)
+    y = block(torch.randn(1, 4, H))
+    return block.mlp.routing == routing, "mlp.e_score_correction_bias" in block.state_dict(), tuple(y.shape)
+
+
+def test_block_takes_the_routing(pools):
+    """``OverlapTransformerBlock(moe={..., "routing": ...})`` builds its MoE with that router."""
+    for same, has_bias, shape in pools(1).run(block_routing):
+        assert same and has_bias and shape == (1, 4, H)
