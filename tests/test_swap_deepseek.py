@@ -117,7 +117,9 @@ def check(rank, ws, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_swapped_deepseek_equals_dense(pool2, case):
-    prefix = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[CASES[case][0]]
+    family = CASES[case][0]
+    pytest.importorskip(f"transformers.models.{family}.modeling_{family}", reason=f"no {family} in this transformers")
+    prefix = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[family]
     for rank, res in enumerate(pool2.run(check, case)):
         assert res["types"] == [f"{prefix}Attention", "OverlapMLP", f"{prefix}Attention", "HFMoE"], res["types"]
         assert res["ours"] and res["keys"]

@@ -8,8 +8,10 @@ Reference (what :class:`OverlapMoE` must equal, up to rounding), per rank on its
     p = softmax(x @ router_weight.T)               # in float32, or the input dtype if wider
     (w, e) = top-k of p per token                  # ties to the lower expert index
     w = w / sum(w)                                 # if normalize_topk
-    w = w * routing.scaling                        # grouped routers (DeepSeek-V2 / V3): p, e, w as
-                                                   # layers/moe/routing.py's route_grouped states them
+    w = w * routing.scaling                        # the routed scaling factor (1 by default)
+    # routing.kind GROUP_LIMITED_GREEDY / NOAUX_TC (DeepSeek-V2 / V3): p, e and w as route_grouped
+    # (layers/moe/routing.py) states them: the top-k within the best expert groups; V3: sigmoid p,
+    # e chosen by p + e_score_correction_bias
     drop assignments over capacity                 # capacity_factor c: per expert, at most
                                                    # ceil(c*T*k/E), by decreasing p, then token
     y = sum over kept (t, e, w) of w * expert_e(x_t) + shared_expert(x)
