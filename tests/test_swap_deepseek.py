@@ -77,14 +77,14 @@ def gathered_grads(model):
     return grads
 
 
-def check(rank, ws, case):
+def check(rank, ws, case, dtensor):
     from overlap_layers import OverlapConfig, OverlapMLP
     from overlap_layers.integrations import HFMoE, full_state_dict
     model = build(case)
     dense = copy.deepcopy(model)
     before = {k: v.clone() for k, v in dense.state_dict().items()}
     lines, warned = swap_logged(model, "overlap_layers.integrations.hf", group=dist.group.WORLD,
-                                config=OverlapConfig(num_tiles=2))
+                                config=OverlapConfig(num_tiles=2), dtensor=dtensor)
     layers = model.model.layers
     out = dict(lines=lines, warned=warned, errs={},
                types=[type(m).__name__ for layer in layers for m in (layer.self_attn, layer.mlp)],
@@ -115,12 +115,14 @@ def check(rank, ws, case):
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_swapped_deepseek_equals_dense(pool2, case):
+@pytest.mark.parametrize("case,dtensor", [(case, True) for case in CASES] + [("v3", False)])
+def test_swapped_deepseek_equals_dense(pool2, case, dtensor):
+    """DTensor parameters (swap's default), and plain ones (``dtensor=False``: the state dict's
+    entries this rank's parts, gathered by ``full_state_dict``)."""
     family = CASES[case][0]
     pytest.importorskip(f"transformers.models.{family}.modeling_{family}", reason=f"no {family} in this transformers")
     prefix = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[family]
-    for rank, res in enumerate(pool2.run(check, case)):
+    for rank, res in enumerate(pool2.run(check, case, dtensor)):
         assert res["types"] == [f"{prefix}Attention", "OverlapMLP", f"{prefix}Attention", "HFMoE"], res["types"]
         assert res["ours"] and res["keys"]
         assert res["bias"] is (case == "v3")
