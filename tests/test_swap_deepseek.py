@@ -132,3 +132,27 @@ def test_swapped_deepseek_equals_dense(pool2, case, dtensor):
         for kind, n, left in (("mlp", 1, 0), ("moe", 1, 0), ("attention", 0, 2)):
             assert any(f"swap: {kind}: replaced {n}" in ln and f"left {left}" in ln for ln in res["lines"]), \
                 (kind, res["lines"])
+
+
+def save_and_load(rank, ws, path):
+    """``save_pretrained`` of a swapped DeepSeek-V3, then the unswapped class's ``from_pretrained``
+    and ``load_pretrained_shards`` into a swapped model of other weights: exact state dicts."""
+    from overlap_layers import swap
+    from overlap_layers.integrations import full_state_dict, load_pretrained_shards
+    model, dense = build("v3"), build("v3")
+    swap(model, group=dist.group.WORLD)
+    model.save_pretrained(path)
+    dist.barrier()
+    want = dense.state_dict()
+    loaded = type(dense).from_pretrained(path).state_dict()
+    other = build("v3", seed=5)
+    swap(other, group=dist.group.WORLD)
+    load_pretrained_shards(other, path)
+    return [k for k, v in want.items() if not torch.equal(loaded[k], v)], \
+        [k for k, v in full_state_dict(other).items() if not torch.equal(v, want[k])]
+
+
+def test_save_pretrained_and_load_pretrained_shards(pool2, tmp_path):
+    pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    for from_pretrained, shards in pool2.run(save_and_load, str(tmp_path)):
+        assert from_pretrained == [] and shards == [], (from_pretrained, shards)
