@@ -33,7 +33,7 @@ class Routing:
     consecutive experts, of which each token's ``topk_group`` best are searched; 1 and 1 for
     ``RouterKind.TOPK``) and ``scaling``, the factor of every combine weight (DeepSeek's
     ``routed_scaling_factor``). ``RouterKind.NOAUX_TC`` gives the layer the buffer
-    ``e_score_correction_bias [E]`` (float32, zeros; set it, it is not trained by gradient)."""
+    ``e_score_correction_bias [E]`` (float32, zeros; update it in place: no gradient trains it)."""
 
     kind: RouterKind = RouterKind.TOPK
     n_group: int = 1
