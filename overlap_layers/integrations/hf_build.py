@@ -6,15 +6,19 @@ HF module (transformers 5)                 replaced by
 =========================================  ==============================================================
 LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
 Qwen3MoeMLP (dense layers of Qwen3-MoE),   ``w_in`` = gate rows then up rows (Phi-3's fused
-Phi3MLP                                    ``gate_up_proj`` as it is), ``w_out`` = down; biases when
+Phi3MLP, DeepseekV3MLP, DeepseekV2MLP      ``gate_up_proj`` as it is), ``w_out`` = down; biases when
                                            ``mlp_bias``
 LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
 MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
 Qwen3MoeAttention, Phi3Attention           HF's (cos, sin) so RoPE scaling is exact; biases when
                                            ``attention_bias``; Phi-3's fused ``qkv_proj`` split into
                                            q, k, v; ``partial_rotary_factor`` must be 1)
+DeepseekV3Attention, DeepseekV2Attention   left dense, warned (multi-head latent attention)
 MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
 Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
+DeepseekV3MoE, DeepseekV2Moe               :class:`HFMoE` with DeepSeek's router (``Routing``: V3's
+                                           ``noaux_tc``, V2's greedy / group-limited greedy), the
+                                           bias and the shared experts (:mod:`.hf_deepseek`)
 with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
 MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
 MixtralDecoderLayer, Qwen3MoeDecoderLayer, MoE as above, its two RMSNorms inside the block (Phi-3:
@@ -39,6 +43,8 @@ the replaced module's entry                 the replacement's parameter
 ``q_norm.weight``, ``k_norm.weight``        ``layer.q_norm``, ``layer.k_norm``
 ``gate.weight`` (the router)                ``gate.weight``, tied to ``layer.router_weight``
 ``experts.gate_up_proj``, ``.down_proj``    ``layer.w_in``, ``layer.w_out`` (``[E, 2F, H]``, ``[E, H, F]``)
+``gate.e_score_correction_bias`` (V3)       ``layer.e_score_correction_bias`` (a buffer), tied to ``gate.``'s
+``shared_experts.{gate,up,down}_proj``      ``layer.shared_w_in`` ``[0]`` / ``[1]``, ``layer.shared_w_out``
 a decoder layer's ``self_attn.*``,          ``block.attention.*``, ``block.mlp.*`` (the MoE's router:
 ``mlp.*``, ``input_layernorm.weight``,      ``gate.weight``), ``block.attn_norm.weight``,
 ``post_attention_layernorm.weight``         ``block.mlp_norm.weight``
@@ -59,6 +65,7 @@ from torch import nn
 
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
 from ..layers.attention.core import QK_NORM_EPS
+from . import hf_deepseek
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .hf_state import Entry, keep_hf_state
 from .replace import Unswappable, on
@@ -76,6 +83,8 @@ _KNOWN = {
     "block": [("llama", "LlamaDecoderLayer"), ("mistral", "MistralDecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
               ("mixtral", "MixtralDecoderLayer"), ("qwen3_moe", "Qwen3MoeDecoderLayer"), ("phi3", "Phi3DecoderLayer")],
 }
+for _kind, _entries in hf_deepseek.CLASSES.items():  # DeepSeek-V2 / V3 (hf_deepseek.py)
+    _KNOWN[_kind] += _entries
 # Class names that look like a swappable module (an unknown one of these is warned about).
 _LOOKALIKE_SUFFIXES = {"mlp": ("MLP", "FeedForward", "FFN"), "attention": ("Attention",),
                        "moe": ("MoeBlock", "MoEBlock", "MoE", "Moe", "Experts"), "block": ("DecoderLayer",)}
@@ -189,6 +198,7 @@ def partial_rotary_factor(cfg) -> float:
 
 
 def _build_attention(module, group, opts) -> nn.Module:
+    hf_deepseek.refuse_mla(module)
     cfg = getattr(module, "config", None)
     d = getattr(module, "head_dim", None)
     nq = getattr(cfg, "num_attention_heads", None)
@@ -253,12 +263,15 @@ def _build_moe(module, group, opts) -> nn.Module:
     top_k = getattr(gate, "top_k", None) or getattr(module, "top_k", None)
     if not isinstance(top_k, int):
         raise Unswappable("cannot read top_k from the router")
-    # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob.
-    normalize = bool(getattr(gate, "norm_topk_prob", True))
-    _check_plain([rw, gu, dn])
+    # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob;
+    # DeepSeek's router, bias and shared experts: hf_deepseek.py
+    kw = {"normalize_topk": bool(getattr(gate, "norm_topk_prob", True)), **hf_deepseek.moe_kwargs(module, rw.shape[0])}
+    _check_plain([rw, gu, dn] + [v for v in kw.values() if isinstance(v, torch.Tensor)])
     layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, **on(group),
-                                  activation="swiglu", normalize_topk=normalize, **opts)
-    return HFMoE(layer, gate, source=type(module).__name__)
+                                  activation="swiglu", **kw, **opts)
+    new = HFMoE(layer, gate, source=type(module).__name__)
+    hf_deepseek.tie_bias(new)
+    return new
 
 
 def _block_norm(norm, hidden: int):
@@ -335,7 +348,8 @@ def _attention_entries(hf: str = "", ours: str = "layer.", module=None) -> list:
 def _moe_entries(hf: str = "", ours: str = "layer.", router: str = "gate.") -> list:
     """An HF sparse-MoE block's entries: HF's router weight is tied to the layer's ``router_weight``."""
     return [Entry(f"{hf}gate.weight", (f"{router}weight", f"{ours}router_weight")),
-            Entry(f"{hf}experts.gate_up_proj", (f"{ours}w_in",)), Entry(f"{hf}experts.down_proj", (f"{ours}w_out",))]
+            Entry(f"{hf}experts.gate_up_proj", (f"{ours}w_in",)), Entry(f"{hf}experts.down_proj", (f"{ours}w_out",)),
+            *hf_deepseek.entries(hf, ours, router)]
 
 
 def _mlp(module, group, opts) -> nn.Module:

@@ -13,8 +13,9 @@ them in the replaced module's layout through two hooks :func:`keep_hf_state` reg
 state-dict post-hook puts the replaced module's entries (``gate_proj.weight``, ``q_proj.weight``,
 ``experts.gate_up_proj``, ...) in place of its own, in the replaced module's order, and a
 load-state-dict pre-hook turns them back into its parameters' values. Each entry of the replaced
-module is one :class:`Entry`: its key, the swapped module's parameter holding it (more than one when
-tied: HF's router weight is the MoE's ``router_weight``), and an index where it is one slice of that
+module is one :class:`Entry`: its key, the swapped module's parameter (or buffer: DeepSeek-V3's
+``e_score_correction_bias``) holding it (more than one when tied: HF's router weight is the MoE's
+``router_weight``), and an index where it is one slice of that
 parameter's global form along dim 0 (swiglu ``w_in``, ``[2, F, H]``: the gate rows ``[0]``, the up
 rows ``[1]``; [Note: DTensor parameters] in ``planning/dtensor.py``). ``keep_hf_state`` checks, when
 the module is built, that the two layouts correspond one to one, with equal shapes. A fused entry
@@ -111,12 +112,18 @@ def _holder(owner: nn.Module, source: str) -> Tuple[nn.Module, str]:
     return (owner.get_submodule(path) if path else owner), name
 
 
+def _tensor(owner: nn.Module, source: str) -> torch.Tensor:
+    """The parameter or buffer ``source`` (a key relative to ``owner``)."""
+    layer, name = _holder(owner, source)
+    return layer._buffers[name] if name in layer._buffers else owner.get_parameter(source)
+
+
 def _part(owner: nn.Module, entry: Entry) -> Optional[tuple]:
     """``(rank, world size, box)`` of this rank's part of ``entry``'s tensor with plain parameters,
-    ``box`` a ``(start, stop)`` per dim; None where the parameter is whole on every rank (not a
-    layer's)."""
+    ``box`` a ``(start, stop)`` per dim; None where the tensor is whole on every rank (not a
+    layer's parameter: a buffer, or another module's)."""
     layer, name = _holder(owner, entry.sources[0])
-    if not isinstance(layer, TiledLayer):
+    if not isinstance(layer, TiledLayer) or name in layer._buffers:
         return None
     lay = layer._dtensor_layouts()[name]
     box = [(0, n) for n in entry.shape]
@@ -252,7 +259,7 @@ def _groups(entries: Sequence[Entry]):
 def _param_value(owner: nn.Module, group: Sequence[Entry], given: dict, prefix: str) -> torch.Tensor:
     """The value of the parameter holding ``group`` from the entries ``given`` (index -> tensor);
     the slices not given keep the parameter's."""
-    p = owner.get_parameter(group[0].sources[0])
+    p = _tensor(owner, group[0].sources[0])
     if isinstance(p, DTensor):
         if group[0].index is None:
             return dtensor_like(given[None], p, prefix + group[0].key)
@@ -283,7 +290,7 @@ def load_entries(owner: nn.Module, values: Dict[str, torch.Tensor], prefix: str 
         if given:
             value = _param_value(owner, group, given, prefix)
             with torch.no_grad():
-                for p in {id(q): q for q in map(owner.get_parameter, group[0].sources)}.values():
+                for p in {id(q): q for q in (_tensor(owner, s) for s in group[0].sources)}.values():
                     p.copy_(value)
 
 
@@ -315,7 +322,7 @@ def _state_in(owner: nn.Module, state_dict, prefix: str, local_metadata, strict,
         if not given and prefix + sources[0] in state_dict:
             continue  # the swapped layout: loaded as it is
         missing_keys.extend(prefix + e.key for e in group if e.index not in given)
-        value = _param_value(owner, group, given, prefix) if given else owner.get_parameter(sources[0]).detach()
+        value = _param_value(owner, group, given, prefix) if given else _tensor(owner, sources[0]).detach()
         for s in sources:
             state_dict[prefix + s] = value
 

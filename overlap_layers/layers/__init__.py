@@ -6,8 +6,9 @@ from .attention import OverlapAttention, UlyssesAttention
 from .block import OverlapTransformerBlock
 from .grads import finalize_grads, reduce_replicated_grads
 from .mlp import OverlapMLP
-from .moe import OverlapMoE
+from .moe import OverlapMoE, RouterKind, Routing
 from .plan_files import load_plans, save_plans
 
 __all__ = ["OverlapAttention", "OverlapMLP", "OverlapMoE", "OverlapTransformerBlock", "finalize_grads",
-           "load_plans", "reduce_replicated_grads", "save_plans", "TilePlan", "UlyssesAttention"]
+           "load_plans", "reduce_replicated_grads", "RouterKind", "Routing", "save_plans", "TilePlan",
+           "UlyssesAttention"]

@@ -29,7 +29,8 @@ OverlapAttention  ``wq``, ``bq``                   dense, Shard(0)
                   ``wo``                           dense, Shard(1)
                   ``bo``, ``q_norm``, ``k_norm``   Replicate
 OverlapMoE        ``w_in``, ``w_out``              ``[E, ...]``, Shard(0) over experts
-                  ``router_weight``, shared        Replicate
+                  ``shared_w_in`` (swiglu)         ``[2, shared_ffn, H]`` (gate, up), Replicate
+                  ``router_weight``, the rest      Replicate
 UlyssesAttention  every parameter                  dense, Replicate
 OverlapTrans-     its sublayers' as above; the     dense, Replicate
 formerBlock       norms' ``weight`` / ``bias``

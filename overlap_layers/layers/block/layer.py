@@ -60,7 +60,7 @@ from .fusion import BlockFusion
 NORMS = ("rmsnorm", "layernorm")
 #: The OverlapMoE keywords a block's ``moe`` dict may hold (sizes, group and planning come from the block).
 MOE_KEYS = ("num_experts", "top_k", "activation", "normalize_topk", "capacity_factor", "aux_loss_coef",
-            "shared_expert_ffn")
+            "shared_expert_ffn", "routing")
 
 
 class BlockNorm(nn.Module):

@@ -1,5 +1,6 @@
 """The expert-parallel MoE (:class:`~.layer.OverlapMoE`): routing, the rank-chunk and device
 paths, the combine, and its cost model."""
 from .layer import OverlapMoE
+from .routing import RouterKind, Routing
 
-__all__ = ["OverlapMoE"]
+__all__ = ["OverlapMoE", "RouterKind", "Routing"]

@@ -9,6 +9,7 @@ import torch
 from ...config import check_positive_int
 from ...planning.checks import finite_number
 from ..common.activations import ACTIVATIONS
+from .routing import RouterKind, Routing
 
 
 def check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, capacity_factor, aux_loss_coef,
@@ -27,6 +28,34 @@ def check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, cap
     if not finite_number(aux_loss_coef, zero_ok=True):
         raise ValueError(f"aux_loss_coef={aux_loss_coef!r}; must be a finite number >= 0")
     check_positive_int(shared_expert_ffn, "shared_expert_ffn", none_ok=True)
+
+
+def check_routing(routing, num_experts: int, top_k: int) -> None:
+    """The constructor's ``routing`` (a :class:`~.routing.Routing`) for ``num_experts`` experts and
+    ``top_k``."""
+    if not isinstance(routing, Routing) or not isinstance(routing.kind, RouterKind):
+        raise ValueError(f"routing={routing!r}; must be a Routing(kind=RouterKind..., n_group=, topk_group=, "
+                         f"scaling=)")
+    check_positive_int(routing.n_group, "routing.n_group")
+    check_positive_int(routing.topk_group, "routing.topk_group")
+    if not finite_number(routing.scaling):
+        raise ValueError(f"routing.scaling={routing.scaling!r}; must be a positive finite number")
+    G, kept = routing.n_group, routing.topk_group
+    if routing.kind is RouterKind.TOPK:
+        if (G, kept) != (1, 1):
+            raise ValueError(f"routing.n_group={G}, routing.topk_group={kept}: RouterKind.TOPK has no groups "
+                             f"(1 and 1); groups are RouterKind.GROUP_LIMITED_GREEDY's and NOAUX_TC's")
+        return
+    if num_experts % G:
+        raise ValueError(f"routing.n_group={G} must divide num_experts={num_experts}")
+    if kept > G:
+        raise ValueError(f"routing.topk_group={kept} must be at most routing.n_group={G}")
+    if routing.kind is RouterKind.NOAUX_TC and num_experts // G < 2:
+        raise ValueError(f"routing.n_group={G}: RouterKind.NOAUX_TC scores a group by its 2 best experts, so "
+                         f"each group needs at least 2 (n_group at most num_experts // 2 = {num_experts // 2})")
+    if top_k > kept * (num_experts // G):
+        raise ValueError(f"top_k={top_k} must be at most the experts of the kept groups, routing.topk_group * "
+                         f"num_experts / routing.n_group = {kept * (num_experts // G)}")
 
 
 def check_dense(router_weight, w_in, w_out, shared_w_in, shared_w_out,

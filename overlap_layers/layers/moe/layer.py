@@ -8,6 +8,10 @@ Reference (what :class:`OverlapMoE` must equal, up to rounding), per rank on its
     p = softmax(x @ router_weight.T)               # in float32, or the input dtype if wider
     (w, e) = top-k of p per token                  # ties to the lower expert index
     w = w / sum(w)                                 # if normalize_topk
+    w = w * routing.scaling                        # the routed scaling factor (1 by default)
+    # routing.kind GROUP_LIMITED_GREEDY / NOAUX_TC (DeepSeek-V2 / V3): p, e and w as route_grouped
+    # (layers/moe/routing.py) states them: the top-k within the best expert groups; V3: sigmoid p,
+    # e chosen by p + e_score_correction_bias
     drop assignments over capacity                 # capacity_factor c: per expert, at most
                                                    # ceil(c*T*k/E), by decreasing p, then token
     y = sum over kept (t, e, w) of w * expert_e(x_t) + shared_expert(x)
@@ -32,7 +36,7 @@ graphs ([Note: MoE graph calls] in ``layers/moe/device.py``; which calls:
 
 ===============  ================================================================================
 layer.py         :class:`OverlapMoE`: parameters, planning hooks, forward
-routing.py       router logits, top-k, capacity, aux loss, send-order keys
+routing.py       router logits, top-k, grouped routers, capacity, aux loss, send-order keys
 eager.py         one eager call: counts exchange, the exchange's path, combine
 tiles.py         the exchange by batch tiles (tile programs, autograd Function)
 ranks.py         the exchange by source rank (pieces, autograd Function)
@@ -67,13 +71,13 @@ from ...runtime.streams import HostReader
 from ..common.init import init_linear_
 from ..common.plain_tp import timed_inputs, timed_output
 from ..common.tp_program import Accumulator
-from .checks import check_args, check_dense
+from .checks import check_args, check_dense, check_routing
 from .cost import MoECostModel
 from .device_path import DevicePath
 from .eager import eager_call
 from .experts import grouped_for, grouped_setups, shared_expert
 from .plain import plain_call
-from .routing import route_call, zero_aux
+from .routing import RouterKind, Routing, route_call, zero_aux
 from .tiles import TileCall, backward_program, forward_program
 
 _INPUT_ERRORS = {**X_ERRORS, 1: X_ERRORS[1] + " (batch*seq may be 0 and may differ across ranks)"}
@@ -85,7 +89,12 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     Parameters (``group=`` the expert-parallel group): ``router_weight [E, H]`` (replicated),
     ``w_in [E/ws, 2*ffn, H]`` (swiglu: gate rows then up rows; else ``[E/ws, ffn, H]``),
     ``w_out [E/ws, H, ffn]`` for experts ``r*E/ws ..``, and the replicated shared expert
-    ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]``. ``router_weight.grad`` and
+    ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]``; with
+    ``routing=Routing(RouterKind.NOAUX_TC, ...)`` (DeepSeek-V3) the buffer
+    ``e_score_correction_bias [E]`` (float32, zeros: set it in place; no gradient), else None.
+    ``routing`` (:class:`~overlap_layers.layers.moe.routing.Routing`) picks the router: softmax
+    top-k (the default), DeepSeek-V2's group-limited greedy, DeepSeek-V3's ``noaux_tc``, each with
+    its expert groups and weight scaling. ``router_weight.grad`` and
     the shared expert's gradients hold *this rank's tokens'* contribution (the data-parallel
     reduction over the group sums them); expert gradients hold every rank's tokens routed to them.
     With ``mesh=`` the same tensors are the local parts of DTensor parameters (experts Shard(0),
@@ -112,18 +121,19 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
                  capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
-                 shared_expert_ffn: Optional[int] = None, num_tiles=None, config: Optional[OverlapConfig] = None,
-                 dtype=None, device=None):
+                 shared_expert_ffn: Optional[int] = None, routing: Routing = Routing(), num_tiles=None,
+                 config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
         check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, capacity_factor, aux_loss_coef,
                    shared_expert_ffn)
+        check_routing(routing, num_experts, top_k)
         ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         if num_experts % ws:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size {ws}")
         self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k = \
             hidden_size, ffn_hidden_size, num_experts, top_k
         self.activation, self.normalize_topk, self.capacity_factor = activation, bool(normalize_topk), capacity_factor
-        self.aux_loss_coef, self.shared_expert_ffn = float(aux_loss_coef), shared_expert_ffn
+        self.aux_loss_coef, self.shared_expert_ffn, self.routing = float(aux_loss_coef), shared_expert_ffn, routing
         self.num_local_experts = num_experts // ws
         kw = {"dtype": dtype, "device": device}
         n_in = (2 if activation == "swiglu" else 1) * ffn_hidden_size
@@ -136,6 +146,10 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
+        # DeepSeek-V3's selection bias: float32 as transformers keeps it, whatever the weights' dtype
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) \
+            if routing.kind is RouterKind.NOAUX_TC else None
+        self.register_buffer("e_score_correction_bias", bias)
         self._init_planner(mesh, axis)
 
     def _init_caches(self) -> None:
@@ -147,9 +161,12 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     # ----------------------------------------------------------------- weights
     def _dtensor_layouts(self) -> Dict[str, Layout]:
         """[Note: DTensor parameters] (``planning/dtensor.py``): the experts Shard(0) over experts,
-        the router and the shared expert Replicate."""
+        the router and the shared expert Replicate; swiglu's ``shared_w_in`` as ``[2, shared_ffn,
+        H]`` (gate, up), as OverlapMLP's ``w_in``."""
+        sffn = self.shared_expert_ffn
+        shared_in = (2, sffn, self.hidden_size) if sffn and self.activation == "swiglu" else None
         return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
-                "shared_w_in": Layout(Replicate()), "shared_w_out": Layout(Replicate())}
+                "shared_w_in": Layout(Replicate(), shared_in), "shared_w_out": Layout(Replicate())}
 
     def _dtensor_input_placements(self) -> tuple:
         """[Note: DTensor inputs]: tokens split across the group, by batch or by sequence."""
@@ -159,9 +176,11 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     def reset_parameters(self) -> None:
         """Router and experts as ``nn.Linear`` (no bias) would initialise them under the same seed,
         in the order router, every expert's fc1 then fc2 (dense, then this rank's slice), shared
-        fc1, fc2: the same on every rank."""
+        fc1, fc2: the same on every rank; ``e_score_correction_bias`` zeros."""
         if self.w_in.device.type == "meta":
             return
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
         init_linear_(self.router_weight, None)
         kw = {"dtype": self.w_in.dtype, "device": self.w_in.device}
         dense_in = torch.empty(self.num_experts, *self.w_in.shape[1:], **kw)
@@ -180,16 +199,25 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     def from_dense(cls, router_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *, top_k: int,
                    shared_w_in=None, shared_w_out=None, group=None, mesh=None, axis=None, activation: str = "swiglu",
                    normalize_topk: bool = True, capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
+                   routing: Routing = Routing(), e_score_correction_bias: Optional[torch.Tensor] = None,
                    num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapMoE":
         """From dense weights: ``router_weight [E, H]``, ``w_in [E, 2*ffn, H]`` (swiglu; else
         ``[E, ffn, H]``), ``w_out [E, H, ffn]``, shared ``shared_w_in [2*sffn, H]`` (swiglu),
-        ``shared_w_out [H, sffn]`` (both or neither)."""
+        ``shared_w_out [H, sffn]`` (both or neither); ``e_score_correction_bias [E]`` with
+        ``RouterKind.NOAUX_TC`` (None: zeros)."""
         E, H, ffn, sffn = check_dense(router_weight, w_in, w_out, shared_w_in, shared_w_out, activation)
+        if e_score_correction_bias is not None and (getattr(routing, "kind", None) is not RouterKind.NOAUX_TC or
+                                                    tuple(e_score_correction_bias.shape) != (E,)):
+            raise ValueError(f"e_score_correction_bias of shape {tuple(e_score_correction_bias.shape)}: must be None, "
+                             f"or [{E}] with routing.kind=RouterKind.NOAUX_TC (routing={routing!r})")
         layer = cls(H, ffn, E, top_k, group=resolve_group(group, mesh, axis), activation=activation,
                     normalize_topk=normalize_topk, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
-                    shared_expert_ffn=sffn, num_tiles=num_tiles, config=config, dtype=w_in.dtype, device="meta")
+                    shared_expert_ffn=sffn, routing=routing, num_tiles=num_tiles, config=config, dtype=w_in.dtype,
+                    device="meta")
         layer.to_empty(device=w_in.device)
         with torch.no_grad():
+            if layer.e_score_correction_bias is not None:
+                layer.e_score_correction_bias.copy_(0.0 if e_score_correction_bias is None else e_score_correction_bias)
             mine = slice(layer.rank * layer.num_local_experts, (layer.rank + 1) * layer.num_local_experts)
             layer.router_weight.copy_(router_weight)
             layer.w_in.copy_(w_in[mine])
@@ -202,8 +230,8 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
 
     @torch.no_grad()
     def to_dense(self) -> dict:
-        """The dense weights (keys of :meth:`from_dense`; None where absent). A collective: every
-        rank of the group must call it."""
+        """The dense weights (keys of :meth:`from_dense` but ``e_score_correction_bias``, a buffer
+        whole on every rank; None where absent). A collective: every rank of the group must call it."""
         shared = self.shared_w_in is not None
         p = {n: self._local(n) for n in ("router_weight", "w_in", "w_out", "shared_w_in", "shared_w_out")}
         return {"router_weight": p["router_weight"].detach().clone(), "w_in": gathered_rows(p["w_in"], self.group),
@@ -288,7 +316,8 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         return (("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_hidden_size),
                 ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
                 ("normalize_topk", self.normalize_topk), ("capacity_factor", self.capacity_factor),
-                ("aux_loss_coef", self.aux_loss_coef), ("shared_expert_ffn", self.shared_expert_ffn))
+                ("aux_loss_coef", self.aux_loss_coef), ("shared_expert_ffn", self.shared_expert_ffn),
+                ("routing", self.routing))
 
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -336,4 +365,5 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation}, "
                 f"capacity_factor={self.capacity_factor}, shared_expert_ffn={self.shared_expert_ffn}, "
+                f"routing={self.routing}, "
                 f"world_size={self.world_size}, num_tiles={self.num_tiles!r}")

@@ -1,17 +1,44 @@
 """The MoE's routing of a call: the router logits, top-k routing (one kernel on CUDA: Triton,
 :mod:`overlap_layers.kernels.routing`, whose docstring gives the reference; its torch reference
-elsewhere; differentiable in the logits), capacity, the aux loss and the send order's sort keys
-(:func:`route_call`), as ``layers/moe/layer.py``'s module docstring states them.
+elsewhere; differentiable in the logits), the grouped routers of DeepSeek-V2 / V3
+(:func:`route_grouped`, torch ops: the kernel computes softmax top-k only), capacity, the aux loss
+and the send order's sort keys (:func:`route_call`), as ``layers/moe/layer.py``'s module docstring
+states them.
 """
 from __future__ import annotations
 
+import enum
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ...kernels.routing import count, fused_available, key_dtype, route_fused, route_topk_reference
 from ...kernels.triton_gate import worth_launching
+
+
+class RouterKind(enum.Enum):
+    """How the router scores the experts and selects a token's ``top_k`` (the reference:
+    :func:`route_grouped`'s docstring)."""
+
+    TOPK = "topk"  # softmax, the top_k largest (Mixtral, Qwen3-MoE; DeepSeek-V2's "greedy")
+    GROUP_LIMITED_GREEDY = "group_limited_greedy"  # DeepSeek-V2: softmax; groups scored by their max
+    NOAUX_TC = "noaux_tc"  # DeepSeek-V3: sigmoid; selection by score + bias, groups by the sum of their top 2
+
+
+@dataclass(frozen=True)
+class Routing:
+    """:class:`OverlapMoE`'s router: ``kind``, the expert groups (``n_group`` groups of
+    consecutive experts, of which each token's ``topk_group`` best are searched; 1 and 1 for
+    ``RouterKind.TOPK``) and ``scaling``, the factor of every combine weight (DeepSeek's
+    ``routed_scaling_factor``). ``RouterKind.NOAUX_TC`` gives the layer the buffer
+    ``e_score_correction_bias [E]`` (float32, zeros; update it in place: no gradient trains it)."""
+
+    kind: RouterKind = RouterKind.TOPK
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
 
 
 class _Route(torch.autograd.Function):
@@ -84,11 +111,60 @@ def router_logits(x_TH: torch.Tensor, router_weight: torch.Tensor) -> torch.Tens
     return x_TH.to(rdt) @ router_weight.to(rdt).t()
 
 
-def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool, shift: int = 0):
+def _top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of each row, descending, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def route_grouped(logits: torch.Tensor, k: int, normalize: bool, shift: int, routing: Routing,
+                  bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """The outputs of :func:`route_topk` for ``routing``'s grouped routers, in torch ops.
+    Reference (DeepSeek-V2's ``group_limited_greedy`` and DeepSeek-V3's ``noaux_tc`` routers of
+    transformers; ``logits [T, E]``, G = ``n_group`` groups of E/G consecutive experts)::
+
+        scores      = softmax(logits) (GROUP_LIMITED_GREEDY) | sigmoid(logits) (NOAUX_TC)
+        choice      = scores | scores + bias                    (bias: e_score_correction_bias)
+        group score = max of choice in the group | sum of the group's 2 largest choices
+        keep the topk_group best groups; experts = the k largest choices in kept groups
+        top_p       = scores[experts]                           (the bias selects, never weighs)
+        weights     = top_p / sum(top_p) (normalize; else top_p), times routing.scaling
+
+    ties to the lower group and expert index; gradients flow to ``logits`` through ``probs``
+    (``scores``), ``top_p`` and ``weights``, not through the selection."""
+    T, E = logits.shape
+    G = routing.n_group
+    sigmoid = routing.kind is RouterKind.NOAUX_TC
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    choice = scores.detach() + bias.to(scores.dtype) if sigmoid else scores.detach()
+    in_groups = choice.view(T, G, E // G)
+    group_score = in_groups.topk(2, dim=-1).values.sum(-1) if sigmoid else in_groups.max(-1).values
+    kept = torch.zeros(T, G, dtype=torch.bool, device=logits.device)
+    kept.scatter_(1, _top(group_score, routing.topk_group), True)
+    experts = _top(choice.masked_fill(~kept.repeat_interleave(E // G, dim=1), -math.inf), k)
+    top_p = scores.gather(1, experts)
+    weights = top_p / top_p.sum(-1, keepdim=True) if normalize else top_p
+    if routing.scaling != 1.0:
+        weights = weights * routing.scaling
+    flat = experts.reshape(-1)
+    keys = torch.remainder(flat - shift, E).to(key_dtype(E))
+    return scores, top_p, experts, weights, keys, count(flat, E)
+
+
+def route(x_TH: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool, shift: int = 0,
+          routing: Routing = Routing(), bias: Optional[torch.Tensor] = None):
     """``(probs [T, E], top-k probs [T, k], top-k experts [T, k], combine weights [T, k], sort keys
-    [T*k] ((expert - shift) mod E), assignments per expert [E])``: :func:`route_topk` of the router
-    logits; probs in float32 (or x's dtype if wider), ties to the lower expert index."""
-    return route_topk(router_logits(x_TH, router_weight), top_k, normalize, shift)
+    [T*k] ((expert - shift) mod E), assignments per expert [E])`` of the router logits: ``probs``
+    the router's scores (softmax, or sigmoid for ``RouterKind.NOAUX_TC``), in float32 (or x's dtype
+    if wider), ties to the lower expert index. ``RouterKind.TOPK``: :func:`route_topk` (the
+    weights times ``routing.scaling``); the grouped routers: :func:`route_grouped`."""
+    logits = router_logits(x_TH, router_weight)
+    if routing.kind is not RouterKind.TOPK:
+        return route_grouped(logits, top_k, normalize, shift, routing, bias)
+    out = route_topk(logits, top_k, normalize, shift)
+    if routing.scaling == 1.0:
+        return out
+    probs, top_p, experts, weights, keys, counts = out
+    return probs, top_p, experts, weights * routing.scaling, keys, counts
 
 
 def keep_within_capacity(experts: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int):
@@ -138,7 +214,8 @@ def route_call(layer, x_TH: torch.Tensor, K: int, step_order: bool = False) -> R
     T, E, k, El, ws = x_TH.shape[0], layer.num_experts, layer.top_k, layer.num_local_experts, layer.world_size
     shift = El * layer.rank if step_order else 0
     probs, top_p, experts, weights, keys, per_expert = route(x_TH, layer._local("router_weight"), k,
-                                                             layer.normalize_topk, shift)
+                                                             layer.normalize_topk, shift, layer.routing,
+                                                             layer.e_score_correction_bias)
     flat_e = experts.reshape(-1)
     keep = None
     if layer.capacity_factor is not None:
