@@ -60,6 +60,7 @@ from torch import nn
 from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransformerBlock
 from ..layers.attention.core import QK_NORM_EPS
 from .hf_adapters import HFAttention, HFBlock, HFMoE
+from .hf_sequence import HFSequenceAttention, HFSequenceBlock, HFSequenceMoE, sequence_options, ulysses_attention
 from .hf_state import Entry, keep_hf_state
 from .replace import Unswappable, on
 
@@ -149,12 +150,13 @@ def _build_mlp(module, group, opts) -> nn.Module:
     if fused and ins[0].out_features != 2 * down.in_features:
         raise Unswappable(f"gate_up_proj {tuple(ins[0].weight.shape)} is not [2 * {down.in_features}, hidden]")
     _check_plain([lin.weight for lin in ins] + [down.weight, *biases])
+    sp, _, opts = sequence_options(opts)
     has_bias = down.bias is not None
     with torch.no_grad():
         w_in = torch.cat([lin.weight for lin in ins])
         b_in = torch.cat([lin.bias for lin in ins]) if has_bias else None
     return OverlapMLP.from_dense(w_in, down.weight.detach(), b_in=b_in, b_out=down.bias.detach() if has_bias else None,
-                                 **on(group), sequence_parallel=False, activation="swiglu", **opts)
+                                 **on(group), sequence_parallel=sp, activation="swiglu", **opts)
 
 
 def _norm_weight(norm, head_dim):
@@ -223,14 +225,18 @@ def _build_attention(module, group, opts) -> nn.Module:
     # Mixtral read config.sliding_window in forward.
     sliding = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else \
         getattr(cfg, "sliding_window", None)
-    layer = OverlapAttention.from_dense(
-        q.weight.detach(), k.weight.detach(), v.weight.detach(), o.weight.detach(), num_heads=nq, num_kv_heads=nkv,
-        bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias), q_norm=_norm_weight(q_norm, d),
-        k_norm=_norm_weight(k_norm, d), **on(group), sequence_parallel=False, rope_theta=None, causal=True,
-        softmax_scale=getattr(module, "scaling", None), dropout_p=float(getattr(module, "attention_dropout", 0.0)),
-        **opts)
-    return HFAttention(layer, layer_idx=getattr(module, "layer_idx", None),
-                       sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)
+    sp, target, opts = sequence_options(opts)
+    dense = dict(wq=q.weight.detach(), wk=k.weight.detach(), wv=v.weight.detach(), wo=o.weight.detach(), num_heads=nq,
+                 num_kv_heads=nkv, bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias),
+                 q_norm=_norm_weight(q_norm, d), k_norm=_norm_weight(k_norm, d), rope_theta=None, causal=True,
+                 softmax_scale=getattr(module, "scaling", None),
+                 dropout_p=float(getattr(module, "attention_dropout", 0.0)))
+    layer = ulysses_attention(dense, on(group), opts, type(module).__name__) if target == "ulysses" else None
+    if layer is None:
+        layer = OverlapAttention.from_dense(**dense, **on(group), sequence_parallel=sp, **opts)
+    return (HFSequenceAttention if sp else HFAttention)(
+        layer, layer_idx=getattr(module, "layer_idx", None), sliding_window=sliding if isinstance(sliding, int) else None,
+        source=type(module).__name__)
 
 
 def _build_moe(module, group, opts) -> nn.Module:
@@ -256,9 +262,10 @@ def _build_moe(module, group, opts) -> nn.Module:
     # Mixtral always renormalises the top-k probabilities; Qwen3-MoE does when norm_topk_prob.
     normalize = bool(getattr(gate, "norm_topk_prob", True))
     _check_plain([rw, gu, dn])
+    sp, _, opts = sequence_options(opts)
     layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, **on(group),
                                   activation="swiglu", normalize_topk=normalize, **opts)
-    return HFMoE(layer, gate, source=type(module).__name__)
+    return (HFSequenceMoE if sp else HFMoE)(layer, gate, source=type(module).__name__)
 
 
 def _block_norm(norm, hidden: int):
@@ -296,8 +303,8 @@ def _build_block(module, group, opts, known) -> nn.Module:
         layer = _build_mlp(mlp, group, opts)
     block = OverlapTransformerBlock.from_layers(hf_attn.layer, layer, norm="rmsnorm", norm_eps=eps1,
                                                 attn_norm_weight=w1, mlp_norm_weight=w2)
-    return HFBlock(block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window,
-                   source=type(module).__name__)
+    return (HFSequenceBlock if block.sequence_parallel else HFBlock)(
+        block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window, source=type(module).__name__)
 
 
 # ---------------------------------------------------------------------------- state-dict layouts
