@@ -1,0 +1,127 @@
+"""Tier 2: ``overlap_layers.swap(..., sequence_parallel=True)`` (and ``attention="ulysses"``) on tiny
+Hugging Face models over 2 gloo ranks, against the unswapped model.
+
+Reference, as for tests/test_swap_hf.py (whose ``check_family`` each case runs): every rank feeds the
+same whole batch; logits, loss (with Mixtral's router aux loss), every parameter's full gradient
+when backward returns (norms and embeddings included: the norms see only the rank's positions, so
+their gradients must be summed inside backward) and one AdamW step equal the unswapped model's.
+Inside the decoder layers each rank holds its half of the positions; what the sequence-parallel
+swap cannot serve (a length the group does not divide, a padding mask, a KV cache, Ulysses without
+sequence parallelism) raises ValueError on every rank.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pool import expect_value_error_on_every_rank
+from swap_helpers import rel
+from test_swap_hf import TOL, batch, build, run_case
+
+pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
+
+SP = {"sequence_parallel": True}
+ULYSSES = {"sequence_parallel": True, "attention": "ulysses"}
+
+
+def _sp_logged(lines):
+    assert any("sequence parallel over 2 ranks" in ln and "config.use_cache=False" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "llama_kv1_bias_eager", "qwen3", "mixtral_aux",
+                                  "qwen3_moe", "phi3"])
+def test_sequence_parallel_equals_dense(pool2, case):
+    """OverlapAttention / OverlapMLP with ``sequence_parallel=True``, HFSequenceMoE on the shards:
+    GQA and one replicated KV head, Llama 3 RoPE, eager's float causal mask, q/k norms, router
+    logits recorded, a dense layer among MoE layers, Phi-3's fused projections."""
+    _sp_logged(run_case(pool2, case, SP))
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "qwen3", "qwen3_moe"])
+def test_ulysses_equals_dense(pool2, case):
+    """``attention="ulysses"``: every attention is a UlyssesAttention (whole weights, gradients
+    summed inside backward), the MLP / MoE as with OverlapAttention."""
+    lines = run_case(pool2, case, ULYSSES)
+    _sp_logged(lines)
+    assert any("swap: attention: replaced 2" in ln and "left 0" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "mixtral_aux"])
+def test_block_sequence_parallel_equals_dense(pool2, case):
+    """``block=True``: OverlapTransformerBlock(sequence_parallel=True) per decoder layer (its norms
+    summed inside backward by the block), the final norm's by the swap."""
+    lines = run_case(pool2, case, {**SP, "block": True})
+    assert any("swap: block: replaced 2" in ln and "left 0" in ln for ln in lines), lines
+
+
+def test_plain_parameters_and_a_dense_module_inside(pool2):
+    """``dtensor=False`` (the norms' sums through the swap's own hooks), with layer 0's attention
+    left dense by the plan: it runs replicated (input gathered, output split) among the shards."""
+    plan = {"model.layers.0.self_attn": None, "model.layers.*.self_attn": "attention", "model.layers.*.mlp": "mlp"}
+    lines = run_case(pool2, "llama_gqa_llama3rope", {**SP, "dtensor": False, "plan": plan})
+    assert any("run replicated" in ln and "LlamaAttention x1" in ln for ln in lines), lines
+
+
+# ------------------------------------------------------------------ shards, clipping, rejected input
+def _shards_and_clipping(rank, ws, attention):
+    from overlap_layers import UlyssesAttention, swap
+    model = build("qwen3")
+    dense = copy.deepcopy(model)
+    swap(model, group=dist.group.WORLD, sequence_parallel=True, attention=attention)
+    seen = []
+    model.model.layers[1].post_attention_layernorm.register_forward_hook(
+        lambda m, a, out: seen.append(tuple(out.shape)))
+    ids = batch()
+    for m in (model, dense):
+        m(ids, labels=ids).loss.backward()
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item() for m in (model, dense)]
+    return dict(seen=seen, clip=abs(norms[0] - norms[1]) / norms[1], grads=[p.grad is not None for p in model.parameters()],
+                ulysses=isinstance(model.model.layers[0].self_attn.layer, UlyssesAttention),
+                sharded=rel(model(ids).logits.detach(), dense(ids).logits.detach()))
+
+
+@pytest.mark.parametrize("attention", ["overlap", "ulysses"])
+def test_decoder_layers_see_shards_and_clip_gives_the_dense_norm(pool2, attention):
+    for res in pool2.run(_shards_and_clipping, attention):
+        assert set(res["seen"]) == {(2, 4, 32)}, res["seen"]  # batch 2, 8 positions over 2 ranks
+        assert res["clip"] < TOL and all(res["grads"]), res
+        assert res["ulysses"] == (attention == "ulysses")
+        assert res["sharded"] < TOL
+
+
+def _swapped_call(rank, ws, key):
+    from overlap_layers import swap
+    model = build("llama")
+    swap(model, group=dist.group.WORLD, sequence_parallel=True)
+    ids = batch()
+    if key == "odd_length":
+        model(ids[:, :7])
+    elif key == "padding":
+        am = torch.ones(2, 8, dtype=torch.long)
+        am[0, :3] = 0
+        model(ids, attention_mask=am)
+    elif key == "cache":
+        model(ids, use_cache=True)
+    elif key == "generate":
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("key,match", [("odd_length", "sequence length 7 is not divisible by the group size 2"),
+                                       ("padding", "causal attention only"), ("cache", "keeps no KV cache"),
+                                       ("generate", "keeps no KV cache")])
+def test_unserved_calls_raise_on_every_rank(pool2, key, match):
+    expect_value_error_on_every_rank(pool2, _swapped_call, key, match=match)
+
+
+def _bad_arguments(rank, ws, kw):
+    from overlap_layers import swap
+    swap(build("llama"), group=dist.group.WORLD, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [({"attention": "ulysses"}, "needs sequence_parallel=True"),
+                                      ({**ULYSSES, "block": True}, "block=True"),
+                                      ({"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
+                                      ({**SP, "attention": "ring"}, "attention='ring'")])
+def test_bad_arguments_raise(pool2, kw, match):
+    expect_value_error_on_every_rank(pool2, _bad_arguments, kw, match=match)
