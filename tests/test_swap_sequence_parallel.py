@@ -125,3 +125,39 @@ def _bad_arguments(rank, ws, kw):
                                       ({**SP, "attention": "ring"}, "attention='ring'")])
 def test_bad_arguments_raise(pool2, kw, match):
     expect_value_error_on_every_rank(pool2, _bad_arguments, kw, match=match)
+
+
+# ------------------------------------------------------------------ state dicts, checkpointing, copies
+def _state_checkpointing_copy(rank, ws, dtensor, attention):
+    """The state dict in the unswapped layout and values, loading the dense one; HF's gradient
+    checkpointing (the split runs inside the first checkpointed layer); a deep copy's logits."""
+    from overlap_layers import swap
+    from overlap_layers.integrations import full_state_dict
+    model = build("llama")
+    dense = copy.deepcopy(model)
+    swap(model, group=dist.group.WORLD, sequence_parallel=True, attention=attention, dtensor=dtensor)
+    want = dense.state_dict()
+    full = full_state_dict(model)
+    errs = {"state": max(rel(full[k], want[k]) for k in want)}
+    model.load_state_dict(want)
+    for m in (model, dense):
+        m.gradient_checkpointing_enable()
+        m.train()
+    ids = batch()
+    losses = [m(ids, labels=ids).loss for m in (model, dense)]
+    for loss in losses:
+        loss.backward()
+    errs["loss"] = abs(losses[0].item() - losses[1].item()) / losses[1].item()
+    ours = dict(model.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        errs[name] = rel(ours[name].grad, dense.get_parameter(name).grad)
+    with torch.no_grad():
+        errs["copy"] = rel(copy.deepcopy(model)(ids).logits, dense(ids).logits)
+    return list(model.state_dict()) == list(want), errs
+
+
+@pytest.mark.parametrize("dtensor,attention", [(True, "ulysses"), (False, "overlap")])
+def test_state_dict_checkpointing_and_copies(pool2, dtensor, attention):
+    for same_keys, errs in pool2.run(_state_checkpointing_copy, dtensor, attention):
+        assert same_keys
+        assert max(errs.values()) < TOL, errs
