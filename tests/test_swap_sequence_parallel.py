@@ -76,7 +76,8 @@ def _shards_and_clipping(rank, ws, attention):
     for m in (model, dense):
         m(ids, labels=ids).loss.backward()
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item() for m in (model, dense)]
-    return dict(seen=seen, clip=abs(norms[0] - norms[1]) / norms[1], grads=[p.grad is not None for p in model.parameters()],
+    return dict(seen=seen, clip=abs(norms[0] - norms[1]) / norms[1],
+                grads=[p.grad is not None for p in model.parameters()],
                 ulysses=isinstance(model.model.layers[0].self_attn.layer, UlyssesAttention),
                 sharded=rel(model(ids).logits.detach(), dense(ids).logits.detach()))
 

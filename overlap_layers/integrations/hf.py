@@ -47,7 +47,8 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     Reference: the swapped model equals the unswapped one on every rank (logits, loss, and every
     gradient when backward returns), given **the same batch on every rank of the group**: the
     hidden states are replicated. Attention and MLP run tensor parallel on the full sequence
-    (``sequence_parallel=False``: replicated input, all-reduced output). An MoE block splits the
+    (``sequence_parallel=False``, the default: replicated input, all-reduced output; see
+    ``sequence_parallel=True`` below). An MoE block splits the
     tokens over the group, runs each rank's 1/ws share through ``OverlapMoE`` (expert parallel)
     and all-gathers the outputs, so no token is computed twice. See the table in :mod:`.hf_build`
     for what is recognised (by type, without a ``plan``) and :mod:`.hf_adapters` for the adapters' contracts

@@ -4,22 +4,27 @@ recognised module becomes an overlap layer (the builders :func:`.hf.swap` calls)
 =========================================  ==============================================================
 HF module (transformers 5)                 replaced by
 =========================================  ==============================================================
-LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
+LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=sp``):
 Qwen3MoeMLP (dense layers of Qwen3-MoE),   ``w_in`` = gate rows then up rows (Phi-3's fused
 Phi3MLP                                    ``gate_up_proj`` as it is), ``w_out`` = down; biases when
                                            ``mlp_bias``
 LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
-MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
+MixtralAttention, Qwen3Attention,          (``sequence_parallel=sp``; GQA; Qwen3's q_norm / k_norm;
 Qwen3MoeAttention, Phi3Attention           HF's (cos, sin) so RoPE scaling is exact; biases when
                                            ``attention_bias``; Phi-3's fused ``qkv_proj`` split into
                                            q, k, v; ``partial_rotary_factor`` must be 1)
 MixtralSparseMoeBlock,                     :class:`HFMoE` around :class:`OverlapMoE` (expert parallel;
 Qwen3MoeSparseMoeBlock                     Mixtral: top-k renormalised; Qwen3-MoE: ``norm_topk_prob``)
 with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
-MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
+MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=sp``): the layer's attention and MLP /
 MixtralDecoderLayer, Qwen3MoeDecoderLayer, MoE as above, its two RMSNorms inside the block (Phi-3:
 Phi3DecoderLayer                           ``resid_pdrop`` must be 0)
 =========================================  ==============================================================
+
+``sp``: ``swap``'s ``sequence_parallel``; with ``sequence_parallel=True`` the adapters are
+:mod:`.hf_sequence`'s (:class:`HFSequenceAttention`, :class:`HFSequenceMoE`, :class:`HFSequenceBlock`),
+and with ``attention="ulysses"`` the attention is a :class:`UlyssesAttention` (``swap`` hands both to
+the builders in their options).
 
 A builder raises :class:`~.replace.Unswappable` for a recognised module it cannot replace
 (unsupported activation, partial biases, qk-norm eps, router jitter, ...): it is left, warned.
@@ -235,8 +240,8 @@ def _build_attention(module, group, opts) -> nn.Module:
     if layer is None:
         layer = OverlapAttention.from_dense(**dense, **on(group), sequence_parallel=sp, **opts)
     return (HFSequenceAttention if sp else HFAttention)(
-        layer, layer_idx=getattr(module, "layer_idx", None), sliding_window=sliding if isinstance(sliding, int) else None,
-        source=type(module).__name__)
+        layer, layer_idx=getattr(module, "layer_idx", None),
+        sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)
 
 
 def _build_moe(module, group, opts) -> nn.Module:

@@ -167,9 +167,8 @@ class _Group:
 
 # ---------------------------------------------------------------------------- the decoder stacks
 class SequenceShards(NamedTuple):
-    """The decoder stacks of a model under sequence parallelism, and what runs on the shards."""
+    """What runs on the sequence shards of a model under sequence parallelism with replicated parameters."""
 
-    stacks: list  # the modules holding ``layers`` (the decoder layers) and ``norm`` (the final norm)
     partial: list  # the modules whose parameters see the rank's positions only: the norms
 
     def placement(self, module: nn.Module, name: str, p: torch.Tensor) -> tuple:
@@ -230,7 +229,7 @@ def shard_sequence(stacks: list, group, ours: tuple, dtensor: bool) -> SequenceS
                 f"with gradients summed inside backward, config.use_cache=False"
                 + (f"; run replicated (gathered in, split out): {', '.join(sorted(set(replicated)))} "
                    f"x{len(replicated)}" if replicated else ""))
-    return SequenceShards(stacks, partial)
+    return SequenceShards(partial)
 
 
 # ---------------------------------------------------------------------------- adapters
