@@ -117,15 +117,42 @@ def test_unserved_calls_raise_on_every_rank(pool2, key, match):
 
 def _bad_arguments(rank, ws, kw):
     from overlap_layers import swap
-    swap(build("llama"), group=dist.group.WORLD, **kw)
+    model = build("llama")
+    if kw.pop("swapped", False):
+        swap(model, group=dist.group.WORLD)
+    swap(model, group=dist.group.WORLD, **kw)
 
 
 @pytest.mark.parametrize("kw,match", [({"attention": "ulysses"}, "needs sequence_parallel=True"),
                                       ({**ULYSSES, "block": True}, "block=True"),
                                       ({"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
-                                      ({**SP, "attention": "ring"}, "attention='ring'")])
+                                      ({**SP, "attention": "ring"}, "attention='ring'"),
+                                      ({**SP, "swapped": True}, "swapped without sequence parallelism")])
 def test_bad_arguments_raise(pool2, kw, match):
     expect_value_error_on_every_rank(pool2, _bad_arguments, kw, match=match)
+
+
+def _swapped_twice(rank, ws, dtensor):
+    """A second sequence-parallel swap of a swapped model changes nothing: logits and gradients."""
+    from overlap_layers import swap
+    model = build("llama")
+    dense = copy.deepcopy(model)
+    for _ in range(2):
+        swap(model, group=dist.group.WORLD, sequence_parallel=True, dtensor=dtensor)
+    ids = batch()
+    out = [m(ids, labels=ids) for m in (model, dense)]
+    for o in out:
+        o.loss.backward()
+    return max(rel(out[0].logits.detach(), out[1].logits.detach()),
+               rel(model.model.norm.weight.grad, dense.model.norm.weight.grad),
+               *(rel(model.get_parameter(n).grad, dense.get_parameter(n).grad)
+                 for n in ("model.layers.0.input_layernorm.weight", "model.embed_tokens.weight")))
+
+
+@pytest.mark.parametrize("dtensor", [True, False])
+def test_swapping_twice_changes_nothing(pool2, dtensor):
+    assert max(pool2.run(_swapped_twice, dtensor)) < TOL
+
 
 
 # ------------------------------------------------------------------ state dicts, checkpointing, copies

@@ -176,16 +176,28 @@ class SequenceShards(NamedTuple):
         return Replicate(), any(module is m for m in self.partial)
 
 
+def _replicated_swap(module: nn.Module) -> bool:
+    """Whether ``module`` is an adapter or layer of a swap without sequence parallelism."""
+    if isinstance(module, (HFAttention, HFMoE, HFBlock)):
+        return not isinstance(module, (HFSequenceAttention, HFSequenceMoE, HFSequenceBlock))
+    return getattr(module, "sequence_parallel", True) is False
+
+
 def decoder_stacks(model: nn.Module, is_layer) -> list:
     """The modules of ``model`` holding ``layers`` (an ``nn.ModuleList`` of decoder layers, each
     ``is_layer``) and ``norm`` (the final norm): HF's ``LlamaModel`` and its kin. ValueError where
-    there is none (sequence parallelism starts at the first decoder layer and ends at the final norm)."""
+    there is none (sequence parallelism starts at the first decoder layer and ends at the final norm)
+    and where a decoder layer holds modules swapped without sequence parallelism."""
     stacks = [m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
               and len(m.layers) and isinstance(getattr(m, "norm", None), nn.Module)
               and all(is_layer(layer) for layer in m.layers)]
     if not stacks:
         raise ValueError("swap(sequence_parallel=True): no decoder stack found (a module with `layers`, an "
                          "nn.ModuleList of recognised decoder layers, and a final `norm`, as LlamaModel has)")
+    for stack in stacks:
+        if any(_replicated_swap(m) for m in stack.layers.modules()):
+            raise ValueError("swap(sequence_parallel=True): the model was swapped without sequence parallelism "
+                             "already; swap the unswapped model")
     return stacks
 
 
@@ -194,13 +206,16 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def shard_sequence(stacks: list, group, ours: tuple, dtensor: bool) -> SequenceShards:
-    """Put the hooks of [Note: HF sequence parallelism] on ``stacks`` (swapped already): the first
-    decoder layer's input split, the final norm's output gathered, each unswapped module of a
-    decoder layer run replicated, the norms' gradients summed (here with plain parameters;
-    ``placement`` with DTensor ones); the stacks' configs get ``use_cache=False``."""
+    """Put the hooks of [Note: HF sequence parallelism] on ``stacks`` (swapped already; once per
+    stack): the first decoder layer's input split, the final norm's output gathered, each
+    unswapped module of a decoder layer run replicated, the norms' gradients summed (here with
+    plain parameters; ``placement`` with DTensor ones); the stacks' configs get ``use_cache=False``."""
     g = _Group(group)
     partial, replicated = [], []
     for stack in stacks:
+        if getattr(stack, "_sequence_sharded", False):  # swapped with sequence parallelism before
+            continue
+        stack._sequence_sharded = True
         stack.layers[0].register_forward_pre_hook(g.split_input, with_kwargs=True)
         stack.norm.register_forward_hook(g.gather_output)
         partial.append(stack.norm)
