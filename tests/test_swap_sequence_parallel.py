@@ -189,3 +189,19 @@ def test_state_dict_checkpointing_and_copies(pool2, dtensor, attention):
     for same_keys, errs in pool2.run(_state_checkpointing_copy, dtensor, attention):
         assert same_keys
         assert max(errs.values()) < TOL, errs
+
+
+# ------------------------------------------------------------------ four ranks
+def _four_ranks(rank, ws, family, attention, dtensor):
+    from test_swap_hf import check_family
+    res = check_family(rank, ws, family, {}, {**SP, "attention": attention, "dtensor": dtensor})
+    return res["errs"], res["checked"] == res["n_dense"], res["warned"]
+
+
+@pytest.mark.parametrize("family,attention,dtensor", [("llama", "overlap", True), ("qwen3_moe", "ulysses", False)])
+def test_four_ranks(pool4, family, attention, dtensor):
+    """2 positions per rank; Llama's 2 KV heads replicated over 4 ranks, Qwen3-MoE's experts one
+    per rank, Ulysses' 4 query heads one per rank, plain parameters."""
+    for errs, all_checked, warned in pool4.run(_four_ranks, family, attention, dtensor):
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad and all_checked and not warned, (bad, all_checked, warned)
