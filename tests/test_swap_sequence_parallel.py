@@ -63,6 +63,36 @@ def test_plain_parameters_and_a_dense_module_inside(pool2):
     assert any("run replicated" in ln and "LlamaAttention x1" in ln for ln in lines), lines
 
 
+def _heads(rank, ws, attention, heads):
+    """``heads = (query heads, KV heads)`` of a Llama with head_dim 8, swapped with ``attention``."""
+    from swap_helpers import swap_logged
+    model = build("llama", hidden_size=8 * heads[0], num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    dense = copy.deepcopy(model)
+    lines, warned = swap_logged(model, "overlap_layers.integrations.hf", group=dist.group.WORLD, **SP,
+                                attention=attention)
+    ids = batch()
+    out = [m(ids, labels=ids) for m in (model, dense)]
+    for o in out:
+        o.loss.backward()
+    errs = [rel(out[0].logits.detach(), out[1].logits.detach()),
+            rel(model.model.layers[0].input_layernorm.weight.grad, dense.model.layers[0].input_layernorm.weight.grad)]
+    return type(model.model.layers[0].self_attn).__name__, lines, warned, max(errs)
+
+
+@pytest.mark.parametrize("attention,heads,swapped", [("ulysses", (3, 3), False), ("overlap", (6, 3), False),
+                                                     ("ulysses", (6, 3), True)])
+def test_attention_the_group_cannot_split(pool2, attention, heads, swapped):
+    """Heads over 2 ranks: 3 query heads split neither way (left dense, warned, run replicated among
+    the shards); 3 KV heads for 6 query heads only Ulysses splits (its heads need only the group)."""
+    for cls, lines, warned, err in pool2.run(_heads, attention, heads):
+        assert err < TOL
+        if swapped:
+            assert cls == "HFSequenceAttention" and not warned, (cls, warned)
+        else:
+            assert cls == "LlamaAttention" and any("LlamaAttention unswapped" in w for w in warned), warned
+            assert any("run replicated" in ln and "LlamaAttention x2" in ln for ln in lines), lines
+
+
 # ------------------------------------------------------------------ shards, clipping, rejected input
 def _shards_and_clipping(rank, ws, attention):
     from overlap_layers import UlyssesAttention, swap

@@ -236,9 +236,8 @@ def _build_attention(module, group, opts) -> nn.Module:
                  q_norm=_norm_weight(q_norm, d), k_norm=_norm_weight(k_norm, d), rope_theta=None, causal=True,
                  softmax_scale=getattr(module, "scaling", None),
                  dropout_p=float(getattr(module, "attention_dropout", 0.0)))
-    layer = ulysses_attention(dense, on(group), opts, type(module).__name__) if target == "ulysses" else None
-    if layer is None:
-        layer = OverlapAttention.from_dense(**dense, **on(group), sequence_parallel=sp, **opts)
+    layer = ulysses_attention(dense, on(group), opts) if target == "ulysses" else \
+        OverlapAttention.from_dense(**dense, **on(group), sequence_parallel=sp, **opts)
     return (HFSequenceAttention if sp else HFAttention)(
         layer, layer_idx=getattr(module, "layer_idx", None),
         sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)

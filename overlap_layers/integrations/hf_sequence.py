@@ -51,13 +51,14 @@ Rules (every rank raises the same ValueError, as every rank holds the same batch
 
 Ulysses attention (``attention="ulysses"``, sequence parallelism only; not with ``block=True``,
 whose block runs ``OverlapAttention``): every swapped attention becomes :class:`UlyssesAttention`
-(whole weights on every rank; GQA, qk-norm, biases, dropout as :class:`OverlapAttention`); one it
-cannot take (its constructor refuses) stays :class:`OverlapAttention`, with a warning.
+(whole weights on every rank; GQA, qk-norm, biases, dropout as :class:`OverlapAttention`; the
+heads need only divide by the group size, where ``OverlapAttention`` also needs the KV heads to
+divide it or be divided by it). One it refuses (query heads the group size does not divide) is
+left, with a warning, and runs replicated as above.
 """
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -327,15 +328,10 @@ class HFSequenceBlock(HFBlock):
         return h + blk._mlp(z)
 
 
-def ulysses_attention(dense: dict, place, opts: dict, source: str) -> Optional[UlyssesAttention]:
-    """``UlyssesAttention.from_dense(**dense)`` over ``place``, its parameters' gradients summed
-    over the group inside backward (each rank's covers its positions); None, with a warning,
-    where it refuses the module (it then stays ``OverlapAttention``)."""
-    try:
-        layer = UlyssesAttention.from_dense(**dense, **place, **opts)
-    except ValueError as e:
-        warnings.warn(f"overlap_layers.swap: {source} stays OverlapAttention (UlyssesAttention cannot take it: {e})",
-                      UserWarning, stacklevel=6)
-        return None
+def ulysses_attention(dense: dict, place: dict, opts: dict) -> UlyssesAttention:
+    """``UlyssesAttention.from_dense(**dense)`` on ``place`` (``group=`` or ``mesh=``), its
+    parameters' gradients summed over the group inside backward (each rank's covers its
+    positions). Its ValueError (heads the group does not divide) leaves the module, warned."""
+    layer = UlyssesAttention.from_dense(**dense, **place, **opts)
     sum_grads_in_backward(layer, PARAMS)
     return layer
