@@ -45,6 +45,7 @@ def test_ulysses_equals_dense(pool2, case):
     lines = run_case(pool2, case, ULYSSES)
     _sp_logged(lines)
     assert any("swap: attention: replaced 2" in ln and "left 0" in ln for ln in lines), lines
+    assert any("UlyssesAttention x2" in ln for ln in lines), lines
 
 
 @pytest.mark.parametrize("case", ["llama_gqa_llama3rope", "mixtral_aux"])

@@ -59,6 +59,7 @@ left, with a warning, and runs replicated as above.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import NamedTuple, Optional
 
 import torch
@@ -240,11 +241,13 @@ def shard_sequence(stacks: list, group, ours: tuple, dtensor: bool) -> SequenceS
             norm._sequence_saved = []
             norm.register_forward_pre_hook(g.summed_in)
             norm.register_forward_hook(g.summed_out, always_call=True)
+    ulysses = sum(isinstance(m, UlyssesAttention) for s in stacks for m in s.modules())
     logger.info(f"overlap_layers.swap: sequence parallel over {dist.get_world_size(group)} ranks: "
-                f"{sum(len(s.layers) for s in stacks)} decoder layer(s) on sequence shards, {len(partial)} norm(s) "
-                f"with gradients summed inside backward, config.use_cache=False"
-                + (f"; run replicated (gathered in, split out): {', '.join(sorted(set(replicated)))} "
-                   f"x{len(replicated)}" if replicated else ""))
+                f"{sum(len(s.layers) for s in stacks)} decoder layer(s) on sequence shards"
+                + (f" (attention: UlyssesAttention x{ulysses})" if ulysses else "")
+                + f", {len(partial)} norm(s) with gradients summed inside backward, config.use_cache=False"
+                + (f"; run replicated (gathered in, split out): "
+                   f"{', '.join(f'{c} x{n}' for c, n in Counter(replicated).items())}" if replicated else ""))
     return SequenceShards(partial)
 
 
