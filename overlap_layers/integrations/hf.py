@@ -142,8 +142,9 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     replaced.update({k: v for k, v in done.items() if v})
     if replaced.get("block"):
         _drop_kv_cache(model)
-    shards = shard_sequence(stacks, group, OURS, dtensor) if stacks else None
-    if dtensor and (any(replaced.values()) or already):
+    distributed = dtensor and bool(any(replaced.values()) or already)
+    shards = shard_sequence(stacks, group, OURS, distributed) if stacks else None
+    if distributed:
         distribute_params(model, mesh=place, placement=shards.placement if shards else None)
         logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
     if any(replaced.values()):

@@ -211,7 +211,8 @@ def shard_sequence(stacks: list, group, ours: tuple, dtensor: bool) -> SequenceS
     """Put the hooks of [Note: HF sequence parallelism] on ``stacks`` (swapped already; once per
     stack): the first decoder layer's input split, the final norm's output gathered, each
     unswapped module of a decoder layer run replicated, the norms' gradients summed (here with
-    plain parameters; ``placement`` with DTensor ones); the stacks' configs get ``use_cache=False``."""
+    plain parameters; ``placement`` where ``dtensor``: the model's parameters are made DTensors
+    next); the stacks' configs get ``use_cache=False``."""
     g = _Group(group)
     partial, replicated = [], []
     for stack in stacks:
