@@ -1,5 +1,5 @@
 """Tier 2: ``overlap_layers.swap(..., sequence_parallel=True)`` (and ``attention="ulysses"``) on tiny
-Hugging Face models over 2 gloo ranks, against the unswapped model.
+Hugging Face models over 2 (and 4) gloo ranks, against the unswapped model.
 
 Reference, as for tests/test_swap_hf.py (whose ``check_family`` each case runs): every rank feeds the
 same whole batch; logits, loss (with Mixtral's router aux loss), every parameter's full gradient
