@@ -12,6 +12,7 @@ Run it from a checkout or an install:
     python examples/train_tiny_llama.py                    # CPU: starts 2 gloo ranks itself
     python examples/train_tiny_llama.py --steps 5 --nprocs 4
     python examples/train_tiny_llama.py --block          # whole decoder layers as OverlapTransformerBlock
+    python examples/train_tiny_llama.py --sequence-parallel [--ulysses]   # hidden states sharded by position
     torchrun --nproc-per-node 2 examples/train_tiny_llama.py   # GPUs: NCCL, one GPU per rank
 
 Extras: ``pip install "overlap_layers[hf]"`` (transformers >= 5). The recipe, per rank::
@@ -58,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=float, default=1e-3, help="largest |dense - overlap| loss difference accepted")
     p.add_argument("--block", action="store_true",
                    help="swap whole decoder layers (OverlapTransformerBlock) instead of attention and MLP one by one")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard the hidden states along the sequence between the decoder layers "
+                        "(swap(..., sequence_parallel=True); --seq must divide by the world size)")
+    p.add_argument("--ulysses", action="store_true", help="with --sequence-parallel: UlyssesAttention as the attention")
     return p.parse_args(argv)
 
 
@@ -75,7 +80,8 @@ def train(device: torch.device, args) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     model = build_model(args.seed, device)
     dense = copy.deepcopy(model)
-    overlap_layers.swap(model, group=dist.group.WORLD, block=args.block)  # TP over the whole world
+    overlap_layers.swap(model, group=dist.group.WORLD, block=args.block,  # TP over the whole world
+                        sequence_parallel=args.sequence_parallel, attention="ulysses" if args.ulysses else "overlap")
     runs = [("dense", dense, torch.optim.AdamW(dense.parameters(), lr=args.lr)),
             ("overlap", model, torch.optim.AdamW(model.parameters(), lr=args.lr))]
     # Batches of random tokens from a small random corpus (so the loss has something to learn),

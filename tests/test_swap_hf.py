@@ -134,7 +134,8 @@ def swapped_pairs(model, dense):
             out.append((name + ".block.mlp", m.block.mlp, "moe" if isinstance(m.block.mlp, OverlapMoE) else "mlp",
                         dense_mods[name + ".mlp"]))
             continue
-        kind = {OverlapMLP: "mlp", HFAttention: "attention", HFMoE: "moe"}.get(type(m))
+        kind = next((k for cls, k in ((OverlapMLP, "mlp"), (HFAttention, "attention"), (HFMoE, "moe"))
+                     if isinstance(m, cls)), None)  # the sequence-parallel adapters are subclasses
         if kind:
             out.append((name, m, kind, dense_mods[name]))
     return out

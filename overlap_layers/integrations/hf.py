@@ -27,6 +27,7 @@ from .dtensor import distribute_params
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .hf_build import BUILDERS, OURS, build_block, kind_by_type, known_classes, lookalike_kind
 from .hf_checkpoint import keep_save_pretrained
+from .hf_sequence import check_sequence_args, decoder_stacks, shard_sequence
 from .replace import (BLOCK_KINDS, KINDS, Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules,
                       swap_place)
 
@@ -37,7 +38,8 @@ __all__ = ["swap", "KINDS", "BLOCK_KINDS", "Unswappable", "check_swap_args", "gr
 
 
 def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[dict] = None,
-         config: Optional[OverlapConfig] = None, block: bool = False, dtensor: bool = True) -> nn.Module:
+         config: Optional[OverlapConfig] = None, block: bool = False, dtensor: bool = True,
+         sequence_parallel: bool = False, attention: str = "overlap") -> nn.Module:
     """Replace, in place, the MLP / attention / MoE modules of a Hugging Face transformers (>= 5)
     model with the overlap layers over ``group`` (the tensor- and expert-parallel group; or
     ``mesh`` + ``axis``), carrying the weights; returns ``model``.
@@ -45,7 +47,8 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     Reference: the swapped model equals the unswapped one on every rank (logits, loss, and every
     gradient when backward returns), given **the same batch on every rank of the group**: the
     hidden states are replicated. Attention and MLP run tensor parallel on the full sequence
-    (``sequence_parallel=False``: replicated input, all-reduced output). An MoE block splits the
+    (``sequence_parallel=False``, the default: replicated input, all-reduced output; see
+    ``sequence_parallel=True`` below). An MoE block splits the
     tokens over the group, runs each rank's 1/ws share through ``OverlapMoE`` (expert parallel)
     and all-gathers the outputs, so no token is computed twice. See the table in :mod:`.hf_build`
     for what is recognised (by type, without a ``plan``) and :mod:`.hf_adapters` for the adapters' contracts
@@ -107,24 +110,42 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     by one as without it. The block's MoE router gradient is summed inside backward, as
     ``HFMoE``'s is. Its sublayers still run one after the other (one tiled program across them is
     future work).
+    ``sequence_parallel=True``: the hidden states between the decoder layers are sharded along the
+    sequence over the group (each rank holds ``S/ws`` positions; norms and residual adds on the
+    shards, attention and MLP with ``sequence_parallel=True``: all-gather in, reduce-scatter out;
+    the final norm's output gathered before the LM head), with the same reference: the model still
+    takes the same whole batch on every rank, and logits, loss and every gradient are the
+    unswapped model's ([Note: HF sequence parallelism] in ``integrations/hf_sequence.py``). The
+    norms' gradients are summed inside backward. Causal attention without a KV cache only
+    (``config.use_cache`` is set False; a cache or another mask raises ValueError), and the
+    sequence length must be divisible by the group size (ValueError otherwise).
+    ``attention="ulysses"`` (with ``sequence_parallel=True``, ``block=False``): the attention
+    modules become :class:`UlyssesAttention` (all-to-all of heads and sequence) instead of
+    ``OverlapAttention``.
     Decisions depend only on the model's structure, so every rank of the group swaps alike.
     """
     check_swap_args(model, block, config, "a transformers model")
+    check_sequence_args(sequence_parallel, attention, block)
     group, place = swap_place(model, group, mesh, axis, dtensor)
     rules = parse_plan(plan, block)
     known = known_classes()
     if not any(known.values()):
         raise ValueError("no known transformers model classes could be imported; install transformers>=5 "
                          "(pip install 'overlap_layers[hf]')")
+    stacks = decoder_stacks(model, lambda m: kind_by_type(m, known, BLOCK_KINDS) or isinstance(m, HFBlock)) \
+        if sequence_parallel else None
+    sp = {"sequence_parallel": True, "attention": attention} if sequence_parallel else {}
 
     # decoder layers first; the second pass swaps what the blocks left, module by module
-    replaced = _swap_blocks(model, group, rules, config, place, known) if block else {}
-    done, already = _swap_modules(model, group, rules, config, place, known, block)
+    replaced = _swap_blocks(model, group, rules, config, place, known, sp) if block else {}
+    done, already = _swap_modules(model, group, rules, config, place, known, block, sp)
     replaced.update({k: v for k, v in done.items() if v})
     if replaced.get("block"):
         _drop_kv_cache(model)
-    if dtensor and (any(replaced.values()) or already):
-        distribute_params(model, mesh=place)
+    distributed = dtensor and bool(any(replaced.values()) or already)
+    shards = shard_sequence(stacks, group, OURS, distributed) if stacks else None
+    if distributed:
+        distribute_params(model, mesh=place, placement=shards.placement if shards else None)
         logger.info(f"overlap_layers.swap: every parameter is a DTensor on {place}")
     if any(replaced.values()):
         keep_save_pretrained(model)
@@ -133,24 +154,24 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
 
 # The two passes call replace_modules one frame further from the user than swap: stacklevel=5 points
 # the warnings at swap's caller (overlap_layers.swap's), as a call from swap itself with 4 would.
-def _swap_blocks(model, group, rules, config, place, known) -> dict:
+def _swap_blocks(model, group, rules, config, place, known, sp: dict) -> dict:
     """``swap(..., block=True)``'s first pass: the recognised decoder layers, each into one block."""
     done, _ = replace_modules(
         model, group, None if rules is None else [r for r in rules if r[1] in BLOCK_KINDS + (None,)], config,
         kind_of=lambda m: kind_by_type(m, known, BLOCK_KINDS),
         lookalike=lambda m: lookalike_kind(m, BLOCK_KINDS),
-        build=lambda module, kind, opts: build_block(module, place, opts, known), ours=OURS, nothing=None,
+        build=lambda module, kind, opts: build_block(module, place, {**opts, **sp}, known), ours=OURS, nothing=None,
         kinds=BLOCK_KINDS, log=logger, stacklevel=5)
     return dict(done)
 
 
-def _swap_modules(model, group, rules, config, place, known, block: bool) -> tuple:
+def _swap_modules(model, group, rules, config, place, known, block: bool, sp: dict) -> tuple:
     """``swap``'s module-by-module pass (MLP / attention / MoE): ``(replaced, already)``."""
     return replace_modules(
         model, group, None if rules is None else [r for r in rules if r[1] not in BLOCK_KINDS], config,
         kind_of=lambda m: kind_by_type(m, known, KINDS),
         lookalike=lambda m: lookalike_kind(m, KINDS),
-        build=lambda module, kind, opts: BUILDERS[kind](module, place, opts), ours=OURS,
+        build=lambda module, kind, opts: BUILDERS[kind](module, place, {**opts, **sp}), ours=OURS,
         nothing="no recognised decoder layer / MLP / attention / MoE module" if block else
         "no recognised MLP / attention / MoE module", log=logger, stacklevel=5)
 

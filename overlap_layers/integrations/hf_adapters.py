@@ -1,7 +1,8 @@
 """Adapters that let the overlap layers sit inside a Hugging Face transformers (>= 5) model.
 
 Inside a swapped HF model the hidden states are *replicated* on every rank of the group
-(``[batch, seq, hidden]``, the same on every rank), as they are in the unswapped model. The
+(``[batch, seq, hidden]``, the same on every rank), as they are in the unswapped model (with
+``swap(..., sequence_parallel=True)``, each rank's positions: the subclasses in :mod:`.hf_sequence`). The
 adapters keep the HF modules' call signatures and return contracts:
 
 ==========================  =====================================  ==========================================

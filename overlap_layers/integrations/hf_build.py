@@ -4,12 +4,12 @@ recognised module becomes an overlap layer (the builders :func:`.hf.swap` calls)
 =========================================  ==============================================================
 HF module (transformers 5)                 replaced by
 =========================================  ==============================================================
-LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=False``):
+LlamaMLP, MistralMLP, Qwen3MLP,            :class:`OverlapMLP` (swiglu, ``sequence_parallel=sp``):
 Qwen3MoeMLP (dense layers of Qwen3-MoE),   ``w_in`` = gate rows then up rows (Phi-3's fused
 Phi3MLP, DeepseekV3MLP, DeepseekV2MLP      ``gate_up_proj`` as it is), ``w_out`` = down; biases when
                                            ``mlp_bias``
 LlamaAttention, MistralAttention,          :class:`HFAttention` around :class:`OverlapAttention`
-MixtralAttention, Qwen3Attention,          (``sequence_parallel=False``; GQA; Qwen3's q_norm / k_norm;
+MixtralAttention, Qwen3Attention,          (``sequence_parallel=sp``; GQA; Qwen3's q_norm / k_norm;
 Qwen3MoeAttention, Phi3Attention           HF's (cos, sin) so RoPE scaling is exact; biases when
                                            ``attention_bias``; Phi-3's fused ``qkv_proj`` split into
                                            q, k, v; ``partial_rotary_factor`` must be 1)
@@ -20,10 +20,15 @@ DeepseekV3MoE, DeepseekV2Moe               :class:`HFMoE` with DeepSeek's router
                                            ``noaux_tc``, V2's greedy / group-limited greedy), the
                                            bias and the shared experts (:mod:`.hf_deepseek`)
 with ``block=True``: LlamaDecoderLayer,    :class:`HFBlock` around :class:`OverlapTransformerBlock`
-MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=False``): the layer's attention and MLP /
+MistralDecoderLayer, Qwen3DecoderLayer,    (``sequence_parallel=sp``): the layer's attention and MLP /
 MixtralDecoderLayer, Qwen3MoeDecoderLayer, MoE as above, its two RMSNorms inside the block (Phi-3:
 Phi3DecoderLayer                           ``resid_pdrop`` must be 0)
 =========================================  ==============================================================
+
+``sp``: ``swap``'s ``sequence_parallel``; with ``sequence_parallel=True`` the adapters are
+:mod:`.hf_sequence`'s (:class:`HFSequenceAttention`, :class:`HFSequenceMoE`, :class:`HFSequenceBlock`),
+and with ``attention="ulysses"`` the attention is a :class:`UlyssesAttention` (``swap`` hands both to
+the builders in their options).
 
 A builder raises :class:`~.replace.Unswappable` for a recognised module it cannot replace
 (unsupported activation, partial biases, qk-norm eps, router jitter, ...): it is left, warned.
@@ -67,6 +72,7 @@ from ..layers import OverlapAttention, OverlapMLP, OverlapMoE, OverlapTransforme
 from ..layers.attention.core import QK_NORM_EPS
 from . import hf_deepseek
 from .hf_adapters import HFAttention, HFBlock, HFMoE
+from .hf_sequence import HFSequenceAttention, HFSequenceBlock, HFSequenceMoE, sequence_options, ulysses_attention
 from .hf_state import Entry, keep_hf_state
 from .replace import Unswappable, on
 
@@ -158,12 +164,13 @@ def _build_mlp(module, group, opts) -> nn.Module:
     if fused and ins[0].out_features != 2 * down.in_features:
         raise Unswappable(f"gate_up_proj {tuple(ins[0].weight.shape)} is not [2 * {down.in_features}, hidden]")
     _check_plain([lin.weight for lin in ins] + [down.weight, *biases])
+    sp, _, opts = sequence_options(opts)
     has_bias = down.bias is not None
     with torch.no_grad():
         w_in = torch.cat([lin.weight for lin in ins])
         b_in = torch.cat([lin.bias for lin in ins]) if has_bias else None
     return OverlapMLP.from_dense(w_in, down.weight.detach(), b_in=b_in, b_out=down.bias.detach() if has_bias else None,
-                                 **on(group), sequence_parallel=False, activation="swiglu", **opts)
+                                 **on(group), sequence_parallel=sp, activation="swiglu", **opts)
 
 
 def _norm_weight(norm, head_dim):
@@ -233,14 +240,17 @@ def _build_attention(module, group, opts) -> nn.Module:
     # Mixtral read config.sliding_window in forward.
     sliding = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else \
         getattr(cfg, "sliding_window", None)
-    layer = OverlapAttention.from_dense(
-        q.weight.detach(), k.weight.detach(), v.weight.detach(), o.weight.detach(), num_heads=nq, num_kv_heads=nkv,
-        bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias), q_norm=_norm_weight(q_norm, d),
-        k_norm=_norm_weight(k_norm, d), **on(group), sequence_parallel=False, rope_theta=None, causal=True,
-        softmax_scale=getattr(module, "scaling", None), dropout_p=float(getattr(module, "attention_dropout", 0.0)),
-        **opts)
-    return HFAttention(layer, layer_idx=getattr(module, "layer_idx", None),
-                       sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)
+    sp, target, opts = sequence_options(opts)
+    dense = dict(wq=q.weight.detach(), wk=k.weight.detach(), wv=v.weight.detach(), wo=o.weight.detach(), num_heads=nq,
+                 num_kv_heads=nkv, bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias),
+                 q_norm=_norm_weight(q_norm, d), k_norm=_norm_weight(k_norm, d), rope_theta=None, causal=True,
+                 softmax_scale=getattr(module, "scaling", None),
+                 dropout_p=float(getattr(module, "attention_dropout", 0.0)))
+    layer = ulysses_attention(dense, on(group), opts) if target == "ulysses" else \
+        OverlapAttention.from_dense(**dense, **on(group), sequence_parallel=sp, **opts)
+    return (HFSequenceAttention if sp else HFAttention)(
+        layer, layer_idx=getattr(module, "layer_idx", None),
+        sliding_window=sliding if isinstance(sliding, int) else None, source=type(module).__name__)
 
 
 def _build_moe(module, group, opts) -> nn.Module:
@@ -267,9 +277,10 @@ def _build_moe(module, group, opts) -> nn.Module:
     # DeepSeek's router, bias and shared experts: hf_deepseek.py
     kw = {"normalize_topk": bool(getattr(gate, "norm_topk_prob", True)), **hf_deepseek.moe_kwargs(module, rw.shape[0])}
     _check_plain([rw, gu, dn] + [v for v in kw.values() if isinstance(v, torch.Tensor)])
+    sp, _, opts = sequence_options(opts)
     layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, **on(group),
                                   activation="swiglu", **kw, **opts)
-    new = HFMoE(layer, gate, source=type(module).__name__)
+    new = (HFSequenceMoE if sp else HFMoE)(layer, gate, source=type(module).__name__)
     hf_deepseek.tie_bias(new)
     return new
 
@@ -309,8 +320,8 @@ def _build_block(module, group, opts, known) -> nn.Module:
         layer = _build_mlp(mlp, group, opts)
     block = OverlapTransformerBlock.from_layers(hf_attn.layer, layer, norm="rmsnorm", norm_eps=eps1,
                                                 attn_norm_weight=w1, mlp_norm_weight=w2)
-    return HFBlock(block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window,
-                   source=type(module).__name__)
+    return (HFSequenceBlock if block.sequence_parallel else HFBlock)(
+        block, gate, layer_idx=hf_attn.layer_idx, sliding_window=hf_attn.sliding_window, source=type(module).__name__)
 
 
 # ---------------------------------------------------------------------------- state-dict layouts
