@@ -30,7 +30,10 @@ node instead:
   is copied; the input's gradient sums each token's k row gradients where they are (the combine's
   kernel with weights 1).
 
-No host synchronisation on the grouped path: the offsets stay on the device. Without grouped
+No host synchronisation on the grouped path: the offsets stay on the device, so graph calls
+capture it; in their backward the weight gradients run after the replay ([Note: deferred
+gradients] in ``planning/call_graphs.py``: a replay would otherwise copy 1.2 GB of qwen3-30b-a3b's
+expert gradients out of the graph, 0.6 ms of a 4.9 ms call on an H200). Without grouped
 GEMMs (float64, strides they refuse, an older torch) the experts run as a GEMM pair per expert
 with the sizes read on the host once per call.
 """
@@ -77,7 +80,7 @@ class _Experts(torch.autograd.Function):
     device tensor, or None: all kept). First derivatives only ([Note: first-order backward])."""
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, weights, order, pos, offs, sizes, kept, activation: str):
+    def forward(ctx, x, w_in, w_out, weights, order, pos, offs, sizes, kept, activation: str, defer):
         T, k = weights.shape
         rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
         pre = _rows_by_expert(rows, w_in.transpose(-2, -1), offs, sizes)
@@ -87,7 +90,7 @@ class _Experts(torch.autograd.Function):
         unweighted = out.new_empty((T * k, out.shape[1])) if ctx.needs_input_grad[3] else None
         y = combine_rows(out, out, pos, weights, out.shape[0], kept, rows_out=unweighted)
         ctx.save_for_backward(rows, pre, unweighted, weights, order, pos, offs, kept, w_in, w_out)
-        ctx.sizes, ctx.activation = sizes, activation
+        ctx.sizes, ctx.activation, ctx.defer = sizes, activation, defer
         return y
 
     @staticmethod
@@ -106,18 +109,30 @@ class _Experts(torch.autograd.Function):
                       weights.reshape(-1)[order][:, None], out=d_out)
         d_act = _rows_by_expert(d_out, w_out, offs, sizes)
         d_pre, h = act_backward(ctx.activation, pre, d_act)
-        d_w_out = _per_expert(d_out.t(), h, offs, sizes, E) if ctx.needs_input_grad[2] else None
-        d_w_in = _per_expert(d_pre.t(), rows, offs, sizes, E) if ctx.needs_input_grad[1] else None
+        operands = {1: (d_pre, rows), 2: (d_out, h)}  # each weight's gradient: dy rows.T @ input rows
+        wanted = [(i, w) for i, w in ((1, w_in), (2, w_out)) if ctx.needs_input_grad[i]]
+
+        def weight_grads() -> tuple:
+            return tuple(_per_expert(operands[i][0].t(), operands[i][1], offs, sizes, E) for i, _ in wanted)
+        # in a captured backward of the layer's graph calls they run after each replay, into fresh
+        # memory, instead of being copied out of the graph's ([Note: deferred gradients])
+        grads = ctx.defer(weight_grads, [w for _, w in wanted]) if ctx.defer is not None and wanted else None
+        by_input = dict(zip((i for i, _ in wanted), weight_grads() if grads is None else grads))
+        d_w_in, d_w_out = by_input.get(1), by_input.get(2)
         d_x = None
         if ctx.needs_input_grad[0]:  # each token's k row gradients summed where they are: the combine, weights 1
             d_rows = _rows_by_expert(d_pre, w_in, offs, sizes)
             d_x = combine_rows(d_rows, d_rows, pos, weights.new_ones((T, k)), d_rows.shape[0], kept)
-        return d_x, d_w_in, d_w_out, d_weights, None, None, None, None, None, None
+        return d_x, d_w_in, d_w_out, d_weights, None, None, None, None, None, None, None
 
 
 def plain_call(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
     """``y [T, H]`` of ``layer``'s call on its tokens ``x_TH`` (the module reference), ``w_in``,
-    ``w_out`` its experts in the call's dtype."""
+    ``w_out`` its experts in the call's dtype. In the layer's graph calls, where those are its
+    parameters themselves, the experts' weight gradients are deferred past the backward's replay
+    ([Note: deferred gradients] in ``planning/call_graphs.py``)."""
+    graphs = layer.planner.call_graphs
+    defer = graphs.defer if graphs is not None and w_in is layer.w_in and w_out is layer.w_out else None
     keys, weights, counts = layer._route_keys(x_TH, 1)
     order = torch.sort(keys, stable=True).indices  # by expert, dropped assignments last
     pos = torch.empty_like(order)
@@ -126,6 +141,7 @@ def plain_call(layer, x_TH: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tenso
     offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
     sizes = None if grouped_gemm_ok(x_TH, w_in, w_out) else per_expert.tolist()
     kept = offs[-1:] if layer.capacity_factor is not None else None
-    y = _Experts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), order, pos, offs, sizes, kept, layer.activation)
+    y = _Experts.apply(x_TH, w_in, w_out, weights.to(x_TH.dtype), order, pos, offs, sizes, kept, layer.activation,
+                       defer)
     shared = layer._shared_expert(x_TH)
     return y if shared is None else y + shared
