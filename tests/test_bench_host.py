@@ -268,3 +268,65 @@ def test_host_bench_runs_and_writes_its_records(tmp_path, nprocs):
     table = stdout[stdout.index("host time per call"):].splitlines()  # printed last
     assert table[1].split()[:4] == ["layer", "pass", "plain", "us"] and table[-1].startswith("ratio = ")
     assert [row.split()[:2] for row in table[3:-1]] == [[r["layer"], r["pass"]] for r in recs[::2]]
+
+
+def run_same_function(rank, ws, sp):
+    """Each plain reference and its layer built from the same dense weights, on the same input:
+    ``(name, relative error of y, of dx)`` per layer kind (float64)."""
+    import torch.distributed as dist
+    from overlap_layers import OverlapAttention, OverlapMLP, OverlapMoE
+    from overlap_layers.bench.references import PlainAttention, PlainMLP, PlainMoE
+    g, dt, group = torch.Generator().manual_seed(11), torch.float64, dist.group.WORLD
+    H, Fd, nq, nkv, E, k, B, S = 16, 8, 4, 2, 4, 2, 2, 8
+    d, fl, el = H // nq, Fd // ws, E // ws
+    r = slice(rank * fl, (rank + 1) * fl)
+
+    def heads(w, n):  # this rank's heads' rows of a [n*d, H] projection
+        return w.view(n, d, H)[rank * n // ws:(rank + 1) * n // ws].reshape(-1, H)
+    w1, w2 = _randn(g, 2 * Fd, H, scale=H ** -0.5), _randn(g, H, Fd, scale=Fd ** -0.5)
+    wq, wk, wv = (_randn(g, n * d, H, scale=H ** -0.5) for n in (nq, nkv, nkv))
+    wo = _randn(g, H, nq * d, scale=(nq * d) ** -0.5)
+    router = _randn(g, E, H, scale=2 * H ** -0.5)
+    w_in, w_out = _randn(g, E, 2 * Fd, H, scale=H ** -0.5), _randn(g, E, H, Fd, scale=Fd ** -0.5)
+    mlp = PlainMLP(H, Fd, group=group, sequence_parallel=sp, dtype=dt)
+    attn = PlainAttention(H, nq, nkv, group=group, sequence_parallel=sp, dtype=dt)
+    moe = PlainMoE(H, Fd, E, k, group=group, dtype=dt)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(torch.cat([w1[:Fd][r], w1[Fd:][r]]))
+        mlp.fc2.weight.copy_(w2[:, r])
+        for lin, w, n in ((attn.q, wq, nq), (attn.k, wk, nkv), (attn.v, wv, nkv)):
+            lin.weight.copy_(heads(w, n))
+        attn.o.weight.copy_(heads(wo.t(), nq).t())
+        moe.router.weight.copy_(router)
+        moe.w_gate_up.copy_(w_in[rank * el:(rank + 1) * el].transpose(1, 2))
+        moe.w_down.copy_(w_out[rank * el:(rank + 1) * el].transpose(1, 2))
+    pairs = {"mlp": (mlp, OverlapMLP.from_dense(w1, w2, group=group, sequence_parallel=sp)),
+             "attention": (attn, OverlapAttention.from_dense(wq, wk, wv, wo, num_heads=nq, num_kv_heads=nkv,
+                                                             group=group, sequence_parallel=sp)),
+             "moe": (moe, OverlapMoE.from_dense(router, w_in, w_out, top_k=k, group=group))}
+    out = []
+    for name, (ref, layer) in pairs.items():
+        x = _randn(g, B, S, H)  # the same on every rank: each takes its part where the layer wants one
+        if sp and name != "moe":
+            x = x.view(B, ws, S // ws, H)[:, rank]
+        errs = []
+        ys = []
+        for m in (ref, layer):
+            xi = x.clone().to(dt).requires_grad_()
+            y = m(xi)
+            y.backward(torch.ones_like(y))
+            ys.append((y.detach(), xi.grad))
+        for a, b in zip(*ys):
+            errs.append(((a - b).norm() / b.norm()).item())
+        out.append((name, *errs))
+    return out
+
+
+@pytest.mark.parametrize("ws,sp", [(1, False), (2, False), (2, True)])
+def test_references_compute_the_layers_function(pools, ws, sp):
+    """The per-layer bench's ``reference`` mode compares the same function: each plain reference
+    and its overlap layer, given the same dense weights and input, give the same output and input
+    gradient (float64), so ``ratio_reference`` is a ratio of two implementations of one layer."""
+    for res in pools(ws).run(run_same_function, sp):
+        for name, err_y, err_dx in res:
+            assert err_y < 1e-12 and err_dx < 1e-12, (name, err_y, err_dx)
