@@ -252,7 +252,7 @@ class HFMoE(nn.Module):
             gate.weight = layer.router_weight  # tied: one parameter
         self.gate = gate
         self.source = source
-        sum_grads_in_backward(layer, ("router_weight", "shared_w_in", "shared_w_out"))
+        sum_grads_in_backward(layer, layer.replicated_params)
 
     @property
     def group(self):

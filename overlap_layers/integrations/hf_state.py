@@ -16,8 +16,10 @@ load-state-dict pre-hook turns them back into its parameters' values. Each entry
 module is one :class:`Entry`: its key, the swapped module's parameter holding it (more than one when
 tied: HF's router weight is the MoE's ``router_weight``), and an index where it is one slice of that
 parameter's global form along dim 0 (swiglu ``w_in``, ``[2, F, H]``: the gate rows ``[0]``, the up
-rows ``[1]``; [Note: DTensor parameters] in ``planning/dtensor.py``). ``keep_hf_state`` checks, when
-the module is built, that the two layouts correspond one to one, with equal shapes. A fused entry
+rows ``[1]``; [Note: DTensor parameters] in ``planning/dtensor.py``; ``Entry.form`` where the
+layer's layout gives none: a gated shared expert's replicated ``shared_w_in`` as ``[2, sF, H]``).
+``keep_hf_state`` checks, when the module is built, that the two layouts correspond one to one, with
+equal shapes. A fused entry
 (Phi-3's ``qkv_proj``: ``wq``, ``wk``, ``wv`` one after the other; ``gate_up_proj``: the whole
 ``w_in``) lists its parameters and their rows (``Entry.rows``): their shardings differ, so it is
 whole -- a ``Replicate()`` DTensor gathered in ``state_dict()`` (a collective over the group; with
@@ -82,6 +84,9 @@ class Entry(NamedTuple):
     # parameters, not tied ones), whose global values, each viewed as ``[rows, *shape[1:]]``, are
     # concatenated along dim 0; () for the others
     rows: tuple = ()
+    # the parameter's global form that ``index`` slices where its layer's layout gives none (a
+    # replicated gated shared expert's ``shared_w_in``: ``[2, sF, H]``); () for the others
+    form: tuple = ()
 
 
 class KeyPath:
@@ -133,6 +138,7 @@ def _local_form(owner: nn.Module, entry: Entry, p: torch.Tensor) -> torch.Tensor
     """A plain parameter viewed as the local part of its global form (swiglu ``w_in``: ``[2, F/ws, H]``)."""
     layer, name = _holder(owner, entry.sources[0])
     shape = layer._dtensor_layouts()[name].local_shape if isinstance(layer, TiledLayer) else None
+    shape = shape or entry.form or None
     return p if shape is None else p.view(shape)
 
 
@@ -152,7 +158,8 @@ def _from_its_start(t: DTensor) -> DTensor:
 def _entry_value(owner: nn.Module, entry: Entry, value: torch.Tensor) -> torch.Tensor:
     """The replaced module's entry from ``value``, the swapped module's entry ``entry.sources[0]``."""
     if isinstance(value, DTensor):
-        return value if entry.index is None else _from_its_start(value[entry.index])
+        return value if entry.index is None else _from_its_start((value.view(entry.form) if entry.form else
+                                                                  value)[entry.index])
     t = value if entry.index is None else _local_form(owner, entry, value)[entry.index]
     part = _part(owner, entry)
     if part is not None and not isinstance(t, nn.Parameter):  # keep_vars=True: the parameter itself, untagged
@@ -256,11 +263,12 @@ def _param_value(owner: nn.Module, group: Sequence[Entry], given: dict, prefix: 
     if isinstance(p, DTensor):
         if group[0].index is None:
             return dtensor_like(given[None], p, prefix + group[0].key)
-        slices = []
+        slices, form = [], group[0].form
+        whole = p.detach().view(form) if form else p.detach()
         for e in group:
-            now = p.detach()[e.index]  # a view of p's local tensor unless dim 0 is sharded (FSDP2)
+            now = whole[e.index]  # a view of p's local tensor unless dim 0 is sharded (FSDP2)
             slices.append(dtensor_like(given[e.index], now, prefix + e.key) if e.index in given else now)
-        return torch.stack(slices)
+        return torch.stack(slices).view(p.shape) if form else torch.stack(slices)
     parts = {e.index: _plain_part(given[e.index], owner, e, prefix + e.key).to(p.dtype).to(p.device)
              for e in group if e.index in given}
     if group[0].index is None:

@@ -157,8 +157,7 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
         if isinstance(m, UlyssesAttention):
             _sum_over_group(list(m.parameters(recurse=False)), m.group)
         elif isinstance(m, OverlapMoE):
-            _sum_over_group([getattr(m, n) for n in ("router_weight", "shared_w_in", "shared_w_out")
-                             if not summed_in_backward(m, n)], m.group)
+            _sum_over_group([getattr(m, n) for n in m.replicated_params if not summed_in_backward(m, n)], m.group)
 
 
 #: Another name for :func:`finalize_grads`: the same function.
