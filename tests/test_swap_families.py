@@ -2,14 +2,10 @@
 Qwen2-MoE), on tiny Hugging Face models (random weights, nothing downloaded) over 2 gloo ranks,
 against the unswapped model; and the gated gelu-tanh activation (Gemma's MLP) against torch.
 
-What each rank must hold, from the unswapped model alone (float32 rounding, relative):
-  state_dict()                    its keys, in its order, every value its tensor (full_tensor())
-  logits, loss                    its logits and loss
-  every parameter's gradient      its gradient, when backward returns: read in its layout through the
-                                  swapped model's state dict with each parameter's value replaced by
-                                  its gradient (:func:`grad_state`), so the swapped layers' shards,
-                                  fused / gate-up entries and tied routers are all compared by key
-  one AdamW step                  every weight after it (its state dict again)
+What each rank must hold, from the unswapped model alone (float32 rounding, relative), compared
+by the unswapped model's state-dict keys (``swap_helpers.check_against_dense``): its state dict,
+logits, loss, every parameter's gradient when backward returns, every weight after one AdamW step,
+and its state dict loaded.
 """
 import copy
 
@@ -18,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from swap_helpers import rel
+from swap_helpers import check_against_dense
 from swap_helpers import swap_logged as _swap_logged
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
@@ -87,59 +83,19 @@ def swap_logged(model, **kw):
     return _swap_logged(model, "overlap_layers.integrations.hf", **kw)
 
 
-# ------------------------------------------------------------------ comparing in the unswapped layout
-def state(model) -> dict:
-    """The model's state dict, every entry a whole plain tensor (a collective; plain parts gathered)."""
-    from overlap_layers.integrations import full_state_dict
-    return {k: v.clone() for k, v in full_state_dict(model).items()}
-
-
-@torch.no_grad()
-def grad_state(model) -> dict:
-    """The model's state dict with every parameter's value replaced by its gradient (zero where
-    None): each entry the gradient of the unswapped model's tensor of that key (a collective)."""
-    params = list(model.parameters())
-    saved = [p.detach().clone() for p in params]
-    for p in params:
-        p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-    out = state(model)
-    for p, s in zip(params, saved):
-        p.copy_(s)
-    return out
-
-
-def compare(errs: dict, what: str, got: dict, want: dict) -> None:
-    assert list(got) == list(want), (what, [k for k in got if k not in want], [k for k in want if k not in got])
-    for k, w in want.items():
-        errs[f"{what} {k}"] = rel(got[k], w) if w.abs().sum() > 0 or got[k].abs().sum() > 0 else 0.0
-
-
-def check_against_dense(model, dense, ids, errs: dict, **call) -> None:
-    """Logits, loss, every gradient and one AdamW step of ``model`` against ``dense``, by key."""
-    compare(errs, "state", state(model), state(dense))
-    out_d, out_s = dense(ids, labels=ids, **call), model(ids, labels=ids, **call)
-    out_d.loss.backward()
-    out_s.loss.backward()
-    errs["logits"] = rel(out_s.logits.detach(), out_d.logits.detach())
-    errs["loss"] = abs(out_s.loss.item() - out_d.loss.item()) / abs(out_d.loss.item())
-    compare(errs, "grad", grad_state(model), grad_state(dense))
-    for m in (model, dense):
-        torch.optim.AdamW(m.parameters(), lr=1e-2).step()
-    compare(errs, "step", state(model), state(dense))
-    # the unswapped model's state dict loads (after another step of the dense model alone)
-    torch.optim.AdamW(dense.parameters(), lr=1e-2).step()
-    model.load_state_dict(dense.state_dict())
-    compare(errs, "load", state(model), state(dense))
-
-
 # ------------------------------------------------------------------ worker
 def check_family(rank, ws, family, build_kw, swap_kw):
     from overlap_layers import OverlapConfig
     model = build(family, **build_kw)
     dense = copy.deepcopy(model)
     lines, warned = swap_logged(model, group=dist.group.WORLD, config=OverlapConfig(num_tiles=2), **swap_kw)
-    errs = {}
-    check_against_dense(model, dense, batch(), errs)
+    errs, ids = {}, batch()
+
+    def run(m):
+        out = m(ids, labels=ids)
+        return out.logits, out.loss
+
+    check_against_dense(model, dense, run, errs)
     types = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith(("Overlap", "HF"))})
     return dict(errs=errs, lines=lines, warned=warned, types=types)
 
