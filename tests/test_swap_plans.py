@@ -198,14 +198,17 @@ def test_bad_specs_raise_naming_the_field():
         "AttentionSpec(q_norm only)": (lambda: AttentionSpec(q_norm="q_norm"), ("q_norm='q_norm'", "both or neither")),
         "AttentionSpec(num_heads=0)": (lambda: AttentionSpec(num_heads=0), ("num_heads=0", "positive int")),
         "AttentionSpec(qkv=, q=)": (lambda: AttentionSpec(qkv="qkv", q="wq"), ("qkv='qkv'", "q='wq'")),
-        "AttentionSpec(norm_weight=1)": (lambda: AttentionSpec(norm_weight=1), ("norm_weight=1", "NormWeight.ONE_PLUS")),
+        "AttentionSpec(norm_weight=1)": (lambda: AttentionSpec(norm_weight=1),
+                                         ("norm_weight=1", "NormWeight.ONE_PLUS")),
         "MoESpec(shared_gate without shared_expert)": (lambda: MoESpec(shared_gate="g"),
                                                         ("shared_gate='g'", "without a shared_expert")),
         "MoESpec(top_k=True)": (lambda: MoESpec(top_k=True), ("top_k=True", "positive int")),
-        "MoESpec(normalize_topk='yes')": (lambda: MoESpec(normalize_topk="yes"), ("normalize_topk='yes'", "True, False")),
+        "MoESpec(normalize_topk='yes')": (lambda: MoESpec(normalize_topk="yes"),
+                                          ("normalize_topk='yes'", "True, False")),
         "MoESpec(shared_mlp=dict)": (lambda: MoESpec(shared_mlp={}), ("shared_mlp={}", "an MLPSpec")),
         "MoESpec(activation=)": (lambda: MoESpec(activation=Activation), ("activation=", "Activation.GELU_TANH")),
-        "BlockSpec(attention=MLPSpec())": (lambda: BlockSpec(attention=MLPSpec()), ("attention=MLPSpec(", "AttentionSpec")),
+        "BlockSpec(attention=MLPSpec())": (lambda: BlockSpec(attention=MLPSpec()),
+                                           ("attention=MLPSpec(", "AttentionSpec")),
         "BlockSpec(mlp_spec='mlp')": (lambda: BlockSpec(mlp_spec="mlp"), ("mlp_spec='mlp'", "MLPSpec or MoESpec")),
     }
     for name, (fn, wants) in cases.items():
@@ -222,7 +225,8 @@ def plan_errors(rank, ws):
         # a spec of another kind than the known class it matches
         "known_other_kind": lambda: swap(qwen2_known(), group=g, plan={"model.layers.*.mlp": AttentionSpec()}),
         # 'kind' disagreeing with the spec's
-        "kind_vs_spec": lambda: swap(redraw(Tiny()), group=g, plan={"blocks.*.ffn": {"kind": "moe", "spec": MLPSpec()}}),
+        "kind_vs_spec": lambda: swap(redraw(Tiny()), group=g,
+                                     plan={"blocks.*.ffn": {"kind": "moe", "spec": MLPSpec()}}),
         # 'spec' that is not one
         "not_a_spec": lambda: swap(redraw(Tiny()), group=g, plan={"blocks.*.ffn": {"spec": "mlp"}}),
         # a BlockSpec without block=True

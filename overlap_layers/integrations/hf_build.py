@@ -94,13 +94,21 @@ def lookalike_kind(module: nn.Module, kinds: Sequence[str]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------- reading a module
-def _attr(module, path: str, what: str = "sub-module"):
-    """``module``'s attribute along the dotted ``path`` (Unswappable where absent)."""
+def _find(module, path: Optional[str]):
+    """``module``'s attribute along the dotted ``path``; None where absent (or ``path`` is None)."""
+    if path is None:
+        return None
     obj = module
     for name in path.split("."):
         obj = getattr(obj, name, None)
-        if obj is None:
-            raise Unswappable(f"{type(module).__name__} has no {what} {path!r} (the spec's name)")
+    return obj
+
+
+def _attr(module, path: str, what: str = "sub-module"):
+    """``module``'s attribute along the dotted ``path`` (Unswappable where absent)."""
+    obj = _find(module, path)
+    if obj is None:
+        raise Unswappable(f"{type(module).__name__} has no {what} {path!r} (the spec's name)")
     return obj
 
 
@@ -121,7 +129,7 @@ def _check_activation(module, attr: Optional[str], activation: Activation) -> No
     """The module's activation (its attribute ``attr``) equals ``activation`` on a few points."""
     if attr is None:
         return
-    fn = getattr(module, attr, None)
+    fn = _find(module, attr)
     t = torch.tensor([-2.0, -0.5, 0.0, 0.7, 3.0])
     try:
         out = fn(t)
@@ -220,7 +228,7 @@ def _build_attention(module, spec: AttentionSpec, group, opts) -> HFAttention:
     if partial_rotary_factor(cfg) != 1.0:
         raise Unswappable(f"partial_rotary_factor={partial_rotary_factor(cfg)} (RoPE on part of head_dim); "
                            f"OverlapAttention rotates the whole head")
-    cap = getattr(module, spec.logit_softcap, None) if spec.logit_softcap else None
+    cap = _find(module, spec.logit_softcap)
     if cap is not None:
         raise Unswappable(f"attention logit soft-capping ({spec.logit_softcap}={cap}): OverlapAttention runs SDPA, "
                            f"which has no soft cap (a config with attn_logit_softcapping=None swaps)")
@@ -239,7 +247,7 @@ def _build_attention(module, spec: AttentionSpec, group, opts) -> HFAttention:
         q.weight.detach(), k.weight.detach(), v.weight.detach(), o.weight.detach(), num_heads=nq, num_kv_heads=nkv,
         bq=det(q.bias), bk=det(k.bias), bv=det(v.bias), bo=det(o.bias), q_norm=_norm_weight(module, spec.q_norm, d),
         k_norm=_norm_weight(module, spec.k_norm, d), **on(group), sequence_parallel=False, rope_theta=None,
-        causal=True, softmax_scale=getattr(module, spec.scaling, None) if spec.scaling else None,
+        causal=True, softmax_scale=_find(module, spec.scaling),
         dropout_p=float(getattr(module, "attention_dropout", 0.0)),
         qk_norm_offset=1.0 if spec.norm_weight is NormWeight.ONE_PLUS else 0.0, **opts)
     return HFAttention(layer, layer_idx=getattr(module, "layer_idx", None),
@@ -290,7 +298,9 @@ def _build_moe(module, spec: MoESpec, group, opts) -> HFMoE:
     if not isinstance(top_k, int):
         raise Unswappable("cannot read top_k from the router")
     # Mixtral always renormalises the top-k probabilities; Qwen-MoE does when norm_topk_prob.
-    normalize = spec.normalize_topk if spec.normalize_topk is not None else bool(getattr(router, "norm_topk_prob", True))
+    normalize = spec.normalize_topk
+    if normalize is None:
+        normalize = bool(getattr(router, "norm_topk_prob", True))
     _check_plain([rw, gu, dn])
     sw_in, sw_out, sgate = _shared_expert(module, spec)
     layer = OverlapMoE.from_dense(rw.detach(), gu.detach(), dn.detach(), top_k=top_k, shared_w_in=sw_in,

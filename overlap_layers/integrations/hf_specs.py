@@ -90,7 +90,7 @@ def _check_names(spec, optional: tuple = ()) -> None:
 def _check_enum(spec, name: str, enum) -> None:
     v = getattr(spec, name)
     if not isinstance(v, enum):
-        raise _valid(type(spec), name, v, f"a {enum.__name__} ({', '.join(f'{enum.__name__}.{m.name}' for m in enum)})")
+        raise _valid(type(spec), name, v, f"one of {', '.join(f'{enum.__name__}.{m.name}' for m in enum)}")
 
 
 def _check_count(spec, name: str) -> None:
