@@ -5,7 +5,7 @@ against the unswapped model; and the gated gelu-tanh activation (Gemma's MLP) ag
 What each rank must hold, from the unswapped model alone (float32 rounding, relative), compared
 by the unswapped model's state-dict keys (``swap_helpers.check_against_dense``): its state dict,
 logits, loss, every parameter's gradient when backward returns, every weight after one AdamW step,
-and its state dict loaded.
+and its state dict loaded; then greedy ``generate()`` (KV caches) gives its tokens.
 """
 import copy
 
@@ -95,7 +95,12 @@ def check_family(rank, ws, family, build_kw, swap_kw):
         out = m(ids, labels=ids)
         return out.logits, out.loss
 
-    check_against_dense(model, dense, run, errs)
+    check_against_dense(model, dense, run, errs)  # ends with the same weights in both
+    if not swap_kw.get("block"):  # greedy generation with HF's KV caches (sliding ones past the window of 4)
+        prompt = ids[:, :6]
+        same = torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False),
+                           dense.generate(prompt, max_new_tokens=4, do_sample=False))
+        errs["generate"] = 0.0 if same else 1.0
     types = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith(("Overlap", "HF"))})
     return dict(errs=errs, lines=lines, warned=warned, types=types)
 
@@ -159,3 +164,12 @@ def test_geglu_tanh_equals_torch():
     dpre, h = act_backward("geglu_tanh", buf, dh, out=buf, h_out=h_out)
     assert dpre.data_ptr() == buf.data_ptr() and h.data_ptr() == h_out.data_ptr()
     assert torch.allclose(buf, want_dpre, rtol=1e-12, atol=1e-12) and torch.allclose(h_out, want.detach())
+
+
+def test_layer_arguments_of_the_new_conventions():
+    """The layers' new arguments raise ValueError naming the value (before any group is needed)."""
+    from overlap_layers import OverlapAttention, OverlapMoE
+    with pytest.raises(ValueError, match=r"shared_expert_gate=True.*shared expert"):
+        OverlapMoE(8, 6, 4, 2, shared_expert_gate=True)
+    with pytest.raises(ValueError, match=r"qk_norm_offset=0\.5"):
+        OverlapAttention(32, 4, qk_norm_offset=0.5)
