@@ -28,9 +28,9 @@ from ..config import OverlapConfig
 from .dtensor import distribute_params
 from .hf_adapters import HFAttention, HFBlock, HFMoE
 from .hf_build import OURS, build, build_block, kind_by_type, lookalike_kind
+from .hf_checkpoint import keep_save_pretrained
 from .hf_families import known_specs
 from .hf_specs import SPEC_KINDS
-from .hf_checkpoint import keep_save_pretrained
 from .replace import (BLOCK_KINDS, KINDS, Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules,
                       swap_place)
 
@@ -149,9 +149,8 @@ def _swap_blocks(model, group, rules, config, place, known) -> dict:
         model, group, None if rules is None else [r for r in rules if r[1] in BLOCK_KINDS + (None,)], config,
         kind_of=lambda m: kind_by_type(m, known, BLOCK_KINDS),
         lookalike=lambda m: lookalike_kind(m, BLOCK_KINDS),
-        build=lambda module, kind, opts: build_block(module, _spec(module, opts, known), place, opts, known), ours=OURS,
-        nothing=None,
-        kinds=BLOCK_KINDS, log=logger, stacklevel=5)
+        build=lambda module, kind, opts: build_block(module, _spec(module, opts, known), place, opts, known),
+        ours=OURS, nothing=None, kinds=BLOCK_KINDS, log=logger, stacklevel=5)
     return dict(done)
 
 

@@ -106,10 +106,11 @@ def parse_plan(plan, block: bool = False, specs: Optional[dict] = None) -> Optio
             bad = sorted(set(opts) - set(valid) - {"kind"})
             if bad:
                 raise ValueError(f"plan[{pattern!r}]: unknown option(s) {bad}; valid: kind, {', '.join(valid)}")
-            kind = opts.pop("kind") if "kind" in opts else _spec_kind(pattern, opts["spec"], specs)
-            if "spec" in opts and _spec_kind(pattern, opts["spec"], specs) != kind:
+            spec_kind = _spec_kind(pattern, opts["spec"], specs) if "spec" in opts else None
+            kind = opts.pop("kind", spec_kind)
+            if spec_kind is not None and spec_kind != kind:
                 raise ValueError(f"plan[{pattern!r}]: kind {kind!r} but the spec {type(opts['spec']).__name__} "
-                                 f"swaps {_spec_kind(pattern, opts['spec'], specs)!r}")
+                                 f"swaps {spec_kind!r}")
             if "config" in opts and opts["config"] is not None and not isinstance(opts["config"], OverlapConfig):
                 raise ValueError(f"plan[{pattern!r}]['config'] = {opts['config']!r}: must be an OverlapConfig")
         else:
