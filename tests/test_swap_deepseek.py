@@ -11,6 +11,8 @@ both on the same batch. What each rank must hold, from the reference alone:
   every parameter's gradient      the unswapped model's, by state-dict key (gathered)
   one AdamW step                  every entry of the state dict after it the unswapped model's
   load_state_dict                 the unswapped model's state dict (before the step) loads back
+Checkpoints (``save_pretrained``, DCP both ways) move exactly between swapped and unswapped models;
+an MoE whose layout ``swap`` refuses keeps its router's own weight and bias.
 """
 import copy
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swap_helpers import rel, swap_logged
+from swap_helpers import checkpoint_round_trips, rel, swap_logged
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
 
@@ -135,24 +137,44 @@ def test_swapped_deepseek_equals_dense(pool2, case, dtensor):
 
 
 def save_and_load(rank, ws, path):
-    """``save_pretrained`` of a swapped DeepSeek-V3, then the unswapped class's ``from_pretrained``
-    and ``load_pretrained_shards`` into a swapped model of other weights: exact state dicts."""
+    """``load_pretrained_shards`` of a swapped DeepSeek-V3's ``save_pretrained`` into a swapped
+    model of other weights, and the round trips of ``checkpoint_round_trips``: exact state dicts."""
     from overlap_layers import swap
     from overlap_layers.integrations import full_state_dict, load_pretrained_shards
     model, dense = build("v3"), build("v3")
     swap(model, group=dist.group.WORLD)
-    model.save_pretrained(path)
-    dist.barrier()
-    want = dense.state_dict()
-    loaded = type(dense).from_pretrained(path).state_dict()
+    swapped = build("v3", seed=6)
+    swap(swapped, group=dist.group.WORLD)
+    out = checkpoint_round_trips(model, dense, build("v3", seed=7), swapped, path)
     other = build("v3", seed=5)
     swap(other, group=dist.group.WORLD)
-    load_pretrained_shards(other, path)
-    return [k for k, v in want.items() if not torch.equal(loaded[k], v)], \
-        [k for k, v in full_state_dict(other).items() if not torch.equal(v, want[k])]
+    load_pretrained_shards(other, f"{path}/pretrained")
+    out["shards"] = [k for k, v in full_state_dict(other).items() if not torch.equal(v, dense.state_dict()[k])]
+    return out
 
 
 def test_save_pretrained_and_load_pretrained_shards(pool2, tmp_path):
     pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
-    for from_pretrained, shards in pool2.run(save_and_load, str(tmp_path)):
-        assert from_pretrained == [] and shards == [], (from_pretrained, shards)
+    for res in pool2.run(save_and_load, str(tmp_path)):
+        assert res == {"from_pretrained": [], "dcp_to_unswapped": [], "dcp_to_swapped": [], "shards": []}, res
+
+
+def refused(rank, ws):
+    """Layer 1's MoE given a parameter no swapped module holds: its layout is refused (plain
+    parameters: with DTensor ones every parameter is replaced by its DTensor after the swap)."""
+    model = build("v3")
+    moe = model.model.layers[1].mlp
+    moe.extra = torch.nn.Parameter(torch.zeros(3))
+    weight, bias = moe.gate.weight, moe.gate.e_score_correction_bias
+    _, warned = swap_logged(model, "overlap_layers.integrations.hf", group=dist.group.WORLD, dtensor=False)
+    moe = model.model.layers[1].mlp
+    return type(moe).__name__, moe.gate.weight is weight, moe.gate.e_score_correction_bias is bias, warned
+
+
+def test_refused_moe_keeps_its_router_tensors(pool2):
+    """The router's weight and ``e_score_correction_bias`` are tied to the layer's only once the
+    replacement is accepted: a block whose state-dict layout is refused keeps its own."""
+    pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    for cls, weight, bias, warned in pool2.run(refused):
+        assert cls == "DeepseekV3MoE" and weight and bias, (cls, weight, bias)
+        assert any("DeepseekV3MoE unswapped" in w and "'extra'" in w for w in warned), warned

@@ -94,6 +94,25 @@ def test_attention_the_group_cannot_split(pool2, attention, heads, swapped):
             assert any("run replicated" in ln and "LlamaAttention x2" in ln for ln in lines), lines
 
 
+def _ulysses_one_plus(rank, ws):
+    """Qwen3 with a plan whose attention spec says Gemma's ``(1 + w)`` q/k norm weights."""
+    from swap_helpers import swap_logged
+    from overlap_layers.integrations.hf_specs import AttentionSpec, NormWeight
+    model = build("qwen3")
+    spec = AttentionSpec(q_norm="q_norm", k_norm="k_norm", norm_weight=NormWeight.ONE_PLUS)
+    _, warned = swap_logged(model, "overlap_layers.integrations.hf", group=dist.group.WORLD, **ULYSSES,
+                            plan={"model.layers.*.self_attn": spec, "model.layers.*.mlp": "mlp"})
+    return type(model.model.layers[0].self_attn).__name__, warned
+
+
+def test_ulysses_refuses_one_plus_norm_weights(pool2):
+    """UlyssesAttention has no ``qk_norm_offset``: a spec's ``NormWeight.ONE_PLUS`` attention is left
+    dense, warned, rather than swapped with the wrong norm weights."""
+    for cls, warned in pool2.run(_ulysses_one_plus):
+        assert cls == "Qwen3Attention", cls
+        assert any("Qwen3Attention unswapped" in w and "UlyssesAttention applies w" in w for w in warned), warned
+
+
 # ------------------------------------------------------------------ shards, clipping, rejected input
 def _shards_and_clipping(rank, ws, attention):
     from overlap_layers import UlyssesAttention, swap

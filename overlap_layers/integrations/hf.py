@@ -6,7 +6,9 @@ parameter's gradient (the swapped layers' shards equal the matching slices of th
 gradients, see their ``to_dense``; with DTensor parameters, the default, every parameter's and
 gradient's ``full_tensor()`` is the dense one).
 
-What is recognised, and what replaces it: the table in :mod:`.hf_build`; the replacement itself
+What is recognised: the families' table in :mod:`.hf_families` (each class with its spec,
+:mod:`.hf_specs`), and whatever a plan describes by a spec; what replaces it: :mod:`.hf_build`,
+generic over the specs; the replacement itself
 (``plan``, the logging and warnings, everything built before anything is put in) is
 :func:`.replace.replace_modules`, shared with the megatron-core swap.
 
@@ -25,9 +27,11 @@ from torch import nn
 from ..config import OverlapConfig
 from .dtensor import distribute_params
 from .hf_adapters import HFAttention, HFBlock, HFMoE
-from .hf_build import BUILDERS, OURS, build_block, kind_by_type, known_classes, lookalike_kind
+from .hf_build import OURS, build, build_block, kind_by_type, lookalike_kind
 from .hf_checkpoint import keep_save_pretrained
+from .hf_families import known_specs
 from .hf_sequence import check_sequence_args, decoder_stacks, shard_sequence
+from .hf_specs import SPEC_KINDS
 from .replace import (BLOCK_KINDS, KINDS, Unswappable, check_swap_args, group_of, on, parse_plan, replace_modules,
                       swap_place)
 
@@ -50,8 +54,9 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     (``sequence_parallel=False``, the default: replicated input, all-reduced output; see
     ``sequence_parallel=True`` below). An MoE block splits the
     tokens over the group, runs each rank's 1/ws share through ``OverlapMoE`` (expert parallel)
-    and all-gathers the outputs, so no token is computed twice. See the table in :mod:`.hf_build`
-    for what is recognised (by type, without a ``plan``) and :mod:`.hf_adapters` for the adapters' contracts
+    and all-gathers the outputs, so no token is computed twice. See the table in :mod:`.hf_families`
+    for what is recognised (by type, without a ``plan``), :mod:`.hf_build` for what replaces it, and
+    :mod:`.hf_adapters` for the adapters' contracts
     (HF call signatures and return values; KV caches, so ``generate()`` works, and any SDPA mask:
     padding, packed sequences, sliding windows; with ``block=True`` causal masks only and no KV
     cache, and ``swap`` sets ``config.use_cache=False``).
@@ -92,11 +97,16 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     ``plan``: a dict from module-name patterns (``fnmatch`` on the qualified name, e.g.
     ``"model.layers.*.mlp"``) to a kind (``"mlp"``, ``"attention"``, ``"moe"``; ``"block"`` with
     ``block=True``), to
-    ``{"kind": ..., "num_tiles": ..., "config": OverlapConfig(...)}``, or to None (leave those
-    modules). The first matching pattern wins; only matched modules are replaced. A matched module
-    must be of a recognised class of that kind (a known class of another kind raises ValueError; an
-    unknown class is left, with a warning). ``config`` applies to every swapped layer unless a
-    plan entry gives its own.
+    ``{"kind": ..., "num_tiles": ..., "config": OverlapConfig(...), "spec": ...}``, to a spec
+    (:class:`~.hf_specs.MLPSpec`, ``AttentionSpec``, ``MoESpec``; ``BlockSpec`` with ``block=True``:
+    the kind is the spec's), or to None (leave those modules). A spec describes the matched modules'
+    weights and conventions (names of the projections, a fused qkv / gate_up, q/k norms and their
+    weight convention, the activation, the router and experts, a shared expert and its gate, ...;
+    :mod:`.hf_specs`), so a module of a class the library does not know is swapped from it, and a
+    known class's own spec is overridden. The first matching pattern wins; only matched modules are
+    replaced. A matched module without a spec must be of a recognised class of that kind (a known
+    class of another kind raises ValueError, with a spec too; an unknown class is left, with a
+    warning). ``config`` applies to every swapped layer unless a plan entry gives its own.
 
     Logging (``logging.getLogger("overlap_layers.integrations.hf")``, INFO): one line per kind
     with what was replaced and left. Warnings (``UserWarning``): recognised modules that cannot be
@@ -127,9 +137,9 @@ def swap(model: nn.Module, group=None, *, mesh=None, axis=None, plan: Optional[d
     check_swap_args(model, block, config, "a transformers model")
     check_sequence_args(sequence_parallel, attention, block)
     group, place = swap_place(model, group, mesh, axis, dtensor)
-    rules = parse_plan(plan, block)
-    known = known_classes()
-    if not any(known.values()):
+    rules = parse_plan(plan, block, SPEC_KINDS)
+    known = known_specs()
+    if not known and not any("spec" in r[2] for r in rules or ()):
         raise ValueError("no known transformers model classes could be imported; install transformers>=5 "
                          "(pip install 'overlap_layers[hf]')")
     stacks = decoder_stacks(model, lambda m: kind_by_type(m, known, BLOCK_KINDS) or isinstance(m, HFBlock)) \
@@ -160,8 +170,9 @@ def _swap_blocks(model, group, rules, config, place, known, sp: dict) -> dict:
         model, group, None if rules is None else [r for r in rules if r[1] in BLOCK_KINDS + (None,)], config,
         kind_of=lambda m: kind_by_type(m, known, BLOCK_KINDS),
         lookalike=lambda m: lookalike_kind(m, BLOCK_KINDS),
-        build=lambda module, kind, opts: build_block(module, place, {**opts, **sp}, known), ours=OURS, nothing=None,
-        kinds=BLOCK_KINDS, log=logger, stacklevel=5)
+        build=lambda module, kind, opts: build_block(module, group=place, known=known,
+                                                     **_spec(module, opts, known, sp)),
+        ours=OURS, nothing=None, kinds=BLOCK_KINDS, log=logger, stacklevel=5)
     return dict(done)
 
 
@@ -171,9 +182,19 @@ def _swap_modules(model, group, rules, config, place, known, block: bool, sp: di
         model, group, None if rules is None else [r for r in rules if r[1] not in BLOCK_KINDS], config,
         kind_of=lambda m: kind_by_type(m, known, KINDS),
         lookalike=lambda m: lookalike_kind(m, KINDS),
-        build=lambda module, kind, opts: BUILDERS[kind](module, place, {**opts, **sp}), ours=OURS,
+        build=lambda module, kind, opts: build(module, kind, group=place, **_spec(module, opts, known, sp)), ours=OURS,
         nothing="no recognised decoder layer / MLP / attention / MoE module" if block else
         "no recognised MLP / attention / MoE module", log=logger, stacklevel=5)
+
+
+def _spec(module, opts: dict, known: dict, sp: dict) -> dict:
+    """``{"spec": the spec describing module, "opts": the builder's options}``: the spec is its plan
+    rule's (taken out of the layer options ``opts``), else its class's; the options are the rest of
+    ``opts`` with ``swap``'s sequence-parallel ones ``sp`` (read by the builders through
+    :func:`.hf_sequence.sequence_options`)."""
+    rest = dict(opts)
+    spec = rest.pop("spec") if "spec" in rest else known[type(module)]
+    return {"spec": spec, "opts": {**rest, **sp}}
 
 
 def _drop_kv_cache(model) -> None:

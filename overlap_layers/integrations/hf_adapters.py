@@ -163,7 +163,8 @@ class HFBlock(nn.Module):
     rejected here alike, on every rank.
 
     Router logits (an MoE block): ``gate`` is HF's router module, its weight tied to the block's
-    ``router_weight``. When HF records router logits the adapter runs the block's steps itself and
+    ``router_weight`` (by :func:`tie_router`, once ``swap`` accepts the replacement). When HF
+    records router logits the adapter runs the block's steps itself and
     calls ``gate`` on the full normed tokens between them, so HF records the dense model's logits.
     Gradients: the routing's part of the router's gradient (this rank's share of the tokens) is
     summed over the group inside backward by the block; the logits' part is computed from the
@@ -213,6 +214,19 @@ class HFBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------- MoE
+def tie_router(gate: Optional[nn.Module], layer: OverlapMoE) -> None:
+    """HF's router module ``gate`` holds ``layer``'s tensors: its ``weight`` is
+    ``layer.router_weight`` (one parameter) and, where the layer has one, its
+    ``e_score_correction_bias`` the layer's buffer (DeepSeek-V3); no-op without a gate. Called once
+    the replacement is accepted: the router is still the replaced module's, which a refused
+    replacement leaves holding its own tensors."""
+    if gate is None:
+        return
+    gate.weight = layer.router_weight
+    if layer.e_score_correction_bias is not None:
+        gate.e_score_correction_bias = layer.e_score_correction_bias
+
+
 def _router_logits_recorded() -> bool:
     """Whether HF's output capture is recording router logits in this forward (transformers 5:
     ``output_router_logits``; the recorder hooks the router modules)."""
@@ -240,7 +254,8 @@ class HFMoE(nn.Module):
     by construction (every rank's tokens reach the experts).
 
     Router logits: ``gate`` is HF's own router module, its weight tied to
-    ``layer.router_weight``. When HF records router logits (``output_router_logits=True``, for its
+    ``layer.router_weight`` (by :func:`tie_router`, once ``swap`` accepts the replacement). When
+    HF records router logits (``output_router_logits=True``, for its
     load-balancing loss) the adapter calls ``gate`` on the full tokens, so HF's hooks record the
     same ``[tokens, experts]`` logits as the dense model and the aux-loss gradient reaches the
     router (already complete on every rank: computed from the replicated tokens).
@@ -249,11 +264,9 @@ class HFMoE(nn.Module):
     def __init__(self, layer: OverlapMoE, gate: Optional[nn.Module] = None, *, source: str = ""):
         super().__init__()
         self.layer = layer
-        if gate is not None:
-            gate.weight = layer.router_weight  # tied: one parameter
         self.gate = gate
         self.source = source
-        sum_grads_in_backward(layer, ("router_weight", "shared_w_in", "shared_w_out"))
+        sum_grads_in_backward(layer, layer.replicated_params)
 
     @property
     def group(self):

@@ -15,8 +15,8 @@ state-dict post-hook puts the replaced module's entries (``gate_proj.weight``, `
 load-state-dict pre-hook turns them back into its parameters' values. Each entry of the replaced
 module is one :class:`Entry`: its key, the swapped module's parameter (or buffer: DeepSeek-V3's
 ``e_score_correction_bias``) holding it (more than one when tied: HF's router weight is the MoE's
-``router_weight``), and an index where it is one slice of that
-parameter's global form along dim 0 (swiglu ``w_in``, ``[2, F, H]``: the gate rows ``[0]``, the up
+``router_weight``), and an index where it is one slice of that parameter's global form along dim 0
+(a gated ``w_in`` or a shared expert's ``shared_w_in``, ``[2, F, H]``: the gate rows ``[0]``, the up
 rows ``[1]``; [Note: DTensor parameters] in ``planning/dtensor.py``). ``keep_hf_state`` checks, when
 the module is built, that the two layouts correspond one to one, with equal shapes. A fused entry
 (Phi-3's ``qkv_proj``: ``wq``, ``wk``, ``wv`` one after the other; ``gate_up_proj``: the whole

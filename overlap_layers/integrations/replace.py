@@ -29,7 +29,7 @@ _HF_LOG = logging.getLogger(__package__ + ".hf")
 
 KINDS = ("mlp", "attention", "moe")
 BLOCK_KINDS = ("block",)  # swap(..., block=True): whole decoder layers first
-_OPTIONS = ("num_tiles", "config")
+_OPTIONS = ("num_tiles", "config", "spec")
 _TARGETS = {"mlp": "OverlapMLP", "attention": "OverlapAttention", "moe": "OverlapMoE",
             "block": "OverlapTransformerBlock"}
 
@@ -69,28 +69,48 @@ def swap_place(model, group, mesh, axis, dtensor) -> tuple:
     return group, (tp_mesh(None if mesh is not None else group, mesh, axis, model) if dtensor else group)
 
 
-def parse_plan(plan, block: bool = False) -> Optional[List[tuple]]:
+def _spec_kind(pattern: str, spec, specs: dict) -> str:
+    """The kind a plan's spec swaps (``specs``: spec class -> kind); ValueError for anything else."""
+    if type(spec) not in specs:
+        valid = ", ".join(c.__name__ for c in specs) or "none (this swap takes no specs)"
+        raise ValueError(f"plan[{pattern!r}]['spec'] = {spec!r}: must be a spec ({valid})")
+    return specs[type(spec)]
+
+
+def parse_plan(plan, block: bool = False, specs: Optional[dict] = None) -> Optional[List[tuple]]:
     """``[(pattern, kind or None, options)]`` in the plan's order, or None without a plan; the kind
-    ``"block"`` (a decoder layer) is valid with ``block=True`` only."""
+    ``"block"`` (a decoder layer) is valid with ``block=True`` only. ``specs`` (spec class -> the
+    kind it swaps): a plan value may be such a spec, or a dict with ``"spec"``, which describes the
+    matched modules (options ``{"spec": ...}``, the kind the spec's)."""
     if plan is None:
         return None
+    specs = specs or {}
     kinds = KINDS + BLOCK_KINDS if block else KINDS
     if not isinstance(plan, dict):
         raise ValueError(f"plan={plan!r}; must be a dict from module-name patterns (fnmatch) to a kind "
-                         f"({', '.join(kinds)}), a dict {{'kind': ..., 'num_tiles': ..., 'config': ...}}, or None")
+                         f"({', '.join(kinds)}), "
+                         + (f"a spec ({', '.join(c.__name__ for c in specs)}), " if specs else "")
+                         + "a dict {'kind': ..., 'num_tiles': ..., 'config': ...}, or None")
     rules = []
     for pattern, spec in plan.items():
         if not isinstance(pattern, str):
             raise ValueError(f"plan key {pattern!r}: must be a module-name pattern (str), e.g. 'model.layers.*.mlp'")
         opts = {}
+        if type(spec) in specs:
+            spec = {"spec": spec}
         if isinstance(spec, dict):
             opts = dict(spec)
-            if "kind" not in opts:
+            if "kind" not in opts and "spec" not in opts:
                 raise ValueError(f"plan[{pattern!r}] = {spec!r}: a dict spec needs 'kind' (one of {kinds})")
-            kind = opts.pop("kind")
-            bad = sorted(set(opts) - set(_OPTIONS))
+            valid = _OPTIONS if specs else tuple(o for o in _OPTIONS if o != "spec")
+            bad = sorted(set(opts) - set(valid) - {"kind"})
             if bad:
-                raise ValueError(f"plan[{pattern!r}]: unknown option(s) {bad}; valid: kind, {', '.join(_OPTIONS)}")
+                raise ValueError(f"plan[{pattern!r}]: unknown option(s) {bad}; valid: kind, {', '.join(valid)}")
+            spec_kind = _spec_kind(pattern, opts["spec"], specs) if "spec" in opts else None
+            kind = opts.pop("kind", spec_kind)
+            if spec_kind is not None and spec_kind != kind:
+                raise ValueError(f"plan[{pattern!r}]: kind {kind!r} but the spec {type(opts['spec']).__name__} "
+                                 f"swaps {spec_kind!r}")
             if "config" in opts and opts["config"] is not None and not isinstance(opts["config"], OverlapConfig):
                 raise ValueError(f"plan[{pattern!r}]['config'] = {opts['config']!r}: must be an OverlapConfig")
         else:
@@ -134,9 +154,10 @@ class _Walk:
             self.warned[(kind, cls, warning)].append(name)
 
 
-def _opts_by_plan(walk: _Walk, rules, name: str, kind: Optional[str], cls: str) -> Optional[dict]:
-    """The options of the plan's rule for the module ``name``, or None when the module is not to
-    be replaced (recorded in ``walk``)."""
+def _opts_by_plan(walk: _Walk, rules, name: str, kind: Optional[str], cls: str) -> Optional[tuple]:
+    """``(kind, options)`` of the plan's rule for the module ``name``, or None when the module is
+    not to be replaced (recorded in ``walk``). A module of an unknown class is replaced where the
+    rule gives a spec (which describes it)."""
     rule = next((r for r in rules if fnmatch.fnmatchcase(name, r[0])), None)
     if rule is None:
         if kind is not None:
@@ -150,6 +171,8 @@ def _opts_by_plan(walk: _Walk, rules, name: str, kind: Optional[str], cls: str) 
             walk.leave(kind, name, cls, f"excluded by plan[{pattern!r}]")
         walk.handled.add(name)
         return None
+    if kind is None and "spec" in opts:
+        return want, dict(opts)
     if kind is None:
         reason = f"plan[{pattern!r}] asks for {want!r} but {cls} is not a recognised {want} class"
         walk.leave(want, name, cls, "unknown class", reason)
@@ -158,7 +181,7 @@ def _opts_by_plan(walk: _Walk, rules, name: str, kind: Optional[str], cls: str) 
     if kind != want:
         raise ValueError(f"plan[{pattern!r}] = {want!r} matches {name} ({cls}), which is a known {kind} "
                          f"module; map it to {kind!r}, or narrow the pattern")
-    return dict(opts)
+    return kind, dict(opts)
 
 
 def _walk(model: nn.Module, rules, config, kind_of: Callable, lookalike: Callable, ours: tuple) -> _Walk:
@@ -174,9 +197,10 @@ def _walk(model: nn.Module, rules, config, kind_of: Callable, lookalike: Callabl
             continue
         kind, cls = kind_of(module), type(module).__name__
         if rules is not None:
-            opts = _opts_by_plan(walk, rules, name, kind, cls)
-            if opts is None:
+            chosen = _opts_by_plan(walk, rules, name, kind, cls)
+            if chosen is None:
                 continue
+            kind, opts = chosen
         else:
             if kind is None:
                 look = lookalike(module)

@@ -25,9 +25,9 @@ Two kinds of replicated parameter get a rank partial from a layer's backward:
                        world_size`` (summed over the ranks sharing each KV head only)
   OverlapTransformer-  the norms' ``weight`` / ``bias`` under sequence parallelism (the rank's
   Block                positions); its OverlapMoE's ``router_weight``, ``shared_w_in``,
-                       ``shared_w_out`` in either mode: inside a block the group is a tensor-
-                       parallel group over the same sequences, so the rank's share of the tokens
-                       is a TP partial, not a DP-style one (below)
+                       ``shared_w_out``, ``shared_gate`` in either mode: inside a block the
+                       group is a tensor-parallel group over the same sequences, so the
+                       rank's share of the tokens is a TP partial, not a DP-style one (below)
   HFMoE (swap)         its OverlapMoE's router and shared expert, for the same reason
   ===================  =====================================================================
 
@@ -40,10 +40,10 @@ Two kinds of replicated parameter get a rank partial from a layer's backward:
   ===================  =====================================================================
   UlyssesAttention     every parameter (``wq``, ``wk``, ``wv``, ``wo``, biases, ``q_norm``,
                        ``k_norm``): whole on every rank, gradient of the rank's own positions
-  OverlapMoE           ``router_weight``, ``shared_w_in``, ``shared_w_out`` of a bare MoE:
-                       gradient of the rank's own tokens (the experts ``w_in`` / ``w_out`` are
-                       sharded and their gradients already hold every rank's tokens routed to
-                       them: complete)
+  OverlapMoE           ``router_weight``, ``shared_w_in``, ``shared_w_out``, ``shared_gate``
+                       of a bare MoE: gradient of the rank's own tokens (the experts ``w_in`` /
+                       ``w_out`` are sharded and their gradients already hold every rank's
+                       tokens routed to them: complete)
   ===================  =====================================================================
 
   ``finalize_grads(model, data_parallel=True)`` sums them (all-reduce SUM over the layer's
@@ -157,8 +157,7 @@ def finalize_grads(model: nn.Module, data_parallel: bool = False) -> None:
         if isinstance(m, UlyssesAttention):
             _sum_over_group(list(m.parameters(recurse=False)), m.group)
         elif isinstance(m, OverlapMoE):
-            _sum_over_group([getattr(m, n) for n in ("router_weight", "shared_w_in", "shared_w_out")
-                             if not summed_in_backward(m, n)], m.group)
+            _sum_over_group([getattr(m, n) for n in m.replicated_params if not summed_in_backward(m, n)], m.group)
 
 
 #: Another name for :func:`finalize_grads`: the same function.

@@ -114,7 +114,8 @@ def config_fields(layer) -> tuple:
     return (("hidden_size", layer.hidden_size), ("num_heads", layer.num_heads), ("num_kv_heads", layer.num_kv_heads),
             ("head_dim", layer.head_dim), ("causal", layer.causal), ("rope_theta", layer.rope_theta),
             ("qk_norm", layer.qk_norm), ("bias", layer.bias), ("softmax_scale", layer.softmax_scale),
-            ("dropout_p", layer.dropout_p))
+            ("dropout_p", layer.dropout_p), ("o_bias", layer.bo is not None),
+            ("qk_norm_offset", getattr(layer, "qk_norm_offset", 0.0)))
 
 
 def replicated_positions(position_ids, position_embeddings) -> tuple:

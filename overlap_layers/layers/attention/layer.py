@@ -7,6 +7,7 @@ full sequence ``x [b, S, H]``::
 
     q, k, v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv      # heads of d = head_dim
     o = attention_core.attention(q, k, v, ...)                 # qk-norm, RoPE, SDPA with GQA
+                                                               # (qk-norm weights qk_norm_offset + q_norm)
     y = o @ wo.T + bo
 
 Rank r holds query heads ``r*nq/ws ..`` (rows of wq, columns of wo) and the KV heads they read
@@ -85,8 +86,12 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                  mesh=None, axis=None, head_dim: Optional[int] = None, sequence_parallel: bool = True,
                  rope_theta: Optional[float] = 10000.0, causal: bool = True, bias: bool = False,
                  qk_norm: bool = False, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
-                 num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None, device=None):
+                 qk_norm_offset: float = 0.0, num_tiles=None, config: Optional[OverlapConfig] = None, dtype=None,
+                 device=None):
         super().__init__()
+        if qk_norm_offset not in (0.0, 1.0):
+            raise ValueError(f"qk_norm_offset={qk_norm_offset!r}; valid: 0.0 (rms_norm(q) * q_norm) or 1.0 "
+                             f"(rms_norm(q) * (1 + q_norm), Gemma's)")
         num_kv_heads, head_dim = check_args(hidden_size, num_heads, num_kv_heads, head_dim, rope_theta,
                                             softmax_scale, dropout_p)
         ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
@@ -94,6 +99,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
         self.sequence_parallel, self.rope_theta, self.causal = bool(sequence_parallel), rope_theta, bool(causal)
         self.bias, self.qk_norm, self.softmax_scale, self.dropout_p = bool(bias), bool(qk_norm), softmax_scale, dropout_p
+        self.qk_norm_offset = float(qk_norm_offset)
         self.num_heads_local = num_heads // ws
         self.num_kv_heads_local = max(num_kv_heads // ws, 1)
         register_params(self, hidden=hidden_size, q_heads=self.num_heads_local, kv_heads=self.num_kv_heads_local,
@@ -166,18 +172,21 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                    num_kv_heads: Optional[int] = None, bq=None, bk=None, bv=None, bo=None, q_norm=None, k_norm=None,
                    group=None, mesh=None, axis=None, sequence_parallel: bool = True,
                    rope_theta: Optional[float] = 10000.0, causal: bool = True, softmax_scale: Optional[float] = None,
-                   dropout_p: float = 0.0, num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapAttention":
+                   dropout_p: float = 0.0, qk_norm_offset: float = 0.0, num_tiles=None,
+                   config: Optional[OverlapConfig] = None) -> "OverlapAttention":
         """Shard dense ``nn.Linear``-layout weights: ``wq [nq*d, H]``, ``wk``/``wv [nkv*d, H]``,
-        ``wo [H, nq*d]``; biases all four or none; ``q_norm``/``k_norm [d]`` both or neither."""
+        ``wo [H, nq*d]``; ``bq``, ``bk``, ``bv`` all or none, ``bo`` independently (Qwen2 has qkv
+        biases only); ``q_norm``/``k_norm [d]`` both or neither."""
         H, d, num_kv_heads = check_dense(wq, wk, wv, wo, num_heads=num_heads, num_kv_heads=num_kv_heads, bq=bq,
                                          bk=bk, bv=bv, bo=bo, q_norm=q_norm, k_norm=k_norm)
-        if (bq is None) != (bo is None):
-            raise ValueError("pass all of bq, bk, bv, bo, or none")
-        has_bias = bq is not None
         layer = cls(H, num_heads, num_kv_heads, group=resolve_group(group, mesh, axis), head_dim=d,
-                    sequence_parallel=sequence_parallel, rope_theta=rope_theta, causal=causal, bias=has_bias,
-                    qk_norm=q_norm is not None, softmax_scale=softmax_scale, dropout_p=dropout_p, num_tiles=num_tiles,
-                    config=config, dtype=wq.dtype, device="meta")
+                    sequence_parallel=sequence_parallel, rope_theta=rope_theta, causal=causal, bias=bq is not None,
+                    qk_norm=q_norm is not None, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                    qk_norm_offset=qk_norm_offset, num_tiles=num_tiles, config=config, dtype=wq.dtype, device="meta")
+        if (bo is not None) != layer.bias:  # qkv biases without bo, or bo alone
+            layer.bo = nn.Parameter(torch.empty(H, dtype=wq.dtype, device="meta")) if bo is not None else None
+            if layer.sequence_parallel:
+                sum_grads_in_backward(layer, ("bo",))
         layer.to_empty(device=wq.device)
         load_shards_(layer, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm)
         layer._as_dtensors(mesh, axis)
@@ -338,6 +347,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction);
         ``attn_mask`` and ``kv_update`` as :meth:`attend` takes them."""
         x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        q_norm, k_norm = self._offset_norms(q_norm, k_norm)
         B, s, H = x.shape
         ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
         g = ws if sp else 1
@@ -358,6 +368,13 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
             y = leave(y, self.group, ws, sp)
             return timed_output(y if bo is None else y + bo, trial)
 
+    def _offset_norms(self, q_norm, k_norm) -> tuple:
+        """The qk-norm weights the core multiplies by: ``qk_norm_offset + q_norm`` (differentiable
+        in ``q_norm``), the parameters themselves where the offset is 0."""
+        if q_norm is None or not self.qk_norm_offset:
+            return q_norm, k_norm
+        return q_norm + self.qk_norm_offset, k_norm + self.qk_norm_offset
+
     def _tables(self, S: int, x: torch.Tensor, position_ids, position_embeddings):
         """The call's RoPE tables ``(cos, sin)`` (``common.cos_sin``), or None without RoPE."""
         if position_ids is None and position_embeddings is None:
@@ -370,6 +387,7 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         projections concatenated, and its :class:`AttentionCall` (RoPE tables, qk-norm weights). The
         layer's own call and the fused block's (``layers/block/layer.py``) share it."""
         x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        q_norm, k_norm = self._offset_norms(q_norm, k_norm)
         B, s, _ = x.shape
         S = s * (self.world_size if self.sequence_parallel else 1)
         with torch.autocast(x.device.type, enabled=False):

@@ -48,6 +48,7 @@ def load_shards_(layer, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) -> None:
         layer.bq.copy_(rows(bq, qh))
         layer.bk.copy_(rows(bk, kvh))
         layer.bv.copy_(rows(bv, kvh))
+    if bo is not None:
         layer.bo.copy_(bo)
     if q_norm is not None:
         layer.q_norm.copy_(q_norm)
@@ -71,7 +72,7 @@ def dense_weights(layer) -> dict:
     out = {"wq": gathered_rows(p["wq"], group), "wk": kv(p["wk"]), "wv": kv(p["wv"]),
            "wo": gathered_rows(p["wo"].t(), group).t().contiguous(),
            "bq": gathered_rows(p["bq"], group) if layer.bias else None, "bk": kv(p["bk"]) if layer.bias else None,
-           "bv": kv(p["bv"]) if layer.bias else None, "bo": p["bo"].detach().clone() if layer.bias else None,
+           "bv": kv(p["bv"]) if layer.bias else None, "bo": p["bo"].detach().clone() if p["bo"] is not None else None,
            "q_norm": p["q_norm"].detach().clone() if layer.qk_norm else None,
            "k_norm": p["k_norm"].detach().clone() if layer.qk_norm else None}
     assert out["wq"].shape[0] == layer.num_heads * d

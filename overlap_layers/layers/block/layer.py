@@ -215,7 +215,7 @@ class OverlapTransformerBlock(nn.Module):
                 if norm.grad_group is not self.group:  # set once: no mutation per call
                     norm.grad_group = self.group
         if isinstance(self.mlp, OverlapMoE):
-            sum_grads_in_backward(self.mlp, ("router_weight", "shared_w_in", "shared_w_out"))
+            sum_grads_in_backward(self.mlp, self.mlp.replicated_params)
 
     def __deepcopy__(self, memo: dict):
         """``copy.deepcopy``: the sublayers' copies ([Note: copying a layer] in ``planning/copying.py``)

@@ -1,6 +1,16 @@
 """The layers' activations (the MLP's and the MoE experts'): :func:`act` and :func:`act_backward`,
 SwiGLU through its fused kernels (:mod:`overlap_layers.kernels.swiglu`), also where autograd
-records it (:func:`swiglu_recorded`)."""
+records it (:func:`swiglu_recorded`).
+
+Reference, per kind, of ``pre [M, I]`` (a gated kind's ``pre`` is ``[gate | up]``, ``I = 2F``):
+
+==============  ==========================================================
+``swiglu``      ``silu(gate) * up``
+``geglu_tanh``  ``gelu(gate, approximate="tanh") * up`` (Gemma's MLP)
+``gelu``        ``gelu(pre)`` (exact)
+``relu``        ``relu(pre)``
+==============  ==========================================================
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -39,7 +49,21 @@ def swiglu_recorded(pre_MI: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-ACTIVATIONS = ("swiglu", "gelu", "relu")
+ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu", "relu")
+GATED = ("swiglu", "geglu_tanh")  # fc1 rows: gate rows, then up rows
+
+
+def gated(kind: str) -> bool:
+    """Whether ``kind`` is gated: fc1 is twice the ffn width (gate rows, then up rows)."""
+    return kind in GATED
+
+
+def _geglu_tanh_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor):
+    """``(d(loss)/d(pre), act(pre))`` of ``geglu_tanh``."""
+    gate, up = pre_MI.chunk(2, dim=-1)
+    g = F.gelu(gate, approximate="tanh")
+    dpre = torch.cat([torch.ops.aten.gelu_backward(dh_MF * up, gate, approximate="tanh"), dh_MF * g], dim=-1)
+    return dpre, g * up
 
 
 def act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -49,6 +73,9 @@ def act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) ->
         if torch.is_grad_enabled() and pre_MI.requires_grad:
             return swiglu_recorded(pre_MI)
         return swiglu(pre_MI, rows)
+    if kind == "geglu_tanh":
+        gate, up = pre_MI.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
     if kind == "gelu":
         return F.gelu(pre_MI)
     return F.relu(pre_MI)
@@ -63,6 +90,11 @@ def act_backward(kind: str, pre_MI: torch.Tensor, dh_MF: torch.Tensor, out: Opti
     the rows past it unwritten; the others compute every row)."""
     if kind == "swiglu":
         return swiglu_backward(pre_MI, dh_MF, out, h_out, rows)
+    if kind == "geglu_tanh":
+        dpre, act = _geglu_tanh_backward(pre_MI, dh_MF)
+        if h_out is not None:
+            act = h_out.copy_(act)
+        return (dpre if out is None else out.copy_(dpre)), act
     aten, gelu = torch.ops.aten, kind == "gelu"
     if h_out is None:
         act = F.gelu(pre_MI) if gelu else F.relu(pre_MI)

@@ -5,8 +5,8 @@ Reference (what :class:`OverlapMLP` must equal, up to rounding), with dense weig
 
     y = act(x @ w_in.T + b_in) @ w_out.T + b_out
 
-``act`` is ``silu(gate) * up`` for swiglu (``w_in`` = all gate rows, then all up rows), or
-exact gelu / relu. Under tensor parallelism rank r holds rows ``r*F/ws ..`` of gate and up and the
+``act`` is ``silu(gate) * up`` for swiglu, ``gelu_tanh(gate) * up`` for geglu_tanh (gated: ``w_in``
+= all gate rows, then all up rows), or exact gelu / relu. Under tensor parallelism rank r holds rows ``r*F/ws ..`` of gate and up and the
 matching columns of ``w_out``; with sequence parallelism it holds tokens ``r*N/ws ..``.
 
 Legend: T local tokens (batch*seq_local), t a tile's local tokens, M = ws*t gathered rows of a
@@ -57,7 +57,7 @@ from ...runtime import resolve_group
 from ...runtime.collectives import all_gather_single as all_gather_rows
 from ...schedule import TileProgram, round_robin
 from ..common import rank_chunks
-from ..common.activations import ACTIVATIONS, act, act_backward
+from ..common.activations import ACTIVATIONS, act, act_backward, gated
 from ..common.grads import sum_grads_in_backward
 from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from ..common.cost import MLPCostModel
@@ -242,7 +242,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.sequence_parallel, self.activation, self.bias = bool(sequence_parallel), activation, bool(bias)
         f_local = ffn_hidden_size // ws
-        n_in = 2 * f_local if activation == "swiglu" else f_local
+        n_in = 2 * f_local if gated(activation) else f_local
         kw = {"dtype": dtype, "device": device}
         self.w_in = nn.Parameter(torch.empty(n_in, hidden_size, **kw))
         self.w_out = nn.Parameter(torch.empty(hidden_size, f_local, **kw))
@@ -254,12 +254,12 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
 
     # ----------------------------------------------------------------- weights
     def _dense_in_rows(self) -> int:
-        return (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
+        return (2 if gated(self.activation) else 1) * self.ffn_hidden_size
 
     def _shard_in(self, dense: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a dense fc1 weight/bias (gate rows then up rows for swiglu)."""
         f, fl, r = self.ffn_hidden_size, self.ffn_hidden_size // self.world_size, self.rank
-        if self.activation == "swiglu":
+        if gated(self.activation):
             return torch.cat([dense[r * fl:(r + 1) * fl], dense[f + r * fl:f + (r + 1) * fl]])
         return dense[r * fl:(r + 1) * fl]
 
@@ -268,12 +268,12 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         return dense_w_out[:, r * fl:(r + 1) * fl]
 
     def _dtensor_layouts(self) -> Dict[str, Layout]:
-        """[Note: DTensor parameters] (``planning/dtensor.py``): swiglu's ``w_in``, ``b_in`` as
+        """[Note: DTensor parameters] (``planning/dtensor.py``): a gated activation's ``w_in``, ``b_in`` as
         ``[2, F, H]`` / ``[2, F]`` (gate, up) Shard(1); other activations' Shard(0)."""
         fl, H = self.ffn_hidden_size // self.world_size, self.hidden_size
-        swiglu = self.activation == "swiglu"
-        return {"w_in": Layout(Shard(1), (2, fl, H)) if swiglu else Layout(Shard(0)),
-                "b_in": Layout(Shard(1), (2, fl)) if swiglu else Layout(Shard(0)),
+        glu = gated(self.activation)
+        return {"w_in": Layout(Shard(1), (2, fl, H)) if glu else Layout(Shard(0)),
+                "b_in": Layout(Shard(1), (2, fl)) if glu else Layout(Shard(0)),
                 "w_out": Layout(Shard(1)), "b_out": Layout(Replicate())}
 
     def _dtensor_input_placements(self) -> tuple:
@@ -316,7 +316,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
         hidden, ffn = w_out.shape
-        want_in = (2 * ffn if activation == "swiglu" else ffn, hidden)
+        want_in = (2 * ffn if gated(activation) else ffn, hidden)
         if tuple(w_in.shape) != want_in:
             raise ValueError(f"w_in has shape {tuple(w_in.shape)}; with w_out {tuple(w_out.shape)} and "
                              f"activation={activation!r} it must be {want_in}")
@@ -356,7 +356,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
 
         def unshard_in(t):
             g = gather(t)
-            if self.activation == "swiglu":
+            if gated(self.activation):
                 return torch.cat([g[:, :fl].reshape(-1, *t.shape[1:]), g[:, fl:].reshape(-1, *t.shape[1:])])
             return g.reshape(-1, *t.shape[1:])
 

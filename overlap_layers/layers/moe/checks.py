@@ -8,7 +8,7 @@ import torch
 
 from ...config import check_positive_int
 from ...planning.checks import finite_number
-from ..common.activations import ACTIVATIONS
+from ..common.activations import ACTIVATIONS, gated
 from .routing import RouterKind, Routing
 
 
@@ -68,7 +68,7 @@ def check_dense(router_weight, w_in, w_out, shared_w_in, shared_w_out,
         raise ValueError(f"activation={activation!r}; valid: {ACTIVATIONS}")
     E, H = router_weight.shape
     ffn = w_out.shape[2]
-    mult = 2 if activation == "swiglu" else 1
+    mult = 2 if gated(activation) else 1
     for name, t, want in (("w_in", w_in, (E, mult * ffn, H)), ("w_out", w_out, (E, H, ffn))):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; with router_weight {tuple(router_weight.shape)} "

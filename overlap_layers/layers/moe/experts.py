@@ -30,10 +30,13 @@ def grouped_for(dtype: torch.dtype, hidden: int, w_in: torch.Tensor, w_out: torc
     return grouped_gemm_ok(torch.empty(0, hidden, dtype=dtype, device="meta"), w_in, w_out)
 
 
-def shared_expert(activation: str, x_TH: torch.Tensor, sw_in: torch.Tensor, sw_out: torch.Tensor) -> torch.Tensor:
-    """The shared expert's output on every row of ``x_TH``, its weights in ``x_TH``'s dtype."""
+def shared_expert(activation: str, x_TH: torch.Tensor, sw_in: torch.Tensor, sw_out: torch.Tensor,
+                  gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The shared expert's output on every row of ``x_TH``, its weights in ``x_TH``'s dtype;
+    with ``gate [1, H]`` scaled per row by ``sigmoid(x_TH @ gate.T)`` (Qwen2-MoE's shared expert gate)."""
     sw_in, sw_out = sw_in.to(x_TH.dtype), sw_out.to(x_TH.dtype)
-    return act(activation, x_TH @ sw_in.t()) @ sw_out.t()
+    y = act(activation, x_TH @ sw_in.t()) @ sw_out.t()
+    return y if gate is None else torch.sigmoid(x_TH @ gate.to(x_TH.dtype).t()) * y
 
 
 def routed_ends(rows: int, groups: int) -> torch.Tensor:

@@ -15,7 +15,9 @@ Reference (what :class:`OverlapMoE` must equal, up to rounding), per rank on its
     drop assignments over capacity                 # capacity_factor c: per expert, at most
                                                    # ceil(c*T*k/E), by decreasing p, then token
     y = sum over kept (t, e, w) of w * expert_e(x_t) + shared_expert(x)
-    expert_e(x) = act(x @ w_in[e].T) @ w_out[e].T   # act: swiglu (gate rows, then up), gelu, relu
+    shared_expert(x) = act(x @ shared_w_in.T) @ shared_w_out.T
+                       * sigmoid(x @ shared_gate.T)      # only with shared_expert_gate (Qwen2-MoE)
+    expert_e(x) = act(x @ w_in[e].T) @ w_out[e].T   # act: swiglu / geglu_tanh (gate rows, then up), gelu, relu
     aux_loss = aux_loss_coef * E * sum_e f_e * P_e  # f_e = assignments to e / (T*k), P_e = mean p_e
 
 Rank r holds experts ``r*E/ws ..`` (``w_in``, ``w_out``); the router and the shared expert are
@@ -68,6 +70,7 @@ from ...runtime import resolve_group
 from ...runtime.collectives import gathered_rows
 from ...runtime.rank_all_to_all import CopyEngineAllToAll, PointToPointAllToAll
 from ...runtime.streams import HostReader
+from ..common.activations import gated
 from ..common.init import init_linear_
 from ..common.plain_tp import timed_inputs, timed_output
 from ..common.tp_program import Accumulator
@@ -89,8 +92,9 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     Parameters (``group=`` the expert-parallel group): ``router_weight [E, H]`` (replicated),
     ``w_in [E/ws, 2*ffn, H]`` (swiglu: gate rows then up rows; else ``[E/ws, ffn, H]``),
     ``w_out [E/ws, H, ffn]`` for experts ``r*E/ws ..``, and the replicated shared expert
-    ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]``; with
-    ``routing=Routing(RouterKind.NOAUX_TC, ...)`` (DeepSeek-V3) the buffer
+    ``shared_w_in [2*shared_ffn, H]``, ``shared_w_out [H, shared_ffn]`` and, with
+    ``shared_expert_gate``, ``shared_gate [1, H]`` (its sigmoid scales the shared expert's output per
+    token); with ``routing=Routing(RouterKind.NOAUX_TC, ...)`` (DeepSeek-V3) the buffer
     ``e_score_correction_bias [E]`` (float32, zeros: set it in place; no gradient), else None.
     ``routing`` (:class:`~overlap_layers.layers.moe.routing.Routing`) picks the router: softmax
     top-k (the default), DeepSeek-V2's group-limited greedy, DeepSeek-V3's ``noaux_tc``, each with
@@ -117,15 +121,21 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     _source_split = True  # every rank's rows for this rank's experts are a piece
     _dense_when_empty = False  # ranks may hold no tokens while others do; routing none sets the aux loss
     _workspace_purposes = ("exchange", "device_counts")  # the rank chunks' and the device path's
+    #: the replicated parameters, used on this rank's tokens only (their gradients are partial)
+    replicated_params = ("router_weight", "shared_w_in", "shared_w_out", "shared_gate")
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                  mesh=None, axis=None, activation: str = "swiglu", normalize_topk: bool = True,
                  capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
-                 shared_expert_ffn: Optional[int] = None, routing: Routing = Routing(), num_tiles=None,
+                 shared_expert_ffn: Optional[int] = None, shared_expert_gate: bool = False,
+                 routing: Routing = Routing(), num_tiles=None,
                  config: Optional[OverlapConfig] = None, dtype=None, device=None):
         super().__init__()
         check_args(hidden_size, ffn_hidden_size, num_experts, top_k, activation, capacity_factor, aux_loss_coef,
                    shared_expert_ffn)
+        if not isinstance(shared_expert_gate, bool) or (shared_expert_gate and not shared_expert_ffn):
+            raise ValueError(f"shared_expert_gate={shared_expert_gate!r}; must be False, or True with a shared expert "
+                             f"(shared_expert_ffn > 0; got {shared_expert_ffn!r})")
         check_routing(routing, num_experts, top_k)
         ws = self._init_group(config, num_tiles, dtype, group, mesh, axis)
         if num_experts % ws:
@@ -134,18 +144,20 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
             hidden_size, ffn_hidden_size, num_experts, top_k
         self.activation, self.normalize_topk, self.capacity_factor = activation, bool(normalize_topk), capacity_factor
         self.aux_loss_coef, self.shared_expert_ffn, self.routing = float(aux_loss_coef), shared_expert_ffn, routing
+        self.shared_expert_gate = shared_expert_gate
         self.num_local_experts = num_experts // ws
         kw = {"dtype": dtype, "device": device}
-        n_in = (2 if activation == "swiglu" else 1) * ffn_hidden_size
+        n_in = (2 if gated(activation) else 1) * ffn_hidden_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
         self.w_in = nn.Parameter(torch.empty(self.num_local_experts, n_in, hidden_size, **kw))
         self.w_out = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, ffn_hidden_size, **kw))
         if shared_expert_ffn:
-            s_in = (2 if activation == "swiglu" else 1) * shared_expert_ffn
+            s_in = (2 if gated(activation) else 1) * shared_expert_ffn
             self.shared_w_in = nn.Parameter(torch.empty(s_in, hidden_size, **kw))
             self.shared_w_out = nn.Parameter(torch.empty(hidden_size, shared_expert_ffn, **kw))
         else:
             self.shared_w_in = self.shared_w_out = None
+        self.shared_gate = nn.Parameter(torch.empty(1, hidden_size, **kw)) if shared_expert_gate else None
         # DeepSeek-V3's selection bias: float32 as transformers keeps it, whatever the weights' dtype
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) \
             if routing.kind is RouterKind.NOAUX_TC else None
@@ -161,12 +173,13 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     # ----------------------------------------------------------------- weights
     def _dtensor_layouts(self) -> Dict[str, Layout]:
         """[Note: DTensor parameters] (``planning/dtensor.py``): the experts Shard(0) over experts,
-        the router and the shared expert Replicate; swiglu's ``shared_w_in`` as ``[2, shared_ffn,
-        H]`` (gate, up), as OverlapMLP's ``w_in``."""
+        the router and the shared expert Replicate; a gated activation's ``shared_w_in`` as ``[2,
+        shared_ffn, H]`` (gate, up), as OverlapMLP's ``w_in``."""
         sffn = self.shared_expert_ffn
-        shared_in = (2, sffn, self.hidden_size) if sffn and self.activation == "swiglu" else None
+        shared_in = (2, sffn, self.hidden_size) if sffn and gated(self.activation) else None
         return {"router_weight": Layout(Replicate()), "w_in": Layout(Shard(0)), "w_out": Layout(Shard(0)),
-                "shared_w_in": Layout(Replicate(), shared_in), "shared_w_out": Layout(Replicate())}
+                "shared_w_in": Layout(Replicate(), shared_in), "shared_w_out": Layout(Replicate()),
+                "shared_gate": Layout(Replicate())}
 
     def _dtensor_input_placements(self) -> tuple:
         """[Note: DTensor inputs]: tokens split across the group, by batch or by sequence."""
@@ -176,7 +189,7 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
     def reset_parameters(self) -> None:
         """Router and experts as ``nn.Linear`` (no bias) would initialise them under the same seed,
         in the order router, every expert's fc1 then fc2 (dense, then this rank's slice), shared
-        fc1, fc2: the same on every rank; ``e_score_correction_bias`` zeros."""
+        fc1, fc2, gate: the same on every rank; ``e_score_correction_bias`` zeros."""
         if self.w_in.device.type == "meta":
             return
         if self.e_score_correction_bias is not None:
@@ -194,26 +207,33 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         if self.shared_w_in is not None:
             init_linear_(self.shared_w_in, None)
             init_linear_(self.shared_w_out, None)
+        if self.shared_gate is not None:
+            init_linear_(self.shared_gate, None)
 
     @classmethod
     def from_dense(cls, router_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *, top_k: int,
-                   shared_w_in=None, shared_w_out=None, group=None, mesh=None, axis=None, activation: str = "swiglu",
+                   shared_w_in=None, shared_w_out=None, shared_gate=None, group=None, mesh=None, axis=None,
+                   activation: str = "swiglu",
                    normalize_topk: bool = True, capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
                    routing: Routing = Routing(), e_score_correction_bias: Optional[torch.Tensor] = None,
                    num_tiles=None, config: Optional[OverlapConfig] = None) -> "OverlapMoE":
         """From dense weights: ``router_weight [E, H]``, ``w_in [E, 2*ffn, H]`` (swiglu; else
         ``[E, ffn, H]``), ``w_out [E, H, ffn]``, shared ``shared_w_in [2*sffn, H]`` (swiglu),
-        ``shared_w_out [H, sffn]`` (both or neither); ``e_score_correction_bias [E]`` with
-        ``RouterKind.NOAUX_TC`` (None: zeros)."""
+        ``shared_w_out [H, sffn]`` (both or neither), ``shared_gate [1, H]`` (with a shared expert
+        only); ``e_score_correction_bias [E]`` with ``RouterKind.NOAUX_TC`` (None: zeros)."""
         E, H, ffn, sffn = check_dense(router_weight, w_in, w_out, shared_w_in, shared_w_out, activation)
+        if shared_gate is not None and (not sffn or not isinstance(shared_gate, torch.Tensor)
+                                        or tuple(shared_gate.shape) != (1, H)):
+            raise ValueError(f"shared_gate {tuple(getattr(shared_gate, 'shape', ()))}: must be a [1, {H}] tensor, "
+                             f"given with shared_w_in and shared_w_out")
         if e_score_correction_bias is not None and (getattr(routing, "kind", None) is not RouterKind.NOAUX_TC or
                                                     tuple(e_score_correction_bias.shape) != (E,)):
             raise ValueError(f"e_score_correction_bias of shape {tuple(e_score_correction_bias.shape)}: must be None, "
                              f"or [{E}] with routing.kind=RouterKind.NOAUX_TC (routing={routing!r})")
         layer = cls(H, ffn, E, top_k, group=resolve_group(group, mesh, axis), activation=activation,
                     normalize_topk=normalize_topk, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
-                    shared_expert_ffn=sffn, routing=routing, num_tiles=num_tiles, config=config, dtype=w_in.dtype,
-                    device="meta")
+                    shared_expert_ffn=sffn, shared_expert_gate=shared_gate is not None, routing=routing,
+                    num_tiles=num_tiles, config=config, dtype=w_in.dtype, device="meta")
         layer.to_empty(device=w_in.device)
         with torch.no_grad():
             if layer.e_score_correction_bias is not None:
@@ -225,18 +245,24 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
             if sffn:
                 layer.shared_w_in.copy_(shared_w_in)
                 layer.shared_w_out.copy_(shared_w_out)
+            if shared_gate is not None:
+                layer.shared_gate.copy_(shared_gate)
         layer._as_dtensors(mesh, axis)
         return layer
 
     @torch.no_grad()
     def to_dense(self) -> dict:
         """The dense weights (keys of :meth:`from_dense` but ``e_score_correction_bias``, a buffer
-        whole on every rank; None where absent). A collective: every rank of the group must call it."""
+        whole on every rank; None where absent; ``shared_gate`` only where the layer has one). A
+        collective: every rank of the group must call it."""
         shared = self.shared_w_in is not None
-        p = {n: self._local(n) for n in ("router_weight", "w_in", "w_out", "shared_w_in", "shared_w_out")}
-        return {"router_weight": p["router_weight"].detach().clone(), "w_in": gathered_rows(p["w_in"], self.group),
-                "w_out": gathered_rows(p["w_out"], self.group), "shared_w_in": p["shared_w_in"].detach().clone() if shared else None,
-                "shared_w_out": p["shared_w_out"].detach().clone() if shared else None}
+        p = {n: self._local(n) for n in self.replicated_params + ("w_in", "w_out")}
+        out = {"router_weight": p["router_weight"].detach().clone(), "w_in": gathered_rows(p["w_in"], self.group),
+               "w_out": gathered_rows(p["w_out"], self.group), "shared_w_in": p["shared_w_in"].detach().clone() if shared else None,
+               "shared_w_out": p["shared_w_out"].detach().clone() if shared else None}
+        if self.shared_gate is not None:
+            out["shared_gate"] = p["shared_gate"].detach().clone()
+        return out
 
     # ----------------------------------------------------------------- forward
     @property
@@ -284,7 +310,8 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
         """The shared expert's output on every local token (None without one)."""
         if self.shared_w_in is None:
             return None
-        return shared_expert(self.activation, x_TH, self._local("shared_w_in"), self._local("shared_w_out"))
+        return shared_expert(self.activation, x_TH, self._local("shared_w_in"), self._local("shared_w_out"),
+                             self._local("shared_gate"))
 
     def _plan_key(self, shape: tuple, dtype: torch.dtype, save: bool) -> tuple:
         tokens = shape[0] * shape[1]
@@ -317,7 +344,7 @@ class OverlapMoE(RankChunkPlans, TiledLayer, nn.Module):
                 ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
                 ("normalize_topk", self.normalize_topk), ("capacity_factor", self.capacity_factor),
                 ("aux_loss_coef", self.aux_loss_coef), ("shared_expert_ffn", self.shared_expert_ffn),
-                ("routing", self.routing))
+                ("shared_expert_gate", self.shared_expert_gate), ("routing", self.routing))
 
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
