@@ -224,10 +224,11 @@ class TiledLayer(abc.ABC):
         parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]),
         through its gradient's sum where the layer has one. Read from ``_parameters`` (where
         ``functional_call`` and the DTensor hooks put their stand-ins too), a dict lookup instead of
-        ``nn.Module.__getattr__``'s fallback: every call reads every parameter."""
+        ``nn.Module.__getattr__``'s fallback: every call reads every parameter. Without grad mode
+        no sum (nothing records a gradient) and a DTensor's local tensor itself (:func:`local`)."""
         p = self._parameters.get(name)
         view, sums = self._local_views.get(name), self._grad_sums.get(name)
-        if sums is None or p is None:
+        if sums is None or p is None or not torch.is_grad_enabled():
             return p if view is None else view(p)
         return sums[0](p) if view is None else view(p, reduce=sums[1])
 

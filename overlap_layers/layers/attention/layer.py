@@ -46,7 +46,7 @@ from ..common.init import init_linear_
 from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from . import query_chunks
 from .call import AttentionCall, check_heads, core_op_setups
-from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
+from .common import (INPUT_ERRORS, PARAMS, WHAT, call_forms, call_with_positions, check_args, check_dense,
                      compiled_position_args, config_fields, input_error, position_kwargs, register_params,
                      replicated_positions)
 from .common import cos_sin as cos_sin_of
@@ -251,7 +251,14 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
+        planner = self.planner  # [Note: direct calls] in planning/planner.py; a mask's values are checked per call
+        direct = None if attention_mask is not None else planner.direct_key(
+            x, 0, *call_forms(position_ids, position_embeddings, None))
+        if planner.direct_known(direct):
+            return self._plain_run(x, planner.plan, False, position_ids, position_embeddings, None)
         agreed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
+        if direct is not None:
+            return self._plain_run(x, planner.direct_agreed(direct), False, position_ids, position_embeddings, None)
         return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
     def attend(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
@@ -272,7 +279,15 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         The call runs the serial plan as plain torch ops ([Note: plain serial calls] in
         ``layers/common/plain_tp.py``) with no planning: its agreement (once per call signature,
         [Note: agreement once per call signature]) is its only bookkeeping, so a decoding loop's
-        calls of one shape do no host work beyond the plain module's."""
+        calls of one shape do no host work beyond the plain module's: a call without grad of at most
+        a few dozen tokens makes even its agreement only once per signature ([Note: direct calls]
+        in ``planning/planner.py``)."""
+        planner = self.planner
+        direct = planner.direct_key(x, 1 + (kv_update is not None),
+                                    *call_forms(position_ids, position_embeddings, attention_mask))
+        if planner.direct_known(direct):
+            return self._plain_run(x, planner.plan, False, position_ids, position_embeddings, None,
+                                   attn_mask=attention_mask, kv_update=kv_update)
         if self.sequence_parallel:
             raise ValueError("attend: the layer has sequence_parallel=True; masked and cached calls need the "
                              "replicated sequence (build it with sequence_parallel=False)")
@@ -286,11 +301,12 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           position_ids=position_ids, position_embeddings=position_embeddings, attention_mask=None,
                           causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
-                                    extra_names=("positions", "masked or cached call"),
-                                    replicated=(("x", x), ("attention_mask", attention_mask),
-                                                *replicated_positions(position_ids, position_embeddings)))
-        return self._plain_run(x, None, agreed.save, position_ids, position_embeddings, None,
+        agreed = planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
+                               extra_names=("positions", "masked or cached call"),
+                               replicated=(("x", x), ("attention_mask", attention_mask),
+                                           *replicated_positions(position_ids, position_embeddings)))
+        plan = None if direct is None else planner.direct_agreed(direct)
+        return self._plain_run(x, plan, agreed.save, position_ids, position_embeddings, None,
                                attn_mask=attention_mask, kv_update=kv_update)
 
     def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> Agreed:

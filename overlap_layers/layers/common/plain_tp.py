@@ -77,8 +77,9 @@ class _SumOutput(torch.autograd.Function):
 
 
 def enter(x_TH: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
-    """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1."""
-    if ws == 1:
+    """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1, and
+    without sequence parallelism where grad mode is off (the all-reduce is backward's)."""
+    if ws == 1 or not (sequence_parallel or torch.is_grad_enabled()):
         return x_TH
     return _GatherRows.apply(x_TH, group) if sequence_parallel else sum_grad_over_group(x_TH, group)
 

@@ -369,9 +369,15 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     # ----------------------------------------------------------------- forward
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
-                                    replicated=(("x", None if self.sequence_parallel else x),))
-        return self.planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
+        planner = self.planner
+        direct = planner.direct_key(x)  # [Note: direct calls] in planning/planner.py
+        if planner.direct_known(direct):
+            return self._run(x, planner.plan, False)
+        agreed = planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
+                               replicated=(("x", None if self.sequence_parallel else x),))
+        if direct is not None:
+            return self._run(x, planner.direct_agreed(direct), False)
+        return planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
 
     # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
