@@ -178,14 +178,16 @@ class LayerPlanner:
         """The signature of a direct call on ``x`` (its shape, dtype and device, then ``extra``:
         the forms of the call's other arguments), or None where the call is not direct
         ([Note: direct calls])."""
-        if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 3 \
-                or x.shape[0] * x.shape[1] > DIRECT_ROWS or torch.is_autocast_enabled(x.device.type):
+        if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 3 or self.pinned is not None \
+                or self.checks_inputs or self.call_graphs is not None or self.trace_to is not None:
             return None
-        layer = self.layer
-        if self.pinned is not None or layer.num_tiles != "auto" or self.checks_inputs or self.call_graphs is not None \
-                or self.trace_to is not None or layer.launch_log is not None or capturing_graph(x):
+        shape, device = x.shape, x.device
+        if shape[0] * shape[1] > DIRECT_ROWS or torch.is_autocast_enabled(device.type) or capturing_graph(x):
             return None
-        return (x.shape, x.dtype, x.device, *extra)
+        layer = self._layer()
+        if layer.num_tiles != "auto" or layer.launch_log is not None:
+            return None
+        return (shape, x.dtype, device, *extra)
 
     def direct_known(self, key: Optional[tuple]) -> bool:
         """Whether direct call ``key`` (:meth:`direct_key`) repeats the last agreed direct call's

@@ -243,7 +243,8 @@ def position_kwargs(extras) -> dict:
 def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, position_embeddings):
     """The call's RoPE tables ``(cos, sin)`` ``[batch or 1, S, head_dim]``, or None without RoPE."""
     if position_embeddings is not None:
-        return tuple(t.to(device) for t in position_embeddings)
+        cos, sin = position_embeddings
+        return cos.to(device), sin.to(device)
     if rope_theta is None:
         return None
     pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
