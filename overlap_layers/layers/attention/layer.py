@@ -24,7 +24,6 @@ the per-call state both read (the core, RoPE tables, query chunks) is ``layers/a
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, Dict, Optional
 
 import torch
@@ -348,26 +347,34 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         ``layers/common/plain_tp.py``): q, k and v by their own projections of the gathered rows
         (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction);
         ``attn_mask`` and ``kv_update`` as :meth:`attend` takes them."""
-        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        x, params = self._call_tensors(x, PARAMS)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return self._plain_ops(x, params, position_ids, position_embeddings, trial, attn_mask, kv_update)
+        return self._plain_ops(x, params, position_ids, position_embeddings, trial, attn_mask, kv_update)
+
+    def _plain_ops(self, x, params, position_ids, position_embeddings, trial, attn_mask, kv_update) -> torch.Tensor:
+        """:meth:`_plain_run`'s ops on ``x`` and the local ``params`` (:data:`PARAMS`' order) in
+        the call's dtype, autocast off."""
+        wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
         B, s, H = x.shape
-        ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
+        ws, sp = self.world_size, self.sequence_parallel
         g = ws if sp else 1
         S, nq, nkv, d = g * s, self.num_heads_local, self.num_kv_heads_local, self.head_dim
-        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
-            cos_sin = self._tables(S, x, position_ids, position_embeddings)
-            x, wq = timed_inputs(trial, x, wq)
-            rows = enter(x, self.group, ws, sp)
-            seq = rows if g == 1 else rows.view(g, B, s, H).transpose(0, 1).reshape(B, S, H)
-            o = attention(F.linear(seq, wq, bq).unflatten(-1, (nq, d)), F.linear(seq, wk, bk).unflatten(-1, (nkv, d)),
-                          F.linear(seq, wv, bv).unflatten(-1, (nkv, d)), cos_sin=cos_sin, q_norm=q_norm,
-                          k_norm=k_norm, causal=self.causal, scale=self.softmax_scale,
-                          dropout_p=self.dropout_p if self.training else 0.0, attn_mask=attn_mask,
-                          kv_update=kv_update)
-            y = F.linear(o.reshape(B, S, nq * d), wo)
-            if g > 1:
-                y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
-            y = leave(y, self.group, ws, sp)
-            return timed_output(y if bo is None else y + bo, trial)
+        cos_sin = self._tables(S, x, position_ids, position_embeddings)
+        x, wq = timed_inputs(trial, x, wq)
+        rows = enter(x, self.group, ws, sp)
+        seq = rows if g == 1 else rows.view(g, B, s, H).transpose(0, 1).reshape(B, S, H)
+        o = attention(F.linear(seq, wq, bq).view(B, S, nq, d), F.linear(seq, wk, bk).view(B, S, nkv, d),
+                      F.linear(seq, wv, bv).view(B, S, nkv, d), cos_sin=cos_sin, q_norm=q_norm, k_norm=k_norm,
+                      causal=self.causal, scale=self.softmax_scale,
+                      dropout_p=self.dropout_p if self.training else 0.0, attn_mask=attn_mask, kv_update=kv_update)
+        y = F.linear(o.reshape(B, S, nq * d), wo)
+        if g > 1:
+            y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
+        y = leave(y, self.group, ws, sp)
+        return timed_output(y if bo is None else y + bo, trial)
 
     def _tables(self, S: int, x: torch.Tensor, position_ids, position_embeddings):
         """The call's RoPE tables ``(cos, sin)`` (``common.cos_sin``), or None without RoPE."""

@@ -31,7 +31,6 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional
@@ -430,12 +429,10 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         dev = x.device.type
         x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
         if plan.runs_plain(trace, self.launch_log):  # [Note: plain serial calls]
-            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
-                ws, sp = self.world_size, self.sequence_parallel
-                x, w_in = timed_inputs(trial, x, w_in)
-                h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))
-                y = leave(F.linear(h, w_out), self.group, ws, sp)
-                return timed_output(y if b_out is None else y + b_out, trial)
+            if torch.is_autocast_enabled(dev):
+                with torch.autocast(dev, enabled=False):
+                    return self._plain_ops(x, w_in, b_in, w_out, b_out, trial)
+            return self._plain_ops(x, w_in, b_in, w_out, b_out, trial)
         B, S, H = x.shape
         call = MLPCall(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
@@ -448,6 +445,16 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
             if b_out is not None:
                 y_TH = y_TH + b_out
         return y_TH.view(B, S, H)
+
+    def _plain_ops(self, x, w_in, b_in, w_out, b_out, trial) -> torch.Tensor:
+        """The serial plan as plain torch ops ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``) on ``x`` and the local weights in the call's dtype,
+        autocast off."""
+        ws, sp = self.world_size, self.sequence_parallel
+        x, w_in = timed_inputs(trial, x, w_in)
+        h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))
+        y = leave(F.linear(h, w_out), self.group, ws, sp)
+        return timed_output(y if b_out is None else y + b_out, trial)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
