@@ -244,7 +244,7 @@ def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, posi
     """The call's RoPE tables ``(cos, sin)`` ``[batch or 1, S, head_dim]``, or None without RoPE."""
     if position_embeddings is not None:
         cos, sin = position_embeddings
-        return cos.to(device), sin.to(device)
+        return (cos, sin) if cos.device == sin.device == device else (cos.to(device), sin.to(device))
     if rope_theta is None:
         return None
     pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]
