@@ -36,7 +36,8 @@ parameter gets a ``forward`` of its own (an instance attribute, :class:`_LocalsF
 the parameter's local tensor (``p.to_local()``, differentiable, so its gradient reaches the
 DTensor parameter as a DTensor with the parameter's placements; without grad mode the local
 tensor itself) in its place, runs the module's class ``forward``, and puts the DTensor back when
-it returns or raises. Inside a module's call ``module.weight`` is therefore the plain local
+it returns or raises (while dynamo traces, when it returns: nn.Module's always-called hooks do
+the same). Inside a module's call ``module.weight`` is therefore the plain local
 tensor, as the module's code expects; outside it, the DTensor parameter. A parameter whose
 gradient the module computes from this rank's share of the work only (``complete=True`` from
 ``placement``: Megatron's norms under sequence parallelism) reads its local tensor through an
@@ -75,6 +76,7 @@ model's state dict loads into a model of DTensors. Anything else raises ValueErr
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
@@ -152,13 +154,17 @@ def _locals_in(module: nn.Module) -> dict:
     return saved
 
 
+def _dtensors_back(module: nn.Module, saved: dict) -> None:
+    """The DTensor parameters :func:`_locals_in` replaced back in place."""
+    for name, p in saved.items():
+        module._parameters[name] = p
+
+
 class _LocalsForward:
     """A module's ``forward`` that runs its class's forward (or the instance ``forward`` it
     replaced) on the local tensors of the module's DTensor parameters and puts the DTensors back
     when it returns or raises ([Note: DTensor models]). It holds the module by a weak reference
     (a deep copy of the module gets one for the copy), so the module has no reference cycle."""
-
-    __slots__ = ("_module", "_inner")
 
     def __init__(self, module: nn.Module, inner: Optional[Callable] = None):
         self._module = weakref.ref(module)
@@ -166,13 +172,16 @@ class _LocalsForward:
 
     def __call__(self, *args, **kwargs):
         module = self._module()
+        forward = self._inner if self._inner is not None else functools.partial(type(module).forward, module)
         saved = _locals_in(module)
+        if torch.compiler.is_compiling():  # traced: no exception handling, as nn.Module's call under dynamo
+            out = forward(*args, **kwargs)
+            _dtensors_back(module, saved)
+            return out
         try:
-            if self._inner is not None:
-                return self._inner(*args, **kwargs)
-            return type(module).forward(module, *args, **kwargs)
+            return forward(*args, **kwargs)
         finally:
-            module._parameters.update(saved)
+            _dtensors_back(module, saved)
 
     def __deepcopy__(self, memo: dict) -> "_LocalsForward":
         return _LocalsForward(copy.deepcopy(self._module(), memo), copy.deepcopy(self._inner, memo))
