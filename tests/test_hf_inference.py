@@ -100,10 +100,10 @@ def test_padded_and_packed_batches_equal_the_unswapped_model_on_real_tokens(pool
 
 
 def _decode_bookkeeping_run(rank, ws):
-    """What two greedy generates of a swapped Llama from the same prompt, 3 and 10 new tokens, ask
-    of the layers' planning machinery: agreements made (``LayerPlanner.agree``: the row, the input
-    checks, and where the row is new the gather), agreement gathers, calls through the planner
-    (``LayerPlanner.call``) and plans made. The 7 extra decoding steps must add none of them
+    """What two greedy generates of a swapped Llama from the same prompt, 3 and 10 new tokens (of an
+    unpadded batch, then of a left-padded one), ask of the layers' planning machinery: agreements
+    made (``LayerPlanner.agree``: the row, the input checks, and where the row is new the gather),
+    agreement gathers, calls through the planner (``LayerPlanner.call``) and plans made. The 7 extra decoding steps must add none of them
     ([Note: direct calls] in planning/planner.py). Also each generate's tokens and the unswapped
     model's."""
     from overlap_layers.planning.plan_maker import PlanMaker
@@ -123,16 +123,19 @@ def _decode_bookkeeping_run(rank, ws):
         return method
     for key, (cls, name) in counted.items():
         setattr(cls, name, counting(key))
+    padded = torch.ones_like(prompt)
+    padded[0, :3] = 0  # left padding: a 4-D mask over the growing cache at every step
     try:
         out = []
-        kw = dict(do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            swapped.generate(prompt, max_new_tokens=2, **kw)  # every signature seen once
-            for n in (3, 10):
-                before = dict(counts)
-                got = swapped.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-                out.append(({k: counts[k] - before[k] for k in counts}, got.tolist(),
-                            dense.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw).tolist()))
+            for mask in (None, padded):
+                kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+                swapped.generate(prompt, max_new_tokens=2, **kw)  # every signature seen once
+                for n in (3, 10):
+                    before = dict(counts)
+                    got = swapped.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+                    out.append(({k: counts[k] - before[k] for k in counts}, got.tolist(),
+                                dense.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw).tolist()))
     finally:
         for key, (cls, name) in counted.items():
             setattr(cls, name, originals[key])
@@ -140,7 +143,8 @@ def _decode_bookkeeping_run(rank, ws):
 
 
 def test_decoding_steps_do_no_planning_or_agreement(pool2):
-    for (short, got3, want3), (long, got10, want10) in pool2.run(_decode_bookkeeping_run):
-        assert long == short, (short, long)
-        assert long["plans"] == 0 and long["planner calls"] == 0, long
-        assert got3 == want3 and got10 == want10, (got3, want3, got10, want10)
+    for runs in pool2.run(_decode_bookkeeping_run):
+        for (short, got3, want3), (long, got10, want10) in (runs[:2], runs[2:]):  # unpadded, padded
+            assert long == short, (short, long)
+            assert long["plans"] == 0 and long["planner calls"] == 0, long
+            assert got3 == want3 and got10 == want10, (got3, want3, got10, want10)

@@ -214,10 +214,14 @@ def _form(t):
 
 def call_forms(position_ids, position_embeddings, attention_mask) -> tuple:
     """The forms (:func:`_form`) of an attention call's arguments besides ``x`` that decide its
-    input checks: a direct call's signature ([Note: direct calls] in ``planning/planner.py``)."""
+    input checks: a direct call's signature ([Note: direct calls] in ``planning/planner.py``). A
+    mask's keys are left out (no check reads them, and a decoding step's mask over a growing cache
+    has one more each step)."""
     pe = position_embeddings
     pe = (_form(pe[0]), _form(pe[1])) if isinstance(pe, (tuple, list)) and len(pe) == 2 else type(pe)
-    return _form(position_ids), pe, _form(attention_mask)
+    mask = (attention_mask.shape[:-1], attention_mask.dtype) if isinstance(attention_mask, torch.Tensor) \
+        else type(attention_mask)
+    return _form(position_ids), pe, mask
 
 
 def compiled_position_args(position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
