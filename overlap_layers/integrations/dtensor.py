@@ -76,7 +76,6 @@ model's state dict loads into a model of DTensors. Anything else raises ValueErr
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
@@ -171,15 +170,14 @@ class _LocalsForward:
         self._inner = inner
 
     def __call__(self, *args, **kwargs):
-        module = self._module()
-        forward = self._inner if self._inner is not None else functools.partial(type(module).forward, module)
+        module, inner = self._module(), self._inner
         saved = _locals_in(module)
         if torch.compiler.is_compiling():  # traced: no exception handling, as nn.Module's call under dynamo
-            out = forward(*args, **kwargs)
+            out = type(module).forward(module, *args, **kwargs) if inner is None else inner(*args, **kwargs)
             _dtensors_back(module, saved)
             return out
         try:
-            return forward(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs) if inner is None else inner(*args, **kwargs)
         finally:
             _dtensors_back(module, saved)
 

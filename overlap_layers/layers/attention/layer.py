@@ -254,7 +254,8 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         direct = None if attention_mask is not None else planner.direct_key(
             x, 0, *call_forms(position_ids, position_embeddings, None))
         if planner.direct_known(direct):
-            return self._plain_run(x, planner.plan, False, position_ids, position_embeddings, None)
+            return self._plain_ops(x, self._locals_without_grad(PARAMS), position_ids, position_embeddings, None,
+                                   None, None)
         agreed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
         if direct is not None:
             return self._plain_run(x, planner.direct_agreed(direct), False, position_ids, position_embeddings, None)
@@ -284,9 +285,9 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         planner = self.planner
         direct = planner.direct_key(x, 1 + (kv_update is not None),
                                     *call_forms(position_ids, position_embeddings, attention_mask))
-        if planner.direct_known(direct):
-            return self._plain_run(x, planner.plan, False, position_ids, position_embeddings, None,
-                                   attn_mask=attention_mask, kv_update=kv_update)
+        if planner.direct_known(direct):  # autocast off: the parameters as they are
+            return self._plain_ops(x, self._locals_without_grad(PARAMS), position_ids, position_embeddings, None,
+                                   attention_mask, kv_update)
         if self.sequence_parallel:
             raise ValueError("attend: the layer has sequence_parallel=True; masked and cached calls need the "
                              "replicated sequence (build it with sequence_parallel=False)")

@@ -64,6 +64,7 @@ from ..common.tp_program import (Accumulator, backward_program, column_dgrad, co
                                  row_forward, weight_grad)
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
+MLP_PARAMS = ("w_in", "b_in", "w_out", "b_out")  # every MLP parameter, in the order the calls read them
 @dataclass
 class MLPCall(LayerCall):
     """Everything one call needs besides tensors (passed through the autograd Function): the
@@ -371,7 +372,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
         planner = self.planner
         direct = planner.direct_key(x)  # [Note: direct calls] in planning/planner.py
         if planner.direct_known(direct):
-            return self._run(x, planner.plan, False)
+            return self._plain_ops(x, *self._locals_without_grad(MLP_PARAMS), None)
         agreed = planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
                                replicated=(("x", None if self.sequence_parallel else x),))
         if direct is not None:
@@ -427,7 +428,7 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
-        x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
+        x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, MLP_PARAMS)
         if plan.runs_plain(trace, self.launch_log):  # [Note: plain serial calls]
             if torch.is_autocast_enabled(dev):
                 with torch.autocast(dev, enabled=False):
