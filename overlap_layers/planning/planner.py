@@ -37,12 +37,14 @@ no Python, so a plan whose eager calls are host-bound runs at its device time;
 A decoding step calls each layer with a handful of new tokens and no autograd. Such a call runs
 the serial plan as plain torch ops ([Note: plain serial calls] in ``layers/common/plain_tp.py``)
 and asks the planner for nothing: no plan key, no plan-cache lookup, no verification trial. It is
-a *direct call* (:meth:`LayerPlanner.direct_key`) when grad mode is off, ``x`` is a plain
-``torch.Tensor`` ``[batch, seq, hidden]`` of at most :data:`DIRECT_ROWS` rows (batch * seq), autocast
-is off on its device, it is not being captured into a CUDA graph, and the layer plans
-automatically (``num_tiles="auto"``, no pinned plan) with neither ``config.check_inputs`` nor
-``config.graph_calls``, nor a pending ``export_trace(measured=True)`` or ``launch_log``. All of
-these are the same on every rank once a call's agreement has passed, or are columns of its row.
+a *direct call* (:meth:`LayerPlanner.direct_key`) when grad mode is off, ``x`` (or a DTensor
+``x``'s local tensor) is a ``torch.Tensor`` ``[batch, seq, hidden]`` of at most :data:`DIRECT_ROWS`
+rows (batch * seq), autocast is off on its device, it is not being captured into a CUDA graph,
+and the layer plans automatically (``num_tiles="auto"``, no pinned plan) with neither
+``config.check_inputs`` nor ``config.graph_calls``, nor a pending ``export_trace(measured=True)``
+or ``launch_log``; an attention's planned call only without a mask (a causal mask's values are
+checked at every call), its ``attend`` under any. All of these are the same on every rank once a
+call's agreement has passed, or are columns of its row.
 
 Why the serial plan: at so few rows a projection is bound by reading its weights (a GEMM of M
 rows does about M flops per weight byte in bf16, below every GPU's ridge point of 150-300), and K
@@ -175,9 +177,9 @@ class LayerPlanner:
         return known[1]
 
     def direct_key(self, x, *extra) -> Optional[tuple]:
-        """The signature of a direct call on ``x`` (its shape, dtype and device, then ``extra``:
-        the forms of the call's other arguments), or None where the call is not direct
-        ([Note: direct calls])."""
+        """The signature of a direct call on ``x`` (its shape, dtype and device, whether it came as
+        a DTensor, then ``extra``: the forms of the call's other arguments), or None where the call
+        is not direct ([Note: direct calls])."""
         if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 3 or self.pinned is not None \
                 or self.checks_inputs or self.call_graphs is not None or self.trace_to is not None:
             return None
@@ -187,7 +189,7 @@ class LayerPlanner:
         layer = self._layer()
         if layer.num_tiles != "auto" or layer.launch_log is not None:
             return None
-        return (shape, x.dtype, device, *extra)
+        return (shape, x.dtype, device, self.dtensor_input, *extra)
 
     def direct_known(self, key: Optional[tuple]) -> bool:
         """Whether direct call ``key`` (:meth:`direct_key`) repeats the last agreed direct call's
