@@ -9,7 +9,7 @@ repeat by repeat. Times are wall-clock, or with ``--clock process`` each process
 host work alone, steadier on a CPU machine that other jobs share). Prints a table and writes JSON
 (``--out``) with the versions and the command.
 
-    python bench/probes/decode_latency.py --layers 4 --batch 1 16             # one GPU, llama3-8b dims
+    python bench/probes/decode_latency.py --layers 4 --batch 1 16     # one GPU, no torchrun; llama3-8b dims
     python bench/probes/decode_latency.py --tiny --batch 1 2 --nprocs 2      # CPU, 2 gloo ranks
     python bench/probes/decode_latency.py --tiny --batch 1 2 --clock process --repeats 15   # CPU, shared
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -103,7 +104,20 @@ def main(device, args):
                 json.dump(dict(meta=meta, records=rows), f, indent=1)
 
 
+def _one_gpu_rank() -> None:
+    """Outside torchrun on a CUDA machine with ``--nprocs 1``: this process as the one rank of a
+    group on its GPU (``run_ranks``' torchrun branch: NCCL on cuda:0), so that the plain command
+    measures the GPU and not local CPU ranks."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 if __name__ == "__main__":
     from overlap_layers.launch import run_ranks
     ns = parse(sys.argv[1:])
+    if torch.cuda.is_available() and ns.nprocs == 1 and "RANK" not in os.environ:
+        _one_gpu_rank()
     run_ranks(main, ns, nprocs=ns.nprocs)
