@@ -85,10 +85,18 @@ def enter(x_TH: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.
 
 
 def leave(y: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
-    """A row-parallel projection's partial output reduced over the group (module docstring)."""
+    """A row-parallel projection's partial output reduced over the group (module docstring). ``y``
+    is the caller's own (a projection's fresh output): without sequence parallelism and grad mode
+    it is all-reduced in place, with no copy and no autograd node."""
     if ws == 1:
         return y
-    return _ScatterRows.apply(y, group) if sequence_parallel else _SumOutput.apply(y, group)
+    if sequence_parallel:
+        return _ScatterRows.apply(y, group)
+    if torch.is_grad_enabled():
+        return _SumOutput.apply(y, group)
+    y = y.contiguous()
+    dist.all_reduce(y, group=group)
+    return y
 
 
 class _StartBackwardClock(torch.autograd.Function):
