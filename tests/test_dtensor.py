@@ -704,3 +704,58 @@ def test_param_groups_make_foreach_and_fused_adamw_work(pool2):
         assert all(same.values()), same
         assert mixed is not None and "mixed torch.Tensor and DTensor" in mixed
         assert sizes == [2, 2]  # w_in, w_out (DTensors); the LayerNorm's weight and bias
+
+
+def _locals_forward_run(rank, ws):
+    """``distribute_params`` on a LayerNorm and a Linear: the modules get no hooks (nn.Module's
+    fast call path) and compute on their parameters' local tensors, the DTensors back in place
+    after a call that returns and after one that raises; an in-place optimizer step and a
+    replaced parameter are seen at the next call; a deep copy computes on its own parameters; the
+    model has no reference cycle (freed by reference counting alone)."""
+    import copy
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    from overlap_layers import distribute_params
+    torch.manual_seed(5)
+    dense = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64), torch.nn.Linear(8, 4, dtype=torch.float64))
+    model = distribute_params(copy.deepcopy(dense), dist.group.WORLD)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    out = {"no hooks": not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()),
+           "equal": torch.equal(model(x), dense(x)),
+           "dtensors after a call": all(isinstance(p, DTensor) for p in model.parameters())}
+    try:
+        model[1](torch.randn(3, 5, dtype=torch.float64))
+    except RuntimeError:
+        out["dtensors after a raise"] = all(isinstance(p, DTensor) for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.optim.SGD(dense.parameters(), lr=0.1)
+    for m, o in ((model, opt), (dense, ref)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    with torch.no_grad():
+        out["after a step"] = torch.allclose(model(x), dense(x), rtol=1e-12, atol=0)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[1].bias.zero_()
+        out["a copy's own parameters"] = not torch.equal(twin(x), model(x)) and torch.allclose(
+            twin(x), model(x) - model[1].bias.to_local(), rtol=0, atol=1e-12)
+        model[1].bias = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, dtype=torch.float64),
+                                                              model[1].bias.device_mesh, model[1].bias.placements))
+        out["a replaced parameter"] = torch.equal(model(x), twin(x))
+    gone = weakref.ref(model[1])
+    gc.disable()
+    try:
+        del model, opt
+        out["no cycle"] = gone() is None
+    finally:
+        gc.enable()
+    return out
+
+
+def test_modules_outside_the_layers_compute_on_locals_without_hooks(pool2):
+    for out in pool2.run(_locals_forward_run):
+        assert all(out.values()) and len(out) == 8, out

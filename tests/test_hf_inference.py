@@ -100,37 +100,51 @@ def test_padded_and_packed_batches_equal_the_unswapped_model_on_real_tokens(pool
 
 
 def _decode_bookkeeping_run(rank, ws):
-    """Agreement gathers and plans made by two greedy generates of a swapped Llama from the same
-    prompt, 3 and 10 new tokens: the 7 extra decoding steps add none of either."""
+    """What two greedy generates of a swapped Llama from the same prompt, 3 and 10 new tokens (of an
+    unpadded batch, then of a left-padded one), ask of the layers' planning machinery: agreements
+    made (``LayerPlanner.agree``: the row, the input checks, and where the row is new the gather),
+    agreement gathers, calls through the planner (``LayerPlanner.call``) and plans made. The 7 extra decoding steps must add none of them
+    ([Note: direct calls] in planning/planner.py). Also each generate's tokens and the unswapped
+    model's."""
     from overlap_layers.planning.plan_maker import PlanMaker
+    from overlap_layers.planning.planner import LayerPlanner
     from overlap_layers.runtime.group import Agreement
-    _, swapped = _pair("llama")
+    dense, swapped = _pair("llama")
     prompt = batch(seed=5, B=2, S=8)
-    counts = {"gathers": 0, "plans": 0}
-    gather, make = Agreement.gather, PlanMaker.make_plan
+    counted = {"agreements": (LayerPlanner, "agree"), "planner calls": (LayerPlanner, "call"),
+               "gathers": (Agreement, "gather"), "plans": (PlanMaker, "make_plan")}
+    counts = dict.fromkeys(counted, 0)
+    originals = {k: getattr(cls, name) for k, (cls, name) in counted.items()}
 
-    def counted_gather(self, *a, **k):
-        counts["gathers"] += 1
-        return gather(self, *a, **k)
-
-    def counted_make(self, *a, **k):
-        counts["plans"] += 1
-        return make(self, *a, **k)
-    Agreement.gather, PlanMaker.make_plan = counted_gather, counted_make
+    def counting(key):
+        def method(self, *a, **k):
+            counts[key] += 1
+            return originals[key](self, *a, **k)
+        return method
+    for key, (cls, name) in counted.items():
+        setattr(cls, name, counting(key))
+    padded = torch.ones_like(prompt)
+    padded[0, :3] = 0  # left padding: a 4-D mask over the growing cache at every step
     try:
         out = []
         with torch.no_grad():
-            swapped.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # plans every shape
-            for n in (3, 10):
-                before = dict(counts)
-                swapped.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
-                out.append({k: counts[k] - before[k] for k in counts})
+            for mask in (None, padded):
+                kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+                swapped.generate(prompt, max_new_tokens=2, **kw)  # every signature seen once
+                for n in (3, 10):
+                    before = dict(counts)
+                    got = swapped.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+                    out.append(({k: counts[k] - before[k] for k in counts}, got.tolist(),
+                                dense.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw).tolist()))
     finally:
-        Agreement.gather, PlanMaker.make_plan = gather, make
+        for key, (cls, name) in counted.items():
+            setattr(cls, name, originals[key])
     return out
 
 
 def test_decoding_steps_do_no_planning_or_agreement(pool2):
-    for short, long in pool2.run(_decode_bookkeeping_run):
-        assert long == short, (short, long)
-        assert long["plans"] == 0, long
+    for runs in pool2.run(_decode_bookkeeping_run):
+        for (short, got3, want3), (long, got10, want10) in (runs[:2], runs[2:]):  # unpadded, padded
+            assert long == short, (short, long)
+            assert long["plans"] == 0 and long["planner calls"] == 0, long
+            assert got3 == want3 and got10 == want10, (got3, want3, got10, want10)

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..layers import OverlapAttention, OverlapMoE, OverlapTransformerBlock
-from ..layers.attention.common import is_causal_mask
+from ..layers.attention.common import derived_from_mask, is_causal_mask
 from ..layers.common.grads import sum_grads_in_backward
 from ..layers.moe.tokens import gather_tokens, split_tokens
 
@@ -66,7 +66,7 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 def call_problem(x, position_embeddings, kwargs) -> Optional[Exception]:
     """What an HF attention call asks that the swapped attention cannot do (the exception to
     raise), or None. The mask and the cache are served ([Note: HF attention mask])."""
-    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
+    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None] if kwargs.keys() & _PACKED_KWARGS else ()
     if packed:
         return ValueError(f"varlen arguments ({', '.join(packed)}) are flash-attention's: the swapped attention "
                           f"runs SDPA; use attn_implementation='sdpa' (packed sequences then come as a mask)")
@@ -86,15 +86,20 @@ def reject(layer: OverlapAttention, x, position_embeddings, problem: Exception, 
     raise AssertionError("the layer accepted a rejected input")  # pragma: no cover
 
 
-def sdpa_mask(mask, q_len: int) -> Optional[torch.Tensor]:
-    """HF's mask as SDPA takes it for :meth:`OverlapAttention.attend`: a 4-D mask as it is; a 2-D
-    ``[batch, keys]`` padding mask (1 = a real token; flash attention's form) as the causal band
-    of the last ``q_len`` queries over those keys, padded keys masked; None stays None (causal)."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return mask
+def _band(mask: torch.Tensor, q_len: int) -> torch.Tensor:
     keys = mask.shape[1]
     band = torch.ones(q_len, keys, dtype=torch.bool, device=mask.device).tril(keys - q_len)
     return band & mask.bool()[:, None, None, :]
+
+
+def sdpa_mask(mask, q_len: int) -> Optional[torch.Tensor]:
+    """HF's mask as SDPA takes it for :meth:`OverlapAttention.attend`: a 4-D mask as it is; a 2-D
+    ``[batch, keys]`` padding mask (1 = a real token; flash attention's form) as the causal band
+    of the last ``q_len`` queries over those keys, padded keys masked, made once per forward (kept
+    on the mask HF hands every layer: ``derived_from_mask``); None stays None (causal)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return mask
+    return derived_from_mask(mask, "sdpa_band", (q_len,), _band)
 
 
 def _cache_update(cache, layer_idx, position_embeddings, cache_position, k, v):
@@ -131,7 +136,8 @@ class HFAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, past_key_value=None, **kwargs):
-        cache = next((c for c in (cache, past_key_values, past_key_value) if c is not None), None)
+        if cache is None:
+            cache = past_key_values if past_key_values is not None else past_key_value
         problem = call_problem(hidden_states, position_embeddings, kwargs)
         if problem is not None:
             reject(self.layer, hidden_states, position_embeddings, problem, self.source or "attention")

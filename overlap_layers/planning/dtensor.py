@@ -123,12 +123,16 @@ def local(p: Optional[torch.Tensor], flat_shape: Optional[tuple] = None,
     ``rows`` or viewed as ``flat_shape``; None stays None. A view: no copy, and gradients flow back
     to ``p`` (as DTensors for a DTensor). ``reduce`` (an identity whose backward sums the gradient,
     [Note: gradients complete in backward] in ``layers/common/grads.py``) wraps the whole local
-    tensor, before ``rows`` are taken."""
+    tensor, before ``rows`` are taken. Without grad mode the DTensor's local tensor itself, and no
+    ``reduce`` (nothing records a gradient): no autograd node, no new tensor but the view."""
     if p is None:
         return p
-    t = p.to_local() if isinstance(p, DTensor) else p
-    if reduce is not None:
-        t = reduce(t)
+    if not torch.is_grad_enabled():
+        t = p._local_tensor if isinstance(p, DTensor) else p
+    else:
+        t = p.to_local() if isinstance(p, DTensor) else p
+        if reduce is not None:
+            t = reduce(t)
     if rows is not None:
         return t[rows]
     if flat_shape is not None and tuple(t.shape) != flat_shape:

@@ -231,17 +231,28 @@ class TiledLayer(abc.ABC):
         parameter itself, or a differentiable local view of its DTensor ([Note: DTensor parameters]),
         through its gradient's sum where the layer has one. Read from ``_parameters`` (where
         ``functional_call`` and the DTensor hooks put their stand-ins too), a dict lookup instead of
-        ``nn.Module.__getattr__``'s fallback: every call reads every parameter."""
+        ``nn.Module.__getattr__``'s fallback: every call reads every parameter. Without grad mode
+        no sum (nothing records a gradient) and a DTensor's local tensor itself (:func:`local`)."""
         p = self._parameters.get(name)
         view, sums = self._local_views.get(name), self._grad_sums.get(name)
-        if sums is None or p is None:
+        if sums is None or p is None or not torch.is_grad_enabled():
             return p if view is None else view(p)
         return sums[0](p) if view is None else view(p, reduce=sums[1])
+
+    def _locals_without_grad(self, names: Sequence[str]) -> list:
+        """:meth:`_local` of each of ``names`` where grad mode is off, in one pass (a decoding
+        step's call reads every parameter: [Note: direct calls] in ``planning/planner.py``)."""
+        params, views, out = self._parameters, self._local_views, []
+        for name in names:
+            p = params.get(name)
+            view = None if p is None else views.get(name)
+            out.append(p if view is None else view(p))
+        return out
 
     def _call_tensors(self, x: torch.Tensor, names: Sequence[str]):
         """``(x, [parameters])``: ``x`` and the local parameters ``names`` (None stays None) in
         the dtype the call computes in, autocast's on ``x``'s device when it is enabled."""
-        params = [self._local(n) for n in names]
+        params = [self._local(n) for n in names] if torch.is_grad_enabled() else self._locals_without_grad(names)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             cdt = torch.get_autocast_dtype(dev)

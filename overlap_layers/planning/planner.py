@@ -32,6 +32,30 @@ no Python, so a plan whose eager calls are host-bound runs at its device time;
 ``config.cuda_graphs`` makes verification compare contenders that way, and
 ``config.graph_calls`` has the layer capture and replay its own calls ([Note: graph calls] in
 ``planning/call_graphs.py``).
+
+[Note: direct calls]
+A decoding step calls each layer with a handful of new tokens and no autograd. Such a call runs
+the serial plan as plain torch ops ([Note: plain serial calls] in ``layers/common/plain_tp.py``)
+and asks the planner for nothing: no plan key, no plan-cache lookup, no verification trial. It is
+a *direct call* (:meth:`LayerPlanner.direct_key`) when grad mode is off, ``x`` (or a DTensor
+``x``'s local tensor) is a ``torch.Tensor`` ``[batch, seq, hidden]`` of at most :data:`DIRECT_ROWS`
+rows (batch * seq), autocast is off on its device, it is not being captured into a CUDA graph,
+and the layer plans automatically (``num_tiles="auto"``, no pinned plan) with neither
+``config.check_inputs`` nor ``config.graph_calls``, nor a pending ``export_trace(measured=True)``
+or ``launch_log``; an attention's planned call only without a mask (a causal mask's values are
+checked at every call), its ``attend`` under any. All of these are the same on every rank once a
+call's agreement has passed, or are columns of its row.
+
+Why the serial plan: at so few rows a projection is bound by reading its weights (a GEMM of M
+rows does about M flops per weight byte in bf16, below every GPU's ridge point of 150-300), and K
+tiles read the weights K times to hide a collective of ``rows * hidden`` elements: overlap cannot
+pay. Agreement: the first direct call of a signature (:meth:`direct_key`: the input's shape, dtype
+and device and the layer's other call arguments' forms) makes the layer's full agreement, its
+input checks and gather included; later calls whose signature equals the last agreed one skip it
+and the checks (:meth:`direct_known`). This is [Note: agreement once per call signature] in
+``planning/call_agreement.py`` with a key that costs less to make: every other column of the row
+is fixed by the conditions above, so two calls of one signature have one row, and the same
+induction holds (a rank whose input changed while its peers' did not waits in the gather).
 """
 from __future__ import annotations
 
@@ -51,7 +75,7 @@ from ..runtime.timing import rank_barrier
 from ..sim import analytic_model
 from .call_agreement import DTYPES, Agreed, agree, floor_of
 from .call_graphs import CallGraphs
-from .calls import in_backward_pass, saved_tensor_hooks_active
+from .calls import capturing_graph, in_backward_pass, saved_tensor_hooks_active
 from .compiled import register_layer
 from .plan import TilePlan, contenders, explain
 from .plan_cache import PlanCache
@@ -66,6 +90,11 @@ PLAN_CACHE_SIZE = 32  # plan keys per layer (LRU)
 # ``host`` column: docs/measurements.md, CUDA graphs), and short, since every timed pass of every layer
 # waits this long once (about 18 passes per layer and shape).
 PREQUEUE_MS = 10.0
+#: The most rows (batch * seq on this rank) of a direct call ([Note: direct calls]).
+DIRECT_ROWS = 64
+#: What a direct call runs ([Note: direct calls]).
+DIRECT_PLAN = TilePlan(1, num_streams=1, reason=f"direct call: no grad, at most {DIRECT_ROWS} rows "
+                                                   f"([Note: direct calls] in planning/planner.py)")
 
 
 class LayerPlanner:
@@ -113,6 +142,7 @@ class LayerPlanner:
         self._agreed_call: Optional[tuple] = None  # (row, Agreed) of the last agreed call
         self._fixed: Optional[TilePlan] = None  # the last fixed K's plan (a call reuses it)
         self._steady: Optional[tuple] = None  # (Agreed, plan) of a settled eager call: call()'s shortcut
+        self._direct_agreed: Optional[tuple] = None  # the signature of the last agreed direct call
 
     @property
     def layer(self):
@@ -136,13 +166,46 @@ class LayerPlanner:
                      shape_names=shape_names, replicated=replicated)
 
     def known_agreement(self, row: tuple) -> Optional[Agreed]:
-        """The last agreed call's :class:`Agreed` if its row was ``row`` and its plan exchanges
-        over no copy engine, else None ([Note: agreement once per call signature])."""
+        """The last agreed call's :class:`Agreed` if its row was ``row`` and the last call ran
+        neither a plan that exchanges over the copy engine nor directly ([Note: direct calls]: the
+        plan of the agreed call is then not known), else None ([Note: agreement once per call
+        signature])."""
         known = self._agreed_call
-        if known is None or known[0] != row or (
+        if known is None or known[0] != row or self.plan is DIRECT_PLAN or (
                 self.plan is not None and self.plan.transport == Transport.COPY_ENGINE):
             return None
         return known[1]
+
+    def direct_key(self, x, *extra) -> Optional[tuple]:
+        """The signature of a direct call on ``x`` (its shape, dtype and device, whether it came as
+        a DTensor, then ``extra``: the forms of the call's other arguments), or None where the call
+        is not direct ([Note: direct calls])."""
+        if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 3 or self.pinned is not None \
+                or self.checks_inputs or self.call_graphs is not None or self.trace_to is not None:
+            return None
+        shape, device = x.shape, x.device
+        if shape[0] * shape[1] > DIRECT_ROWS or torch.is_autocast_enabled(device.type) or capturing_graph(x):
+            return None
+        layer = self._layer()
+        if layer.num_tiles != "auto" or layer.launch_log is not None:
+            return None
+        return (shape, x.dtype, device, self.dtensor_input, *extra)
+
+    def direct_known(self, key: Optional[tuple]) -> bool:
+        """Whether direct call ``key`` (:meth:`direct_key`) repeats the last agreed direct call's
+        signature, so that it runs with no agreement; counted in ``calls`` and its plan set."""
+        if key is None or key != self._direct_agreed:
+            return False
+        self.calls += 1
+        self.plan = DIRECT_PLAN
+        return True
+
+    def direct_agreed(self, key: tuple) -> TilePlan:
+        """Record direct call ``key``'s agreement (made by the caller just before); returns the
+        plan it runs."""
+        self._direct_agreed = key
+        self.plan = DIRECT_PLAN
+        return DIRECT_PLAN
 
     def remember_agreement(self, row: tuple, agreed: Agreed) -> None:
         """Keep ``agreed`` for the next call whose row is ``row``."""

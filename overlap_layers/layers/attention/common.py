@@ -9,8 +9,7 @@ equals the Hugging Face Llama tables for the global positions (or the given
 """
 from __future__ import annotations
 
-import weakref
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -157,11 +156,6 @@ def input_error(x, *, hidden_size: int, weight: torch.Tensor, seq_factor: int, h
     return 0
 
 
-_mask_verdict: Optional[tuple] = None  # (weakref to the last mask checked, its _version, verdict)
-# (the one module-level cache: HF and Megatron hand one mask object to every layer of a forward,
-# so the O(S^2) comparison, and its device-to-host read, runs once per forward, not per layer)
-
-
 def _causal_verdict(mask, q_len: int, masked_is_true: bool) -> bool:
     """Whether ``mask`` is the standard causal mask over ``q_len`` positions (or no mask at all):
     None; a ``[batch, q_len]`` mask with no padding (every entry nonzero); a ``[batch, 1 or heads,
@@ -191,19 +185,44 @@ def _causal_verdict(mask, q_len: int, masked_is_true: bool) -> bool:
     return bool((allowed == tril).all()) and bool((allowed | blocked).all())
 
 
+def derived_from_mask(mask: torch.Tensor, what: str, args: tuple, make: Callable):
+    """``make(mask, *args)``, kept on ``mask`` itself (an attribute named for ``what``) for the next
+    call with the same ``args`` while the mask is unmodified (its ``_version``): HF and Megatron
+    hand one mask tensor to every layer of a forward, so what a layer derives from it (an O(S^2)
+    comparison and its device-to-host read, a band) is made once per forward, not once per layer.
+    The value lives and dies with the mask: no state outside the call's own tensors."""
+    name = f"_overlap_{what}"
+    key = (mask._version, args)
+    kept = mask.__dict__.get(name)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    value = make(mask, *args)
+    setattr(mask, name, (key, value))
+    return value
+
+
 def is_causal_mask(mask, q_len: int, masked_is_true: bool = False) -> bool:
-    """:func:`_causal_verdict`, cached for the last mask tensor seen (HF and Megatron pass one mask
-    object to every layer of a forward)."""
-    global _mask_verdict
+    """:func:`_causal_verdict`, kept on the mask tensor (:func:`derived_from_mask`)."""
     if not isinstance(mask, torch.Tensor):
         return _causal_verdict(mask, q_len, masked_is_true)
-    key = (mask._version, q_len, masked_is_true)
-    last = _mask_verdict
-    if last is not None and last[0]() is mask and last[1] == key:
-        return last[2]
-    verdict = _causal_verdict(mask, q_len, masked_is_true)
-    _mask_verdict = (weakref.ref(mask), key, verdict)
-    return verdict
+    return derived_from_mask(mask, "causal_verdict", (q_len, masked_is_true), _causal_verdict)
+
+
+def _form(t):
+    """A call argument's form as its checks read it: a tensor's shape and dtype, else its type."""
+    return (t.shape, t.dtype) if isinstance(t, torch.Tensor) else type(t)
+
+
+def call_forms(position_ids, position_embeddings, attention_mask) -> tuple:
+    """The forms (:func:`_form`) of an attention call's arguments besides ``x`` that decide its
+    input checks: a direct call's signature ([Note: direct calls] in ``planning/planner.py``). A
+    mask's keys are left out (no check reads them, and a decoding step's mask over a growing cache
+    has one more each step)."""
+    pe = position_embeddings
+    pe = (_form(pe[0]), _form(pe[1])) if isinstance(pe, (tuple, list)) and len(pe) == 2 else type(pe)
+    mask = (attention_mask.shape[:-1], attention_mask.dtype) if isinstance(attention_mask, torch.Tensor) \
+        else type(attention_mask)
+    return _form(position_ids), pe, mask
 
 
 def compiled_position_args(position_ids=None, position_embeddings=None, attention_mask=None) -> Optional[list]:
@@ -229,7 +248,8 @@ def position_kwargs(extras) -> dict:
 def cos_sin(rope_theta, head_dim: int, S: int, device, dtype, position_ids, position_embeddings):
     """The call's RoPE tables ``(cos, sin)`` ``[batch or 1, S, head_dim]``, or None without RoPE."""
     if position_embeddings is not None:
-        return tuple(t.to(device) for t in position_embeddings)
+        cos, sin = position_embeddings
+        return (cos, sin) if cos.device == sin.device == device else (cos.to(device), sin.to(device))
     if rope_theta is None:
         return None
     pos = position_ids if position_ids is not None else torch.arange(S, device=device)[None]

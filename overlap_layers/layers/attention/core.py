@@ -187,7 +187,10 @@ def attention(q_bSnd: torch.Tensor, k_bSnd: torch.Tensor, v_bSnd: torch.Tensor, 
         q_bSnd, k_bSnd = rms_norm(q_bSnd, q_norm), rms_norm(k_bSnd, k_norm)
     q, k, v = q_bSnd.transpose(1, 2), k_bSnd.transpose(1, 2), v_bSnd.transpose(1, 2)
     if cos_sin is not None:
-        cos, sin = cos_sin[0].to(q.dtype)[:, None], cos_sin[1].to(q.dtype)[:, None]  # once for q and k
+        cos, sin = cos_sin
+        if cos.dtype != q.dtype:  # once for q and k
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)
     if kv_update is not None:
         k, v = kv_update(k, v)

@@ -25,7 +25,6 @@ the per-call state both read (the core, RoPE tables, query chunks) is ``layers/a
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, Dict, Optional
 
 import torch
@@ -47,7 +46,7 @@ from ..common.init import init_linear_
 from ..common.plain_tp import enter, leave, timed_inputs, timed_output
 from . import query_chunks
 from .call import AttentionCall, check_heads, core_op_setups
-from .common import (INPUT_ERRORS, PARAMS, WHAT, call_with_positions, check_args, check_dense,
+from .common import (INPUT_ERRORS, PARAMS, WHAT, call_forms, call_with_positions, check_args, check_dense,
                      compiled_position_args, config_fields, input_error, position_kwargs, register_params,
                      replicated_positions)
 from .common import cos_sin as cos_sin_of
@@ -265,7 +264,15 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 position_embeddings=None, attention_mask=None) -> torch.Tensor:
+        planner = self.planner  # [Note: direct calls] in planning/planner.py; a mask's values are checked per call
+        direct = None if attention_mask is not None else planner.direct_key(
+            x, 0, *call_forms(position_ids, position_embeddings, None))
+        if planner.direct_known(direct):
+            return self._plain_ops(x, self._locals_without_grad(PARAMS), position_ids, position_embeddings, None,
+                                   None, None)
         agreed = self._agree_input(x, position_ids, position_embeddings, attention_mask)
+        if direct is not None:
+            return self._plain_run(x, planner.direct_agreed(direct), False, position_ids, position_embeddings, None)
         return call_with_positions(self, x, agreed, position_ids, position_embeddings)
 
     def attend(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, position_embeddings=None,
@@ -286,7 +293,15 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         The call runs the serial plan as plain torch ops ([Note: plain serial calls] in
         ``layers/common/plain_tp.py``) with no planning: its agreement (once per call signature,
         [Note: agreement once per call signature]) is its only bookkeeping, so a decoding loop's
-        calls of one shape do no host work beyond the plain module's."""
+        calls of one shape do no host work beyond the plain module's: a call without grad of at most
+        a few dozen tokens makes even its agreement only once per signature ([Note: direct calls]
+        in ``planning/planner.py``)."""
+        planner = self.planner
+        direct = planner.direct_key(x, 1 + (kv_update is not None),
+                                    *call_forms(position_ids, position_embeddings, attention_mask))
+        if planner.direct_known(direct):  # autocast off: the parameters as they are
+            return self._plain_ops(x, self._locals_without_grad(PARAMS), position_ids, position_embeddings, None,
+                                   attention_mask, kv_update)
         if self.sequence_parallel:
             raise ValueError("attend: the layer has sequence_parallel=True; masked and cached calls need the "
                              "replicated sequence (build it with sequence_parallel=False)")
@@ -300,11 +315,12 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
                           position_ids=position_ids, position_embeddings=position_embeddings, attention_mask=None,
                           causal=self.causal)
         positions = (position_ids is not None) + 2 * (position_embeddings is not None)
-        agreed = self.planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
-                                    extra_names=("positions", "masked or cached call"),
-                                    replicated=(("x", x), ("attention_mask", attention_mask),
-                                                *replicated_positions(position_ids, position_embeddings)))
-        return self._plain_run(x, None, agreed.save, position_ids, position_embeddings, None,
+        agreed = planner.agree(x, err, INPUT_ERRORS, WHAT, extra=(positions, 1 + (kv_update is not None)),
+                               extra_names=("positions", "masked or cached call"),
+                               replicated=(("x", x), ("attention_mask", attention_mask),
+                                           *replicated_positions(position_ids, position_embeddings)))
+        plan = None if direct is None else planner.direct_agreed(direct)
+        return self._plain_run(x, plan, agreed.save, position_ids, position_embeddings, None,
                                attn_mask=attention_mask, kv_update=kv_update)
 
     def _agree_input(self, x, position_ids, position_embeddings, attention_mask) -> Agreed:
@@ -346,27 +362,35 @@ class OverlapAttention(RankChunkPlans, TiledLayer, nn.Module):
         ``layers/common/plain_tp.py``): q, k and v by their own projections of the gathered rows
         (rank-major ``[g, B, s]``, put in sequence order for the core and back for the reduction);
         ``attn_mask`` and ``kv_update`` as :meth:`attend` takes them."""
-        x, (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm) = self._call_tensors(x, PARAMS)
+        x, params = self._call_tensors(x, PARAMS)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return self._plain_ops(x, params, position_ids, position_embeddings, trial, attn_mask, kv_update)
+        return self._plain_ops(x, params, position_ids, position_embeddings, trial, attn_mask, kv_update)
+
+    def _plain_ops(self, x, params, position_ids, position_embeddings, trial, attn_mask, kv_update) -> torch.Tensor:
+        """:meth:`_plain_run`'s ops on ``x`` and the local ``params`` (:data:`PARAMS`' order) in
+        the call's dtype, autocast off."""
+        wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm = params
         q_norm, k_norm = self._offset_norms(q_norm, k_norm)
         B, s, H = x.shape
-        ws, sp, dev = self.world_size, self.sequence_parallel, x.device.type
+        ws, sp = self.world_size, self.sequence_parallel
         g = ws if sp else 1
         S, nq, nkv, d = g * s, self.num_heads_local, self.num_kv_heads_local, self.head_dim
-        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
-            cos_sin = self._tables(S, x, position_ids, position_embeddings)
-            x, wq = timed_inputs(trial, x, wq)
-            rows = enter(x, self.group, ws, sp)
-            seq = rows if g == 1 else rows.view(g, B, s, H).transpose(0, 1).reshape(B, S, H)
-            o = attention(F.linear(seq, wq, bq).unflatten(-1, (nq, d)), F.linear(seq, wk, bk).unflatten(-1, (nkv, d)),
-                          F.linear(seq, wv, bv).unflatten(-1, (nkv, d)), cos_sin=cos_sin, q_norm=q_norm,
-                          k_norm=k_norm, causal=self.causal, scale=self.softmax_scale,
-                          dropout_p=self.dropout_p if self.training else 0.0, attn_mask=attn_mask,
-                          kv_update=kv_update)
-            y = F.linear(o.reshape(B, S, nq * d), wo)
-            if g > 1:
-                y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
-            y = leave(y, self.group, ws, sp)
-            return timed_output(y if bo is None else y + bo, trial)
+        cos_sin = self._tables(S, x, position_ids, position_embeddings)
+        x, wq = timed_inputs(trial, x, wq)
+        rows = enter(x, self.group, ws, sp)
+        seq = rows if g == 1 else rows.view(g, B, s, H).transpose(0, 1).reshape(B, S, H)
+        o = attention(F.linear(seq, wq, bq).view(B, S, nq, d), F.linear(seq, wk, bk).view(B, S, nkv, d),
+                      F.linear(seq, wv, bv).view(B, S, nkv, d), cos_sin=cos_sin, q_norm=q_norm, k_norm=k_norm,
+                      causal=self.causal, scale=self.softmax_scale,
+                      dropout_p=self.dropout_p if self.training else 0.0, attn_mask=attn_mask, kv_update=kv_update)
+        y = F.linear(o.reshape(B, S, nq * d), wo)
+        if g > 1:
+            y = y.view(B, g, s, H).transpose(0, 1).reshape(g * B, s, H)
+        y = leave(y, self.group, ws, sp)
+        return timed_output(y if bo is None else y + bo, trial)
 
     def _offset_norms(self, q_norm, k_norm) -> tuple:
         """The qk-norm weights the core multiplies by: ``qk_norm_offset + q_norm`` (differentiable

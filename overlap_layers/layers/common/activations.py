@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...kernels.swiglu import fused_available, swiglu, swiglu_backward
+from ...kernels.swiglu import fused_available, swiglu, swiglu_backward, swiglu_reference
 from ...kernels.triton_gate import worth_launching
 from ...planning.first_order import first_order
 
@@ -67,11 +67,15 @@ def _geglu_tanh_backward(pre_MI: torch.Tensor, dh_MF: torch.Tensor):
 
 
 def act(kind: str, pre_MI: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """act(pre); swiglu runs fused on CUDA (``kernels/swiglu.py``), without autograd on the first ``rows``
+    """act(pre); swiglu runs fused on CUDA (``kernels/swiglu.py``) where the launch pays
+    (:func:`~overlap_layers.kernels.triton_gate.worth_launching`: a decoding step's few rows take
+    the eager formula, whose launches cost the host less), without autograd on the first ``rows``
     rows only where given (a count on the device; the other rows are then unwritten)."""
     if kind == "swiglu":
         if torch.is_grad_enabled() and pre_MI.requires_grad:
             return swiglu_recorded(pre_MI)
+        if rows is None and not worth_launching(pre_MI):
+            return swiglu_reference(pre_MI)
         return swiglu(pre_MI, rows)
     if kind == "geglu_tanh":
         gate, up = pre_MI.chunk(2, dim=-1)

@@ -77,17 +77,26 @@ class _SumOutput(torch.autograd.Function):
 
 
 def enter(x_TH: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
-    """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1."""
-    if ws == 1:
+    """The rows a column-parallel projection reads (module docstring); ``x`` at world size 1, and
+    without sequence parallelism where grad mode is off (the all-reduce is backward's)."""
+    if ws == 1 or not (sequence_parallel or torch.is_grad_enabled()):
         return x_TH
     return _GatherRows.apply(x_TH, group) if sequence_parallel else sum_grad_over_group(x_TH, group)
 
 
 def leave(y: torch.Tensor, group, ws: int, sequence_parallel: bool) -> torch.Tensor:
-    """A row-parallel projection's partial output reduced over the group (module docstring)."""
+    """A row-parallel projection's partial output reduced over the group (module docstring). ``y``
+    is the caller's own (a projection's fresh output): without sequence parallelism and grad mode
+    it is all-reduced in place, with no copy and no autograd node."""
     if ws == 1:
         return y
-    return _ScatterRows.apply(y, group) if sequence_parallel else _SumOutput.apply(y, group)
+    if sequence_parallel:
+        return _ScatterRows.apply(y, group)
+    if torch.is_grad_enabled():
+        return _SumOutput.apply(y, group)
+    y = y.contiguous()
+    dist.all_reduce(y, group=group)
+    return y
 
 
 class _StartBackwardClock(torch.autograd.Function):

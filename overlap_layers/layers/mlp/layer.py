@@ -31,7 +31,6 @@ the reduce-scatter / all-reduce of dx under the wgrad GEMMs.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional
@@ -65,6 +64,7 @@ from ..common.tp_program import (Accumulator, backward_program, column_dgrad, co
                                  row_forward, weight_grad)
 
 MLPPlan = TilePlan  # the tile plan (shared by every layer), under the name the MLP API uses
+MLP_PARAMS = ("w_in", "b_in", "w_out", "b_out")  # every MLP parameter, in the order the calls read them
 @dataclass
 class MLPCall(LayerCall):
     """Everything one call needs besides tensors (passed through the autograd Function): the
@@ -369,9 +369,15 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     # ----------------------------------------------------------------- forward
     @planned_forward  # torch.compile: one op; a DTensor x: its local tensor (planning/entry.py)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        agreed = self.planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
-                                    replicated=(("x", None if self.sequence_parallel else x),))
-        return self.planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
+        planner = self.planner
+        direct = planner.direct_key(x)  # [Note: direct calls] in planning/planner.py
+        if planner.direct_known(direct):
+            return self._plain_ops(x, *self._locals_without_grad(MLP_PARAMS), None)
+        agreed = planner.agree(x, x_error(x, self.hidden_size, self.w_in), X_ERRORS, "x",
+                               replicated=(("x", None if self.sequence_parallel else x),))
+        if direct is not None:
+            return self._run(x, planner.direct_agreed(direct), False)
+        return planner.call(x, agreed, lambda plan, trial, trace, x: self._run(x, plan, agreed.save, trial, trace))
 
     # ----------------------------------------------------------------- planning hooks (TiledLayer)
     @property
@@ -427,14 +433,12 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
     def _run(self, x: torch.Tensor, plan: MLPPlan, save: bool, trial: Optional[Trial] = None,
              trace: Optional[TraceJob] = None) -> torch.Tensor:
         dev = x.device.type
-        x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, ("w_in", "b_in", "w_out", "b_out"))
+        x, (w_in, b_in, w_out, b_out) = self._call_tensors(x, MLP_PARAMS)
         if plan.runs_plain(trace, self.launch_log):  # [Note: plain serial calls]
-            with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else nullcontext():
-                ws, sp = self.world_size, self.sequence_parallel
-                x, w_in = timed_inputs(trial, x, w_in)
-                h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))
-                y = leave(F.linear(h, w_out), self.group, ws, sp)
-                return timed_output(y if b_out is None else y + b_out, trial)
+            if torch.is_autocast_enabled(dev):
+                with torch.autocast(dev, enabled=False):
+                    return self._plain_ops(x, w_in, b_in, w_out, b_out, trial)
+            return self._plain_ops(x, w_in, b_in, w_out, b_out, trial)
         B, S, H = x.shape
         call = MLPCall(group=self.group, activation=self.activation, sequence_parallel=self.sequence_parallel,
                      plan=plan, save=save,
@@ -447,6 +451,16 @@ class OverlapMLP(RankChunkPlans, TiledLayer, nn.Module):
             if b_out is not None:
                 y_TH = y_TH + b_out
         return y_TH.view(B, S, H)
+
+    def _plain_ops(self, x, w_in, b_in, w_out, b_out, trial) -> torch.Tensor:
+        """The serial plan as plain torch ops ([Note: plain serial calls] in
+        ``layers/common/plain_tp.py``) on ``x`` and the local weights in the call's dtype,
+        autocast off."""
+        ws, sp = self.world_size, self.sequence_parallel
+        x, w_in = timed_inputs(trial, x, w_in)
+        h = act(self.activation, F.linear(enter(x, self.group, ws, sp), w_in, b_in))
+        y = leave(F.linear(h, w_out), self.group, ws, sp)
+        return timed_output(y if b_out is None else y + b_out, trial)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
