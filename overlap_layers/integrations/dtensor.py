@@ -32,24 +32,24 @@ the MoE's router)                            replicated on every rank of the gro
 ===========================================  ===============================================
 
 The modules outside the overlap layers compute on plain tensors: each module holding such a
-parameter gets a ``forward`` of its own (an instance attribute, :class:`_LocalsForward`) that puts
-the parameter's local tensor (``p.to_local()``, differentiable, so its gradient reaches the
-DTensor parameter as a DTensor with the parameter's placements; without grad mode the local
-tensor itself) in its place, runs the module's class ``forward``, and puts the DTensor back when
-it returns or raises (while dynamo traces, when it returns: nn.Module's always-called hooks do
-the same). Inside a module's call ``module.weight`` is therefore the plain local
-tensor, as the module's code expects; outside it, the DTensor parameter. A parameter whose
-gradient the module computes from this rank's share of the work only (``complete=True`` from
-``placement``: Megatron's norms under sequence parallelism) reads its local tensor through an
-identity that sums the gradient over the mesh axis' group inside backward ([Note: gradients
-complete in backward] in ``layers/common/grads.py``). Why a ``forward`` and not a pair of module
-hooks: a module with hooks takes ``nn.Module.__call__``'s slow path (about 2 us more per call
-on the CPU, 11 calls per decoding step of a 4-layer Llama: docs/measurements.md, Decode). Each
-call reads the parameters as they are then (an optimizer step that replaced or changed them in
-place is seen at the next call), keeps no state on the module between calls (a deep copy of the
-model gets its own ``forward``), and composes with FSDP2's hooks (its pre-forward hook, which
-puts the unsharded DTensor parameter in place, runs before ``forward``, its post-forward hook
-after it) and with activation checkpointing (a recomputed module's call runs ``forward`` again).
+parameter gets a forward pre-hook that puts the parameter's local tensor (``p.to_local()``,
+differentiable, so its gradient reaches the DTensor parameter as a DTensor with the parameter's
+placements; without grad mode the local tensor itself) in its place for the call, and a forward
+hook (run also when the call raises) that puts the DTensor back. Inside a module's call
+``module.weight`` is therefore the plain local tensor, as the module's code expects; outside it,
+the DTensor parameter. A parameter whose gradient the module computes from this rank's share of
+the work only (``complete=True`` from ``placement``: Megatron's norms under sequence parallelism)
+reads its local tensor through an identity that sums the gradient over the mesh axis' group
+inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``). Each call
+reads the parameters as they are then (an optimizer step that replaced or changed them in place
+is seen at the next call). The hooks keep their state on the module (a deep copy of the model
+gets its own) and compose with FSDP2's (its pre-forward hook, which puts the unsharded DTensor
+parameter in place, is prepended, so it runs first; its post-forward hook runs after ours), with
+activation checkpointing (a recomputed module's call runs the hooks again) and with
+``torch.compile(fullgraph=True)`` on torch 2.11 and later. A ``forward`` of each module's own
+instead (a callable object put in the instance's ``forward``) would keep ``nn.Module.__call__`` on
+its fast path, about 2 us less per module call on the CPU, but dynamo on torch 2.11 fails to trace
+it (docs/measurements.md, Decode).
 
 State dicts: each such module's ``state_dict()`` holds its DTensors as they are (a sharded one
 by its global shape, as DCP saves it), and ``load_state_dict`` takes, per parameter, the dense
@@ -75,8 +75,6 @@ model's state dict loads into a model of DTensors. Anything else raises ValueErr
 """
 from __future__ import annotations
 
-import copy
-import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -134,10 +132,10 @@ def tp_mesh(group=None, mesh=None, axis=None, model: Optional[nn.Module] = None)
 
 
 # ---------------------------------------------------------------------------- the forward on local tensors
-def _locals_in(module: nn.Module) -> dict:
-    """The local tensors of the module's DTensor parameters in their place ([Note: DTensor
-    models]); returns the DTensors they replaced, by name. Without grad mode the local tensor
-    itself: nothing records a gradient to route back or sum."""
+def _locals_in(module: nn.Module, args) -> None:
+    """Forward pre-hook ([Note: DTensor models]): the local tensors of the module's DTensor
+    parameters in their place for the call (their originals kept on the module). Without grad
+    mode the local tensor itself: nothing records a gradient to route back or sum."""
     saved, grad, params = {}, torch.is_grad_enabled(), module._parameters
     for name, complete in module._dtensor_locals.items():
         p = params.get(name)
@@ -150,51 +148,28 @@ def _locals_in(module: nn.Module) -> dict:
                 t = p._local_tensor
             saved[name] = p
             params[name] = t
-    return saved
+    module._dtensor_saved.append(saved)
 
 
-def _dtensors_back(module: nn.Module, saved: dict) -> None:
-    """The DTensor parameters :func:`_locals_in` replaced back in place."""
-    for name, p in saved.items():
-        module._parameters[name] = p
-
-
-class _LocalsForward:
-    """A module's ``forward`` that runs its class's forward (or the instance ``forward`` it
-    replaced) on the local tensors of the module's DTensor parameters and puts the DTensors back
-    when it returns or raises ([Note: DTensor models]). It holds the module by a weak reference
-    (a deep copy of the module gets one for the copy), so the module has no reference cycle."""
-
-    def __init__(self, module: nn.Module, inner: Optional[Callable] = None):
-        self._module = weakref.ref(module)
-        self._inner = inner
-
-    def __call__(self, *args, **kwargs):
-        module, inner = self._module(), self._inner
-        saved = _locals_in(module)
-        if torch.compiler.is_compiling():  # traced: no exception handling, as nn.Module's call under dynamo
-            out = type(module).forward(module, *args, **kwargs) if inner is None else inner(*args, **kwargs)
-            _dtensors_back(module, saved)
-            return out
-        try:
-            return type(module).forward(module, *args, **kwargs) if inner is None else inner(*args, **kwargs)
-        finally:
-            _dtensors_back(module, saved)
-
-    def __deepcopy__(self, memo: dict) -> "_LocalsForward":
-        return _LocalsForward(copy.deepcopy(self._module(), memo), copy.deepcopy(self._inner, memo))
+def _dtensors_back(module: nn.Module, args, output) -> None:
+    """Forward hook (always called, also when the call raises): the DTensor parameters back."""
+    stack = module._dtensor_saved
+    if stack:
+        for name, p in stack.pop().items():
+            module._parameters[name] = p
 
 
 def compute_on_locals(module: nn.Module, names: Dict[str, bool]) -> None:
     """Have ``module`` compute on the local tensors of its DTensor parameters ``names`` (name ->
-    whether the gradient is summed over the mesh axis' group inside backward), through its
-    ``forward`` (:class:`_LocalsForward`, [Note: DTensor models]), and load them from dense tensors
-    or this rank's DTensors ([Note: state dicts of DTensor models]); set up once, later names are
-    added."""
+    whether the gradient is summed over the mesh axis' group inside backward), through the hooks
+    of [Note: DTensor models], and load them from dense tensors or this rank's DTensors ([Note:
+    state dicts of DTensor models]); the hooks are registered once, later names are added."""
     had = "_dtensor_locals" in module.__dict__
     module._dtensor_locals = {**module.__dict__.get("_dtensor_locals", {}), **names}
     if not had:
-        module.forward = _LocalsForward(module, module.__dict__.get("forward"))
+        module._dtensor_saved = []  # the hooks' stack of swapped-out parameters (reentrant calls)
+        module.register_forward_pre_hook(_locals_in)
+        module.register_forward_hook(_dtensors_back, always_call=True)
         module.register_load_state_dict_pre_hook(_dtensors_in)
 
 
