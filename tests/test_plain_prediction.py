@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from overlap_layers import OverlapAttention, OverlapConfig, OverlapMLP, OverlapMoE
 from overlap_layers.planning import plan_maker
+from overlap_layers.planning.planner import DIRECT_ROWS
 from overlap_layers.sim import analytic_model
 
 PLAIN_MS = 7.25
@@ -27,10 +28,11 @@ def _fake_measure_ops(setups, agreement):
 def _run(rank, ws, kind, save, cache_dir):
     g = dist.group.WORLD
     cfg = OverlapConfig(cache_dir=str(cache_dir))
+    seq = DIRECT_ROWS  # two sequences: more rows than a direct call takes, so the call is planned
     layer, shape = {
-        "mlp": lambda: (OverlapMLP(32, 64, group=g, config=cfg), (2, 8, 32)),
-        "attention": lambda: (OverlapAttention(32, 4, 2, group=g, config=cfg), (2, 8, 32)),
-        "moe": lambda: (OverlapMoE(32, 16, 4, 2, group=g, config=cfg), (1, 16, 32)),
+        "mlp": lambda: (OverlapMLP(32, 64, group=g, config=cfg), (2, seq, 32)),
+        "attention": lambda: (OverlapAttention(32, 4, 2, group=g, config=cfg), (2, seq, 32)),
+        "moe": lambda: (OverlapMoE(32, 16, 4, 2, group=g, config=cfg), (1, seq, 32)),
     }[kind]()
     seen_grads = []
     with mock.patch.object(plan_maker.PlanMaker, "measuring", lambda self: True), \
