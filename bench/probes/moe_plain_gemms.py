@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections import defaultdict
 
 import torch
@@ -23,21 +22,7 @@ import torch.distributed as dist
 from overlap_layers import OverlapMoE
 from overlap_layers.bench.moe import PRESETS
 from overlap_layers.layers.moe.experts import routed_ends
-
-
-def _timed(fn, iters: int = 10, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from moe_gemm_micro import device_ms  # this folder's probe: the median of event-timed calls
 
 
 def _kernels(fn, calls: int = 3, top: int = 16) -> list:
@@ -83,6 +68,19 @@ def gemms(T: int, H: int, F: int, E: int, k: int, dev, dt) -> dict:
     }
 
 
+def layer_step(T: int, H: int, F: int, E: int, k: int, dev, dt) -> tuple:
+    """``(ms, kernels)`` of an ``OverlapMoE`` fwd+bwd (world size 1) on ``T`` random tokens."""
+    layer = OverlapMoE(H, F, E, k, group=dist.group.WORLD, device=dev, dtype=dt)
+    x = torch.randn(1, T, H, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        for q in layer.parameters():
+            q.grad = None
+        layer(x).backward(dy)
+    return device_ms(step), _kernels(step)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"],
@@ -99,21 +97,12 @@ def main(argv=None) -> None:
         T, H, F, E, k = s["tokens"], s["hidden"], s["ffn"], s["experts"], s["top_k"]
         res = {}
         for g, (grouped, per_expert, flops) in gemms(T, H, F, E, k, dev, dt).items():
-            tg, tl = _timed(grouped), _timed(per_expert)
+            tg, tl = device_ms(grouped), device_ms(per_expert)
             res[g] = dict(grouped_ms=tg, per_expert_ms=tl, grouped_tflops=flops / tg / 1e9,
                           per_expert_tflops=flops / tl / 1e9)
         torch.cuda.empty_cache()
-        layer = OverlapMoE(H, F, E, k, group=dist.group.WORLD, device=dev, dtype=dt)
-        x = torch.randn(1, T, H, device=dev, dtype=dt, requires_grad=True)
-        dy = torch.randn_like(x)
-
-        def step():
-            for q in layer.parameters():
-                q.grad = None
-            layer(x).backward(dy)
-        res["layer_fwdbwd_ms"], res["kernels"] = _timed(step), _kernels(step)
+        res["layer_fwdbwd_ms"], res["kernels"] = layer_step(T, H, F, E, k, dev, dt)
         out["presets"][name] = res
-        del layer, x, dy
         torch.cuda.empty_cache()
     for name, res in out["presets"].items():
         print(f"{name}: layer fwd+bwd {res['layer_fwdbwd_ms']:.3f} ms")
