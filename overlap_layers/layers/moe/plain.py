@@ -72,6 +72,12 @@ def _per_expert(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, sizes: O
     return out
 
 
+def _rows(t: torch.Tensor, kept: Optional[torch.Tensor]):
+    """``t``'s row count as ``combine_rows`` takes it beside ``kept``: its counts are all host ints
+    or all device tensors."""
+    return t.shape[0] if kept is None else kept.new_full((1,), t.shape[0])
+
+
 class _Experts(torch.autograd.Function):
     """``y [T, H]`` of the module reference from the routed assignments ([Note: MoE plain call]):
     ``order`` sorts the token-major assignments by expert, ``pos`` is its inverse, ``offs`` the
@@ -88,7 +94,7 @@ class _Experts(torch.autograd.Function):
         if out.shape[0] < rows.shape[0]:  # the loop leaves out the dropped rows: zeros stand in for them
             out = torch.cat([out, out.new_zeros((rows.shape[0] - out.shape[0], out.shape[1]))])
         unweighted = out.new_empty((T * k, out.shape[1])) if ctx.needs_input_grad[3] else None
-        y = combine_rows(out, out, pos, weights, out.shape[0], kept, rows_out=unweighted)
+        y = combine_rows(out, out, pos, weights, _rows(out, kept), kept, rows_out=unweighted)
         ctx.save_for_backward(rows, pre, unweighted, weights, order, pos, offs, kept, w_in, w_out)
         ctx.sizes, ctx.activation, ctx.defer = sizes, activation, defer
         return y
@@ -122,7 +128,7 @@ class _Experts(torch.autograd.Function):
         d_x = None
         if ctx.needs_input_grad[0]:  # each token's k row gradients summed where they are: the combine, weights 1
             d_rows = _rows_by_expert(d_pre, w_in, offs, sizes)
-            d_x = combine_rows(d_rows, d_rows, pos, weights.new_ones((T, k)), d_rows.shape[0], kept)
+            d_x = combine_rows(d_rows, d_rows, pos, weights.new_ones((T, k)), _rows(d_rows, kept), kept)
         return d_x, d_w_in, d_w_out, d_weights, None, None, None, None, None, None, None
 
 
