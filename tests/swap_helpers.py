@@ -17,6 +17,18 @@ def rel(got, want):
     return ((got.double() - want.double()).norm() / max(want.double().norm().item(), 1e-30)).item()
 
 
+@torch.no_grad()
+def randomize_(model) -> None:
+    """Every parameter of ``model`` drawn anew, the same under the same seed: matrices
+    ``N(0, fan_in^-1)`` (routers' ``gate.weight`` twice that scale, so routing is decisive), vectors
+    (norms, biases) ``1 + 0.1 N(0, 1)``."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, p.shape[-1] ** -0.5 * (2.0 if name.endswith("gate.weight") else 1.0))
+        else:
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+
+
 def grads_to_dense(layer):
     """``to_dense()`` of the layer's gradients (a collective): weights swapped for grads, gathered,
     restored."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swap_helpers import checkpoint_round_trips, rel, swap_logged
+from swap_helpers import checkpoint_round_trips, randomize_, rel, swap_logged
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
 
@@ -52,12 +52,8 @@ def build(case, seed=0):
     cfg = getattr(__import__(f"transformers.models.{family}", fromlist=["x"]), f"{prefix}Config")(**COMMON, **over)
     torch.manual_seed(seed)
     model = getattr(mod, f"{prefix}ForCausalLM")(cfg)
+    randomize_(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5 * (2.0 if name.endswith("gate.weight") else 1.0))
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swap_helpers import full, grads_to_dense, rel
+from swap_helpers import full, grads_to_dense, randomize_, rel
 from swap_helpers import swap_logged as _swap_logged
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install \"overlap_layers[hf]\")")
@@ -62,12 +62,7 @@ def build(family, seed=0, **over):
                                            **common, **over))
     else:
         raise ValueError(family)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5 * (2.0 if name.endswith("gate.weight") else 1.0))
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    randomize_(model)
     return model.float()
 
 
