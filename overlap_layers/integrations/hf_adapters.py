@@ -202,7 +202,7 @@ class HFBlock(nn.Module):
         if problem is not None:
             reject(self.block.attention, hidden_states, position_embeddings, problem, self.source or "decoder layer")
         gate = self.gate
-        if gate is None or not (gate._forward_hooks or gate._forward_pre_hooks) or not _router_logits_recorded():
+        if not records_router(gate):
             return self.block(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask)
         blk = self.block  # the block's forward, with HF's router recorded on the full tokens
         h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings,
@@ -233,9 +233,11 @@ def tie_router(gate: Optional[nn.Module], layer: OverlapMoE) -> None:
         gate.e_score_correction_bias = layer.e_score_correction_bias
 
 
-def _router_logits_recorded() -> bool:
-    """Whether HF's output capture is recording router logits in this forward (transformers 5:
-    ``output_router_logits``; the recorder hooks the router modules)."""
+def records_router(gate: Optional[nn.Module]) -> bool:
+    """Whether HF records ``gate``'s router logits in this forward (transformers 5:
+    ``output_router_logits``; its recorder hooks the router modules), so an adapter must call it."""
+    if gate is None or not (gate._forward_hooks or gate._forward_pre_hooks):
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
         collected = _active_collector.get()
@@ -281,8 +283,7 @@ class HFMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, S, H = hidden_states.shape
         x_TH = hidden_states.reshape(B * S, H)
-        if self.gate is not None and (self.gate._forward_hooks or self.gate._forward_pre_hooks) \
-                and _router_logits_recorded():
+        if records_router(self.gate):
             self.gate(x_TH)  # recorded by HF's hooks; the routing itself runs inside the layer
         y_tH = self.layer(split_tokens(x_TH, self.group).unsqueeze(0))
         return gather_tokens(y_tH.squeeze(0), self.group, B * S).view(B, S, H)

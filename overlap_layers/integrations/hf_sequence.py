@@ -71,7 +71,7 @@ from ..layers.attention.common import PARAMS, is_causal_mask
 from ..layers.attention.ulysses import UlyssesAttention
 from ..layers.common.grads import sum_grad_over_group, sum_grads_in_backward
 from ..layers.moe.tokens import gather_tokens, split_tokens
-from .hf_adapters import HFAttention, HFBlock, HFMoE, _router_logits_recorded, call_problem, reject
+from .hf_adapters import HFAttention, HFBlock, HFMoE, call_problem, records_router, reject
 
 logger = logging.getLogger(__package__ + ".hf")
 
@@ -303,8 +303,7 @@ class HFSequenceMoE(HFMoE):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, s, H = hidden_states.shape
-        if self.gate is not None and (self.gate._forward_hooks or self.gate._forward_pre_hooks) \
-                and _router_logits_recorded():
+        if records_router(self.gate):
             self.gate(gather_sequence(hidden_states, self.group).reshape(-1, H))  # recorded by HF's hooks
         return self.layer(hidden_states.reshape(1, B * s, H)).view(B, s, H)
 
@@ -323,7 +322,7 @@ class HFSequenceBlock(HFBlock):
         if problem is not None:
             reject(blk.attention, hidden_states, position_embeddings, problem, self.source or "decoder layer")
         gate = self.gate
-        if gate is None or not (gate._forward_hooks or gate._forward_pre_hooks) or not _router_logits_recorded():
+        if not records_router(gate):
             return blk(hidden_states, position_embeddings=position_embeddings)
         blk._sum_grads_in_backward()  # the norms' partials, as the block's own call sets them
         h = hidden_states + blk.attention(blk.attn_norm(hidden_states), position_embeddings=position_embeddings)
