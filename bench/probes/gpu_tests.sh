@@ -8,6 +8,7 @@
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the graph-loop tests start their own python processes
 cuda="tests/test_cuda.py tests/test_heads_kernel.py tests/test_kernel_variants.py tests/test_query_chunks.py tests/test_slot_sum.py tests/test_routing.py tests/test_graph_loops.py"
 compile="tests/test_compile.py"
 rest=("" "" ""); i=0

@@ -32,24 +32,24 @@ the MoE's router)                            replicated on every rank of the gro
 ===========================================  ===============================================
 
 The modules outside the overlap layers compute on plain tensors: each module holding such a
-parameter gets a forward pre-hook that puts the parameter's local tensor (``p.to_local()``,
-differentiable, so its gradient reaches the DTensor parameter as a DTensor with the parameter's
-placements; without grad mode the local tensor itself) in its place for the call, and a forward
-hook (run also when the call raises) that puts the DTensor back. Inside a module's call
-``module.weight`` is therefore the plain local tensor, as the module's code expects; outside it,
-the DTensor parameter. A parameter whose gradient the module computes from this rank's share of
-the work only (``complete=True`` from ``placement``: Megatron's norms under sequence parallelism)
-reads its local tensor through an identity that sums the gradient over the mesh axis' group
-inside backward ([Note: gradients complete in backward] in ``layers/common/grads.py``). Each call
-reads the parameters as they are then (an optimizer step that replaced or changed them in place
-is seen at the next call). The hooks keep their state on the module (a deep copy of the model
-gets its own) and compose with FSDP2's (its pre-forward hook, which puts the unsharded DTensor
-parameter in place, is prepended, so it runs first; its post-forward hook runs after ours), with
-activation checkpointing (a recomputed module's call runs the hooks again) and with
-``torch.compile(fullgraph=True)`` on torch 2.11 and later. A ``forward`` of each module's own
-instead (a callable object put in the instance's ``forward``) would keep ``nn.Module.__call__`` on
-its fast path, about 2 us less per module call on the CPU, but dynamo on torch 2.11 fails to trace
-it (docs/measurements.md, Decode).
+parameter gets a class of its own class's name (a subclass, one per class) whose ``forward`` puts
+the parameter's local tensor (``p.to_local()``, differentiable, so its gradient reaches the
+DTensor parameter as a DTensor with the parameter's placements; without grad mode the local tensor
+itself) in its place, runs the original ``forward``, and puts the DTensor back (also when it
+raises). Inside a module's call ``module.weight`` is therefore the plain local tensor, as the
+module's code expects; outside it, the DTensor parameter. A parameter whose gradient the module
+computes from this rank's share of the work only (``complete=True`` from ``placement``:
+Megatron's norms under sequence parallelism) reads its local tensor through an identity that sums
+the gradient over the mesh axis' group inside backward ([Note: gradients complete in backward] in
+``layers/common/grads.py``). Each call reads the parameters as they are then (an optimizer step
+that replaced or changed them in place is seen at the next call). The swapped-out DTensors live in
+the call's frame (a deep copy of the model gets its own modules), and this composes with FSDP2
+(its pre-forward hook, which puts the unsharded DTensor parameter in place, runs before the
+``forward``; its post-forward hook after), with activation checkpointing (a recomputed module's call
+runs the ``forward`` again) and with ``torch.compile(fullgraph=True)``. Forward hooks did the same
+before; a module with hooks takes ``nn.Module.__call__``'s slow path, about 10 us per call on the
+CPU, which was the whole host-time gap of a swapped Llama's decoding step (docs/measurements.md,
+Decode).
 
 State dicts: each such module's ``state_dict()`` holds its DTensors as they are (a sharded one
 by its global shape, as DCP saves it), and ``load_state_dict`` takes, per parameter, the dense
@@ -75,6 +75,7 @@ model's state dict loads into a model of DTensors. Anything else raises ValueErr
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -132,10 +133,10 @@ def tp_mesh(group=None, mesh=None, axis=None, model: Optional[nn.Module] = None)
 
 
 # ---------------------------------------------------------------------------- the forward on local tensors
-def _locals_in(module: nn.Module, args) -> None:
-    """Forward pre-hook ([Note: DTensor models]): the local tensors of the module's DTensor
-    parameters in their place for the call (their originals kept on the module). Without grad
-    mode the local tensor itself: nothing records a gradient to route back or sum."""
+def _locals_in(module: nn.Module) -> dict:
+    """The local tensors of the module's DTensor parameters put in their place for a call
+    ([Note: DTensor models]); returns the DTensors taken out, by name. Without grad mode the local
+    tensor itself: nothing records a gradient to route back or sum."""
     saved, grad, params = {}, torch.is_grad_enabled(), module._parameters
     for name, complete in module._dtensor_locals.items():
         p = params.get(name)
@@ -148,28 +149,37 @@ def _locals_in(module: nn.Module, args) -> None:
                 t = p._local_tensor
             saved[name] = p
             params[name] = t
-    module._dtensor_saved.append(saved)
+    return saved
 
 
-def _dtensors_back(module: nn.Module, args, output) -> None:
-    """Forward hook (always called, also when the call raises): the DTensor parameters back."""
-    stack = module._dtensor_saved
-    if stack:
-        for name, p in stack.pop().items():
-            module._parameters[name] = p
+@functools.lru_cache(maxsize=None)
+def _on_locals(base: type) -> type:
+    """``base`` with a ``forward`` that runs ``base.forward`` on the local tensors of the instance's
+    DTensor parameters and puts the DTensors back after (also when it raises). One class per
+    ``base``, of its name and module: ``isinstance`` holds, and compiled code made for one instance
+    fits every instance of ``base`` (dynamo guards on the class)."""
+    def forward(self, *args, **kwargs):
+        saved = _locals_in(self)
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            for name, p in saved.items():
+                self._parameters[name] = p
+    forward.__doc__ = base.forward.__doc__
+    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__, "__doc__": base.__doc__})
 
 
 def compute_on_locals(module: nn.Module, names: Dict[str, bool]) -> None:
     """Have ``module`` compute on the local tensors of its DTensor parameters ``names`` (name ->
-    whether the gradient is summed over the mesh axis' group inside backward), through the hooks
-    of [Note: DTensor models], and load them from dense tensors or this rank's DTensors ([Note:
-    state dicts of DTensor models]); the hooks are registered once, later names are added."""
+    whether the gradient is summed over the mesh axis' group inside backward), through its class's
+    ``forward`` of [Note: DTensor models], and load them from dense tensors or this rank's DTensors
+    ([Note: state dicts of DTensor models]); the class and the hook are set once, later names are
+    added."""
     had = "_dtensor_locals" in module.__dict__
     module._dtensor_locals = {**module.__dict__.get("_dtensor_locals", {}), **names}
     if not had:
-        module._dtensor_saved = []  # the hooks' stack of swapped-out parameters (reentrant calls)
-        module.register_forward_pre_hook(_locals_in)
-        module.register_forward_hook(_dtensors_back, always_call=True)
+        module.__class__ = _on_locals(type(module))
         module.register_load_state_dict_pre_hook(_dtensors_in)
 
 

@@ -64,7 +64,7 @@ def _per_expert(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, sizes: O
     (``a_t`` ``[m, rows]``, ``b`` ``[rows, n]``; a weight gradient, in the weight's layout)."""
     if sizes is None:
         return torch._grouped_mm(a_t, b, offs=offs)
-    out = a_t.new_zeros((experts, a_t.shape[0], b.shape[1]))
+    out = a_t.new_empty((experts, a_t.shape[0], b.shape[1]))  # every slice written: an expert with no rows gets 0
     start = 0
     for e, n in enumerate(sizes):
         torch.mm(a_t[:, start:start + n], b[start:start + n], out=out[e])
