@@ -53,9 +53,11 @@ def _rows_by_expert(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, sizes:
     """``a``'s rows (grouped by expert, ``offs`` their ends) each times its expert's ``b[e]``."""
     if sizes is None:
         return torch._grouped_mm(a, b, offs=offs)
-    n = b.shape[-1]
-    parts = [rows @ b[e] for e, rows in enumerate(a[:sum(sizes)].split(sizes))]
-    return torch.cat(parts) if parts else a.new_empty((0, n))
+    out, start = a.new_empty((sum(sizes), b.shape[-1])), 0
+    for e, n in enumerate(sizes):  # each expert's product written in place: no concatenating copy
+        torch.mm(a[start:start + n], b[e], out=out[start:start + n])
+        start += n
+    return out
 
 
 def _per_expert(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, sizes: Optional[List[int]],
