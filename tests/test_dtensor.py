@@ -708,8 +708,9 @@ def test_param_groups_make_foreach_and_fused_adamw_work(pool2):
 
 def _locals_forward_run(rank, ws):
     """``distribute_params`` on a LayerNorm and a Linear: the modules compute on their parameters'
-    local tensors (through their hooks, which dynamo traces on torch 2.11), the DTensors back in place
-    after a call that returns and after one that raises; an in-place optimizer step and a
+    local tensors through a ``forward`` of their class (no hooks, so ``nn.Module.__call__`` keeps its
+    fast path; a subclass of the same name, one per class), the DTensors back in place after a call
+    that returns and after one that raises; an in-place optimizer step and a
     replaced parameter are seen at the next call; a deep copy computes on its own parameters; the
     model has no reference cycle (freed by reference counting alone)."""
     import copy
@@ -724,7 +725,11 @@ def _locals_forward_run(rank, ws):
     model = distribute_params(copy.deepcopy(dense), dist.group.WORLD)
     x = torch.randn(3, 8, dtype=torch.float64)
     out = {"equal": torch.equal(model(x), dense(x)),
-           "dtensors after a call": all(isinstance(p, DTensor) for p in model.parameters())}
+           "dtensors after a call": all(isinstance(p, DTensor) for p in model.parameters()),
+           "no hooks": not any(m._forward_hooks or m._forward_pre_hooks for m in model),
+           "the class's name": type(model[0]).__name__ == "LayerNorm" and isinstance(model[0], torch.nn.LayerNorm),
+           "one class per class": type(distribute_params(torch.nn.LayerNorm(8), dist.group.WORLD)) is type(model[0])
+           and type(model[0]) is not torch.nn.LayerNorm}
     try:
         model[1](torch.randn(3, 5, dtype=torch.float64))
     except RuntimeError:
@@ -757,4 +762,4 @@ def _locals_forward_run(rank, ws):
 
 def test_modules_outside_the_layers_compute_on_locals(pool2):
     for out in pool2.run(_locals_forward_run):
-        assert all(out.values()) and len(out) == 7, out
+        assert all(out.values()) and len(out) == 10, out
