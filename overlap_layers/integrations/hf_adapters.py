@@ -66,7 +66,8 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 def call_problem(x, position_embeddings, kwargs) -> Optional[Exception]:
     """What an HF attention call asks that the swapped attention cannot do (the exception to
     raise), or None. The mask and the cache are served ([Note: HF attention mask])."""
-    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]  # a loop dynamo traces (torch 2.11: no keys() & tuple)
+    # a loop: torch 2.11's dynamo does not trace ``kwargs.keys() & tuple``
+    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
     if packed:
         return ValueError(f"varlen arguments ({', '.join(packed)}) are flash-attention's: the swapped attention "
                           f"runs SDPA; use attn_implementation='sdpa' (packed sequences then come as a mask)")
